@@ -1,0 +1,155 @@
+"""Blocked orthonormal DCT-II on a tensor's real shape, as batched matrix products.
+
+Two layouts are used:
+
+* **block layout** ``(num_blocks, block_numel)``: each block's coefficients contiguous, row
+  major within the block. Momentum lives here, and per-block top-k runs on it.
+* **image layout** ``(padded_rows, padded_cols)``: coefficient ``(u, v)`` of block ``(i, j)``
+  sits at ``(i*cr + u, j*cc + v)``. Decoding scatters sparse coefficients straight into this
+  layout, so the inverse transform needs no permutation.
+
+The forward transform into block layout fuses the momentum update:
+``out = beta * out + alpha * DCT(x)`` in a single ``addmm_``. Scratch memory is reused
+across calls (large CPU allocations page-fault on every touch otherwise).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .chunking import ChunkPlan
+
+_BASIS: dict[tuple[int, torch.dtype, torch.device], torch.Tensor] = {}
+
+
+def dct_matrix(n: int, dtype: torch.dtype = torch.float32, device=None) -> torch.Tensor:
+    """Orthonormal DCT-II matrix ``D`` (``n x n``): ``D @ x`` transforms a column vector."""
+    device = torch.device("cpu") if device is None else torch.device(device)
+    key = (n, dtype, device)
+    basis = _BASIS.get(key)
+    if basis is None:
+        k = torch.arange(n, dtype=torch.float64)
+        m = torch.cos(math.pi * (2 * k[None, :] + 1) * k[:, None] / (2 * n)) * math.sqrt(2.0 / n)
+        m[0] /= math.sqrt(2.0)
+        basis = m.to(dtype=dtype, device=device).contiguous()
+        _BASIS[key] = basis
+    return basis
+
+
+class Scratch:
+    """Reusable flat scratch buffers, one per slot, grown on demand."""
+
+    def __init__(self) -> None:
+        self._bufs: dict[tuple[int, torch.dtype, torch.device], torch.Tensor] = {}
+
+    def get(self, slot: int, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        key = (slot, dtype, device)
+        buf = self._bufs.get(key)
+        if buf is None or buf.numel() < numel:
+            buf = torch.empty(numel, dtype=dtype, device=device)
+            self._bufs[key] = buf
+        return buf[:numel]
+
+
+class BlockDCT:
+    """The blocked DCT of one tensor plan on one device."""
+
+    def __init__(self, plan: ChunkPlan, device=None, dtype: torch.dtype = torch.float32,
+                 scratch: Scratch | None = None) -> None:
+        self.plan = plan
+        self.device = torch.device("cpu") if device is None else torch.device(device)
+        self.dtype = dtype
+        self.scratch = scratch if scratch is not None else Scratch()
+        cr, cc = plan.chunk
+        self.dr = dct_matrix(cr, dtype, self.device)
+        self.dc = dct_matrix(cc, dtype, self.device)
+        self.dc_t = self.dc.t()
+        self.dr_t = self.dr.t()
+        nbr, nbc = plan.grid
+        pr, pc = plan.padded
+        # image position of block b's coefficient l: base[b] + lut[l]
+        bi = torch.arange(nbr, device=self.device).repeat_interleave(nbc)
+        bj = torch.arange(nbc, device=self.device).repeat(nbr)
+        self._base = (bi * cr * pc + bj * cc).contiguous()
+        loc = torch.arange(cr * cc, device=self.device)
+        self._lut = ((loc // cc) * pc + loc % cc).contiguous()
+
+    # ---------------------------------------------------------------- helpers
+    def _padded_input(self, x2d: torch.Tensor, slot: int) -> torch.Tensor:
+        p = self.plan
+        if not p.needs_padding:
+            return x2d if x2d.dtype == self.dtype else x2d.to(self.dtype)
+        buf = self.scratch.get(slot, p.padded_numel, self.dtype, self.device).view(p.padded)
+        buf.zero_()
+        buf[: p.shape2d[0], : p.shape2d[1]].copy_(x2d)
+        return buf
+
+    def image_index(self, idx: torch.Tensor) -> torch.Tensor:
+        """Map block-local indices ``(num_blocks, k)`` to flat image-layout positions."""
+        return (self._base[:, None] + self._lut[idx.long()]).reshape(-1)
+
+    # ---------------------------------------------------------------- forward
+    def encode_into(self, x: torch.Tensor, out: torch.Tensor, alpha: float = 1.0,
+                    beta: float = 0.0) -> torch.Tensor:
+        """``out = beta*out + alpha*DCT(x)`` with ``out`` in block layout ``(blocks, numel)``."""
+        p = self.plan
+        cr, cc = p.chunk
+        nbr, nbc = p.grid
+        pr, pc = p.padded
+        xp = self._padded_input(x.reshape(p.shape2d), slot=0)
+        if cr == 1:
+            blocks = xp.reshape(-1, cc)
+        else:
+            y = self.scratch.get(1, p.padded_numel, self.dtype, self.device).view(nbr, cr, pc)
+            torch.matmul(self.dr, xp.reshape(nbr, cr, pc), out=y)
+            perm = self.scratch.get(0, p.padded_numel, self.dtype, self.device)
+            perm = perm.view(nbr, nbc, cr, cc)
+            perm.copy_(y.view(nbr, cr, nbc, cc).transpose(1, 2))
+            blocks = perm.view(-1, cc)
+        out.view(-1, cc).addmm_(blocks, self.dc_t, beta=beta, alpha=alpha)
+        return out
+
+    def encode(self, x: torch.Tensor) -> torch.Tensor:
+        """DCT of ``x`` in block layout (a new tensor)."""
+        p = self.plan
+        out = torch.empty(p.num_blocks, p.block_numel, dtype=self.dtype, device=self.device)
+        return self.encode_into(x, out)
+
+    # ---------------------------------------------------------------- inverse
+    def decode_image(self, image: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Inverse DCT of an image-layout coefficient tensor, cropped to the tensor's shape.
+
+        ``image`` (padded shape, flat or 2-D) is used as scratch and overwritten.
+        """
+        p = self.plan
+        cr, cc = p.chunk
+        nbr = p.grid[0]
+        pr, pc = p.padded
+        z = self.scratch.get(1, p.padded_numel, self.dtype, self.device)
+        torch.mm(image.reshape(-1, cc), self.dc, out=z.view(-1, cc))
+        if cr == 1:
+            full = z.view(pr, pc)
+        else:
+            full = image.reshape(nbr, cr, pc)
+            torch.matmul(self.dr_t, z.view(nbr, cr, pc), out=full)
+            full = full.view(pr, pc)
+        res = full[: p.shape2d[0], : p.shape2d[1]]
+        if out is None:
+            return res.reshape(p.shape).clone()
+        out.copy_(res.reshape(p.shape))
+        return out
+
+    def blocks_to_image(self, blocks: torch.Tensor) -> torch.Tensor:
+        """Block layout -> image layout (a new tensor)."""
+        p = self.plan
+        cr, cc = p.chunk
+        nbr, nbc = p.grid
+        image = torch.empty(p.padded, dtype=blocks.dtype, device=blocks.device)
+        image.view(nbr, cr, nbc, cc).copy_(blocks.reshape(nbr, nbc, cr, cc).transpose(1, 2))
+        return image
+
+    def decode(self, blocks: torch.Tensor) -> torch.Tensor:
+        """Inverse DCT of block-layout coefficients, back to the tensor's shape."""
+        return self.decode_image(self.blocks_to_image(blocks))

@@ -1,0 +1,214 @@
+"""The DeToNATION optimizer: shard-local gradients -> replicators -> any torch optimizer."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+
+import torch
+import torch.distributed as dist
+
+from .replicate import NonFiniteGradientError, Replicator, make_replicator
+
+BASE_OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {
+    "sgd": torch.optim.SGD,
+    "adamw": torch.optim.AdamW,
+    "adam": torch.optim.Adam,
+}
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """The rank-local tensor of a DTensor (a view sharing storage), or ``t`` itself."""
+    return t._local_tensor if hasattr(t, "_local_tensor") else t
+
+
+def make_base_optimizer(base, params, lr: float, **kwargs) -> torch.optim.Optimizer:
+    """A base optimizer from a name (``"sgd"``, ``"adamw"``, ``"adam"``) or a factory."""
+    if isinstance(base, str):
+        cls = BASE_OPTIMIZERS.get(base.lower())
+        if cls is None:
+            raise ValueError(f"unknown base optimizer {base!r}; choose one of "
+                             f"{sorted(BASE_OPTIMIZERS)} or pass a factory params -> Optimizer")
+        kwargs.setdefault("weight_decay", 0.0)
+        return cls(params, lr=lr, **kwargs)
+    if callable(base):
+        opt = base(params)
+        if not isinstance(opt, torch.optim.Optimizer):
+            raise TypeError(f"the base optimizer factory returned {type(opt).__name__}, "
+                            "not a torch.optim.Optimizer")
+        return opt
+    raise TypeError(f"base optimizer must be a name or a factory, got {type(base).__name__}")
+
+
+class DeToNATION(torch.optim.Optimizer):
+    """Replicate shard-local gradients with a chain of replicators, then step a base optimizer.
+
+    Args:
+        params: parameters (or parameter groups) to optimise; FSDP2 DTensors are fine.
+        replicators: one replicator or a list (names or instances). Each one's output feeds
+            the next; the last output becomes ``param.grad`` for the base optimizer.
+        base: base optimizer name (``"sgd"``, ``"adamw"``, ``"adam"``) or a factory
+            ``params -> torch.optim.Optimizer``.
+        lr: learning rate (shared with the base optimizer's param groups).
+        weight_decay: decoupled weight decay, ``p *= 1 - lr * weight_decay`` before the base
+            step (give the base optimizer none of its own).
+        group: default process group of replicators that were not given one (the mesh's
+            replicate dimension under :func:`flexdemo.prepare`; the world otherwise).
+        nonfinite: ``"raise"`` (default) raises :class:`NonFiniteGradientError` on every
+            replica when any replica's gradient is NaN/Inf; ``"skip"`` skips the whole step on
+            every replica instead and counts it in ``skipped_steps``.
+        base_kwargs: extra arguments for a base optimizer given by name.
+    """
+
+    def __init__(self, params: Iterable, replicators: Replicator | str | Sequence = "demo",
+                 base: str | Callable = "sgd", lr: float = 1e-3, *, weight_decay: float = 0.0,
+                 group: dist.ProcessGroup | None = None, nonfinite: str = "raise",
+                 base_kwargs: dict | None = None) -> None:
+        if not isinstance(lr, (int, float)) or not lr >= 0.0:
+            raise ValueError(f"lr must be a number >= 0, got {lr!r}")
+        if not isinstance(weight_decay, (int, float)) or not weight_decay >= 0.0:
+            raise ValueError(f"weight_decay must be a number >= 0, got {weight_decay!r}")
+        if nonfinite not in ("raise", "skip"):
+            raise ValueError(f"nonfinite must be 'raise' or 'skip', got {nonfinite!r}")
+        params = list(params)
+        self.base = make_base_optimizer(base, params, lr, **(base_kwargs or {}))
+        super().__init__(params, {"lr": lr, "decoupled_weight_decay": weight_decay})
+        for g in self.base.param_groups:
+            g.setdefault("decoupled_weight_decay", weight_decay)
+            if g["decoupled_weight_decay"] and g.get("weight_decay", 0.0):
+                raise ValueError("weight decay is given twice (to the base optimizer and as "
+                                 "decoupled weight_decay); give it to one of them")
+        self.param_groups = self.base.param_groups  # shared: LR schedulers reach the base
+        self.state = self.base.state
+        self.nonfinite = nonfinite
+        self.skipped_steps = 0
+        self.steps = 0
+        if isinstance(replicators, (str, Replicator)):
+            replicators = [replicators]
+        self.replicators: list[Replicator] = [make_replicator(r) for r in replicators]
+        if not self.replicators:
+            raise ValueError("at least one replicator is needed (use 'none' for no replication)")
+        if len({id(r) for r in self.replicators}) != len(self.replicators):
+            raise ValueError("the same replicator instance appears twice in the chain")
+        self._params = [p for g in self.param_groups for p in g["params"]]
+        if not self._params:
+            raise ValueError("the optimizer got no parameters")
+        devices = {_local(p).device for p in self._params}
+        if len(devices) != 1:
+            raise ValueError(f"parameters live on several devices {sorted(map(str, devices))}")
+        device = devices.pop()
+        if group is None and dist.is_initialized():
+            group = dist.group.WORLD
+        shapes = [_local(p).shape for p in self._params]
+        for r in self.replicators:
+            r.setup(shapes, device, group)
+
+    # ------------------------------------------------------------------ stepping
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        grads, lrs = [], []
+        for g in self.param_groups:
+            for p in g["params"]:
+                grads.append(None if p.grad is None else _local(p.grad))
+                lrs.append(float(g["lr"]))
+        if len(grads) != len(self._params):
+            raise RuntimeError("parameters were added after construction; build a new optimizer")
+        data = list(grads)
+        try:
+            for rep in self.replicators:
+                data = rep(data, lrs, self.steps)
+        except NonFiniteGradientError:
+            if self.nonfinite == "raise":
+                raise
+            self.skipped_steps += 1
+            self.steps += 1
+            return loss
+        for g, out in zip(grads, data):
+            if g is not None and out is not g:
+                g.copy_(out)
+        for group in self.param_groups:
+            wd = group.get("decoupled_weight_decay", 0.0)
+            if wd:
+                ps = [_local(p) for p in group["params"] if p.grad is not None]
+                if ps:
+                    torch._foreach_mul_(ps, 1.0 - group["lr"] * wd)
+        self.base.step()
+        self.steps += 1
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.base.zero_grad(set_to_none=set_to_none)
+
+    # ------------------------------------------------------------------ accounting
+    @property
+    def bytes_sent(self) -> int:
+        """Bytes this rank has sent over all steps, all replicators."""
+        return sum(r.stats.bytes_sent for r in self.replicators)
+
+    @property
+    def bytes_received(self) -> int:
+        return sum(r.stats.bytes_received for r in self.replicators)
+
+    @property
+    def comm_seconds(self) -> float:
+        return sum(r.stats.seconds for r in self.replicators)
+
+    def last_step_stats(self) -> dict:
+        """Bytes sent/received and communication seconds of the last step, all replicators."""
+        rs = self.replicators
+        return {
+            "bytes_sent": sum(r.stats.last_bytes_sent for r in rs),
+            "bytes_received": sum(r.stats.last_bytes_received for r in rs),
+            "comm_seconds": sum(r.stats.last_seconds for r in rs),
+            "collectives": sum(r.stats.last_collectives for r in rs),
+        }
+
+    def comm_stats(self) -> list[dict]:
+        """Per-replicator running totals (``CommStats`` as dicts), in chain order."""
+        return [{"replicator": repr(r), **r.stats.as_dict()} for r in self.replicators]
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> dict:
+        return {
+            "base": self.base.state_dict(),
+            "replicators": [r.state_dict() for r in self.replicators],
+            "steps": self.steps,
+            "skipped_steps": self.skipped_steps,
+        }
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        reps = state_dict["replicators"]
+        if len(reps) != len(self.replicators):
+            raise ValueError(f"state has {len(reps)} replicators, this optimizer "
+                             f"{len(self.replicators)}")
+        self.base.load_state_dict(state_dict["base"])
+        for r, s in zip(self.replicators, reps):
+            r.load_state_dict(s)
+        self.steps = int(state_dict["steps"])
+        self.skipped_steps = int(state_dict.get("skipped_steps", 0))
+
+    def __repr__(self) -> str:
+        return (f"DeToNATION(base={type(self.base).__name__}, "
+                f"replicators={self.replicators!r}, steps={self.steps})")
+
+
+class DeMo(DeToNATION):
+    """Drop-in DeMo optimizer (constructor of the original): sign-SGD on the decoded mean of
+    the replicas' top-k DCT momentum components, over ``process_group`` (default: world).
+
+    ``compression_chunk`` is the block edge (2-D weights: ``chunk x chunk`` blocks).
+    """
+
+    def __init__(self, params: Iterable, lr: float = 1e-3, compression_decay: float = 0.999,
+                 compression_topk: int = 32, compression_chunk: int = 64,
+                 weight_decay: float = 0.0, process_group: dist.ProcessGroup | None = None,
+                 **kwargs) -> None:
+        from .replicate import DeMoReplicator
+
+        rep = DeMoReplicator(topk=compression_topk, chunk=compression_chunk,
+                             decay=compression_decay, sign=True, scale_by_lr=True)
+        super().__init__(params, [rep], base="sgd", lr=lr, weight_decay=weight_decay,
+                         group=process_group, **kwargs)

@@ -1,0 +1,36 @@
+"""Replicators: what crosses the slow link, on which group, and how often."""
+
+from .base import NonFiniteGradientError, Replicator
+from .demo import DeMoReplicator
+from .full import FullReplicator, NoReplication
+from .subset import RandomReplicator, SlicingReplicator, StridingReplicator
+
+REPLICATORS: dict[str, type[Replicator]] = {
+    "demo": DeMoReplicator,
+    "full": FullReplicator,
+    "none": NoReplication,
+    "random": RandomReplicator,
+    "striding": StridingReplicator,
+    "slicing": SlicingReplicator,
+}
+
+
+def make_replicator(spec, **kwargs) -> Replicator:
+    """A replicator from a name (``"demo"``, ``"full"``, ...) and settings, or an instance."""
+    if isinstance(spec, Replicator):
+        if kwargs:
+            raise ValueError("settings were given for a replicator instance; pass them to its "
+                             "constructor instead")
+        return spec
+    if isinstance(spec, str):
+        cls = REPLICATORS.get(spec.lower())
+        if cls is None:
+            raise ValueError(f"unknown replicator {spec!r}; choose one of {sorted(REPLICATORS)} "
+                             "or pass a Replicator instance")
+        return cls(**kwargs)
+    raise TypeError(f"a replicator is a name or a Replicator instance, got {type(spec).__name__}")
+
+
+__all__ = ["REPLICATORS", "DeMoReplicator", "FullReplicator", "NoReplication",
+           "NonFiniteGradientError", "RandomReplicator", "Replicator", "SlicingReplicator",
+           "StridingReplicator", "make_replicator"]

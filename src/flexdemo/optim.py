@@ -39,6 +39,25 @@ def make_base_optimizer(base, params, lr: float, **kwargs) -> torch.optim.Optimi
     raise TypeError(f"base optimizer must be a name or a factory, got {type(base).__name__}")
 
 
+def check_group_on_mesh(rep: Replicator, mesh) -> None:
+    """A replicator's group must only join ranks that hold the same shard as this rank."""
+    if rep.group is None or not dist.is_initialized():
+        return
+    coords = {}
+    for i, row in enumerate(mesh.mesh.tolist()):
+        for j, r in enumerate(row):
+            coords[int(r)] = (i, j)
+    me = dist.get_rank()
+    ranks = dist.get_process_group_ranks(rep.group)
+    odd = [r for r in ranks if coords.get(r, (None, None))[1] != coords[me][1]]
+    if odd:
+        raise ValueError(
+            f"{rep.name}: the replication group {ranks} does not match the mesh: ranks {odd} "
+            f"hold another shard than rank {me} (shard index {coords[me][1]}). A replication "
+            "group must join ranks along the mesh's 'replicate' dimension, e.g. "
+            "mesh['replicate'].get_group()")
+
+
 class DeToNATION(torch.optim.Optimizer):
     """Replicate shard-local gradients with a chain of replicators, then step a base optimizer.
 
@@ -57,12 +76,14 @@ class DeToNATION(torch.optim.Optimizer):
             replica when any replica's gradient is NaN/Inf; ``"skip"`` skips the whole step on
             every replica instead and counts it in ``skipped_steps``.
         base_kwargs: extra arguments for a base optimizer given by name.
+        mesh: the ("replicate", "shard") mesh, if any: every replicator's group is checked to
+            join only ranks holding this rank's shard.
     """
 
     def __init__(self, params: Iterable, replicators: Replicator | str | Sequence = "demo",
                  base: str | Callable = "sgd", lr: float = 1e-3, *, weight_decay: float = 0.0,
                  group: dist.ProcessGroup | None = None, nonfinite: str = "raise",
-                 base_kwargs: dict | None = None) -> None:
+                 base_kwargs: dict | None = None, mesh=None) -> None:
         if not isinstance(lr, (int, float)) or not lr >= 0.0:
             raise ValueError(f"lr must be a number >= 0, got {lr!r}")
         if not isinstance(weight_decay, (int, float)) or not weight_decay >= 0.0:
@@ -82,7 +103,7 @@ class DeToNATION(torch.optim.Optimizer):
         self.nonfinite = nonfinite
         self.skipped_steps = 0
         self.steps = 0
-        if isinstance(replicators, (str, Replicator)):
+        if not isinstance(replicators, (list, tuple)):
             replicators = [replicators]
         self.replicators: list[Replicator] = [make_replicator(r) for r in replicators]
         if not self.replicators:
@@ -101,6 +122,8 @@ class DeToNATION(torch.optim.Optimizer):
         shapes = [_local(p).shape for p in self._params]
         for r in self.replicators:
             r.setup(shapes, device, group)
+            if mesh is not None:
+                check_group_on_mesh(r, mesh)
 
     # ------------------------------------------------------------------ stepping
     @torch.no_grad()
@@ -184,9 +207,9 @@ class DeToNATION(torch.optim.Optimizer):
         if len(reps) != len(self.replicators):
             raise ValueError(f"state has {len(reps)} replicators, this optimizer "
                              f"{len(self.replicators)}")
-        self.base.load_state_dict(state_dict["base"])
         for r, s in zip(self.replicators, reps):
             r.load_state_dict(s)
+        self.base.load_state_dict(state_dict["base"])
         self.steps = int(state_dict["steps"])
         self.skipped_steps = int(state_dict.get("skipped_steps", 0))
 

@@ -84,6 +84,6 @@ def prepare(model: nn.Module, replicator: str | Replicator | Sequence = "demo",
         if isinstance(replicator, (str, Replicator)) else list(replicator)
     opt = DeToNATION(model.parameters(), rep, base=optimizer, lr=lr,
                      weight_decay=weight_decay, group=mesh["replicate"].get_group(),
-                     nonfinite=nonfinite, base_kwargs=optimizer_kwargs)
+                     nonfinite=nonfinite, base_kwargs=optimizer_kwargs, mesh=mesh)
     opt.mesh = mesh
     return model, opt

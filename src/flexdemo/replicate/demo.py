@@ -204,10 +204,10 @@ class DeMoReplicator(Replicator):
             raise ValueError(f"{self.name}: state holds {len(deltas)} momentum buffers, "
                              f"this optimizer has {len(self.delta)} parameters")
         for i, (mine, theirs) in enumerate(zip(self.delta, deltas)):
-            if mine is None:
-                continue
-            if theirs is None or tuple(theirs.shape) != tuple(mine.shape):
+            if mine is not None and (theirs is None or tuple(theirs.shape) != tuple(mine.shape)):
                 raise ValueError(f"{self.name}: momentum {i} has shape "
                                  f"{None if theirs is None else tuple(theirs.shape)}, "
                                  f"expected {tuple(mine.shape)} (another model or mesh?)")
-            mine.copy_(theirs)
+        for mine, theirs in zip(self.delta, deltas):
+            if mine is not None:
+                mine.copy_(theirs)

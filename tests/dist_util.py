@@ -1,0 +1,71 @@
+"""Run a function on N real processes joined by a gloo process group on CPU."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import socket
+import tempfile
+import traceback
+from datetime import timedelta
+
+import torch
+
+_CTX = mp.get_context("forkserver")
+_CTX.set_forkserver_preload(["torch", "torch.distributed"])
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(fn, rank, world, port, outdir, args, env):
+    os.environ.update(env)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    import torch.distributed as dist
+
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world,
+                                timeout=timedelta(seconds=60))
+        result = fn(rank, world, *args)
+        torch.save(result, os.path.join(outdir, f"{rank}.pt"))
+    except BaseException:
+        with open(os.path.join(outdir, f"{rank}.err"), "w") as f:
+            f.write(traceback.format_exc())
+        raise SystemExit(1) from None
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_world(fn, world: int, *args, timeout: float = 240, env: dict | None = None) -> list:
+    """Run ``fn(rank, world, *args)`` on ``world`` processes; return their results by rank.
+
+    Raises ``AssertionError`` with the workers' tracebacks if any of them failed or hung.
+    """
+    with tempfile.TemporaryDirectory() as outdir:
+        port = free_port()
+        procs = [_CTX.Process(target=_entry, args=(fn, r, world, port, outdir, args, env or {}))
+                 for r in range(world)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(timeout)
+        hung = [r for r, p in enumerate(procs) if p.is_alive()]
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join()
+        errors = []
+        for r in range(world):
+            path = os.path.join(outdir, f"{r}.err")
+            if os.path.exists(path):
+                errors.append(f"--- rank {r} ---\n" + open(path).read())
+        if hung or errors:
+            raise AssertionError(f"hung ranks: {hung}\n" + "\n".join(errors))
+        return [torch.load(os.path.join(outdir, f"{r}.pt"), weights_only=False)
+                for r in range(world)]

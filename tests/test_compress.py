@@ -1,0 +1,85 @@
+import numpy as np
+import pytest
+import scipy.fft
+import torch
+
+from flexdemo.compress import BlockDCT, choose_chunk, dct_matrix, plan_chunks, topk_indices
+
+
+@pytest.mark.parametrize("dim,target,expected", [
+    (384, 64, (64, 384)),     # exact divisor
+    (1000, 64, (50, 1000)),   # nearest divisor in [32, 128]
+    (67, 64, (67, 67)),       # prime, but itself within [t/2, 2t]
+    (131, 64, (64, 192)),     # prime beyond 2t: padded, never chunk 1
+    (40, 64, (40, 40)),       # smaller than the target: one chunk
+    (8191, 64, (64, 8192)),   # large prime
+])
+def test_choose_chunk(dim, target, expected):
+    assert choose_chunk(dim, target) == expected
+
+
+def test_choose_chunk_never_collapses():
+    for dim in range(65, 2000):
+        c, p = choose_chunk(dim, 64)
+        assert c >= 32 and p % c == 0 and p >= dim and p - dim < c
+
+
+def test_bad_chunk_target():
+    with pytest.raises(ValueError, match="chunk target"):
+        choose_chunk(10, 0)
+
+
+def test_dct_matrix_orthonormal():
+    d = dct_matrix(64, torch.float64)
+    torch.testing.assert_close(d @ d.T, torch.eye(64, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("shape", [(128, 192), (67, 130), (131, 70), (5,), (300,), (131,),
+                                   (1, 64), (7, 3, 5), (16, 3, 3, 3)])
+def test_round_trip_and_scipy(shape):
+    torch.manual_seed(0)
+    plan = plan_chunks(shape, 64)
+    t = BlockDCT(plan)
+    x = torch.randn(shape)
+    coef = t.encode(x)
+    assert coef.shape == (plan.num_blocks, plan.block_numel)
+    torch.testing.assert_close(t.decode(coef.clone()), x, atol=1e-5, rtol=1e-5)
+    # every block agrees with scipy's orthonormal DCT-II on the zero-padded tensor
+    xp = np.zeros(plan.padded)
+    xp[: plan.shape2d[0], : plan.shape2d[1]] = x.reshape(plan.shape2d).double().numpy()
+    cr, cc = plan.chunk
+    nbr, nbc = plan.grid
+    for b in range(plan.num_blocks):
+        i, j = divmod(b, nbc)
+        block = xp[i * cr:(i + 1) * cr, j * cc:(j + 1) * cc]
+        ref = scipy.fft.dctn(block, norm="ortho") if cr > 1 else scipy.fft.dct(block, norm="ortho")
+        np.testing.assert_allclose(coef[b].double().numpy().reshape(ref.shape), ref, atol=2e-5)
+
+
+def test_encode_into_fuses_momentum():
+    torch.manual_seed(1)
+    plan = plan_chunks((128, 64), 64)
+    t = BlockDCT(plan)
+    x, y = torch.randn(128, 64), torch.randn(128, 64)
+    out = t.encode(x)
+    t.encode_into(y, out, alpha=0.5, beta=0.9)
+    torch.testing.assert_close(out, 0.9 * t.encode(x) + 0.5 * t.encode(y), atol=1e-5, rtol=1e-5)
+
+
+def test_image_index_maps_blocks():
+    plan = plan_chunks((128, 192), 64)
+    t = BlockDCT(plan)
+    blocks = torch.randn(plan.num_blocks, plan.block_numel)
+    idx = torch.randint(plan.block_numel, (plan.num_blocks, 5))
+    image = t.blocks_to_image(blocks).reshape(-1)
+    torch.testing.assert_close(image[t.image_index(idx)], blocks.gather(1, idx).reshape(-1))
+
+
+def test_topk_matches_torch():
+    torch.manual_seed(2)
+    m = torch.rand(50, 4096)
+    got = topk_indices(m, 32).sort(1).values
+    ref = torch.topk(m, 32, dim=1).indices.sort(1).values
+    assert torch.equal(got, ref)
+    with pytest.raises(ValueError, match="topk"):
+        topk_indices(m, 0)

@@ -1,0 +1,289 @@
+"""Single-process behaviour of replicators and the optimizer (a replication group of one)."""
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import flexdemo
+from flexdemo import (
+    DeMo,
+    DeMoReplicator,
+    DeToNATION,
+    FullReplicator,
+    NonFiniteGradientError,
+    RandomReplicator,
+    SlicingReplicator,
+    StridingReplicator,
+)
+from flexdemo.comm import all_gather_bytes, all_reduce_bytes
+from flexdemo.mesh import mesh_shape
+
+
+def setup(rep, shapes):
+    rep.setup([torch.Size(s) for s in shapes], torch.device("cpu"), None)
+    return rep
+
+
+def model(seed=0):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(24, 70), nn.Tanh(), nn.Linear(70, 131), nn.Tanh(),
+                         nn.Linear(131, 5))
+
+
+def loss_of(m, seed):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(16, 24, generator=g)
+    return m(x).pow(2).mean()
+
+
+def train(m, opt, steps, start=0):
+    losses = []
+    for s in range(start, start + steps):
+        loss = loss_of(m, s)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def test_demo_full_topk_is_sign_sgd():
+    """topk = whole block on one replica: the momentum is sent entirely every step, so the
+    update is sign-SGD on lr * grad (entries whose gradient is within float round-off of zero
+    may take either sign). Blocks here are at most 64x64 (one padded)."""
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(24, 64), nn.Tanh(), nn.Linear(64, 131), nn.Tanh(),
+                      nn.Linear(131, 5))
+    lr = 0.01
+    opt = DeMo(m.parameters(), lr=lr, compression_topk=64 * 64, compression_chunk=64)
+    for s in range(3):
+        loss_of(m, s).backward()
+        before = [p.detach().clone() for p in m.parameters()]
+        grads = [p.grad.clone() for p in m.parameters()]
+        opt.step()
+        opt.zero_grad()
+        for p, b, g in zip(m.parameters(), before, grads):
+            step = (b - p.detach()) / lr
+            significant = g.abs() > 1e-4 * g.abs().max()
+            assert significant.float().mean() > 0.9
+            assert torch.equal(step[significant].round(), torch.sign(g)[significant])
+            assert bool((step.abs().round() <= 1).all())
+        for d in opt.replicators[0].delta:  # everything was sent
+            assert float(d.abs().max()) < 1e-8
+
+
+@pytest.mark.parametrize("shape", [(128, 192), (131, 70), (300,), (131,)])
+def test_demo_error_feedback_keeps_momentum(shape):
+    """What is sent plus what stays in delta equals the decayed momentum (nothing is lost)."""
+    torch.manual_seed(0)
+    rep = setup(DeMoReplicator(topk=8, chunk=32, decay=0.9, sign=False), [shape])
+    t, plan = rep.transforms[0], rep.plans[0]
+
+    def momentum():
+        d = rep.delta[0]
+        return d.reshape(shape) if plan.needs_padding else t.decode(d.clone()).reshape(shape)
+
+    g1, g2 = torch.randn(shape), torch.randn(shape)
+    out1 = rep([g1.clone()], [0.5], 0)[0]
+    torch.testing.assert_close(out1 + momentum(), 0.5 * g1, atol=1e-5, rtol=1e-5)
+    before = momentum().clone()
+    out2 = rep([g2.clone()], [0.5], 1)[0]
+    torch.testing.assert_close(out2 + momentum(), 0.9 * before + 0.5 * g2, atol=1e-5, rtol=1e-5)
+    if not plan.needs_padding:  # only topk coefficients per block were sent
+        nonzero = (t.encode(out2).abs() > 1e-6).sum(1)
+        assert int(nonzero.max()) <= 8
+
+
+@pytest.mark.parametrize("cls", [RandomReplicator, StridingReplicator, SlicingReplicator])
+def test_subset_error_feedback(cls):
+    torch.manual_seed(0)
+    rep = setup(cls(rate=0.25, decay=0.9, sign=False), [(20, 10)])
+    g = torch.randn(20, 10)
+    out = rep([g.clone()], [1.0], 0)[0]
+    torch.testing.assert_close(out.reshape(-1) + rep.buffers[0], g.reshape(-1))
+    assert int((out != 0).sum()) <= rep.counts[0]
+
+
+def test_striding_and_slicing_cover_every_entry_once_per_period():
+    for cls, period in ((StridingReplicator, 4), (SlicingReplicator, 4)):
+        rep = setup(cls(rate=0.25), [(40,), (8, 5)])
+        for i, numel in enumerate((40, 40)):
+            seen = torch.cat([rep.indices(i, s) for s in range(period)])
+            assert sorted(seen.tolist()) == list(range(numel)), cls.__name__
+
+
+def test_random_indices_shared_seed():
+    a = setup(RandomReplicator(rate=0.1, seed=3), [(100,)])
+    b = setup(RandomReplicator(rate=0.1, seed=3), [(100,)])
+    assert torch.equal(a.indices(0, 5), b.indices(0, 5))
+    assert not torch.equal(a.indices(0, 5), a.indices(0, 6))
+
+
+def test_schedules():
+    r = FullReplicator(replicate_every=3)
+    assert [s for s in range(10) if r.communicates(s)] == [0, 3, 6, 9]
+    r = FullReplicator(skip_every=4)
+    assert [s for s in range(10) if not r.communicates(s)] == [3, 7]
+    r = FullReplicator(replicate_every=2, skip_every=3)
+    assert [s for s in range(12) if r.communicates(s)] == [0, 4, 6, 10]
+
+
+def test_byte_formulas():
+    assert all_reduce_bytes(1000, 4, 1) == 0
+    assert all_reduce_bytes(1000, 4, 2) == 4000
+    assert all_reduce_bytes(1000, 4, 4) == 2 * 3 * 250 * 4
+    assert all_reduce_bytes(1001, 4, 4) == 2 * 3 * 251 * 4
+    assert all_gather_bytes(100, 4) == 300
+    rep = setup(DeMoReplicator(), [(128, 128), (128,)])
+    # 4 blocks x 32 (int16 index + fp32 value) + 2 chunks x 32 x 6, header 32
+    assert rep.payload_bytes() == 32 + 4 * 32 * 6 + 2 * 32 * 6
+
+
+def test_state_dict_round_trip_gives_same_next_step():
+    for rep in ("demo", "random", "striding", "slicing"):
+        m = model()
+        opt = DeToNATION(m.parameters(), rep, base="adamw", lr=1e-2, weight_decay=0.1)
+        train(m, opt, 3)
+        m2 = copy.deepcopy(m)
+        opt2 = DeToNATION(m2.parameters(), rep, base="adamw", lr=1e-2, weight_decay=0.1)
+        opt2.load_state_dict(copy.deepcopy(opt.state_dict()))
+        assert opt2.steps == 3
+        a, b = train(m, opt, 2, start=3), train(m2, opt2, 2, start=3)
+        assert a == b, rep
+        for p, q in zip(m.parameters(), m2.parameters()):
+            assert torch.equal(p, q), rep
+        # and without the replicator state the trajectory differs (the state matters)
+        if rep == "demo":
+            m3 = copy.deepcopy(m2)
+            opt3 = DeToNATION(m3.parameters(), rep, base="adamw", lr=1e-2, weight_decay=0.1)
+            sd = copy.deepcopy(opt2.state_dict())
+            opt3.load_state_dict(sd)
+            for d in opt3.replicators[0].delta:
+                d.zero_()
+            train(m2, opt2, 1, start=5)
+            train(m3, opt3, 1, start=5)
+            assert any(not torch.equal(p, q) for p, q in zip(m2.parameters(), m3.parameters()))
+
+
+def test_load_state_dict_rejects_other_model():
+    opt = DeToNATION(model().parameters(), "demo")
+    other = DeToNATION(nn.Linear(3, 3).parameters(), "demo")
+    with pytest.raises(ValueError, match="momentum buffers|another model"):
+        opt.load_state_dict(other.state_dict())
+
+
+def test_decoupled_weight_decay():
+    m = nn.Linear(4, 4)
+    before = m.weight.detach().clone()
+    opt = DeMo(m.parameters(), lr=0.1, weight_decay=0.5)
+    m.weight.grad = torch.zeros_like(m.weight)  # sign(0) = 0: only the decay acts
+    opt.step()
+    torch.testing.assert_close(m.weight.detach(), before * (1 - 0.1 * 0.5))
+
+
+def test_parameters_without_gradients_are_skipped():
+    m = model()
+    opt = DeToNATION(m.parameters(), "demo", lr=1e-2)
+    frozen = m[0].weight.detach().clone()
+    loss_of(m, 0).backward()
+    m[0].weight.grad = None
+    opt.step()
+    assert torch.equal(m[0].weight, frozen)
+    assert not torch.equal(m[2].weight.grad, torch.zeros_like(m[2].weight))
+
+
+def test_nonfinite_raise_and_skip():
+    m = model()
+    opt = DeToNATION(m.parameters(), "demo", lr=1e-2)
+    loss_of(m, 0).backward()
+    m[2].bias.grad[3] = float("nan")
+    with pytest.raises(NonFiniteGradientError, match="non-finite"):
+        opt.step()
+    m = model()
+    before = [p.detach().clone() for p in m.parameters()]
+    opt = DeToNATION(m.parameters(), "demo", lr=1e-2, nonfinite="skip")
+    loss_of(m, 0).backward()
+    m[2].weight.grad[0, 0] = float("inf")
+    opt.step()
+    assert opt.skipped_steps == 1
+    assert all(torch.equal(a, b) for a, b in zip(before, m.parameters()))
+    assert all(float(d.abs().sum()) == 0 for d in opt.replicators[0].delta)
+
+
+def test_learns_like_sgd():
+    """DeMo on one replica reduces the loss of a small regression task."""
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 1))
+    x = torch.randn(256, 8)
+    y = x[:, :1] * 2 - x[:, 1:2]
+    opt = DeMo(m.parameters(), lr=3e-3, compression_topk=4, compression_chunk=8)
+    first = None
+    for _ in range(200):
+        loss = (m(x) - y).pow(2).mean()
+        first = first if first is not None else loss.item()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    assert loss.item() < 0.2 * first
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"topk": 0}, "topk"), ({"topk": 2.5}, "topk"), ({"chunk": 1}, "chunk"),
+    ({"topk": 65, "chunk": 8}, "exceeds"), ({"decay": 1.5}, "decay"), ({"decay": -0.1}, "decay"),
+    ({"replicate_every": 0}, "replicate_every"), ({"skip_every": 1}, "skip_every"),
+    ({"skip_every": -2}, "skip_every"), ({"value_dtype": torch.int8}, "value_dtype"),
+])
+def test_bad_demo_settings(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        DeMoReplicator(**kwargs)
+
+
+@pytest.mark.parametrize("cls", [RandomReplicator, StridingReplicator, SlicingReplicator])
+def test_bad_rates(cls):
+    for rate in (0, -0.5, 1.5):
+        with pytest.raises(ValueError, match="rate"):
+            cls(rate=rate)
+
+
+def test_bad_optimizer_arguments():
+    ps = list(model().parameters())
+    with pytest.raises(ValueError, match="unknown replicator"):
+        DeToNATION(ps, "dilo")
+    with pytest.raises(ValueError, match="unknown base optimizer"):
+        DeToNATION(ps, "demo", base="lamb")
+    with pytest.raises(ValueError, match="lr"):
+        DeToNATION(ps, "demo", lr=-1)
+    with pytest.raises(ValueError, match="nonfinite"):
+        DeToNATION(ps, "demo", nonfinite="ignore")
+    with pytest.raises(ValueError, match="twice"):
+        DeToNATION(ps, "demo", base="adamw", weight_decay=0.1,
+                   base_kwargs={"weight_decay": 0.1})
+    with pytest.raises(ValueError, match="empty parameter list"):
+        DeToNATION([], "demo")
+    with pytest.raises(TypeError, match="name or a Replicator"):
+        DeToNATION(ps, 3)
+
+
+@pytest.mark.parametrize("world,rep,shard,match", [
+    (4, 3, None, "does not divide"), (4, None, 3, "does not divide"),
+    (4, 2, 3, "ranks, but the world has 4"), (4, 0, None, "positive integer"),
+])
+def test_bad_mesh_shapes(world, rep, shard, match):
+    with pytest.raises(ValueError, match=match):
+        mesh_shape(world, rep, shard)
+
+
+def test_mesh_shape_defaults(monkeypatch):
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert mesh_shape(8) == (4, 2)
+    assert mesh_shape(8, replicate=8) == (8, 1)
+    assert mesh_shape(8, shard=8) == (1, 8)
+
+
+def test_prepare_single_process_runs():
+    m, opt = flexdemo.prepare(model(), replicator="demo", lr=1e-3)
+    losses = train(m, opt, 3)
+    assert all(x == x for x in losses) and opt.steps == 3
+    assert opt.mesh.shape == (1, 1)

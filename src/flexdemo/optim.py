@@ -92,10 +92,10 @@ class DeToNATION(torch.optim.Optimizer):
             raise ValueError(f"nonfinite must be 'raise' or 'skip', got {nonfinite!r}")
         params = list(params)
         self.base = make_base_optimizer(base, params, lr, **(base_kwargs or {}))
-        super().__init__(params, {"lr": lr, "decoupled_weight_decay": weight_decay})
+        super().__init__(params, {"lr": lr, "flexdemo_weight_decay": weight_decay})
         for g in self.base.param_groups:
-            g.setdefault("decoupled_weight_decay", weight_decay)
-            if g["decoupled_weight_decay"] and g.get("weight_decay", 0.0):
+            g.setdefault("flexdemo_weight_decay", weight_decay)
+            if g["flexdemo_weight_decay"] and g.get("weight_decay", 0.0):
                 raise ValueError("weight decay is given twice (to the base optimizer and as "
                                  "decoupled weight_decay); give it to one of them")
         self.param_groups = self.base.param_groups  # shared: LR schedulers reach the base
@@ -153,7 +153,7 @@ class DeToNATION(torch.optim.Optimizer):
             if g is not None and out is not g:
                 g.copy_(out)
         for group in self.param_groups:
-            wd = group.get("decoupled_weight_decay", 0.0)
+            wd = group.get("flexdemo_weight_decay", 0.0)
             if wd:
                 ps = [_local(p) for p in group["params"] if p.grad is not None]
                 if ps:

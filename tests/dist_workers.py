@@ -100,7 +100,7 @@ def hsdp_worker(rank, world):
     fully_shard(ref, mesh=mesh)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
     mine, opt = flexdemo.prepare(mine, replicator="full", optimizer="adamw", lr=1e-2,
-                                 weight_decay=0.1, replicate=2, shard=2)
+                                 weight_decay=0.1, mesh=mesh)  # an existing mesh
     for s in range(5):
         for m, o in ((ref, ref_opt), (mine, opt)):
             x, y = batch(rank, s)

@@ -3,8 +3,14 @@
 import pytest
 import torch
 from dist_util import run_world
-from dist_workers import REPLICATORS, STEPS, chain_worker, hsdp_worker, nonfinite_worker, \
-    replicas_worker
+from dist_workers import (
+    REPLICATORS,
+    STEPS,
+    chain_worker,
+    hsdp_worker,
+    nonfinite_worker,
+    replicas_worker,
+)
 
 from flexdemo.comm import all_gather_bytes, all_reduce_bytes
 

@@ -71,6 +71,15 @@ class CommStats:
                 setattr(self, k, type(getattr(self, k))(v))
 
 
+# torch >= 2.12 names the single-tensor all-gather ``all_gather_single``
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def gather_into(out: torch.Tensor, inp: torch.Tensor, group) -> None:
+    """All-gather ``inp`` of every rank into ``out`` (concatenated in rank order)."""
+    _all_gather_single(out, inp, group=group)
+
+
 def group_size(group) -> int:
     return dist.get_world_size(group) if dist.is_initialized() else 1
 
@@ -98,7 +107,7 @@ def all_gather(buf: torch.Tensor, group, stats: CommStats) -> torch.Tensor:
         return buf.unsqueeze(0)
     out = torch.empty(n * buf.numel(), dtype=buf.dtype, device=buf.device)
     t0 = time.perf_counter()
-    dist.all_gather_into_tensor(out, buf, group=group)
+    gather_into(out, buf, group)
     nbytes = all_gather_bytes(buf.numel() * buf.element_size(), n)
     stats.record(nbytes, nbytes, time.perf_counter() - t0)
     return out.view(n, buf.numel())

@@ -121,21 +121,26 @@ class BlockDCT:
     def decode_image(self, image: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """Inverse DCT of an image-layout coefficient tensor, cropped to the tensor's shape.
 
-        ``image`` (padded shape, flat or 2-D) is used as scratch and overwritten.
+        ``image`` (padded shape, flat or 2-D) is used as scratch and overwritten. With ``out``
+        (contiguous, same dtype, no padding) the result is written there directly.
         """
         p = self.plan
         cr, cc = p.chunk
         nbr = p.grid[0]
         pr, pc = p.padded
+        direct = (out is not None and not p.needs_padding and out.dtype == self.dtype
+                  and out.is_contiguous())
         z = self.scratch.get(1, p.padded_numel, self.dtype, self.device)
-        torch.mm(image.reshape(-1, cc), self.dc, out=z.view(-1, cc))
         if cr == 1:
-            full = z.view(pr, pc)
+            target = out.view(-1, cc) if direct else z.view(-1, cc)
+            torch.mm(image.reshape(-1, cc), self.dc, out=target)
         else:
-            full = image.reshape(nbr, cr, pc)
-            torch.matmul(self.dr_t, z.view(nbr, cr, pc), out=full)
-            full = full.view(pr, pc)
-        res = full[: p.shape2d[0], : p.shape2d[1]]
+            torch.mm(image.reshape(-1, cc), self.dc, out=z.view(-1, cc))
+            target = out.view(nbr, cr, pc) if direct else image.reshape(nbr, cr, pc)
+            torch.matmul(self.dr_t, z.view(nbr, cr, pc), out=target)
+        if direct:
+            return out
+        res = target.view(pr, pc)[: p.shape2d[0], : p.shape2d[1]]
         if out is None:
             return res.reshape(p.shape).clone()
         out.copy_(res.reshape(p.shape))

@@ -1,7 +1,7 @@
 """Per-block top-k selection by magnitude.
 
 For large blocks a two-stage search is exact and several times cheaper than ``torch.topk``
-over whole blocks: view each block of ``n`` entries as ``s`` rows of ``g = n / s`` entries and
+over whole blocks: view each block of ``n`` entries as ``s = 8`` rows of ``g = n / s`` entries and
 call entry ``j`` of every row *group* ``j`` (a strided group of ``s`` entries). Keep the ``k``
 groups with the largest maximum (a vectorised max over rows), then the top ``k`` among those
 groups' ``k * s`` entries. Every top-k entry lies in a kept group: if its group were dropped,
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-_ROWS = 16
+_ROWS = 8
 
 
 def topk_indices(magnitude: torch.Tensor, k: int) -> torch.Tensor:

@@ -22,7 +22,7 @@ from abc import ABC, abstractmethod
 import torch
 import torch.distributed as dist
 
-from ..comm import CommStats, group_rank, group_size
+from ..comm import CommStats, gather_into, group_rank, group_size
 
 
 class NonFiniteGradientError(FloatingPointError):
@@ -106,7 +106,7 @@ class Replicator(ABC):
         code = zlib.crc32(repr([tuple(s) for s in self._shapes]).encode())
         mine = torch.tensor([code], dtype=torch.int64, device=self.device)
         out = torch.empty(self.world, dtype=torch.int64, device=self.device)
-        dist.all_gather_into_tensor(out, mine, group=self.group)
+        gather_into(out, mine, self.group)
         bad = [r for r, c in enumerate(out.tolist()) if c != code]
         if bad:
             ranks = dist.get_process_group_ranks(self.group)

@@ -1,0 +1,201 @@
+"""Train a small byte-level GPT on the standard library's sources with two strategies.
+
+    torchrun --nproc-per-node 4 examples/train_gpt.py      # 2 replicas x 2 shards
+    python examples/train_gpt.py                           # one process
+
+Strategies (run one after the other in the same process group, same seed and data):
+
+* ``flexdemo``: FSDP2 inside a replica, DeMo replication (top-k DCT of a decoupled momentum)
+  across replicas, sign-SGD;
+* ``hsdp-adamw``: FSDP2 inside a replica, full fp32 gradient all-reduce across replicas, AdamW.
+
+Rank 0 prints progress and a final table and writes the results as JSON (``--out``). Bytes
+are those a rank sends across the replicate dimension (the slow link); FSDP's own traffic
+inside a replica is not counted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+import flexdemo
+from flexdemo.tasks import GPT, data_generator, evaluate, get_batch, gpt_config, load_corpus
+
+STRATEGIES: dict[str, dict] = {
+    "flexdemo": {"replicator": "demo", "optimizer": "sgd", "lr": 3e-3},
+    "hsdp-adamw": {"replicator": "full", "optimizer": "adamw", "lr": 1e-3},
+}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Command-line options."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", default="mini", help="GPT preset: tiny, mini, small")
+    p.add_argument("--steps", type=int, default=250)
+    p.add_argument("--batch", type=int, default=8, help="sequences per rank per step")
+    p.add_argument("--lr", type=float, default=None,
+                   help="learning rate for every strategy (default: per strategy)")
+    p.add_argument("--warmup", type=float, default=0.05, help="warm-up fraction of the steps")
+    p.add_argument("--replicate", type=int, default=None)
+    p.add_argument("--shard", type=int, default=None)
+    p.add_argument("--strategies", default="flexdemo,hsdp-adamw",
+                   help=f"comma-separated, from {sorted(STRATEGIES)}")
+    p.add_argument("--corpus-bytes", type=int, default=4_000_000)
+    p.add_argument("--eval-batches", type=int, default=8, help="validation batches per rank")
+    p.add_argument("--log-every", type=int, default=25)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default="runs/main/results.json")
+    args = p.parse_args(argv)
+    args.strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]
+    for s in args.strategies:
+        if s not in STRATEGIES:
+            p.error(f"unknown strategy {s!r}; choose from {sorted(STRATEGIES)}")
+    return args
+
+
+def lr_at(step: int, steps: int, base: float, warmup: float) -> float:
+    """Linear warm-up, then cosine decay to 10% of ``base``."""
+    w = max(1, int(warmup * steps))
+    if step < w:
+        return base * (step + 1) / w
+    frac = (step - w) / max(1, steps - w)
+    return base * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
+
+
+def mean_over_ranks(value: float) -> float:
+    """The mean of ``value`` over all ranks."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return value
+    t = torch.tensor([value], dtype=torch.float64)
+    dist.all_reduce(t)
+    return float(t) / dist.get_world_size()
+
+
+@torch.no_grad()
+def replica_drift(model: torch.nn.Module, group: dist.ProcessGroup) -> float:
+    """Largest elementwise difference of the local parameters across the replicas, max over
+    all ranks (0 when replicas are in sync)."""
+    flat = torch.cat([(p.to_local() if hasattr(p, "to_local") else p).reshape(-1).float()
+                      for p in model.parameters()])
+    hi, lo = flat.clone(), flat.clone()
+    dist.all_reduce(hi, op=dist.ReduceOp.MAX, group=group)
+    dist.all_reduce(lo, op=dist.ReduceOp.MIN, group=group)
+    d = torch.tensor([float((hi - lo).max())], dtype=torch.float64)
+    dist.all_reduce(d, op=dist.ReduceOp.MAX)
+    return float(d)
+
+
+def run_strategy(name: str, args: argparse.Namespace, train: torch.Tensor,
+                 val: torch.Tensor, layout: dict) -> dict:
+    """Train a fresh model with one strategy; returns its summary (identical on all ranks)."""
+    spec = STRATEGIES[name]
+    lr = args.lr if args.lr is not None else spec["lr"]
+    cfg = gpt_config(args.model)
+    torch.manual_seed(args.seed)  # same initial model on every rank and for every strategy
+    model = GPT(cfg)
+    n_params = sum(p.numel() for p in model.parameters())
+    model, opt = flexdemo.prepare(model, replicator=spec["replicator"],
+                                  optimizer=spec["optimizer"], lr=lr, **layout)
+    rank = dist.get_rank()
+    local_params = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel()
+                       for p in model.parameters())
+    mesh = opt.mesh
+    gen = data_generator(args.seed, rank)
+    losses: list[float] = []
+    history: list[dict] = []
+    sent = 0
+    t0 = time.perf_counter()
+    for step in range(args.steps):
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step, args.steps, lr, args.warmup)
+        x, y = get_batch(train, args.batch, cfg.seq_len, gen)
+        loss = model(x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        sent += opt.last_step_stats()["bytes_sent"]
+        losses.append(loss.item())
+        if (step + 1) % args.log_every == 0 or step + 1 == args.steps:
+            avg = mean_over_ranks(sum(losses[-args.log_every:]) / len(losses[-args.log_every:]))
+            elapsed = time.perf_counter() - t0
+            history.append({"step": step + 1, "train_loss": avg, "seconds": elapsed})
+            if rank == 0:
+                print(f"[{name}] step {step + 1:4d}/{args.steps}  loss {avg:.4f}  "
+                      f"lr {opt.param_groups[0]['lr']:.2e}  {elapsed:6.1f}s  "
+                      f"sent {sent / 2**20:8.2f} MiB", flush=True)
+    seconds = time.perf_counter() - t0
+    drift = replica_drift(model, mesh["replicate"].get_group())
+    tail = losses[-min(len(losses), args.log_every):]
+    train_loss = mean_over_ranks(sum(tail) / len(tail))
+    val_loss = mean_over_ranks(evaluate(model, val, args.eval_batches, args.batch, cfg.seq_len,
+                                        seed=10_000 + args.seed + rank))
+    per_step = mean_over_ranks(sent / max(args.steps, 1))
+    comm = mean_over_ranks(opt.comm_seconds)
+    result = {
+        "strategy": name, "replicator": spec["replicator"], "optimizer": spec["optimizer"],
+        "lr": lr, "steps": args.steps, "params": n_params, "local_params": local_params,
+        "mesh": {"replicate": mesh["replicate"].size(), "shard": mesh["shard"].size()},
+        "train_loss": train_loss, "val_loss": val_loss, "seconds": seconds,
+        "comm_seconds": comm, "replica_max_abs_diff": drift, "bytes_sent_per_step": per_step,
+        "mb_sent_per_step": per_step / 1e6,
+        "bytes_per_param_per_step": per_step / local_params,
+        "history": history,
+    }
+    del model, opt
+    dist.barrier()
+    return result
+
+
+def print_table(results: list[dict]) -> None:
+    """The summary table (rank 0)."""
+    head = (f"{'strategy':<12} {'train':>7} {'val':>7} {'seconds':>8} {'MB/rank/step':>13} "
+            f"{'B/param/step':>13} {'replica diff':>13}")
+    print("\n" + head + "\n" + "-" * len(head))
+    for r in results:
+        print(f"{r['strategy']:<12} {r['train_loss']:7.4f} {r['val_loss']:7.4f} "
+              f"{r['seconds']:8.1f} {r['mb_sent_per_step']:13.4f} "
+              f"{r['bytes_per_param_per_step']:13.4f} {r['replica_max_abs_diff']:13.2e}")
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    """Run every requested strategy; returns the results."""
+    args = parse_args(argv)
+    torch.set_num_threads(1)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    layout = {"replicate": args.replicate, "shard": args.shard}
+    if world == 4 and args.replicate is None and args.shard is None:
+        layout = {"replicate": 2, "shard": 2}
+    train, val = load_corpus(args.corpus_bytes)
+    results = []
+    try:
+        for name in args.strategies:
+            results.append(run_strategy(name, args, train, val, layout))
+        if dist.get_rank() == 0:
+            r0 = results[0] if results else {}
+            print(f"\nmodel {args.model} ({r0.get('params', 0) / 1e6:.2f}M params), "
+                  f"world {dist.get_world_size()}, mesh {r0.get('mesh')}, "
+                  f"{args.steps} steps x {args.batch} x {gpt_config(args.model).seq_len} "
+                  "tokens per rank")
+            print_table(results)
+            out = Path(args.out)
+            out.parent.mkdir(parents=True, exist_ok=True)
+            payload = {"config": {k: v for k, v in vars(args).items()},
+                       "world": dist.get_world_size(), "results": results}
+            out.write_text(json.dumps(payload, indent=2))
+            print(f"\nwrote {out}")
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return results
+
+
+if __name__ == "__main__":
+    main()

@@ -169,3 +169,68 @@ def nonfinite_worker(rank, world):
     train(model, opt, 4, rank)
     res["dropin"] = shards(model)
     return res
+
+
+def diloco_averaging_worker(rank, world):
+    """H=1, outer SGD lr 1, no momentum, against averaging the parameters after every step."""
+    from flexdemo import DiLoCoReplicator
+
+    torch.manual_seed(0)
+    ref = Tiny()
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05)
+    model, opt = flexdemo.prepare(
+        fresh_model(), DiLoCoReplicator(inner_steps=1, outer_lr=1.0, outer_momentum=0.0),
+        optimizer="sgd", lr=0.05, replicate=world, shard=1)
+    with torch.no_grad():  # same start as the prepared model (rank 0's)
+        for p, q in zip(ref.parameters(), model.parameters()):
+            p.copy_(q)
+    for s in range(4):
+        for m, o in ((ref, ref_opt), (model, opt)):
+            x, y = batch(rank, s)
+            (m(x) - y).pow(2).mean().backward()
+            o.step()
+            o.zero_grad()
+        with torch.no_grad():
+            for p in ref.parameters():
+                dist.all_reduce(p)
+                p.div_(world)
+    return {"ref": shards(ref), "mine": shards(model)}
+
+
+DILOCO_EXCHANGES = {
+    "full-fp32": ("full", {}),
+    "full-int4": ("full", {"values": "int4", "block": 32}),
+    "demo": ("demo", {"topk": 4, "chunk": 8}),
+}
+
+
+def diloco_replicas_worker(rank, world, replicate, shard):
+    from flexdemo import DiLoCoReplicator
+
+    out = {}
+    for name, (exchange, kw) in DILOCO_EXCHANGES.items():
+        rep = DiLoCoReplicator(inner_steps=3, exchange=exchange, exchange_kwargs=kw)
+        model, opt = flexdemo.prepare(fresh_model(), rep, optimizer="adamw", lr=0.01,
+                                      replicate=replicate, shard=shard)
+        snaps, sent = [], []
+        for s in range(7):
+            train(model, opt, 1, rank, start=s)
+            snaps.append(shards(model))
+            sent.append(opt.last_step_stats()["bytes_sent"])
+        payload = sum(ex.payload_bytes() for ex in rep.exchanges)
+        out[name] = {"snaps": snaps, "sent": sent, "payload": payload,
+                     "coord": opt.mesh.get_coordinate(),
+                     "numel": sum(_local(p).numel() for p in model.parameters())}
+    # streaming: 2 fragments, H=4, tau=1: fragment 0 launched after steps 1, 5; applied 2, 6
+    rep = DiLoCoReplicator(inner_steps=4, fragments=2, tau=1)
+    model, opt = flexdemo.prepare(fresh_model(), rep, optimizer="adamw", lr=0.01,
+                                  replicate=replicate, shard=shard)
+    snaps, sent = [], []
+    for s in range(8):
+        train(model, opt, 1, rank, start=s)
+        snaps.append(shards(model))
+        sent.append(opt.last_step_stats()["bytes_sent"])
+    out["streaming"] = {"snaps": snaps, "sent": sent, "parts": rep.parts,
+                        "payloads": [ex.payload_bytes() for ex in rep.exchanges],
+                        "coord": opt.mesh.get_coordinate()}
+    return out

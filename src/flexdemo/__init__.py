@@ -7,6 +7,7 @@ from .optim import DeMo, DeToNATION
 from .prepare import prepare
 from .replicate import (
     DeMoReplicator,
+    DiLoCoReplicator,
     FullReplicator,
     NonFiniteGradientError,
     NoReplication,
@@ -20,7 +21,8 @@ from .replicate import (
 __version__ = "0.1.0"
 
 __all__ = [
-    "BlockDCT", "CommStats", "DeMo", "DeMoReplicator", "DeToNATION", "FullReplicator",
+    "BlockDCT", "CommStats", "DeMo", "DeMoReplicator", "DeToNATION", "DiLoCoReplicator",
+    "FullReplicator",
     "NoReplication", "NonFiniteGradientError", "RandomReplicator", "Replicator",
     "SlicingReplicator", "StridingReplicator", "build_mesh", "init_distributed",
     "make_replicator", "mesh_shape", "plan_chunks", "prepare",

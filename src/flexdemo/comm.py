@@ -88,26 +88,61 @@ def group_rank(group) -> int:
     return dist.get_rank(group) if dist.is_initialized() else 0
 
 
-def all_reduce_sum(buf: torch.Tensor, group, stats: CommStats) -> torch.Tensor:
-    """Sum ``buf`` in place over ``group``, recording bytes and seconds."""
+class Pending:
+    """An asynchronous collective in flight; :meth:`wait` returns its result.
+
+    The seconds recorded are those this rank spent launching and blocked in ``wait`` (time
+    the collective ran behind computation is not counted).
+    """
+
+    def __init__(self, result: torch.Tensor, work=None, stats: CommStats | None = None,
+                 nbytes: int = 0, launch_seconds: float = 0.0) -> None:
+        self.result, self._work, self._stats = result, work, stats
+        self._nbytes, self._launch = nbytes, launch_seconds
+
+    def wait(self) -> torch.Tensor:
+        if self._work is not None:
+            t0 = time.perf_counter()
+            self._work.wait()
+            self._stats.record(self._nbytes, self._nbytes,
+                               self._launch + time.perf_counter() - t0)
+            self._work = None
+        return self.result
+
+
+def all_reduce_sum(buf: torch.Tensor, group, stats: CommStats,
+                   async_op: bool = False) -> torch.Tensor | Pending:
+    """Sum ``buf`` in place over ``group``, recording bytes and seconds.
+
+    With ``async_op`` returns a :class:`Pending` whose ``wait()`` gives ``buf``.
+    """
     n = group_size(group)
     if n <= 1:
-        return buf
-    t0 = time.perf_counter()
-    dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=group)
+        return Pending(buf) if async_op else buf
     nbytes = all_reduce_bytes(buf.numel(), buf.element_size(), n)
+    t0 = time.perf_counter()
+    work = dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
+    if async_op:
+        return Pending(buf, work, stats, nbytes, time.perf_counter() - t0)
     stats.record(nbytes, nbytes, time.perf_counter() - t0)
     return buf
 
 
-def all_gather(buf: torch.Tensor, group, stats: CommStats) -> torch.Tensor:
-    """Gather the 1-D ``buf`` of every rank of ``group``: returns ``(group_size, len(buf))``."""
+def all_gather(buf: torch.Tensor, group, stats: CommStats,
+               async_op: bool = False) -> torch.Tensor | Pending:
+    """Gather the 1-D ``buf`` of every rank of ``group``: returns ``(group_size, len(buf))``.
+
+    With ``async_op`` returns a :class:`Pending` whose ``wait()`` gives that tensor.
+    """
     n = group_size(group)
     if n <= 1:
-        return buf.unsqueeze(0)
+        return Pending(buf.unsqueeze(0)) if async_op else buf.unsqueeze(0)
     out = torch.empty(n * buf.numel(), dtype=buf.dtype, device=buf.device)
-    t0 = time.perf_counter()
-    gather_into(out, buf, group)
     nbytes = all_gather_bytes(buf.numel() * buf.element_size(), n)
+    t0 = time.perf_counter()
+    work = _all_gather_single(out, buf, group=group, async_op=async_op)
+    result = out.view(n, buf.numel())
+    if async_op:
+        return Pending(result, work, stats, nbytes, time.perf_counter() - t0)
     stats.record(nbytes, nbytes, time.perf_counter() - t0)
-    return out.view(n, buf.numel())
+    return result

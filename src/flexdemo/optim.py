@@ -119,9 +119,10 @@ class DeToNATION(torch.optim.Optimizer):
         device = devices.pop()
         if group is None and dist.is_initialized():
             group = dist.group.WORLD
-        shapes = [_local(p).shape for p in self._params]
+        locals_ = [_local(p) for p in self._params]
+        shapes = [t.shape for t in locals_]
         for r in self.replicators:
-            r.setup(shapes, device, group)
+            r.setup(shapes, device, group, params=locals_)
             if mesh is not None:
                 check_group_on_mesh(r, mesh)
 
@@ -159,6 +160,8 @@ class DeToNATION(torch.optim.Optimizer):
                 if ps:
                     torch._foreach_mul_(ps, 1.0 - group["lr"] * wd)
         self.base.step()
+        for rep in self.replicators:
+            rep.after_step(self.steps)
         self.steps += 1
         return loss
 

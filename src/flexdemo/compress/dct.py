@@ -54,17 +54,24 @@ class Scratch:
 
 
 class BlockDCT:
-    """The blocked DCT of one tensor plan on one device."""
+    """The blocked DCT of one tensor plan on one device (``basis="identity"``: no transform,
+    for plain per-block top-k)."""
 
     def __init__(self, plan: ChunkPlan, device=None, dtype: torch.dtype = torch.float32,
-                 scratch: Scratch | None = None) -> None:
+                 scratch: Scratch | None = None, basis: str = "dct") -> None:
+        if basis not in ("dct", "identity"):
+            raise ValueError(f"basis must be 'dct' or 'identity', got {basis!r}")
         self.plan = plan
         self.device = torch.device("cpu") if device is None else torch.device(device)
         self.dtype = dtype
         self.scratch = scratch if scratch is not None else Scratch()
         cr, cc = plan.chunk
-        self.dr = dct_matrix(cr, dtype, self.device)
-        self.dc = dct_matrix(cc, dtype, self.device)
+        if basis == "dct":
+            self.dr = dct_matrix(cr, dtype, self.device)
+            self.dc = dct_matrix(cc, dtype, self.device)
+        else:  # plain blocks: the same machinery with the identity as "transform"
+            self.dr = torch.eye(cr, dtype=dtype, device=self.device)
+            self.dc = torch.eye(cc, dtype=dtype, device=self.device)
         self.dc_t = self.dc.t()
         self.dr_t = self.dr.t()
         nbr, nbc = plan.grid

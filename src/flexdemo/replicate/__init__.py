@@ -2,11 +2,13 @@
 
 from .base import NonFiniteGradientError, Replicator
 from .demo import DeMoReplicator
+from .diloco import DiLoCoReplicator
 from .full import FullReplicator, NoReplication
 from .subset import RandomReplicator, SlicingReplicator, StridingReplicator
 
 REPLICATORS: dict[str, type[Replicator]] = {
     "demo": DeMoReplicator,
+    "diloco": DiLoCoReplicator,
     "full": FullReplicator,
     "none": NoReplication,
     "random": RandomReplicator,
@@ -31,6 +33,6 @@ def make_replicator(spec, **kwargs) -> Replicator:
     raise TypeError(f"a replicator is a name or a Replicator instance, got {type(spec).__name__}")
 
 
-__all__ = ["REPLICATORS", "DeMoReplicator", "FullReplicator", "NoReplication",
+__all__ = ["REPLICATORS", "DeMoReplicator", "DiLoCoReplicator", "FullReplicator", "NoReplication",
            "NonFiniteGradientError", "RandomReplicator", "Replicator", "SlicingReplicator",
            "StridingReplicator", "make_replicator"]

@@ -85,11 +85,17 @@ class Replicator(ABC):
 
     # ------------------------------------------------------------------ setup
     def setup(self, shapes: list[torch.Size], device: torch.device,
-              default_group: dist.ProcessGroup | None) -> None:
-        """Bind to the local parameter shapes; allocate state. Called once by the optimizer."""
+              default_group: dist.ProcessGroup | None,
+              params: list[torch.Tensor] | None = None) -> None:
+        """Bind to the local parameter shapes; allocate state. Called once by the optimizer.
+
+        ``params`` are the rank-local parameter tensors, for replicators that act on
+        parameters (DiLoCo) rather than only on gradients.
+        """
         if self.group is None:
             self.group = default_group
         self._shapes = [torch.Size(s) for s in shapes]
+        self._params = params
         self.device = torch.device(device)
         self.world = group_size(self.group)
         self.rank = group_rank(self.group)
@@ -144,6 +150,22 @@ class Replicator(ABC):
                   communicate: bool) -> list[torch.Tensor | None]:
         """Return the replicated tensors (inputs may be overwritten and returned)."""
 
+    # ------------------------------------------------------------------ two-phase use
+    def start(self, grads: list[torch.Tensor | None], lrs: list[float], step: int):
+        """Begin an exchange and return a handle for :meth:`finish`.
+
+        Replicators that support it launch their collective asynchronously, so computation can
+        go on until :meth:`finish`; the default runs the whole exchange here.
+        """
+        return self(grads, lrs, step)
+
+    def finish(self, pending) -> list[torch.Tensor | None]:
+        """Complete an exchange begun by :meth:`start`; returns the replicated tensors."""
+        return pending
+
+    def after_step(self, step: int) -> None:  # noqa: B027 - optional hook
+        """Called by the optimizer after the base optimizer's step ``step`` (override)."""
+
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict:
         return {"stats": self.stats.as_dict()}
@@ -158,6 +180,29 @@ class Replicator(ABC):
         sched = f"replicate_every={self.replicate_every}, skip_every={self.skip_every}"
         extra = self.extra_repr()
         return f"{type(self).__name__}({extra + ', ' if extra else ''}{sched})"
+
+
+MAGIC = 0x0DE70001
+HEADER_BYTES = 32
+
+
+def write_header(buf: torch.Tensor, step: int, bad: bool, code: int) -> None:
+    """The 32-byte header of a gathered payload: magic, step, non-finite flag, presence."""
+    buf[:HEADER_BYTES].view(torch.int64).copy_(
+        torch.tensor([MAGIC, step, int(bad), code], dtype=torch.int64))
+
+
+def check_headers(name: str, gathered: torch.Tensor, step: int, code: int) -> None:
+    """Validate the headers of ``gathered`` payloads ``(ranks, bytes)``; raise on any problem."""
+    n = gathered.shape[0]
+    headers = gathered[:, :HEADER_BYTES].contiguous().view(torch.int64).view(n, 4).tolist()
+    for r, (magic, st, _, _) in enumerate(headers):
+        if magic != MAGIC or st != step:
+            raise RuntimeError(
+                f"{name}: malformed payload from rank {r} of the group at step {step} "
+                f"(magic {magic:#x}, step {st}); replicas must run the same flexdemo version "
+                "and take steps together")
+    check_flags(name, [h[2] for h in headers], [h[3] for h in headers], code, step)
 
 
 def check_flags(name: str, flags: list[float], present: list[float], code: int,

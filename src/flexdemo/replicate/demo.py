@@ -5,7 +5,8 @@ Per parameter and step: ``delta = decay * delta + s * grad`` (``s`` is the learn
 largest-magnitude coefficients of every block; subtract what is sent from ``delta`` (error
 feedback); all-gather the (index, value) pairs of all parameters in one bucket; decode the true
 mean over the replicas (sum in replica order, divided by the group size: every replica computes
-the same bits); optionally apply ``sign()``.
+the same bits); optionally apply ``sign()``. ``transform="none"`` keeps the blocks but skips
+the DCT: plain per-block top-k with error feedback.
 
 The DCT is linear and orthonormal, so where the blocks tile the tensor exactly ``delta`` is kept
 in the transform domain: the momentum update is fused into the forward transform and error
@@ -25,10 +26,15 @@ import torch
 
 from ..comm import all_gather
 from ..compress import BlockDCT, Scratch, plan_chunks, topk_indices
-from .base import Replicator, all_finite, check_flags, presence_code
+from .base import (
+    HEADER_BYTES,
+    Replicator,
+    all_finite,
+    check_headers,
+    presence_code,
+    write_header,
+)
 
-MAGIC = 0x0DE70001
-HEADER_BYTES = 32
 _VALUE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -43,7 +49,8 @@ class DeMoReplicator(Replicator):
 
     def __init__(self, topk: int = 32, chunk: int = 64, decay: float = 0.999, *,
                  sign: bool = True, scale_by_lr: bool = True,
-                 value_dtype: torch.dtype = torch.float32, **schedule) -> None:
+                 value_dtype: torch.dtype = torch.float32, transform: str = "dct",
+                 **schedule) -> None:
         super().__init__(**schedule)
         if not isinstance(topk, int) or isinstance(topk, bool) or topk < 1:
             raise ValueError(f"topk must be an integer >= 1, got {topk!r}")
@@ -54,6 +61,10 @@ class DeMoReplicator(Replicator):
                              "coefficients of a block; lower topk or raise chunk")
         if not isinstance(decay, (int, float)) or not 0.0 <= decay <= 1.0:
             raise ValueError(f"decay must be a number in [0, 1], got {decay!r}")
+        if transform not in ("dct", "none"):
+            raise ValueError(f"transform must be 'dct' or 'none' (plain top-k per block), "
+                             f"got {transform!r}")
+        self.transform = transform
         if value_dtype not in _VALUE_DTYPES:
             raise ValueError(f"value_dtype must be one of {_VALUE_DTYPES}, got {value_dtype!r}")
         self.topk, self.chunk, self.decay = topk, chunk, float(decay)
@@ -83,7 +94,9 @@ class DeMoReplicator(Replicator):
             val_off = off
             off = _align(off + n_sel * vsize)
             self.plans.append(plan)
-            self.transforms.append(BlockDCT(plan, self.device, scratch=self.scratch))
+            self.transforms.append(BlockDCT(
+                plan, self.device, scratch=self.scratch,
+                basis="dct" if self.transform == "dct" else "identity"))
             self.ks.append(k)
             dshape = plan.shape2d if plan.needs_padding else (plan.num_blocks, plan.block_numel)
             self.delta.append(torch.zeros(dshape, dtype=torch.float32, device=self.device))
@@ -139,8 +152,7 @@ class DeMoReplicator(Replicator):
         bad = not all_finite(present)
         code = presence_code(grads)
         buf = self._bucket
-        buf[:HEADER_BYTES].view(torch.int64).copy_(
-            torch.tensor([MAGIC, step, int(bad), code], dtype=torch.int64))
+        write_header(buf, step, bad, code)
         sent: list = []
         for i, g in enumerate(grads):
             if self.plans[i] is None:
@@ -161,16 +173,8 @@ class DeMoReplicator(Replicator):
         else:
             gathered = buf.unsqueeze(0)
         n = gathered.shape[0]
-        headers = gathered[:, :HEADER_BYTES].contiguous().view(torch.int64).view(n, 4).tolist()
         try:
-            for r, (magic, st, _, _) in enumerate(headers):
-                if magic != MAGIC or st != step:
-                    raise RuntimeError(
-                        f"{self.name}: malformed payload from rank {r} of the group at step "
-                        f"{step} (magic {magic:#x}, step {st}); replicas must run the same "
-                        "flexdemo version and take steps together")
-            check_flags(self.name, [h[2] for h in headers], [h[3] for h in headers], code,
-                        step)
+            check_headers(self.name, gathered, step, code)
         except Exception:
             for i, s in enumerate(sent):
                 if s is not None:

@@ -1,0 +1,255 @@
+"""DiLoCo and Streaming DiLoCo as a replicator.
+
+Inner steps are local: the base optimizer (e.g. AdamW) steps on each replica's own gradient.
+Every ``inner_steps`` (H) steps a fragment of the parameters is synchronised:
+
+1. the pseudo-gradient ``global - local`` of the fragment is exchanged over the group by an
+   *exchange* replicator (default: the fp32 mean, :class:`FullReplicator`; or quantised with
+   ``FullReplicator(values="int8" | "int4" | "bf16" | "fp16")``; or compressed with error
+   feedback: ``"demo"`` (DCT top-k) or ``"topk"`` (plain top-k per block));
+2. an outer optimizer (default SGD, lr 0.7, Nesterov momentum 0.9) steps the global copy of
+   the fragment with the averaged pseudo-gradient as its gradient;
+3. the replica's parameters are mixed with the new global ones:
+   ``local = alpha * local + (1 - alpha) * global`` (``alpha = 0``, the default, restarts every
+   replica from the same global parameters, bitwise identical).
+
+Plain DiLoCo has one fragment. Streaming DiLoCo (``fragments = F``) splits the parameters into F
+fragments of similar byte size and syncs one fragment every ``H / F`` steps, in turn, so every
+parameter is synced once per H steps. With ``tau > 0`` a fragment's exchange is launched
+asynchronously after step ``t`` and applied after step ``t + tau``, overlapping the
+communication with ``tau`` inner steps (the pseudo-gradient is the one taken at launch; the
+result is mixed into the parameters as they are at apply time).
+
+Steps count from 0; fragment ``p`` is launched after step ``t`` when
+``(t + 1) % H == ((p + 1) * H / F) % H``. The global copy and the outer optimizer state can live
+on the CPU (``offload=True``).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+
+import torch
+
+from .base import NonFiniteGradientError, Replicator, all_finite
+from .demo import DeMoReplicator
+from .full import FullReplicator
+
+
+def make_exchange(spec, **kwargs) -> Replicator:
+    """The exchange replicator of a pseudo-gradient: a name or an (unused) instance."""
+    if isinstance(spec, Replicator):
+        if kwargs:
+            raise ValueError("exchange_kwargs go with an exchange given by name")
+        if spec._shapes is not None:
+            raise ValueError("the exchange replicator is already in use; pass a fresh one")
+        return spec
+    ef = {"decay": 1.0, "sign": False, "scale_by_lr": False}  # plain error feedback
+    if spec == "full":
+        return FullReplicator(**kwargs)
+    if spec == "demo":
+        return DeMoReplicator(**{**ef, **kwargs})
+    if spec == "topk":
+        return DeMoReplicator(**{**ef, "transform": "none", **kwargs})
+    raise ValueError(f"unknown exchange {spec!r}; choose 'full', 'demo', 'topk' or pass a "
+                     "Replicator instance")
+
+
+def balanced_fragments(sizes: list[int], fragments: int) -> list[list[int]]:
+    """Split parameter indices into ``fragments`` groups of similar total size.
+
+    Largest first, each into the currently lightest fragment (ties: lowest index); indices
+    within a fragment are sorted. No fragment exceeds the ideal share by more than the largest
+    parameter.
+    """
+    if fragments > len(sizes):
+        raise ValueError(f"fragments={fragments} exceeds the number of parameters "
+                         f"({len(sizes)})")
+    loads = [0] * fragments
+    parts: list[list[int]] = [[] for _ in range(fragments)]
+    for i in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
+        f = min(range(fragments), key=lambda f: (loads[f], f))
+        parts[f].append(i)
+        loads[f] += sizes[i]
+    return [sorted(p) for p in parts]
+
+
+class _Sync:
+    """One fragment's exchange in flight (or completed, when restored from a checkpoint)."""
+
+    def __init__(self, apply_at: int, handle=None, result=None) -> None:
+        self.apply_at, self.handle, self.result = apply_at, handle, result
+
+
+class DiLoCoReplicator(Replicator):
+    """DiLoCo / Streaming DiLoCo: local inner steps, periodic outer steps on pseudo-gradients."""
+
+    name = "diloco"
+
+    def __init__(self, inner_steps: int = 100, *, outer_lr: float = 0.7,
+                 outer_momentum: float = 0.9, nesterov: bool = True,
+                 outer_optimizer: Callable[[list[torch.Tensor]], torch.optim.Optimizer]
+                 | None = None, exchange: str | Replicator = "full",
+                 exchange_kwargs: dict | None = None, fragments: int = 1, tau: int = 0,
+                 alpha: float = 0.0, offload: bool = False, group=None) -> None:
+        super().__init__(group=group)
+        H = inner_steps
+        if not isinstance(H, int) or isinstance(H, bool) or H < 1:
+            raise ValueError(f"inner_steps (H) must be an integer >= 1, got {H!r}")
+        if not isinstance(fragments, int) or fragments < 1:
+            raise ValueError(f"fragments must be an integer >= 1, got {fragments!r}")
+        if H % fragments:
+            raise ValueError(f"fragments={fragments} does not divide inner_steps={H}: one "
+                             f"fragment is synced every H/F steps; choose F among the divisors "
+                             f"of {H}")
+        if not isinstance(tau, int) or tau < 0 or tau >= H // fragments:
+            raise ValueError(f"tau must be an integer in [0, H/F) = [0, {H // fragments}), got "
+                             f"{tau!r}: a fragment's sync must be applied before the next one "
+                             "is launched")
+        if not isinstance(alpha, (int, float)) or not 0.0 <= alpha <= 1.0:
+            raise ValueError(f"alpha must be in [0, 1], got {alpha!r}")
+        if not isinstance(outer_lr, (int, float)) or outer_lr < 0:
+            raise ValueError(f"outer_lr must be a number >= 0, got {outer_lr!r}")
+        if not isinstance(outer_momentum, (int, float)) or not 0.0 <= outer_momentum < 1.0:
+            raise ValueError(f"outer_momentum must be in [0, 1), got {outer_momentum!r}")
+        if nesterov and outer_momentum == 0 and outer_optimizer is None:
+            nesterov = False  # Nesterov needs momentum; with none it is plain SGD
+        self.inner_steps, self.fragments, self.tau, self.alpha = H, fragments, tau, float(alpha)
+        self.outer_lr, self.outer_momentum, self.nesterov = outer_lr, outer_momentum, nesterov
+        self.outer_factory = outer_optimizer
+        self.offload = offload
+        self._template = make_exchange(exchange, **(exchange_kwargs or {}))
+
+    def extra_repr(self) -> str:
+        return (f"H={self.inner_steps}, fragments={self.fragments}, tau={self.tau}, "
+                f"alpha={self.alpha}, exchange={self._template!r}")
+
+    def __repr__(self) -> str:
+        return f"DiLoCoReplicator({self.extra_repr()})"
+
+    # ------------------------------------------------------------------ set-up
+    def _setup_state(self) -> None:
+        if self._params is None:
+            raise RuntimeError("DiLoCo acts on parameters: use it through flexdemo's optimizer")
+        store = torch.device("cpu") if self.offload else self.device
+        self.global_params = [p.detach().float().to(store, copy=True) for p in self._params]
+        self.pseudo = [torch.zeros(p.shape, dtype=torch.float32, device=self.device)
+                       for p in self._params]
+        if self.outer_factory is not None:
+            self.outer = self.outer_factory(self.global_params)
+        else:
+            self.outer = torch.optim.SGD(self.global_params, lr=self.outer_lr,
+                                         momentum=self.outer_momentum, nesterov=self.nesterov)
+        self.parts = balanced_fragments([p.numel() for p in self._params], self.fragments)
+        group, self._template.group = self._template.group, None  # groups do not deep-copy
+        self.exchanges = [copy.deepcopy(self._template) for _ in self.parts]
+        self._template.group = group
+        for ex, part in zip(self.exchanges, self.parts):
+            ex.group = group
+            ex.setup([self._shapes[i] for i in part], self.device, self.group)
+        self.syncs = [0] * self.fragments
+        self.pending: dict[int, _Sync] = {}
+
+    def launch_fragment(self, step: int) -> int | None:
+        """The fragment launched after ``step``, if any."""
+        H, F = self.inner_steps, self.fragments
+        r = (step + 1) % H
+        for p in range(F):
+            if r == ((p + 1) * H // F) % H:
+                return p
+        return None
+
+    # ------------------------------------------------------------------ stepping
+    def replicate(self, grads, lrs, step, communicate):
+        if not all_finite([g for g in grads if g is not None]):
+            raise NonFiniteGradientError(self.name, [self.rank], step)
+        return grads  # inner steps are local
+
+    @torch.no_grad()
+    def after_step(self, step: int) -> None:
+        p = self.launch_fragment(step)
+        if p is not None:
+            self._launch(p, step)
+        for q, sync in list(self.pending.items()):
+            if sync.apply_at == step:
+                self._apply(q)
+
+    def _launch(self, p: int, step: int) -> None:
+        part = self.parts[p]
+        for i in part:
+            self.pseudo[i].copy_(self.global_params[i]).sub_(self._params[i].detach())
+        ex = self.exchanges[p]
+        handle = ex.start([self.pseudo[i] for i in part], [1.0] * len(part), self.syncs[p])
+        self._record(ex)
+        self.syncs[p] += 1
+        self.pending[p] = _Sync(step + self.tau, handle=handle)
+
+    def _result(self, p: int) -> list[torch.Tensor]:
+        sync = self.pending[p]
+        if sync.result is None:
+            ex = self.exchanges[p]
+            before = ex.stats.bytes_sent, ex.stats.bytes_received, ex.stats.seconds
+            sync.result = ex.finish(sync.handle)
+            sync.handle = None
+            self.stats.record(ex.stats.bytes_sent - before[0],
+                              ex.stats.bytes_received - before[1],
+                              ex.stats.seconds - before[2], 0)
+        return sync.result
+
+    def _apply(self, p: int) -> None:
+        part = self.parts[p]
+        outs = self._result(p)
+        del self.pending[p]
+        for i, avg in zip(part, outs):
+            g = self.global_params[i]
+            g.grad = avg.to(g.device)
+        self.outer.step()
+        for i in part:
+            self.global_params[i].grad = None
+            local = self._params[i].detach()
+            if self.alpha == 0.0:
+                local.copy_(self.global_params[i])
+            else:
+                local.mul_(self.alpha).add_(self.global_params[i].to(local.device),
+                                            alpha=1.0 - self.alpha)
+
+    def _record(self, ex: Replicator) -> None:
+        s = ex.stats
+        self.stats.record(s.last_bytes_sent, s.last_bytes_received, s.last_seconds,
+                          s.last_collectives)
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> dict:
+        sd = super().state_dict()
+        pending = {}
+        for p in sorted(self.pending):
+            pending[p] = {"apply_at": self.pending[p].apply_at,
+                          "result": [t.clone() for t in self._result(p)]}
+        sd.update({
+            "global": [g.clone() for g in self.global_params],
+            "outer": self.outer.state_dict(),
+            "exchanges": [ex.state_dict() for ex in self.exchanges],
+            "syncs": list(self.syncs),
+            "pending": pending,
+        })
+        return sd
+
+    def load_state_dict(self, state: dict) -> None:
+        glob = state["global"]
+        if len(glob) != len(self.global_params) or any(
+                a.shape != b.shape for a, b in zip(self.global_params, glob)):
+            raise ValueError(f"{self.name}: saved global parameters do not match this model")
+        if len(state["exchanges"]) != len(self.exchanges):
+            raise ValueError(f"{self.name}: saved state has {len(state['exchanges'])} "
+                             f"fragments, this replicator {len(self.exchanges)}")
+        super().load_state_dict(state)
+        for a, b in zip(self.global_params, glob):
+            a.copy_(b)
+        self.outer.load_state_dict(state["outer"])
+        for ex, s in zip(self.exchanges, state["exchanges"]):
+            ex.load_state_dict(s)
+        self.syncs = list(state["syncs"])
+        self.pending = {int(p): _Sync(int(v["apply_at"]),
+                                      result=[t.to(self.device) for t in v["result"]])
+                        for p, v in state["pending"].items()}

@@ -9,6 +9,11 @@ Strategies (run one after the other in the same process group, same seed and dat
   across replicas, sign-SGD;
 * ``hsdp-adamw``: FSDP2 inside a replica, full fp32 gradient all-reduce across replicas, AdamW.
 
+More (``--strategies``): ``no-sync`` (AdamW, no replication), ``diloco-h20``, ``diloco-h100``
+(DiLoCo with inner AdamW, outer Nesterov SGD), ``streaming-diloco`` (H=20, 4 fragments,
+tau=1, int4 exchange), ``demo-diloco`` (H=20, pseudo-gradients exchanged as the DCT top-128
+of each 64x64 block, with error feedback).
+
 Rank 0 prints progress and a final table and writes the results as JSON (``--out``). Bytes
 are those a rank sends across the replicate dimension (the slow link); FSDP's own traffic
 inside a replica is not counted.
@@ -32,6 +37,17 @@ from flexdemo.tasks import GPT, data_generator, evaluate, get_batch, gpt_config,
 STRATEGIES: dict[str, dict] = {
     "flexdemo": {"replicator": "demo", "optimizer": "sgd", "lr": 3e-3},
     "hsdp-adamw": {"replicator": "full", "optimizer": "adamw", "lr": 1e-3},
+    "no-sync": {"replicator": "none", "optimizer": "adamw", "lr": 1e-3},
+    "diloco-h20": {"replicator": "diloco", "optimizer": "adamw", "lr": 1e-3,
+                   "replicator_kwargs": {"inner_steps": 20}},
+    "diloco-h100": {"replicator": "diloco", "optimizer": "adamw", "lr": 1e-3,
+                    "replicator_kwargs": {"inner_steps": 100}},
+    "streaming-diloco": {"replicator": "diloco", "optimizer": "adamw", "lr": 1e-3,
+                         "replicator_kwargs": {"inner_steps": 20, "fragments": 4, "tau": 1,
+                                               "exchange_kwargs": {"values": "int4"}}},
+    "demo-diloco": {"replicator": "diloco", "optimizer": "adamw", "lr": 1e-3,
+                    "replicator_kwargs": {"inner_steps": 20, "exchange": "demo",
+                                          "exchange_kwargs": {"topk": 128}}},
 }
 
 
@@ -103,7 +119,8 @@ def run_strategy(name: str, args: argparse.Namespace, train: torch.Tensor,
     model = GPT(cfg)
     n_params = sum(p.numel() for p in model.parameters())
     model, opt = flexdemo.prepare(model, replicator=spec["replicator"],
-                                  optimizer=spec["optimizer"], lr=lr, **layout)
+                                  optimizer=spec["optimizer"], lr=lr,
+                                  replicator_kwargs=spec.get("replicator_kwargs"), **layout)
     rank = dist.get_rank()
     local_params = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel()
                        for p in model.parameters())
@@ -140,7 +157,8 @@ def run_strategy(name: str, args: argparse.Namespace, train: torch.Tensor,
     per_step = mean_over_ranks(sent / max(args.steps, 1))
     comm = mean_over_ranks(opt.comm_seconds)
     result = {
-        "strategy": name, "replicator": spec["replicator"], "optimizer": spec["optimizer"],
+        "strategy": name, "replicator": repr(opt.replicators[0]),
+        "optimizer": spec["optimizer"],
         "lr": lr, "steps": args.steps, "params": n_params, "local_params": local_params,
         "mesh": {"replicate": mesh["replicate"].size(), "shard": mesh["shard"].size()},
         "train_loss": train_loss, "val_loss": val_loss, "seconds": seconds,
@@ -156,11 +174,11 @@ def run_strategy(name: str, args: argparse.Namespace, train: torch.Tensor,
 
 def print_table(results: list[dict]) -> None:
     """The summary table (rank 0)."""
-    head = (f"{'strategy':<12} {'train':>7} {'val':>7} {'seconds':>8} {'MB/rank/step':>13} "
+    head = (f"{'strategy':<17} {'train':>7} {'val':>7} {'seconds':>8} {'MB/rank/step':>13} "
             f"{'B/param/step':>13} {'replica diff':>13}")
     print("\n" + head + "\n" + "-" * len(head))
     for r in results:
-        print(f"{r['strategy']:<12} {r['train_loss']:7.4f} {r['val_loss']:7.4f} "
+        print(f"{r['strategy']:<17} {r['train_loss']:7.4f} {r['val_loss']:7.4f} "
               f"{r['seconds']:8.1f} {r['mb_sent_per_step']:13.4f} "
               f"{r['bytes_per_param_per_step']:13.4f} {r['replica_max_abs_diff']:13.2e}")
 

@@ -25,7 +25,8 @@ namespace with ``ip netns exec`` in a session of its own (Ctrl-C reaches only th
 supervisor). Every line a rank writes is forwarded with a ``[rank r]`` prefix (stdout to
 stdout, stderr to stderr). When a rank exits non-zero or dies, the others get SIGTERM, then
 SIGKILL after ``grace`` seconds. SIGINT, SIGTERM and exceptions stop the ranks and remove
-every namespace (and with it every link) that was created.
+every namespace (and with it every link) that was created (SIGTERM and SIGHUP become
+``SystemExit(128 + signal)`` while the cluster is entered, if they had no handler).
 """
 
 from __future__ import annotations
@@ -555,9 +556,10 @@ class EmulatedCluster:
     def _install_signal_handlers(self) -> None:
         if threading.current_thread() is not threading.main_thread():
             return
-        if signal.getsignal(signal.SIGTERM) in (signal.SIG_DFL, None):
-            # SIGTERM becomes SystemExit(143), so `finally` blocks and __exit__ still run
-            self._old_handlers[signal.SIGTERM] = signal.signal(signal.SIGTERM, _raise_exit)
+        for sig in (signal.SIGTERM, signal.SIGHUP):
+            if signal.getsignal(sig) in (signal.SIG_DFL, None):
+                # becomes SystemExit(128 + sig), so `finally` blocks and __exit__ still run
+                self._old_handlers[sig] = signal.signal(sig, _raise_exit)
 
     def _restore_signal_handlers(self) -> None:
         for sig, old in self._old_handlers.items():

@@ -1,0 +1,399 @@
+"""The emulated cluster: parsing, launch environment, supervision, namespaces and shaping.
+
+Tests marked ``needs_netns`` build real namespaces and links; they run only as root with
+iproute2 and working ``ip netns`` (otherwise they are skipped with the reason).
+"""
+
+from __future__ import annotations
+
+import functools
+import io
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from flexdemo import cluster as cl
+from flexdemo.cli import main
+from flexdemo.cluster import (
+    EmulatedCluster,
+    LatencyUnavailableError,
+    ShapingUnavailableError,
+    cleanup_stale,
+    parse_bandwidth,
+    parse_latency,
+)
+
+PY = sys.executable
+ENV_KEYS = ["RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "NODE_RANK", "GROUP_RANK",
+            "MASTER_ADDR", "MASTER_PORT", "GLOO_SOCKET_IFNAME", "OMP_NUM_THREADS"]
+PRINT_ENV = ("import json, os; print(json.dumps({k: os.environ.get(k) for k in "
+             + repr(ENV_KEYS) + "}))")
+
+
+def _netns_names() -> list[str]:
+    proc = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True)
+    return [line.split()[0] for line in proc.stdout.splitlines() if line.strip()]
+
+
+def _ours(pid: int) -> list[str]:
+    return [n for n in _netns_names() if n.startswith(f"{cl.NAME_PREFIX}{pid}-")]
+
+
+@functools.cache
+def _netns_problem() -> str | None:
+    """Why real namespaces cannot be built here (checked once), or None."""
+    if os.geteuid() != 0:
+        return "needs root (network namespaces and tc)"
+    if cl._find_tool("ip") is None or cl._find_tool("tc") is None:
+        return "needs iproute2 (ip, tc)"
+    try:
+        with EmulatedCluster(1, 1, "100mbit", log=lambda s: None):
+            pass
+    except Exception as e:  # noqa: BLE001 - report whatever stops namespaces here
+        return f"cannot build a network namespace here: {e}"
+    return None
+
+
+@pytest.fixture
+def netns():
+    """Skip without namespace support; afterwards no namespace of this process may remain."""
+    if _netns_problem():
+        pytest.skip(_netns_problem())
+    yield
+    left = _ours(os.getpid())
+    if left:
+        cl._delete_netns(left)
+    assert not left, f"namespaces left behind: {left}"
+
+
+def _rank_lines(text: str) -> dict[int, str]:
+    out = {}
+    for line in text.splitlines():
+        if line.startswith("[rank "):
+            head, _, rest = line.partition("] ")
+            out.setdefault(int(head[6:]), rest)
+    return out
+
+
+# --------------------------------------------------------------------------- parsing
+
+
+@pytest.mark.parametrize("text,bps", [
+    ("100mbit", 100_000_000), ("1gbit", 1_000_000_000), ("500kbit", 500_000),
+    ("10mbps", 80_000_000), ("1.5gbit", 1_500_000_000), ("64kbps", 512_000),
+    ("1mibit", 2**20), (" 50 MBit ", 50_000_000), ("2e3kbit", 2_000_000),
+])
+def test_parse_bandwidth(text, bps):
+    assert parse_bandwidth(text) == bps
+
+
+@pytest.mark.parametrize("text,needle", [
+    ("100", "no unit"), ("fast", "not a number"), ("", "not a number"),
+    ("100mbits", "unknown unit"), ("10 furlongs", "unknown unit"), ("0mbit", "positive"),
+    ("-5mbit", "positive"), ("5bit", "minimum"), ("infmbit", "not a number"),
+])
+def test_parse_bandwidth_rejects(text, needle):
+    with pytest.raises(ValueError) as e:
+        parse_bandwidth(text)
+    msg = str(e.value)
+    assert needle in msg and repr(text) in msg and "100mbit" in msg  # names problem + example
+
+
+def test_parse_latency():
+    assert parse_latency("10ms") == pytest.approx(0.01)
+    assert parse_latency("500us") == pytest.approx(5e-4)
+    assert parse_latency("0.1s") == pytest.approx(0.1)
+    for bad in ("10", "10 parsecs", "0ms", "20s"):
+        with pytest.raises(ValueError, match="10ms"):
+            parse_latency(bad)
+
+
+@pytest.mark.parametrize("kwargs,needle", [
+    (dict(nodes=0), "nodes must be an integer >= 1"),
+    (dict(nodes=2, ranks_per_node=0), "ranks_per_node must be an integer >= 1"),
+    (dict(nodes=True), "nodes must be"),
+    (dict(nodes=2, unshaped=False), "bandwidth is required"),
+    (dict(nodes=2, bandwidth="fast"), "bandwidth 'fast'"),
+    (dict(nodes=300, bandwidth="1gbit"), "too few for 300 nodes"),
+    (dict(nodes=2, bandwidth="1gbit", subnet="8.8.8.0/24"), "private IPv4"),
+    (dict(nodes=2, bandwidth="1gbit", subnet="10.213.0.1/24"), "not a network"),
+    (dict(nodes=2, unshaped=True, port=70000), "port"),
+])
+def test_cluster_validates_arguments(kwargs, needle):
+    with pytest.raises(ValueError, match=needle):
+        EmulatedCluster(**kwargs)
+
+
+def test_shaping_without_root_says_so(monkeypatch):
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    with pytest.raises(ShapingUnavailableError) as e:
+        EmulatedCluster(2, 1, "100mbit")
+    msg = str(e.value)
+    assert "root" in msg and "iproute2" in msg and "--unshaped" in msg
+    EmulatedCluster(2, 1, unshaped=True)  # fine without root
+
+
+def test_shaping_without_iproute2_says_so(monkeypatch):
+    monkeypatch.setattr(os, "geteuid", lambda: 0)
+    monkeypatch.setattr(cl, "_find_tool", lambda name: None)
+    with pytest.raises(ShapingUnavailableError, match="install iproute2.*--unshaped"):
+        EmulatedCluster(2, 1, "100mbit")
+
+
+# --------------------------------------------------------------------------- unshaped runs
+
+
+def test_unshaped_env_per_rank():
+    out, err = io.StringIO(), io.StringIO()
+    with EmulatedCluster(2, 1, unshaped=True, log=lambda s: None) as c:
+        assert c.namespaces == []
+        result = c.run([PY, "-c", PRINT_ENV], stdout=out, stderr=err, timeout=30)
+    assert result.ok and result.exit_code == 0 and result.returncodes == [0, 0], err.getvalue()
+    envs = {r: json.loads(s) for r, s in _rank_lines(out.getvalue()).items()}
+    assert sorted(envs) == [0, 1]
+    for r, e in envs.items():
+        assert e["RANK"] == str(r) and e["NODE_RANK"] == e["GROUP_RANK"] == str(r)
+        assert e["LOCAL_RANK"] == "0" and e["LOCAL_WORLD_SIZE"] == "1"
+        assert e["WORLD_SIZE"] == "2"
+        assert e["MASTER_ADDR"] == "127.0.0.1" and e["GLOO_SOCKET_IFNAME"] == "lo"
+        assert e["MASTER_PORT"] == str(c.port)
+        assert e["OMP_NUM_THREADS"] == os.environ.get("OMP_NUM_THREADS", "1")
+
+
+def test_unshaped_failing_rank_stops_the_others():
+    script = ("import os, sys, time\n"
+              "if os.environ['RANK'] == '1': time.sleep(0.2); sys.exit(3)\n"
+              "time.sleep(60)\n")
+    out, err = io.StringIO(), io.StringIO()
+    with EmulatedCluster(2, 1, unshaped=True, grace=2.0, log=lambda s: None) as c:
+        t0 = time.monotonic()
+        result = c.run([PY, "-c", script], stdout=out, stderr=err)
+        took = time.monotonic() - t0
+    assert not result.ok and result.failed_rank == 1 and result.exit_code == 3
+    assert "rank 1" in result.message and "code 3" in result.message
+    assert result.terminated == [0] and result.returncodes[0] == -signal.SIGTERM
+    assert took < 6
+
+
+def test_cli_unshaped_exit_code_and_prefix(capsys):
+    script = ("import os, sys; print('hello from', os.environ['RANK']); "
+              "sys.exit(3 if os.environ['RANK'] == '1' else 0)")
+    code = main(["cluster", "--nodes", "2", "--unshaped", "--", PY, "-c", script])
+    captured = capsys.readouterr()
+    assert code == 3
+    assert "[rank 0] hello from 0" in captured.out and "[rank 1] hello from 1" in captured.out
+    assert "rank 1 (node 1, local rank 0) exited with code 3" in captured.err
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--nodes", "0", "--unshaped", "--", "true"], "--nodes"),
+    (["--nodes", "2", "--bandwidth", "100", "--", "true"], "no unit"),
+    (["--nodes", "2", "--", "true"], "--bandwidth is required"),
+    (["--nodes", "2", "--unshaped"], "give the command"),
+])
+def test_cli_rejects_bad_input(capsys, argv, needle):
+    with pytest.raises(SystemExit) as e:
+        main(["cluster", *argv])
+    assert e.value.code == 2
+    assert needle in capsys.readouterr().err
+
+
+def test_cli_help_teaches(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["cluster", "--help"])
+    assert e.value.code == 0
+    text = capsys.readouterr().out
+    assert "--bandwidth 100mbit --" in text and "--unshaped" in text and "root" in text
+
+
+# --------------------------------------------------------------------------- namespaces
+
+
+def test_namespaces_created_and_removed(netns):
+    with EmulatedCluster(2, 1, "50mbit", log=lambda s: None) as c:
+        names = c.namespaces
+        assert sorted(names) == sorted([f"{c.base}-sw", f"{c.base}-n0", f"{c.base}-n1"])
+        assert set(names) <= set(_netns_names())
+        addr = subprocess.run(["ip", "-n", f"{c.base}-n1", "-4", "addr", "show", "fdlink1"],
+                              capture_output=True, text=True).stdout
+        assert "10.213.0.2/24" in addr
+        for ns, dev in ((f"{c.base}-n0", "fdlink0"), (f"{c.base}-sw", "fdport0")):
+            qd = subprocess.run(["tc", "-n", ns, "qdisc", "show", "dev", dev],
+                                capture_output=True, text=True).stdout
+            assert "tbf" in qd and "50Mbit" in qd
+        result = c.run([PY, "-c", "import sys; sys.exit(1)"], stdout=io.StringIO(),
+                       stderr=io.StringIO())
+        assert result.exit_code == 1 and result.failed_rank == 0
+    assert not set(names) & set(_netns_names())
+    # and after an exception inside the block
+    with pytest.raises(RuntimeError, match="boom"):
+        with EmulatedCluster(2, 1, "50mbit", log=lambda s: None) as c:
+            names = c.namespaces
+            raise RuntimeError("boom")
+    assert not set(names) & set(_netns_names())
+
+
+def test_latency_without_netem_is_a_clear_error(netns):
+    c = EmulatedCluster(2, 1, "50mbit", latency="10ms", log=lambda s: None)
+    try:
+        with c:
+            pass
+    except LatencyUnavailableError as e:
+        assert "sch_netem" in str(e)
+    else:
+        pytest.skip("netem is available here; the error path is not exercised")
+    assert c.namespaces == [] and not _ours(os.getpid())
+
+
+def test_cleanup_stale_removes_only_dead_runs(netns):
+    p = subprocess.Popen(["true"])
+    p.wait()
+    dead = f"{cl.NAME_PREFIX}{p.pid}-0-n0"
+    live = f"{cl.NAME_PREFIX}{os.getpid()}-99999-n0"
+    subprocess.run(["ip", "netns", "add", dead], check=True)
+    subprocess.run(["ip", "netns", "add", live], check=True)
+    try:
+        removed = cleanup_stale()
+        assert dead in removed and live not in removed
+        names = _netns_names()
+        assert dead not in names and live in names
+    finally:
+        cl._delete_netns([n for n in (dead, live) if n in _netns_names()])
+
+
+THROUGHPUT = r"""
+import json, os, socket, sys, time
+rank, addr = int(os.environ["RANK"]), os.environ["MASTER_ADDR"]
+port = int(os.environ["MASTER_PORT"])
+seconds, cap = 2.0, int(sys.argv[1])
+if rank == 0:
+    srv = socket.create_server((addr, port))
+    srv.settimeout(10)
+    conn, _ = srv.accept()
+    conn.settimeout(10)
+    n, t0, t1 = 0, None, None
+    while True:
+        b = conn.recv(1 << 16)
+        if not b:
+            break
+        t1 = time.perf_counter()
+        if t0 is None:
+            t0 = t1
+        n += len(b)
+    print(json.dumps({"bytes": n, "seconds": t1 - t0}))
+else:
+    for _ in range(100):
+        try:
+            s = socket.create_connection((addr, port), timeout=5)
+            break
+        except OSError:
+            time.sleep(0.05)
+    buf, sent, end = b"x" * (1 << 16), 0, time.perf_counter() + seconds
+    while time.perf_counter() < end and sent < cap:
+        s.sendall(buf)
+        sent += len(buf)
+    s.close()
+"""
+
+
+def test_throughput_between_nodes_matches_the_rate(netns):
+    rate = parse_bandwidth("50mbit")
+    out, err = io.StringIO(), io.StringIO()
+    with EmulatedCluster(2, 1, "50mbit", log=lambda s: None) as c:
+        result = c.run([PY, "-c", THROUGHPUT, str(rate // 8 * 4)], stdout=out, stderr=err,
+                       timeout=20)
+    assert result.ok, err.getvalue()
+    m = json.loads(_rank_lines(out.getvalue())[0])
+    measured = m["bytes"] * 8 / m["seconds"]  # TCP payload: ~95% of the link's bit rate
+    assert abs(measured - rate) / rate < 0.15, f"measured {measured / 1e6:.1f} Mbit/s"
+
+
+GLOO = r"""
+import os, torch, torch.distributed as dist
+dist.init_process_group("gloo")
+r, w = dist.get_rank(), dist.get_world_size()
+t = torch.full((1000,), float(r + 1))
+dist.all_reduce(t)
+assert torch.all(t == w * (w + 1) / 2), t
+print("sum", t[0].item(), os.environ["GLOO_SOCKET_IFNAME"])
+dist.destroy_process_group()
+"""
+
+
+def test_gloo_all_reduce_on_2x2(netns):
+    out, err = io.StringIO(), io.StringIO()
+    with EmulatedCluster(2, 2, "100mbit", log=lambda s: None) as c:
+        result = c.run([PY, "-c", GLOO], stdout=out, stderr=err, timeout=60)
+    assert result.ok, err.getvalue()
+    lines = _rank_lines(out.getvalue())
+    assert lines == {0: "sum 10.0 fdlink0", 1: "sum 10.0 fdlink0",
+                     2: "sum 10.0 fdlink1", 3: "sum 10.0 fdlink1"}
+
+
+def test_rank_exit_3_ends_the_run(netns):
+    script = ("import os, sys, time\n"
+              "if os.environ['RANK'] == '2': time.sleep(0.2); sys.exit(3)\n"
+              "time.sleep(60)\n")
+    with EmulatedCluster(2, 2, "100mbit", grace=2.0, log=lambda s: None) as c:
+        names = c.namespaces
+        t0 = time.monotonic()
+        result = c.run([PY, "-c", script], stdout=io.StringIO(), stderr=io.StringIO())
+        took = time.monotonic() - t0
+    assert result.failed_rank == 2 and result.exit_code == 3
+    assert "rank 2 (node 1, local rank 0) exited with code 3" in result.message
+    assert sorted(result.terminated) == [0, 1, 3]
+    assert took < 6
+    assert not set(names) & set(_netns_names())
+
+
+def _gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return any(line.startswith("State:") and "Z" in line for line in f)
+    except FileNotFoundError:
+        return True
+
+
+@pytest.mark.parametrize("sig,code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_cli_signal_stops_ranks_and_removes_namespaces(sig, code):
+    shaped = _netns_problem() is None  # shaped when possible, else on loopback
+    mode = ["--bandwidth", "100mbit"] if shaped else ["--unshaped"]
+    script = "import os, time; print('ready', os.getpid(), flush=True); time.sleep(60)"
+    proc = subprocess.Popen([PY, "-m", "flexdemo", "cluster", "--nodes", "2", *mode, "-q",
+                             "--", PY, "-c", script],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(iter(proc.stdout.readline, "")),
+                              daemon=True)
+    reader.start()
+    pids: list[int] = []
+    try:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and proc.poll() is None:
+            pids = [int(line.split()[-1]) for line in list(lines) if "ready" in line]
+            if len(pids) == 2:
+                break
+            time.sleep(0.05)
+        assert len(pids) == 2, proc.stderr.read() if proc.poll() is not None else "no ranks"
+        if shaped:
+            assert len(_ours(proc.pid)) == 3
+        proc.send_signal(sig)
+        assert proc.wait(timeout=15) == code
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        if shaped:
+            cl._delete_netns(_ours(proc.pid))
+    deadline = time.monotonic() + 5
+    while not all(_gone(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert all(_gone(p) for p in pids)
+    if shaped:
+        assert not _ours(proc.pid)

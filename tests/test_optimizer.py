@@ -78,8 +78,9 @@ def test_demo_full_topk_is_sign_sgd():
 def test_demo_error_feedback_keeps_momentum(shape):
     """What is sent plus what stays in delta equals the decayed momentum (nothing is lost)."""
     torch.manual_seed(0)
-    rep = setup(DeMoReplicator(topk=8, chunk=32, decay=0.9, sign=False), [shape])
-    t, plan = rep.transforms[0], rep.plans[0]
+    rep = setup(DeMoReplicator(topk=8, chunk=32, decay=0.9, sign=False, small="separate"),
+                [shape])
+    t, plan = rep.units[0].transform, rep.units[0].plan
 
     def momentum():
         d = rep.delta[0]
@@ -137,8 +138,12 @@ def test_byte_formulas():
     assert all_reduce_bytes(1001, 4, 4) == 2 * 3 * 251 * 4
     assert all_gather_bytes(100, 4) == 300
     rep = setup(DeMoReplicator(), [(128, 128), (128,)])
-    # 4 blocks x 32 (int16 index + fp32 value) + 2 chunks x 32 x 6, header 32
-    assert rep.payload_bytes() == 32 + 4 * 32 * 6 + 2 * 32 * 6
+    # header 32; the matrix: 4 blocks x 32 indices at 12 bits (192 B) + fp32 values (512 B);
+    # the vector, batched as a (2, 64) matrix: one block of 128, 32 indices at 7 bits (28 B,
+    # aligned to 32) + values (128 B)
+    assert rep.payload_bytes() == 32 + 192 + 512 + 32 + 128
+    rep = setup(DeMoReplicator(values="int8"), [(128, 128)])
+    assert rep.payload_bytes() == 32 + 192 + (4 * 32 + 2 * 4)
 
 
 def test_state_dict_round_trip_gives_same_next_step():
@@ -233,7 +238,10 @@ def test_learns_like_sgd():
     ({"topk": 0}, "topk"), ({"topk": 2.5}, "topk"), ({"chunk": 1}, "chunk"),
     ({"topk": 65, "chunk": 8}, "exceeds"), ({"decay": 1.5}, "decay"), ({"decay": -0.1}, "decay"),
     ({"replicate_every": 0}, "replicate_every"), ({"skip_every": 1}, "skip_every"),
-    ({"skip_every": -2}, "skip_every"), ({"value_dtype": torch.int8}, "value_dtype"),
+    ({"skip_every": -2}, "skip_every"), ({"values": "int3"}, "values"),
+    ({"overlap": "early"}, "overlap"), ({"overlap": "delayed", "bucket": False}, "delayed"),
+    ({"overlap": "delayed", "replicate_every": 2}, "delayed"),
+    ({"on_bad_peer": "ignore"}, "on_bad_peer"), ({"small": "dense"}, "small"),
 ])
 def test_bad_demo_settings(kwargs, match):
     with pytest.raises(ValueError, match=match):

@@ -95,3 +95,85 @@ class ValueCodec:
         padded[:n] = x.abs()
         bound = padded.view(blocks, self.block).amax(1) / (2 * _QMAX[self.fmt])
         return bound.repeat_interleave(self.block)[:n]
+
+
+BLOCK_FORMATS = ("fp32", "bf16", "fp16", "int8", "int2", "sign")
+
+
+class BlockValueCodec:
+    """Values of sparse blocks, ``(blocks, k)``: a format and (for some) scales per block.
+
+    * ``fp32`` / ``bf16`` / ``fp16``: each value rounded to the type;
+    * ``int8``: a bf16 scale ``s = max|v| / 127`` per block, codes ``round(v / s)``;
+    * ``int2``: per block bf16 ``lo = min|v|`` and ``hi = max|v|``; each value is its sign and
+      one magnitude bit, decoded as ``lo + (hi - lo) / 4`` or ``lo + 3 (hi - lo) / 4``;
+    * ``sign``: one bit per value and a bf16 magnitude per block, the mean ``|v|``.
+
+    Bytes for ``b`` blocks of ``k`` values: fp32 ``4bk``, bf16/fp16 ``2bk``, int8 ``bk + 2b``,
+    int2 ``ceil(2bk/8) + 4b``, sign ``ceil(bk/8) + 2b``. Scales come first. Decoding is
+    elementwise arithmetic, identical on every replica.
+    """
+
+    def __init__(self, fmt: str = "fp32") -> None:
+        if fmt not in BLOCK_FORMATS:
+            raise ValueError(f"unknown value format {fmt!r}; choose one of {BLOCK_FORMATS}")
+        self.fmt = fmt
+
+    def nbytes(self, blocks: int, k: int) -> int:
+        n = blocks * k
+        return {"fp32": 4 * n, "bf16": 2 * n, "fp16": 2 * n, "int8": n + 2 * blocks,
+                "int2": math.ceil(2 * n / 8) + 4 * blocks,
+                "sign": math.ceil(n / 8) + 2 * blocks}[self.fmt]
+
+    def encode(self, vals: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """Write ``vals`` (fp32 ``(blocks, k)``) into ``out`` (uint8); return the decoded values
+        (what the peers will see)."""
+        from .bits import pack_bits
+
+        b, k = vals.shape
+        f = self.fmt
+        if f in _FLOAT:
+            out[: self.nbytes(b, k)].view(_FLOAT[f]).view(b, k).copy_(vals)
+            return vals.to(_FLOAT[f]).float()
+        mag = vals.abs()
+        neg = vals < 0
+        if f == "int8":
+            scale = (mag.amax(1) / 127).to(torch.bfloat16)
+            out[: 2 * b].view(torch.bfloat16).copy_(scale)
+            s = scale.float()
+            safe = torch.where(s > 0, s, torch.ones_like(s))
+            codes = torch.round(vals / safe[:, None]).clamp_(-127, 127).to(torch.int8)
+            out[2 * b: 2 * b + b * k].view(torch.int8).copy_(codes.view(-1))
+        elif f == "int2":
+            lo_hi = torch.stack([mag.amin(1), mag.amax(1)], dim=1).to(torch.bfloat16)
+            out[: 4 * b].view(torch.bfloat16).copy_(lo_hi.view(-1))
+            lh = lo_hi.float()
+            big = mag >= (lh[:, :1] + lh[:, 1:]) / 2
+            codes = neg.to(torch.int64) | (big.to(torch.int64) << 1)
+            pack_bits(codes, 2, out[4 * b:])
+        else:  # sign
+            m = mag.mean(1).to(torch.bfloat16)
+            out[: 2 * b].view(torch.bfloat16).copy_(m)
+            pack_bits(neg.to(torch.int64), 1, out[2 * b:])
+        return self.decode(out, b, k)
+
+    def decode(self, data: torch.Tensor, b: int, k: int) -> torch.Tensor:
+        """The fp32 values ``(blocks, k)`` encoded in ``data``."""
+        from .bits import unpack_bits
+
+        f = self.fmt
+        if f in _FLOAT:
+            return data[: self.nbytes(b, k)].view(_FLOAT[f]).view(b, k).float()
+        if f == "int8":
+            s = data[: 2 * b].view(torch.bfloat16).float()
+            codes = data[2 * b: 2 * b + b * k].view(torch.int8).view(b, k).float()
+            return codes * s[:, None]
+        if f == "int2":
+            lh = data[: 4 * b].view(torch.bfloat16).float().view(b, 2)
+            codes = unpack_bits(data[4 * b:], 2, b * k).view(b, k)
+            frac = torch.where((codes >> 1) == 1, 0.75, 0.25)
+            mag = lh[:, :1] + (lh[:, 1:] - lh[:, :1]) * frac
+            return torch.where((codes & 1) == 1, -mag, mag)
+        m = data[: 2 * b].view(torch.bfloat16).float()
+        neg = unpack_bits(data[2 * b:], 1, b * k).view(b, k)
+        return torch.where(neg == 1, -m[:, None], m[:, None])

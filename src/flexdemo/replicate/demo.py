@@ -1,45 +1,103 @@
 """DeMo: decoupled momentum, replicated as the top-k DCT coefficients of each block.
 
-Per parameter and step: ``delta = decay * delta + s * grad`` (``s`` is the learning rate when
+Per tensor and step: ``delta = decay * delta + s * grad`` (``s`` is the learning rate when
 ``scale_by_lr``, else 1); take the blocked orthonormal DCT of ``delta``; keep the ``topk``
-largest-magnitude coefficients of every block; subtract what is sent from ``delta`` (error
-feedback); all-gather the (index, value) pairs of all parameters in one bucket; decode the true
-mean over the replicas (sum in replica order, divided by the group size: every replica computes
-the same bits); optionally apply ``sign()``. ``transform="none"`` keeps the blocks but skips
-the DCT: plain per-block top-k with error feedback.
+largest-magnitude coefficients of every block; subtract what is sent (as the peers will decode
+it) from ``delta`` (error feedback); all-gather the (index, value) pairs of all tensors in one
+bucket; decode the true mean over the replicas (sum in replica order, divided by the number of
+contributions: every replica computes the same bits); optionally apply ``sign()``.
+``transform="none"`` keeps the blocks but skips the DCT: plain per-block top-k.
 
 The DCT is linear and orthonormal, so where the blocks tile the tensor exactly ``delta`` is kept
 in the transform domain: the momentum update is fused into the forward transform and error
-feedback zeroes coefficients, with no inverse transform. Tensors that need padding keep
-``delta`` in the parameter's own domain (error feedback then decodes what was sent), so the
-padding never holds momentum.
+feedback subtracts coefficients, with no inverse transform. Tensors that need padding keep
+``delta`` in the parameter's own domain, so the padding never holds momentum.
 
-Wire format (issue-5 codecs extend it): a 32-byte header (magic, step, non-finite flag,
-presence code), then per parameter the block-local indices (int16 when a block has at most
-32768 elements, else int32) and the values (``value_dtype``, fp32 by default), each 8-byte
-aligned.
+**Small tensors.** With ``small="batch"`` (default) every 1-D tensor and every tensor with
+fewer than ``small_numel`` entries (default ``chunk * chunk``) is concatenated, in parameter
+order, into one vector viewed as ``(rows, chunk)`` and compressed as one matrix: the same
+``topk`` of ``chunk x chunk`` density as the large weights, instead of ``topk`` of ``chunk``
+per 1-D chunk (at the defaults 32 of 64: more bytes than dense fp32). ``small="separate"``
+compresses each tensor on its own.
+
+**Wire format** (one bucket per step): a 32-byte header (magic and version, step, non-finite
+flag, presence code); then per tensor (or batch) the block-local indices packed at
+``ceil(log2(block entries))`` bits (12 for 64 x 64 blocks) and the values in the ``values``
+format of :class:`~flexdemo.compress.quant.BlockValueCodec` (``fp32``, ``bf16``, ``fp16``,
+``int8`` with a scale per block, ``int2``, or ``sign`` with a magnitude per block), each
+segment 8-byte aligned. :meth:`payload_bytes` is the exact size.
+
+**Collectives.** ``bucket=True``: one all-gather per step; ``False``: one per tensor plus one
+for the header (for comparison). ``overlap="delayed"`` launches each step's all-gather
+asynchronously and applies it one step later, so the exchange runs behind the next forward and
+backward: the update applied at step ``t`` is the replicas' mean of what they sent at step
+``t - 1`` (zero at step 0). Default ``"none"``: the update of step ``t`` is applied at ``t``.
+
+**Untrusted payloads.** Every received payload is checked: header (magic, version, step),
+indices in range and unique within a block, values finite. A bad payload raises
+:class:`CorruptPayloadError` naming the sending rank (``on_bad_peer="raise"``, default), or
+with ``on_bad_peer="drop"`` that peer's contribution is left out of the step's mean on every
+replica, with a warning and the counter ``dropped_payloads``.
 """
 
 from __future__ import annotations
 
-import torch
+import math
+import warnings
+from dataclasses import dataclass, field
 
-from ..comm import all_gather
-from ..compress import BlockDCT, Scratch, plan_chunks, topk_indices
+import torch
+import torch.distributed as dist
+
+from ..comm import Pending, all_gather
+from ..compress import BlockDCT, ChunkPlan, Scratch, plan_chunks, topk_indices
+from ..compress.bits import pack_bits, packed_nbytes, unpack_bits
+from ..compress.quant import BLOCK_FORMATS, BlockValueCodec
 from .base import (
     HEADER_BYTES,
+    MAGIC,
     Replicator,
     all_finite,
-    check_headers,
+    check_flags,
     presence_code,
     write_header,
 )
 
-_VALUE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+class CorruptPayloadError(RuntimeError):
+    """A peer sent a payload that does not decode to a valid update."""
+
+    def __init__(self, name: str, rank: int, global_rank: int, step: int, reason: str) -> None:
+        super().__init__(
+            f"{name}: corrupt payload from rank {global_rank} (rank {rank} of the group) at "
+            f"step {step}: {reason}. A faulty peer or a version mismatch; construct the "
+            "replicator with on_bad_peer='drop' to leave such payloads out")
+        self.rank, self.global_rank, self.step, self.reason = rank, global_rank, step, reason
 
 
 def _align(n: int) -> int:
     return (n + 7) // 8 * 8
+
+
+@dataclass
+class _Unit:
+    """One compressed tensor: a large parameter, or the batch of small ones."""
+
+    members: list[int]
+    sizes: list[int]
+    plan: ChunkPlan
+    transform: BlockDCT
+    k: int
+    bits: int
+    delta: torch.Tensor
+    idx_off: int = 0
+    val_off: int = 0
+    end: int = 0
+    flat: torch.Tensor | None = field(default=None, repr=False)
+
+    @property
+    def n_sel(self) -> int:
+        return self.plan.num_blocks * self.k
 
 
 class DeMoReplicator(Replicator):
@@ -48,8 +106,9 @@ class DeMoReplicator(Replicator):
     name = "demo"
 
     def __init__(self, topk: int = 32, chunk: int = 64, decay: float = 0.999, *,
-                 sign: bool = True, scale_by_lr: bool = True,
-                 value_dtype: torch.dtype = torch.float32, transform: str = "dct",
+                 sign: bool = True, scale_by_lr: bool = True, values: str = "fp32",
+                 transform: str = "dct", small: str = "batch", small_numel: int | None = None,
+                 bucket: bool = True, overlap: str = "none", on_bad_peer: str = "raise",
                  **schedule) -> None:
         super().__init__(**schedule)
         if not isinstance(topk, int) or isinstance(topk, bool) or topk < 1:
@@ -61,85 +120,126 @@ class DeMoReplicator(Replicator):
                              "coefficients of a block; lower topk or raise chunk")
         if not isinstance(decay, (int, float)) or not 0.0 <= decay <= 1.0:
             raise ValueError(f"decay must be a number in [0, 1], got {decay!r}")
+        if values not in BLOCK_FORMATS:
+            raise ValueError(f"values must be one of {BLOCK_FORMATS}, got {values!r}")
         if transform not in ("dct", "none"):
             raise ValueError(f"transform must be 'dct' or 'none' (plain top-k per block), "
                              f"got {transform!r}")
-        self.transform = transform
-        if value_dtype not in _VALUE_DTYPES:
-            raise ValueError(f"value_dtype must be one of {_VALUE_DTYPES}, got {value_dtype!r}")
+        if small not in ("batch", "separate"):
+            raise ValueError(f"small must be 'batch' or 'separate', got {small!r}")
+        if small_numel is not None and (not isinstance(small_numel, int) or small_numel < 0):
+            raise ValueError(f"small_numel must be an integer >= 0, got {small_numel!r}")
+        if overlap not in ("none", "delayed"):
+            raise ValueError(f"overlap must be 'none' or 'delayed', got {overlap!r}")
+        if overlap == "delayed" and (not bucket or self.replicate_every != 1
+                                     or self.skip_every):
+            raise ValueError("overlap='delayed' needs bucket=True and a replicator that "
+                             "communicates every step (replicate_every=1, skip_every=0)")
+        if on_bad_peer not in ("raise", "drop"):
+            raise ValueError(f"on_bad_peer must be 'raise' or 'drop', got {on_bad_peer!r}")
         self.topk, self.chunk, self.decay = topk, chunk, float(decay)
-        self.sign, self.scale_by_lr, self.value_dtype = sign, scale_by_lr, value_dtype
+        self.sign, self.scale_by_lr, self.values = sign, scale_by_lr, values
+        self.transform, self.small = transform, small
+        self.small_numel = chunk * chunk if small_numel is None else small_numel
+        self.bucket, self.overlap, self.on_bad_peer = bucket, overlap, on_bad_peer
+        self.codec = BlockValueCodec(values)
+        self.dropped_payloads = 0
 
     def extra_repr(self) -> str:
-        return f"topk={self.topk}, chunk={self.chunk}, decay={self.decay}, sign={self.sign}"
+        extra = "".join(f", {k}={v!r}" for k, v, d in (
+            ("values", self.values, "fp32"), ("transform", self.transform, "dct"),
+            ("small", self.small, "batch"), ("bucket", self.bucket, True),
+            ("overlap", self.overlap, "none")) if v != d)
+        return (f"topk={self.topk}, chunk={self.chunk}, decay={self.decay}, "
+                f"sign={self.sign}{extra}")
 
-    # ------------------------------------------------------------------ state
+    # ------------------------------------------------------------------ set-up
+    def _is_small(self, shape: torch.Size) -> bool:
+        return self.small == "batch" and (len(shape) <= 1 or shape.numel() < self.small_numel)
+
+    def _make_unit(self, members: list[int], shape: tuple[int, ...]) -> _Unit:
+        plan = plan_chunks(shape, self.chunk)
+        k = min(self.topk, plan.block_numel)
+        basis = "dct" if self.transform == "dct" else "identity"
+        t = BlockDCT(plan, self.device, scratch=self.scratch, basis=basis)
+        dshape = plan.shape2d if plan.needs_padding else (plan.num_blocks, plan.block_numel)
+        delta = torch.zeros(dshape, dtype=torch.float32, device=self.device)
+        bits = max(1, math.ceil(math.log2(plan.block_numel)))
+        sizes = [self._shapes[i].numel() for i in members]
+        return _Unit(members, sizes, plan, t, k, bits, delta)
+
     def _setup_state(self) -> None:
         self.scratch = Scratch()
-        self.plans, self.transforms, self.ks, self.delta = [], [], [], []
-        self.segments = []  # (idx_off, idx_dtype, val_off) per parameter, or None
+        small = [i for i, s in enumerate(self._shapes) if s.numel() and self._is_small(s)]
+        self.units: list[_Unit] = []
+        for i, s in enumerate(self._shapes):
+            if s.numel() and i not in small:
+                self.units.append(self._make_unit([i], tuple(s)))
+        if small:
+            total = sum(self._shapes[i].numel() for i in small)
+            rows = math.ceil(total / self.chunk)
+            unit = self._make_unit(small, (rows, self.chunk))
+            unit.flat = torch.zeros(rows * self.chunk, dtype=torch.float32, device=self.device)
+            self.units.append(unit)
         off = HEADER_BYTES
-        vsize = torch.empty(0, dtype=self.value_dtype).element_size()
-        for shape in self._shapes:
-            if shape.numel() == 0:
-                for lst in (self.plans, self.transforms, self.ks, self.delta, self.segments):
-                    lst.append(None)
-                continue
-            plan = plan_chunks(shape, self.chunk)
-            k = min(self.topk, plan.block_numel)
-            idx_dtype = torch.int16 if plan.block_numel <= 32768 else torch.int32
-            n_sel = plan.num_blocks * k
-            idx_off = off
-            off = _align(off + n_sel * (2 if idx_dtype == torch.int16 else 4))
-            val_off = off
-            off = _align(off + n_sel * vsize)
-            self.plans.append(plan)
-            self.transforms.append(BlockDCT(
-                plan, self.device, scratch=self.scratch,
-                basis="dct" if self.transform == "dct" else "identity"))
-            self.ks.append(k)
-            dshape = plan.shape2d if plan.needs_padding else (plan.num_blocks, plan.block_numel)
-            self.delta.append(torch.zeros(dshape, dtype=torch.float32, device=self.device))
-            self.segments.append((idx_off, idx_dtype, val_off))
+        for u in self.units:
+            u.idx_off = off
+            off = _align(off + packed_nbytes(u.n_sel, u.bits))
+            u.val_off = off
+            off = _align(off + self.codec.nbytes(u.plan.num_blocks, u.k))
+            u.end = off
         self.bucket_bytes = off
-        self._bucket = torch.zeros(off, dtype=torch.uint8, device=self.device)
+        nbuf = 2 if self.overlap == "delayed" else 1
+        self._buckets = [torch.zeros(off, dtype=torch.uint8, device=self.device)
+                         for _ in range(nbuf)]
+        self._inflight = None  # delayed mode: (step, handle or gathered, sent)
+
+    @property
+    def delta(self) -> list[torch.Tensor]:
+        """The momentum buffers, one per unit (large tensor, or the small-tensor batch)."""
+        return [u.delta for u in self.units]
 
     def payload_bytes(self) -> int:
-        """Bytes this rank contributes to one exchange (header included)."""
+        """Bytes this rank contributes to one exchange (header and alignment included)."""
         return self.bucket_bytes
 
-    def _views(self, buf: torch.Tensor, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        idx_off, idx_dtype, val_off = self.segments[i]
-        plan, k = self.plans[i], self.ks[i]
-        n_sel = plan.num_blocks * k
-        isz = 2 if idx_dtype == torch.int16 else 4
-        vsz = torch.empty(0, dtype=self.value_dtype).element_size()
-        idx = buf[idx_off: idx_off + n_sel * isz].view(idx_dtype).view(plan.num_blocks, k)
-        val = buf[val_off: val_off + n_sel * vsz].view(self.value_dtype).view(plan.num_blocks, k)
-        return idx, val
+    # ------------------------------------------------------------------ encode
+    def _unit_input(self, u: _Unit, grads) -> torch.Tensor | None:
+        if u.flat is None:
+            return grads[u.members[0]]
+        if all(grads[i] is None for i in u.members):
+            return None
+        off = 0
+        for i, size in zip(u.members, u.sizes):
+            seg = u.flat[off: off + size]
+            if grads[i] is None:
+                seg.zero_()
+            else:
+                seg.copy_(grads[i].reshape(-1))
+            off += size
+        u.flat[off:].zero_()  # the padding tail (it held the last output)
+        return u.flat
 
-    # ------------------------------------------------------------------ step
-    def _encode(self, i: int, g: torch.Tensor, lr: float):
-        """Momentum update, selection, error feedback; returns (idx, transmitted values)."""
-        plan, t, delta = self.plans[i], self.transforms[i], self.delta[i]
+    def _encode(self, u: _Unit, x: torch.Tensor, lr: float, buf: torch.Tensor):
+        """Momentum update, selection, packing, error feedback; returns (idx, sent values)."""
+        plan, t, delta = u.plan, u.transform, u.delta
         scale = lr if self.scale_by_lr else 1.0
         if plan.needs_padding:
-            delta.mul_(self.decay).add_(g.reshape(plan.shape2d), alpha=scale)
+            delta.mul_(self.decay).add_(x.reshape(plan.shape2d), alpha=scale)
             coef = self.scratch.get(3, plan.padded_numel, torch.float32, self.device)
             coef = t.encode_into(delta, coef.view(plan.num_blocks, plan.block_numel))
         else:
-            coef = t.encode_into(g, delta, alpha=scale, beta=self.decay)
+            coef = t.encode_into(x, delta, alpha=scale, beta=self.decay)
         mag = self.scratch.get(4, coef.numel(), torch.float32, self.device).view_as(coef)
-        idx = topk_indices(torch.abs(coef, out=mag), self.ks[i])
-        vals = coef.gather(1, idx)
-        if self.value_dtype != torch.float32:
-            vals = vals.to(self.value_dtype).float()
-        self._feedback(i, idx, vals, sign=-1.0)
-        return idx, vals
+        idx = topk_indices(torch.abs(coef, out=mag), u.k)
+        pack_bits(idx, u.bits, buf[u.idx_off: u.val_off])
+        sent = self.codec.encode(coef.gather(1, idx), buf[u.val_off: u.end])
+        self._feedback(u, idx, sent, sign=-1.0)
+        return idx, sent
 
-    def _feedback(self, i: int, idx: torch.Tensor, vals: torch.Tensor, sign: float) -> None:
+    def _feedback(self, u: _Unit, idx: torch.Tensor, vals: torch.Tensor, sign: float) -> None:
         """Add ``sign * sent`` to delta (sign -1: error feedback, +1: undo it)."""
-        plan, t, delta = self.plans[i], self.transforms[i], self.delta[i]
+        plan, t, delta = u.plan, u.transform, u.delta
         if not plan.needs_padding:
             delta.scatter_add_(1, idx, vals if sign > 0 else -vals)
             return
@@ -147,71 +247,178 @@ class DeMoReplicator(Replicator):
         img.index_add_(0, t.image_index(idx), vals.reshape(-1))
         delta.add_(t.decode_image(img).reshape(plan.shape2d), alpha=sign)
 
-    def replicate(self, grads, lrs, step, communicate):
+    def _fill(self, grads, lrs, step: int, buf: torch.Tensor):
+        """Encode every unit into ``buf``; returns the per-unit sent (idx, values) or None."""
         present = [g for g in grads if g is not None]
         bad = not all_finite(present)
         code = presence_code(grads)
-        buf = self._bucket
         write_header(buf, step, bad, code)
         sent: list = []
-        for i, g in enumerate(grads):
-            if self.plans[i] is None:
+        for u in self.units:
+            x = None if bad else self._unit_input(u, grads)
+            if x is None:
+                buf[u.idx_off: u.end].zero_()
                 sent.append(None)
                 continue
-            idx_v, val_v = self._views(buf, i)
-            if g is None or bad:
-                idx_v.zero_()
-                val_v.zero_()
-                sent.append(None)
+            sent.append(self._encode(u, x, lrs[u.members[0]], buf))
+        return sent, code
+
+    # ------------------------------------------------------------------ exchange
+    def _exchange(self, buf: torch.Tensor) -> torch.Tensor:
+        if self.bucket:
+            return all_gather(buf, self.group, self.stats)
+        n = self.world
+        out = torch.empty(n, buf.numel(), dtype=buf.dtype, device=buf.device)
+        out[:, :HEADER_BYTES] = all_gather(buf[:HEADER_BYTES].clone(), self.group, self.stats)
+        for u in self.units:
+            out[:, u.idx_off: u.end] = all_gather(buf[u.idx_off: u.end].clone(), self.group,
+                                                  self.stats)
+        return out
+
+    # ------------------------------------------------------------------ decode
+    def _check_header(self, row: torch.Tensor, step: int) -> str | None:
+        magic, st = row[:16].view(torch.int64).tolist()
+        if magic != MAGIC:
+            return f"bad magic/version {magic:#x} (expected {MAGIC:#x})"
+        if st != step:
+            return f"payload for step {st}"
+        return None
+
+    def _check_body(self, row: torch.Tensor, active: list[bool]):
+        """Decode one peer's units; returns (idx, values) per unit (None where inactive), or
+        the reason the payload is bad."""
+        decoded: list = []
+        for u, on in zip(self.units, active):
+            if not on:
+                decoded.append(None)
                 continue
-            idx, vals = self._encode(i, g, lrs[i])
-            idx_v.copy_(idx)
-            val_v.copy_(vals)
-            sent.append((idx, vals))
-        if communicate:
-            gathered = all_gather(buf, self.group, self.stats)
-        else:
-            gathered = buf.unsqueeze(0)
+            idx = unpack_bits(row[u.idx_off: u.val_off], u.bits, u.n_sel).view(-1, u.k)
+            if int(idx.max()) >= u.plan.block_numel:
+                return (f"index {int(idx.max())} out of range for blocks of "
+                        f"{u.plan.block_numel} entries")
+            srt = idx.sort(dim=1).values
+            if bool((srt[:, 1:] == srt[:, :-1]).any()):
+                return "repeated index within a block"
+            vals = self.codec.decode(row[u.val_off: u.end], u.plan.num_blocks, u.k)
+            if not bool(torch.isfinite(vals).all()):
+                return "non-finite value"
+            decoded.append((idx, vals))
+        return decoded
+
+    def _bad_peer(self, r: int, step: int, reason: str) -> None:
+        global_rank = (dist.get_global_rank(self.group, r)
+                       if dist.is_initialized() and self.world > 1 else r)
+        if self.on_bad_peer == "raise":
+            raise CorruptPayloadError(self.name, r, global_rank, step, reason)
+        self.dropped_payloads += 1
+        warnings.warn(f"{self.name}: dropped the payload of rank {global_rank} at step {step}: "
+                      f"{reason}", RuntimeWarning, stacklevel=3)
+
+    def _decode(self, gathered: torch.Tensor, grads, step: int, code: int) -> None:
         n = gathered.shape[0]
-        try:
-            check_headers(self.name, gathered, step, code)
-        except Exception:
-            for i, s in enumerate(sent):
-                if s is not None:
-                    self._feedback(i, s[0], s[1], sign=1.0)
-            raise
-        for i, g in enumerate(grads):
-            if g is None or self.plans[i] is None:
+        heads = gathered[:, :HEADER_BYTES].contiguous().view(torch.int64).view(n, 4).tolist()
+        peers = []
+        for r in range(n):
+            reason = self._check_header(gathered[r], step)
+            if reason is None:
+                peers.append(r)
+            else:
+                self._bad_peer(r, step, reason)
+        check_flags(self.name, [heads[r][2] if r in peers else 0 for r in range(n)],
+                    [heads[r][3] if r in peers else code for r in range(n)], code, step)
+        active = [any(grads[i] is not None for i in u.members) for u in self.units]
+        good = []
+        for r in peers:
+            res = self._check_body(gathered[r], active)
+            if isinstance(res, str):
+                self._bad_peer(r, step, res)
+            else:
+                good.append(res)
+        for j, u in enumerate(self.units):
+            if not active[j]:
                 continue
-            plan, t = self.plans[i], self.transforms[i]
+            plan, t = u.plan, u.transform
             img = self.scratch.get(2, plan.padded_numel, torch.float32, self.device).zero_()
-            for r in range(n):
-                idx_r, val_r = self._views(gathered[r], i)
-                img.index_add_(0, t.image_index(idx_r), val_r.reshape(-1).float())
-            if n > 1:
-                img.div_(n)
-            t.decode_image(img, out=g)
+            for dec in good:  # rank order: every replica sums alike
+                idx, vals = dec[j]
+                img.index_add_(0, t.image_index(idx), vals.reshape(-1))
+            if len(good) > 1:
+                img.div_(len(good))
+            self._write_output(u, img, grads)
+
+    def _write_output(self, u: _Unit, img: torch.Tensor, grads) -> None:
+        if u.flat is None:
+            g = grads[u.members[0]]
+            u.transform.decode_image(img, out=g)
             if self.sign:
                 g.sign_()
+            return
+        out = u.transform.decode_image(img, out=u.flat.view(u.plan.shape2d))
+        if self.sign:
+            out.sign_()
+        flat, off = out.reshape(-1), 0
+        for i, size in zip(u.members, u.sizes):
+            if grads[i] is not None:
+                grads[i].copy_(flat[off: off + size].view_as(grads[i]))
+            off += size
+
+    # ------------------------------------------------------------------ step
+    def replicate(self, grads, lrs, step, communicate):
+        if self.overlap == "delayed":
+            return self._replicate_delayed(grads, lrs, step)
+        buf = self._buckets[0]
+        sent, code = self._fill(grads, lrs, step, buf)
+        gathered = self._exchange(buf) if communicate else buf.unsqueeze(0)
+        try:
+            self._decode(gathered, grads, step, code)
+        except Exception:
+            for u, s in zip(self.units, sent):
+                if s is not None:
+                    self._feedback(u, s[0], s[1], sign=1.0)
+            raise
+        return grads
+
+    def _replicate_delayed(self, grads, lrs, step):
+        buf = self._buckets[step % 2]
+        _, code = self._fill(grads, lrs, step, buf)
+        handle = all_gather(buf, self.group, self.stats, async_op=True)
+        previous, self._inflight = self._inflight, (step, handle, code)
+        if previous is None:
+            for g in grads:
+                if g is not None:
+                    g.zero_()
+            return grads
+        prev_step, prev_handle, prev_code = previous
+        gathered = prev_handle.wait() if isinstance(prev_handle, Pending) else prev_handle
+        self._decode(gathered, grads, prev_step, prev_code)
         return grads
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict:
         sd = super().state_dict()
-        sd["delta"] = [None if d is None else d.clone() for d in self.delta]
+        sd["delta"] = [d.clone() for d in self.delta]
+        sd["dropped_payloads"] = self.dropped_payloads
+        if self._inflight is not None:
+            step, handle, code = self._inflight
+            gathered = handle.wait() if isinstance(handle, Pending) else handle
+            self._inflight = (step, gathered, code)
+            sd["inflight"] = {"step": step, "gathered": gathered.clone(), "code": code}
         return sd
 
     def load_state_dict(self, state: dict) -> None:
-        super().load_state_dict(state)
         deltas = state["delta"]
-        if len(deltas) != len(self.delta):
-            raise ValueError(f"{self.name}: state holds {len(deltas)} momentum buffers, "
-                             f"this optimizer has {len(self.delta)} parameters")
-        for i, (mine, theirs) in enumerate(zip(self.delta, deltas)):
-            if mine is not None and (theirs is None or tuple(theirs.shape) != tuple(mine.shape)):
+        if len(deltas) != len(self.units):
+            raise ValueError(f"{self.name}: state holds {len(deltas)} momentum buffers, this "
+                             f"replicator has {len(self.units)} (another model or settings?)")
+        for i, (u, theirs) in enumerate(zip(self.units, deltas)):
+            if theirs is None or tuple(theirs.shape) != tuple(u.delta.shape):
                 raise ValueError(f"{self.name}: momentum {i} has shape "
                                  f"{None if theirs is None else tuple(theirs.shape)}, "
-                                 f"expected {tuple(mine.shape)} (another model or mesh?)")
-        for mine, theirs in zip(self.delta, deltas):
-            if mine is not None:
-                mine.copy_(theirs)
+                                 f"expected {tuple(u.delta.shape)} (another model or mesh?)")
+        super().load_state_dict(state)
+        for u, theirs in zip(self.units, deltas):
+            u.delta.copy_(theirs)
+        self.dropped_payloads = int(state.get("dropped_payloads", 0))
+        inflight = state.get("inflight")
+        self._inflight = None if inflight is None else (
+            int(inflight["step"]), inflight["gathered"].to(self.device), int(inflight["code"]))

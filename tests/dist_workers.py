@@ -234,3 +234,42 @@ def diloco_replicas_worker(rank, world, replicate, shard):
                         "payloads": [ex.payload_bytes() for ex in rep.exchanges],
                         "coord": opt.mesh.get_coordinate()}
     return out
+
+
+def wire_worker(rank, world):
+    """Codecs, bucketing, delayed overlap and corrupt payloads on real process groups."""
+    from flexdemo.replicate.demo import CorruptPayloadError
+
+    out = {}
+    variants = {f"values-{v}": {"values": v} for v in ("bf16", "int8", "int2", "sign")}
+    variants.update({"bucketed": {}, "per-tensor": {"bucket": False},
+                     "delayed": {"overlap": "delayed"}, "separate-small": {"small": "separate"}})
+    for name, kw in variants.items():
+        rep = DeMoReplicator(topk=4, chunk=8, **kw)
+        model, opt = flexdemo.prepare(fresh_model(), rep, lr=0.01, replicate=world, shard=1)
+        stats = train(model, opt, 5, rank)
+        out[name] = {"shards": shards(model), "stats": stats, "payload": rep.payload_bytes(),
+                     "units": len(rep.units)}
+    # a corrupt payload from rank 1 (NaN value): every rank names it, or drops it
+    for policy in ("raise", "drop"):
+        rep = DeMoReplicator(topk=4, chunk=8, on_bad_peer=policy)
+        model, opt = flexdemo.prepare(fresh_model(), rep, lr=0.01, replicate=world, shard=1)
+        train(model, opt, 2, rank)
+        if rank == 1:
+            fill = rep._fill
+
+            def corrupt(grads, lrs, step, buf, fill=fill, rep=rep):
+                res = fill(grads, lrs, step, buf)
+                u = rep.units[0]
+                buf[u.val_off: u.val_off + 4].view(torch.float32).fill_(float("nan"))
+                return res
+
+            rep._fill = corrupt
+        try:
+            train(model, opt, 1, rank, start=2)
+            out[policy] = None
+        except CorruptPayloadError as e:
+            out[policy] = (str(e), e.global_rank)
+        out[policy + "_dropped"] = rep.dropped_payloads
+        out[policy + "_shards"] = shards(model)
+    return out

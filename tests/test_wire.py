@@ -1,0 +1,195 @@
+"""The compact wire format: bit packing, value codecs, payload sizes, payload validation."""
+
+import math
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+from flexdemo import DeToNATION
+from flexdemo.compress.bits import pack_bits, packed_nbytes, unpack_bits
+from flexdemo.compress.quant import BLOCK_FORMATS, BlockValueCodec
+from flexdemo.replicate import DeMoReplicator
+from flexdemo.replicate.demo import CorruptPayloadError
+
+
+@pytest.mark.parametrize("bits", [1, 2, 3, 7, 8, 12, 13, 16, 31])
+def test_bit_packing_exact(bits):
+    torch.manual_seed(bits)
+    v = torch.randint(0, 2 ** bits, (997,))
+    packed = pack_bits(v, bits)
+    assert packed.dtype == torch.uint8 and packed.numel() == packed_nbytes(997, bits)
+    assert torch.equal(unpack_bits(packed, bits, 997), v)
+
+
+@pytest.mark.parametrize("fmt", BLOCK_FORMATS)
+def test_block_codecs(fmt):
+    torch.manual_seed(0)
+    vals = torch.randn(40, 32)
+    codec = BlockValueCodec(fmt)
+    buf = torch.zeros(codec.nbytes(40, 32), dtype=torch.uint8)
+    sent = codec.encode(vals, buf)
+    assert torch.equal(sent, codec.decode(buf, 40, 32))  # what we subtract is what peers see
+    assert bool(((torch.sign(sent) == torch.sign(vals)) | (sent == 0)).all())  # no sign flips
+    err = (sent - vals).abs()
+    mx = vals.abs().amax(1, keepdim=True)
+    if fmt == "fp32":
+        assert torch.equal(sent, vals)
+    elif fmt in ("bf16", "fp16"):
+        assert bool((err <= vals.abs() * 2 ** -8 + 1e-12).all())
+    elif fmt == "int8":
+        assert bool((err <= mx / 254 * 1.01 + mx * 2 ** -8).all())
+    elif fmt == "int2":
+        lo = vals.abs().amin(1, keepdim=True)
+        assert bool((err <= (mx - lo) / 4 * 1.02 + mx * 2 ** -7).all())
+    else:
+        assert torch.allclose(sent.abs(), vals.abs().mean(1, keepdim=True).expand_as(vals),
+                              rtol=2 ** -7)
+
+
+def _rep(**kw):
+    rep = DeMoReplicator(**kw)
+    rep.setup([torch.Size([128, 192]), torch.Size([192]), torch.Size([7, 9])],
+              torch.device("cpu"), None)
+    return rep
+
+
+@pytest.mark.parametrize("fmt", BLOCK_FORMATS)
+def test_payload_bytes_formula(fmt):
+    rep = _rep(values=fmt)
+    codec = BlockValueCodec(fmt)
+    expected = 32  # header
+    # the 128x192 matrix: 6 blocks of 64x64, 32 indices of 12 bits each
+    expected += math.ceil(6 * 32 * 12 / 8 / 8) * 8 + math.ceil(codec.nbytes(6, 32) / 8) * 8
+    # the batch of small tensors: 192 + 63 = 255 entries -> (4, 64): one block of 256 (8 bits)
+    expected += math.ceil(32 * 8 / 8 / 8) * 8 + math.ceil(codec.nbytes(1, 32) / 8) * 8
+    assert rep.payload_bytes() == expected
+
+
+def test_presets_reach_the_byte_targets():
+    """B/param for a 2-replica exchange of a GPT-like set of shapes."""
+    d = 384
+    shapes = [(256, d), (128, d)]
+    for _ in range(6):
+        shapes += [(d,), (d,), (3 * d, d), (3 * d,), (d, d), (d,), (d,), (d,), (4 * d, d),
+                   (4 * d,), (d, 4 * d), (d,)]
+    shapes += [(d,), (d,), (256, d)]
+    numel = sum(math.prod(s) for s in shapes)
+    for kw, target in (({"topk": 16, "values": "int2"}, 0.01),
+                       ({"topk": 4, "values": "sign"}, 0.003)):
+        rep = DeMoReplicator(**kw)
+        rep.setup([torch.Size(s) for s in shapes], torch.device("cpu"), None)
+        assert rep.payload_bytes() / numel <= target, kw
+
+
+def _payloads(rep, n=2):
+    grads = [torch.randn(128, 192), torch.randn(192), torch.randn(7, 9)]
+    buf = rep._buckets[0]
+    rep._fill(grads, [1e-2] * 3, 0, buf)
+    return grads, torch.stack([buf.clone() for _ in range(n)])
+
+
+def test_corrupt_payloads_are_named():
+    torch.manual_seed(0)
+    for corrupt, match in (
+        (lambda u, row: row[u.val_off: u.val_off + 4].view(torch.float32).fill_(float("nan")),
+         "non-finite value"),
+        (lambda u, row: row[0:8].view(torch.int64).fill_(123), "bad magic"),
+        (lambda u, row: row[8:16].view(torch.int64).fill_(7), "payload for step 7"),
+        (lambda u, row: row[u.idx_off: u.idx_off + 3].fill_(0), "repeated index"),
+    ):
+        rep = _rep(values="fp32")
+        grads, gathered = _payloads(rep)
+        corrupt(rep.units[0], gathered[1])
+        with pytest.raises(CorruptPayloadError, match=f"rank 1 .*{match}"):
+            rep._decode(gathered, grads, 0, rep_code(grads))
+
+
+def rep_code(grads):
+    from flexdemo.replicate.base import presence_code
+    return presence_code(grads)
+
+
+def test_index_out_of_range_is_caught():
+    rep = DeMoReplicator(topk=4, chunk=8)
+    rep.setup([torch.Size([8, 12])], torch.device("cpu"), None)  # blocks of 8x12=96: 7 bits
+    grads = [torch.randn(8, 12)]
+    rep._fill(grads, [1.0], 0, rep._buckets[0])
+    gathered = torch.stack([rep._buckets[0].clone()] * 2)
+    u = rep.units[0]
+    gathered[1, u.idx_off: u.val_off] = 0xFF  # every index 127 >= 96
+    with pytest.raises(CorruptPayloadError, match="rank 1 .*out of range"):
+        rep._decode(gathered, grads, 0, rep_code(grads))
+
+
+def test_drop_bad_peer_uses_the_others():
+    torch.manual_seed(0)
+    rep = _rep(on_bad_peer="drop", sign=False)
+    grads, gathered = _payloads(rep, n=3)
+    u = rep.units[0]
+    gathered[2, u.val_off: u.val_off + 4].view(torch.float32).fill_(float("inf"))
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        rep._decode(gathered, grads, 0, rep_code(grads))
+    assert rep.dropped_payloads == 1 and "dropped the payload of rank 2" in str(w[0].message)
+    # the mean of the two identical good payloads equals the decode of one of them
+    torch.manual_seed(0)
+    ref = _rep(sign=False)
+    g1, one = _payloads(ref, n=1)
+    ref._decode(one, g1, 0, rep_code(g1))
+    assert all(torch.allclose(a, b) for a, b in zip(grads, g1))
+
+
+def test_delayed_overlap_applies_one_step_late_and_learns():
+    torch.manual_seed(0)
+    x = torch.randn(256, 8)
+    y = x[:, :1] * 2 - x[:, 1:2]
+
+    def run(overlap):
+        torch.manual_seed(1)
+        m = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 1))
+        opt = DeToNATION(m.parameters(), DeMoReplicator(topk=4, chunk=8, overlap=overlap),
+                         lr=3e-3)
+        first, losses = [p.detach().clone() for p in m.parameters()], []
+        for s in range(150):
+            loss = (m(x) - y).pow(2).mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+            if s == 0:
+                unchanged = all(torch.equal(a, b) for a, b in zip(first, m.parameters()))
+        return losses, unchanged
+
+    losses, unchanged = run("delayed")
+    assert unchanged  # nothing to apply at step 0
+    assert losses[-1] < 0.3 * losses[0]
+    plain, unchanged_plain = run("none")
+    assert not unchanged_plain
+
+
+def test_delayed_state_round_trip():
+    import copy
+
+    def make():
+        torch.manual_seed(1)
+        m = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 1))
+        return m, DeToNATION(m.parameters(), DeMoReplicator(topk=4, chunk=8,
+                                                            overlap="delayed"), lr=3e-3)
+
+    x = torch.randn(64, 8)
+    m, opt = make()
+    for _ in range(3):
+        m(x).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    m2, opt2 = make()
+    m2.load_state_dict(m.state_dict())
+    opt2.load_state_dict(copy.deepcopy(opt.state_dict()))
+    for mm, oo in ((m, opt), (m2, opt2)):
+        for _ in range(3):
+            mm(x).pow(2).mean().backward()
+            oo.step()
+            oo.zero_grad()
+    assert all(torch.equal(a, b) for a, b in zip(m.parameters(), m2.parameters()))

@@ -9,10 +9,12 @@ Strategies (run one after the other in the same process group, same seed and dat
   across replicas, sign-SGD;
 * ``hsdp-adamw``: FSDP2 inside a replica, full fp32 gradient all-reduce across replicas, AdamW.
 
-More (``--strategies``): ``no-sync`` (AdamW, no replication), ``diloco-h20``, ``diloco-h100``
+More (``--strategies``): ``no-sync`` (AdamW, no replication), ``floor`` (no replication,
+plain SGD: the cheapest step), ``diloco-h20``, ``diloco-h100``
 (DiLoCo with inner AdamW, outer Nesterov SGD), ``streaming-diloco`` (H=20, 4 fragments,
 tau=1, int4 exchange), ``demo-diloco`` (H=20, pseudo-gradients exchanged as the DCT top-128
-of each 64x64 block, with error feedback).
+of each 64x64 block, with error feedback). Replicator settings can follow a name:
+``flexdemo:values=int2:topk=16``.
 
 Rank 0 prints progress and a final table and writes the results as JSON (``--out``). Bytes
 are those a rank sends across the replicate dimension (the slow link); FSDP's own traffic
@@ -38,6 +40,7 @@ STRATEGIES: dict[str, dict] = {
     "flexdemo": {"replicator": "demo", "optimizer": "sgd", "lr": 3e-3},
     "hsdp-adamw": {"replicator": "full", "optimizer": "adamw", "lr": 1e-3},
     "no-sync": {"replicator": "none", "optimizer": "adamw", "lr": 1e-3},
+    "floor": {"replicator": "none", "optimizer": "sgd", "lr": 3e-3},
     "diloco-h20": {"replicator": "diloco", "optimizer": "adamw", "lr": 1e-3,
                    "replicator_kwargs": {"inner_steps": 20}},
     "diloco-h100": {"replicator": "diloco", "optimizer": "adamw", "lr": 1e-3,
@@ -72,9 +75,36 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     args.strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]
     for s in args.strategies:
-        if s not in STRATEGIES:
-            p.error(f"unknown strategy {s!r}; choose from {sorted(STRATEGIES)}")
+        try:
+            strategy_spec(s)
+        except ValueError as e:
+            p.error(str(e))
     return args
+
+
+def _value(text: str):
+    for cast in (int, float):
+        try:
+            return cast(text)
+        except ValueError:
+            pass
+    return {"true": True, "false": False}.get(text.lower(), text)
+
+
+def strategy_spec(token: str) -> dict:
+    """A strategy by name, with optional replicator settings: ``flexdemo:values=int2:topk=16``."""
+    name, *settings = token.split(":")
+    if name not in STRATEGIES:
+        raise ValueError(f"unknown strategy {name!r}; choose from {sorted(STRATEGIES)}")
+    spec = dict(STRATEGIES[name])
+    kwargs = dict(spec.get("replicator_kwargs") or {})
+    for item in settings:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"bad setting {item!r} in {token!r}; write key=value")
+        kwargs[key] = _value(value)
+    spec["replicator_kwargs"] = kwargs or None
+    return spec
 
 
 def lr_at(step: int, steps: int, base: float, warmup: float) -> float:
@@ -112,7 +142,7 @@ def replica_drift(model: torch.nn.Module, group: dist.ProcessGroup) -> float:
 def run_strategy(name: str, args: argparse.Namespace, train: torch.Tensor,
                  val: torch.Tensor, layout: dict) -> dict:
     """Train a fresh model with one strategy; returns its summary (identical on all ranks)."""
-    spec = STRATEGIES[name]
+    spec = strategy_spec(name)
     lr = args.lr if args.lr is not None else spec["lr"]
     cfg = gpt_config(args.model)
     torch.manual_seed(args.seed)  # same initial model on every rank and for every strategy

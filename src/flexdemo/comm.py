@@ -91,21 +91,22 @@ def group_rank(group) -> int:
 class Pending:
     """An asynchronous collective in flight; :meth:`wait` returns its result.
 
-    The seconds recorded are those this rank spent launching and blocked in ``wait`` (time
-    the collective ran behind computation is not counted).
+    Its bytes are recorded when it is launched (they are on their way); its seconds are those
+    this rank spent launching it and blocked in ``wait`` (time the collective ran behind
+    computation is not counted).
     """
 
     def __init__(self, result: torch.Tensor, work=None, stats: CommStats | None = None,
                  nbytes: int = 0, launch_seconds: float = 0.0) -> None:
         self.result, self._work, self._stats = result, work, stats
-        self._nbytes, self._launch = nbytes, launch_seconds
+        if work is not None:
+            stats.record(nbytes, nbytes, launch_seconds)
 
     def wait(self) -> torch.Tensor:
         if self._work is not None:
             t0 = time.perf_counter()
             self._work.wait()
-            self._stats.record(self._nbytes, self._nbytes,
-                               self._launch + time.perf_counter() - t0)
+            self._stats.record(0, 0, time.perf_counter() - t0, collectives=0)
             self._work = None
         return self.result
 

@@ -1,0 +1,105 @@
+"""Wire-efficiency benchmark on an emulated cluster (network namespaces + shaped links).
+
+Part ``codecs``: bytes per parameter per step and loss after a fixed number of steps for DeMo
+codec settings, 2 nodes x 1 rank (2 replicas), the ~10.9M GPT.
+Part ``timing``: step time and replication seconds per step at each bandwidth, 2 nodes x 2
+ranks (FlexDeMo, 2 x 2 mesh), for: no replication (the floor), bucketed, per-tensor and
+delayed (overlapped) DeMo at the default codec.
+
+    python benchmarks/bench_wire.py [--parts codecs,timing] [--steps 150] [--out DIR]
+
+Needs root for shaping (without it, runs unshaped on loopback and says so). Prints tables and
+writes ``wire.json`` under ``--out`` (default benchmarks/results).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+from flexdemo.cluster import EmulatedCluster, ShapingUnavailableError
+
+ROOT = Path(__file__).resolve().parent.parent
+CODECS = ["flexdemo", "flexdemo:values=bf16", "flexdemo:values=int8", "flexdemo:values=int2",
+          "flexdemo:values=sign", "flexdemo:topk=16", "flexdemo:topk=16:values=int8",
+          "flexdemo:topk=16:values=int2", "flexdemo:topk=16:values=sign",
+          "flexdemo:topk=4:values=sign"]
+TIMING = ["floor", "{default}", "{default}:bucket=false", "{default}:overlap=delayed"]
+
+
+def run_train(cluster_args: dict, strategies: list[str], extra: list[str]) -> list[dict]:
+    """Run examples/train_gpt.py on an emulated cluster; returns its results."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "results.json"
+        cmd = [sys.executable, str(ROOT / "examples" / "train_gpt.py"),
+               "--strategies", ",".join(strategies), "--out", str(out), *extra]
+        try:
+            cluster = EmulatedCluster(**cluster_args)
+        except ShapingUnavailableError as e:
+            print(f"note: {e}\nrunning unshaped on loopback instead", flush=True)
+            cluster = EmulatedCluster(cluster_args["nodes"], cluster_args["ranks_per_node"],
+                                      unshaped=True)
+        with cluster:
+            result = cluster.run(cmd, cwd=str(ROOT))
+        if not result.ok:
+            raise SystemExit(f"training failed: {result}")
+        return json.loads(out.read_text())["results"]
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--parts", default="codecs,timing")
+    p.add_argument("--model", default="small")
+    p.add_argument("--steps", type=int, default=150, help="training steps per codec")
+    p.add_argument("--timing-steps", type=int, default=30)
+    p.add_argument("--bandwidths", default="100mbit,1gbit")
+    p.add_argument("--codecs", default=",".join(CODECS))
+    p.add_argument("--default", default="flexdemo:topk=16:values=int2",
+                   help="the codec used in the timing part")
+    p.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    args = p.parse_args(argv)
+    parts = set(args.parts.split(","))
+    report: dict = {"model": args.model}
+    common = ["--model", args.model, "--batch", "4", "--log-every", "50"]
+    if "codecs" in parts:
+        codecs = args.codecs.split(",")
+        res = run_train({"nodes": 2, "ranks_per_node": 1, "bandwidth": "1gbit"}, codecs,
+                        common + ["--steps", str(args.steps), "--replicate", "2", "--shard", "1"])
+        report["codecs"] = res
+        print(f"\ncodecs: {args.model} GPT, 2 replicas, {args.steps} steps, batch 4 x 128")
+        print(f"{'strategy':<34} {'B/param/step':>12} {'val loss':>9} {'train':>8}")
+        for r in res:
+            print(f"{r['strategy']:<34} {r['bytes_per_param_per_step']:12.5f} "
+                  f"{r['val_loss']:9.4f} {r['train_loss']:8.4f}")
+    if "timing" in parts:
+        report["timing"] = {}
+        strategies = [s.format(default=args.default) for s in TIMING]
+        for bw in args.bandwidths.split(","):
+            res = run_train({"nodes": 2, "ranks_per_node": 2, "bandwidth": bw}, strategies,
+                            common + ["--steps", str(args.timing_steps), "--replicate", "2",
+                                      "--shard", "2", "--eval-batches", "1"])
+            report["timing"][bw] = res
+            floor = res[0]["seconds"] / res[0]["steps"]
+            print(f"\ntiming at {bw}: {args.model} GPT, 2 nodes x 2 ranks, "
+                  f"{args.timing_steps} steps")
+            print(f"{'strategy':<40} {'s/step':>7} {'x floor':>8} {'comm s/step':>11} "
+                  f"{'B/param':>9}")
+            for r in res:
+                step = r["seconds"] / r["steps"]
+                print(f"{r['strategy']:<40} {step:7.3f} {step / floor:8.3f} "
+                      f"{r['comm_seconds'] / r['steps']:11.4f} "
+                      f"{r['bytes_per_param_per_step']:9.5f}")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "wire.json").write_text(json.dumps(report, indent=2))
+    print(f"\nwrote {out / 'wire.json'}")
+    return report
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    main()

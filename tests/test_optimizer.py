@@ -172,6 +172,17 @@ def test_state_dict_round_trip_gives_same_next_step():
             assert any(not torch.equal(p, q) for p, q in zip(m2.parameters(), m3.parameters()))
 
 
+def test_param_groups_stay_shared_after_load():
+    m = model()
+    opt = DeToNATION(m.parameters(), "demo", base="adamw", lr=1e-2)
+    train(m, opt, 1)
+    opt.load_state_dict(copy.deepcopy(opt.state_dict()))
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    train(m, opt, 1, start=1)
+    sched.step()
+    assert opt.base.param_groups[0]["lr"] == pytest.approx(5e-3)
+
+
 def test_load_state_dict_rejects_other_model():
     opt = DeToNATION(model().parameters(), "demo")
     other = DeToNATION(nn.Linear(3, 3).parameters(), "demo")

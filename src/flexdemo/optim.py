@@ -213,6 +213,9 @@ class DeToNATION(torch.optim.Optimizer):
         for r, s in zip(self.replicators, reps):
             r.load_state_dict(s)
         self.base.load_state_dict(state_dict["base"])
+        # torch replaces these containers on load: share them again (LR schedulers)
+        self.param_groups = self.base.param_groups
+        self.state = self.base.state
         self.steps = int(state_dict["steps"])
         self.skipped_steps = int(state_dict.get("skipped_steps", 0))
 

@@ -1,0 +1,217 @@
+"""Checkpoints: bitwise resume (one process and a 2 x 2 mesh), atomic saves, clear errors."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from ckpt_workers import extra_for, make_single, resume_worker, run_steps
+from dist_util import run_world
+
+import flexdemo.checkpoint as ckpt
+from flexdemo.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+
+
+def params(model):
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def equal(a, b):
+    return all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+# ---------------------------------------------------------------------------- one process
+@pytest.mark.parametrize("kind", ["demo", "diloco"])
+def test_round_trip_continues_bitwise(tmp_path, kind):
+    model, opt = make_single(kind, 0)
+    run_steps(model, opt, 2, 0)
+    if kind == "diloco":
+        assert opt.replicators[0].pending, "fragment 0's sync should be in flight after step 1"
+    path = save_checkpoint(tmp_path / "step_000002", model, opt, step=2, extra=extra_for(0))
+    assert path == tmp_path / "step_000002"
+    run_steps(model, opt, 5, 2)
+    expected = params(model)
+
+    model2, opt2 = make_single(kind, 1)  # other initial weights
+    assert not equal(params(model2), params(model))
+    res = load_checkpoint(path, model2, opt2)
+    assert res["step"] == 2 and opt2.steps == 2 and opt2.skipped_steps == 0
+    want = extra_for(0)
+    assert res["extra"].keys() == want.keys()
+    assert torch.equal(res["extra"]["rng"], want["rng"])
+    assert res["extra"]["rng"].dtype == torch.uint8
+    assert torch.equal(res["extra"]["gen"], want["gen"])
+    assert res["extra"]["note"] == want["note"] and res["extra"]["data_pos"] == 100
+    # the optimizer still shares its parameter groups and state with the base optimizer
+    assert opt2.param_groups is opt2.base.param_groups and opt2.state is opt2.base.state
+    run_steps(model2, opt2, 5, 2)
+    assert equal(params(model2), expected)
+
+
+def test_save_before_first_step_leaves_optimizer_alone(tmp_path):
+    model, opt = make_single("demo", 0)
+    path = save_checkpoint(tmp_path / "step_000000", model, opt, step=0)
+    assert not opt.base.state, "saving must not initialise the base optimizer's state"
+    run_steps(model, opt, 3, 0)
+    model2, opt2 = make_single("demo", 1)
+    load_checkpoint(path, model2, opt2)
+    assert not opt2.base.state
+    run_steps(model2, opt2, 3, 0)
+    assert equal(params(model2), params(model))
+
+
+def test_latest_checkpoint_and_overwrite(tmp_path):
+    assert latest_checkpoint(tmp_path / "nothing") is None
+    assert latest_checkpoint(tmp_path) is None
+    model, opt = make_single("demo", 0)
+    save_checkpoint(tmp_path / "step_2", model, opt, step=2)
+    run_steps(model, opt, 1, 0)
+    ten = save_checkpoint(tmp_path / "step_10", model, opt, step=10)
+    (tmp_path / "step_99").mkdir()  # no marker: not a checkpoint
+    shutil.copytree(ten, tmp_path / "step_50.tmp-123")  # temporary: never returned
+    assert latest_checkpoint(tmp_path) == ten  # by step, not by name
+    run_steps(model, opt, 1, 1)
+    save_checkpoint(ten, model, opt, step=10, extra={"again": True})  # replaces it atomically
+    assert not (tmp_path / "step_50.tmp-123").exists(), "stale temporary directories are removed"
+    model2, opt2 = make_single("demo", 1)
+    assert load_checkpoint(latest_checkpoint(tmp_path), model2, opt2)["extra"] == {"again": True}
+    assert equal(params(model2), params(model))
+    assert sorted(os.listdir(tmp_path)) == ["step_10", "step_2", "step_99"]
+
+
+def test_failed_commit_leaves_previous_checkpoint(tmp_path, monkeypatch):
+    model, opt = make_single("demo", 0)
+    good = save_checkpoint(tmp_path / "step_000001", model, opt, step=1)
+    expected = params(model)
+    run_steps(model, opt, 1, 0)
+
+    def boom(tmp, final):
+        assert (tmp / ckpt.MARKER_FILE).exists() and (tmp / ".metadata").exists()
+        raise OSError("disk full (simulated)")
+
+    with pytest.raises(ValueError, match="cannot be pickled"):  # fails before writing
+        save_checkpoint(tmp_path / "step_000002", model, opt, step=2, extra={"f": lambda: 0})
+    assert os.listdir(tmp_path) == ["step_000001"]
+    monkeypatch.setattr(ckpt, "_commit", boom)
+    with pytest.raises(OSError, match="simulated"):
+        save_checkpoint(tmp_path / "step_000002", model, opt, step=2)
+    assert latest_checkpoint(tmp_path) == good
+    assert os.listdir(tmp_path) == ["step_000001"]  # the temporary directory was removed
+    model2, opt2 = make_single("demo", 1)
+    load_checkpoint(good, model2, opt2)
+    assert equal(params(model2), expected)
+
+
+def test_killed_during_save_leaves_previous_checkpoint(tmp_path):
+    """A process that dies between writing everything and the rename (no clean-up runs)."""
+    code = textwrap.dedent(f"""
+        import os, sys
+        sys.path.insert(0, {str(Path(__file__).parent)!r})
+        from ckpt_workers import make_single, run_steps
+        import flexdemo.checkpoint as ckpt
+        model, opt = make_single("demo", 0)
+        run_steps(model, opt, 2, 0)
+        ckpt.save_checkpoint({str(tmp_path)!r} + "/step_000002", model, opt, step=2)
+        run_steps(model, opt, 2, 2)
+        ckpt._commit = lambda tmp, final: os._exit(17)
+        ckpt.save_checkpoint({str(tmp_path)!r} + "/step_000004", model, opt, step=4)
+    """)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 17, proc.stderr
+    stale = [d for d in os.listdir(tmp_path) if ".tmp-" in d]
+    assert len(stale) == 1 and (tmp_path / stale[0] / ckpt.MARKER_FILE).exists()
+    assert latest_checkpoint(tmp_path) == tmp_path / "step_000002"
+    # the survivor is loadable and resumes where the dead run was at step 2
+    model, opt = make_single("demo", 0)
+    run_steps(model, opt, 4, 0)
+    model2, opt2 = make_single("demo", 1)
+    assert load_checkpoint(tmp_path / "step_000002", model2, opt2)["step"] == 2
+    run_steps(model2, opt2, 2, 2)
+    assert equal(params(model2), params(model))
+    with pytest.raises(ValueError, match="not a complete"):
+        load_checkpoint(tmp_path / stale[0], model2, opt2)
+    save_checkpoint(tmp_path / "step_000004", model2, opt2, step=4)
+    assert sorted(os.listdir(tmp_path)) == ["step_000002", "step_000004"]
+
+
+def test_missing_incomplete_and_root_directories_raise(tmp_path):
+    model, opt = make_single("demo", 0)
+    with pytest.raises(ValueError, match="does not exist"):
+        load_checkpoint(tmp_path / "step_000007", model, opt)
+    path = save_checkpoint(tmp_path / "step_000007", model, opt, step=7)
+    with pytest.raises(ValueError, match="directory of checkpoints"):
+        load_checkpoint(tmp_path, model, opt)
+    (path / ckpt.MARKER_FILE).unlink()
+    with pytest.raises(ValueError, match="not a complete flexdemo checkpoint"):
+        load_checkpoint(path, model, opt)
+    assert latest_checkpoint(tmp_path) is None
+
+
+def test_other_model_or_optimizer_raises(tmp_path):
+    model, opt = make_single("demo", 0)
+    path = save_checkpoint(tmp_path / "step_000001", model, opt, step=1)
+    other, other_opt = make_single("demo", 0, width=7)
+    with pytest.raises(ValueError, match=r"another model.*out\.weight \(6, 32\) -> \(7, 32\)"):
+        load_checkpoint(path, other, other_opt)
+    model2, diloco_opt = make_single("diloco", 0)
+    with pytest.raises(ValueError, match="replicators"):
+        load_checkpoint(path, model2, diloco_opt)
+
+
+# ---------------------------------------------------------------------------- 4 ranks, 2 x 2
+@pytest.fixture(scope="module")
+def world4(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ckpt4")
+    return root, run_world(resume_worker, 4, str(root))
+
+
+@pytest.mark.parametrize("kind", ["demo", "diloco"])
+def test_distributed_resume_is_bitwise_on_every_rank(world4, kind):
+    _, results = world4
+    for rank, res in enumerate(results):
+        r = res[kind]
+        assert r["found"] and r["differs_before"], rank
+        assert r["bitwise"], f"{kind}: rank {rank} diverged after resuming"
+        assert r["step"] == r["steps"] == (3 if kind == "demo" else 4)
+        assert r["extra_ok"], f"rank {rank} did not get its own extra back"
+    if kind == "diloco":
+        assert all(res["diloco_in_flight"] for res in results)
+        # inner steps differ per replica: the model and AdamW state are stored per rank
+        assert results[0]["diloco"]["layout"] == "per_rank"
+    else:  # DeMo keeps replicas bitwise identical: one copy of the model suffices
+        assert results[0]["demo"]["layout"] == "shared"
+
+
+def test_distributed_each_rank_gets_its_own_demo_delta(world4):
+    _, results = world4
+    coords = [res["demo"]["coord"] for res in results]
+    assert coords == [[0, 0], [0, 1], [1, 0], [1, 1]]
+    for rank, res in enumerate(results):
+        assert equal(res["demo"]["saved_delta"], res["demo"]["loaded_delta"]), rank
+    for a, b in ((0, 2), (1, 3)):  # the two replicas of one shard hold different momentum
+        da, db = results[a]["demo"]["saved_delta"], results[b]["demo"]["saved_delta"]
+        assert not equal(da, db), "the test needs replicas whose DeMo deltas differ"
+
+
+def test_distributed_other_mesh_raises(world4):
+    _, results = world4
+    for res in results:
+        msg = res["mesh_error"]
+        assert msg is not None and "2 x 2" in msg and "4 x 1" in msg and "replicate=2" in msg
+
+
+def test_other_world_size_raises(world4):
+    root, _ = world4
+    path = root / "demo" / "step_000003"
+    meta = json.loads((path / ckpt.META_FILE).read_text())
+    assert meta["world_size"] == 4 and meta["mesh_shape"] == [2, 2]
+    assert len(os.listdir(path / ckpt.RANKS_DIR)) == 4
+    model, opt = make_single("demo", 0)  # one process
+    with pytest.raises(ValueError, match=r"written by 4 rank\(s\).*runs 1 rank"):
+        load_checkpoint(path, model, opt)

@@ -50,9 +50,10 @@ def median_seconds(fn: Callable[[], None], reps: int, warmup: int,
     return statistics.median(times)
 
 
-def traffic(shapes: list[torch.Size], replicas: int, topk: int, chunk: int) -> dict:
+def traffic(shapes: list[torch.Size], replicas: int, topk: int, chunk: int,
+            values: str = "fp32") -> dict:
     """Bytes per rank per step of DeMo vs. an fp32 ring all-reduce for local ``shapes``."""
-    rep = DeMoReplicator(topk=topk, chunk=chunk)
+    rep = DeMoReplicator(topk=topk, chunk=chunk, values=values)
     rep.setup(shapes, torch.device("cpu"), None)
     numel = sum(s.numel() for s in shapes)
     demo = all_gather_bytes(rep.payload_bytes(), replicas)
@@ -68,9 +69,9 @@ def traffic(shapes: list[torch.Size], replicas: int, topk: int, chunk: int) -> d
 
 
 def time_optimizers(params: list[torch.Tensor], grads: list[torch.Tensor], reps: int,
-                    warmup: int, lr: float, topk: int, chunk: int) -> dict:
+                    warmup: int, lr: float, topk: int, chunk: int, values: str = "fp32") -> dict:
     """Median seconds of a DeMo step + sign-SGD update and of an AdamW step on ``params``."""
-    rep = DeMoReplicator(topk=topk, chunk=chunk)
+    rep = DeMoReplicator(topk=topk, chunk=chunk, values=values)
     rep.setup([p.shape for p in params], torch.device("cpu"), None)
     work = [torch.empty_like(g) for g in grads]
     lrs = [lr] * len(params)
@@ -105,6 +106,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--topk", type=int, default=32)
     p.add_argument("--chunk", type=int, default=64)
+    p.add_argument("--values", default="fp32", help="value format (fp32, int8, int2, sign, ...)")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--out", default="benchmarks/results/core.json")
@@ -125,7 +127,8 @@ def main(argv: list[str] | None = None) -> dict:
     bytes_rows = []
     for layout, shapes in layouts.items():
         for n in (2, 4):
-            bytes_rows.append({"layout": layout, **traffic(shapes, n, args.topk, args.chunk)})
+            bytes_rows.append({"layout": layout, **traffic(shapes, n, args.topk, args.chunk,
+                                                               args.values)})
 
     # b. compute -----------------------------------------------------------------------
     train, _ = load_corpus(1_000_000, val_bytes=1)
@@ -148,7 +151,8 @@ def main(argv: list[str] | None = None) -> dict:
         else:
             ps = [q.detach()[: q.shape[0] // 2].clone() for q in params]
             gs = [g[: g.shape[0] // 2].clone() for g in grads]
-        t = time_optimizers(ps, gs, args.reps, args.warmup, args.lr, args.topk, args.chunk)
+        t = time_optimizers(ps, gs, args.reps, args.warmup, args.lr, args.topk, args.chunk,
+                            args.values)
         compute["layouts"].append({
             "layout": layout, "local_params": sum(q.numel() for q in ps), **t,
             "demo_pct_of_fwd_bwd": 100 * t["demo_step_s"] / fb,
@@ -157,7 +161,8 @@ def main(argv: list[str] | None = None) -> dict:
 
     # report ---------------------------------------------------------------------------
     print(f"model {args.model}: {n_params / 1e6:.2f}M parameters, DeMo topk={args.topk} "
-          f"chunk={args.chunk}, torch {torch.__version__}, {args.threads} thread(s)\n")
+          f"chunk={args.chunk} values={args.values}, torch {torch.__version__}, "
+          f"{args.threads} thread(s)\n")
     head = (f"{'layout':<10} {'n':>2} {'local params':>12} {'DeMo B/step':>12} "
             f"{'fp32 AR B/step':>15} {'DeMo B/param':>13} {'AR B/param':>11} {'ratio':>7}")
     print(head + "\n" + "-" * len(head))
@@ -178,6 +183,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     result = {
         "model": args.model, "params": n_params, "topk": args.topk, "chunk": args.chunk,
+        "values": args.values,
         "torch": torch.__version__, "threads": args.threads, "python": platform.python_version(),
         "machine": platform.machine(), "reps": args.reps, "bytes": bytes_rows,
         "compute": compute,

@@ -137,13 +137,16 @@ def test_byte_formulas():
     assert all_reduce_bytes(1000, 4, 4) == 2 * 3 * 250 * 4
     assert all_reduce_bytes(1001, 4, 4) == 2 * 3 * 251 * 4
     assert all_gather_bytes(100, 4) == 300
-    rep = setup(DeMoReplicator(), [(128, 128), (128,)])
+    rep = setup(DeMoReplicator.preset("original"), [(128, 128), (128,)])
     # header 32; the matrix: 4 blocks x 32 indices at 12 bits (192 B) + fp32 values (512 B);
     # the vector, batched as a (2, 64) matrix: one block of 128, 32 indices at 7 bits (28 B,
     # aligned to 32) + values (128 B)
     assert rep.payload_bytes() == 32 + 192 + 512 + 32 + 128
-    rep = setup(DeMoReplicator(values="int8"), [(128, 128)])
+    rep = setup(DeMoReplicator(topk=32, values="int8"), [(128, 128)])
     assert rep.payload_bytes() == 32 + 192 + (4 * 32 + 2 * 4)
+    # the default: topk 16, int2 values (2 bits each + two bf16 per block)
+    rep = setup(DeMoReplicator(), [(128, 128)])
+    assert rep.payload_bytes() == 32 + 96 + (16 + 4 * 4)
 
 
 def test_state_dict_round_trip_gives_same_next_step():
@@ -306,3 +309,15 @@ def test_prepare_single_process_runs():
     losses = train(m, opt, 3)
     assert all(x == x for x in losses) and opt.steps == 3
     assert opt.mesh.shape == (1, 1)
+
+
+def test_demo_presets():
+    from flexdemo.replicate import make_replicator
+
+    agg = make_replicator("demo-aggressive")
+    assert (agg.topk, agg.values) == (4, "sign")
+    orig = make_replicator("demo-original", chunk=32)
+    assert (orig.topk, orig.values, orig.chunk) == (32, "fp32", 32)
+    assert (DeMoReplicator().topk, DeMoReplicator().values) == (16, "int2")
+    with pytest.raises(ValueError, match="unknown DeMo preset"):
+        DeMoReplicator.preset("fastest")

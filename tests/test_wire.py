@@ -57,7 +57,7 @@ def _rep(**kw):
 
 @pytest.mark.parametrize("fmt", BLOCK_FORMATS)
 def test_payload_bytes_formula(fmt):
-    rep = _rep(values=fmt)
+    rep = _rep(values=fmt, topk=32)
     codec = BlockValueCodec(fmt)
     expected = 32  # header
     # the 128x192 matrix: 6 blocks of 64x64, 32 indices of 12 bits each

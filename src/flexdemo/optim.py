@@ -228,7 +228,8 @@ class DeMo(DeToNATION):
     """Drop-in DeMo optimizer (constructor of the original): sign-SGD on the decoded mean of
     the replicas' top-k DCT momentum components, over ``process_group`` (default: world).
 
-    ``compression_chunk`` is the block edge (2-D weights: ``chunk x chunk`` blocks).
+    ``compression_chunk`` is the block edge (2-D weights: ``chunk x chunk`` blocks). Values
+    travel as fp32, as in the original (with the compact packed indices).
     """
 
     def __init__(self, params: Iterable, lr: float = 1e-3, compression_decay: float = 0.999,
@@ -238,6 +239,7 @@ class DeMo(DeToNATION):
         from .replicate import DeMoReplicator
 
         rep = DeMoReplicator(topk=compression_topk, chunk=compression_chunk,
-                             decay=compression_decay, sign=True, scale_by_lr=True)
+                             decay=compression_decay, sign=True, scale_by_lr=True,
+                             values="fp32")
         super().__init__(params, [rep], base="sgd", lr=lr, weight_decay=weight_decay,
                          group=process_group, **kwargs)

@@ -1,12 +1,16 @@
 """Replicators: what crosses the slow link, on which group, and how often."""
 
+from collections.abc import Callable
+from functools import partial
+
 from .base import NonFiniteGradientError, Replicator
+from .demo import PRESETS as DEMO_PRESETS
 from .demo import DeMoReplicator
 from .diloco import DiLoCoReplicator
 from .full import FullReplicator, NoReplication
 from .subset import RandomReplicator, SlicingReplicator, StridingReplicator
 
-REPLICATORS: dict[str, type[Replicator]] = {
+REPLICATORS: dict[str, Callable[..., Replicator]] = {
     "demo": DeMoReplicator,
     "diloco": DiLoCoReplicator,
     "full": FullReplicator,
@@ -15,6 +19,9 @@ REPLICATORS: dict[str, type[Replicator]] = {
     "striding": StridingReplicator,
     "slicing": SlicingReplicator,
 }
+for _preset in DEMO_PRESETS:
+    if _preset != "default":
+        REPLICATORS[f"demo-{_preset}"] = partial(DeMoReplicator.preset, _preset)
 
 
 def make_replicator(spec, **kwargs) -> Replicator:
@@ -33,6 +40,7 @@ def make_replicator(spec, **kwargs) -> Replicator:
     raise TypeError(f"a replicator is a name or a Replicator instance, got {type(spec).__name__}")
 
 
-__all__ = ["REPLICATORS", "DeMoReplicator", "DiLoCoReplicator", "FullReplicator", "NoReplication",
+__all__ = ["DEMO_PRESETS", "REPLICATORS", "DeMoReplicator", "DiLoCoReplicator", "FullReplicator",
+           "NoReplication",
            "NonFiniteGradientError", "RandomReplicator", "Replicator", "SlicingReplicator",
            "StridingReplicator", "make_replicator"]

@@ -83,3 +83,18 @@ def test_topk_matches_torch():
     assert torch.equal(got, ref)
     with pytest.raises(ValueError, match="topk"):
         topk_indices(m, 0)
+
+
+@pytest.mark.parametrize("shape,m", [((128, 192), 8), ((128, 192), 32), ((64, 10), 5),
+                                     ((1, 256), 16)])
+def test_sparse_decode_matches_dense(shape, m):
+    torch.manual_seed(3)
+    plan = plan_chunks(shape, 64)
+    t = BlockDCT(plan)
+    idx = torch.stack([torch.randperm(plan.block_numel)[:m] for _ in range(plan.num_blocks)])
+    idx = torch.cat([idx, idx[:, :2]], dim=1)  # repeated indices add up
+    vals = torch.randn(plan.num_blocks, m + 2)
+    dense = torch.zeros(plan.num_blocks, plan.block_numel).scatter_add_(1, idx, vals)
+    out = torch.empty(shape)
+    t.decode_sparse(idx, vals, out)
+    torch.testing.assert_close(out, t.decode(dense), atol=1e-5, rtol=1e-5)

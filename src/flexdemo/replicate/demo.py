@@ -356,29 +356,46 @@ class DeMoReplicator(Replicator):
         for j, u in enumerate(self.units):
             if not active[j]:
                 continue
-            plan, t = u.plan, u.transform
-            img = self.scratch.get(2, plan.padded_numel, torch.float32, self.device).zero_()
-            for dec in good:  # rank order: every replica sums alike
-                idx, vals = dec[j]
-                img.index_add_(0, t.image_index(idx), vals.reshape(-1))
-            if len(good) > 1:
-                img.div_(len(good))
-            self._write_output(u, img, grads)
+            self._write_output(u, self._mean(u, [dec[j] for dec in good], grads), grads)
 
-    def _write_output(self, u: _Unit, img: torch.Tensor, grads) -> None:
-        if u.flat is None:
-            g = grads[u.members[0]]
-            u.transform.decode_image(img, out=g)
-            if self.sign:
-                g.sign_()
-            return
-        out = u.transform.decode_image(img, out=u.flat.view(u.plan.shape2d))
+    def _mean(self, u: _Unit, parts: list, grads) -> torch.Tensor:
+        """The mean of the peers' (idx, values) of unit ``u``, decoded to its matrix shape.
+
+        A few coefficients per block (``m <= (cr + cc) / 4`` over all peers) are decoded
+        sparsely; more go through a coefficient image and the dense inverse transform. The
+        choice depends only on shapes and the number of peers, so all replicas take the same
+        path and get the same bits.
+        """
+        plan, t = u.plan, u.transform
+        g = grads[u.members[0]]
+        if u.flat is not None:
+            out = u.flat.view(plan.shape2d)
+        elif g.dtype == torch.float32 and g.is_contiguous():
+            out = g.view(plan.shape2d)  # decode straight into the gradient
+        else:
+            out = self.scratch.get(7, plan.numel, torch.float32, self.device).view(plan.shape2d)
+        m = u.k * len(parts)
+        if parts and not plan.needs_padding and 4 * m <= sum(plan.chunk):
+            idx = torch.cat([p[0] for p in parts], dim=1)
+            vals = torch.cat([p[1] for p in parts], dim=1)
+            if len(parts) > 1:
+                vals = vals / len(parts)
+            return t.decode_sparse(idx, vals, out)
+        img = self.scratch.get(2, plan.padded_numel, torch.float32, self.device).zero_()
+        for idx, vals in parts:  # rank order: every replica sums alike
+            img.index_add_(0, t.image_index(idx), vals.reshape(-1))
+        if len(parts) > 1:
+            img.div_(len(parts))
+        return t.decode_image(img, out=out)
+
+    def _write_output(self, u: _Unit, out: torch.Tensor, grads) -> None:
         if self.sign:
             out.sign_()
         flat, off = out.reshape(-1), 0
         for i, size in zip(u.members, u.sizes):
-            if grads[i] is not None:
-                grads[i].copy_(flat[off: off + size].view_as(grads[i]))
+            g = grads[i]
+            if g is not None and g.data_ptr() != flat.data_ptr() + off * flat.element_size():
+                g.copy_(flat[off: off + size].view_as(g))
             off += size
 
     # ------------------------------------------------------------------ step

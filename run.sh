@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Set up flexdemo in a virtual environment (.venv) and run the main job or the tests.
-#   bash run.sh demo    # the main job: FlexDeMo vs full-sync AdamW on 4 CPU ranks (2 x 2 mesh)
+#   bash run.sh demo    # the main job: FlexDeMo vs full-sync AdamW, 2 emulated nodes x 2 ranks
 #   bash run.sh test    # the test suite
 set -euo pipefail
 cd "$(dirname "$0")"
@@ -20,7 +20,7 @@ case "${1:-}" in
   demo)
     setup
     shift
-    OMP_NUM_THREADS=1 "$VENV/bin/torchrun" --nproc-per-node 4 examples/train_gpt.py "$@"
+    "$VENV/bin/flexdemo" bench --preset main "$@"
     ;;
   test)
     setup

@@ -1,8 +1,14 @@
-"""Command line: ``flexdemo cluster ...`` (also ``python -m flexdemo cluster ...``)."""
+"""Command line: ``flexdemo train|bench|cluster ...`` (also ``python -m flexdemo ...``).
+
+A thin user of the library: ``train`` reads a config and calls :func:`flexdemo.train.train`,
+``bench`` calls :func:`flexdemo.bench.run_bench`, ``cluster`` runs
+:class:`flexdemo.cluster.EmulatedCluster`.
+"""
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 
@@ -88,6 +94,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="flexdemo",
         description="flexdemo: train one PyTorch model across nodes joined by slow links.",
+        epilog="start here: flexdemo bench --preset main  (FlexDeMo against full-sync AdamW "
+               "on 2 emulated nodes joined by a 100 Mbit/s link; a few minutes)",
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     c = sub.add_parser(
@@ -120,6 +128,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- CMD [ARGS...]",
                    help="the command each rank runs")
     c.set_defaults(func=_cmd_cluster, subparser=c)
+    _add_train_parser(sub)
+    _add_bench_parser(sub)
     return parser
 
 
@@ -171,6 +181,196 @@ def _cmd_cluster(args: argparse.Namespace, parser: argparse.ArgumentParser) -> i
     if not result.ok:
         _say(f"error: {result.message}")
     return result.exit_code
+
+
+# ---------------------------------------------------------------------- train
+TRAIN_DESCRIPTION = """\
+Train one model as a config file says: task and model size, strategy (replicator, base
+optimizer, learning rate), mesh (replicate x shard), steps, batch, schedule, evaluation,
+checkpoints, output folder. Run it as one process, under torchrun, or on an emulated cluster:
+
+  flexdemo train configs/gpt.toml
+  torchrun --nproc-per-node 4 -m flexdemo train configs/gpt.toml mesh.shard=2
+  flexdemo cluster --nodes 2 --ranks-per-node 2 --bandwidth 100mbit -- \\
+      flexdemo train configs/gpt.toml
+
+The config is TOML (YAML with pyyaml, or JSON) with the sections [task], [strategy], [mesh],
+[train] and a top-level resume; every key has a default, so an empty file (or no file) is a
+valid config. Overrides after the file replace single keys, e.g. strategy.replicator=full
+train.steps=50 'strategy.replicator_kwargs={topk=16}'. Values are TOML; bare words are
+strings. Switching strategy.replicator (or .optimizer) drops the file's replicator_kwargs
+(optimizer_kwargs) unless the overrides set them too.
+
+Outputs in train.out: config.toml (resolved), metrics.jsonl (one line per step: loss, lr,
+bytes sent/received, compute and communication seconds), summary.json, tensorboard/ and
+checkpoints/step_NNNNNN. --resume (or resume=true) continues from the newest checkpoint.
+"""
+
+TRAIN_EXAMPLES = """\
+examples:
+  flexdemo train configs/gpt.toml train.steps=50 strategy.replicator=full \\
+      strategy.optimizer=adamw strategy.lr=1e-3
+  flexdemo train configs/vit.toml --resume                 # continue after a stop or crash
+  flexdemo train configs/gpt.toml --print-config           # show the resolved config
+
+exit codes: 0 done, 1 training failed (e.g. a rank was lost), 2 bad config or arguments.
+environment: FLEXDEMO_TIMEOUT (seconds a collective waits for a dead peer, default 60, or
+train.timeout). The error that stops a run is the last line, after any log lines of torch's
+C++ side (TORCH_CPP_LOG_LEVEL=FATAL hides those; set it before starting Python).
+"""
+
+
+def _add_train_parser(sub) -> None:
+    t = sub.add_parser("train", help="train a model from a config (TOML/YAML) on this rank",
+                       description=TRAIN_DESCRIPTION, epilog=TRAIN_EXAMPLES,
+                       formatter_class=argparse.RawDescriptionHelpFormatter,
+                       usage="%(prog)s [CONFIG] [section.key=value ...] [--resume [PATH]]")
+    t.add_argument("args", nargs="*", metavar="CONFIG|KEY=VALUE",
+                   help="a config file, then overrides section.key=value")
+    t.add_argument("--resume", nargs="?", const=True, default=None, metavar="PATH",
+                   help="continue from the newest checkpoint in train.out (or from PATH)")
+    t.add_argument("--print-config", action="store_true",
+                   help="print the resolved config as TOML and exit")
+    t.set_defaults(func=_cmd_train, subparser=t)
+
+
+def _train_error(text: str, rank0_only: bool = True) -> None:
+    if rank0_only and os.environ.get("RANK", "0") != "0":
+        return
+    print(f"flexdemo train: error: {text}", file=sys.stderr, flush=True)
+
+
+def _cmd_train(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from .config import ConfigError, load_config, to_toml
+
+    items = list(args.args)
+    if isinstance(args.resume, str) and "=" in args.resume and not os.path.exists(args.resume):
+        items.append(args.resume)  # `--resume key=value`: an override, not a path
+        args.resume = True
+    path = None
+    if items and "=" not in items[0]:
+        path = items.pop(0)
+    bad = [x for x in items if "=" not in x]
+    if bad:
+        _train_error(f"{bad[0]!r} is not an override; write section.key=value after the config "
+                     "file (one config file only)")
+        return 2
+    if args.resume is not None:
+        items.append(f"resume={'true' if args.resume is True else _toml_string(args.resume)}")
+    try:
+        cfg = load_config(path, items)
+    except ConfigError as e:
+        _train_error(str(e))
+        return 2
+    if args.print_config:
+        print(to_toml(cfg), end="")
+        return 0
+    return _run_training(cfg)
+
+
+def _toml_string(text: str) -> str:
+    import json
+
+    return json.dumps(text)
+
+
+def _run_training(cfg) -> int:
+    import torch.distributed as dist
+
+    from .train import PeerLostError, TrainingError, train
+
+    rank = os.environ.get("RANK", "0")
+    try:
+        train(cfg)
+    except PeerLostError as e:
+        _train_error(str(e), rank0_only=False)
+        # the process group is broken: leave without tearing it down (that could block)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
+    except TrainingError as e:
+        _train_error(f"rank {rank}: {e}" if rank != "0" else str(e), rank0_only=False)
+        return 1
+    except KeyboardInterrupt:
+        _train_error("interrupted", rank0_only=False)
+        return 130
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return 0
+
+
+# ---------------------------------------------------------------------- bench
+BENCH_DESCRIPTION = """\
+Sweep strategies x bandwidths on an emulated cluster (flexdemo cluster): for every pair, run
+`flexdemo train` on --nodes x --ranks-per-node ranks whose nodes are joined by links of that
+rate, then write results.json, results.csv and plots (loss vs wall-clock time, loss vs bytes
+sent, step time split into compute and communication) to --out and print a table.
+
+Shaping needs root and iproute2; without them (or with --unshaped) the ranks run on loopback
+with no bandwidth limit, and the bench says so.
+"""
+
+
+def _add_bench_parser(sub) -> None:
+    from .bench import DEFAULT_BANDWIDTHS, DEFAULT_STRATEGIES, PRESETS, STRATEGIES
+
+    strategies = "\n".join(f"  {name:<12} {spec['about']}" for name, spec in STRATEGIES.items())
+    presets = "\n".join(f"  {name:<12} {spec['about']}" for name, spec in PRESETS.items())
+    b = sub.add_parser(
+        "bench", help="sweep strategies x bandwidths on an emulated cluster; table + plots",
+        description=BENCH_DESCRIPTION,
+        epilog=f"strategies:\n{strategies}\n\npresets:\n{presets}\n\nexamples:\n"
+               "  flexdemo bench --preset main\n"
+               "  flexdemo bench --strategies flexdemo,hsdp-adamw --bandwidths 10mbit,1gbit "
+               "--steps 100\n"
+               "  flexdemo bench --unshaped --steps 20 task.model=tiny\n",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    b.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
+                   help="config overrides for every run, e.g. task.model=tiny")
+    b.add_argument("--preset", choices=sorted(PRESETS),
+                   help="a ready-made sweep (its settings apply first; other options refine)")
+    b.add_argument("--strategies", metavar="LIST",
+                   help=f"comma-separated (default {','.join(DEFAULT_STRATEGIES)})")
+    b.add_argument("--bandwidths", metavar="LIST",
+                   help=f"comma-separated rates (default {','.join(DEFAULT_BANDWIDTHS)})")
+    b.add_argument("--nodes", type=_positive_int, metavar="N", help="emulated nodes (default 2)")
+    b.add_argument("--ranks-per-node", type=_positive_int, metavar="M",
+                   help="ranks per node (default 2)")
+    b.add_argument("--steps", type=_positive_int, metavar="N", help="training steps per run")
+    b.add_argument("--config", metavar="FILE",
+                   help="base training config for every run (default: the GPT task)")
+    b.add_argument("--out", metavar="DIR", help="output folder (default runs/bench)")
+    b.add_argument("--unshaped", action="store_true",
+                   help="no shaping, no root needed: all ranks on loopback")
+    b.add_argument("--timeout", type=_seconds, metavar="S",
+                   help="stop a run that takes longer than S seconds")
+    b.add_argument("-q", "--quiet", action="store_true",
+                   help="do not echo the ranks' progress (it still goes to each run's log.txt)")
+    b.set_defaults(func=_cmd_bench, subparser=b)
+
+
+def _cmd_bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from .bench import BenchError, bench_options, run_bench
+    from .config import ConfigError
+
+    try:
+        options = bench_options(
+            preset=args.preset, strategies=args.strategies, bandwidths=args.bandwidths,
+            nodes=args.nodes, ranks_per_node=args.ranks_per_node, steps=args.steps,
+            config=args.config, out=args.out, unshaped=args.unshaped,
+            overrides=args.overrides, timeout=args.timeout, quiet=args.quiet)
+    except (BenchError, ConfigError) as e:
+        print(f"flexdemo bench: error: {e}", file=sys.stderr, flush=True)
+        return 2
+    try:
+        results = run_bench(options)
+    except BenchError as e:
+        print(f"flexdemo bench: error: {e}", file=sys.stderr, flush=True)
+        return 1
+    except KeyboardInterrupt:
+        print("flexdemo bench: interrupted; runs stopped", file=sys.stderr, flush=True)
+        return 130
+    return 0 if all(r["status"] == "ok" for r in results) else 1
 
 
 def main(argv: Sequence[str] | None = None) -> int:

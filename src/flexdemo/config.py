@@ -24,7 +24,10 @@ A config is a TOML file (or YAML, with pyyaml installed, or JSON)::
     steps = 200
 
 Every key has a default (:class:`Config`); overrides ``section.key=value`` (the value in TOML
-syntax, bare words are strings) replace single keys. :func:`load_config` checks names, types
+syntax, bare words are strings) replace single keys. An override that switches
+``strategy.replicator`` (or ``strategy.optimizer``) to another one also drops the file's
+``replicator_kwargs`` (``optimizer_kwargs``), which belong to the old one, unless the overrides
+set them too. :func:`load_config` checks names, types
 and ranges and raises :class:`ConfigError` with a one-line message that names the key and, for
 a misspelt key, the closest valid one.
 """
@@ -43,7 +46,7 @@ from pathlib import Path
 from typing import Any
 
 __all__ = ["Config", "ConfigError", "MeshConfig", "StrategyConfig", "TaskConfig", "TrainConfig",
-           "apply_overrides", "config_from_dict", "config_to_dict", "load_config",
+           "apply_overrides", "check_mesh", "config_from_dict", "config_to_dict", "load_config",
            "parse_override", "read_config_file", "to_toml", "validate"]
 
 
@@ -65,8 +68,8 @@ class TaskConfig:
     """gpt, t5: bytes of training text read from the standard library's sources."""
     seq_len: int = 0
     """gpt, t5: tokens (bytes) per example; 0 keeps the preset's."""
-    patch: int = 2
-    """vit: patch edge in pixels (the images are 8x8; 2 or 4)."""
+    patch: int = 4
+    """vit: patch edge in pixels (the images are 8x8: 4 gives 4 patches, 2 gives 16)."""
     val_fraction: float = 0.2
     """vit: fraction of the digits held out for validation (a fixed split)."""
     noise_density: float = 0.15
@@ -106,7 +109,7 @@ class TrainConfig:
     batch: int = 8
     """Examples per rank per step."""
     warmup: int = 10
-    """Steps of linear learning-rate warm-up."""
+    """Steps of linear learning-rate warm-up (at most ``steps``)."""
     schedule: str = "cosine"
     """``cosine`` (decays to ``min_lr`` x lr at the last step) or ``constant``."""
     min_lr: float = 0.1
@@ -128,8 +131,9 @@ class TrainConfig:
     out: str = "runs/train"
     overwrite: bool = False
     """Allow a fresh run to replace the checkpoints of an earlier run in ``out``."""
-    threads: int = 1
-    """torch threads per rank (0: leave torch's default)."""
+    threads: int = 0
+    """torch threads per rank (0: torch's default, which follows OMP_NUM_THREADS; torchrun and
+    flexdemo cluster set that to 1)."""
     timeout: float = 0.0
     """Seconds a collective may wait for a peer before the run stops (0: FLEXDEMO_TIMEOUT if
     set, else 60)."""
@@ -256,10 +260,10 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
 
 
 # ---------------------------------------------------------------------- checking
-def _suggest(key: str, valid: list[str]) -> str:
+def _suggest(key: str, valid: list[str], prefix: str = "") -> str:
     close = difflib.get_close_matches(key, valid, n=1, cutoff=0.6)
     if close:
-        return f" (did you mean {close[0]!r}?)"
+        return f" (did you mean '{prefix}{close[0]}'?)"
     return f"; valid keys: {', '.join(valid)}"
 
 
@@ -328,7 +332,7 @@ def _build_section(cls: type, raw: Any, name: str) -> Any:
     kwargs = {}
     for key, value in raw.items():
         if key not in hints:
-            raise ConfigError(f"unknown key '{name}.{key}'{_suggest(key, valid)}")
+            raise ConfigError(f"unknown key '{name}.{key}'{_suggest(key, valid, name + '.')}")
         kwargs[key] = _coerce(value, hints[key], f"{name}.{key}")
     return cls(**kwargs)
 
@@ -344,7 +348,10 @@ def config_from_dict(data: dict) -> Config:
         if key in SECTIONS:
             kwargs[key] = _build_section(SECTIONS[key], value, key)
         elif key == "resume":
-            kwargs[key] = _coerce(value, bool | str, "resume")
+            if not isinstance(value, (bool, str)):
+                raise ConfigError(f"resume: expected true, false or a checkpoint path, got "
+                                  f"{_describe(value)}")
+            kwargs[key] = value
         else:
             what = "section" if isinstance(value, dict) else "key"
             raise ConfigError(f"unknown {what} '{key}'{_suggest(key, valid)}")
@@ -367,8 +374,8 @@ def _check_range(where: str, ok: bool, need: str, value: Any) -> None:
 def validate(cfg: Config, world_size: int | None = None) -> Config:
     """Check values and their combinations; ``world_size`` (default ``WORLD_SIZE`` or 1)
     checks the mesh shape. Returns ``cfg``; raises :class:`ConfigError`."""
-    from .tasks import task_presets
     from .replicate import REPLICATORS, make_replicator
+    from .tasks import task_presets
 
     t, s, m, tr = cfg.task, cfg.strategy, cfg.mesh, cfg.train
     for where, choices in CHOICES.items():
@@ -407,8 +414,6 @@ def validate(cfg: Config, world_size: int | None = None) -> Config:
         _check_range(f"train.{name}", getattr(tr, name) >= 0, "an integer >= 0",
                      getattr(tr, name))
     _check_range("train.log_every", tr.log_every >= 1, "an integer >= 1", tr.log_every)
-    _check_range("train.warmup", tr.warmup <= tr.steps, f"at most train.steps={tr.steps}",
-                 tr.warmup)
     _check_range("train.stop_at", tr.stop_at <= tr.steps,
                  f"0 or at most train.steps={tr.steps}", tr.stop_at)
     _check_range("train.min_lr", 0.0 <= tr.min_lr <= 1.0, "between 0 and 1", tr.min_lr)
@@ -456,15 +461,28 @@ def check_mesh(mesh: MeshConfig, world: int) -> tuple[int, int]:
     try:
         return mesh_shape(world, mesh.replicate, mesh.shard)
     except ValueError as e:
-        raise ConfigError(f"mesh: {_one_line(e)}") from None
+        hint = (" (this is a single process; launch more ranks with torchrun or flexdemo "
+                "cluster, or leave mesh.replicate and mesh.shard at \"auto\")"
+                if world == 1 else "")
+        raise ConfigError(f"mesh: {_one_line(e)}{hint}") from None
 
 
 def load_config(path: str | os.PathLike | None = None, overrides: list[str] | None = None,
                 *, world_size: int | None = None) -> Config:
     """Read ``path`` (or start from the defaults), apply ``overrides`` and validate."""
     data = read_config_file(path) if path is not None else {}
-    data = apply_overrides(data, list(overrides or []))
-    return validate(config_from_dict(data), world_size)
+    overrides = list(overrides or [])
+    new = apply_overrides(data, overrides)
+    # an override that switches the replicator (or optimizer) drops the file's kwargs for the
+    # old one, unless the overrides give new kwargs
+    keys = {".".join(parse_override(o)[0][:2]) for o in overrides}
+    for name in ("replicator", "optimizer"):
+        old_value = (data.get("strategy") or {}).get(name) if isinstance(data, dict) else None
+        new_value = (new.get("strategy") or {}).get(name)
+        if (f"strategy.{name}" in keys and f"strategy.{name}_kwargs" not in keys
+                and old_value != new_value and isinstance(new["strategy"], dict)):
+            new["strategy"].pop(f"{name}_kwargs", None)
+    return validate(config_from_dict(new), world_size)
 
 
 # ---------------------------------------------------------------------- writing

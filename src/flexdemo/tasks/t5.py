@@ -14,6 +14,7 @@ target lengths are fixed by ``seq_len`` (no padding).
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -53,7 +54,7 @@ class T5Size:
 
 
 PRESETS: dict[str, T5Size] = {
-    "tiny": T5Size(),                                                         # ~0.2M params
+    "tiny": T5Size(),                                                         # ~0.25M params
     "mini": T5Size(d_model=128, d_ff=512, d_kv=32, num_heads=4, num_layers=4,
                    num_decoder_layers=4),                                      # ~1.9M params
 }
@@ -72,7 +73,7 @@ def t5_config(name: str, sentinels: int):
                     d_kv=s.d_kv, num_heads=s.num_heads, num_layers=s.num_layers,
                     num_decoder_layers=s.num_decoder_layers, dropout_rate=0.0,
                     feed_forward_proj="relu", pad_token_id=PAD, eos_token_id=EOS,
-                    decoder_start_token_id=PAD, tie_word_embeddings=False, use_cache=False)
+                    decoder_start_token_id=PAD, tie_word_embeddings=True, use_cache=False)
 
 
 def _segment_lengths(num_items: int, num_segments: int, gen: torch.Generator) -> torch.Tensor:
@@ -123,6 +124,12 @@ class T5Task(Task):
                  noise_density: float = 0.15, mean_span: float = 3.0, seed: int = 0) -> None:
         if not have_transformers():
             raise ModuleNotFoundError(MISSING_TRANSFORMERS)
+        # A T5Block returns its attention position bias, a slice (a view) that later blocks
+        # only read; FSDP2 warns about views out of sharded modules because an in-place op on
+        # them would skip its hook. None happens here (per-block sharding gives the same losses
+        # as sharding the model whole), so that warning is silenced.
+        warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(FSDPT5Block\) "
+                                r"returned a view tensor", category=UserWarning)
         self.preset = model
         self.seq_len = seq_len or PRESETS[model].seq_len
         self.noise_density, self.mean_span, self.seed = noise_density, mean_span, seed
@@ -136,7 +143,11 @@ class T5Task(Task):
     def build_model(self) -> nn.Module:
         from transformers import T5ForConditionalGeneration
 
-        return T5ForConditionalGeneration(self.config)
+        model = T5ForConditionalGeneration(self.config)
+        # transformers draws the (tied) embedding and output head with std 1, which starts the
+        # loss near 30; std 0.02 starts it near log(vocabulary), like the other tasks
+        nn.init.normal_(model.shared.weight, std=0.02)
+        return model
 
     @property
     def num_train_items(self) -> int:

@@ -2,7 +2,8 @@
 
 The 1797 images ship with scikit-learn (:func:`sklearn.datasets.load_digits`); nothing is
 downloaded. The split is fixed: a permutation drawn from seed 0 holds out ``val_fraction`` of
-the images, independent of the training seed. Pixels (0..16) are scaled to [0, 1].
+the images, independent of the training seed. Pixels are standardised with the training
+split's mean and standard deviation.
 
 The model cuts an image into ``patch x patch`` patches, embeds them linearly, prepends a class
 token, adds learned position embeddings, runs ``depth`` pre-LayerNorm transformer blocks (an
@@ -28,7 +29,7 @@ CLASSES = 10
 class ViTConfig:
     """Shape of the ViT: patch edge, width, depth, heads and MLP width factor."""
 
-    patch: int = 2
+    patch: int = 4
     dim: int = 64
     depth: int = 4
     heads: int = 4
@@ -108,8 +109,9 @@ class ViT(nn.Module):
 
 def load_digits_split(val_fraction: float = 0.2) -> tuple[torch.Tensor, torch.Tensor,
                                                          torch.Tensor, torch.Tensor]:
-    """``(train_x, train_y, val_x, val_y)``: digits as float ``(N, 8, 8)`` in [0, 1] and int64
-    labels, split by a fixed permutation (seed 0)."""
+    """``(train_x, train_y, val_x, val_y)``: digits as float ``(N, 8, 8)`` (pixels scaled to
+    zero mean and unit variance over the training split) and int64 labels, split by a fixed
+    permutation (seed 0)."""
     try:
         from sklearn.datasets import load_digits
     except ModuleNotFoundError:
@@ -121,6 +123,8 @@ def load_digits_split(val_fraction: float = 0.2) -> tuple[torch.Tensor, torch.Te
     order = torch.randperm(len(y), generator=torch.Generator().manual_seed(0))
     n_val = max(1, int(round(len(y) * val_fraction)))
     val, train = order[:n_val], order[n_val:]
+    mean, std = x[train].mean(), x[train].std()  # standardised with the training split's stats
+    x = (x - mean) / std
     return x[train], y[train], x[val], y[val]
 
 
@@ -129,7 +133,7 @@ class ViTTask(Task):
 
     name = "vit"
 
-    def __init__(self, model: str = "tiny", patch: int = 2, val_fraction: float = 0.2) -> None:
+    def __init__(self, model: str = "tiny", patch: int = 4, val_fraction: float = 0.2) -> None:
         self.cfg = vit_config(model, patch=patch)
         self.preset = model
         self.train_x, self.train_y, self.val_x, self.val_y = load_digits_split(val_fraction)

@@ -1,0 +1,173 @@
+"""``flexdemo bench``: options, table, plots, and a tiny sweep that writes its files."""
+
+from __future__ import annotations
+
+import csv
+import json
+
+import pytest
+
+import flexdemo.cluster as cluster
+from flexdemo.bench import (
+    PRESETS,
+    STRATEGIES,
+    BenchError,
+    bench_options,
+    comparison_lines,
+    format_table,
+    run_bench,
+    run_config,
+)
+from flexdemo.config import ConfigError, config_from_dict, validate
+
+pytest.importorskip("matplotlib", reason="the bench's plots need matplotlib")
+
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def test_options_defaults_and_preset():
+    o = bench_options()
+    assert o.strategies == ["flexdemo", "demo-dp", "hsdp-adamw", "no-sync"]
+    assert o.bandwidths == ["10mbit", "100mbit", "1gbit"] and o.nodes * o.ranks_per_node == 4
+    main = bench_options(preset="main")
+    assert main.strategies == ["flexdemo", "hsdp-adamw"] and main.bandwidths == ["100mbit"]
+    assert main.base["task"]["name"] == "gpt" and main.out == "runs/main"
+    assert bench_options(preset="main", steps=7).steps == 7
+    assert bench_options(unshaped=True).bandwidths == ["unshaped"]
+    assert set(PRESETS["main"]["strategies"]) <= set(STRATEGIES)
+
+
+def test_every_strategy_makes_a_valid_config():
+    o = bench_options(strategies=",".join(STRATEGIES))
+    for name in STRATEGIES:
+        cfg = validate(config_from_dict(run_config(o, name, "runs/x")), 4)
+        assert (cfg.mesh.replicate, cfg.mesh.shard) == ((4, 1) if name == "demo-dp" else (2, 2))
+        assert cfg.train.steps == o.steps and cfg.train.out == "runs/x"
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"strategies": "flexdemo,hsdp-adam"}, "unknown strategy 'hsdp-adam' (did you mean "
+                                           "'hsdp-adamw'?)"),
+    ({"strategies": "flexdemo,flexdemo"}, "listed twice"),
+    ({"bandwidths": "100mbps,fast"}, "bandwidth 'fast'"),
+    ({"bandwidths": "100mbit,unshaped"}, "cannot be mixed"),
+    ({"preset": "huge"}, "unknown preset 'huge'"),
+    ({"overrides": ["strategy.lr=1"]}, "leave them out"),
+])
+def test_bad_options(kwargs, message):
+    with pytest.raises(BenchError) as e:
+        bench_options(**kwargs)
+    assert message in str(e.value)
+
+
+def test_bad_overrides_are_config_errors():
+    with pytest.raises(ConfigError, match="did you mean 'train.steps'"):
+        bench_options(overrides=["train.stpes=3"])
+    with pytest.raises(ConfigError, match="task.model: unknown value 'huge'"):
+        bench_options(overrides=["task.model=huge"])
+
+
+def _fake(strategy: str, bw: str, val: float, step_s: float, comm_s: float,
+          sent: float) -> dict:
+    steps = list(range(1, 21))
+    return {
+        "strategy": strategy, "bandwidth": bw, "status": "ok", "task": "gpt", "model": "tiny",
+        "params": 190_000, "steps": 20, "nodes": 2, "ranks_per_node": 2,
+        "val_loss": val, "train_loss": val + 0.1, "train_seconds": 20 * step_s,
+        "step_seconds": step_s, "compute_seconds": step_s - comm_s, "comm_seconds": comm_s,
+        "bytes_sent_per_step": sent, "mb_sent_total": 20 * sent / 1e6,
+        "curve": {"step": steps, "loss": [5 - 0.1 * s for s in steps],
+                  "train_seconds": [s * step_s for s in steps],
+                  "bytes_sent_total": [s * sent for s in steps],
+                  "val_step": [10, 20], "val_loss": [val + 0.5, val],
+                  "val_seconds": [10 * step_s, 20 * step_s],
+                  "val_bytes": [10 * sent, 20 * sent]},
+    }
+
+
+def _fake_results() -> list[dict]:
+    out = []
+    for bw, slow in (("10mbit", 1.0), ("1gbit", 0.1)):
+        out += [_fake("flexdemo", bw, 3.02, 0.2, 0.02, 2e3),
+                _fake("hsdp-adamw", bw, 3.0, 0.2 + slow, slow, 1e6),
+                _fake("no-sync", bw, 3.3, 0.19, 0.0, 0.0)]
+    out.append({"strategy": "demo-dp", "bandwidth": "10mbit", "status": "failed",
+                "message": "rank 2 exited with code 1", "curve": {"step": []}})
+    return out
+
+
+def test_table_and_comparison():
+    results = _fake_results()
+    table = format_table(results)
+    assert table.splitlines()[0].split()[:3] == ["strategy", "link", "val"]
+    assert "failed" in table and "hsdp-adamw" in table
+    lines = comparison_lines(results)
+    i = lines.index("flexdemo vs hsdp-adamw @ 10mbit:")
+    assert lines[i + 1] == "  at equal steps: val loss 3.0200 vs 3.0000 (+0.7%)"
+    assert lines[i + 2] == "  step time:      200 ms vs 1200 ms (6.00x faster)"
+    assert lines[i + 3].startswith("  at equal time:  train loss 3.1500 vs 4.7333 after 4 s")
+
+
+def test_plots_from_results(tmp_path):
+    from flexdemo.plots import plot_all
+
+    paths = plot_all(_fake_results(), tmp_path)
+    assert [p.name for p in paths] == ["loss_vs_time.png", "loss_vs_bytes.png",
+                                       "step_time.png"]
+    for p in paths:
+        assert p.read_bytes()[:8] == PNG and p.stat().st_size > 10_000
+
+
+def test_tiny_sweep_without_root_falls_back_to_loopback(tmp_path, monkeypatch, capsys):
+    """Not root: the bench says shaping needs root and runs unshaped; it writes JSON, CSV and
+    three PNGs and prints a table."""
+    monkeypatch.setattr(cluster.os, "geteuid", lambda: 1000)
+    o = bench_options(strategies="flexdemo,hsdp-adamw", bandwidths="100mbit", nodes=2,
+                      ranks_per_node=1, steps=4, out=str(tmp_path), timeout=240,
+                      overrides=["task.model=tiny", "task.corpus_bytes=100000",
+                                 "train.batch=2", "train.eval_every=2", "train.eval_batches=1",
+                                 "train.warmup=1"])
+    results = run_bench(o)
+    printed = capsys.readouterr().out
+    assert "shaping the links needs root" in printed and "unshaped loopback" in printed
+    assert [r["status"] for r in results] == ["ok", "ok"], [r.get("message") for r in results]
+    assert all(r["bandwidth"] == "unshaped" for r in results)
+    data = json.loads((tmp_path / "results.json").read_text())
+    assert data["shaped"] is False and len(data["runs"]) == 2
+    assert data["runs"][0]["curve"]["step"] == [1, 2, 3, 4]
+    flex, adamw = data["runs"]
+    assert 0 < flex["bytes_sent_per_step"] < adamw["bytes_sent_per_step"]
+    with (tmp_path / "results.csv").open() as f:
+        rows = list(csv.DictReader(f))
+    assert [r["strategy"] for r in rows] == ["flexdemo", "hsdp-adamw"]
+    assert float(rows[0]["val_loss"]) > 0
+    for name in ("loss_vs_time.png", "loss_vs_bytes.png", "step_time.png"):
+        assert (tmp_path / name).read_bytes()[:8] == PNG
+    assert "flexdemo" in printed and "MB/step" in printed
+    assert (tmp_path / "runs" / "flexdemo@unshaped" / "log.txt").stat().st_size > 0
+
+
+def test_root_without_network_namespaces_falls_back(tmp_path, monkeypatch, capsys):
+    """Root, but namespaces cannot be made (a container): the same fallback, with the reason."""
+    import flexdemo.bench as bench
+
+    enter = bench.EmulatedCluster.__enter__
+
+    def no_netns(self):
+        if not self.unshaped:
+            raise cluster.ClusterError("`ip netns add x` failed (exit 1): Operation not "
+                                       "permitted")
+        return enter(self)
+
+    monkeypatch.setattr(cluster.os, "geteuid", lambda: 0)
+    monkeypatch.setattr(bench, "cleanup_stale", lambda: [])
+    monkeypatch.setattr(bench.EmulatedCluster, "__enter__", no_netns)
+    monkeypatch.setattr(cluster, "_find_tool", lambda name: f"/usr/sbin/{name}")
+    o = bench_options(strategies="no-sync", bandwidths="10mbit", nodes=2, ranks_per_node=1,
+                      steps=2, out=str(tmp_path), quiet=True, timeout=240,
+                      overrides=["task.model=tiny", "task.corpus_bytes=100000",
+                                 "train.batch=2", "train.eval_batches=1"])
+    results = run_bench(o)
+    printed = capsys.readouterr().out
+    assert "Operation not permitted" in printed and "unshaped loopback" in printed
+    assert [(r["status"], r["bandwidth"]) for r in results] == [("ok", "unshaped")]

@@ -1,0 +1,237 @@
+"""Config files, overrides and validation, and the one-line errors of ``flexdemo train``."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from flexdemo.cli import main
+from flexdemo.config import (
+    Config,
+    ConfigError,
+    apply_overrides,
+    config_from_dict,
+    load_config,
+    parse_override,
+    to_toml,
+    validate,
+)
+
+CONFIGS = sorted((Path(__file__).parent.parent / "configs").glob("*.toml"))
+
+
+def write(tmp_path: Path, text: str, name: str = "c.toml") -> Path:
+    p = tmp_path / name
+    p.write_text(text)
+    return p
+
+
+def error_of(data: dict, world: int = 1) -> str:
+    with pytest.raises(ConfigError) as e:
+        validate(config_from_dict(data), world)
+    return str(e.value)
+
+
+def test_defaults_are_valid():
+    cfg = load_config()
+    assert cfg == Config()
+    assert cfg.task.name == "gpt" and cfg.strategy.replicator == "demo"
+    assert cfg.mesh.replicate is None and cfg.resume is False
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=[p.name for p in CONFIGS])
+def test_shipped_configs_are_valid(path):
+    cfg = load_config(path, world_size=4)
+    assert cfg.train.steps >= 1
+
+
+def test_toml_file_and_overrides(tmp_path):
+    p = write(tmp_path, """
+resume = true
+[task]
+name = "vit"
+model = "tiny"
+[strategy]
+replicator = "demo"
+lr = 1e-2
+[strategy.replicator_kwargs]
+topk = 16
+[mesh]
+replicate = 2
+shard = "auto"
+[train]
+steps = 10
+""")
+    cfg = load_config(p, ["train.steps=50", "strategy.replicator_kwargs.chunk=32",
+                          "train.out=runs/x y", "strategy.lr=3e-3", "resume=false"],
+                      world_size=4)
+    assert cfg.task.name == "vit" and cfg.train.steps == 50
+    assert cfg.strategy.replicator_kwargs == {"topk": 16, "chunk": 32}
+    assert cfg.strategy.lr == 3e-3 and cfg.train.out == "runs/x y"
+    assert cfg.mesh.replicate == 2 and cfg.mesh.shard is None and cfg.resume is False
+
+
+def test_switching_replicator_drops_its_kwargs(tmp_path):
+    p = write(tmp_path, '[strategy]\nreplicator = "demo"\nreplicator_kwargs = {topk = 8}\n'
+                        'optimizer = "adamw"\noptimizer_kwargs = {betas = [0.9, 0.95]}\n')
+    cfg = load_config(p, ["strategy.replicator=full"])
+    assert cfg.strategy.replicator_kwargs == {}
+    assert cfg.strategy.optimizer_kwargs == {"betas": [0.9, 0.95]}
+    cfg = load_config(p, ["strategy.replicator=full", "strategy.replicator_kwargs={values='bf16'}",
+                          "strategy.optimizer=sgd"])
+    assert cfg.strategy.replicator_kwargs == {"values": "bf16"}
+    assert cfg.strategy.optimizer_kwargs == {}
+    assert load_config(p, ["strategy.replicator=demo"]).strategy.replicator_kwargs == {"topk": 8}
+
+
+def test_override_values_are_toml():
+    assert parse_override("train.steps=50") == (["train", "steps"], 50)
+    assert parse_override("strategy.lr=1e-3") == (["strategy", "lr"], 1e-3)
+    assert parse_override("strategy.replicator=full") == (["strategy", "replicator"], "full")
+    assert parse_override("train.tensorboard=false")[1] is False
+    assert parse_override("strategy.replicator_kwargs={topk=16}")[1] == {"topk": 16}
+    assert parse_override('train.out="a=b"')[1] == "a=b"
+    with pytest.raises(ConfigError, match="section.key=value"):
+        parse_override("train.steps")
+    with pytest.raises(ConfigError, match="empty key"):
+        parse_override("train.=3")
+    # replacing the replicator keeps unrelated keys and can clear its kwargs
+    data = apply_overrides({"strategy": {"replicator": "demo", "replicator_kwargs": {"topk": 8}}},
+                           ["strategy.replicator=full", "strategy.replicator_kwargs={}"])
+    assert data["strategy"] == {"replicator": "full", "replicator_kwargs": {}}
+
+
+@pytest.mark.parametrize("data, expected", [
+    ({"train": {"stpes": 5}}, "unknown key 'train.stpes' (did you mean 'train.steps'?)"),
+    ({"trian": {"steps": 5}}, "unknown section 'trian' (did you mean 'train'?)"),
+    ({"optimiser": 1}, "unknown key 'optimiser'"),
+    ({"train": {"steps": "abc"}}, "train.steps: expected an integer, got 'abc' (a string)"),
+    ({"train": {"steps": 1.5}}, "train.steps: expected an integer, got 1.5"),
+    ({"train": {"steps": True}}, "train.steps: expected an integer, got True"),
+    ({"strategy": {"lr": "fast"}}, "strategy.lr: expected a number, got 'fast'"),
+    ({"train": {"tensorboard": "yes"}}, "train.tensorboard: expected true or false"),
+    ({"strategy": {"replicator_kwargs": 3}}, "strategy.replicator_kwargs: expected a table"),
+    ({"train": 5}, "[train] must be a table"),
+    ({"resume": 3}, "resume: expected true, false or a checkpoint path"),
+    ({"mesh": {"shard": "two"}}, "mesh.shard: expected an integer or 'auto', got 'two'"),
+])
+def test_names_and_types_are_checked(data, expected):
+    assert expected in error_of(data)
+
+
+@pytest.mark.parametrize("data, expected", [
+    ({"strategy": {"replicator": "ful"}}, "strategy.replicator: unknown value 'ful' (did you "
+                                          "mean 'full'?)"),
+    ({"task": {"name": "bert"}}, "task.name: unknown value 'bert'"),
+    ({"task": {"model": "huge"}}, "task.model: unknown value 'huge'; choose one of tiny, mini"),
+    ({"task": {"name": "vit", "model": "mini"}}, "choose one of tiny, small"),
+    ({"train": {"schedule": "linear"}}, "train.schedule: unknown value 'linear'"),
+    ({"train": {"steps": 0}}, "train.steps: must be an integer >= 1, got 0"),
+    ({"train": {"warmup": -1}}, "train.warmup: must be an integer >= 0"),
+    ({"train": {"steps": 10, "stop_at": 20}}, "train.stop_at"),
+    ({"strategy": {"lr": 0}}, "strategy.lr: must be a number > 0"),
+    ({"task": {"patch": 3}}, "task.patch: must be a divisor of 8"),
+    ({"strategy": {"replicator": "full", "replicator_kwargs": {"topk": 8}}},
+     "strategy.replicator_kwargs for 'full'"),
+    ({"strategy": {"replicator_kwargs": {"topk": 0}}}, "topk must be an integer >= 1"),
+    ({"strategy": {"optimizer": "sgd", "optimizer_kwargs": {"betas": [0.9, 0.9]}}},
+     "strategy.optimizer_kwargs for 'sgd'"),
+    ({"strategy": {"optimizer_kwargs": {"lr": 0.1}}}, "give the learning rate as strategy.lr"),
+])
+def test_values_are_checked(data, expected):
+    assert expected in error_of(data)
+
+
+def test_impossible_mesh_shapes():
+    assert "replicate=3 does not divide the world size 4" in error_of(
+        {"mesh": {"replicate": 3}}, world=4)
+    assert "choose sizes whose product is 4" in error_of(
+        {"mesh": {"replicate": 2, "shard": 3}}, world=4)
+    assert "mesh.shard: must be an integer >= 1" in error_of({"mesh": {"shard": 0}}, world=4)
+    assert "single process" in error_of({"mesh": {"replicate": 2}}, world=1)
+    validate(config_from_dict({"mesh": {"replicate": 2, "shard": 2}}), 4)
+    validate(config_from_dict({"mesh": {"replicate": 4, "shard": 1}}), 4)
+
+
+def test_error_messages_are_one_line():
+    for data in ({"train": {"stpes": 1}}, {"mesh": {"replicate": 3}},
+                 {"strategy": {"replicator": "full", "replicator_kwargs": {"topk": 8}}}):
+        assert "\n" not in error_of(data, world=4)
+
+
+def test_file_errors(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "missing.toml")
+    with pytest.raises(ConfigError, match="invalid TOML"):
+        load_config(write(tmp_path, "[train\nsteps = 1"))
+    with pytest.raises(ConfigError, match="unknown config format"):
+        load_config(write(tmp_path, "x", "c.ini"))
+
+
+def test_yaml_and_json(tmp_path):
+    cfg = load_config(write(tmp_path, json.dumps({"train": {"steps": 7}}), "c.json"))
+    assert cfg.train.steps == 7
+    pytest.importorskip("yaml", reason="YAML configs need pyyaml")
+    cfg = load_config(write(tmp_path, "task:\n  name: vit\ntrain:\n  steps: 9\n", "c.yaml"))
+    assert cfg.task.name == "vit" and cfg.train.steps == 9
+    with pytest.raises(ConfigError, match="unknown key 'train.step'"):
+        load_config(write(tmp_path, "train:\n  step: 9\n", "d.yml"))
+
+
+def test_to_toml_round_trips(tmp_path):
+    cfg = load_config(None, ["strategy.replicator=diloco", "strategy.optimizer=adamw",
+                             "strategy.replicator_kwargs={inner_steps=5, exchange_kwargs="
+                             "{values=\"int4\"}}", "mesh.replicate=2", 'train.out="a \\"b\\""'],
+                      world_size=2)
+    again = load_config(write(tmp_path, to_toml(cfg)), world_size=2)
+    assert again == cfg
+
+
+# ---------------------------------------------------------------------- the command line
+def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
+    code = main(["train", *argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_cli_reports_bad_config_in_one_line(capsys, tmp_path):
+    cfg = write(tmp_path, "[train]\nsteps = 5\n")
+    for argv, expected in [
+        ((str(cfg), "train.stpes=1"), "unknown key 'train.stpes' (did you mean 'train.steps'?)"),
+        ((str(cfg), "strategy.replicator=ful"), "did you mean 'full'?"),
+        ((str(cfg), "train.steps=abc"), "expected an integer"),
+        ((str(cfg), "mesh.replicate=3"), "does not divide the world size 1"),
+        ((str(tmp_path / "nope.toml"),), "does not exist"),
+        ((str(cfg), "train.steps"), "is not an override"),
+    ]:
+        code, out, err = run_cli(capsys, *argv)
+        assert code == 2, (argv, err)
+        assert err.startswith("flexdemo train: error: ") and expected in err, err
+        assert err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_cli_print_config(capsys, tmp_path):
+    code, out, err = run_cli(capsys, "strategy.replicator=full", "strategy.optimizer=adamw",
+                             "--resume", "--print-config")
+    assert code == 0, err
+    cfg = load_config(write(tmp_path, out))
+    assert cfg.strategy.replicator == "full" and cfg.resume is True
+    code, out, _ = run_cli(capsys, "--resume", "runs/x/checkpoints", "--print-config")
+    assert code == 0 and 'resume = "runs/x/checkpoints"' in out
+    code, out, _ = run_cli(capsys, "--resume", "train.steps=7", "--print-config")
+    assert code == 0 and "resume = true" in out and "steps = 7" in out
+
+
+def test_cli_help_teaches(capsys):
+    for cmd in ("train", "bench"):
+        with pytest.raises(SystemExit) as e:
+            main([cmd, "--help"])
+        assert e.value.code == 0
+        out = capsys.readouterr().out
+        assert "examples:" in out
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    out = capsys.readouterr().out
+    assert all(c in out for c in ("train", "bench", "cluster"))

@@ -1,0 +1,254 @@
+"""The trainer: schedule, data shards, a short run per task, checkpoints and resume, and a
+rank killed mid-run."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from flexdemo.config import load_config
+from flexdemo.tasks import ShardSampler, have_transformers
+from flexdemo.train import TrainingError, lr_at, train
+
+ROOT = Path(__file__).parent.parent
+PY = sys.executable
+# a small, quick GPT run; checkpoints every 3 steps
+GPT_QUICK = ["task.model=tiny", "task.corpus_bytes=200000", "train.batch=4", "train.warmup=2",
+             "train.eval_every=5", "train.eval_batches=2", "train.log_every=5",
+             "train.tensorboard=false", "train.threads=0"]
+
+
+@pytest.fixture
+def single_process():
+    """In-process runs create a one-rank process group; remove it afterwards."""
+    was = dist.is_initialized()
+    for key in ("WORLD_SIZE", "RANK"):
+        assert key not in os.environ
+    yield
+    if dist.is_initialized() and not was:
+        dist.destroy_process_group()
+
+
+def metrics(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+# ---------------------------------------------------------------------- pieces
+def test_lr_schedule():
+    lrs = [lr_at(s, 100, 1.0, warmup=10, schedule="cosine", min_lr=0.1) for s in range(100)]
+    assert lrs[0] == pytest.approx(0.1) and lrs[9] == pytest.approx(1.0)
+    assert lrs[10] == pytest.approx(1.0) and lrs[-1] == pytest.approx(0.1)
+    assert all(a >= b for a, b in zip(lrs[10:], lrs[11:]))
+    assert lr_at(50, 100, 2.0, warmup=0, schedule="constant") == 2.0
+    assert lr_at(0, 1, 1.0, warmup=0) == pytest.approx(1.0)
+
+
+def test_shard_sampler_gives_disjoint_shards_and_resumes():
+    samplers = [ShardSampler(103, rank, 4, seed=1) for rank in range(4)]
+    seen = [torch.cat([s.next(5) for _ in range(5)]) for s in samplers]
+    assert all(len(set(x.tolist())) == 25 for x in seen)  # one epoch: no repeats
+    assert not set(seen[0].tolist()) & set(seen[1].tolist())
+    assert all(int(i) % 4 == r for r, x in enumerate(seen) for i in x)
+    a = ShardSampler(103, 1, 4, seed=1)
+    first = [a.next(5) for _ in range(7)]  # crosses into the second epoch
+    state = a.state_dict()
+    rest = [a.next(5) for _ in range(3)]
+    b = ShardSampler(103, 1, 4, seed=1)
+    b.load_state_dict(state)
+    assert state["epoch"] == 1 and all(torch.equal(x, y) for x, y in
+                                       zip(rest, [b.next(5) for _ in range(3)]))
+    assert torch.equal(first[0], seen[1][:5])
+    with pytest.raises(ValueError, match="exceeds this rank's"):
+        ShardSampler(10, 0, 4).next(5)
+
+
+# ---------------------------------------------------------------------- one run per task
+def test_gpt_run_writes_metrics_summary_and_logs(tmp_path, single_process, capsys):
+    out = tmp_path / "gpt"
+    cfg = load_config(ROOT / "configs/gpt.toml",
+                      GPT_QUICK + ["train.steps=6", f"train.out={out}", "train.tensorboard=true",
+                                   "train.checkpoint_every=0"])
+    summary = train(cfg)
+    rows = metrics(out)
+    assert [r["step"] for r in rows] == list(range(1, 7))
+    for key in ("loss", "lr", "bytes_sent", "bytes_received", "compute_seconds",
+                "comm_seconds", "step_seconds", "train_seconds"):
+        assert all(isinstance(r[key], (int, float)) for r in rows), key
+    assert "val_loss" in rows[4] and "val_loss" in rows[5] and "val_loss" not in rows[0]
+    assert rows[-1]["loss"] < math.log(256) and rows[0]["lr"] < rows[2]["lr"]
+    saved = json.loads((out / "summary.json").read_text())
+    assert saved["steps"] == 6 and saved["val_loss"] == summary["val_loss"] < math.log(256)
+    assert load_config(out / "config.toml") == cfg
+    printed = capsys.readouterr().out
+    assert "summary" in printed and "val loss" in printed and "step 5/6" in printed
+    try:
+        import tensorboard  # noqa: F401
+    except ImportError:
+        assert "TensorBoard logs skipped" in printed
+    else:
+        assert any((out / "tensorboard").iterdir())
+
+
+def test_vit_learns_digits(tmp_path, single_process):
+    cfg = load_config(ROOT / "configs/vit.toml",
+                      ["train.steps=120", "train.eval_every=0", "train.checkpoint_every=0",
+                       "train.tensorboard=false", "train.progress=false", "train.threads=0",
+                       f"train.out={tmp_path}"])
+    summary = train(cfg, echo=lambda text: None)
+    assert summary["val_accuracy"] > 0.6, summary  # chance is 0.1
+    assert "val_accuracy" in metrics(tmp_path)[-1]
+
+
+@pytest.mark.skipif(not have_transformers(),
+                    reason="the t5 task needs transformers (pip install 'flexdemo[t5]')")
+def test_t5_span_corruption_runs(tmp_path, single_process):
+    cfg = load_config(ROOT / "configs/t5.toml",
+                      ["train.steps=4", "train.batch=4", "train.eval_every=0",
+                       "train.eval_batches=1", "train.checkpoint_every=0", "task.seq_len=64",
+                       "task.corpus_bytes=100000", "train.tensorboard=false",
+                       "train.progress=false", "train.threads=0", f"train.out={tmp_path}"])
+    summary = train(cfg, echo=lambda text: None)
+    assert math.isfinite(summary["val_loss"]) and summary["val_loss"] < 7
+
+
+def test_t5_span_corruption_examples():
+    from flexdemo.tasks.t5 import EOS, SENTINEL0, corrupt, noise_mask, span_counts
+
+    gen = torch.Generator().manual_seed(3)
+    mask = noise_mask(100, 0.15, 3.0, gen)
+    noise, spans = span_counts(100, 0.15, 3.0)
+    assert int(mask.sum()) == noise and not mask[0]
+    tokens = torch.arange(10, 110)
+    x, y = corrupt(tokens, mask)
+    assert len(x) == 100 - noise + spans + 1 and len(y) == noise + spans + 1
+    assert x[-1] == EOS and y[-1] == EOS and y[0] == SENTINEL0
+    # putting the targets back where the sentinels are restores the text
+    fill, restored = {}, []
+    for t in y[:-1].tolist():
+        if t >= SENTINEL0:
+            key = t
+            fill[key] = []
+        else:
+            fill[key].append(t)
+    for t in x[:-1].tolist():
+        restored += fill[t] if t >= SENTINEL0 else [t]
+    assert restored == tokens.tolist()
+
+
+def test_missing_transformers_is_a_clear_error(monkeypatch):
+    import flexdemo.tasks.t5 as t5
+
+    monkeypatch.setattr(t5, "have_transformers", lambda: False)
+    with pytest.raises(ModuleNotFoundError, match=r"pip install 'flexdemo\[t5\]'"):
+        t5.T5Task()
+
+
+# ---------------------------------------------------------------------- checkpoints
+def test_checkpoint_guards(tmp_path, single_process):
+    out = tmp_path / "run"
+    base = GPT_QUICK + ["train.steps=4", "train.checkpoint_every=2", "train.progress=false",
+                        f"train.out={out}"]
+    quiet = {"echo": lambda text: None}
+    train(load_config(ROOT / "configs/gpt.toml", base), **quiet)
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_000002",
+                                                                       "step_000004"]
+    # a fresh run must not silently replace an earlier run's checkpoints
+    with pytest.raises(TrainingError, match="resume=true"):
+        train(load_config(ROOT / "configs/gpt.toml", base), **quiet)
+    # a checkpoint of another model is refused with a message, not a traceback
+    with pytest.raises(TrainingError, match="cannot resume from .*step_000004"):
+        train(load_config(ROOT / "configs/gpt.toml", base + ["task.model=mini",
+                                                             "resume=true"]), **quiet)
+    with pytest.raises(TrainingError, match="does not exist"):
+        train(load_config(ROOT / "configs/gpt.toml", base + [f"resume='{tmp_path}/nope'"]),
+              **quiet)
+    # resuming at the end does nothing more; overwrite starts afresh
+    summary = train(load_config(ROOT / "configs/gpt.toml", base + ["resume=true"]), **quiet)
+    assert summary["steps_this_run"] == 0 and summary["resumed_from"].endswith("step_000004")
+    summary = train(load_config(ROOT / "configs/gpt.toml", base + ["train.overwrite=true"]),
+                    **quiet)
+    assert summary["steps_this_run"] == 4
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _spawn_ranks(world: int, args: list[str]) -> list[subprocess.Popen]:
+    """``world`` ranks of ``flexdemo train`` with torchrun's variables (one rank per node)."""
+    port = _free_port()
+    procs = []
+    for rank in range(world):
+        env = dict(os.environ, RANK=str(rank), LOCAL_RANK="0", WORLD_SIZE=str(world),
+                   LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                   OMP_NUM_THREADS="1", FLEXDEMO_TIMEOUT="30")
+        procs.append(subprocess.Popen([PY, "-m", "flexdemo", "train", *args], env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                      text=True))
+    return procs
+
+
+def _train_worker(rank: int, world: int, path: str, overrides: list[str]) -> dict:
+    """A rank of ``run_world``: train as ``flexdemo train path overrides`` would."""
+    return train(load_config(path, overrides), echo=lambda text: None)
+
+
+def test_killed_rank_ends_the_run_and_resume_matches_an_uninterrupted_run(tmp_path):
+    """Two replicas (DeMo state differs per replica). Rank 1 is killed mid-run: rank 0 must
+    stop within 60 s naming rank 1; resuming from the last checkpoint must then give the
+    uninterrupted run's losses bit for bit."""
+    from dist_util import run_world
+
+    cfg = str(ROOT / "configs/gpt.toml")
+    common = GPT_QUICK + ["train.steps=300", "train.checkpoint_every=3", "mesh.replicate=2",
+                          "train.progress=false"]
+    ref, run = tmp_path / "reference", tmp_path / "killed"
+    run_world(_train_worker, 2, cfg, [*common, "train.stop_at=15", f"train.out={ref}"])
+
+    procs = _spawn_ranks(2, [cfg, *common, f"train.out={run}"])
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            path = run / "metrics.jsonl"
+            if path.exists() and len(path.read_text().splitlines()) >= 5:
+                break
+            assert procs[0].poll() is None, procs[0].communicate()[0]
+            time.sleep(0.05)
+        else:
+            pytest.fail("the run made no progress")
+        procs[1].send_signal(signal.SIGKILL)
+        killed_at = time.monotonic()
+        out, _ = procs[0].communicate(timeout=60)
+        waited = time.monotonic() - killed_at
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.communicate()
+    assert procs[0].returncode == 1 and waited < 60
+    error = [line for line in out.splitlines() if "error" in line]
+    assert error and "lost rank 1" in error[-1] and "resume=true" in error[-1], out[-2000:]
+    assert "Traceback" not in out
+    done = len(metrics(run))
+    assert 5 <= done < 300
+
+    resumed = run_world(_train_worker, 2, cfg,
+                        [*common, "train.stop_at=15", f"train.out={run}", "resume=true"])
+    assert resumed[0]["resumed_from"] and resumed[0]["steps_this_run"] < 15
+    again, reference = metrics(run), metrics(ref)
+    assert [r["step"] for r in again] == list(range(1, 16))
+    assert [r["loss"] for r in again] == [r["loss"] for r in reference]
+    assert again[-1]["val_loss"] == reference[-1]["val_loss"]

@@ -2,9 +2,11 @@
 
 Part ``codecs``: bytes per parameter per step and loss after a fixed number of steps for DeMo
 codec settings, 2 nodes x 1 rank (2 replicas), the ~10.9M GPT.
-Part ``timing``: step time and replication seconds per step at each bandwidth, 2 nodes x 2
-ranks (FlexDeMo, 2 x 2 mesh), for: no replication (the floor), bucketed, per-tensor and
-delayed (overlapped) DeMo at the default codec.
+Part ``timing``: median step time and replication seconds per step at each bandwidth, 2 nodes
+x 2 ranks (FlexDeMo, 2 x 2 mesh), the strategies run in turn for ``--rounds`` rounds: no
+replication (the floor), bucketed, per-tensor and delayed (overlapped) DeMo at the default
+codec, and the synchronous and delayed ones with the forward transform in bf16. Ratios to the
+floor are taken within a round (the machine's slow spells hit neighbours alike).
 
     python benchmarks/bench_wire.py [--parts codecs,timing] [--steps 150] [--out DIR]
 
@@ -17,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 import tempfile
 from pathlib import Path
@@ -28,7 +31,8 @@ CODECS = ["flexdemo", "flexdemo:values=bf16", "flexdemo:values=int8", "flexdemo:
           "flexdemo:values=sign", "flexdemo:topk=16", "flexdemo:topk=16:values=int8",
           "flexdemo:topk=16:values=int2", "flexdemo:topk=16:values=sign",
           "flexdemo:topk=4:values=sign"]
-TIMING = ["floor", "{default}", "{default}:bucket=false", "{default}:overlap=delayed"]
+TIMING = ["floor", "{default}", "{default}:bucket=false", "{default}:overlap=delayed",
+          "{default}:transform_dtype=bf16", "{default}:overlap=delayed:transform_dtype=bf16"]
 
 
 def run_train(cluster_args: dict, strategies: list[str], extra: list[str]) -> list[dict]:
@@ -50,12 +54,30 @@ def run_train(cluster_args: dict, strategies: list[str], extra: list[str]) -> li
         return json.loads(out.read_text())["results"]
 
 
+def summarize_timing(strategies: list[str], runs: list[dict]) -> list[dict]:
+    """Per strategy: the median over rounds of its median step time, its ratio to the floor
+    (``strategies[0]``) within each round, and the median of those ratios."""
+    n = len(strategies)
+    rounds = [runs[i:i + n] for i in range(0, len(runs), n)]
+    rows = []
+    for j, name in enumerate(strategies):
+        steps = [rd[j]["step_seconds_median"] for rd in rounds]
+        ratios = [rd[j]["step_seconds_median"] / rd[0]["step_seconds_median"] for rd in rounds]
+        comm = [rd[j]["comm_seconds"] / rd[j]["steps"] for rd in rounds]
+        rows.append({"strategy": name, "step_seconds": statistics.median(steps),
+                     "x_floor": statistics.median(ratios), "ratios": ratios,
+                     "comm_seconds_per_step": statistics.median(comm),
+                     "bytes_per_param_per_step": rounds[0][j]["bytes_per_param_per_step"]})
+    return rows
+
+
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--parts", default="codecs,timing")
     p.add_argument("--model", default="small")
     p.add_argument("--steps", type=int, default=150, help="training steps per codec")
     p.add_argument("--timing-steps", type=int, default=30)
+    p.add_argument("--rounds", type=int, default=3, help="timing: passes over the strategies")
     p.add_argument("--bandwidths", default="100mbit,1gbit")
     p.add_argument("--codecs", default=",".join(CODECS))
     p.add_argument("--default", default="flexdemo:topk=16:values=int2",
@@ -79,20 +101,23 @@ def main(argv: list[str] | None = None) -> dict:
         report["timing"] = {}
         strategies = [s.format(default=args.default) for s in TIMING]
         for bw in args.bandwidths.split(","):
-            res = run_train({"nodes": 2, "ranks_per_node": 2, "bandwidth": bw}, strategies,
+            # the strategies run in turn, ``--rounds`` times over, in one cluster: a slow spell
+            # of the machine hits every strategy alike; each round's figure is the median step
+            res = run_train({"nodes": 2, "ranks_per_node": 2, "bandwidth": bw},
+                            strategies * args.rounds,
                             common + ["--steps", str(args.timing_steps), "--replicate", "2",
                                       "--shard", "2", "--eval-batches", "1"])
-            report["timing"][bw] = res
-            floor = res[0]["seconds"] / res[0]["steps"]
+            rows = summarize_timing(strategies, res)
+            report["timing"][bw] = {"rows": rows, "runs": res}
             print(f"\ntiming at {bw}: {args.model} GPT, 2 nodes x 2 ranks, "
-                  f"{args.timing_steps} steps")
-            print(f"{'strategy':<40} {'s/step':>7} {'x floor':>8} {'comm s/step':>11} "
-                  f"{'B/param':>9}")
-            for r in res:
-                step = r["seconds"] / r["steps"]
-                print(f"{r['strategy']:<40} {step:7.3f} {step / floor:8.3f} "
-                      f"{r['comm_seconds'] / r['steps']:11.4f} "
-                      f"{r['bytes_per_param_per_step']:9.5f}")
+                  f"{args.rounds} rounds x {args.timing_steps} steps (median step, s)")
+            print(f"{'strategy':<52} {'s/step':>7} {'x floor':>8} {'rounds x floor':>18} "
+                  f"{'comm s/step':>11} {'B/param':>8}")
+            for r in rows:
+                spread = ",".join(f"{x:.3f}" for x in r["ratios"])
+                print(f"{r['strategy']:<52} {r['step_seconds']:7.3f} {r['x_floor']:8.3f} "
+                      f"{spread:>18} {r['comm_seconds_per_step']:11.4f} "
+                      f"{r['bytes_per_param_per_step']:8.5f}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "wire.json").write_text(json.dumps(report, indent=2))

@@ -159,8 +159,10 @@ def run_strategy(name: str, args: argparse.Namespace, train: torch.Tensor,
     losses: list[float] = []
     history: list[dict] = []
     sent = 0
+    step_times: list[float] = []
     t0 = time.perf_counter()
     for step in range(args.steps):
+        t_step = time.perf_counter()
         for g in opt.param_groups:
             g["lr"] = lr_at(step, args.steps, lr, args.warmup)
         x, y = get_batch(train, args.batch, cfg.seq_len, gen)
@@ -170,6 +172,7 @@ def run_strategy(name: str, args: argparse.Namespace, train: torch.Tensor,
         opt.zero_grad()
         sent += opt.last_step_stats()["bytes_sent"]
         losses.append(loss.item())
+        step_times.append(time.perf_counter() - t_step)
         if (step + 1) % args.log_every == 0 or step + 1 == args.steps:
             avg = mean_over_ranks(sum(losses[-args.log_every:]) / len(losses[-args.log_every:]))
             elapsed = time.perf_counter() - t0
@@ -186,12 +189,15 @@ def run_strategy(name: str, args: argparse.Namespace, train: torch.Tensor,
                                         seed=10_000 + args.seed + rank))
     per_step = mean_over_ranks(sent / max(args.steps, 1))
     comm = mean_over_ranks(opt.comm_seconds)
+    steady = sorted(step_times[min(3, len(step_times) - 1):])  # leave out warm-up steps
+    step_median = mean_over_ranks(steady[len(steady) // 2]) if steady else 0.0
     result = {
         "strategy": name, "replicator": repr(opt.replicators[0]),
         "optimizer": spec["optimizer"],
         "lr": lr, "steps": args.steps, "params": n_params, "local_params": local_params,
         "mesh": {"replicate": mesh["replicate"].size(), "shard": mesh["shard"].size()},
         "train_loss": train_loss, "val_loss": val_loss, "seconds": seconds,
+        "step_seconds_median": step_median,
         "comm_seconds": comm, "replica_max_abs_diff": drift, "bytes_sent_per_step": per_step,
         "mb_sent_per_step": per_step / 1e6,
         "bytes_per_param_per_step": per_step / local_params,

@@ -243,7 +243,8 @@ def wire_worker(rank, world):
     out = {}
     variants = {f"values-{v}": {"values": v} for v in ("bf16", "int8", "int2", "sign")}
     variants.update({"bucketed": {}, "per-tensor": {"bucket": False},
-                     "delayed": {"overlap": "delayed"}, "separate-small": {"small": "separate"}})
+                     "delayed": {"overlap": "delayed"}, "separate-small": {"small": "separate"},
+                     "transform-bf16": {"transform_dtype": "bf16"}})
     for name, kw in variants.items():
         rep = DeMoReplicator(topk=4, chunk=8, **kw)
         model, opt = flexdemo.prepare(fresh_model(), rep, lr=0.01, replicate=world, shard=1)
@@ -260,7 +261,7 @@ def wire_worker(rank, world):
 
             def corrupt(grads, lrs, step, buf, fill=fill, rep=rep):
                 res = fill(grads, lrs, step, buf)
-                u = rep.units[0]
+                u = rep.groups[0]
                 buf[u.val_off: u.val_off + 4].view(torch.float32).fill_(float("nan"))
                 return res
 

@@ -66,6 +66,30 @@ def test_encode_into_fuses_momentum():
     torch.testing.assert_close(out, 0.9 * t.encode(x) + 0.5 * t.encode(y), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("shape", [(128, 192), (131, 70), (300,)])
+def test_reduced_precision_forward_transform(shape):
+    """bf16 products in the forward transform: close to fp32 (about 2^-8 of each block's
+    scale), the momentum stays fp32, and the same input gives the same bits."""
+    torch.manual_seed(4)
+    plan = plan_chunks(shape, 64)
+    exact, fast = BlockDCT(plan), BlockDCT(plan, compute_dtype=torch.bfloat16)
+    x, y = torch.randn(shape), torch.randn(shape)
+    ref = exact.encode(x)
+    got = fast.encode(x)
+    assert got.dtype == torch.float32
+    scale = ref.abs().amax(1, keepdim=True)
+    assert bool(((got - ref).abs() <= scale * 2 ** -6).all())
+    assert not torch.equal(got, ref)  # it did take the bf16 path
+    fast.encode_into(y, got, alpha=0.5, beta=0.9)
+    want = 0.9 * ref + 0.5 * exact.encode(y)
+    assert bool(((got - want).abs() <= want.abs().amax(1, keepdim=True) * 2 ** -6).all())
+    again = fast.encode(x)
+    fast.encode_into(y, again, alpha=0.5, beta=0.9)
+    assert torch.equal(again, got)
+    with pytest.raises(ValueError, match="compute_dtype"):
+        BlockDCT(plan, compute_dtype=torch.int8)
+
+
 def test_image_index_maps_blocks():
     plan = plan_chunks((128, 192), 64)
     t = BlockDCT(plan)

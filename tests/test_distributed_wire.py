@@ -16,7 +16,8 @@ def _same(a, b):
 
 
 @pytest.mark.parametrize("name", ["values-bf16", "values-int8", "values-int2", "values-sign",
-                                  "bucketed", "per-tensor", "delayed", "separate-small"])
+                                  "bucketed", "per-tensor", "delayed", "separate-small",
+                                  "transform-bf16"])
 def test_replicas_identical(results, name):
     assert _same(results[0][name]["shards"], results[1][name]["shards"])
 

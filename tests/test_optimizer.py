@@ -321,3 +321,25 @@ def test_demo_presets():
     assert (DeMoReplicator().topk, DeMoReplicator().values) == (16, "int2")
     with pytest.raises(ValueError, match="unknown DeMo preset"):
         DeMoReplicator.preset("fastest")
+
+
+def test_default_shard_units_take_outermost_blocks():
+    """Blocks in a ModuleList that hold their own ModuleList of layers (T5-like) are sharded
+    as whole blocks: FSDP2 cannot shard a layer inside an already sharded block."""
+    from flexdemo.prepare import default_shard_units
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layer = nn.ModuleList([nn.Linear(4, 4), nn.Linear(4, 4)])
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.encoder = nn.ModuleList([Block(), Block()])
+            self.decoder = nn.ModuleList([Block()])
+            self.heads = nn.ModuleList([nn.Linear(4, 2)])
+
+    net = Net()
+    units = default_shard_units(net)
+    assert [id(u) for u in units] == [id(m) for m in (*net.encoder, *net.decoder, *net.heads)]

@@ -23,6 +23,18 @@ def test_bit_packing_exact(bits):
     assert torch.equal(unpack_bits(packed, bits, 997), v)
 
 
+@pytest.mark.parametrize("bits", range(1, 33))
+def test_word_and_stream_packing_agree(bits):
+    """The fast word path writes exactly the bytes of the bit-stream definition."""
+    torch.manual_seed(bits)
+    for count in (1, 5, 96, 997):
+        v = torch.randint(0, 2 ** bits, (count,))
+        stream = pack_bits(v, bits, method="stream")
+        assert torch.equal(pack_bits(v, bits), stream)
+        assert torch.equal(unpack_bits(stream, bits, count), v)
+        assert torch.equal(unpack_bits(stream, bits, count, method="stream"), v)
+
+
 @pytest.mark.parametrize("fmt", BLOCK_FORMATS)
 def test_block_codecs(fmt):
     torch.manual_seed(0)
@@ -67,6 +79,63 @@ def test_payload_bytes_formula(fmt):
     assert rep.payload_bytes() == expected
 
 
+_MIXED = [(128, 192), (192,), (7, 9), (131, 70), (256, 128), (300,), (64, 64), (65,)]
+
+
+def _run_mixed(steps=4, **kw):
+    """Outputs and momentum of a replicator on mixed shapes (groups of several tensors,
+    padded tensors, small ones), with some gradients missing at step 2."""
+    torch.manual_seed(0)
+    rep = DeMoReplicator(**kw)
+    rep.setup([torch.Size(s) for s in _MIXED], torch.device("cpu"), None)
+    outs = []
+    for step in range(steps):
+        grads = [torch.randn(s) for s in _MIXED]
+        if step == 2:
+            grads[0] = grads[3] = None
+        outs.append([None if g is None else g.clone()
+                     for g in rep(grads, [1e-2] * len(_MIXED), step)])
+    return rep, outs
+
+
+@pytest.mark.parametrize("values", ["int2", "fp32"])
+def test_grouped_and_per_tensor_encoding_agree(values):
+    """Tensors with the same block size are selected and coded as one matrix: the same bits
+    as coding each on its own."""
+    grouped, a = _run_mixed(values=values)
+    single, b = _run_mixed(values=values, bucket=False)
+    assert len(grouped.groups) < len(single.groups) == len(single.units)
+    for x, y in zip(a, b):
+        assert all((p is None and q is None) or torch.equal(p, q) for p, q in zip(x, y))
+    assert all(torch.equal(p, q) for p, q in zip(grouped.delta, single.delta))
+
+
+def test_missing_gradient_keeps_momentum_in_a_group():
+    rep, _ = _run_mixed(steps=2)
+    before = [d.clone() for d in rep.delta]
+    grads = [torch.randn(s) for s in _MIXED]
+    grads[4] = None  # shares its group (64 x 64 blocks) with tensors that have gradients
+    out = rep(grads, [1e-2] * len(_MIXED), 2)
+    u = next(u for u in rep.units if u.members == [4])
+    assert sum(1 for v in rep.units if v.group == u.group) > 1
+    assert out[4] is None and torch.equal(rep.delta[rep.units.index(u)], before[rep.units.index(u)])
+    assert not torch.equal(rep.delta[0], before[0])
+
+
+def test_bf16_transform_stays_close_to_fp32():
+    """With every coefficient kept, the output is the gradient itself, through a bf16 forward
+    transform and an fp32 inverse: within bf16 rounding."""
+    _, fast = _run_mixed(sign=False, values="fp32", transform_dtype="bf16", topk=64, chunk=8,
+                         decay=0.0, scale_by_lr=False, steps=1)
+    torch.manual_seed(0)
+    grads = [torch.randn(s) for s in _MIXED]
+    for g, out in zip(grads, fast[0]):
+        assert float((out - g).norm()) <= 2 ** -7 * float(g.norm())
+        assert not torch.equal(out, g)
+    with pytest.raises(ValueError, match="transform_dtype"):
+        DeMoReplicator(transform_dtype="fp8")
+
+
 def test_presets_reach_the_byte_targets():
     """B/param for a 2-replica exchange of a GPT-like set of shapes."""
     d = 384
@@ -101,7 +170,7 @@ def test_corrupt_payloads_are_named():
     ):
         rep = _rep(values="fp32")
         grads, gathered = _payloads(rep)
-        corrupt(rep.units[0], gathered[1])
+        corrupt(rep.groups[0], gathered[1])
         with pytest.raises(CorruptPayloadError, match=f"rank 1 .*{match}"):
             rep._decode(gathered, grads, 0, rep_code(grads))
 
@@ -117,7 +186,7 @@ def test_index_out_of_range_is_caught():
     grads = [torch.randn(8, 12)]
     rep._fill(grads, [1.0], 0, rep._buckets[0])
     gathered = torch.stack([rep._buckets[0].clone()] * 2)
-    u = rep.units[0]
+    u = rep.groups[0]
     gathered[1, u.idx_off: u.val_off] = 0xFF  # every index 127 >= 96
     with pytest.raises(CorruptPayloadError, match="rank 1 .*out of range"):
         rep._decode(gathered, grads, 0, rep_code(grads))
@@ -127,7 +196,7 @@ def test_drop_bad_peer_uses_the_others():
     torch.manual_seed(0)
     rep = _rep(on_bad_peer="drop", sign=False)
     grads, gathered = _payloads(rep, n=3)
-    u = rep.units[0]
+    u = rep.groups[0]
     gathered[2, u.val_off: u.val_off + 4].view(torch.float32).fill_(float("inf"))
     with warnings.catch_warnings(record=True) as w:
         warnings.simplefilter("always")

@@ -17,8 +17,11 @@ from .replicate import Replicator, make_replicator
 
 
 def default_shard_units(model: nn.Module) -> list[nn.Module]:
-    """Modules sharded as their own FSDP unit: the members of every ``nn.ModuleList``."""
-    return [m for mod in model.modules() if isinstance(mod, nn.ModuleList) for m in mod]
+    """Modules sharded as their own FSDP unit: the members of every ``nn.ModuleList`` that do
+    not sit inside another such member (a block's own list of layers stays in the block)."""
+    units = [m for mod in model.modules() if isinstance(mod, nn.ModuleList) for m in mod]
+    nested = {id(d) for u in units for d in u.modules() if d is not u}
+    return [u for u in units if id(u) not in nested]
 
 
 def _model_device(model: nn.Module) -> torch.device:

@@ -9,8 +9,13 @@ Two layouts are used:
   layout, so the inverse transform needs no permutation.
 
 The forward transform into block layout fuses the momentum update:
-``out = beta * out + alpha * DCT(x)`` in a single ``addmm_``. Scratch memory is reused
-across calls (large CPU allocations page-fault on every touch otherwise).
+``out = beta * out + alpha * DCT(x)`` in a single ``addmm_``. With ``compute_dtype=bfloat16``
+the two products of the forward transform run in bf16 (fp32 accumulation inside the product,
+bf16 rounding of the input, the intermediate and the result: about 2^-8 relative error per
+coefficient) and the result is added to the fp32 ``out``; on hardware with native bf16 products
+(recent GPUs, CPUs with AVX512-BF16 or AMX) this is several times faster. The inverse
+transforms always run in fp32. Scratch memory is reused across calls (large CPU allocations
+page-fault on every touch otherwise).
 """
 
 from __future__ import annotations
@@ -58,9 +63,15 @@ class BlockDCT:
     for plain per-block top-k)."""
 
     def __init__(self, plan: ChunkPlan, device=None, dtype: torch.dtype = torch.float32,
-                 scratch: Scratch | None = None, basis: str = "dct") -> None:
+                 scratch: Scratch | None = None, basis: str = "dct",
+                 compute_dtype: torch.dtype | None = None) -> None:
         if basis not in ("dct", "identity"):
             raise ValueError(f"basis must be 'dct' or 'identity', got {basis!r}")
+        compute_dtype = dtype if compute_dtype is None else compute_dtype
+        if compute_dtype not in (dtype, torch.bfloat16, torch.float16):
+            raise ValueError(f"compute_dtype must be {dtype}, bfloat16 or float16, "
+                             f"got {compute_dtype}")
+        self.compute_dtype = compute_dtype
         self.plan = plan
         self.device = torch.device("cpu") if device is None else torch.device(device)
         self.dtype = dtype
@@ -74,6 +85,8 @@ class BlockDCT:
             self.dc = torch.eye(cc, dtype=dtype, device=self.device)
         self.dc_t = self.dc.t()
         self.dr_t = self.dr.t()
+        self._dr_fwd = self.dr.to(compute_dtype)
+        self._dc_t_fwd = self.dc_t.to(compute_dtype)
         nbr, nbc = plan.grid
         pr, pc = plan.padded
         # image position of block b's coefficient l: base[b] + lut[l]
@@ -105,17 +118,31 @@ class BlockDCT:
         cr, cc = p.chunk
         nbr, nbc = p.grid
         pr, pc = p.padded
+        ct = self.compute_dtype
         xp = self._padded_input(x.reshape(p.shape2d), slot=0)
+        if ct != self.dtype:
+            xc = self.scratch.get(0, p.padded_numel, ct, self.device).view(pr, pc)
+            xp = xc.copy_(xp.reshape(pr, pc))
         if cr == 1:
             blocks = xp.reshape(-1, cc)
         else:
-            y = self.scratch.get(1, p.padded_numel, self.dtype, self.device).view(nbr, cr, pc)
-            torch.matmul(self.dr, xp.reshape(nbr, cr, pc), out=y)
-            perm = self.scratch.get(0, p.padded_numel, self.dtype, self.device)
+            y = self.scratch.get(1, p.padded_numel, ct, self.device).view(nbr, cr, pc)
+            torch.matmul(self._dr_fwd, xp.reshape(nbr, cr, pc), out=y)
+            perm = self.scratch.get(0, p.padded_numel, ct, self.device)
             perm = perm.view(nbr, nbc, cr, cc)
             perm.copy_(y.view(nbr, cr, nbc, cc).transpose(1, 2))
             blocks = perm.view(-1, cc)
-        out.view(-1, cc).addmm_(blocks, self.dc_t, beta=beta, alpha=alpha)
+        if ct == self.dtype:
+            out.view(-1, cc).addmm_(blocks, self.dc_t, beta=beta, alpha=alpha)
+            return out
+        z = self.scratch.get(1, p.padded_numel, ct, self.device).view(-1, cc)
+        torch.mm(blocks, self._dc_t_fwd, out=z)
+        flat = out.view(-1, cc)
+        if beta == 0:
+            flat.copy_(z)
+            flat.mul_(alpha)
+        else:
+            flat.mul_(beta).add_(z, alpha=alpha)
         return out
 
     def encode(self, x: torch.Tensor) -> torch.Tensor:

@@ -18,6 +18,8 @@ import math
 
 import torch
 
+from .bits import pack_bits, unpack_bits
+
 FORMATS = ("fp32", "bf16", "fp16", "int8", "int4")
 _FLOAT = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _QMAX = {"int8": 127, "int4": 7}
@@ -128,8 +130,6 @@ class BlockValueCodec:
     def encode(self, vals: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """Write ``vals`` (fp32 ``(blocks, k)``) into ``out`` (uint8); return the decoded values
         (what the peers will see)."""
-        from .bits import pack_bits
-
         b, k = vals.shape
         f = self.fmt
         if f in _FLOAT:
@@ -137,6 +137,7 @@ class BlockValueCodec:
             return vals.to(_FLOAT[f]).float()
         mag = vals.abs()
         neg = vals < 0
+        # the decoded values are built from the codes with the same arithmetic as decode()
         if f == "int8":
             scale = (mag.amax(1) / 127).to(torch.bfloat16)
             out[: 2 * b].view(torch.bfloat16).copy_(scale)
@@ -144,23 +145,22 @@ class BlockValueCodec:
             safe = torch.where(s > 0, s, torch.ones_like(s))
             codes = torch.round(vals / safe[:, None]).clamp_(-127, 127).to(torch.int8)
             out[2 * b: 2 * b + b * k].view(torch.int8).copy_(codes.view(-1))
-        elif f == "int2":
+            return codes.float() * s[:, None]
+        if f == "int2":
             lo_hi = torch.stack([mag.amin(1), mag.amax(1)], dim=1).to(torch.bfloat16)
             out[: 4 * b].view(torch.bfloat16).copy_(lo_hi.view(-1))
             lh = lo_hi.float()
             big = mag >= (lh[:, :1] + lh[:, 1:]) / 2
-            codes = neg.to(torch.int64) | (big.to(torch.int64) << 1)
-            pack_bits(codes, 2, out[4 * b:])
-        else:  # sign
-            m = mag.mean(1).to(torch.bfloat16)
-            out[: 2 * b].view(torch.bfloat16).copy_(m)
-            pack_bits(neg.to(torch.int64), 1, out[2 * b:])
-        return self.decode(out, b, k)
+            pack_bits(neg.to(torch.int64) | (big.to(torch.int64) << 1), 2, out[4 * b:])
+            return _int2_values(lh, big, neg)
+        m = mag.mean(1).to(torch.bfloat16)  # sign
+        out[: 2 * b].view(torch.bfloat16).copy_(m)
+        pack_bits(neg, 1, out[2 * b:])
+        m = m.float()[:, None]
+        return torch.where(neg, -m, m)
 
     def decode(self, data: torch.Tensor, b: int, k: int) -> torch.Tensor:
         """The fp32 values ``(blocks, k)`` encoded in ``data``."""
-        from .bits import unpack_bits
-
         f = self.fmt
         if f in _FLOAT:
             return data[: self.nbytes(b, k)].view(_FLOAT[f]).view(b, k).float()
@@ -171,9 +171,14 @@ class BlockValueCodec:
         if f == "int2":
             lh = data[: 4 * b].view(torch.bfloat16).float().view(b, 2)
             codes = unpack_bits(data[4 * b:], 2, b * k).view(b, k)
-            frac = torch.where((codes >> 1) == 1, 0.75, 0.25)
-            mag = lh[:, :1] + (lh[:, 1:] - lh[:, :1]) * frac
-            return torch.where((codes & 1) == 1, -mag, mag)
-        m = data[: 2 * b].view(torch.bfloat16).float()
-        neg = unpack_bits(data[2 * b:], 1, b * k).view(b, k)
-        return torch.where(neg == 1, -m[:, None], m[:, None])
+            return _int2_values(lh, (codes >> 1) == 1, (codes & 1) == 1)
+        m = data[: 2 * b].view(torch.bfloat16).float()[:, None]
+        neg = unpack_bits(data[2 * b:], 1, b * k).view(b, k) == 1
+        return torch.where(neg, -m, m)
+
+
+def _int2_values(lh: torch.Tensor, big: torch.Tensor, neg: torch.Tensor) -> torch.Tensor:
+    """int2 values from per-block ``(lo, hi)`` and the magnitude and sign bits."""
+    frac = torch.where(big, 0.75, 0.25)
+    mag = lh[:, :1] + (lh[:, 1:] - lh[:, :1]) * frac
+    return torch.where(neg, -mag, mag)

@@ -7,6 +7,9 @@ it) from ``delta`` (error feedback); all-gather the (index, value) pairs of all 
 bucket; decode the true mean over the replicas (sum in replica order, divided by the number of
 contributions: every replica computes the same bits); optionally apply ``sign()``.
 ``transform="none"`` keeps the blocks but skips the DCT: plain per-block top-k.
+``transform_dtype="bf16"`` runs the forward transform's products in bf16 (about 2^-8 relative
+error per coefficient, several times faster where the hardware has bf16 products); the
+momentum, the values and the inverse transform stay fp32.
 
 The DCT is linear and orthonormal, so where the blocks tile the tensor exactly ``delta`` is kept
 in the transform domain: the momentum update is fused into the forward transform and error
@@ -20,18 +23,24 @@ order, into one vector viewed as ``(rows, chunk)`` and compressed as one matrix:
 per 1-D chunk (at the defaults 32 of 64: more bytes than dense fp32). ``small="separate"``
 compresses each tensor on its own.
 
+**Groups.** Tensors whose blocks have the same size (and so the same ``k``) form a group: their
+coefficients live in one ``(blocks, block entries)`` matrix, so selection, coding, packing and
+the checks of received payloads run once per group rather than once per tensor (all of them
+work block by block, so the bits are those of coding each tensor alone).
+
 **Wire format** (one bucket per step): a 32-byte header (magic and version, step, non-finite
-flag, presence code); then per tensor (or batch) the block-local indices packed at
-``ceil(log2(block entries))`` bits (12 for 64 x 64 blocks) and the values in the ``values``
+flag, presence code); then per group the block-local indices of all its blocks packed at
+``ceil(log2(block entries))`` bits (12 for 64 x 64 blocks) and their values in the ``values``
 format of :class:`~flexdemo.compress.quant.BlockValueCodec` (``fp32``, ``bf16``, ``fp16``,
 ``int8`` with a scale per block, ``int2``, or ``sign`` with a magnitude per block), each
 segment 8-byte aligned. :meth:`payload_bytes` is the exact size.
 
-**Collectives.** ``bucket=True``: one all-gather per step; ``False``: one per tensor plus one
-for the header (for comparison). ``overlap="delayed"`` launches each step's all-gather
-asynchronously and applies it one step later, so the exchange runs behind the next forward and
-backward: the update applied at step ``t`` is the replicas' mean of what they sent at step
-``t - 1`` (zero at step 0). Default ``"none"``: the update of step ``t`` is applied at ``t``.
+**Collectives.** ``bucket=True``: one all-gather per step; ``False``: every tensor is its own
+group and has its own all-gather, plus one for the header (for comparison).
+``overlap="delayed"`` launches each step's all-gather asynchronously and applies it one step
+later, so the exchange runs behind the next forward and backward: the update applied at step
+``t`` is the replicas' mean of what they sent at step ``t - 1`` (zero at step 0). Default
+``"none"``: the update of step ``t`` is applied at ``t``.
 
 **Untrusted payloads.** Every received payload is checked: header (magic, version, step),
 indices in range and unique within a block, values finite. A bad payload raises
@@ -82,6 +91,9 @@ PRESETS: dict[str, dict] = {
 }
 
 
+_TRANSFORM_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
 def _align(n: int) -> int:
     return (n + 7) // 8 * 8
 
@@ -95,16 +107,33 @@ class _Unit:
     plan: ChunkPlan
     transform: BlockDCT
     k: int
+    delta: torch.Tensor | None = None  # set when its group is built
+    group: int = 0
+    rows: slice = field(default_factory=lambda: slice(0, 0))  # its blocks in the group
+    flat: torch.Tensor | None = field(default=None, repr=False)
+
+
+@dataclass
+class _Group:
+    """Units with the same block size and ``k``: selected, coded and checked as one matrix of
+    blocks, and sent as one index segment and one value segment."""
+
+    units: list[_Unit]
+    block_numel: int
+    k: int
     bits: int
-    delta: torch.Tensor
+    coef: torch.Tensor  # (blocks, block_numel): the momentum of unpadded units, in place
     idx_off: int = 0
     val_off: int = 0
     end: int = 0
-    flat: torch.Tensor | None = field(default=None, repr=False)
+
+    @property
+    def blocks(self) -> int:
+        return self.coef.shape[0]
 
     @property
     def n_sel(self) -> int:
-        return self.plan.num_blocks * self.k
+        return self.blocks * self.k
 
 
 class DeMoReplicator(Replicator):
@@ -119,7 +148,8 @@ class DeMoReplicator(Replicator):
 
     def __init__(self, topk: int = 16, chunk: int = 64, decay: float = 0.999, *,
                  sign: bool = True, scale_by_lr: bool = True, values: str = "int2",
-                 transform: str = "dct", small: str = "batch", small_numel: int | None = None,
+                 transform: str = "dct", transform_dtype: str = "fp32", small: str = "batch",
+                 small_numel: int | None = None,
                  bucket: bool = True, overlap: str = "none", on_bad_peer: str = "raise",
                  **schedule) -> None:
         super().__init__(**schedule)
@@ -137,6 +167,9 @@ class DeMoReplicator(Replicator):
         if transform not in ("dct", "none"):
             raise ValueError(f"transform must be 'dct' or 'none' (plain top-k per block), "
                              f"got {transform!r}")
+        if transform_dtype not in _TRANSFORM_DTYPES:
+            raise ValueError(f"transform_dtype must be one of {sorted(_TRANSFORM_DTYPES)}, "
+                             f"got {transform_dtype!r}")
         if small not in ("batch", "separate"):
             raise ValueError(f"small must be 'batch' or 'separate', got {small!r}")
         if small_numel is not None and (not isinstance(small_numel, int) or small_numel < 0):
@@ -151,7 +184,7 @@ class DeMoReplicator(Replicator):
             raise ValueError(f"on_bad_peer must be 'raise' or 'drop', got {on_bad_peer!r}")
         self.topk, self.chunk, self.decay = topk, chunk, float(decay)
         self.sign, self.scale_by_lr, self.values = sign, scale_by_lr, values
-        self.transform, self.small = transform, small
+        self.transform, self.transform_dtype, self.small = transform, transform_dtype, small
         self.small_numel = chunk * chunk if small_numel is None else small_numel
         self.bucket, self.overlap, self.on_bad_peer = bucket, overlap, on_bad_peer
         self.codec = BlockValueCodec(values)
@@ -167,6 +200,7 @@ class DeMoReplicator(Replicator):
     def extra_repr(self) -> str:
         extra = "".join(f", {k}={v!r}" for k, v, d in (
             ("transform", self.transform, "dct"),
+            ("transform_dtype", self.transform_dtype, "fp32"),
             ("small", self.small, "batch"), ("bucket", self.bucket, True),
             ("overlap", self.overlap, "none")) if v != d)
         return (f"topk={self.topk}, chunk={self.chunk}, decay={self.decay}, "
@@ -180,12 +214,35 @@ class DeMoReplicator(Replicator):
         plan = plan_chunks(shape, self.chunk)
         k = min(self.topk, plan.block_numel)
         basis = "dct" if self.transform == "dct" else "identity"
-        t = BlockDCT(plan, self.device, scratch=self.scratch, basis=basis)
-        dshape = plan.shape2d if plan.needs_padding else (plan.num_blocks, plan.block_numel)
-        delta = torch.zeros(dshape, dtype=torch.float32, device=self.device)
-        bits = max(1, math.ceil(math.log2(plan.block_numel)))
+        ct = _TRANSFORM_DTYPES[self.transform_dtype] if basis == "dct" else torch.float32
+        t = BlockDCT(plan, self.device, scratch=self.scratch, basis=basis, compute_dtype=ct)
         sizes = [self._shapes[i].numel() for i in members]
-        return _Unit(members, sizes, plan, t, k, bits, delta)
+        return _Unit(members, sizes, plan, t, k)
+
+    def _make_groups(self) -> list[_Group]:
+        """Group the units by (block size, k), in unit order; with ``bucket=False`` every unit
+        is its own group (one collective each)."""
+        keyed: dict = {}
+        for j, u in enumerate(self.units):
+            key = (u.plan.block_numel, u.k) if self.bucket else j
+            keyed.setdefault(key, []).append(u)
+        groups = []
+        for members in keyed.values():
+            n, k = members[0].plan.block_numel, members[0].k
+            blocks = sum(u.plan.num_blocks for u in members)
+            coef = torch.zeros(blocks, n, dtype=torch.float32, device=self.device)
+            g = _Group(members, n, k, max(1, math.ceil(math.log2(n))), coef)
+            row = 0
+            for u in members:
+                u.group, u.rows = len(groups), slice(row, row + u.plan.num_blocks)
+                row += u.plan.num_blocks
+                # tensors that tile into blocks keep their momentum in the transform domain,
+                # in the group's matrix; padded ones in their own domain (the padding never
+                # holds momentum) and use their rows of the matrix for fresh coefficients
+                u.delta = (torch.zeros(u.plan.shape2d, dtype=torch.float32, device=self.device)
+                           if u.plan.needs_padding else coef[u.rows])
+            groups.append(g)
+        return groups
 
     def _setup_state(self) -> None:
         self.scratch = Scratch()
@@ -200,13 +257,14 @@ class DeMoReplicator(Replicator):
             unit = self._make_unit(small, (rows, self.chunk))
             unit.flat = torch.zeros(rows * self.chunk, dtype=torch.float32, device=self.device)
             self.units.append(unit)
+        self.groups = self._make_groups()
         off = HEADER_BYTES
-        for u in self.units:
-            u.idx_off = off
-            off = _align(off + packed_nbytes(u.n_sel, u.bits))
-            u.val_off = off
-            off = _align(off + self.codec.nbytes(u.plan.num_blocks, u.k))
-            u.end = off
+        for g in self.groups:
+            g.idx_off = off
+            off = _align(off + packed_nbytes(g.n_sel, g.bits))
+            g.val_off = off
+            off = _align(off + self.codec.nbytes(g.blocks, g.k))
+            g.end = off
         self.bucket_bytes = off
         nbuf = 2 if self.overlap == "delayed" else 1
         self._buckets = [torch.zeros(off, dtype=torch.uint8, device=self.device)
@@ -239,47 +297,60 @@ class DeMoReplicator(Replicator):
         u.flat[off:].zero_()  # the padding tail (it held the last output)
         return u.flat
 
-    def _encode(self, u: _Unit, x: torch.Tensor, lr: float, buf: torch.Tensor):
-        """Momentum update, selection, packing, error feedback; returns (idx, sent values)."""
-        plan, t, delta = u.plan, u.transform, u.delta
+    def _transform(self, u: _Unit, x: torch.Tensor, lr: float, coef: torch.Tensor) -> None:
+        """Momentum update; the unit's DCT coefficients land in ``coef`` (its group rows)."""
+        plan, t = u.plan, u.transform
         scale = lr if self.scale_by_lr else 1.0
         if plan.needs_padding:
-            delta.mul_(self.decay).add_(x.reshape(plan.shape2d), alpha=scale)
-            coef = self.scratch.get(3, plan.padded_numel, torch.float32, self.device)
-            coef = t.encode_into(delta, coef.view(plan.num_blocks, plan.block_numel))
-        else:
-            coef = t.encode_into(x, delta, alpha=scale, beta=self.decay)
-        mag = self.scratch.get(4, coef.numel(), torch.float32, self.device).view_as(coef)
-        idx = topk_indices(torch.abs(coef, out=mag), u.k)
-        pack_bits(idx, u.bits, buf[u.idx_off: u.val_off])
-        sent = self.codec.encode(coef.gather(1, idx), buf[u.val_off: u.end])
-        self._feedback(u, idx, sent, sign=-1.0)
+            u.delta.mul_(self.decay).add_(x.reshape(plan.shape2d), alpha=scale)
+            t.encode_into(u.delta, coef)
+        else:  # coef is the momentum itself: decay and add the new transform in one product
+            t.encode_into(x, coef, alpha=scale, beta=self.decay)
+
+    def _encode(self, g: _Group, inputs: list, lrs, buf: torch.Tensor):
+        """Momentum update, selection, packing and error feedback of one group; returns the
+        sent (idx, values), both ``(blocks, k)``. Inactive units (no gradient) keep their
+        momentum and send zeros."""
+        for u, x in zip(g.units, inputs):
+            if x is not None:
+                self._transform(u, x, lrs[u.members[0]], g.coef[u.rows])
+        mag = self.scratch.get(4, g.coef.numel(), torch.float32, self.device)
+        idx = topk_indices(torch.abs(g.coef, out=mag.view_as(g.coef)), g.k)
+        vals = g.coef.gather(1, idx)
+        for u, x in zip(g.units, inputs):
+            if x is None:
+                vals[u.rows] = 0.0
+        pack_bits(idx, g.bits, buf[g.idx_off: g.val_off])
+        sent = self.codec.encode(vals, buf[g.val_off: g.end])
+        self._feedback(g, idx, sent, sign=-1.0)
         return idx, sent
 
-    def _feedback(self, u: _Unit, idx: torch.Tensor, vals: torch.Tensor, sign: float) -> None:
-        """Add ``sign * sent`` to delta (sign -1: error feedback, +1: undo it)."""
-        plan, t, delta = u.plan, u.transform, u.delta
-        if not plan.needs_padding:
-            delta.scatter_add_(1, idx, vals if sign > 0 else -vals)
-            return
-        img = self.scratch.get(2, plan.padded_numel, torch.float32, self.device).zero_()
-        img.index_add_(0, t.image_index(idx), vals.reshape(-1))
-        delta.add_(t.decode_image(img).reshape(plan.shape2d), alpha=sign)
+    def _feedback(self, g: _Group, idx: torch.Tensor, vals: torch.Tensor, sign: float) -> None:
+        """Add ``sign * sent`` to the momentum (sign -1: error feedback, +1: undo it)."""
+        g.coef.scatter_add_(1, idx, vals if sign > 0 else -vals)  # padded units: scratch rows
+        for u in g.units:
+            plan, t = u.plan, u.transform
+            if not plan.needs_padding:
+                continue
+            img = self.scratch.get(2, plan.padded_numel, torch.float32, self.device).zero_()
+            img.index_add_(0, t.image_index(idx[u.rows]), vals[u.rows].reshape(-1))
+            u.delta.add_(t.decode_image(img).reshape(plan.shape2d), alpha=sign)
 
     def _fill(self, grads, lrs, step: int, buf: torch.Tensor):
-        """Encode every unit into ``buf``; returns the per-unit sent (idx, values) or None."""
+        """Encode every group into ``buf``; returns the per-group sent (idx, values), or None
+        for groups without gradients (and for all groups when a gradient is not finite)."""
         present = [g for g in grads if g is not None]
         bad = not all_finite(present)
         code = presence_code(grads)
         write_header(buf, step, bad, code)
         sent: list = []
-        for u in self.units:
-            x = None if bad else self._unit_input(u, grads)
-            if x is None:
-                buf[u.idx_off: u.end].zero_()
+        for g in self.groups:
+            inputs = [None if bad else self._unit_input(u, grads) for u in g.units]
+            if all(x is None for x in inputs):
+                buf[g.idx_off: g.end].zero_()
                 sent.append(None)
                 continue
-            sent.append(self._encode(u, x, lrs[u.members[0]], buf))
+            sent.append(self._encode(g, inputs, lrs, buf))
         return sent, code
 
     # ------------------------------------------------------------------ exchange
@@ -289,8 +360,8 @@ class DeMoReplicator(Replicator):
         n = self.world
         out = torch.empty(n, buf.numel(), dtype=buf.dtype, device=buf.device)
         out[:, :HEADER_BYTES] = all_gather(buf[:HEADER_BYTES].clone(), self.group, self.stats)
-        for u in self.units:
-            out[:, u.idx_off: u.end] = all_gather(buf[u.idx_off: u.end].clone(), self.group,
+        for g in self.groups:  # one per tensor (bucket=False makes a group of each unit)
+            out[:, g.idx_off: g.end] = all_gather(buf[g.idx_off: g.end].clone(), self.group,
                                                   self.stats)
         return out
 
@@ -304,21 +375,21 @@ class DeMoReplicator(Replicator):
         return None
 
     def _check_body(self, row: torch.Tensor, active: list[bool]):
-        """Decode one peer's units; returns (idx, values) per unit (None where inactive), or
-        the reason the payload is bad."""
+        """Decode one peer's groups; returns (idx, values) per group (None where no unit of
+        the group has a gradient), or the reason the payload is bad."""
         decoded: list = []
-        for u, on in zip(self.units, active):
+        for g, on in zip(self.groups, active):
             if not on:
                 decoded.append(None)
                 continue
-            idx = unpack_bits(row[u.idx_off: u.val_off], u.bits, u.n_sel).view(-1, u.k)
-            if int(idx.max()) >= u.plan.block_numel:
+            idx = unpack_bits(row[g.idx_off: g.val_off], g.bits, g.n_sel).view(-1, g.k)
+            if (1 << g.bits) > g.block_numel and int(idx.max()) >= g.block_numel:
                 return (f"index {int(idx.max())} out of range for blocks of "
-                        f"{u.plan.block_numel} entries")
+                        f"{g.block_numel} entries")
             srt = idx.sort(dim=1).values
             if bool((srt[:, 1:] == srt[:, :-1]).any()):
                 return "repeated index within a block"
-            vals = self.codec.decode(row[u.val_off: u.end], u.plan.num_blocks, u.k)
+            vals = self.codec.decode(row[g.val_off: g.end], g.blocks, g.k)
             if not bool(torch.isfinite(vals).all()):
                 return "non-finite value"
             decoded.append((idx, vals))
@@ -345,7 +416,8 @@ class DeMoReplicator(Replicator):
                 self._bad_peer(r, step, reason)
         check_flags(self.name, [heads[r][2] if r in peers else 0 for r in range(n)],
                     [heads[r][3] if r in peers else code for r in range(n)], code, step)
-        active = [any(grads[i] is not None for i in u.members) for u in self.units]
+        active = [any(grads[i] is not None for u in g.units for i in u.members)
+                  for g in self.groups]
         good = []
         for r in peers:
             res = self._check_body(gathered[r], active)
@@ -353,10 +425,11 @@ class DeMoReplicator(Replicator):
                 self._bad_peer(r, step, res)
             else:
                 good.append(res)
-        for j, u in enumerate(self.units):
-            if not active[j]:
+        for u in self.units:
+            if all(grads[i] is None for i in u.members):
                 continue
-            self._write_output(u, self._mean(u, [dec[j] for dec in good], grads), grads)
+            parts = [(dec[u.group][0][u.rows], dec[u.group][1][u.rows]) for dec in good]
+            self._write_output(u, self._mean(u, parts, grads), grads)
 
     def _mean(self, u: _Unit, parts: list, grads) -> torch.Tensor:
         """The mean of the peers' (idx, values) of unit ``u``, decoded to its matrix shape.
@@ -408,9 +481,9 @@ class DeMoReplicator(Replicator):
         try:
             self._decode(gathered, grads, step, code)
         except Exception:
-            for u, s in zip(self.units, sent):
+            for g, s in zip(self.groups, sent):
                 if s is not None:
-                    self._feedback(u, s[0], s[1], sign=1.0)
+                    self._feedback(g, s[0], s[1], sign=1.0)
             raise
         return grads
 

@@ -69,9 +69,10 @@ def traffic(shapes: list[torch.Size], replicas: int, topk: int, chunk: int,
 
 
 def time_optimizers(params: list[torch.Tensor], grads: list[torch.Tensor], reps: int,
-                    warmup: int, lr: float, topk: int, chunk: int, values: str = "fp32") -> dict:
+                    warmup: int, lr: float, topk: int, chunk: int, values: str = "fp32",
+                    transform_dtype: str = "fp32") -> dict:
     """Median seconds of a DeMo step + sign-SGD update and of an AdamW step on ``params``."""
-    rep = DeMoReplicator(topk=topk, chunk=chunk, values=values)
+    rep = DeMoReplicator(topk=topk, chunk=chunk, values=values, transform_dtype=transform_dtype)
     rep.setup([p.shape for p in params], torch.device("cpu"), None)
     work = [torch.empty_like(g) for g in grads]
     lrs = [lr] * len(params)
@@ -107,6 +108,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--topk", type=int, default=32)
     p.add_argument("--chunk", type=int, default=64)
     p.add_argument("--values", default="fp32", help="value format (fp32, int8, int2, sign, ...)")
+    p.add_argument("--transform-dtype", default="fp32", choices=["fp32", "bf16"],
+                   help="precision of the forward DCT's products")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--out", default="benchmarks/results/core.json")
@@ -152,7 +155,7 @@ def main(argv: list[str] | None = None) -> dict:
             ps = [q.detach()[: q.shape[0] // 2].clone() for q in params]
             gs = [g[: g.shape[0] // 2].clone() for g in grads]
         t = time_optimizers(ps, gs, args.reps, args.warmup, args.lr, args.topk, args.chunk,
-                            args.values)
+                            args.values, args.transform_dtype)
         compute["layouts"].append({
             "layout": layout, "local_params": sum(q.numel() for q in ps), **t,
             "demo_pct_of_fwd_bwd": 100 * t["demo_step_s"] / fb,
@@ -161,7 +164,8 @@ def main(argv: list[str] | None = None) -> dict:
 
     # report ---------------------------------------------------------------------------
     print(f"model {args.model}: {n_params / 1e6:.2f}M parameters, DeMo topk={args.topk} "
-          f"chunk={args.chunk} values={args.values}, torch {torch.__version__}, "
+          f"chunk={args.chunk} values={args.values} transform {args.transform_dtype}, "
+          f"torch {torch.__version__}, "
           f"{args.threads} thread(s)\n")
     head = (f"{'layout':<10} {'n':>2} {'local params':>12} {'DeMo B/step':>12} "
             f"{'fp32 AR B/step':>15} {'DeMo B/param':>13} {'AR B/param':>11} {'ratio':>7}")
@@ -183,7 +187,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     result = {
         "model": args.model, "params": n_params, "topk": args.topk, "chunk": args.chunk,
-        "values": args.values,
+        "values": args.values, "transform_dtype": args.transform_dtype,
         "torch": torch.__version__, "threads": args.threads, "python": platform.python_version(),
         "machine": platform.machine(), "reps": args.reps, "bytes": bytes_rows,
         "compute": compute,

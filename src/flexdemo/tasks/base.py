@@ -17,6 +17,39 @@ import torch
 from torch import nn
 
 
+def eval_indices(n: int, rank: int, world: int, count: int, seed: int = 0) -> torch.Tensor:
+    """A fixed spread-out choice of ``count`` of this rank's validation items (same at every
+    evaluation); repeats items when the rank has fewer."""
+    owned = torch.arange(rank, n, world)
+    if owned.numel() == 0:
+        owned = torch.arange(n)
+    order = owned[torch.randperm(owned.numel(), generator=torch.Generator().manual_seed(seed))]
+    reps = -(-count // order.numel())
+    return order.repeat(reps)[:count]
+
+
+@torch.no_grad()
+def summed_eval_loss(model: nn.Module, n_items: int, rank: int, world: int, batches: int,
+                     batch_size: int,
+                     batch_loss: Callable[[torch.Tensor], tuple[float, int]]) -> dict[str, float]:
+    """Loss summed over ``batches`` (at least one) batches of this rank's validation items
+    (:func:`eval_indices`) in eval mode; ``batch_loss(indices)`` gives a batch's mean loss and
+    the number of predictions it averages."""
+    batches = max(batches, 1)
+    idx = eval_indices(n_items, rank, world, batches * batch_size)
+    was = model.training
+    model.eval()
+    loss_sum = count = 0.0
+    try:
+        for b in range(batches):
+            loss, n = batch_loss(idx[b * batch_size:(b + 1) * batch_size])
+            loss_sum += loss * n
+            count += n
+    finally:
+        model.train(was)
+    return {"loss_sum": loss_sum, "count": count}
+
+
 class ShardSampler:
     """Indices of this rank's share of ``num_items`` training items, ``batch`` at a time.
 

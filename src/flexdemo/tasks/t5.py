@@ -21,9 +21,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .base import Task
+from .base import Task, summed_eval_loss
 from .gpt import load_corpus
-from .text import ByteWindows, eval_indices
+from .text import ByteWindows
 
 PAD, EOS, UNK = 0, 1, 2
 BYTE_OFFSET = 3
@@ -175,18 +175,12 @@ class T5Task(Task):
     @torch.no_grad()
     def evaluate(self, model: nn.Module, rank: int, world: int, batches: int,
                  batch_size: int) -> dict[str, float]:
-        batches = max(batches, 1)
-        idx = eval_indices(len(self.val_windows), rank, world, batches * batch_size)
-        was = model.training
-        model.eval()
-        loss_sum = count = 0.0
-        for b in range(batches):
-            x, y = self._examples(self.val_windows, idx[b * batch_size:(b + 1) * batch_size],
-                                  salt=2)
-            loss_sum += float(model(input_ids=x, labels=y).loss) * y.numel()
-            count += y.numel()
-        model.train(was)
-        return {"loss_sum": loss_sum, "count": count}
+        def batch_loss(idx: torch.Tensor) -> tuple[float, int]:
+            x, y = self._examples(self.val_windows, idx, salt=2)
+            return float(model(input_ids=x, labels=y).loss), y.numel()
+
+        return summed_eval_loss(model, len(self.val_windows), rank, world, batches, batch_size,
+                                batch_loss)
 
     def shard_units(self) -> Callable[[nn.Module], list[nn.Module]]:
         """The encoder's and decoder's ``T5Block``s (not the layers nested inside them)."""

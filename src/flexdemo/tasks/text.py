@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .base import Task
+from .base import Task, summed_eval_loss
 from .gpt import GPT, gpt_config, load_corpus
 
 
@@ -33,17 +33,6 @@ class ByteWindows:
         """``(len(indices), length)`` int64 windows."""
         starts = indices.long() * (self.length - 1)
         return self.data[starts[:, None] + torch.arange(self.length)].long()
-
-
-def eval_indices(n: int, rank: int, world: int, count: int, seed: int = 0) -> torch.Tensor:
-    """A fixed spread-out choice of ``count`` of this rank's validation items (same at every
-    evaluation); repeats items when the rank has fewer."""
-    owned = torch.arange(rank, n, world)
-    if owned.numel() == 0:
-        owned = torch.arange(n)
-    order = owned[torch.randperm(owned.numel(), generator=torch.Generator().manual_seed(seed))]
-    reps = -(-count // order.numel())
-    return order.repeat(reps)[:count]
 
 
 class GPTTask(Task):
@@ -78,18 +67,12 @@ class GPTTask(Task):
     @torch.no_grad()
     def evaluate(self, model: nn.Module, rank: int, world: int, batches: int,
                  batch_size: int) -> dict[str, float]:
-        batches = max(batches, 1)
-        idx = eval_indices(len(self.val_windows), rank, world, batches * batch_size)
-        was = model.training
-        model.eval()
-        loss_sum = count = 0.0
-        for b in range(batches):
-            w = self.val_windows.get(idx[b * batch_size:(b + 1) * batch_size])
-            n = w[:, 1:].numel()
-            loss_sum += float(model(w[:, :-1], w[:, 1:])) * n
-            count += n
-        model.train(was)
-        return {"loss_sum": loss_sum, "count": count}
+        def batch_loss(idx: torch.Tensor) -> tuple[float, int]:
+            w = self.val_windows.get(idx)
+            return float(model(w[:, :-1], w[:, 1:])), w[:, 1:].numel()
+
+        return summed_eval_loss(model, len(self.val_windows), rank, world, batches, batch_size,
+                                batch_loss)
 
     def describe(self) -> str:
         c = self.cfg

@@ -18,8 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .base import Task
-from .text import eval_indices
+from .base import Task, eval_indices
 
 IMAGE = 8
 CLASSES = 10

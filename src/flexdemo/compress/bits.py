@@ -24,15 +24,18 @@ def packed_nbytes(count: int, bits: int) -> int:
     return math.ceil(count * bits / 8)
 
 
-def _check_bits(bits: int) -> None:
+def _word_layout(bits: int, method: str = "auto") -> tuple[int, int] | None:
+    """``(values per word, bytes per word)`` when ``method`` takes the word path, else None."""
     if not 1 <= bits <= 32:
         raise ValueError(f"bits must be in [1, 32], got {bits}")
-
-
-def _word_layout(bits: int) -> tuple[int, int] | None:
-    """``(values per word, bytes per word)`` for the word path, or None where it does not fit."""
+    if method not in ("auto", "words", "stream"):
+        raise ValueError(f"method must be 'auto', 'words' or 'stream', got {method!r}")
     span = math.lcm(bits, 8)
-    return (span // bits, span // 8) if span <= 56 else None
+    if method == "stream" or (span > 56 and method == "auto"):
+        return None
+    if span > 56:
+        raise ValueError(f"the word path does not cover {bits}-bit values")
+    return span // bits, span // 8
 
 
 @lru_cache(maxsize=64)
@@ -48,13 +51,10 @@ def pack_bits(values: torch.Tensor, bits: int, out: torch.Tensor | None = None,
               method: str = "auto") -> torch.Tensor:
     """Pack the flat non-negative ``values`` (each ``< 2**bits``) into a uint8 tensor (into
     ``out[:nbytes]`` when given). ``method``: "auto", "words" or "stream" (same bytes)."""
-    _check_bits(bits)
+    layout = _word_layout(bits, method)
     v = values.reshape(-1).to(torch.int64)
     count = v.numel()
     nbytes = packed_nbytes(count, bits)
-    layout = _word_layout(bits) if method != "stream" else None
-    if method == "words" and layout is None:
-        raise ValueError(f"the word path does not cover {bits}-bit values")
     if layout is not None:
         g, nb = layout
         words = math.ceil(count / g)
@@ -74,14 +74,11 @@ def pack_bits(values: torch.Tensor, bits: int, out: torch.Tensor | None = None,
 
 def unpack_bits(data: torch.Tensor, bits: int, count: int, method: str = "auto") -> torch.Tensor:
     """The ``count`` values of ``bits`` bits packed in the uint8 tensor ``data`` (int64)."""
-    _check_bits(bits)
+    layout = _word_layout(bits, method)
     nbytes = packed_nbytes(count, bits)
     if data.numel() < nbytes:
         raise ValueError(f"{data.numel()} bytes cannot hold {count} values of {bits} bits")
     raw = data[:nbytes].to(torch.int64)
-    layout = _word_layout(bits) if method != "stream" else None
-    if method == "words" and layout is None:
-        raise ValueError(f"the word path does not cover {bits}-bit values")
     if layout is not None:
         g, nb = layout
         words = math.ceil(nbytes / nb)

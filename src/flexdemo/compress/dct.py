@@ -140,7 +140,8 @@ class BlockDCT:
         flat = out.view(-1, cc)
         if beta == 0:
             flat.copy_(z)
-            flat.mul_(alpha)
+            if alpha != 1:
+                flat.mul_(alpha)
         else:
             flat.mul_(beta).add_(z, alpha=alpha)
         return out

@@ -98,6 +98,11 @@ def _align(n: int) -> int:
     return (n + 7) // 8 * 8
 
 
+def _has_grad(u: _Unit, grads) -> bool:
+    """Whether any tensor of unit ``u`` has a gradient this step."""
+    return any(grads[i] is not None for i in u.members)
+
+
 @dataclass
 class _Unit:
     """One compressed tensor: a large parameter, or the batch of small ones."""
@@ -119,9 +124,7 @@ class _Group:
     blocks, and sent as one index segment and one value segment."""
 
     units: list[_Unit]
-    block_numel: int
     k: int
-    bits: int
     coef: torch.Tensor  # (blocks, block_numel): the momentum of unpadded units, in place
     idx_off: int = 0
     val_off: int = 0
@@ -130,6 +133,15 @@ class _Group:
     @property
     def blocks(self) -> int:
         return self.coef.shape[0]
+
+    @property
+    def block_numel(self) -> int:
+        return self.coef.shape[1]
+
+    @property
+    def bits(self) -> int:
+        """Width of a packed block-local index."""
+        return max(1, math.ceil(math.log2(self.block_numel)))
 
     @property
     def n_sel(self) -> int:
@@ -231,7 +243,7 @@ class DeMoReplicator(Replicator):
             n, k = members[0].plan.block_numel, members[0].k
             blocks = sum(u.plan.num_blocks for u in members)
             coef = torch.zeros(blocks, n, dtype=torch.float32, device=self.device)
-            g = _Group(members, n, k, max(1, math.ceil(math.log2(n))), coef)
+            g = _Group(members, k, coef)
             row = 0
             for u in members:
                 u.group, u.rows = len(groups), slice(row, row + u.plan.num_blocks)
@@ -284,7 +296,7 @@ class DeMoReplicator(Replicator):
     def _unit_input(self, u: _Unit, grads) -> torch.Tensor | None:
         if u.flat is None:
             return grads[u.members[0]]
-        if all(grads[i] is None for i in u.members):
+        if not _has_grad(u, grads):
             return None
         off = 0
         for i, size in zip(u.members, u.sizes):
@@ -416,8 +428,7 @@ class DeMoReplicator(Replicator):
                 self._bad_peer(r, step, reason)
         check_flags(self.name, [heads[r][2] if r in peers else 0 for r in range(n)],
                     [heads[r][3] if r in peers else code for r in range(n)], code, step)
-        active = [any(grads[i] is not None for u in g.units for i in u.members)
-                  for g in self.groups]
+        active = [any(_has_grad(u, grads) for u in g.units) for g in self.groups]
         good = []
         for r in peers:
             res = self._check_body(gathered[r], active)
@@ -426,7 +437,7 @@ class DeMoReplicator(Replicator):
             else:
                 good.append(res)
         for u in self.units:
-            if all(grads[i] is None for i in u.members):
+            if not _has_grad(u, grads):
                 continue
             parts = [(dec[u.group][0][u.rows], dec[u.group][1][u.rows]) for dec in good]
             self._write_output(u, self._mean(u, parts, grads), grads)

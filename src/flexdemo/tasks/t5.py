@@ -172,7 +172,6 @@ class T5Task(Task):
         x, y = batch
         return model(input_ids=x, labels=y).loss
 
-    @torch.no_grad()
     def evaluate(self, model: nn.Module, rank: int, world: int, batches: int,
                  batch_size: int) -> dict[str, float]:
         def batch_loss(idx: torch.Tensor) -> tuple[float, int]:

@@ -64,7 +64,6 @@ class GPTTask(Task):
         x, y = batch
         return model(x, y)
 
-    @torch.no_grad()
     def evaluate(self, model: nn.Module, rank: int, world: int, batches: int,
                  batch_size: int) -> dict[str, float]:
         def batch_loss(idx: torch.Tensor) -> tuple[float, int]:

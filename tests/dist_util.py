@@ -69,3 +69,12 @@ def run_world(fn, world: int, *args, timeout: float = 240, env: dict | None = No
             raise AssertionError(f"hung ranks: {hung}\n" + "\n".join(errors))
         return [torch.load(os.path.join(outdir, f"{r}.pt"), weights_only=False)
                 for r in range(world)]
+
+
+def replicas_by_shard(results: list, name: str) -> dict:
+    """The per-rank results of entry ``name`` grouped by shard coordinate: each group holds
+    the replicas of one shard (results carry the rank's mesh ``coord``)."""
+    groups: dict = {}
+    for res in results:
+        groups.setdefault(res[name]["coord"][1], []).append(res[name])
+    return groups

@@ -204,6 +204,16 @@ DILOCO_EXCHANGES = {
 }
 
 
+def _step_trace(model, opt, steps, rank):
+    """Train ``steps`` single steps; the local shards and the bytes sent after each."""
+    snaps, sent = [], []
+    for s in range(steps):
+        train(model, opt, 1, rank, start=s)
+        snaps.append(shards(model))
+        sent.append(opt.last_step_stats()["bytes_sent"])
+    return snaps, sent
+
+
 def diloco_replicas_worker(rank, world, replicate, shard):
     from flexdemo import DiLoCoReplicator
 
@@ -212,11 +222,7 @@ def diloco_replicas_worker(rank, world, replicate, shard):
         rep = DiLoCoReplicator(inner_steps=3, exchange=exchange, exchange_kwargs=kw)
         model, opt = flexdemo.prepare(fresh_model(), rep, optimizer="adamw", lr=0.01,
                                       replicate=replicate, shard=shard)
-        snaps, sent = [], []
-        for s in range(7):
-            train(model, opt, 1, rank, start=s)
-            snaps.append(shards(model))
-            sent.append(opt.last_step_stats()["bytes_sent"])
+        snaps, sent = _step_trace(model, opt, 7, rank)
         payload = sum(ex.payload_bytes() for ex in rep.exchanges)
         out[name] = {"snaps": snaps, "sent": sent, "payload": payload,
                      "coord": opt.mesh.get_coordinate(),
@@ -225,11 +231,7 @@ def diloco_replicas_worker(rank, world, replicate, shard):
     rep = DiLoCoReplicator(inner_steps=4, fragments=2, tau=1)
     model, opt = flexdemo.prepare(fresh_model(), rep, optimizer="adamw", lr=0.01,
                                   replicate=replicate, shard=shard)
-    snaps, sent = [], []
-    for s in range(8):
-        train(model, opt, 1, rank, start=s)
-        snaps.append(shards(model))
-        sent.append(opt.last_step_stats()["bytes_sent"])
+    snaps, sent = _step_trace(model, opt, 8, rank)
     out["streaming"] = {"snaps": snaps, "sent": sent, "parts": rep.parts,
                         "payloads": [ex.payload_bytes() for ex in rep.exchanges],
                         "coord": opt.mesh.get_coordinate()}

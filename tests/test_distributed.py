@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from dist_util import run_world
+from dist_util import replicas_by_shard, run_world
 from dist_workers import (
     REPLICATORS,
     STEPS,
@@ -21,18 +21,10 @@ def layout_results(request):
     return replicate, shard, run_world(replicas_worker, 4, replicate, shard)
 
 
-def _by_shard(results, name):
-    groups = {}
-    for res in results:
-        r = res[name]
-        groups.setdefault(r["coord"][1], []).append(r)
-    return groups
-
-
 @pytest.mark.parametrize("name", sorted(REPLICATORS))
 def test_replicas_stay_bitwise_identical(layout_results, name):
     replicate, shard, results = layout_results
-    groups = _by_shard(results, name)
+    groups = replicas_by_shard(results, name)
     assert len(groups) == shard and all(len(g) == replicate for g in groups.values())
     for members in groups.values():
         first = members[0]["shards"]
@@ -82,7 +74,7 @@ def test_schedule_fires_on_the_right_steps(layout_results):
 def test_local_steps_let_replicas_drift(layout_results):
     """Steps 1-3, 5 and 7 of the schedule are local, so replicas are no longer identical."""
     replicate, shard, results = layout_results
-    groups = _by_shard(results, "schedule")
+    groups = replicas_by_shard(results, "schedule")
     for members in groups.values():
         first = members[0]["shards"]
         for m in members[1:]:

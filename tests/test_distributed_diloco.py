@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from dist_util import run_world
+from dist_util import replicas_by_shard, run_world
 from dist_workers import DILOCO_EXCHANGES, diloco_averaging_worker, diloco_replicas_worker
 
 from flexdemo.comm import all_gather_bytes, all_reduce_bytes
@@ -20,13 +20,6 @@ def diloco_results(request):
     return replicate, shard, run_world(diloco_replicas_worker, 4, replicate, shard)
 
 
-def _replica_groups(results, name):
-    groups = {}
-    for res in results:
-        groups.setdefault(res[name]["coord"][1], []).append(res[name])
-    return groups.values()
-
-
 def _identical(members, step, params=None):
     first = members[0]["snaps"][step]
     idx = range(len(first)) if params is None else params
@@ -36,7 +29,7 @@ def _identical(members, step, params=None):
 @pytest.mark.parametrize("name", sorted(DILOCO_EXCHANGES))
 def test_replicas_identical_after_every_outer_step(diloco_results, name):
     replicate, shard, results = diloco_results
-    for members in _replica_groups(results, name):
+    for members in replicas_by_shard(results, name).values():
         for step in (2, 5):  # H=3: outer steps after steps 2 and 5
             assert _identical(members, step), f"{name}: replicas differ after step {step}"
         for step in (3, 4, 6):  # inner steps on different data: replicas drift
@@ -57,7 +50,7 @@ def test_bytes_only_on_sync_steps(diloco_results, name):
 
 def test_streaming_fragments_sync_in_turn(diloco_results):
     replicate, shard, results = diloco_results
-    for members in _replica_groups(results, "streaming"):
+    for members in replicas_by_shard(results, "streaming").values():
         parts = members[0]["parts"]
         # fragment 0 applied after steps 2 and 6, fragment 1 after step 4 (tau = 1); each
         # is launched (and its bytes sent) one step earlier

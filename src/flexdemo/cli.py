@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from .cluster import (
     DEFAULT_SUBNET,
@@ -53,20 +53,16 @@ rates use tc units: bit, kbit, mbit, gbit (and bps, kbps, mbps, gbps = bytes per
 """
 
 
-def _bandwidth(text: str) -> str:
-    try:
-        parse_bandwidth(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-    return text
+def _checked(parse: Callable[[str], object]) -> Callable[[str], str]:
+    """An argparse type that keeps the text once ``parse`` accepts it (its error otherwise)."""
+    def check(text: str) -> str:
+        try:
+            parse(text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+        return text
 
-
-def _latency(text: str) -> str:
-    try:
-        parse_latency(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-    return text
+    return check
 
 
 def _positive_int(text: str) -> int:
@@ -109,9 +105,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="number of emulated nodes")
     c.add_argument("--ranks-per-node", type=_positive_int, default=1, metavar="M",
                    help="processes per node (default 1)")
-    c.add_argument("--bandwidth", type=_bandwidth, metavar="RATE",
+    c.add_argument("--bandwidth", type=_checked(parse_bandwidth), metavar="RATE",
                    help="rate of each node's link, both directions, e.g. 100mbit, 1gbit")
-    c.add_argument("--latency", type=_latency, metavar="TIME",
+    c.add_argument("--latency", type=_checked(parse_latency), metavar="TIME",
                    help="one-way node-to-node delay, e.g. 10ms (needs the sch_netem module)")
     c.add_argument("--unshaped", action="store_true",
                    help="no namespaces, no shaping: all ranks on loopback (no root needed)")

@@ -1,0 +1,188 @@
+"""N replicas in one process: bitwise equal to N gloo processes, clear errors, no hangs."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from dist_util import run_world
+from dist_workers import batch
+from sim_workers import CASES, STEPS, gloo_worker, loss_fn, model, optimizer, snapshot
+from torch import nn
+
+import flexdemo
+from flexdemo import DeToNATION, FullReplicator, NonFiniteGradientError
+from flexdemo.simulate import SimulatedReplicas, SimulationError
+from flexdemo.transport import InProcessTransport, ReplicaAbortedError
+
+
+@pytest.fixture
+def one_thread():
+    """One intra-op thread, as in the gloo workers (same kernels, same bits)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def simulated_trace(case: str, world: int) -> list[list[dict]]:
+    sim = SimulatedReplicas(model, loss_fn, replicas=world,
+                            optimizer_fn=lambda params, group: optimizer(case, params, group))
+    trace = []
+    for s in range(STEPS):
+        sim.step([batch(r, s) for r in range(world)])
+        trace.append([snapshot(m, o) for m, o in zip(sim.models, sim.optimizers)])
+    return trace
+
+
+def assert_same_as_gloo(gloo: list[dict], world: int, cases) -> None:
+    for case in cases:
+        sim = simulated_trace(case, world)
+        for s in range(STEPS):
+            for r in range(world):
+                want, got = gloo[r][case][s], sim[s][r]
+                assert want["sent"] == got["sent"] and want["received"] == got["received"], \
+                    (case, s, r, want["sent"], got["sent"])
+                for a, b in zip(want["params"], got["params"]):
+                    assert torch.equal(a, b), f"{case}: replica {r} differs at step {s}"
+        assert sim[-1][0]["sent"] > 0 or case.startswith("diloco")
+
+
+def test_two_replicas_bitwise_equal_to_two_gloo_processes(one_thread):
+    cases = list(CASES)
+    gloo = run_world(gloo_worker, 2, cases)
+    assert_same_as_gloo(gloo, 2, cases)
+
+
+def test_four_replicas_bitwise_equal_to_four_gloo_processes(one_thread):
+    # all-reduce (full, striding) sums in gloo's ring order: bitwise equal on 4 ranks too
+    cases = ["demo", "full", "striding", "diloco-full"]
+    gloo = run_world(gloo_worker, 4, cases)
+    assert_same_as_gloo(gloo, 4, cases)
+
+
+def tiny_sim(replicas=2, **kw) -> SimulatedReplicas:
+    kw.setdefault("replicator", "demo")
+    kw.setdefault("replicator_kwargs", {"topk": 4, "chunk": 8} if kw["replicator"] == "demo"
+                  else None)
+    return SimulatedReplicas(model, loss_fn, replicas=replicas, lr=0.01, **kw)
+
+
+def test_replicas_stay_identical_and_count_bytes():
+    sim = tiny_sim(replicas=4)
+    losses = sim.step([batch(r, 0) for r in range(4)])
+    assert len(losses) == 4 and all(torch.isfinite(x) for x in losses)
+    assert len({float(x) for x in losses}) == 4  # each replica saw its own batch
+    assert sim.identical()
+    payload = sim.optimizers[0].replicators[0].payload_bytes()
+    assert sim.bytes_sent == [3 * payload] * 4  # all-gather: (n - 1) x payload
+    assert all(isinstance(o.replicators[0].group, InProcessTransport) for o in sim.optimizers)
+    nosync = tiny_sim(replicas=2, replicator="none")
+    nosync.step([batch(r, 0) for r in range(2)])
+    assert not nosync.identical() and nosync.bytes_sent == [0, 0]
+
+
+def test_failing_replica_ends_the_step_with_its_error():
+    class Boom(RuntimeError):
+        pass
+
+    def opt_fn(params, group):
+        opt = DeToNATION(params, [FullReplicator()], lr=0.01, group=group)
+        if group.rank == 1:
+            def step(closure=None):
+                raise Boom("replica 1 broke")
+            opt.step = step
+        return opt
+
+    sim = SimulatedReplicas(model, loss_fn, replicas=3, optimizer_fn=opt_fn, timeout=60)
+    t0 = time.monotonic()
+    with pytest.raises(Boom, match="replica 1 broke") as info:
+        sim.step([batch(r, 0) for r in range(3)])
+    assert time.monotonic() - t0 < 30  # the others were aborted, not left waiting 60 s
+    assert any("simulated replica 1 of 3" in n for n in getattr(info.value, "__notes__", []))
+
+
+def test_nonfinite_gradient_raises_on_every_replica_together():
+    sim = tiny_sim(replicas=2)
+    sim.step([batch(r, 0) for r in range(2)])
+    sim.backward([batch(r, 1) for r in range(2)])
+    sim.models[1].out.weight.grad[0, 0] = float("nan")
+    errors = []
+
+    def step(r):
+        try:
+            sim.optimizers[r].step()
+        except NonFiniteGradientError as e:
+            errors.append((r, e.ranks))
+        sim.optimizers[r].zero_grad()
+
+    sim.run(step)
+    assert sorted(errors) == [(0, [1]), (1, [1])]
+    sim.step([batch(r, 2) for r in range(2)])  # training goes on
+    assert sim.identical()
+
+
+def test_stuck_replica_times_out_with_a_clear_error():
+    sim = tiny_sim(replicas=2, timeout=0.5)
+    orig = sim.optimizers[0].step
+
+    def slow(closure=None):
+        time.sleep(1.5)
+        return orig(closure)
+
+    sim.optimizers[0].step = slow
+    with pytest.raises(SimulationError, match="replica 1 waited 0.5 s"):
+        sim.step([batch(r, 0) for r in range(2)])
+
+
+def test_replicas_running_different_collectives_fail_clearly():
+    def opt_fn(params, group):
+        reps = ["demo"] if group.rank == 0 else ["full"]
+        return DeToNATION(params, reps, lr=0.01, group=group)
+
+    sim = SimulatedReplicas(model, loss_fn, replicas=2, optimizer_fn=opt_fn, timeout=30)
+    with pytest.raises(SimulationError, match="different collectives") as info:
+        sim.step([batch(r, 0) for r in range(2)])
+    assert isinstance(info.value.__cause__, ReplicaAbortedError)
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="one batch per replica"):
+        tiny_sim(replicas=2).step([batch(0, 0)])
+    with pytest.raises(ValueError, match="integer >= 1"):
+        SimulatedReplicas(model, loss_fn, replicas=0)
+    with pytest.raises(ValueError, match="without group="):
+        SimulatedReplicas(model, loss_fn, replicas=2,
+                          replicator=FullReplicator(group=object()))
+    with pytest.raises(TypeError, match="nn.Module"):
+        SimulatedReplicas(lambda: 3, loss_fn, replicas=2)
+
+
+def test_instances_are_copied_per_replica_and_dropout_streams_per_replica():
+    drop = nn.Sequential(nn.Linear(12, 32), nn.Dropout(0.5), nn.Linear(32, 6))
+    sim = SimulatedReplicas(drop, loss_fn, replicas=2, replicator=FullReplicator(), seed=5)
+    reps = [o.replicators[0] for o in sim.optimizers]
+    assert reps[0] is not reps[1] and reps[0].group is not reps[1].group
+    x = torch.ones(4, 12)
+    masks = []
+    for r in range(2):
+        with sim.replica_rng(r):
+            masks.append(torch.rand(3))
+    torch.manual_seed(5)
+    want0 = torch.rand(3)
+    torch.manual_seed(6)
+    want1 = torch.rand(3)
+    assert torch.equal(masks[0], want0) and torch.equal(masks[1], want1)
+    sim.step([(x, torch.zeros(4, 6))] * 2)
+    assert sim.identical()
+
+
+def test_drop_in_demo_over_the_simulated_group():
+    sim = SimulatedReplicas(
+        model, loss_fn, replicas=2,
+        optimizer_fn=lambda params, group: flexdemo.DeMo(
+            params, lr=1e-3, compression_topk=4, compression_chunk=8, process_group=group))
+    for s in range(3):
+        sim.step([batch(r, s) for r in range(2)])
+    assert sim.identical() and sim.bytes_sent[0] > 0

@@ -144,7 +144,8 @@ class InProcessHub:
     Every collective is a *round*: each replica deposits a copy of its tensor, waits until all
     have deposited, then computes its own result from the deposits. Deposits alternate between
     two slot lists, so a fast replica's next deposit never overwrites a round a slow replica is
-    still reading (it cannot deposit twice before everyone has read). A replica that fails calls
+    still reading (it cannot deposit twice before everyone has read); at most one deposit per
+    replica stays alive between collectives. A replica that fails calls
     :meth:`abort`, one that returns calls :meth:`leave`; either ends every wait with
     :class:`ReplicaAbortedError`, as does waiting longer than ``timeout`` seconds.
     """
@@ -226,6 +227,8 @@ class InProcessHub:
             self._round[rank] += 1
             slots[rank] = (kind, copy)
             self._wait_all(rank, f"collective #{n} ({kind})")
+            # everyone has read the previous round now: free this replica's deposit of it
+            self._slots[(n + 1) % 2][rank] = None
         deposits = list(slots)
         sig = [(k, t.dtype, t.numel()) for k, t in deposits]
         if len(set(sig)) != 1:

@@ -195,8 +195,19 @@ class SimulatedReplicas:
 
     # ------------------------------------------------------------------ stepping
     def run(self, fn: Callable[[int], object]) -> list:
-        """Run ``fn(r)`` for every replica ``r`` in its own thread (see :func:`run_replicas`)."""
-        return run_replicas(self.hub, fn)
+        """Run ``fn(r)`` for every replica ``r`` in its own thread (see :func:`run_replicas`).
+
+        On a GPU the threads issue their kernels on the caller's current stream, so they run
+        in order after the forward and backward passes and after each other's deposits.
+        """
+        if self.device.type != "cuda":
+            return run_replicas(self.hub, fn)
+        stream = torch.cuda.current_stream(self.device)
+
+        def on_stream(r: int):
+            with torch.cuda.stream(stream):
+                return fn(r)
+        return run_replicas(self.hub, on_stream)
 
     def backward(self, batches: Sequence) -> list[torch.Tensor]:
         """Forward and backward of every replica on its own batch; the detached losses."""

@@ -186,3 +186,37 @@ def test_drop_in_demo_over_the_simulated_group():
     for s in range(3):
         sim.step([batch(r, s) for r in range(2)])
     assert sim.identical() and sim.bytes_sent[0] > 0
+
+
+class CorruptingTransport(InProcessTransport):
+    """Replica 1 of the hub, whose all-gathered payloads arrive with a broken header."""
+
+    def all_gather_into(self, out, inp, async_op=False):
+        if inp.dtype == torch.uint8:  # DeMo's payloads (not the set-up's shape check)
+            inp = inp.clone()
+            inp[:8] = 0xFF  # the magic number
+        return super().all_gather_into(out, inp, async_op)
+
+
+def test_corrupt_payload_is_named_on_every_replica():
+    from flexdemo.replicate.demo import CorruptPayloadError
+
+    def opt_fn(params, group):
+        if group.rank == 1:
+            group = CorruptingTransport(group.hub, 1)
+        return DeToNATION(params, [flexdemo.DeMoReplicator(topk=4, chunk=8)], lr=0.01,
+                          group=group)
+
+    sim = SimulatedReplicas(model, loss_fn, replicas=2, optimizer_fn=opt_fn)
+    sim.backward([batch(r, 0) for r in range(2)])
+    errors = {}
+
+    def step(r):
+        try:
+            sim.optimizers[r].step()
+        except CorruptPayloadError as e:
+            errors[r] = str(e)
+
+    sim.run(step)
+    assert sorted(errors) == [0, 1]
+    assert all("corrupt payload from rank 1" in e for e in errors.values())

@@ -25,6 +25,7 @@ import math
 import threading
 import time
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 import torch
@@ -141,13 +142,14 @@ class ReplicaAbortedError(RuntimeError):
 class InProcessHub:
     """The meeting point of ``world`` replicas simulated in one process (one thread each).
 
-    Every collective is a *round*: each replica deposits a copy of its tensor, waits until all
-    have deposited, then computes its own result from the deposits. Deposits alternate between
-    two slot lists, so a fast replica's next deposit never overwrites a round a slow replica is
-    still reading (it cannot deposit twice before everyone has read); at most one deposit per
-    replica stays alive between collectives. A replica that fails calls
-    :meth:`abort`, one that returns calls :meth:`leave`; either ends every wait with
-    :class:`ReplicaAbortedError`, as does waiting longer than ``timeout`` seconds.
+    Every collective is a *round*: each replica deposits its tensor and waits; the last one to
+    arrive checks that all called the same collective on alike buffers and combines the deposits
+    once (concatenates or sums them) while the others are still blocked, so no deposit is copied
+    or changed under it. Every replica then copies the shared result into its own output (the
+    next round, which would replace it, needs every replica's deposit: all have read it by
+    then). Cost per round: one concatenation or sum, and one copy per replica. A replica that
+    fails calls :meth:`abort`, one that returns calls :meth:`leave`; either ends every wait
+    with :class:`ReplicaAbortedError`, as does waiting longer than ``timeout`` seconds.
     """
 
     def __init__(self, world: int, timeout: float = 300.0) -> None:
@@ -162,10 +164,10 @@ class InProcessHub:
     def reset(self) -> None:
         """Start a fresh run: no deposits, no failures (call between runs, never during)."""
         with self._cond:
-            self._slots = [[None] * self.world, [None] * self.world]
-            self._round = [0] * self.world
+            self._deposits: list = [None] * self.world
+            self._result = None
+            self._round = 0
             self._arrived = 0
-            self._generation = 0
             self._left: set[int] = set()
             self._error: str | None = None
 
@@ -192,50 +194,59 @@ class InProcessHub:
         self._cond.notify_all()
         return ReplicaAbortedError(self._error)
 
-    def _wait_all(self, rank: int, what: str) -> None:
-        """Block until every replica has reached this round (called with the lock held)."""
-        if self._error is not None:
-            raise ReplicaAbortedError(self._error)
-        gen = self._generation
-        self._arrived += 1
-        if self._arrived == self.world:
-            self._arrived = 0
-            self._generation += 1
-            self._cond.notify_all()
-            return
-        deadline = time.monotonic() + self.timeout
-        while self._generation == gen:
-            if self._error is not None:
-                raise ReplicaAbortedError(self._error)
-            if self._left:
-                raise self._fail(
-                    f"replica(s) {sorted(self._left)} finished their step while replica {rank} "
-                    f"waited in {what}: the replicas ran different sequences of collectives")
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise self._fail(
-                    f"replica {rank} waited {self.timeout:g} s in {what} for the other replicas "
-                    "(one of them is stuck or runs other collectives)")
-            self._cond.wait(left)
-
-    def exchange(self, rank: int, kind: str, tensor: torch.Tensor) -> list[torch.Tensor]:
-        """Deposit a copy of ``tensor`` for round ``kind``; return every replica's deposit."""
-        copy = tensor.detach().clone()
-        with self._cond:
-            slots = self._slots[self._round[rank] % 2]
-            n = self._round[rank]
-            self._round[rank] += 1
-            slots[rank] = (kind, copy)
-            self._wait_all(rank, f"collective #{n} ({kind})")
-            # everyone has read the previous round now: free this replica's deposit of it
-            self._slots[(n + 1) % 2][rank] = None
-        deposits = list(slots)
+    def _complete(self, n: int, combine: Callable) -> None:
+        """Close round ``n`` (the last replica has arrived; the lock is held)."""
+        deposits, self._deposits = self._deposits, [None] * self.world
         sig = [(k, t.dtype, t.numel()) for k, t in deposits]
         if len(set(sig)) != 1:
-            raise ReplicaAbortedError(
-                f"collective #{n}: the replicas called different collectives or gave "
-                f"different buffers (kind, dtype, numel by replica: {sig})")
-        return [t for _, t in deposits]
+            result = (f"collective #{n}: the replicas called different collectives or gave "
+                      f"different buffers (kind, dtype, numel by replica: {sig})")
+        else:
+            try:
+                result = combine([t for _, t in deposits])
+            except Exception as e:  # noqa: BLE001 - every replica reports it
+                result = f"collective #{n} failed: {type(e).__name__}: {e}"
+        self._result = result
+        self._round += 1
+        self._arrived = 0
+        self._cond.notify_all()
+
+    def collective(self, rank: int, kind: str, tensor: torch.Tensor,
+                   combine: Callable[[list[torch.Tensor]], torch.Tensor]) -> torch.Tensor:
+        """Deposit ``tensor`` for a collective ``kind``; ``combine(deposits in rank order)``,
+        computed once per round, is returned to every replica (shared: read it, never write)."""
+        with self._cond:
+            if self._error is not None:
+                raise ReplicaAbortedError(self._error)
+            n = self._round
+            what = f"collective #{n} ({kind})"
+            if self._left:
+                raise self._fail(f"replica(s) {sorted(self._left)} finished their step while "
+                                 f"replica {rank} entered {what}: the replicas ran different "
+                                 "sequences of collectives")
+            self._deposits[rank] = (kind, tensor.detach())
+            self._arrived += 1
+            if self._arrived == self.world:
+                self._complete(n, combine)
+            deadline = time.monotonic() + self.timeout
+            while self._round == n:
+                if self._error is not None:
+                    raise ReplicaAbortedError(self._error)
+                if self._left:
+                    raise self._fail(
+                        f"replica(s) {sorted(self._left)} finished their step while replica "
+                        f"{rank} waited in {what}: the replicas ran different sequences of "
+                        "collectives")
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise self._fail(
+                        f"replica {rank} waited {self.timeout:g} s in {what} for the other "
+                        "replicas (one of them is stuck or runs other collectives)")
+                self._cond.wait(left)
+            result = self._result
+        if isinstance(result, str):
+            raise ReplicaAbortedError(result)
+        return result
 
 
 class _Done:
@@ -276,6 +287,15 @@ def ring_sum_(out: torch.Tensor, parts: list[torch.Tensor],
     return out
 
 
+def _ring_total(parts: list[torch.Tensor]) -> torch.Tensor:
+    flat = [t.reshape(-1) for t in parts]
+    return ring_sum_(torch.empty_like(flat[0]), flat)
+
+
+def _concat(parts: list[torch.Tensor]) -> torch.Tensor:
+    return torch.cat([t.reshape(-1) for t in parts])
+
+
 class InProcessTransport(Transport):
     """Replica ``rank`` of an :class:`InProcessHub`: a group for N replicas in one process.
 
@@ -292,16 +312,13 @@ class InProcessTransport(Transport):
         return r
 
     def all_reduce_sum_(self, buf, async_op=False):
-        parts = [t.view(-1) for t in self.hub.exchange(self.rank, "all_reduce", buf)]
-        if buf.is_contiguous():
-            ring_sum_(buf, parts)
-        else:
-            buf.copy_(ring_sum_(torch.empty_like(parts[0]), parts).view_as(buf))
+        total = self.hub.collective(self.rank, "all_reduce", buf, _ring_total)
+        buf.copy_(total.view_as(buf))
         return _DONE if async_op else None
 
     def all_gather_into(self, out, inp, async_op=False):
-        parts = [t.reshape(-1) for t in self.hub.exchange(self.rank, "all_gather", inp)]
-        torch.cat(parts, out=out.view(-1))
+        gathered = self.hub.collective(self.rank, "all_gather", inp, _concat)
+        out.view(-1).copy_(gathered)
         return _DONE if async_op else None
 
     def __deepcopy__(self, memo) -> InProcessTransport:

@@ -235,6 +235,23 @@ class SimulatedReplicas:
         self.optimizer_step()
         return losses
 
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> dict:
+        """Every replica's model, optimizer and random-number state (references, not copies)."""
+        return {"replicas": [{"model": m.state_dict(), "optimizer": o.state_dict(), "rng": rng}
+                             for m, o, rng in zip(self.models, self.optimizers, self._rng)]}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore :meth:`state_dict` of a simulation with as many replicas."""
+        reps = state["replicas"]
+        if len(reps) != self.n:
+            raise ValueError(f"the state holds {len(reps)} replicas, this simulation {self.n}; "
+                             "build it with replicas=" + str(len(reps)))
+        for r, (m, o, rs) in enumerate(zip(self.models, self.optimizers, reps)):
+            m.load_state_dict(rs["model"])
+            o.load_state_dict(rs["optimizer"])
+            self._rng[r] = tuple(rs["rng"])
+
     # ------------------------------------------------------------------ inspection
     def identical(self) -> bool:
         """Whether every replica's parameters are bitwise equal to replica 0's."""

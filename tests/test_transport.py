@@ -27,9 +27,10 @@ from flexdemo.transport import (
     transport_for,
 )
 
-# sizes around gloo's segment rounding; 4_000_037 fp32 (16 MB) needs more than 2n segments of
-# at most 1 MiB, which moves the chunk boundaries
-SIZES = [1, 3, 7, 8, 13, 1000, 65_541, 4_000_037]
+# sizes around gloo's segment rounding; BIG fp32 (16 MB) needs more than 2n segments of at most
+# 1 MiB, which moves the chunk boundaries
+SIZES = [1, 3, 7, 8, 13, 1000, 65_541]
+BIG = 4_000_037
 DTYPES = [torch.float32, torch.bfloat16]
 
 
@@ -41,11 +42,11 @@ def data(rank: int, n: int, dtype) -> torch.Tensor:
 
 def gloo_sums(rank: int, world: int) -> dict:
     out = {}
-    for dtype in DTYPES:
-        for n in SIZES:
-            t = data(rank, n, dtype)
-            dist.all_reduce(t)
-            out[dtype, n] = t
+    cases = [(dtype, n) for dtype in DTYPES for n in SIZES] + [(torch.float32, BIG)]
+    for dtype, n in cases:
+        t = data(rank, n, dtype)
+        dist.all_reduce(t)
+        out[dtype, n] = t
     return out
 
 

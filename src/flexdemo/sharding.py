@@ -283,6 +283,5 @@ def prepare(model: nn.Module, replicator: str | Replicator | Sequence = "demo",
     opt = DeToNATION(model.parameters(), reps, base=optimizer, lr=lr,
                      weight_decay=weight_decay, group=mesh["replicate"].get_group(),
                      nonfinite=nonfinite, base_kwargs=optimizer_kwargs, mesh=mesh)
-    if buffers != "none":
-        opt.sync_buffers(model, policy=buffers)
+    opt.sync_buffers(model, policy=buffers)
     return model, opt

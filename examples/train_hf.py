@@ -54,6 +54,8 @@ def _transformers():
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default="llama", help="gpt2, llama, or a local model directory")
+    p.add_argument("--hidden", type=int, default=64, help="width of the gpt2/llama presets")
+    p.add_argument("--layers", type=int, default=2, help="depth of the gpt2/llama presets")
     p.add_argument("--weights", action="store_true",
                    help="load the weights from the local model directory")
     p.add_argument("--meta", action="store_true", help="build on the meta device first")
@@ -76,15 +78,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def build_config(name: str, seq: int):
-    """A tiny GPT-2 or Llama config, or the config of a local model directory."""
+def build_config(name: str, seq: int, hidden: int = 64, layers: int = 2):
+    """A GPT-2 or Llama config (byte vocabulary; tiny by default), or the config of a local
+    model directory."""
     tf = _transformers()
+    heads = max(1, hidden // 16) if hidden < 1024 else hidden // 128
     if name == "gpt2":
-        return tf.GPT2Config(vocab_size=256, n_positions=seq, n_embd=64, n_layer=2, n_head=4)
+        return tf.GPT2Config(vocab_size=256, n_positions=seq, n_embd=hidden, n_layer=layers,
+                             n_head=heads, bos_token_id=0, eos_token_id=0)
     if name == "llama":
-        return tf.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=176,
-                              num_hidden_layers=2, num_attention_heads=4,
-                              num_key_value_heads=2, max_position_embeddings=seq)
+        return tf.LlamaConfig(vocab_size=256, hidden_size=hidden,
+                              intermediate_size=(hidden * 11 // 4 + 15) // 16 * 16,
+                              num_hidden_layers=layers, num_attention_heads=heads,
+                              num_key_value_heads=max(1, heads // 2),
+                              max_position_embeddings=seq)
     path = Path(name)
     if not (path / "config.json").is_file():
         sys.exit(f"--model {name!r}: not 'gpt2', 'llama' or a local directory with a "
@@ -112,7 +119,7 @@ def hf_init_fn(model):
 
 def build_model(args):
     tf = _transformers()
-    config = build_config(args.model, args.seq)
+    config = build_config(args.model, args.seq, args.hidden, args.layers)
     if args.weights:
         if args.meta:
             sys.exit("--weights loads a checkpoint; it cannot be combined with --meta")

@@ -138,8 +138,10 @@ def dcp_worker(rank, world, root, replicate, shard):
         train(model, opt, m, rank, start=k)
         expected = shards(model)
 
-        model2, opt2 = _make(kind, 100, replicate, shard)
-        train(model2, opt2, 1, rank, start=50)  # other weights and state
+        model2, opt2 = _make(kind, 100, replicate, shard)  # other weights
+        if kind == "demo":  # other state too; the other kinds load into fresh optimizers
+            train(model2, opt2, 1, rank, start=50)
+        fresh_state = len(opt2.base.state)
         differs = not _equal(shards(model2), saved_params)
         msd2, osd2 = get_state_dict(model2, opt2)
         dcp.load({"model": msd2, "optim": osd2}, checkpoint_id=f"{root}/{kind}")
@@ -153,6 +155,7 @@ def dcp_worker(rank, world, root, replicate, shard):
             "params": _equal(loaded_params, saved_params),
             "state": _equal(loaded_state, saved_state) and len(saved_state) > 0,
             "steps": steps,
+            "fresh_base_state": fresh_state,
             "next": _equal(shards(model2), expected),
             "identical": opt.replicas_identical(),
             "coord": opt.mesh.get_coordinate(),

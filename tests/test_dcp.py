@@ -42,7 +42,34 @@ def test_per_replica_state_really_differs(results):
             assert any(not torch.equal(x, y) for x, y in zip(a, b)), kind
 
 
+def test_fresh_optimizers_load_their_base_state(results):
+    """AdamW creates its state on the first step: a fresh optimizer has none, and its state
+    dict must still offer DCP the tensors to load into (checked by the bitwise tests)."""
+    for res in results:
+        assert res["demo-adamw"]["fresh_base_state"] == 0
+        assert res["diloco"]["fresh_base_state"] == 0
+
+
 def test_layout_follows_the_replicators(results):
     for res in results:
         assert res["demo"]["identical"] and res["demo-adamw"]["identical"]
         assert not res["diloco"]["identical"]
+
+
+def test_get_state_dict_does_not_step_the_optimizer():
+    """torch's helper runs a zero-lr step() on optimizers whose `state` is empty (SGD without
+    momentum always is); ours must not run: it would move DeMo's momentum and its counters."""
+    from dist_workers import Tiny, train
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    import flexdemo
+
+    model = Tiny()
+    opt = flexdemo.DeToNATION(model.parameters(), flexdemo.DeMoReplicator(topk=4, chunk=8))
+    train(model, opt, 2, 0)
+    delta = [d.clone() for d in opt.replicators[0].delta]
+    assert len(opt.base.state) == 0 and len(opt.state) == len(list(model.parameters()))
+    _, osd = get_state_dict(model, opt)
+    assert opt.steps == 2
+    assert all(torch.equal(a, b) for a, b in zip(delta, opt.replicators[0].delta))
+    assert set(osd["state"]) == {n for n, _ in model.named_parameters()}

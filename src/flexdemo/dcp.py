@@ -83,7 +83,7 @@ def _init_base_state(opt: DeToNATION) -> bool:
     state dict has tensors for DCP to load into. Returns whether state was created. Parameters
     are bitwise unchanged; existing gradients are kept."""
     base, params = opt.base, opt._params
-    if any(base.state.get(p) for p in params):
+    if any(base.state.get(p) for p in params):  # entries may be empty dicts
         return False
     grads = [p.grad for p in params]
     lrs = [g["lr"] for g in base.param_groups]
@@ -107,6 +107,7 @@ def state_dict(opt: DeToNATION) -> dict:
     sd = opt.base.state_dict()
     if created:  # keep the optimizer as fresh as it was; the dict holds the tensors
         opt.base.state.clear()
+        opt._share_state()
     identical = opt.replicas_identical()
     state: dict = {}
     for i, p in enumerate(opt._params):
@@ -183,6 +184,7 @@ def load_state_dict(opt: DeToNATION, sd: dict) -> None:
     opt.base.load_state_dict({"state": base_state, "param_groups": groups})
     if blob["base_state_created"]:  # the saving optimizer had no base state yet
         opt.base.state.clear()
+    opt._share_state()
     for p, c in zip(opt._params, copies):
         if c is not None:
             _copy_local(p, c)

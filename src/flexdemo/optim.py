@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, MutableMapping, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -76,30 +76,6 @@ _SYNCING = (DeMoReplicator, FullReplicator, RandomReplicator, StridingReplicator
             SlicingReplicator)
 
 
-class _StateView(MutableMapping):
-    """``optimizer.state``: the base optimizer's per-parameter state, with an entry (possibly
-    empty) for every parameter. Never empty, so torch's ``get_state_dict`` does not run a
-    zero-lr ``step()`` of its own, which would drive the replicators (and their collectives)."""
-
-    def __init__(self, opt: DeToNATION) -> None:
-        self._opt = opt
-
-    def __getitem__(self, p):
-        return self._opt.base.state[p]
-
-    def __setitem__(self, p, value) -> None:
-        self._opt.base.state[p] = value
-
-    def __delitem__(self, p) -> None:
-        del self._opt.base.state[p]
-
-    def __iter__(self) -> Iterator:
-        return iter(self._opt._params)
-
-    def __len__(self) -> int:
-        return len(self._opt._params)
-
-
 class DeToNATION(torch.optim.Optimizer):
     """Replicate shard-local gradients with a chain of replicators, then step a base optimizer.
 
@@ -133,7 +109,6 @@ class DeToNATION(torch.optim.Optimizer):
         if nonfinite not in ("raise", "skip"):
             raise ValueError(f"nonfinite must be 'raise' or 'skip', got {nonfinite!r}")
         params = list(params)
-        self._params: list = []
         self.base = make_base_optimizer(base, params, lr, **(base_kwargs or {}))
         super().__init__(params, {"lr": lr, "flexdemo_weight_decay": weight_decay})
         self.mesh = mesh
@@ -145,6 +120,7 @@ class DeToNATION(torch.optim.Optimizer):
                 raise ValueError("weight decay is given twice (to the base optimizer and as "
                                  "decoupled weight_decay); give it to one of them")
         self.param_groups = self.base.param_groups  # shared: LR schedulers reach the base
+        self.state = self.base.state
         self.nonfinite = nonfinite
         self.skipped_steps = 0
         self.steps = 0
@@ -165,6 +141,7 @@ class DeToNATION(torch.optim.Optimizer):
         if group is None and dist.is_initialized():
             group = dist.group.WORLD
         self.default_group = group
+        self._share_state()
         locals_ = [_local(p) for p in self._params]
         shapes = [t.shape for t in locals_]
         for r in self.replicators:
@@ -215,16 +192,15 @@ class DeToNATION(torch.optim.Optimizer):
         return loss
 
     # ------------------------------------------------------------------ buffers, replicas
-    @property
-    def state(self) -> _StateView:
-        """The base optimizer's per-parameter state (see :class:`_StateView`)."""
-        return _StateView(self)
-
-    @state.setter
-    def state(self, value) -> None:
-        base = self.__dict__.get("base")
-        if base is not None and value is not base.state and not isinstance(value, _StateView):
-            base.state = value
+    def _share_state(self) -> None:
+        """Share the base optimizer's ``param_groups`` and ``state`` (torch replaces them on
+        load), with an entry (possibly empty) for every parameter. A non-empty ``state`` keeps
+        torch's ``get_state_dict`` from running a zero-lr ``step()`` of its own, which would
+        drive the replicators (and their collectives) and decay DeMo's momentum."""
+        self.param_groups = self.base.param_groups
+        self.state = self.base.state
+        for p in self._params:
+            self.state.setdefault(p, {})
 
     def sync_buffers(self, module: nn.Module, policy: str = "mean",
                      group: dist.ProcessGroup | None = None) -> None:
@@ -310,8 +286,7 @@ class DeToNATION(torch.optim.Optimizer):
             _dcp.load_state_dict(self, state_dict)
         else:  # the layout of flexdemo 0.1
             self._load_legacy(state_dict)
-        # torch replaces these containers on load: share them again (LR schedulers)
-        self.param_groups = self.base.param_groups
+        self._share_state()  # torch replaced the base's containers
 
     def _load_legacy(self, state_dict: dict) -> None:
         reps = state_dict["replicators"]

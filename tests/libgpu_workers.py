@@ -3,6 +3,8 @@ processes)."""
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -46,6 +48,13 @@ def large_model_worker(rank, world):
     start = shards(model)
     train(model, opt, 3, rank)
     out["meta"] = {"start": start, "end": shards(model), "coord": opt.mesh.get_coordinate()}
+
+    # a 1 x 4 mesh replicates nothing: every rank warns, naming the fix
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        flexdemo.prepare(Tiny(), "demo", replicate=1, shard=4)
+    out["warned"] = [str(w.message) for w in caught
+                     if issubclass(w.category, flexdemo.NoReplicationWarning)]
 
     # init_fn instead of reset_parameters, for a module that has none
     with torch.device("meta"):

@@ -28,6 +28,11 @@ def test_meta_model_materialises_trains_and_replicas_start_identical(large):
         assert any(not torch.equal(x, y) for x, y in zip(a["start"], a["end"]))
 
 
+def test_one_replica_mesh_warns_on_every_rank(large):
+    for res in large:
+        assert res["warned"] and "1 x 4" in res["warned"][0] and "replicate=" in res["warned"][0]
+
+
 def test_meta_model_without_reset_parameters_needs_init_fn(large):
     for res in large:
         msg = res["no_reset"]
@@ -56,6 +61,34 @@ def test_meta_model_on_one_process_with_fsdp_kwargs():
     x = torch.randn(4, 12)
     model(x).pow(2).mean().backward()
     opt.step()
+
+
+class Parent(nn.Module):
+    """Its initialiser overrides its child's, as after eager construction."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.child = nn.Linear(8, 8)
+        self.attn = nn.MultiheadAttention(8, 2)  # initialises itself with _reset_parameters
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        nn.init.constant_(self.child.weight, 0.25)
+
+    def forward(self, x):
+        return self.attn(self.child(x), x, x)[0]
+
+
+def test_meta_init_runs_children_first_and_private_resets():
+    with torch.device("meta"):
+        model = Parent()
+    eager = Parent()
+    with pytest.warns(flexdemo.NoReplicationWarning):
+        model, _ = flexdemo.prepare(model, "demo", device="cpu")
+    assert torch.equal(model.child.weight, eager.child.weight)  # 0.25: the parent won
+    w = model.attn.in_proj_weight
+    assert torch.isfinite(w).all() and 0 < w.std() < 1 and torch.equal(
+        model.attn.in_proj_bias, torch.zeros(24))
 
 
 def test_bad_input_gives_one_clear_line():

@@ -161,12 +161,22 @@ def _fsdp_options(fsdp_kwargs: dict | None, precision: str | None) -> dict:
     return opts
 
 
+def _reset_fn(m: nn.Module) -> Callable | None:
+    """A module's own initialiser: ``reset_parameters()``, or ``_reset_parameters()`` (the name
+    some torch modules, e.g. ``nn.MultiheadAttention``, use)."""
+    for name in ("reset_parameters", "_reset_parameters"):
+        fn = getattr(m, name, None)
+        if callable(fn):
+            return fn
+    return None
+
+
 def _check_initialisable(model: nn.Module) -> None:
     """Every module that owns parameters or buffers must be able to initialise them."""
     for name, m in model.named_modules():
         owns = next(m.parameters(recurse=False), None) is not None or \
             next(m.buffers(recurse=False), None) is not None
-        if owns and not callable(getattr(m, "reset_parameters", None)):
+        if owns and _reset_fn(m) is None:
             raise ValueError(
                 f"module {name or '<root>'!r} ({type(m).__name__}) holds parameters or buffers "
                 "but has no reset_parameters(), so a model on the meta device cannot be "
@@ -176,14 +186,16 @@ def _check_initialisable(model: nn.Module) -> None:
 
 @torch.no_grad()
 def _materialise(model: nn.Module, device: torch.device, init_fn: Callable | None) -> None:
+    """Allocate the shards on ``device`` and initialise them, children before parents (the
+    order of eager construction, and of ``model.apply``), so a parent's initialiser wins."""
     model.to_empty(device=device)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="DTensor random operators")
-        for m in model.modules():
+        for m in reversed(list(model.modules())):
             if init_fn is not None:
                 init_fn(m)
-            elif callable(getattr(m, "reset_parameters", None)):
-                m.reset_parameters()
+            elif (fn := _reset_fn(m)) is not None:
+                fn()
 
 
 def _warn_single_replica(mesh: DeviceMesh, reps) -> None:
@@ -224,7 +236,8 @@ def prepare(model: nn.Module, replicator: str | Replicator | Sequence = "demo",
             (each rank on ``cuda:LOCAL_RANK``); default: the model's device. A model on the
             ``meta`` device is sharded first, then materialised on ``device``.
         init_fn: ``init_fn(module)`` initialises one module's own tensors after a meta model
-            is materialised (called for every module); default: ``module.reset_parameters()``.
+            is materialised (called for every module, children first); default:
+            ``module.reset_parameters()`` (or ``_reset_parameters()``).
         fsdp_kwargs: passed to every ``fully_shard`` call (``mp_policy``,
             ``reshard_after_forward``, ``offload_policy``, ...).
         precision: ``"bf16"``: bf16 parameters for compute, fp32 gradients reduced and kept

@@ -75,3 +75,18 @@ def test_get_state_dict_does_not_step_the_optimizer():
     assert opt.steps == 2
     assert all(torch.equal(a, b) for a, b in zip(delta, opt.replicators[0].delta))
     assert set(osd["state"]) == {n for n, _ in model.named_parameters()}
+
+
+def test_large_replicator_buffers_travel_as_dcp_tensors():
+    from dist_workers import Tiny, train
+
+    import flexdemo
+
+    model = Tiny()
+    opt = flexdemo.DeToNATION(model.parameters(), flexdemo.DeMoReplicator(topk=4, chunk=8))
+    train(model, opt, 2, 0)
+    first = opt.state_dict()["state"][0]
+    deltas = [v for k, v in sorted(first.items()) if "/replicators/0/delta/" in k]
+    assert len(deltas) == len(opt.replicators[0].delta) > 0
+    assert all(isinstance(d, torch.Tensor) for d in deltas)
+    assert isinstance(first["flexdemo/chain/rank0"], bytes)

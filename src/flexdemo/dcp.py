@@ -11,8 +11,10 @@ an optimizer state dict shaped like torch's: ``{"state": {param: {...}}, "param_
 
   - the replicator chain's state (DeMo's momentum, error feedback, subset buffers, DiLoCo's
     global copy, outer optimizer and syncs in flight), the step counters and, where needed,
-    the module buffers travel as one opaque object per rank under the first parameter, key
-    ``flexdemo/rank<global rank>``;
+    the module buffers live under the first parameter, keys ``flexdemo/chain/rank<global
+    rank>``: one opaque object for what varies in structure (syncs in flight, counters), plus
+    the large fixed-shape buffers (:data:`STATIC`) as DCP tensors
+    ``flexdemo/chain/rank<g>/replicators/<i>/.../<name>/<j>``;
   - when the replicators do not keep replicas bitwise identical (DiLoCo's inner steps,
     ``"none"``, schedules that skip steps), the base state and a copy of every parameter's
     local shard are keyed per replica, ``flexdemo/replica<r>/<name>`` (DTensor shards;
@@ -40,6 +42,11 @@ if TYPE_CHECKING:
 
 PREFIX = "flexdemo/"
 FORMAT = 1
+# replicator state entries that every replicator of a kind holds with fixed shapes (DeMo's
+# momentum, the subset replicators' buffers, DiLoCo's global copy): they travel as DCP tensors
+# (keyed per rank), everything else (syncs in flight, counters) inside the per-rank object
+STATIC = ("delta", "buffers", "global")
+MARK = "flexdemo-dcp-tensor:"
 
 
 def _global_rank() -> int:
@@ -47,8 +54,8 @@ def _global_rank() -> int:
 
 
 def blob_key() -> str:
-    """The key of this rank's opaque replicator state."""
-    return f"{PREFIX}rank{_global_rank()}"
+    """The key of this rank's replicator-chain state (apart from the per-replica keys)."""
+    return f"{PREFIX}chain/rank{_global_rank()}"
 
 
 def replica_tag(opt: DeToNATION, t: torch.Tensor) -> str:
@@ -64,6 +71,39 @@ def replica_tag(opt: DeToNATION, t: torch.Tensor) -> str:
 def _mesh_shape(opt: DeToNATION) -> tuple[int, ...] | None:
     mesh = getattr(opt, "mesh", None)
     return None if mesh is None else tuple(int(n) for n in mesh.mesh.shape)
+
+
+def _extract(tree, path: str, out: dict[str, torch.Tensor]) -> None:
+    """Move the tensors of :data:`STATIC` lists in ``tree`` (nested dicts/lists) into ``out``,
+    leaving a marker with their key."""
+    if isinstance(tree, dict):
+        for k, v in tree.items():
+            if k in STATIC and isinstance(v, list):
+                for j, t in enumerate(v):
+                    if isinstance(t, torch.Tensor):
+                        key = f"{path}/{k}/{j}"
+                        out[key] = t
+                        v[j] = MARK + key
+            else:
+                _extract(v, f"{path}/{k}", out)
+    elif isinstance(tree, list):
+        for j, v in enumerate(tree):
+            _extract(v, f"{path}/{j}", out)
+
+
+def _restore(tree, tensors: dict[str, torch.Tensor]):
+    """The inverse of :func:`_extract`."""
+    if isinstance(tree, str) and tree.startswith(MARK):
+        key = tree[len(MARK):]
+        if key not in tensors:
+            raise ValueError(f"the optimizer state lacks {key!r}; it was written for other "
+                             "replicators or settings")
+        return tensors[key]
+    if isinstance(tree, dict):
+        return {k: _restore(v, tensors) for k, v in tree.items()}
+    if isinstance(tree, list):
+        return [_restore(v, tensors) for v in tree]
+    return tree
 
 
 def _pack(obj) -> bytes:
@@ -118,19 +158,23 @@ def state_dict(opt: DeToNATION) -> dict:
             entry[tag + "param"] = p.detach().clone()
         state[i] = entry
     keep_buffers = opt.buffer_sync is not None and (not identical or opt.buffer_policy == "none")
+    reps = [r.state_dict() for r in opt.replicators]
+    fixed: dict[str, torch.Tensor] = {}
+    _extract(reps, f"{blob_key()}/replicators", fixed)
     blob = {
         "format": FORMAT,
         "rank": _global_rank(),
         "mesh": _mesh_shape(opt),
         "identical": identical,
         "base_state_created": created,
-        "replicators": [r.state_dict() for r in opt.replicators],
+        "replicators": reps,
         "steps": opt.steps,
         "skipped_steps": opt.skipped_steps,
         "buffers": [b.detach().clone() for b in opt.buffer_sync.all_buffers]
         if keep_buffers else None,
     }
     state[0][blob_key()] = _pack(blob)
+    state[0].update(fixed)
     return {"state": state, "param_groups": sd["param_groups"]}
 
 
@@ -144,13 +188,15 @@ def load_state_dict(opt: DeToNATION, sd: dict) -> None:
                          f"parameters in {len(groups)} group(s), this optimizer "
                          f"{len(opt._params)} in {len(opt.param_groups)}")
     mine = blob_key()
-    blob, base_state, copies = None, {}, []
+    blob, base_state, copies, fixed = None, {}, [], {}
     for sid, p in zip(saved_ids, opt._params):
         tag = f"{PREFIX}{replica_tag(opt, p)}/"
         entry, param_copy = {}, None
         for k, v in sd["state"].get(sid, {}).items():
             if k == mine:
                 blob = v
+            elif k.startswith(mine + "/"):
+                fixed[k] = v
             elif k.startswith(tag):
                 name = k[len(tag):]
                 if name == "param":
@@ -175,7 +221,7 @@ def load_state_dict(opt: DeToNATION, sd: dict) -> None:
                          f"{blob['mesh']}, this optimizer runs on {_mesh_shape(opt)}; per-replica "
                          "state cannot be redistributed: resume with the same world size and "
                          "mesh")
-    reps = blob["replicators"]
+    reps = _restore(blob["replicators"], fixed)
     if len(reps) != len(opt.replicators):
         raise ValueError(f"state has {len(reps)} replicators, this optimizer "
                          f"{len(opt.replicators)}")

@@ -1,5 +1,6 @@
 """flexdemo: DeMo, FlexDeMo and DeToNATION replication for training across slow links."""
 
+from . import compat
 from .buffers import BufferSync
 from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from .comm import CommStats
@@ -23,7 +24,7 @@ from .sharding import NoReplicationWarning, prepare
 __version__ = "0.1.0"
 
 __all__ = [
-    "BlockDCT", "BufferSync", "CommStats", "DeMo", "DeMoReplicator", "DeToNATION",
+    "BlockDCT", "BufferSync", "compat", "CommStats", "DeMo", "DeMoReplicator", "DeToNATION",
     "DiLoCoReplicator", "FullReplicator", "NoReplication", "NoReplicationWarning",
     "NonFiniteGradientError", "RandomReplicator", "Replicator", "SlicingReplicator",
     "StridingReplicator", "build_mesh", "init_distributed", "latest_checkpoint",

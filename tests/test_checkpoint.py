@@ -56,11 +56,11 @@ def test_round_trip_continues_bitwise(tmp_path, kind):
 def test_save_before_first_step_leaves_optimizer_alone(tmp_path):
     model, opt = make_single("demo", 0)
     path = save_checkpoint(tmp_path / "step_000000", model, opt, step=0)
-    assert not opt.base.state, "saving must not initialise the base optimizer's state"
+    assert not any(opt.base.state.values()), "saving must not initialise the base state"
     run_steps(model, opt, 3, 0)
     model2, opt2 = make_single("demo", 1)
     load_checkpoint(path, model2, opt2)
-    assert not opt2.base.state
+    assert not any(opt2.base.state.values())
     run_steps(model2, opt2, 3, 0)
     assert equal(params(model2), params(model))
 

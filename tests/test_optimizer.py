@@ -326,7 +326,7 @@ def test_demo_presets():
 def test_default_shard_units_take_outermost_blocks():
     """Blocks in a ModuleList that hold their own ModuleList of layers (T5-like) are sharded
     as whole blocks: FSDP2 cannot shard a layer inside an already sharded block."""
-    from flexdemo.prepare import default_shard_units
+    from flexdemo.sharding import default_shard_units
 
     class Block(nn.Module):
         def __init__(self):

@@ -6,8 +6,21 @@ from collections.abc import Callable, Iterable, Sequence
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
-from .replicate import NonFiniteGradientError, Replicator, make_replicator
+from . import dcp as _dcp
+from .buffers import BUFFER_POLICIES, BufferSync
+from .comm import group_size
+from .replicate import (
+    DeMoReplicator,
+    FullReplicator,
+    NonFiniteGradientError,
+    RandomReplicator,
+    Replicator,
+    SlicingReplicator,
+    StridingReplicator,
+    make_replicator,
+)
 
 BASE_OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {
     "sgd": torch.optim.SGD,
@@ -58,6 +71,11 @@ def check_group_on_mesh(rep: Replicator, mesh) -> None:
             "mesh['replicate'].get_group()")
 
 
+# replicators whose outputs are equal on every replica of their group when they run every step
+_SYNCING = (DeMoReplicator, FullReplicator, RandomReplicator, StridingReplicator,
+            SlicingReplicator)
+
+
 class DeToNATION(torch.optim.Optimizer):
     """Replicate shard-local gradients with a chain of replicators, then step a base optimizer.
 
@@ -93,6 +111,9 @@ class DeToNATION(torch.optim.Optimizer):
         params = list(params)
         self.base = make_base_optimizer(base, params, lr, **(base_kwargs or {}))
         super().__init__(params, {"lr": lr, "flexdemo_weight_decay": weight_decay})
+        self.mesh = mesh
+        self.buffer_sync: BufferSync | None = None
+        self.buffer_policy = "none"
         for g in self.base.param_groups:
             g.setdefault("flexdemo_weight_decay", weight_decay)
             if g["flexdemo_weight_decay"] and g.get("weight_decay", 0.0):
@@ -119,6 +140,8 @@ class DeToNATION(torch.optim.Optimizer):
         device = devices.pop()
         if group is None and dist.is_initialized():
             group = dist.group.WORLD
+        self.default_group = group
+        self._share_state()
         locals_ = [_local(p) for p in self._params]
         shapes = [t.shape for t in locals_]
         for r in self.replicators:
@@ -162,8 +185,53 @@ class DeToNATION(torch.optim.Optimizer):
         self.base.step()
         for rep in self.replicators:
             rep.after_step(self.steps)
+        if self.buffer_policy == "mean" and (self._buffers_every_step or any(
+                r.stats.last_collectives for r in self.replicators)):
+            self.buffer_sync()
         self.steps += 1
         return loss
+
+    # ------------------------------------------------------------------ buffers, replicas
+    def _share_state(self) -> None:
+        """Share the base optimizer's ``param_groups`` and ``state`` (torch replaces them on
+        load), with an entry (possibly empty) for every parameter. A non-empty ``state`` keeps
+        torch's ``get_state_dict`` from running a zero-lr ``step()`` of its own, which would
+        drive the replicators (and their collectives) and decay DeMo's momentum."""
+        self.param_groups = self.base.param_groups
+        self.state = self.base.state
+        for p in self._params:
+            self.state.setdefault(p, {})
+
+    def sync_buffers(self, module: nn.Module, policy: str = "mean",
+                     group: dist.ProcessGroup | None = None) -> None:
+        """Apply a buffer policy to ``module``'s buffers (:mod:`flexdemo.buffers`):
+        ``"mean"`` averages floating buffers over ``group`` (default: every rank) on each step
+        where the replicators exchange, in one collective; ``"none"`` leaves them per rank.
+        Either way they are saved per rank where replicas may differ. ``prepare()`` calls it."""
+        if policy not in BUFFER_POLICIES:
+            raise ValueError(f"buffer policy must be one of {BUFFER_POLICIES}, got {policy!r}")
+        if group is None and dist.is_initialized():
+            group = dist.group.WORLD
+        self.buffer_sync = BufferSync(module.buffers(), group)
+        self.buffer_policy = policy
+        # with a single replica nothing is exchanged: keep the ranks of that replica together
+        self._buffers_every_step = all(r.world <= 1 for r in self.replicators)
+
+    def replicas_identical(self) -> bool:
+        """Whether the replicators keep the parameters of all replicas bitwise identical at
+        every step (from their kinds and schedules; ``False`` when unsure). Decides whether
+        checkpoints store base state and parameters once or per replica."""
+        n = group_size(self.default_group)
+        if n <= 1:
+            return True
+        for r in self.replicators:
+            claim = getattr(r, "keeps_replicas_identical", None)
+            if claim is None:
+                claim = (isinstance(r, _SYNCING) and r.replicate_every == 1
+                         and r.skip_every == 0 and r.world >= n)
+            if not claim:
+                return False
+        return True
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.base.zero_grad(set_to_none=set_to_none)
@@ -182,6 +250,16 @@ class DeToNATION(torch.optim.Optimizer):
     def comm_seconds(self) -> float:
         return sum(r.stats.seconds for r in self.replicators)
 
+    @property
+    def data_transmit(self) -> int:
+        """Bytes this rank sent in the last step (the original DeMo's counter)."""
+        return sum(r.stats.last_bytes_sent for r in self.replicators)
+
+    @property
+    def data_receive(self) -> int:
+        """Bytes this rank received in the last step (the original DeMo's counter)."""
+        return sum(r.stats.last_bytes_received for r in self.replicators)
+
     def last_step_stats(self) -> dict:
         """Bytes sent/received and communication seconds of the last step, all replicators."""
         rs = self.replicators
@@ -198,14 +276,19 @@ class DeToNATION(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict:
-        return {
-            "base": self.base.state_dict(),
-            "replicators": [r.state_dict() for r in self.replicators],
-            "steps": self.steps,
-            "skipped_steps": self.skipped_steps,
-        }
+        """The state in torch's layout (``state`` per parameter, ``param_groups``), with
+        per-replica state keyed per replica, so that ``get_state_dict`` / ``dcp.save`` keep
+        every replica's copy (:mod:`flexdemo.dcp`)."""
+        return _dcp.state_dict(self)
 
     def load_state_dict(self, state_dict: dict) -> None:
+        if "state" in state_dict and "param_groups" in state_dict:
+            _dcp.load_state_dict(self, state_dict)
+        else:  # the layout of flexdemo 0.1
+            self._load_legacy(state_dict)
+        self._share_state()  # torch replaced the base's containers
+
+    def _load_legacy(self, state_dict: dict) -> None:
         reps = state_dict["replicators"]
         if len(reps) != len(self.replicators):
             raise ValueError(f"state has {len(reps)} replicators, this optimizer "
@@ -213,9 +296,6 @@ class DeToNATION(torch.optim.Optimizer):
         for r, s in zip(self.replicators, reps):
             r.load_state_dict(s)
         self.base.load_state_dict(state_dict["base"])
-        # torch replaces these containers on load: share them again (LR schedulers)
-        self.param_groups = self.base.param_groups
-        self.state = self.base.state
         self.steps = int(state_dict["steps"])
         self.skipped_steps = int(state_dict.get("skipped_steps", 0))
 
@@ -225,21 +305,31 @@ class DeToNATION(torch.optim.Optimizer):
 
 
 class DeMo(DeToNATION):
-    """Drop-in DeMo optimizer (constructor of the original): sign-SGD on the decoded mean of
+    """Drop-in DeMo optimizer with the original's constructor: sign-SGD on the decoded mean of
     the replicas' top-k DCT momentum components, over ``process_group`` (default: world).
 
-    ``compression_chunk`` is the block edge (2-D weights: ``chunk x chunk`` blocks). Values
-    travel as fp32, as in the original (with the compact packed indices).
+    ``DeMo(params, compression_decay=0.999, compression_topk=32, compression_chunk=64,
+    weight_decay=0.0, process_group=None, **sgd_kwargs)``: arguments in the original's order,
+    ``lr`` (default 1e-3) and other SGD settings (``momentum``, ``nesterov``, ...) as keywords
+    for the SGD step that follows, as in the original. ``compression_chunk`` is the block edge
+    (2-D weights: ``chunk x chunk`` blocks). Values travel as fp32, as in the original (with
+    compact packed indices). :attr:`data_transmit` / :attr:`data_receive` give the bytes this
+    rank sent and received in the last step. ``nonfinite`` is flexdemo's policy for NaN/Inf
+    gradients (see :class:`DeToNATION`).
     """
 
-    def __init__(self, params: Iterable, lr: float = 1e-3, compression_decay: float = 0.999,
+    def __init__(self, params: Iterable, compression_decay: float = 0.999,
                  compression_topk: int = 32, compression_chunk: int = 64,
                  weight_decay: float = 0.0, process_group: dist.ProcessGroup | None = None,
-                 **kwargs) -> None:
-        from .replicate import DeMoReplicator
-
+                 *, nonfinite: str = "raise", **sgd_kwargs) -> None:
+        if isinstance(compression_decay, bool) or not isinstance(
+                compression_decay, (int, float)) or not 0.0 <= compression_decay < 1.0:
+            raise ValueError(f"compression_decay must be in [0, 1), got {compression_decay!r} "
+                             "(DeMo(params, compression_decay, compression_topk, ...): give lr "
+                             "as a keyword, DeMo(params, lr=...))")
+        lr = sgd_kwargs.pop("lr", 1e-3)
         rep = DeMoReplicator(topk=compression_topk, chunk=compression_chunk,
                              decay=compression_decay, sign=True, scale_by_lr=True,
                              values="fp32")
         super().__init__(params, [rep], base="sgd", lr=lr, weight_decay=weight_decay,
-                         group=process_group, **kwargs)
+                         group=process_group, nonfinite=nonfinite, base_kwargs=sgd_kwargs)

@@ -1,0 +1,251 @@
+"""The optimizer's state dict in torch's layout, fit for ``torch.distributed.checkpoint``.
+
+``get_state_dict(model, opt)`` / ``set_state_dict(...)`` and ``dcp.save`` / ``dcp.load`` need
+an optimizer state dict shaped like torch's: ``{"state": {param: {...}}, "param_groups":
+[...]}``. :class:`~flexdemo.optim.DeToNATION` returns one, built here:
+
+* the base optimizer's state (e.g. AdamW's moments) sits under each parameter as usual, so
+  DCP stores and reshards it like any optimizer's state;
+* state that differs per replica must never share a DCP key: DCP writes one copy of tensors
+  it believes replicated (equal keys and offsets) and every rank reads that copy back. So:
+
+  - the replicator chain's state (DeMo's momentum, error feedback, subset buffers, DiLoCo's
+    global copy, outer optimizer and syncs in flight), the step counters and, where needed,
+    the module buffers live under the first parameter, keys ``flexdemo/chain/rank<global
+    rank>``: one opaque object for what varies in structure (syncs in flight, counters), plus
+    the large fixed-shape buffers (:data:`STATIC`) as DCP tensors
+    ``flexdemo/chain/rank<g>/replicators/<i>/.../<name>/<j>``;
+  - when the replicators do not keep replicas bitwise identical (DiLoCo's inner steps,
+    ``"none"``, schedules that skip steps), the base state and a copy of every parameter's
+    local shard are keyed per replica, ``flexdemo/replica<r>/<name>`` (DTensor shards;
+    ``flexdemo/rank<g>/<name>`` for unsharded tensors), and loading the optimizer puts each
+    replica's own parameters back (``set_state_dict`` loads the model first, then the
+    optimizer).
+
+Whether replicas are identical is decided from the replicator kinds and schedules
+(:meth:`DeToNATION.replicas_identical`), conservatively. A checkpoint loads into a job with
+the same world size and mesh; other layouts raise ``ValueError``.
+"""
+
+from __future__ import annotations
+
+import io
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+
+from .comm import group_rank
+
+if TYPE_CHECKING:
+    from .optim import DeToNATION
+
+PREFIX = "flexdemo/"
+FORMAT = 1
+# replicator state entries that every replicator of a kind holds with fixed shapes (DeMo's
+# momentum, the subset replicators' buffers, DiLoCo's global copy): they travel as DCP tensors
+# (keyed per rank), everything else (syncs in flight, counters) inside the per-rank object
+STATIC = ("delta", "buffers", "global")
+MARK = "flexdemo-dcp-tensor:"
+
+
+def _global_rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def blob_key() -> str:
+    """The key of this rank's replicator-chain state (apart from the per-replica keys)."""
+    return f"{PREFIX}chain/rank{_global_rank()}"
+
+
+def replica_tag(opt: DeToNATION, t: torch.Tensor) -> str:
+    """The per-replica key part for ``t``: ``replica<r>`` for DTensor shards (the chunk's
+    offsets tell shards apart), ``rank<g>`` for whole tensors."""
+    if hasattr(t, "_local_tensor"):
+        mesh = getattr(opt, "mesh", None)
+        r = mesh.get_coordinate()[0] if mesh is not None else group_rank(opt.default_group)
+        return f"replica{r}"
+    return f"rank{_global_rank()}"
+
+
+def _mesh_shape(opt: DeToNATION) -> tuple[int, ...] | None:
+    mesh = getattr(opt, "mesh", None)
+    return None if mesh is None else tuple(int(n) for n in mesh.mesh.shape)
+
+
+def _extract(tree, path: str, out: dict[str, torch.Tensor]) -> None:
+    """Move the tensors of :data:`STATIC` lists in ``tree`` (nested dicts/lists) into ``out``,
+    leaving a marker with their key."""
+    if isinstance(tree, dict):
+        for k, v in tree.items():
+            if k in STATIC and isinstance(v, list):
+                for j, t in enumerate(v):
+                    if isinstance(t, torch.Tensor):
+                        key = f"{path}/{k}/{j}"
+                        out[key] = t
+                        v[j] = MARK + key
+            else:
+                _extract(v, f"{path}/{k}", out)
+    elif isinstance(tree, list):
+        for j, v in enumerate(tree):
+            _extract(v, f"{path}/{j}", out)
+
+
+def _restore(tree, tensors: dict[str, torch.Tensor]):
+    """The inverse of :func:`_extract`."""
+    if isinstance(tree, str) and tree.startswith(MARK):
+        key = tree[len(MARK):]
+        if key not in tensors:
+            raise ValueError(f"the optimizer state lacks {key!r}; it was written for other "
+                             "replicators or settings")
+        return tensors[key]
+    if isinstance(tree, dict):
+        return {k: _restore(v, tensors) for k, v in tree.items()}
+    if isinstance(tree, list):
+        return [_restore(v, tensors) for v in tree]
+    return tree
+
+
+def _pack(obj) -> bytes:
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+def _unpack(data: bytes):
+    return torch.load(io.BytesIO(data), map_location="cpu", weights_only=False)
+
+
+@torch.no_grad()
+def _init_base_state(opt: DeToNATION) -> bool:
+    """Create the base optimizer's state by a zero-lr step on zero gradients if it has none
+    (what torch's ``get_state_dict`` does for its own optimizers), so that a fresh optimizer's
+    state dict has tensors for DCP to load into. Returns whether state was created. Parameters
+    are bitwise unchanged; existing gradients are kept."""
+    base, params = opt.base, opt._params
+    if any(base.state.get(p) for p in params):  # entries may be empty dicts
+        return False
+    grads = [p.grad for p in params]
+    lrs = [g["lr"] for g in base.param_groups]
+    try:
+        for p in params:
+            p.grad = torch.zeros_like(p)
+        for g in base.param_groups:
+            g["lr"] = torch.zeros_like(g["lr"]) if isinstance(g["lr"], torch.Tensor) else 0.0
+        base.step()
+    finally:
+        for g, lr in zip(base.param_groups, lrs):
+            g["lr"] = lr
+        for p, gr in zip(params, grads):
+            p.grad = gr
+    return any(base.state.get(p) for p in params)
+
+
+def state_dict(opt: DeToNATION) -> dict:
+    """``opt``'s state in torch's layout (see the module docstring)."""
+    created = _init_base_state(opt)
+    sd = opt.base.state_dict()
+    if created:  # keep the optimizer as fresh as it was; the dict holds the tensors
+        opt.base.state.clear()
+        opt._share_state()
+    identical = opt.replicas_identical()
+    state: dict = {}
+    for i, p in enumerate(opt._params):
+        entry = dict(sd["state"].get(i, {}))
+        if not identical:
+            tag = f"{PREFIX}{replica_tag(opt, p)}/"
+            entry = {tag + k: v for k, v in entry.items()}
+            entry[tag + "param"] = p.detach().clone()
+        state[i] = entry
+    keep_buffers = opt.buffer_sync is not None and (not identical or opt.buffer_policy == "none")
+    reps = [r.state_dict() for r in opt.replicators]
+    fixed: dict[str, torch.Tensor] = {}
+    _extract(reps, f"{blob_key()}/replicators", fixed)
+    blob = {
+        "format": FORMAT,
+        "rank": _global_rank(),
+        "mesh": _mesh_shape(opt),
+        "identical": identical,
+        "base_state_created": created,
+        "replicators": reps,
+        "steps": opt.steps,
+        "skipped_steps": opt.skipped_steps,
+        "buffers": [b.detach().clone() for b in opt.buffer_sync.all_buffers]
+        if keep_buffers else None,
+    }
+    state[0][blob_key()] = _pack(blob)
+    state[0].update(fixed)
+    return {"state": state, "param_groups": sd["param_groups"]}
+
+
+@torch.no_grad()
+def load_state_dict(opt: DeToNATION, sd: dict) -> None:
+    """Restore a state dict made by :func:`state_dict` (int or parameter-name keys)."""
+    groups = sd["param_groups"]
+    saved_ids = [i for g in groups for i in g["params"]]
+    if len(groups) != len(opt.param_groups) or len(saved_ids) != len(opt._params):
+        raise ValueError(f"the optimizer state is for another model: it holds {len(saved_ids)} "
+                         f"parameters in {len(groups)} group(s), this optimizer "
+                         f"{len(opt._params)} in {len(opt.param_groups)}")
+    mine = blob_key()
+    blob, base_state, copies, fixed = None, {}, [], {}
+    for sid, p in zip(saved_ids, opt._params):
+        tag = f"{PREFIX}{replica_tag(opt, p)}/"
+        entry, param_copy = {}, None
+        for k, v in sd["state"].get(sid, {}).items():
+            if k == mine:
+                blob = v
+            elif k.startswith(mine + "/"):
+                fixed[k] = v
+            elif k.startswith(tag):
+                name = k[len(tag):]
+                if name == "param":
+                    param_copy = v
+                else:
+                    entry[name] = v
+            elif not k.startswith(PREFIX):
+                entry[k] = v
+        if entry:
+            base_state[sid] = entry
+        copies.append(param_copy)
+    if blob is None:
+        raise ValueError(f"the optimizer state has no {mine!r} entry (this rank's replicator "
+                         "state): it was not written by flexdemo's optimizer, or by a job "
+                         "with another world size")
+    blob = _unpack(blob) if isinstance(blob, (bytes, bytearray)) else blob
+    if blob.get("format") != FORMAT:
+        raise ValueError(f"optimizer state format {blob.get('format')!r}, this flexdemo reads "
+                         f"{FORMAT}")
+    if blob["mesh"] != _mesh_shape(opt):
+        raise ValueError(f"the optimizer state was written on a replicate x shard mesh "
+                         f"{blob['mesh']}, this optimizer runs on {_mesh_shape(opt)}; per-replica "
+                         "state cannot be redistributed: resume with the same world size and "
+                         "mesh")
+    reps = _restore(blob["replicators"], fixed)
+    if len(reps) != len(opt.replicators):
+        raise ValueError(f"state has {len(reps)} replicators, this optimizer "
+                         f"{len(opt.replicators)}")
+    for r, s in zip(opt.replicators, reps):
+        r.load_state_dict(s)
+    opt.base.load_state_dict({"state": base_state, "param_groups": groups})
+    if blob["base_state_created"]:  # the saving optimizer had no base state yet
+        opt.base.state.clear()
+    opt._share_state()
+    for p, c in zip(opt._params, copies):
+        if c is not None:
+            _copy_local(p, c)
+    if blob["buffers"] is not None and opt.buffer_sync is not None:
+        bufs = opt.buffer_sync.all_buffers
+        if len(bufs) != len(blob["buffers"]):
+            raise ValueError(f"the optimizer state holds {len(blob['buffers'])} module "
+                             f"buffers, this model {len(bufs)}")
+        for b, v in zip(bufs, blob["buffers"]):
+            b.copy_(v)
+    opt.steps = int(blob["steps"])
+    opt.skipped_steps = int(blob["skipped_steps"])
+
+
+def _copy_local(p: torch.Tensor, v: torch.Tensor) -> None:
+    dst = p._local_tensor if hasattr(p, "_local_tensor") else p
+    src = v._local_tensor if hasattr(v, "_local_tensor") else v
+    dst.copy_(src)

@@ -1,0 +1,300 @@
+"""``prepare()``: hybrid sharding (FSDP2 inside a node) plus a replicating optimizer.
+
+Large models: build the model on the meta device (``with torch.device("meta"): ...``) and give
+``prepare()`` the device to train on. The model is sharded while it holds no memory, then each
+rank allocates only its shards (``to_empty``) and initialises them (every module's
+``reset_parameters()``, or ``init_fn(module)``). Replicas then receive the shards of the first
+replica (one broadcast over the replicate dimension), so they start bitwise identical whatever
+random-number state each rank had: a seed would have to be equal on every rank *and* draw the
+same numbers for differently laid out shards, which a broadcast does not need to assume.
+"""
+
+from __future__ import annotations
+
+import inspect
+import warnings
+from collections.abc import Callable, Sequence
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+from .buffers import BUFFER_POLICIES
+from .mesh import DEFAULT_TIMEOUT, build_mesh, check_mesh, init_distributed
+from .optim import DeToNATION
+from .replicate import NoReplication, Replicator, make_replicator
+
+__all__ = ["NoReplicationWarning", "broadcast_module", "broadcast_tensors",
+           "default_shard_units", "prepare"]
+
+PRECISIONS = ("fp32", "bf16")
+
+
+class NoReplicationWarning(UserWarning):
+    """The mesh has a single replica: the replicator has nothing to exchange."""
+
+
+def default_shard_units(model: nn.Module) -> list[nn.Module]:
+    """Modules sharded as their own FSDP unit: the members of every ``nn.ModuleList`` that do
+    not sit inside another such member (a block's own list of layers stays in the block)."""
+    units = [m for mod in model.modules() if isinstance(mod, nn.ModuleList) for m in mod]
+    nested = {id(d) for u in units for d in u.modules() if d is not u}
+    return [u for u in units if id(u) not in nested]
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t._local_tensor if hasattr(t, "_local_tensor") else t
+
+
+@torch.no_grad()
+def broadcast_tensors(tensors: Sequence[torch.Tensor], group: dist.ProcessGroup | None = None,
+                      src: int = 0) -> None:
+    """Overwrite ``tensors`` with those of rank ``src`` of ``group`` (default: the world).
+
+    All tensors travel as the bytes of one buffer: one collective, whatever their number and
+    dtypes. DTensors contribute their local shard.
+    """
+    group = group or dist.group.WORLD
+    if dist.get_world_size(group) == 1:
+        return
+    locals_ = [_local(t) for t in tensors if t.numel()]
+    if not locals_:
+        return
+    sizes = [t.numel() * t.element_size() for t in locals_]
+    offsets, off = [], 0
+    for n in sizes:
+        offsets.append(off)
+        off += -(-n // 8) * 8  # 8-byte aligned, so every slice can be viewed as its dtype
+    buf = torch.zeros(off, dtype=torch.uint8, device=locals_[0].device)
+    for t, o, n in zip(locals_, offsets, sizes):
+        buf[o:o + n].copy_(t.detach().reshape(-1).view(torch.uint8))
+    dist.broadcast(buf, src=dist.get_global_rank(group, src), group=group)
+    for t, o, n in zip(locals_, offsets, sizes):
+        t.copy_(buf[o:o + n].view(t.dtype).view(t.shape))
+
+
+def broadcast_module(model: nn.Module, src: int = 0,
+                     group: dist.ProcessGroup | None = None) -> None:
+    """Copy rank ``src``'s parameters and buffers to every rank of ``group`` (one collective)."""
+    broadcast_tensors(list(model.parameters()) + list(model.buffers()), group, src)
+
+
+# ---------------------------------------------------------------------------- checks
+def _check_replicators(replicator) -> None:
+    items = replicator if isinstance(replicator, (list, tuple)) else [replicator]
+    bad = [r for r in items if not isinstance(r, (str, Replicator))]
+    if bad or not items:
+        what = type(bad[0]).__name__ if bad else "an empty list"
+        raise TypeError(f"replicator must be a name (e.g. 'demo'), a Replicator instance or a "
+                        f"list of them, got {what}: {bad[0] if bad else replicator!r}")
+
+
+def _check_model(model: nn.Module) -> None:
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"prepare() takes an nn.Module, got {type(model).__name__}")
+    if getattr(model, "_flexdemo_prepared", False):
+        raise ValueError("this model was already passed to flexdemo.prepare(); call prepare() "
+                         "once per model and keep the optimizer it returned")
+    if isinstance(model, FSDPModule) or any(isinstance(m, FSDPModule) for m in model.modules()):
+        raise ValueError("the model is already sharded with fully_shard; give prepare() the "
+                         "unsharded model, or build flexdemo.DeToNATION over your sharded model")
+    params = list(model.named_parameters())
+    if not params:
+        raise ValueError("the model has no parameters")
+    cplx = [n for n, p in params if p.is_complex()]
+    if cplx:
+        raise ValueError(f"complex parameters are not supported ({cplx[0]}"
+                         f"{f' and {len(cplx) - 1} more' if len(cplx) > 1 else ''}); store "
+                         "them as real tensors (torch.view_as_real) and view them as complex "
+                         "in forward")
+
+
+def _model_device(model: nn.Module) -> torch.device:
+    devices = {p.device for p in model.parameters()}
+    if len(devices) > 1:
+        raise ValueError(f"the model's parameters live on several devices {devices}; move it "
+                         "to one device (or build it on 'meta') before prepare()")
+    return devices.pop()
+
+
+def _target_device(current: torch.device, device) -> torch.device:
+    """The device to train on: ``device`` ('auto', 'cpu', 'cuda', 'cuda:1', ...) or, when
+    None, the model's own device (CUDA if available for a model on 'meta')."""
+    if device is None:
+        device = "auto" if current.type == "meta" else current
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(f"device must be 'auto', 'cpu', 'cuda' or a torch.device, got "
+                         f"{device!r}") from e
+    if device.type == "meta":
+        raise ValueError("device='meta' cannot train; give the device to materialise the "
+                         "model on, e.g. device='cuda'")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device='cuda' but CUDA is not available here; use device='cpu' or "
+                         "'auto'")
+    return device
+
+
+def _fsdp_options(fsdp_kwargs: dict | None, precision: str | None) -> dict:
+    opts = dict(fsdp_kwargs or {})
+    allowed = set(inspect.signature(fully_shard).parameters) - {"module", "mesh"}
+    odd = sorted(set(opts) - allowed)
+    if odd:
+        raise ValueError(f"fsdp_kwargs {odd} are not fully_shard options; accepted: "
+                         f"{sorted(allowed)} (the mesh comes from prepare())")
+    if precision not in (None, *PRECISIONS):
+        raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+    if precision == "bf16":
+        if "mp_policy" in opts:
+            raise ValueError("give either precision='bf16' or fsdp_kwargs['mp_policy'], not "
+                             "both")
+        # bf16 copies of the parameters for forward/backward; gradients reduced and kept in
+        # fp32 next to the fp32 master weights, so replicators and the optimizer see fp32
+        opts["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16,
+                                                 reduce_dtype=torch.float32)
+    return opts
+
+
+def _reset_fn(m: nn.Module) -> Callable | None:
+    """A module's own initialiser: ``reset_parameters()``, or ``_reset_parameters()`` (the name
+    some torch modules, e.g. ``nn.MultiheadAttention``, use)."""
+    for name in ("reset_parameters", "_reset_parameters"):
+        fn = getattr(m, name, None)
+        if callable(fn):
+            return fn
+    return None
+
+
+def _check_initialisable(model: nn.Module) -> None:
+    """Every module that owns parameters or buffers must be able to initialise them."""
+    for name, m in model.named_modules():
+        owns = next(m.parameters(recurse=False), None) is not None or \
+            next(m.buffers(recurse=False), None) is not None
+        if owns and _reset_fn(m) is None:
+            raise ValueError(
+                f"module {name or '<root>'!r} ({type(m).__name__}) holds parameters or buffers "
+                "but has no reset_parameters(), so a model on the meta device cannot be "
+                "initialised; pass prepare(..., init_fn=fn) where fn(module) initialises a "
+                "module's own tensors")
+
+
+@torch.no_grad()
+def _materialise(model: nn.Module, device: torch.device, init_fn: Callable | None) -> None:
+    """Allocate the shards on ``device`` and initialise them, children before parents (the
+    order of eager construction, and of ``model.apply``), so a parent's initialiser wins."""
+    model.to_empty(device=device)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="DTensor random operators")
+        for m in reversed(list(model.modules())):
+            if init_fn is not None:
+                init_fn(m)
+            elif (fn := _reset_fn(m)) is not None:
+                fn()
+
+
+def _warn_single_replica(mesh: DeviceMesh, reps) -> None:
+    if mesh["replicate"].size() > 1 or all(isinstance(r, NoReplication) for r in reps):
+        return
+    shard = mesh["shard"].size()
+    warnings.warn(
+        f"flexdemo.prepare: the mesh is replicate x shard = 1 x {shard}, a single replica, so "
+        "the replicator exchanges nothing. The shard size defaults to the ranks per node "
+        "(LOCAL_WORLD_SIZE); to replicate across ranks of one node pass replicate= (e.g. "
+        "prepare(..., replicate=2)), or run on several nodes",
+        NoReplicationWarning, stacklevel=3)
+
+
+# ---------------------------------------------------------------------------- prepare
+def prepare(model: nn.Module, replicator: str | Replicator | Sequence = "demo",
+            optimizer: str | Callable = "sgd", lr: float = 1e-3, *,
+            mesh: DeviceMesh | None = None, replicate: int | None = None,
+            shard: int | None = None, weight_decay: float = 0.0,
+            replicator_kwargs: dict | None = None, optimizer_kwargs: dict | None = None,
+            shard_units: Callable[[nn.Module], list[nn.Module]] | None = None,
+            sync_init: bool = True, nonfinite: str = "raise",
+            device: str | torch.device | None = None, fsdp_kwargs: dict | None = None,
+            init_fn: Callable[[nn.Module], None] | None = None,
+            precision: str | None = None, buffers: str = "mean",
+            timeout: timedelta = DEFAULT_TIMEOUT) -> tuple[nn.Module, DeToNATION]:
+    """Shard ``model`` with FSDP2 inside each replica and return it with its optimizer.
+
+    The world is arranged as a ``(replicate, shard)`` mesh (default: ``shard`` = ranks per node
+    from ``LOCAL_WORLD_SIZE``). Parameters are sharded with ``fully_shard`` over the shard
+    dimension (skipped when it has one rank and no FSDP option is asked for: plain data
+    parallelism), and the returned :class:`~flexdemo.optim.DeToNATION` optimizer replicates
+    across the replicate dimension. The process group is created if needed (gloo for CPU,
+    nccl for CUDA), also for a single process without torchrun.
+
+    Args beyond the optimizer's own:
+        device: where to train: ``"auto"`` (CUDA when available), ``"cpu"``, ``"cuda"``
+            (each rank on ``cuda:LOCAL_RANK``); default: the model's device. A model on the
+            ``meta`` device is sharded first, then materialised on ``device``.
+        init_fn: ``init_fn(module)`` initialises one module's own tensors after a meta model
+            is materialised (called for every module, children first); default:
+            ``module.reset_parameters()`` (or ``_reset_parameters()``).
+        fsdp_kwargs: passed to every ``fully_shard`` call (``mp_policy``,
+            ``reshard_after_forward``, ``offload_policy``, ...).
+        precision: ``"bf16"``: bf16 parameters for compute, fp32 gradients reduced and kept
+            with fp32 master weights (FSDP2 ``MixedPrecisionPolicy``); replicators see fp32.
+        buffers: ``"mean"`` (default) averages floating-point buffers (BatchNorm statistics)
+            over all ranks whenever the replicators exchange; ``"none"`` leaves them per rank.
+            See :mod:`flexdemo.buffers`.
+
+    Example: ``model, opt = flexdemo.prepare(model, replicator="demo", lr=1e-3)``.
+    """
+    _check_model(model)
+    _check_replicators(replicator)
+    if replicator_kwargs and not isinstance(replicator, str):
+        raise ValueError("replicator_kwargs go with a replicator given by name")
+    if buffers not in BUFFER_POLICIES:
+        raise ValueError(f"buffers must be one of {BUFFER_POLICIES}, got {buffers!r}")
+    if init_fn is not None and not callable(init_fn):
+        raise TypeError(f"init_fn must be a callable fn(module), got {type(init_fn).__name__}")
+    fsdp_opts = _fsdp_options(fsdp_kwargs, precision)
+    current = _model_device(model)
+    target = _target_device(current, device)
+    on_meta = current.type == "meta"
+    if on_meta and init_fn is None:
+        _check_initialisable(model)
+    init_distributed(target, timeout)
+    if target.type == "cuda" and target.index is None:
+        target = torch.device("cuda", torch.cuda.current_device())
+    if mesh is None:
+        mesh = build_mesh(target.type, replicate, shard)
+    else:
+        check_mesh(mesh)
+        if mesh.size() != dist.get_world_size():
+            raise ValueError(f"the mesh spans {mesh.size()} ranks, the world has "
+                             f"{dist.get_world_size()}")
+        if replicate is not None or shard is not None:
+            raise ValueError("give either mesh= or replicate=/shard=, not both")
+    reps = [make_replicator(replicator, **(replicator_kwargs or {}))] \
+        if isinstance(replicator, (str, Replicator)) else [make_replicator(r) for r in replicator]
+    _warn_single_replica(mesh, reps)
+    if not on_meta:
+        if current != target:
+            model.to(target)
+        if sync_init:  # one copy of the whole model before sharding
+            broadcast_module(model)
+    if mesh["shard"].size() > 1 or fsdp_opts:
+        units = (shard_units or default_shard_units)(model)
+        for unit in units:
+            if unit is not model:
+                fully_shard(unit, mesh=mesh["shard"], **fsdp_opts)
+        fully_shard(model, mesh=mesh["shard"], **fsdp_opts)
+    if on_meta:
+        _materialise(model, target, init_fn)
+        if sync_init:  # shards initialise independently; replicas take the first one's
+            broadcast_module(model, group=mesh["replicate"].get_group())
+    model._flexdemo_prepared = True
+    opt = DeToNATION(model.parameters(), reps, base=optimizer, lr=lr,
+                     weight_decay=weight_decay, group=mesh["replicate"].get_group(),
+                     nonfinite=nonfinite, base_kwargs=optimizer_kwargs, mesh=mesh)
+    opt.sync_buffers(model, policy=buffers)
+    return model, opt

@@ -1,0 +1,136 @@
+"""prepare() for large models: meta-device init, FSDP2 options, bf16, bad input, warnings."""
+
+import pytest
+import torch
+from dist_util import replicas_by_shard, run_world
+from dist_workers import Tiny
+from libgpu_workers import large_model_worker
+from torch import nn
+
+import flexdemo
+from flexdemo.sharding import broadcast_tensors
+
+
+@pytest.fixture(scope="module")
+def large():
+    return run_world(large_model_worker, 4)
+
+
+def test_meta_model_materialises_trains_and_replicas_start_identical(large):
+    for res in large:
+        assert res["device"] == {"cpu"}
+        assert all(torch.isfinite(t).all() for t in res["meta"]["start"])
+    groups = replicas_by_shard(large, "meta")
+    for members in groups.values():
+        a, b = members
+        assert all(torch.equal(x, y) for x, y in zip(a["start"], b["start"]))
+        assert all(torch.equal(x, y) for x, y in zip(a["end"], b["end"]))
+        assert any(not torch.equal(x, y) for x, y in zip(a["start"], a["end"]))
+
+
+def test_one_replica_mesh_warns_on_every_rank(large):
+    for res in large:
+        assert res["warned"] and "1 x 4" in res["warned"][0] and "replicate=" in res["warned"][0]
+
+
+def test_meta_model_without_reset_parameters_needs_init_fn(large):
+    for res in large:
+        msg = res["no_reset"]
+        assert msg is not None and "'1' (NoReset)" in msg and "init_fn" in msg
+        assert torch.equal(res["init_fn_scale"], torch.full_like(res["init_fn_scale"], 0.5))
+
+
+def test_bf16_computes_in_bf16_and_replicators_see_fp32(large):
+    for res in large:
+        r = res["bf16"]
+        assert r["param_dtypes"] == {torch.float32}  # master weights
+        assert set(r["logits"]) == {torch.bfloat16}
+        assert r["grad_dtypes"] and all(d == {torch.float32} for d in r["grad_dtypes"])
+    for members in replicas_by_shard(large, "bf16").values():
+        assert all(torch.equal(x, y) for x, y in zip(members[0]["shards"], members[1]["shards"]))
+
+
+# ---------------------------------------------------------------------------- one process
+def test_meta_model_on_one_process_with_fsdp_kwargs():
+    with torch.device("meta"):
+        model = Tiny()
+    with pytest.warns(flexdemo.NoReplicationWarning, match="1 x 1"):
+        model, opt = flexdemo.prepare(model, "demo", device="cpu",
+                                      fsdp_kwargs={"reshard_after_forward": False})
+    assert all(p.device.type == "cpu" for p in model.parameters())
+    x = torch.randn(4, 12)
+    model(x).pow(2).mean().backward()
+    opt.step()
+
+
+class Parent(nn.Module):
+    """Its initialiser overrides its child's, as after eager construction."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.child = nn.Linear(8, 8)
+        self.attn = nn.MultiheadAttention(8, 2)  # initialises itself with _reset_parameters
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        nn.init.constant_(self.child.weight, 0.25)
+
+    def forward(self, x):
+        return self.attn(self.child(x), x, x)[0]
+
+
+def test_meta_init_runs_children_first_and_private_resets():
+    with torch.device("meta"):
+        model = Parent()
+    eager = Parent()
+    with pytest.warns(flexdemo.NoReplicationWarning):
+        model, _ = flexdemo.prepare(model, "demo", device="cpu")
+    assert torch.equal(model.child.weight, eager.child.weight)  # 0.25: the parent won
+    w = model.attn.in_proj_weight
+    assert torch.isfinite(w).all() and 0 < w.std() < 1 and torch.equal(
+        model.attn.in_proj_bias, torch.zeros(24))
+
+
+def test_bad_input_gives_one_clear_line():
+    cases = [
+        (dict(replicator=123), TypeError, "replicator must be a name"),
+        (dict(replicator=["demo", 4]), TypeError, "replicator must be a name"),
+        (dict(replicator=[]), TypeError, "empty list"),
+        (dict(precision="fp16"), ValueError, "precision must be one of"),
+        (dict(fsdp_kwargs={"mesh": None}), ValueError, "not fully_shard options"),
+        (dict(fsdp_kwargs={"bogus": 1}), ValueError, "not fully_shard options"),
+        (dict(precision="bf16", fsdp_kwargs={"mp_policy": None}), ValueError, "not both"),
+        (dict(buffers="sum"), ValueError, "buffers must be one of"),
+        (dict(device="meta"), ValueError, "cannot train"),
+        (dict(device="tpu9"), ValueError, "device must be"),
+    ]
+    if not torch.cuda.is_available():
+        cases.append((dict(device="cuda"), ValueError, "CUDA is not available"))
+    for kwargs, exc, msg in cases:
+        with pytest.raises(exc, match=msg):
+            flexdemo.prepare(Tiny(), **kwargs)
+
+
+def test_second_prepare_and_complex_parameters_are_rejected():
+    model = Tiny()
+    with pytest.warns(flexdemo.NoReplicationWarning):
+        model, _ = flexdemo.prepare(model, "demo")
+    with pytest.raises(ValueError, match="already passed to flexdemo.prepare"):
+        flexdemo.prepare(model, "demo")
+    net = nn.Linear(3, 3)
+    net.weight = nn.Parameter(torch.randn(3, 3, dtype=torch.complex64))
+    with pytest.raises(ValueError, match="complex parameters are not supported"):
+        flexdemo.prepare(net)
+
+
+def test_no_warning_when_no_replication_is_asked_for(recwarn):
+    flexdemo.prepare(Tiny(), "none")
+    assert not [w for w in recwarn if issubclass(w.category, flexdemo.NoReplicationWarning)]
+
+
+def test_broadcast_tensors_single_rank_is_a_no_op():
+    t = [torch.randn(3), torch.arange(5)]
+    before = [x.clone() for x in t]
+    flexdemo.init_distributed()
+    broadcast_tensors(t)
+    assert all(torch.equal(a, b) for a, b in zip(t, before))

@@ -3,7 +3,6 @@
 from . import compat
 from .buffers import BufferSync
 from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-from .comm import CommStats
 from .compress import BlockDCT, plan_chunks
 from .mesh import build_mesh, init_distributed, mesh_shape
 from .optim import DeMo, DeToNATION
@@ -20,14 +19,16 @@ from .replicate import (
     make_replicator,
 )
 from .sharding import NoReplicationWarning, prepare
+from .simulate import SimulatedReplicas
+from .transport import CommStats, InProcessHub
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "BlockDCT", "BufferSync", "compat", "CommStats", "DeMo", "DeMoReplicator", "DeToNATION",
-    "DiLoCoReplicator", "FullReplicator", "NoReplication", "NoReplicationWarning",
-    "NonFiniteGradientError", "RandomReplicator", "Replicator", "SlicingReplicator",
-    "StridingReplicator", "build_mesh", "init_distributed", "latest_checkpoint",
-    "load_checkpoint", "make_replicator", "mesh_shape", "plan_chunks", "prepare",
-    "save_checkpoint",
+    "BlockDCT", "BufferSync", "CommStats", "DeMo", "DeMoReplicator", "DeToNATION",
+    "DiLoCoReplicator", "FullReplicator", "InProcessHub", "NoReplication",
+    "NoReplicationWarning", "NonFiniteGradientError", "RandomReplicator", "Replicator",
+    "SimulatedReplicas", "SlicingReplicator", "StridingReplicator", "build_mesh", "compat",
+    "init_distributed", "latest_checkpoint", "load_checkpoint", "make_replicator", "mesh_shape",
+    "plan_chunks", "prepare", "save_checkpoint",
 ]

@@ -122,7 +122,7 @@ class DeToNATION(torch.optim.Optimizer):
         locals_ = [_local(p) for p in self._params]
         shapes = [t.shape for t in locals_]
         for r in self.replicators:
-            r.setup(shapes, device, group, params=locals_)
+            r.setup(shapes, device, group, params=locals_, nonfinite=nonfinite)
             if mesh is not None:
                 check_group_on_mesh(r, mesh)
 
@@ -144,8 +144,10 @@ class DeToNATION(torch.optim.Optimizer):
         try:
             for rep in self.replicators:
                 data = rep(data, lrs, self.steps)
-        except NonFiniteGradientError:
-            if self.nonfinite == "raise":
+        except NonFiniteGradientError as e:
+            # e.local: only this rank knows (a step without exchange): it skips alone, and
+            # under "raise" its next exchange tells every rank (see replicate.base)
+            if self.nonfinite == "raise" and not e.local:
                 raise
             self.skipped_steps += 1
             self.steps += 1
@@ -160,8 +162,15 @@ class DeToNATION(torch.optim.Optimizer):
                 if ps:
                     torch._foreach_mul_(ps, 1.0 - group["lr"] * wd)
         self.base.step()
-        for rep in self.replicators:
-            rep.after_step(self.steps)
+        try:
+            for rep in self.replicators:
+                rep.after_step(self.steps)  # DiLoCo syncs here, on every rank alike
+        except NonFiniteGradientError:
+            self.steps += 1
+            if self.nonfinite == "raise":
+                raise
+            self.skipped_steps += 1
+            return loss
         self.steps += 1
         return loss
 

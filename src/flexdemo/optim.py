@@ -141,6 +141,7 @@ class DeToNATION(torch.optim.Optimizer):
         if len(grads) != len(self._params):
             raise RuntimeError("parameters were added after construction; build a new optimizer")
         data = list(grads)
+        skipped = False
         try:
             for rep in self.replicators:
                 data = rep(data, lrs, self.steps)
@@ -149,28 +150,27 @@ class DeToNATION(torch.optim.Optimizer):
             # under "raise" its next exchange tells every rank (see replicate.base)
             if self.nonfinite == "raise" and not e.local:
                 raise
-            self.skipped_steps += 1
-            self.steps += 1
-            return loss
-        for g, out in zip(grads, data):
-            if g is not None and out is not g:
-                g.copy_(out)
-        for group in self.param_groups:
-            wd = group.get("flexdemo_weight_decay", 0.0)
-            if wd:
-                ps = [_local(p) for p in group["params"] if p.grad is not None]
-                if ps:
-                    torch._foreach_mul_(ps, 1.0 - group["lr"] * wd)
-        self.base.step()
-        try:
+            skipped = True
+        if not skipped:
+            for g, out in zip(grads, data):
+                if g is not None and out is not g:
+                    g.copy_(out)
+            for group in self.param_groups:
+                wd = group.get("flexdemo_weight_decay", 0.0)
+                if wd:
+                    ps = [_local(p) for p in group["params"] if p.grad is not None]
+                    if ps:
+                        torch._foreach_mul_(ps, 1.0 - group["lr"] * wd)
+            self.base.step()
+        try:  # also after a skipped step: syncs (DiLoCo) follow the step count on every rank
             for rep in self.replicators:
-                rep.after_step(self.steps)  # DiLoCo syncs here, on every rank alike
+                rep.after_step(self.steps)
         except NonFiniteGradientError:
-            self.steps += 1
             if self.nonfinite == "raise":
+                self.steps += 1
                 raise
-            self.skipped_steps += 1
-            return loss
+            skipped = True
+        self.skipped_steps += skipped
         self.steps += 1
         return loss
 

@@ -47,7 +47,7 @@ class ValueCodec:
         """Write the encoding of the flat fp32 ``x`` into the uint8 tensor ``out``."""
         n = x.numel()
         if self.fmt in _FLOAT:
-            out.view(_FLOAT[self.fmt]).copy_(x)
+            out[: self.nbytes(n)].view(_FLOAT[self.fmt]).copy_(x)  # out may hold padding
             return
         blocks = math.ceil(n / self.block)
         padded = torch.zeros(blocks * self.block, dtype=torch.float32, device=x.device)

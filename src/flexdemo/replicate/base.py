@@ -33,7 +33,7 @@ from abc import ABC, abstractmethod
 import torch
 import torch.distributed as dist
 
-from ..comm import CommStats, gather_into, group_rank, group_size
+from ..comm import CommStats, all_gather_bytes, gather_into, group_rank, group_size
 
 
 class NonFiniteGradientError(FloatingPointError):
@@ -350,6 +350,15 @@ class Replicator(ABC):
     def finish(self, pending) -> list[torch.Tensor | None]:
         """Complete an exchange begun by :meth:`start`; returns the replicated tensors."""
         return pending
+
+    def exchange_bytes(self) -> int:
+        """Bytes this rank sends (and receives) in one exchange, by the ring formulas of
+        :mod:`flexdemo.comm`; the default is an all-gather of :meth:`payload_bytes`."""
+        return all_gather_bytes(self.payload_bytes(), self.world)
+
+    def payload_bytes(self) -> int:
+        """Bytes this rank contributes to one exchange."""
+        raise NotImplementedError(f"{self.name} does not state its payload size")
 
     def after_step(self, step: int) -> None:  # noqa: B027 - optional hook
         """Called by the optimizer after the base optimizer's step ``step`` (override)."""

@@ -140,6 +140,7 @@ class DiLoCoReplicator(Replicator):
     def _setup_state(self) -> None:
         if self._params is None:
             raise RuntimeError("DiLoCo acts on parameters: use it through flexdemo's optimizer")
+        self._locals = [p.detach() for p in self._params]  # views, built once
         store = torch.device("cpu") if self.offload else self.device
         self.global_params = [p.detach().float().to(store, copy=True) for p in self._params]
         self.pseudo = [torch.zeros(p.shape, dtype=torch.float32, device=self.device)
@@ -161,6 +162,14 @@ class DiLoCoReplicator(Replicator):
         self.syncs = [0] * self.fragments
         self.pending: dict[int, _Sync] = {}
         self._bad_inner: int | None = None  # first inner step withheld since the last launch
+
+    def payload_bytes(self) -> int:
+        """Bytes this rank contributes to the syncs of all fragments (one period of H)."""
+        return sum(ex.payload_bytes() for ex in self.exchanges)
+
+    def exchange_bytes(self) -> int:
+        """Bytes this rank sends over one period of H steps (every fragment synced once)."""
+        return sum(ex.exchange_bytes() for ex in self.exchanges)
 
     def launch_fragment(self, step: int) -> int | None:
         """The fragment launched after ``step``, if any."""
@@ -193,7 +202,7 @@ class DiLoCoReplicator(Replicator):
         part = self.parts[p]
         pseudo = [self.pseudo[i] for i in part]
         torch._foreach_copy_(pseudo, [self.global_params[i] for i in part])
-        torch._foreach_sub_(pseudo, [self._params[i].detach() for i in part])
+        torch._foreach_sub_(pseudo, [self._locals[i] for i in part])
         if self._bad_inner is not None:
             mark_nonfinite(pseudo)  # in-band flag: the exchange's agreement tells everyone
             self._bad_inner = None
@@ -238,7 +247,7 @@ class DiLoCoReplicator(Replicator):
 
     def _restart(self, part: list[int], alpha: float) -> None:
         """Mix the fragment's replica parameters with the global ones (alpha 0: copy)."""
-        local = [self._params[i].detach() for i in part]
+        local = [self._locals[i] for i in part]
         glob = [self.global_params[i] for i in part]
         if self.offload:  # bring the global values to the replica's device first
             torch._foreach_copy_([self.pseudo[i] for i in part], glob)

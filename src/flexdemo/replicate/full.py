@@ -6,7 +6,7 @@ import warnings
 
 import torch
 
-from ..comm import all_gather, all_reduce_sum
+from ..comm import all_gather, all_reduce_bytes, all_reduce_sum
 from ..compress.quant import ValueCodec
 from .base import (
     HEADER_BYTES,
@@ -121,6 +121,11 @@ class FullReplicator(Replicator):
         """Bytes this rank contributes to one exchange (flags and headers included)."""
         return self._bucket.numel() * self._bucket.element_size()
 
+    def exchange_bytes(self) -> int:
+        if self.values == "fp32":
+            return all_reduce_bytes(self._bucket.numel(), 4, self.world)
+        return super().exchange_bytes()
+
     # ------------------------------------------------------------------ stepping
     def start(self, grads, lrs, step):
         comm = self._begin(grads, step)
@@ -225,6 +230,9 @@ class NoReplication(Replicator):
     """
 
     name = "none"
+
+    def payload_bytes(self) -> int:
+        return 0
 
     def replicate(self, grads, lrs, step, communicate):
         self.agreement.check_local(nonfinite_flag(grads, self.device), step)

@@ -20,7 +20,7 @@ import math
 
 import torch
 
-from ..comm import all_reduce_sum
+from ..comm import all_reduce_bytes, all_reduce_sum
 from .base import Agreement, Replicator, nonfinite_flag
 from .full import FlatLayout
 
@@ -50,6 +50,7 @@ class _SubsetReplicator(Replicator):
         self.momentum = FlatLayout(flat_shapes, self.device)  # the momenta, end to end
         self.buffers = self.momentum.views  # one 1-D view per parameter
         self.work = FlatLayout(self._shapes, self.device)  # gradients in, outputs out
+        self._work_1d = [v.view(-1) for v in self.work.views]
         self._total = sum(self.counts)
         self._bucket = torch.zeros(self._total + Agreement.trailer_size(self.world),
                                    dtype=torch.float32, device=self.device)
@@ -84,6 +85,9 @@ class _SubsetReplicator(Replicator):
     def payload_bytes(self) -> int:
         return self._bucket.numel() * 4
 
+    def exchange_bytes(self) -> int:
+        return all_reduce_bytes(self._bucket.numel(), 4, self.world)
+
     def _selected(self, grads) -> torch.Tensor | None:
         """Positions (in the payload) of the entries of parameters that have a gradient;
         None when all have one. Built once per pattern of missing gradients."""
@@ -101,7 +105,7 @@ class _SubsetReplicator(Replicator):
         if not present:
             return
         bufs = [self.buffers[i] for i in present]
-        grads = [self.work.views[i].view(-1) for i in present]
+        grads = [self._work_1d[i] for i in present]
         torch._foreach_mul_(bufs, decay)
         scales: dict[float, list[int]] = {}
         for j, i in enumerate(present):

@@ -15,6 +15,7 @@ NONFINITE_CASES = {
     "full": ("full", {}, 3, 6),
     "full-int8": ("full", {"values": "int8", "block": 32}, 3, 6),
     "full-every2": ("full", {"replicate_every": 2}, 3, 6),  # step 3 exchanges nothing
+    "demo-every2": ("demo", {"topk": 4, "chunk": 8, "replicate_every": 2}, 3, 6),
     "random": ("random", {"rate": 0.25}, 3, 6),
     "striding": ("striding", {"rate": 0.25}, 3, 6),
     "slicing": ("slicing", {"rate": 0.25}, 3, 6),

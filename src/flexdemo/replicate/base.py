@@ -156,7 +156,8 @@ class Agreement:
         """Zero the trailer and write this rank's slots (the group's sum holds everyone's)."""
         trailer.zero_()
         trailer[self.rank: self.rank + 1].copy_(flag)
-        trailer[self.world + self.rank] = float(code)
+        slot = self.world + self.rank
+        trailer[slot: slot + 1].fill_(float(code))  # a fill: no host-to-device copy
 
     def read_trailer(self, trailer: torch.Tensor, code: int, step: int,
                      extra: torch.Tensor | None = None) -> list:
@@ -184,11 +185,12 @@ def write_header(buf: torch.Tensor, step: int, bad: bool | torch.Tensor, code: i
 
     ``bad`` may be a device tensor (no host synchronisation)."""
     head = buf[:HEADER_BYTES].view(torch.int64)
+    for i, v in ((0, MAGIC), (1, step), (3, code)):  # fills: no host-to-device copy
+        head[i].fill_(v)
     if isinstance(bad, torch.Tensor):
-        head.copy_(torch.tensor([MAGIC, step, 0, code], dtype=torch.int64))
         head[2:3].copy_(bad.reshape(1))
     else:
-        head.copy_(torch.tensor([MAGIC, step, int(bad), code], dtype=torch.int64))
+        head[2].fill_(int(bad))
 
 
 def header_problems(heads: list[list[int]], step: int) -> list[str | None]:
@@ -304,7 +306,8 @@ class Replicator(ABC):
         try:
             return self.replicate(grads, lrs, step, comm)
         except NonFiniteGradientError as e:
-            self._withhold(e, step, comm)
+            if self._withhold(step, comm):
+                raise NonFiniteGradientError(self.name, [self.rank], step, local=True) from e
             raise
 
     def _begin(self, grads: list[torch.Tensor | None], step: int) -> bool:
@@ -323,15 +326,15 @@ class Replicator(ABC):
                 self._withheld = None
         return comm
 
-    def _withhold(self, e: NonFiniteGradientError, step: int, comm: bool) -> None:
-        """A non-finite input on a step without exchange, in a group of several: only this
-        rank knows. It skips the step alone; under ``nonfinite="raise"`` its next exchange
-        carries the flag so that every rank raises there."""
-        if comm or self.world <= 1 or e.ranks != [self.rank]:
-            return
-        e.local = True
+    def _withhold(self, step: int, comm: bool) -> bool:
+        """After a non-finite input: whether only this rank knows of it (a step without
+        exchange in a group of several). Then it skips the step alone, and under
+        ``nonfinite="raise"`` its next exchange carries the flag so every rank raises there."""
+        if comm or self.world <= 1:
+            return False
         if self.nonfinite == "raise" and self._withheld is None:
             self._withheld = step
+        return True
 
     @abstractmethod
     def replicate(self, grads: list[torch.Tensor | None], lrs: list[float], step: int,

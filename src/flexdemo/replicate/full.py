@@ -132,7 +132,8 @@ class FullReplicator(Replicator):
         try:
             return self._start(grads, step, comm)
         except NonFiniteGradientError as e:
-            self._withhold(e, step, comm)
+            if self._withhold(step, comm):
+                raise NonFiniteGradientError(self.name, [self.rank], step, local=True) from e
             raise
 
     def finish(self, pending):
@@ -238,5 +239,6 @@ class NoReplication(Replicator):
         self.agreement.check_local(nonfinite_flag(grads, self.device), step)
         return grads
 
-    def _withhold(self, e, step, comm) -> None:
+    def _withhold(self, step: int, comm: bool) -> bool:
         """No exchange will ever carry the flag: the error stays this replica's own."""
+        return False

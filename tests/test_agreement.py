@@ -93,3 +93,64 @@ def test_bad_quantised_payload_is_dropped_on_every_rank(corrupt, case):
     assert r0["caught"] is None and r1["caught"] is None
     assert r0["dropped"] == r1["dropped"] == 1
     assert r0["finite"] and r1["finite"] and _same(r0["shards"], r1["shards"])
+
+
+# ---------------------------------------------------------------- the helpers, one process
+def test_nonfinite_flag_finds_nan_and_inf_but_not_large_values():
+    from flexdemo.replicate.base import nonfinite_flag
+
+    big = torch.full((1000,), 3e38)  # finite; its sum overflows
+    assert not bool(nonfinite_flag([big, None, torch.zeros(0), torch.ones(3, 4)]))
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        t = torch.ones(5, 7, dtype=torch.bfloat16)
+        t[2, 3] = bad
+        assert bool(nonfinite_flag([torch.ones(3), t]))
+    assert not bool(nonfinite_flag([None]))
+
+
+def test_trailer_and_header_carry_flag_and_code():
+    from flexdemo.replicate.base import (
+        HEADER_BYTES,
+        Agreement,
+        NonFiniteGradientError,
+        check_headers,
+        write_header,
+    )
+
+    grads = [torch.ones(3), None, torch.ones(2)]
+    rows = []
+    for rank in range(3):  # what each of 3 ranks writes; their sum is what all-reduce gives
+        a = Agreement("x", rank, 3, torch.device("cpu"))
+        flag, code = a.local([torch.full((2,), float("nan")) if rank == 2 else grads[0]],
+                             grads)
+        trailer = torch.zeros(Agreement.trailer_size(3))
+        a.write_trailer(trailer, flag, code)
+        rows.append(trailer)
+    with pytest.raises(NonFiniteGradientError, match=r"rank\(s\) \[2\]") as e:
+        a.read_trailer(sum(rows), code, step=5)
+    assert e.value.ranks == [2] and e.value.step == 5
+    buf = torch.zeros(2, HEADER_BYTES, dtype=torch.uint8)
+    write_header(buf[0], 7, torch.tensor(False), code)
+    write_header(buf[1], 7, False, code ^ 1)  # disagrees on the parameters in use
+    with pytest.raises(RuntimeError, match="disagree on which parameters"):
+        check_headers("x", buf, 7, code)
+    with pytest.raises(RuntimeError, match="malformed payload from rank 0"):
+        check_headers("x", buf, 8, code)
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp16", "int8", "int4"])
+def test_codec_decodes_rows_at_once(fmt):
+    from flexdemo.compress.quant import ValueCodec
+
+    codec = ValueCodec(fmt, 16)
+    n = 37
+    width = codec.nbytes(n) + 5
+    width += -width % 8  # padded and 8-byte aligned rows, like gathered buckets
+    rows = torch.zeros(3, width, dtype=torch.uint8)
+    xs = [torch.randn(n, generator=torch.Generator().manual_seed(r)) for r in range(3)]
+    for r, x in enumerate(xs):
+        codec.encode(x, rows[r])
+    both = codec.decode(rows, n)
+    assert both.shape == (3, n)
+    for r in range(3):
+        assert torch.equal(both[r], codec.decode(rows[r], n))

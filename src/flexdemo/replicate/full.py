@@ -10,6 +10,7 @@ from ..comm import all_gather, all_reduce_bytes, all_reduce_sum
 from ..compress.quant import ValueCodec
 from .base import (
     HEADER_BYTES,
+    MAGIC,
     Agreement,
     CorruptPayloadError,
     NonFiniteGradientError,
@@ -175,14 +176,23 @@ class FullReplicator(Replicator):
 
     def _mean_of_payloads(self, gathered: torch.Tensor, flat: torch.Tensor, step: int,
                           code: int) -> None:
-        """Check the gathered payloads (one host read) and write their mean into ``flat``."""
+        """Check the gathered payloads and write their mean into ``flat``, with one host read.
+
+        Peers are decoded one at a time (memory of one payload, whatever the group size) and
+        summed in rank order, each masked by its verdict (header and finite values) computed
+        on the device; the verdicts are read once at the end, and a bad peer raises or is
+        left out (the mean then divides by the peers kept)."""
         n = gathered.shape[0]
-        decoded = self.codec.decode(gathered[:, HEADER_BYTES:], self._total)  # (n, total)
         heads = gathered[:, :HEADER_BYTES].view(torch.int64)  # (n, 4)
-        finite = torch.isfinite(decoded).all(dim=1)
-        values = torch.cat([heads.reshape(-1), finite.to(torch.int64)]).tolist()
-        heads_l = [values[4 * r: 4 * r + 4] for r in range(n)]
-        finite_l = values[4 * n:]
+        keep = (heads[:, 0] == MAGIC) & (heads[:, 1] == step)
+        finite = torch.empty(n, dtype=torch.bool, device=flat.device)
+        flat.zero_()
+        for r in range(n):  # rank order: every replica sums alike
+            values = self.codec.decode(gathered[r, HEADER_BYTES:], self._total)
+            torch.all(torch.isfinite(values), out=finite[r])
+            flat.add_(torch.where(keep[r] & finite[r], values, 0.0))
+        read = torch.cat([heads.reshape(-1), finite.to(torch.int64)]).tolist()
+        heads_l = [read[4 * r: 4 * r + 4] for r in range(n)]
         problems = header_problems(heads_l, step)
         peers = [r for r in range(n) if problems[r] is None]
         for r in range(n):
@@ -190,17 +200,12 @@ class FullReplicator(Replicator):
                 self._bad_peer(r, step, problems[r])
         check_flags(self.name, [heads_l[r][2] if r in peers else 0 for r in range(n)],
                     [heads_l[r][3] if r in peers else code for r in range(n)], code, step)
-        good = []
+        good = [r for r in peers if read[4 * n + r]]
         for r in peers:
-            if finite_l[r]:
-                good.append(r)
-            else:
+            if r not in good:
                 hint = " (fp16 overflows beyond 65504: use values='bf16')" \
                     if self.values == "fp16" else ""
                 self._bad_peer(r, step, f"non-finite value{hint}")
-        flat.zero_()
-        for r in good:  # rank order: every replica sums alike
-            flat.add_(decoded[r])
         if good:
             flat.div_(len(good))
 

@@ -99,3 +99,34 @@ def corrupt_worker(rank: int, world: int) -> dict:
                                  "finite": all(bool(torch.isfinite(t).all())
                                                for t in shards(model))}
     return out
+
+
+def diloco_checkpoint_worker(rank: int, world: int) -> dict:
+    """A sync that will fail is in flight when the state is saved (tau=1): a resumed twin
+    fails it at the same step as the original."""
+    kw = {"inner_steps": 4, "fragments": 2, "tau": 1}
+    out = {}
+    for who in ("original", "resumed"):
+        model, opt = flexdemo.prepare(fresh_model(), "diloco", optimizer="sgd", lr=0.05,
+                                      replicate=2, shard=1, replicator_kwargs=kw)
+        raised = []
+        for s in range(6):
+            x, y = batch(rank, s)
+            (model(x) - y).pow(2).mean().backward()
+            if rank == 1 and s == 3:  # fragment 1 is launched after step 3, applied after 4
+                model.out.weight.grad[0, 0] = float("nan")
+            try:
+                opt.step()
+            except NonFiniteGradientError as e:
+                raised.append((s, e.ranks))
+            opt.zero_grad()
+            if s == 3 and who == "resumed":  # save with the failing sync in flight, resume
+                state = opt.state_dict()
+                twin, opt = flexdemo.prepare(fresh_model(), "diloco", optimizer="sgd",
+                                             lr=0.05, replicate=2, shard=1,
+                                             replicator_kwargs=kw)
+                twin.load_state_dict(model.state_dict())
+                opt.load_state_dict(state)
+                model = twin
+        out[who] = {"raised": raised, "shards": shards(model)}
+    return out

@@ -154,3 +154,12 @@ def test_codec_decodes_rows_at_once(fmt):
     assert both.shape == (3, n)
     for r in range(3):
         assert torch.equal(both[r], codec.decode(rows[r], n))
+
+
+def test_diloco_failed_sync_in_flight_survives_a_checkpoint():
+    from agreement_workers import diloco_checkpoint_worker
+
+    results = run_world(diloco_checkpoint_worker, 2)
+    for res in results:
+        assert res["original"]["raised"] == res["resumed"]["raised"] == [(4, [1])]
+        assert _same(res["original"]["shards"], res["resumed"]["shards"])

@@ -86,8 +86,10 @@ def balanced_fragments(sizes: list[int], fragments: int) -> list[list[int]]:
 class _Sync:
     """One fragment's exchange in flight (or completed, when restored from a checkpoint)."""
 
-    def __init__(self, apply_at: int, handle=None, result=None) -> None:
+    def __init__(self, apply_at: int, handle=None, result=None,
+                 failed: list[int] | None = None) -> None:
         self.apply_at, self.handle, self.result = apply_at, handle, result
+        self.failed = failed  # ranks whose input was non-finite: the sync is dropped
 
 
 class DiLoCoReplicator(Replicator):
@@ -218,12 +220,17 @@ class DiLoCoReplicator(Replicator):
 
     def _result(self, p: int) -> list[torch.Tensor]:
         sync = self.pending[p]
+        if sync.failed is not None:
+            raise NonFiniteGradientError(self.exchanges[p].name, sync.failed, sync.apply_at)
         if sync.result is None:
             ex = self.exchanges[p]
             before = ex.stats.bytes_sent, ex.stats.bytes_received, ex.stats.seconds
             handle, sync.handle = sync.handle, None
             try:
                 sync.result = ex.finish(handle)
+            except NonFiniteGradientError as e:
+                sync.failed = e.ranks or []
+                raise
             finally:
                 self.stats.record(ex.stats.bytes_sent - before[0],
                                   ex.stats.bytes_received - before[1],
@@ -279,8 +286,12 @@ class DiLoCoReplicator(Replicator):
         sd = super().state_dict()
         pending = {}
         for p in sorted(self.pending):
-            pending[p] = {"apply_at": self.pending[p].apply_at,
-                          "result": [t.clone() for t in self._result(p)]}
+            sync = self.pending[p]
+            try:  # a sync in flight is completed and stored (or stored as failed)
+                pending[p] = {"apply_at": sync.apply_at,
+                              "result": [t.clone() for t in self._result(p)]}
+            except NonFiniteGradientError:
+                pending[p] = {"apply_at": sync.apply_at, "failed": sync.failed}
         sd.update({
             "global": [g.clone() for g in self.global_params],
             "outer": self.outer.state_dict(),
@@ -305,6 +316,7 @@ class DiLoCoReplicator(Replicator):
         for ex, s in zip(self.exchanges, state["exchanges"]):
             ex.load_state_dict(s)
         self.syncs = list(state["syncs"])
-        self.pending = {int(p): _Sync(int(v["apply_at"]),
-                                      result=[t.to(self.device) for t in v["result"]])
-                        for p, v in state["pending"].items()}
+        self.pending = {
+            int(p): _Sync(int(v["apply_at"]), failed=v["failed"]) if "failed" in v else
+            _Sync(int(v["apply_at"]), result=[t.to(self.device) for t in v["result"]])
+            for p, v in state["pending"].items()}

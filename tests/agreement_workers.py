@@ -130,3 +130,30 @@ def diloco_checkpoint_worker(rank: int, world: int) -> dict:
                 model = twin
         out[who] = {"raised": raised, "shards": shards(model)}
     return out
+
+
+def chain_worker(rank: int, world: int) -> dict:
+    """DeMo within pairs {0,1}, {2,3}, then Full across all four; a NaN on rank 1 must reach
+    ranks 2 and 3 in the same step (through Full's exchange)."""
+    import torch.distributed as dist
+
+    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    out = {}
+    for policy in ("raise", "skip"):
+        chain = [flexdemo.DeMoReplicator(topk=4, chunk=8, group=pairs[rank // 2]),
+                 flexdemo.FullReplicator(group=dist.group.WORLD)]
+        model, opt = flexdemo.prepare(fresh_model(), chain, lr=0.05, replicate=4, shard=1,
+                                      nonfinite=policy)
+        raised = []
+        for s in range(4):
+            x, y = batch(rank, s)
+            (model(x) - y).pow(2).mean().backward()
+            if rank == 1 and s == 2:
+                model.out.weight.grad[0, 0] = float("nan")
+            try:
+                opt.step()
+            except NonFiniteGradientError:
+                raised.append(s)
+            opt.zero_grad()
+        out[policy] = {"raised": raised, "skipped": opt.skipped_steps, "shards": shards(model)}
+    return out

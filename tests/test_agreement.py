@@ -163,3 +163,16 @@ def test_diloco_failed_sync_in_flight_survives_a_checkpoint():
     for res in results:
         assert res["original"]["raised"] == res["resumed"]["raised"] == [(4, [1])]
         assert _same(res["original"]["shards"], res["resumed"]["shards"])
+
+
+def test_a_chain_agrees_across_all_its_groups():
+    """DeMo in pairs then Full over 4 ranks: the pair {2, 3} learns of rank 1's NaN through
+    Full's exchange in the same step (before, ranks 2 and 3 waited in Full's all-reduce)."""
+    from agreement_workers import chain_worker
+
+    results = run_world(chain_worker, 4)
+    for res in results:
+        assert res["raise"]["raised"] == [2]
+        assert res["skip"]["raised"] == [] and res["skip"]["skipped"] == 1
+    for res in results[1:]:
+        assert _same(results[0]["skip"]["shards"], res["skip"]["shards"])

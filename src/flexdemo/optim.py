@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 
 from .replicate import NonFiniteGradientError, Replicator, make_replicator
+from .replicate.base import mark_nonfinite
 
 BASE_OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {
     "sgd": torch.optim.SGD,
@@ -141,16 +142,24 @@ class DeToNATION(torch.optim.Optimizer):
         if len(grads) != len(self._params):
             raise RuntimeError("parameters were added after construction; build a new optimizer")
         data = list(grads)
-        skipped = False
-        try:
-            for rep in self.replicators:
+        errors = []
+        for rep in self.replicators:
+            try:
                 data = rep(data, lrs, self.steps)
-        except NonFiniteGradientError as e:
-            # e.local: only this rank knows (a step without exchange): it skips alone, and
-            # under "raise" its next exchange tells every rank (see replicate.base)
-            if self.nonfinite == "raise" and not e.local:
-                raise
-            skipped = True
+            except NonFiniteGradientError as e:
+                # the rest of the chain still runs, its inputs marked non-finite, so that the
+                # groups of later replicators learn of it in this step too (no rank waits)
+                errors.append(e)
+                mark_nonfinite(data)
+        agreed = [e for e in errors if not e.local]
+        if agreed:  # every rank of the chain's groups knows: nothing is left to report later
+            for rep in self.replicators:
+                rep._withheld = None
+            if self.nonfinite == "raise":
+                raise agreed[0]
+        # e.local alone: only this rank knows (a step without exchange): it skips alone, and
+        # under "raise" its next exchange tells every rank (see replicate.base)
+        skipped = bool(errors)
         if not skipped:
             for g, out in zip(grads, data):
                 if g is not None and out is not g:

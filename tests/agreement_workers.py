@@ -157,3 +157,29 @@ def chain_worker(rank: int, world: int) -> dict:
             opt.zero_grad()
         out[policy] = {"raised": raised, "skipped": opt.skipped_steps, "shards": shards(model)}
     return out
+
+
+def sharded_worker(rank: int, world: int) -> dict:
+    """2 replicas x 2 FSDP shards: a NaN in rank 1's shard must reach ranks 0 and 2 too."""
+    out = {}
+    for name, kw in (("demo", {"topk": 4, "chunk": 8}), ("full", {}),
+                     ("diloco", {"inner_steps": 3})):
+        for policy in ("raise", "skip"):
+            model, opt = flexdemo.prepare(fresh_model(), name, optimizer="sgd", lr=0.05,
+                                          replicate=2, shard=2, nonfinite=policy,
+                                          replicator_kwargs=kw)
+            raised = []
+            for s in range(6):
+                x, y = batch(rank // 2, s)  # the two shards of a replica see the same data
+                (model(x) - y).pow(2).mean().backward()
+                if rank == 1 and s == 3:
+                    grad = opt.param_groups[0]["params"][-1].grad
+                    grad._local_tensor.view(-1)[0] = float("nan")
+                try:
+                    opt.step()
+                except NonFiniteGradientError:
+                    raised.append(s)
+                opt.zero_grad()
+            out[name, policy] = {"raised": raised, "skipped": opt.skipped_steps,
+                                 "shards": shards(model), "coord": opt.mesh.get_coordinate()}
+    return out

@@ -176,3 +176,21 @@ def test_a_chain_agrees_across_all_its_groups():
         assert res["skip"]["raised"] == [] and res["skip"]["skipped"] == 1
     for res in results[1:]:
         assert _same(results[0]["skip"]["shards"], res["skip"]["shards"])
+
+
+def test_the_other_shards_of_a_replica_agree_too():
+    """With FSDP shards, only the ranks holding the bad shard see the NaN; one tiny
+    all-reduce over the shard group tells the others, so all four ranks act alike."""
+    from agreement_workers import sharded_worker
+
+    results = run_world(sharded_worker, 4)
+    for name, step in (("demo", 3), ("full", 3), ("diloco", 5)):
+        assert [res[name, "raise"]["raised"] for res in results] == [[step]] * 4, name
+        skipped = [res[name, "skip"]["skipped"] for res in results]
+        # DiLoCo's inner steps are local: both shards of rank 1's replica skip, the other
+        # replica trains on (the sync after step 5 makes them identical again)
+        assert skipped == ([1, 1, 0, 0] if name == "diloco" else [1] * 4), name
+        for shard in (0, 1):  # replicas of each shard stay identical
+            a, b = (res[name, "skip"]["shards"] for res in results
+                    if res[name, "skip"]["coord"][1] == shard)
+            assert _same(a, b), (name, shard)

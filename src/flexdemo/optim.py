@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 from .replicate import NonFiniteGradientError, Replicator, make_replicator
-from .replicate.base import mark_nonfinite
+from .replicate.base import mark_nonfinite, nonfinite_flag
 
 BASE_OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {
     "sgd": torch.optim.SGD,
@@ -57,6 +57,19 @@ def check_group_on_mesh(rep: Replicator, mesh) -> None:
             f"hold another shard than rank {me} (shard index {coords[me][1]}). A replication "
             "group must join ranks along the mesh's 'replicate' dimension, e.g. "
             "mesh['replicate'].get_group()")
+
+
+def share_nonfinite(grads: list, group, device: torch.device) -> None:
+    """Mark every shard of a replica non-finite when one is: one tiny all-reduce over the
+    (fast, intra-node) shard group, marked in-band on the device without a host read, so that
+    each replication group's own agreement then reports it on every rank in this step."""
+    flag = nonfinite_flag(grads, device).to(torch.float32).reshape(1)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+    for g in grads:
+        if g is not None and g.numel():
+            part = g.view(-1)[:1] if g.is_contiguous() else g
+            part.copy_(torch.where(flag > 0, float("nan"), part))
+            return
 
 
 class DeToNATION(torch.optim.Optimizer):
@@ -126,6 +139,9 @@ class DeToNATION(torch.optim.Optimizer):
             r.setup(shapes, device, group, params=locals_, nonfinite=nonfinite)
             if mesh is not None:
                 check_group_on_mesh(r, mesh)
+        # the other shards of this replica must learn of a non-finite gradient too
+        self._shard_group = (mesh["shard"].get_group()
+                             if mesh is not None and mesh["shard"].size() > 1 else None)
 
     # ------------------------------------------------------------------ stepping
     @torch.no_grad()
@@ -142,6 +158,8 @@ class DeToNATION(torch.optim.Optimizer):
         if len(grads) != len(self._params):
             raise RuntimeError("parameters were added after construction; build a new optimizer")
         data = list(grads)
+        if self._shard_group is not None:
+            share_nonfinite(data, self._shard_group, _local(self._params[0]).device)
         errors = []
         for rep in self.replicators:
             try:

@@ -125,11 +125,12 @@ def global_rank_of(group, r: int) -> int:
 class Agreement:
     """One rank's non-finite flag and presence code, carried by an exchange and checked.
 
-    Use per step: :meth:`local` (flag on the device, presence code), then one of
-    :meth:`write_trailer` (all-reduce buckets) or :func:`write_header` (gathered payloads),
-    then after the exchange :meth:`read_trailer` / :meth:`read_headers`, which read the
-    device once and raise on every rank alike. On a step without exchange, :meth:`check_local`
-    reads the flag once.
+    Use per step: :meth:`local` (flag on the device, presence code), then
+    :meth:`write_trailer` (all-reduce buckets) or :func:`write_header` (gathered payloads).
+    After the exchange, :meth:`read_trailer` reads the device once and raises on every rank
+    alike; gathered headers are read in the same host read as the payload checks and judged
+    by :func:`header_problems` and :func:`check_flags` (see ``FullReplicator``). On a step
+    without exchange, :meth:`check_local` reads the flag once.
     """
 
     def __init__(self, name: str, rank: int, world: int, device: torch.device) -> None:
@@ -159,15 +160,11 @@ class Agreement:
         slot = self.world + self.rank
         trailer[slot: slot + 1].fill_(float(code))  # a fill: no host-to-device copy
 
-    def read_trailer(self, trailer: torch.Tensor, code: int, step: int,
-                     extra: torch.Tensor | None = None) -> list:
-        """Check a summed trailer (one host read, with ``extra`` values read along); returns
-        the extra values as a list."""
+    def read_trailer(self, trailer: torch.Tensor, code: int, step: int) -> None:
+        """Check a summed trailer (one host read); raise on every rank alike."""
         n = self.world
-        t = trailer if extra is None else torch.cat([trailer.float(), extra.float()])
-        values = t.tolist()
+        values = trailer.tolist()
         check_flags(self.name, values[:n], values[n: 2 * n], code, step)
-        return values[2 * n:]
 
     def check_local(self, flag: torch.Tensor, step: int, *, local: bool = False) -> None:
         """Raise if this rank's own flag is set (one host read); ``local`` marks an error

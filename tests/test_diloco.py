@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from flexdemo import DeToNATION, DiLoCoReplicator, FullReplicator
+from flexdemo import DeToNATION, DiLoCoReplicator, FullReplicator, NonFiniteGradientError
 from flexdemo.compress.quant import FORMATS, ValueCodec
 from flexdemo.replicate.base import HEADER_BYTES
 from flexdemo.replicate.diloco import balanced_fragments
@@ -163,3 +163,32 @@ def test_offload_keeps_global_on_cpu_and_same_result():
         assert all(g.device.type == "cpu" for g in rep.global_params)
         results.append([p.detach().clone() for p in m.parameters()])
     assert all(torch.equal(a, b) for a, b in zip(*results))
+
+
+def test_full_settings_and_group_of_one():
+    with pytest.raises(ValueError, match="on_bad_peer must be 'raise' or 'drop'"):
+        FullReplicator(values="int8", on_bad_peer="ignore")
+    rep = FullReplicator(values="int4", block=32, on_bad_peer="drop")
+    rep.setup([torch.Size([10, 7]), torch.Size([33])], torch.device("cpu"), None)
+    assert rep.exchange_bytes() == 0 and rep.payload_bytes() > 0  # a group of one sends nothing
+    assert rep.state_dict()["dropped_payloads"] == 0
+
+
+def test_diloco_nonfinite_in_a_group_of_one():
+    """Alone, a NaN inner step raises at once (raise) or is skipped (skip); a sync whose
+    pseudo-gradient is NaN is dropped and the replica restarts from the global parameters."""
+    for policy in ("raise", "skip"):
+        m = model()
+        opt = DeToNATION(m.parameters(), DiLoCoReplicator(inner_steps=2), base="sgd", lr=0.05,
+                         nonfinite=policy)
+        run(m, opt, 1)
+        m[0].weight.data[0, 0] = float("nan")  # every later gradient is NaN
+        x = torch.randn(4, 6)
+        m(x).sum().backward()
+        if policy == "raise":
+            with pytest.raises(NonFiniteGradientError, match="diloco: non-finite"):
+                opt.step()
+        else:
+            opt.step()  # step 1 ends with a sync: its NaN pseudo-gradient drops it
+            assert opt.skipped_steps == 1 and opt.steps == 2
+            assert bool(torch.isfinite(m[0].weight).all())  # restarted from global

@@ -10,7 +10,6 @@ from torch import nn
 
 from . import dcp as _dcp
 from .buffers import BUFFER_POLICIES, BufferSync
-from .comm import group_size
 from .replicate import (
     DeMoReplicator,
     FullReplicator,
@@ -21,6 +20,8 @@ from .replicate import (
     StridingReplicator,
     make_replicator,
 )
+from .replicate.base import mark_nonfinite, nonfinite_flag
+from .transport import group_size, transport_for
 
 BASE_OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {
     "sgd": torch.optim.SGD,
@@ -74,6 +75,19 @@ def check_group_on_mesh(rep: Replicator, mesh) -> None:
 # replicators whose outputs are equal on every replica of their group when they run every step
 _SYNCING = (DeMoReplicator, FullReplicator, RandomReplicator, StridingReplicator,
             SlicingReplicator)
+
+
+def share_nonfinite(grads: list, group, device: torch.device) -> None:
+    """Mark every shard of a replica non-finite when one is: one tiny all-reduce over the
+    (fast, intra-node) shard group, marked in-band on the device without a host read, so that
+    each replication group's own agreement then reports it on every rank in this step."""
+    flag = nonfinite_flag(grads, device).to(torch.float32).reshape(1)
+    transport_for(group).all_reduce_sum_(flag)  # > 0 when some shard's flag is set
+    for g in grads:
+        if g is not None and g.numel():
+            part = g.view(-1)[:1] if g.is_contiguous() else g
+            part.copy_(torch.where(flag > 0, float("nan"), part))
+            return
 
 
 class DeToNATION(torch.optim.Optimizer):
@@ -145,9 +159,12 @@ class DeToNATION(torch.optim.Optimizer):
         locals_ = [_local(p) for p in self._params]
         shapes = [t.shape for t in locals_]
         for r in self.replicators:
-            r.setup(shapes, device, group, params=locals_)
+            r.setup(shapes, device, group, params=locals_, nonfinite=nonfinite)
             if mesh is not None:
                 check_group_on_mesh(r, mesh)
+        # the other shards of this replica must learn of a non-finite gradient too
+        self._shard_group = (mesh["shard"].get_group()
+                             if mesh is not None and mesh["shard"].size() > 1 else None)
 
     # ------------------------------------------------------------------ stepping
     @torch.no_grad()
@@ -164,27 +181,47 @@ class DeToNATION(torch.optim.Optimizer):
         if len(grads) != len(self._params):
             raise RuntimeError("parameters were added after construction; build a new optimizer")
         data = list(grads)
-        try:
-            for rep in self.replicators:
+        if self._shard_group is not None:
+            share_nonfinite(data, self._shard_group, _local(self._params[0]).device)
+        errors = []
+        for rep in self.replicators:
+            try:
                 data = rep(data, lrs, self.steps)
+            except NonFiniteGradientError as e:
+                # the rest of the chain still runs, its inputs marked non-finite, so that the
+                # groups of later replicators learn of it in this step too (no rank waits)
+                errors.append(e)
+                mark_nonfinite(data)
+        agreed = [e for e in errors if not e.local]
+        if agreed:  # every rank of the chain's groups knows: nothing is left to report later
+            for rep in self.replicators:
+                rep._withheld = None
+            if self.nonfinite == "raise":
+                raise agreed[0]
+        # e.local alone: only this rank knows (a step without exchange): it skips alone, and
+        # under "raise" its next exchange tells every rank (see replicate.base)
+        skipped = bool(errors)
+        if not skipped:
+            for g, out in zip(grads, data):
+                if g is not None and out is not g:
+                    g.copy_(out)
+            for group in self.param_groups:
+                wd = group.get("flexdemo_weight_decay", 0.0)
+                if wd:
+                    ps = [_local(p) for p in group["params"] if p.grad is not None]
+                    if ps:
+                        torch._foreach_mul_(ps, 1.0 - group["lr"] * wd)
+            self.base.step()
+        try:  # also after a skipped step: syncs (DiLoCo) follow the step count on every rank
+            for rep in self.replicators:
+                rep.after_step(self.steps)
         except NonFiniteGradientError:
             if self.nonfinite == "raise":
+                self.steps += 1
                 raise
-            self.skipped_steps += 1
-            self.steps += 1
-            return loss
-        for g, out in zip(grads, data):
-            if g is not None and out is not g:
-                g.copy_(out)
-        for group in self.param_groups:
-            wd = group.get("flexdemo_weight_decay", 0.0)
-            if wd:
-                ps = [_local(p) for p in group["params"] if p.grad is not None]
-                if ps:
-                    torch._foreach_mul_(ps, 1.0 - group["lr"] * wd)
-        self.base.step()
-        for rep in self.replicators:
-            rep.after_step(self.steps)
+            skipped = True
+        self.skipped_steps += skipped
+        # on every rank alike (a skipped step too), so the buffers' collective always pairs up
         if self.buffer_policy == "mean" and (self._buffers_every_step or any(
                 r.stats.last_collectives for r in self.replicators)):
             self.buffer_sync()

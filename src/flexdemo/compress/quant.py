@@ -47,7 +47,7 @@ class ValueCodec:
         """Write the encoding of the flat fp32 ``x`` into the uint8 tensor ``out``."""
         n = x.numel()
         if self.fmt in _FLOAT:
-            out.view(_FLOAT[self.fmt]).copy_(x)
+            out[: self.nbytes(n)].view(_FLOAT[self.fmt]).copy_(x)  # out may hold padding
             return
         blocks = math.ceil(n / self.block)
         padded = torch.zeros(blocks * self.block, dtype=torch.float32, device=x.device)
@@ -70,21 +70,26 @@ class ValueCodec:
             body.copy_(u[0::2] | (u[1::2] << 4))
 
     def decode(self, data: torch.Tensor, n: int) -> torch.Tensor:
-        """The fp32 values (``n`` of them) encoded in the uint8 tensor ``data``."""
+        """The fp32 values (``n`` of them) encoded in the uint8 tensor ``data``.
+
+        ``data`` may have leading dimensions (e.g. one row per rank of a gathered exchange):
+        every row is decoded at once and the result has shape ``(*leading, n)``."""
+        lead = data.shape[:-1]
         if self.fmt in _FLOAT:
-            return data[: self.nbytes(n)].view(_FLOAT[self.fmt]).float()
+            return data[..., : self.nbytes(n)].view(_FLOAT[self.fmt]).float()
         blocks = math.ceil(n / self.block)
         ncodes = n if self.fmt == "int8" else math.ceil(n / 2)
-        scale = data[: 4 * blocks].view(torch.float32)
-        body = data[4 * blocks: 4 * blocks + ncodes]
+        scale = data[..., : 4 * blocks].view(torch.float32)
+        body = data[..., 4 * blocks: 4 * blocks + ncodes]
         if self.fmt == "int8":
             codes = body.view(torch.int8).float()
         else:
-            u = torch.stack([body & 0xF, body >> 4], dim=1).view(-1)[:n]
-            codes = u.float() - 8.0
-        full = torch.zeros(blocks * self.block, dtype=torch.float32, device=data.device)
-        full[:n] = codes
-        return (full.view(blocks, self.block) * scale[:, None]).view(-1)[:n]
+            u = torch.stack([body & 0xF, body >> 4], dim=-1).reshape(*lead, 2 * ncodes)
+            codes = u[..., :n].float() - 8.0
+        full = torch.zeros(*lead, blocks * self.block, dtype=torch.float32, device=data.device)
+        full[..., :n] = codes
+        out = full.view(*lead, blocks, self.block) * scale[..., None]
+        return out.view(*lead, blocks * self.block)[..., :n]
 
     def max_error(self, x: torch.Tensor) -> torch.Tensor:
         """The documented bound on ``|x - decode(encode(x))|`` per value of ``x``."""

@@ -3,7 +3,7 @@
 from collections.abc import Callable
 from functools import partial
 
-from .base import NonFiniteGradientError, Replicator
+from .base import Agreement, CorruptPayloadError, NonFiniteGradientError, Replicator
 from .demo import PRESETS as DEMO_PRESETS
 from .demo import DeMoReplicator
 from .diloco import DiLoCoReplicator
@@ -40,7 +40,7 @@ def make_replicator(spec, **kwargs) -> Replicator:
     raise TypeError(f"a replicator is a name or a Replicator instance, got {type(spec).__name__}")
 
 
-__all__ = ["DEMO_PRESETS", "REPLICATORS", "DeMoReplicator", "DiLoCoReplicator", "FullReplicator",
-           "NoReplication",
+__all__ = ["DEMO_PRESETS", "REPLICATORS", "Agreement", "CorruptPayloadError", "DeMoReplicator",
+           "DiLoCoReplicator", "FullReplicator", "NoReplication",
            "NonFiniteGradientError", "RandomReplicator", "Replicator", "SlicingReplicator",
            "StridingReplicator", "make_replicator"]

@@ -8,35 +8,63 @@ replicator of a chain, or finally the base optimizer. On a step its schedule ski
 Schedules (steps count from 0): a replicator communicates on step ``t`` when
 ``t % replicate_every == 0`` and, if ``skip_every > 0``, ``(t + 1) % skip_every != 0``.
 
-Non-finite gradients: every exchange carries a flag per rank, so all replicas of a group learn
-at the same step that some input was NaN/Inf and raise :class:`NonFiniteGradientError` together
-(no rank is left waiting in a collective). A rank whose own input is non-finite leaves its
+**Agreement.** Every exchange carries each rank's non-finite flag and a code of which
+parameters received a gradient, so all replicas of a group learn in the same step that some
+input was NaN/Inf (and raise :class:`NonFiniteGradientError` together, or skip together) or
+that they disagree on the parameters in use. :class:`Agreement` is that one helper: it computes
+the flag on the device (no host synchronisation), writes flag and code into the payload — the
+trailer of an all-reduce bucket (``2 n`` values: rank ``r``'s flag at ``r``, its code at
+``n + r``) or the 32-byte header of a gathered payload (magic, step, flag, code) — and checks
+what came back with one host read per step. A rank whose own input is non-finite leaves its
 state untouched; the others undo what they removed from their error-feedback buffers.
+
+A non-finite input on a step that exchanges nothing (a local step of a schedule, DiLoCo's inner
+steps) cannot be told to the peers at once. The rank then skips that step on its own (the
+optimizer counts it in ``skipped_steps``); with ``nonfinite="raise"`` it also marks its input
+of the next exchange as non-finite, so that every rank raises there, in the same step.
 """
 
 from __future__ import annotations
 
+import math
 import zlib
 from abc import ABC, abstractmethod
 
 import torch
 import torch.distributed as dist
 
-from ..comm import CommStats, gather_into, group_rank, group_size
+from ..comm import CommStats, all_gather_bytes, gather_into, group_rank, group_size
 
 
 class NonFiniteGradientError(FloatingPointError):
-    """Raised on every replica of a group when some replica's input was NaN or Inf."""
+    """Raised on every replica of a group when some replica's input was NaN or Inf.
 
-    def __init__(self, replicator: str, ranks: list[int] | None, step: int) -> None:
+    ``local`` is True when only this rank knows of it (a step without exchange): the optimizer
+    then skips the step on this rank and the flag travels with the next exchange.
+    """
+
+    def __init__(self, replicator: str, ranks: list[int] | None, step: int, *,
+                 local: bool = False, note: str = "") -> None:
         who = f"rank(s) {ranks} of the group" if ranks else "at least one replica"
         super().__init__(
-            f"{replicator}: non-finite gradient (NaN or Inf) on {who} at step {step}; "
-            "lower the learning rate, clip gradients, or construct the optimizer with "
+            f"{replicator}: non-finite gradient (NaN or Inf) on {who} at step {step}"
+            f"{note}; lower the learning rate, clip gradients, or construct the optimizer with "
             "nonfinite='skip' to skip such steps on all replicas"
         )
         self.ranks = ranks
         self.step = step
+        self.local = local
+
+
+class CorruptPayloadError(RuntimeError):
+    """A peer sent a payload that does not decode to a valid update."""
+
+    def __init__(self, name: str, rank: int, global_rank: int, step: int, reason: str) -> None:
+        super().__init__(
+            f"{name}: corrupt payload from rank {global_rank} (rank {rank} of the group) at "
+            f"step {step}: {reason}. A faulty peer or a version mismatch; construct the "
+            "replicator with on_bad_peer='drop' to leave such payloads out")
+        self.rank, self.global_rank, self.step, self.reason = rank, global_rank, step, reason
 
 
 def _check_schedule(replicate_every: int, skip_every: int) -> None:
@@ -49,24 +77,158 @@ def _check_schedule(replicate_every: int, skip_every: int) -> None:
         )
 
 
-def all_finite(tensors: list[torch.Tensor]) -> bool:
-    """True when every tensor holds only finite values.
+def nonfinite_flag(tensors: list[torch.Tensor | None],
+                   device: torch.device | None = None) -> torch.Tensor:
+    """A 0-d bool tensor, True when some value of ``tensors`` is NaN or Inf.
 
-    Fast path: a sum is finite only if every summand is (NaN and Inf propagate); only when
-    some sum is not finite (a bad value, or an overflow of huge finite values) are the
-    tensors checked element by element.
+    Computed on the tensors' device without a host synchronisation and with a fixed number of
+    ops: the largest magnitude of every tensor at once (NaN and Inf propagate, finite values
+    cannot overflow), then one finiteness test.
     """
-    if not tensors:
-        return True
-    if bool(torch.isfinite(torch.stack([t.sum().float() for t in tensors])).all()):
-        return True
-    return all(bool(torch.isfinite(t).all()) for t in tensors)
+    ts = [t for t in tensors if t is not None and t.numel()]
+    if not ts:
+        return torch.zeros((), dtype=torch.bool, device=device)
+    peaks = torch._foreach_norm(ts, math.inf, dtype=torch.float32)
+    return ~torch.isfinite(torch.stack(peaks)).all()
+
+
+def all_finite(tensors: list[torch.Tensor]) -> bool:
+    """True when every tensor holds only finite values (one host read)."""
+    return not bool(nonfinite_flag(tensors))
 
 
 def presence_code(grads: list) -> int:
     """A 16-bit code of which parameters have a gradient (equal on replicas that agree)."""
     bits = bytes(0 if g is None else 1 for g in grads)
     return zlib.crc32(bits) & 0xFFFF
+
+
+def mark_nonfinite(tensors: list[torch.Tensor | None]) -> None:
+    """Write a NaN into the first non-empty tensor: the in-band non-finite flag of an input
+    whose own values are finite (a step withheld earlier must be reported)."""
+    for t in tensors:
+        if t is not None and t.numel():
+            if t.is_contiguous():
+                t.view(-1)[:1].fill_(float("nan"))
+            else:
+                t.fill_(float("nan"))
+            return
+
+
+def global_rank_of(group, r: int) -> int:
+    """The global rank of rank ``r`` of ``group`` (``r`` itself without a process group)."""
+    if dist.is_initialized() and group_size(group) > 1:
+        return dist.get_global_rank(group, r)
+    return r
+
+
+class Agreement:
+    """One rank's non-finite flag and presence code, carried by an exchange and checked.
+
+    Use per step: :meth:`local` (flag on the device, presence code), then
+    :meth:`write_trailer` (all-reduce buckets) or :func:`write_header` (gathered payloads).
+    After the exchange, :meth:`read_trailer` reads the device once and raises on every rank
+    alike; gathered headers are read in the same host read as the payload checks and judged
+    by :func:`header_problems` and :func:`check_flags` (see ``FullReplicator``). On a step
+    without exchange, :meth:`check_local` reads the flag once.
+    """
+
+    def __init__(self, name: str, rank: int, world: int, device: torch.device) -> None:
+        self.name, self.rank, self.world, self.device = name, rank, world, device
+        self._codes: dict[tuple, int] = {}
+
+    def local(self, tensors: list[torch.Tensor | None],
+              grads: list | None = None) -> tuple[torch.Tensor, int]:
+        """This rank's flag (0-d bool device tensor) for ``tensors`` and the presence code
+        of ``grads`` (default: ``tensors``)."""
+        grads = tensors if grads is None else grads
+        key = tuple(g is None for g in grads)
+        code = self._codes.get(key)
+        if code is None:
+            code = self._codes[key] = presence_code(grads)
+        return nonfinite_flag(tensors, self.device), code
+
+    @staticmethod
+    def trailer_size(world: int) -> int:
+        """Values of the all-reduce trailer: a flag and a code per rank."""
+        return 2 * world
+
+    def write_trailer(self, trailer: torch.Tensor, flag: torch.Tensor, code: int) -> None:
+        """Zero the trailer and write this rank's slots (the group's sum holds everyone's)."""
+        trailer.zero_()
+        trailer[self.rank: self.rank + 1].copy_(flag)
+        slot = self.world + self.rank
+        trailer[slot: slot + 1].fill_(float(code))  # a fill: no host-to-device copy
+
+    def read_trailer(self, trailer: torch.Tensor, code: int, step: int) -> None:
+        """Check a summed trailer (one host read); raise on every rank alike."""
+        n = self.world
+        values = trailer.tolist()
+        check_flags(self.name, values[:n], values[n: 2 * n], code, step)
+
+    def check_local(self, flag: torch.Tensor, step: int, *, local: bool = False) -> None:
+        """Raise if this rank's own flag is set (one host read); ``local`` marks an error
+        that only this rank knows of (see :class:`NonFiniteGradientError`)."""
+        if bool(flag):
+            raise NonFiniteGradientError(self.name, [self.rank], step, local=local)
+
+
+MAGIC = 0x0DE70001
+HEADER_BYTES = 32
+
+
+def write_header(buf: torch.Tensor, step: int, bad: bool | torch.Tensor, code: int) -> None:
+    """The 32-byte header of a gathered payload: magic, step, non-finite flag, presence.
+
+    ``bad`` may be a device tensor (no host synchronisation)."""
+    head = buf[:HEADER_BYTES].view(torch.int64)
+    for i, v in ((0, MAGIC), (1, step), (3, code)):  # fills: no host-to-device copy
+        head[i].fill_(v)
+    if isinstance(bad, torch.Tensor):
+        head[2:3].copy_(bad.reshape(1))
+    else:
+        head[2].fill_(int(bad))
+
+
+def header_problems(heads: list[list[int]], step: int) -> list[str | None]:
+    """Per rank: why its header ``(magic, step, flag, code)`` is malformed, or None."""
+    out: list[str | None] = []
+    for magic, st, _, _ in heads:
+        if magic != MAGIC:
+            out.append(f"bad magic/version {magic:#x} (expected {MAGIC:#x})")
+        elif st != step:
+            out.append(f"payload for step {st}")
+        else:
+            out.append(None)
+    return out
+
+
+def check_headers(name: str, gathered: torch.Tensor, step: int, code: int) -> None:
+    """Validate the headers of ``gathered`` payloads ``(ranks, bytes)``; raise on any problem."""
+    n = gathered.shape[0]
+    headers = gathered[:, :HEADER_BYTES].contiguous().view(torch.int64).view(n, 4).tolist()
+    for r, problem in enumerate(header_problems(headers, step)):
+        if problem is not None:
+            raise RuntimeError(
+                f"{name}: malformed payload from rank {r} of the group at step {step} "
+                f"({problem}); replicas must run the same flexdemo version and take steps "
+                "together")
+    check_flags(name, [h[2] for h in headers], [h[3] for h in headers], code, step)
+
+
+def check_flags(name: str, flags: list[float], present: list[float], code: int,
+                step: int) -> None:
+    """Raise if any replica flagged a non-finite input or disagrees on parameter presence."""
+    bad = [r for r, f in enumerate(flags) if f != 0]
+    if bad:
+        raise NonFiniteGradientError(name, bad, step)
+    odd = [r for r, c in enumerate(present) if int(c) != code]
+    if odd:
+        raise RuntimeError(
+            f"{name}: replicas disagree on which parameters received a gradient at step {step} "
+            f"(ranks {odd} of the group differ from this rank); every replica must run the "
+            "same model code so that the same parameters are used"
+        )
 
 
 class Replicator(ABC):
@@ -86,11 +248,12 @@ class Replicator(ABC):
     # ------------------------------------------------------------------ setup
     def setup(self, shapes: list[torch.Size], device: torch.device,
               default_group: dist.ProcessGroup | None,
-              params: list[torch.Tensor] | None = None) -> None:
+              params: list[torch.Tensor] | None = None, nonfinite: str = "raise") -> None:
         """Bind to the local parameter shapes; allocate state. Called once by the optimizer.
 
         ``params`` are the rank-local parameter tensors, for replicators that act on
-        parameters (DiLoCo) rather than only on gradients.
+        parameters (DiLoCo) rather than only on gradients. ``nonfinite`` is the optimizer's
+        policy (``"raise"`` or ``"skip"``).
         """
         if self.group is None:
             self.group = default_group
@@ -99,6 +262,9 @@ class Replicator(ABC):
         self.device = torch.device(device)
         self.world = group_size(self.group)
         self.rank = group_rank(self.group)
+        self.nonfinite = nonfinite
+        self.agreement = Agreement(self.name, self.rank, self.world, self.device)
+        self._withheld: int | None = None  # first step withheld since the last exchange
         self._check_group_shapes()
         self._setup_state()
 
@@ -133,6 +299,16 @@ class Replicator(ABC):
     # ------------------------------------------------------------------ running
     def __call__(self, grads: list[torch.Tensor | None], lrs: list[float],
                  step: int) -> list[torch.Tensor | None]:
+        comm = self._begin(grads, step)
+        try:
+            return self.replicate(grads, lrs, step, comm)
+        except NonFiniteGradientError as e:
+            if self._withhold(step, comm):
+                raise NonFiniteGradientError(self.name, [self.rank], step, local=True) from e
+            raise
+
+    def _begin(self, grads: list[torch.Tensor | None], step: int) -> bool:
+        """Checks and accounting at the start of a step; returns whether it exchanges."""
         if self._shapes is None:
             raise RuntimeError(f"{self.name} is not set up; use it through flexdemo's optimizer")
         if len(grads) != len(self._shapes):
@@ -140,10 +316,22 @@ class Replicator(ABC):
                              f"got {len(grads)}")
         self.stats.begin_step()
         comm = self.communicates(step) and self.world > 1
-        out = self.replicate(grads, lrs, step, comm)
         if comm:
             self.stats.steps_replicated += 1
-        return out
+            if self._withheld is not None:
+                mark_nonfinite(grads)
+                self._withheld = None
+        return comm
+
+    def _withhold(self, step: int, comm: bool) -> bool:
+        """After a non-finite input: whether only this rank knows of it (a step without
+        exchange in a group of several). Then it skips the step alone, and under
+        ``nonfinite="raise"`` its next exchange carries the flag so every rank raises there."""
+        if comm or self.world <= 1:
+            return False
+        if self.nonfinite == "raise" and self._withheld is None:
+            self._withheld = step
+        return True
 
     @abstractmethod
     def replicate(self, grads: list[torch.Tensor | None], lrs: list[float], step: int,
@@ -163,6 +351,15 @@ class Replicator(ABC):
         """Complete an exchange begun by :meth:`start`; returns the replicated tensors."""
         return pending
 
+    def exchange_bytes(self) -> int:
+        """Bytes this rank sends (and receives) in one exchange, by the ring formulas of
+        :mod:`flexdemo.comm`; the default is an all-gather of :meth:`payload_bytes`."""
+        return all_gather_bytes(self.payload_bytes(), self.world)
+
+    def payload_bytes(self) -> int:
+        """Bytes this rank contributes to one exchange."""
+        raise NotImplementedError(f"{self.name} does not state its payload size")
+
     def after_step(self, step: int) -> None:  # noqa: B027 - optional hook
         """Called by the optimizer after the base optimizer's step ``step`` (override)."""
 
@@ -181,40 +378,3 @@ class Replicator(ABC):
         extra = self.extra_repr()
         return f"{type(self).__name__}({extra + ', ' if extra else ''}{sched})"
 
-
-MAGIC = 0x0DE70001
-HEADER_BYTES = 32
-
-
-def write_header(buf: torch.Tensor, step: int, bad: bool, code: int) -> None:
-    """The 32-byte header of a gathered payload: magic, step, non-finite flag, presence."""
-    buf[:HEADER_BYTES].view(torch.int64).copy_(
-        torch.tensor([MAGIC, step, int(bad), code], dtype=torch.int64))
-
-
-def check_headers(name: str, gathered: torch.Tensor, step: int, code: int) -> None:
-    """Validate the headers of ``gathered`` payloads ``(ranks, bytes)``; raise on any problem."""
-    n = gathered.shape[0]
-    headers = gathered[:, :HEADER_BYTES].contiguous().view(torch.int64).view(n, 4).tolist()
-    for r, (magic, st, _, _) in enumerate(headers):
-        if magic != MAGIC or st != step:
-            raise RuntimeError(
-                f"{name}: malformed payload from rank {r} of the group at step {step} "
-                f"(magic {magic:#x}, step {st}); replicas must run the same flexdemo version "
-                "and take steps together")
-    check_flags(name, [h[2] for h in headers], [h[3] for h in headers], code, step)
-
-
-def check_flags(name: str, flags: list[float], present: list[float], code: int,
-                step: int) -> None:
-    """Raise if any replica flagged a non-finite input or disagrees on parameter presence."""
-    bad = [r for r, f in enumerate(flags) if f != 0]
-    if bad:
-        raise NonFiniteGradientError(name, bad, step)
-    odd = [r for r, c in enumerate(present) if int(c) != code]
-    if odd:
-        raise RuntimeError(
-            f"{name}: replicas disagree on which parameters received a gradient at step {step} "
-            f"(ranks {odd} of the group differ from this rank); every replica must run the "
-            "same model code so that the same parameters are used"
-        )

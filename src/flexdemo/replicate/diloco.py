@@ -23,6 +23,14 @@ result is mixed into the parameters as they are at apply time).
 Steps count from 0; fragment ``p`` is launched after step ``t`` when
 ``(t + 1) % H == ((p + 1) * H / F) % H``. The global copy and the outer optimizer state can live
 on the CPU (``offload=True``).
+
+Non-finite gradients: inner steps exchange nothing, so a replica whose gradient is NaN/Inf
+skips that inner step alone (it is counted in the optimizer's ``skipped_steps``). Under
+``nonfinite="raise"`` it marks its next pseudo-gradient non-finite, so the exchange's own
+agreement makes every replica raise at that sync, in the same step. A sync whose
+pseudo-gradient is non-finite on some replica is dropped on every replica: each restarts the
+fragment from the global parameters, takes no outer step, and raises (or, under ``"skip"``,
+counts a skipped step); replicas stay bitwise identical.
 """
 
 from __future__ import annotations
@@ -32,7 +40,7 @@ from collections.abc import Callable
 
 import torch
 
-from .base import NonFiniteGradientError, Replicator, all_finite
+from .base import NonFiniteGradientError, Replicator, mark_nonfinite, nonfinite_flag
 from .demo import DeMoReplicator
 from .full import FullReplicator
 
@@ -78,8 +86,10 @@ def balanced_fragments(sizes: list[int], fragments: int) -> list[list[int]]:
 class _Sync:
     """One fragment's exchange in flight (or completed, when restored from a checkpoint)."""
 
-    def __init__(self, apply_at: int, handle=None, result=None) -> None:
+    def __init__(self, apply_at: int, handle=None, result=None,
+                 failed: list[int] | None = None) -> None:
         self.apply_at, self.handle, self.result = apply_at, handle, result
+        self.failed = failed  # ranks whose input was non-finite: the sync is dropped
 
 
 class DiLoCoReplicator(Replicator):
@@ -132,6 +142,7 @@ class DiLoCoReplicator(Replicator):
     def _setup_state(self) -> None:
         if self._params is None:
             raise RuntimeError("DiLoCo acts on parameters: use it through flexdemo's optimizer")
+        self._locals = [p.detach() for p in self._params]  # views, built once
         store = torch.device("cpu") if self.offload else self.device
         self.global_params = [p.detach().float().to(store, copy=True) for p in self._params]
         self.pseudo = [torch.zeros(p.shape, dtype=torch.float32, device=self.device)
@@ -140,16 +151,27 @@ class DiLoCoReplicator(Replicator):
             self.outer = self.outer_factory(self.global_params)
         else:
             self.outer = torch.optim.SGD(self.global_params, lr=self.outer_lr,
-                                         momentum=self.outer_momentum, nesterov=self.nesterov)
+                                         momentum=self.outer_momentum, nesterov=self.nesterov,
+                                         foreach=True)
         self.parts = balanced_fragments([p.numel() for p in self._params], self.fragments)
         group, self._template.group = self._template.group, None  # groups do not deep-copy
         self.exchanges = [copy.deepcopy(self._template) for _ in self.parts]
         self._template.group = group
         for ex, part in zip(self.exchanges, self.parts):
             ex.group = group
-            ex.setup([self._shapes[i] for i in part], self.device, self.group)
+            ex.setup([self._shapes[i] for i in part], self.device, self.group,
+                     nonfinite=self.nonfinite)
         self.syncs = [0] * self.fragments
         self.pending: dict[int, _Sync] = {}
+        self._bad_inner: int | None = None  # first inner step withheld since the last launch
+
+    def payload_bytes(self) -> int:
+        """Bytes this rank contributes to the syncs of all fragments (one period of H)."""
+        return sum(ex.payload_bytes() for ex in self.exchanges)
+
+    def exchange_bytes(self) -> int:
+        """Bytes this rank sends over one period of H steps (every fragment synced once)."""
+        return sum(ex.exchange_bytes() for ex in self.exchanges)
 
     def launch_fragment(self, step: int) -> int | None:
         """The fragment launched after ``step``, if any."""
@@ -162,8 +184,11 @@ class DiLoCoReplicator(Replicator):
 
     # ------------------------------------------------------------------ stepping
     def replicate(self, grads, lrs, step, communicate):
-        if not all_finite([g for g in grads if g is not None]):
-            raise NonFiniteGradientError(self.name, [self.rank], step)
+        if bool(nonfinite_flag(grads, self.device)):  # the step's one host read
+            local = self.world > 1  # only this replica knows: it skips this inner step alone
+            if local and self.nonfinite == "raise" and self._bad_inner is None:
+                self._bad_inner = step  # reported to every replica by the next sync
+            raise NonFiniteGradientError(self.name, [self.rank], step, local=local)
         return grads  # inner steps are local
 
     @torch.no_grad()
@@ -173,46 +198,83 @@ class DiLoCoReplicator(Replicator):
             self._launch(p, step)
         for q, sync in list(self.pending.items()):
             if sync.apply_at == step:
-                self._apply(q)
+                self._apply(q, step)
 
     def _launch(self, p: int, step: int) -> None:
         part = self.parts[p]
-        for i in part:
-            self.pseudo[i].copy_(self.global_params[i]).sub_(self._params[i].detach())
+        pseudo = [self.pseudo[i] for i in part]
+        torch._foreach_copy_(pseudo, [self.global_params[i] for i in part])
+        torch._foreach_sub_(pseudo, [self._locals[i] for i in part])
+        if self._bad_inner is not None:
+            mark_nonfinite(pseudo)  # in-band flag: the exchange's agreement tells everyone
+            self._bad_inner = None
         ex = self.exchanges[p]
-        handle = ex.start([self.pseudo[i] for i in part], [1.0] * len(part), self.syncs[p])
+        try:
+            handle = ex.start(pseudo, [1.0] * len(part), self.syncs[p])
+        except NonFiniteGradientError as e:
+            self.syncs[p] += 1
+            self._drop(p, e, step)
         self._record(ex)
         self.syncs[p] += 1
         self.pending[p] = _Sync(step + self.tau, handle=handle)
 
     def _result(self, p: int) -> list[torch.Tensor]:
         sync = self.pending[p]
+        if sync.failed is not None:
+            raise NonFiniteGradientError(self.exchanges[p].name, sync.failed, sync.apply_at)
         if sync.result is None:
             ex = self.exchanges[p]
             before = ex.stats.bytes_sent, ex.stats.bytes_received, ex.stats.seconds
-            sync.result = ex.finish(sync.handle)
-            sync.handle = None
-            self.stats.record(ex.stats.bytes_sent - before[0],
-                              ex.stats.bytes_received - before[1],
-                              ex.stats.seconds - before[2], 0)
+            handle, sync.handle = sync.handle, None
+            try:
+                sync.result = ex.finish(handle)
+            except NonFiniteGradientError as e:
+                sync.failed = e.ranks or []
+                raise
+            finally:
+                self.stats.record(ex.stats.bytes_sent - before[0],
+                                  ex.stats.bytes_received - before[1],
+                                  ex.stats.seconds - before[2], 0)
         return sync.result
 
-    def _apply(self, p: int) -> None:
+    def _apply(self, p: int, step: int) -> None:
         part = self.parts[p]
-        outs = self._result(p)
+        try:
+            outs = self._result(p)
+        except NonFiniteGradientError as e:
+            self._drop(p, e, step)
         del self.pending[p]
-        for i, avg in zip(part, outs):
-            g = self.global_params[i]
-            g.grad = avg.to(g.device)
+        glob = [self.global_params[i] for i in part]
+        for g, avg in zip(glob, outs):
+            g.grad = avg if avg.device == g.device else avg.to(g.device)
         self.outer.step()
-        for i in part:
-            self.global_params[i].grad = None
-            local = self._params[i].detach()
-            if self.alpha == 0.0:
-                local.copy_(self.global_params[i])
-            else:
-                local.mul_(self.alpha).add_(self.global_params[i].to(local.device),
-                                            alpha=1.0 - self.alpha)
+        for g in glob:
+            g.grad = None
+        self._restart(part, self.alpha)
+
+    def _restart(self, part: list[int], alpha: float) -> None:
+        """Mix the fragment's replica parameters with the global ones (alpha 0: copy)."""
+        local = [self._locals[i] for i in part]
+        glob = [self.global_params[i] for i in part]
+        if self.offload:  # bring the global values to the replica's device first
+            torch._foreach_copy_([self.pseudo[i] for i in part], glob)
+            glob = [self.pseudo[i] for i in part]
+        if alpha == 0.0:
+            torch._foreach_copy_(local, glob)
+        else:
+            torch._foreach_mul_(local, alpha)
+            torch._foreach_add_(local, glob, alpha=1.0 - alpha)
+
+    def _drop(self, p: int, e: NonFiniteGradientError, step: int) -> None:
+        """A sync of fragment ``p`` failed on every replica alike: restart the fragment from
+        the global parameters (no outer step) and raise."""
+        self.pending.pop(p, None)
+        self._restart(self.parts[p], 0.0)
+        raise NonFiniteGradientError(
+            self.name, e.ranks, step,
+            note=f" (found by the sync of fragment {p}: a NaN/Inf in an inner step since the "
+                 "previous sync, or in the parameters; every replica restarts the fragment "
+                 "from the global parameters)") from e
 
     def _record(self, ex: Replicator) -> None:
         s = ex.stats
@@ -224,8 +286,12 @@ class DiLoCoReplicator(Replicator):
         sd = super().state_dict()
         pending = {}
         for p in sorted(self.pending):
-            pending[p] = {"apply_at": self.pending[p].apply_at,
-                          "result": [t.clone() for t in self._result(p)]}
+            sync = self.pending[p]
+            try:  # a sync in flight is completed and stored (or stored as failed)
+                pending[p] = {"apply_at": sync.apply_at,
+                              "result": [t.clone() for t in self._result(p)]}
+            except NonFiniteGradientError:
+                pending[p] = {"apply_at": sync.apply_at, "failed": sync.failed}
         sd.update({
             "global": [g.clone() for g in self.global_params],
             "outer": self.outer.state_dict(),
@@ -250,6 +316,7 @@ class DiLoCoReplicator(Replicator):
         for ex, s in zip(self.exchanges, state["exchanges"]):
             ex.load_state_dict(s)
         self.syncs = list(state["syncs"])
-        self.pending = {int(p): _Sync(int(v["apply_at"]),
-                                      result=[t.to(self.device) for t in v["result"]])
-                        for p, v in state["pending"].items()}
+        self.pending = {
+            int(p): _Sync(int(v["apply_at"]), failed=v["failed"]) if "failed" in v else
+            _Sync(int(v["apply_at"]), result=[t.to(self.device) for t in v["result"]])
+            for p, v in state["pending"].items()}

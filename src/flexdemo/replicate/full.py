@@ -2,20 +2,73 @@
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 
-from ..comm import all_gather, all_reduce_sum
+from ..comm import all_gather, all_reduce_bytes, all_reduce_sum
 from ..compress.quant import ValueCodec
 from .base import (
     HEADER_BYTES,
+    MAGIC,
+    Agreement,
+    CorruptPayloadError,
     NonFiniteGradientError,
     Replicator,
-    all_finite,
     check_flags,
-    check_headers,
-    presence_code,
+    global_rank_of,
+    header_problems,
+    nonfinite_flag,
     write_header,
 )
+
+
+class FlatLayout:
+    """Tensors of fixed shapes laid end to end in one flat fp32 buffer.
+
+    Views of every tensor are built once; :meth:`plan` gives, per pattern of missing
+    gradients, the views of the present and of the missing tensors, so that filling the
+    buffer and writing results back are one batched op each, whatever the number of tensors.
+    """
+
+    def __init__(self, shapes: list[torch.Size], device: torch.device,
+                 flat: torch.Tensor | None = None) -> None:
+        self.sizes = [s.numel() for s in shapes]
+        self.total = sum(self.sizes)
+        if flat is None:
+            flat = torch.zeros(self.total, dtype=torch.float32, device=device)
+        self.flat = flat
+        self.views, off = [], 0
+        for shape, size in zip(shapes, self.sizes):
+            self.views.append(self.flat[off: off + size].view(shape))
+            off += size
+        self._plans: dict[tuple, tuple] = {}
+
+    def plan(self, grads: list) -> tuple[list[int], list[torch.Tensor], list[torch.Tensor]]:
+        """(indices of present tensors, their views, the views of the missing ones)."""
+        key = tuple(g is None for g in grads)
+        plan = self._plans.get(key)
+        if plan is None:
+            present = [i for i, g in enumerate(grads) if g is not None]
+            missing = [self.views[i] for i, g in enumerate(grads) if g is None]
+            plan = self._plans[key] = (present, [self.views[i] for i in present], missing)
+        return plan
+
+    def fill(self, grads: list) -> list[torch.Tensor]:
+        """Copy ``grads`` into the buffer (zeros for missing ones); returns the present ones."""
+        present, views, missing = self.plan(grads)
+        tensors = [grads[i] for i in present]
+        if tensors:
+            torch._foreach_copy_(views, tensors)
+        if missing:
+            torch._foreach_zero_(missing)
+        return tensors
+
+    def scatter(self, grads: list) -> None:
+        """Write the buffer back into the present ``grads``."""
+        present, views, _ = self.plan(grads)
+        if present:
+            torch._foreach_copy_([grads[i] for i in present], views)
 
 
 class FullReplicator(Replicator):
@@ -29,58 +82,60 @@ class FullReplicator(Replicator):
     round partial sums differently per algorithm). Steps that the schedule skips pass the
     input through unchanged.
 
-    :meth:`start` launches the collective asynchronously and :meth:`finish` completes it.
+    Received low-precision payloads are checked (header, finite values: an fp16 overflow or a
+    corrupt peer): a bad one raises :class:`CorruptPayloadError` naming the sender on every
+    replica, or with ``on_bad_peer="drop"`` is left out of the mean on every replica and
+    counted in ``dropped_payloads``.
+
+    :meth:`start` launches the collective asynchronously and :meth:`finish` completes it; a
+    step reads the device once (the agreement and payload checks).
     """
 
     name = "full"
 
-    def __init__(self, values: str = "fp32", block: int = 128, **schedule) -> None:
+    def __init__(self, values: str = "fp32", block: int = 128, *, on_bad_peer: str = "raise",
+                 **schedule) -> None:
         super().__init__(**schedule)
         self.codec = ValueCodec(values, block)  # validates
-        self.values = values
+        if on_bad_peer not in ("raise", "drop"):
+            raise ValueError(f"on_bad_peer must be 'raise' or 'drop', got {on_bad_peer!r}")
+        self.values, self.on_bad_peer = values, on_bad_peer
+        self.dropped_payloads = 0
 
     def extra_repr(self) -> str:
         return "" if self.values == "fp32" else f"values={self.values!r}"
 
     def _setup_state(self) -> None:
-        self._sizes = [s.numel() for s in self._shapes]
-        self._total = sum(self._sizes)
+        self._total = sum(s.numel() for s in self._shapes)
         if self.values == "fp32":
-            self._bucket = torch.zeros(self._total + 2 * self.world, dtype=torch.float32,
-                                       device=self.device)
+            self._bucket = torch.zeros(self._total + Agreement.trailer_size(self.world),
+                                       dtype=torch.float32, device=self.device)
+            flat = self._bucket[: self._total]  # the layout lives in the bucket's front
         else:
-            self._flat = torch.zeros(self._total, dtype=torch.float32, device=self.device)
+            flat = None
             nbytes = HEADER_BYTES + self.codec.nbytes(self._total)
             nbytes += -nbytes % 8  # rows of the gathered tensor stay 8-byte aligned
             self._bucket = torch.zeros(nbytes, dtype=torch.uint8, device=self.device)
+        self.layout = FlatLayout(self._shapes, self.device, flat)
 
     def payload_bytes(self) -> int:
         """Bytes this rank contributes to one exchange (flags and headers included)."""
         return self._bucket.numel() * self._bucket.element_size()
 
-    def _fill(self, flat: torch.Tensor, grads, bad: bool) -> None:
-        off = 0
-        for g, size in zip(grads, self._sizes):
-            seg = flat[off: off + size]
-            if g is None or bad:
-                seg.zero_()
-            else:
-                seg.copy_(g.reshape(-1))
-            off += size
+    def exchange_bytes(self) -> int:
+        if self.values == "fp32":
+            return all_reduce_bytes(self._bucket.numel(), 4, self.world)
+        return super().exchange_bytes()
 
-    def _scatter(self, flat: torch.Tensor, grads) -> None:
-        off = 0
-        for g, size in zip(grads, self._sizes):
-            if g is not None:
-                g.copy_(flat[off: off + size].view_as(g))
-            off += size
-
+    # ------------------------------------------------------------------ stepping
     def start(self, grads, lrs, step):
-        self.stats.begin_step()
-        comm = self.communicates(step) and self.world > 1
-        if comm:
-            self.stats.steps_replicated += 1
-        return self._start(grads, step, comm)
+        comm = self._begin(grads, step)
+        try:
+            return self._start(grads, step, comm)
+        except NonFiniteGradientError as e:
+            if self._withhold(step, comm):
+                raise NonFiniteGradientError(self.name, [self.rank], step, local=True) from e
+            raise
 
     def finish(self, pending):
         return self._finish(pending)
@@ -89,26 +144,19 @@ class FullReplicator(Replicator):
         return self._finish(self._start(grads, step, communicate))
 
     def _start(self, grads, step, communicate):
-        present = [g for g in grads if g is not None]
-        bad = not all_finite(present)
         if not communicate:
-            if bad:
-                raise NonFiniteGradientError(self.name, [self.rank], step)
+            flag = nonfinite_flag(grads, self.device)
+            self.agreement.check_local(flag, step)
             return ("local", grads)
-        code = presence_code(grads)
-        n = self.world
+        layout = self.layout
+        layout.fill(grads)
+        flag, code = self.agreement.local([layout.flat], grads)
         if self.values == "fp32":
-            buf = self._bucket
-            flat, trailer = buf[: self._total], buf[self._total:]
-            self._fill(flat, grads, bad)
-            trailer.zero_()
-            trailer[self.rank] = float(bad)
-            trailer[n + self.rank] = float(code)
-            handle = all_reduce_sum(buf, self.group, self.stats, async_op=True)
+            self.agreement.write_trailer(self._bucket[self._total:], flag, code)
+            handle = all_reduce_sum(self._bucket, self.group, self.stats, async_op=True)
         else:
-            self._fill(self._flat, grads, bad)
-            write_header(self._bucket, step, bad, code)
-            self.codec.encode(self._flat, self._bucket[HEADER_BYTES:])
+            write_header(self._bucket, step, flag, code)
+            self.codec.encode(layout.flat, self._bucket[HEADER_BYTES:])
             handle = all_gather(self._bucket, self.group, self.stats, async_op=True)
         return ("exchange", grads, handle, step, code)
 
@@ -116,30 +164,86 @@ class FullReplicator(Replicator):
         if pending[0] == "local":
             return pending[1]
         _, grads, handle, step, code = pending
-        n = self.world
+        flat = self.layout.flat
         if self.values == "fp32":
             buf = handle.wait()
-            trailer = buf[self._total:].tolist()
-            check_flags(self.name, trailer[:n], trailer[n:], code, step)
-            flat = buf[: self._total].div_(n)
+            self.agreement.read_trailer(buf[self._total:], code, step)
+            flat.div_(self.world)
         else:
-            gathered = handle.wait()
-            check_headers(self.name, gathered, step, code)
-            flat = self._flat
-            flat.zero_()
-            for r in range(gathered.shape[0]):  # rank order: every replica sums alike
-                flat.add_(self.codec.decode(gathered[r, HEADER_BYTES:], self._total))
-            flat.div_(n)
-        self._scatter(flat, grads)
+            self._mean_of_payloads(handle.wait(), flat, step, code)
+        self.layout.scatter(grads)
         return grads
+
+    def _mean_of_payloads(self, gathered: torch.Tensor, flat: torch.Tensor, step: int,
+                          code: int) -> None:
+        """Check the gathered payloads and write their mean into ``flat``, with one host read.
+
+        Peers are decoded one at a time (memory of one payload, whatever the group size) and
+        summed in rank order, each masked by its verdict (header and finite values) computed
+        on the device; the verdicts are read once at the end, and a bad peer raises or is
+        left out (the mean then divides by the peers kept)."""
+        n = gathered.shape[0]
+        heads = gathered[:, :HEADER_BYTES].view(torch.int64)  # (n, 4)
+        keep = (heads[:, 0] == MAGIC) & (heads[:, 1] == step)
+        finite = torch.empty(n, dtype=torch.bool, device=flat.device)
+        flat.zero_()
+        for r in range(n):  # rank order: every replica sums alike
+            values = self.codec.decode(gathered[r, HEADER_BYTES:], self._total)
+            torch.all(torch.isfinite(values), out=finite[r])
+            flat.add_(torch.where(keep[r] & finite[r], values, 0.0))
+        read = torch.cat([heads.reshape(-1), finite.to(torch.int64)]).tolist()
+        heads_l = [read[4 * r: 4 * r + 4] for r in range(n)]
+        problems = header_problems(heads_l, step)
+        peers = [r for r in range(n) if problems[r] is None]
+        for r in range(n):
+            if problems[r] is not None:
+                self._bad_peer(r, step, problems[r])
+        check_flags(self.name, [heads_l[r][2] if r in peers else 0 for r in range(n)],
+                    [heads_l[r][3] if r in peers else code for r in range(n)], code, step)
+        good = [r for r in peers if read[4 * n + r]]
+        for r in peers:
+            if r not in good:
+                hint = " (fp16 overflows beyond 65504: use values='bf16')" \
+                    if self.values == "fp16" else ""
+                self._bad_peer(r, step, f"non-finite value{hint}")
+        if good:
+            flat.div_(len(good))
+
+    def _bad_peer(self, r: int, step: int, reason: str) -> None:
+        global_rank = global_rank_of(self.group, r)
+        if self.on_bad_peer == "raise":
+            raise CorruptPayloadError(self.name, r, global_rank, step, reason)
+        self.dropped_payloads += 1
+        warnings.warn(f"{self.name}: dropped the payload of rank {global_rank} at step {step}: "
+                      f"{reason}", RuntimeWarning, stacklevel=4)
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> dict:
+        sd = super().state_dict()
+        sd["dropped_payloads"] = self.dropped_payloads
+        return sd
+
+    def load_state_dict(self, state: dict) -> None:
+        super().load_state_dict(state)
+        self.dropped_payloads = int(state.get("dropped_payloads", 0))
 
 
 class NoReplication(Replicator):
-    """Send nothing: each replica trains on its own gradients (replicas drift apart)."""
+    """Send nothing: each replica trains on its own gradients (replicas drift apart).
+
+    There is no exchange, so a non-finite gradient raises (or is skipped) on its own replica
+    only; no peer waits on it.
+    """
 
     name = "none"
 
+    def payload_bytes(self) -> int:
+        return 0
+
     def replicate(self, grads, lrs, step, communicate):
-        if not all_finite([g for g in grads if g is not None]):
-            raise NonFiniteGradientError(self.name, [self.rank], step)
+        self.agreement.check_local(nonfinite_flag(grads, self.device), step)
         return grads
+
+    def _withhold(self, step: int, comm: bool) -> bool:
+        """No exchange will ever carry the flag: the error stays this replica's own."""
+        return False

@@ -1,0 +1,121 @@
+"""Time one step of the dense and subset replicators (Full, Random, Striding, Slicing, DiLoCo)
+on GPT-2-like parameter shapes, with the host synchronisations per step.
+
+One process: the exchange itself is simulated (``--peers 2``: every peer sent this rank's
+payload, so all checks pass), which measures the replicator's own work — filling buckets,
+encoding, checking and decoding payloads, momentum, selection, error feedback, writing the
+gradients — without a network. Usage::
+
+    python benchmarks/bench_replicators.py --device cuda --model 124m
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+import warnings
+
+import torch
+
+from flexdemo.comm import Pending
+from flexdemo.replicate import REPLICATORS
+from flexdemo.replicate import full as full_mod
+from flexdemo.replicate import subset as subset_mod
+
+MODELS = {"small": (4, 256, 256), "124m": (12, 768, 50257), "350m": (24, 1024, 50257)}
+CASES = {
+    "full-fp32": ("full", {}),
+    "full-bf16": ("full", {"values": "bf16"}),
+    "full-int8": ("full", {"values": "int8"}),
+    "full-int4": ("full", {"values": "int4"}),
+    "random": ("random", {}),
+    "striding": ("striding", {}),
+    "slicing": ("slicing", {}),
+    "diloco-sync": ("diloco", {"inner_steps": 1}),
+    "diloco-inner": ("diloco", {"inner_steps": 1000}),
+}
+
+
+def gpt_shapes(layers: int, d: int, vocab: int) -> list[torch.Size]:
+    shapes = [torch.Size([vocab, d]), torch.Size([1024, d])]
+    for _ in range(layers):
+        shapes += [torch.Size(s) for s in ([d], [d], [3 * d, d], [3 * d], [d, d], [d], [d], [d],
+                                           [4 * d, d], [4 * d], [d, 4 * d], [d])]
+    return shapes + [torch.Size([d]), torch.Size([d])]
+
+
+def simulate_peers(peers: int) -> None:
+    """Collectives that behave as if ``peers`` ranks had sent this rank's payload."""
+
+    def all_reduce_sum(buf, group, stats, async_op=False):
+        n = peers
+        trailer = buf[-2 * n:]
+        trailer[1:n].copy_(trailer[0].expand(n - 1))  # every peer's flag and code
+        trailer[n + 1:].copy_(trailer[n].expand(n - 1))
+        buf[: -2 * n].mul_(n)
+        return Pending(buf) if async_op else buf
+
+    def all_gather(buf, group, stats, async_op=False):
+        out = buf.unsqueeze(0).expand(peers, -1)
+        return Pending(out) if async_op else out
+
+    full_mod.all_reduce_sum = subset_mod.all_reduce_sum = all_reduce_sum
+    full_mod.all_gather = all_gather
+
+
+def bench(name: str, shapes, device, peers: int, steps: int) -> dict:
+    kind, kw = CASES[name]
+    rep = REPLICATORS[kind](**kw)
+    params = [torch.randn(s, device=device) * 0.02 for s in shapes]
+    rep.setup(shapes, device, None, params=params)
+    if peers > 1 and kind != "diloco":  # DiLoCo's exchanges see a group of one
+        rep.world = peers
+        if hasattr(rep, "agreement"):  # (older versions had none)
+            rep.agreement.world = peers
+        rep.communicates = lambda step: True
+        rep._setup_state()
+    grads = [torch.randn(s, device=device) for s in shapes]
+    lrs = [1e-3] * len(shapes)
+    times, syncs = [], []
+    cuda = device.type == "cuda"
+    for s in range(steps + 3):
+        if cuda:
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("warn")
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            t0 = time.perf_counter()
+            rep(grads, lrs, s)
+            rep.after_step(s)
+            if cuda:
+                torch.cuda.set_sync_debug_mode("default")
+                torch.cuda.synchronize()
+            dt = time.perf_counter() - t0
+        if s >= 3:
+            times.append(dt * 1e3)
+            syncs.append(sum("synchroniz" in str(w.message) for w in caught))
+    return {"case": name, "ms_median": round(statistics.median(times), 3),
+            "ms_min": round(min(times), 3), "syncs_per_step": max(syncs),
+            "params": sum(s.numel() for s in shapes), "tensors": len(shapes)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--model", default="small", choices=sorted(MODELS))
+    ap.add_argument("--peers", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--cases", nargs="*", default=sorted(CASES))
+    args = ap.parse_args()
+    device = torch.device(args.device)
+    simulate_peers(args.peers)
+    shapes = gpt_shapes(*MODELS[args.model])
+    for name in args.cases:
+        print(json.dumps({"model": args.model, "device": args.device,
+                          **bench(name, shapes, device, args.peers, args.steps)}), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -33,7 +33,15 @@ from abc import ABC, abstractmethod
 import torch
 import torch.distributed as dist
 
-from ..comm import CommStats, all_gather_bytes, gather_into, group_rank, group_size
+from ..transport import (
+    CommStats,
+    all_gather_bytes,
+    gather_into,
+    global_rank,
+    group_rank,
+    group_ranks,
+    group_size,
+)
 
 
 class NonFiniteGradientError(FloatingPointError):
@@ -117,9 +125,7 @@ def mark_nonfinite(tensors: list[torch.Tensor | None]) -> None:
 
 def global_rank_of(group, r: int) -> int:
     """The global rank of rank ``r`` of ``group`` (``r`` itself without a process group)."""
-    if dist.is_initialized() and group_size(group) > 1:
-        return dist.get_global_rank(group, r)
-    return r
+    return global_rank(group, r)
 
 
 class Agreement:
@@ -281,11 +287,11 @@ class Replicator(ABC):
         gather_into(out, mine, self.group)
         bad = [r for r, c in enumerate(out.tolist()) if c != code]
         if bad:
-            ranks = dist.get_process_group_ranks(self.group)
+            ranks = group_ranks(self.group)
             raise ValueError(
                 f"{self.name}: the replication group {ranks} does not match the mesh: "
                 f"ranks {[ranks[r] for r in bad]} hold parameter shards of other shapes than "
-                f"rank {dist.get_rank()}. A replication group must join ranks that hold the "
+                f"rank {ranks[self.rank]}. A replication group must join ranks that hold the "
                 "same shard, i.e. lie along the mesh's 'replicate' dimension"
             )
 

@@ -24,7 +24,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from flexdemo.cluster import EmulatedCluster, ShapingUnavailableError
+from flexdemo.tools.cluster import EmulatedCluster, ShapingUnavailableError
 
 ROOT = Path(__file__).resolve().parent.parent
 CODECS = ["flexdemo", "flexdemo:values=bf16", "flexdemo:values=int8", "flexdemo:values=int2",

@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 import flexdemo
-from flexdemo.tasks import GPT, data_generator, evaluate, get_batch, gpt_config, load_corpus
+from flexdemo.app.tasks import GPT, data_generator, evaluate, get_batch, gpt_config, load_corpus
 
 STRATEGIES: dict[str, dict] = {
     "flexdemo": {"replicator": "demo", "optimizer": "sgd", "lr": 3e-3},

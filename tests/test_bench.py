@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-import flexdemo.cluster as cluster
-from flexdemo.bench import (
+import flexdemo.tools.cluster as cluster
+from flexdemo.app.bench import (
     PRESETS,
     STRATEGIES,
     BenchError,
@@ -18,7 +18,7 @@ from flexdemo.bench import (
     run_bench,
     run_config,
 )
-from flexdemo.config import ConfigError, config_from_dict, validate
+from flexdemo.app.config import ConfigError, config_from_dict, validate
 
 pytest.importorskip("matplotlib", reason="the bench's plots need matplotlib")
 
@@ -109,7 +109,7 @@ def test_table_and_comparison():
 
 
 def test_plots_from_results(tmp_path):
-    from flexdemo.plots import plot_all
+    from flexdemo.app.plots import plot_all
 
     paths = plot_all(_fake_results(), tmp_path)
     assert [p.name for p in paths] == ["loss_vs_time.png", "loss_vs_bytes.png",
@@ -149,7 +149,7 @@ def test_tiny_sweep_without_root_falls_back_to_loopback(tmp_path, monkeypatch, c
 
 def test_root_without_network_namespaces_falls_back(tmp_path, monkeypatch, capsys):
     """Root, but namespaces cannot be made (a container): the same fallback, with the reason."""
-    import flexdemo.bench as bench
+    import flexdemo.app.bench as bench
 
     enter = bench.EmulatedCluster.__enter__
 

@@ -18,9 +18,9 @@ import time
 
 import pytest
 
-from flexdemo import cluster as cl
-from flexdemo.cli import main
-from flexdemo.cluster import (
+from flexdemo.app.cli import main
+from flexdemo.tools import cluster as cl
+from flexdemo.tools.cluster import (
     EmulatedCluster,
     LatencyUnavailableError,
     ShapingUnavailableError,

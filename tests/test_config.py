@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from flexdemo.cli import main
-from flexdemo.config import (
+from flexdemo.app.cli import main
+from flexdemo.app.config import (
     Config,
     ConfigError,
     apply_overrides,

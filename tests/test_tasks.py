@@ -3,7 +3,7 @@ import math
 import torch
 
 from flexdemo import DeMo
-from flexdemo.tasks import GPT, data_generator, evaluate, get_batch, gpt_config, load_corpus
+from flexdemo.app.tasks import GPT, data_generator, evaluate, get_batch, gpt_config, load_corpus
 
 
 def test_corpus_is_deterministic_and_split():

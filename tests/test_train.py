@@ -17,9 +17,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from flexdemo.config import load_config
-from flexdemo.tasks import ShardSampler, have_transformers
-from flexdemo.train import TrainingError, lr_at, train
+from flexdemo.app.config import load_config
+from flexdemo.app.tasks import ShardSampler, have_transformers
+from flexdemo.app.trainer import TrainingError, lr_at, train
 
 ROOT = Path(__file__).parent.parent
 PY = sys.executable
@@ -123,7 +123,7 @@ def test_t5_span_corruption_runs(tmp_path, single_process):
 
 
 def test_t5_span_corruption_examples():
-    from flexdemo.tasks.t5 import EOS, SENTINEL0, corrupt, noise_mask, span_counts
+    from flexdemo.app.tasks.t5 import EOS, SENTINEL0, corrupt, noise_mask, span_counts
 
     gen = torch.Generator().manual_seed(3)
     mask = noise_mask(100, 0.15, 3.0, gen)
@@ -147,7 +147,7 @@ def test_t5_span_corruption_examples():
 
 
 def test_missing_transformers_is_a_clear_error(monkeypatch):
-    import flexdemo.tasks.t5 as t5
+    import flexdemo.app.tasks.t5 as t5
 
     monkeypatch.setattr(t5, "have_transformers", lambda: False)
     with pytest.raises(ModuleNotFoundError, match=r"pip install 'flexdemo\[t5\]'"):

@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from flexdemo.app.config import load_config
 from flexdemo.app.tasks import ShardSampler, have_transformers
-from flexdemo.app.trainer import TrainingError, lr_at, train
+from flexdemo.app.trainer import TrainingError, lr_at, timeout_seconds, train
 
 ROOT = Path(__file__).parent.parent
 PY = sys.executable
@@ -252,3 +252,49 @@ def test_killed_rank_ends_the_run_and_resume_matches_an_uninterrupted_run(tmp_pa
     assert [r["step"] for r in again] == list(range(1, 16))
     assert [r["loss"] for r in again] == [r["loss"] for r in reference]
     assert again[-1]["val_loss"] == reference[-1]["val_loss"]
+
+
+# ---------------------------------------------------------------------- FLEXDEMO_TIMEOUT
+def _flexdemo(args: list[str], env: dict, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([PY, *args], capture_output=True, text=True, timeout=timeout,
+                          env=dict(os.environ, PYTHONPATH=str(ROOT / "src"), **env))
+
+
+def test_timeout_variable_is_read_when_used_with_one_default(monkeypatch):
+    from flexdemo.mesh import DEFAULT_TIMEOUT_SECONDS, timeout_from_env
+
+    monkeypatch.delenv("FLEXDEMO_TIMEOUT", raising=False)
+    assert timeout_from_env().total_seconds() == DEFAULT_TIMEOUT_SECONDS
+    cfg = load_config(None, [])
+    assert timeout_seconds(cfg) == DEFAULT_TIMEOUT_SECONDS  # the trainer has no default of its own
+    monkeypatch.setenv("FLEXDEMO_TIMEOUT", "45")
+    assert timeout_from_env().total_seconds() == 45 and timeout_seconds(cfg) == 45
+    assert timeout_seconds(load_config(None, ["train.timeout=7"])) == 7
+    for bad in ("abc", "0", "-5", "inf", "nan"):
+        monkeypatch.setenv("FLEXDEMO_TIMEOUT", bad)
+        with pytest.raises(ValueError, match=f"FLEXDEMO_TIMEOUT='{bad}' is not a number"):
+            timeout_from_env()
+        with pytest.raises(TrainingError, match="FLEXDEMO_TIMEOUT"):
+            timeout_seconds(cfg)
+
+
+def test_bad_timeout_variable_breaks_neither_import_nor_help_and_train_says_why(tmp_path):
+    env = {"FLEXDEMO_TIMEOUT": "abc"}
+    assert _flexdemo(["-c", "import flexdemo, flexdemo.app.cli"], env).returncode == 0
+    assert _flexdemo(["-m", "flexdemo", "--help"], env).returncode == 0
+    run = _flexdemo(["-m", "flexdemo", "train", "train.steps=1", f"train.out={tmp_path}"], env)
+    assert run.returncode == 2, run.stderr
+    lines = run.stderr.strip().splitlines()
+    assert len(lines) == 1 and "FLEXDEMO_TIMEOUT='abc'" in lines[0], run.stderr
+
+
+def test_rendezvous_timeout_names_the_variable_and_the_peer():
+    port = _free_port()  # nothing listens there: rank 0 never comes
+    code = ("import flexdemo\ntry:\n    flexdemo.init_distributed()\nexcept TimeoutError as e:\n"
+            "    print('ERROR', e)\n")
+    run = _flexdemo(["-c", code], {"FLEXDEMO_TIMEOUT": "2", "WORLD_SIZE": "2", "RANK": "1",
+                                   "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+                                   "TORCH_CPP_LOG_LEVEL": "FATAL"})
+    error = [line for line in run.stdout.splitlines() if line.startswith("ERROR")]
+    assert error, run.stdout + run.stderr[-2000:]
+    assert f"127.0.0.1:{port}" in error[0] and "FLEXDEMO_TIMEOUT=2" in error[0], error

@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 
 import torch.distributed as dist
 
+from ..mesh import timeout_from_env
 from ..tools.cluster import (
     DEFAULT_SUBNET,
     ClusterError,
@@ -224,9 +225,10 @@ examples:
   flexdemo train configs/gpt.toml --print-config           # show the resolved config
 
 exit codes: 0 done, 1 training failed (e.g. a rank was lost), 2 bad config or arguments.
-environment: FLEXDEMO_TIMEOUT (seconds a collective waits for a dead peer, default 60, or
-train.timeout). The error that stops a run is the last line, after any log lines of torch's
-C++ side (TORCH_CPP_LOG_LEVEL=FATAL hides those; set it before starting Python).
+environment: FLEXDEMO_TIMEOUT (seconds a collective waits for a dead peer; default 300,
+the library's; train.timeout overrides it). The error that stops a run is the last line,
+after any log lines of torch's C++ side (TORCH_CPP_LOG_LEVEL=FATAL hides those; set it
+before starting Python).
 """
 
 
@@ -273,6 +275,12 @@ def _cmd_train(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
     if args.print_config:
         print(to_toml(cfg), end="")
         return 0
+    if not cfg.train.timeout:
+        try:
+            timeout_from_env()
+        except ValueError as e:
+            _train_error(str(e))
+            return 2
     return _run_training(cfg)
 
 

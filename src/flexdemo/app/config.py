@@ -143,7 +143,7 @@ class TrainConfig:
     flexdemo cluster set that to 1)."""
     timeout: float = 0.0
     """Seconds a collective may wait for a peer before the run stops (0: FLEXDEMO_TIMEOUT if
-    set, else 60)."""
+    set, else the library's default, :data:`flexdemo.mesh.DEFAULT_TIMEOUT_SECONDS`)."""
     tensorboard: bool = True
     progress: bool = True
 

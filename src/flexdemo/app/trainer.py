@@ -48,13 +48,13 @@ import torch.distributed as dist
 
 from .. import prepare
 from ..checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from ..mesh import timeout_from_env
 from ..replicate import NonFiniteGradientError
 from .config import Config, config_to_dict, to_toml
 from .tasks import ShardSampler, build_task
 
 __all__ = ["PeerLostError", "TrainingError", "lr_at", "train"]
 
-DEFAULT_TIMEOUT_S = 60.0
 CHECKPOINT_RE = re.compile(r"step_(\d+)$")
 
 
@@ -84,19 +84,14 @@ def lr_at(step: int, steps: int, base: float, warmup: int = 0, schedule: str = "
 
 
 def timeout_seconds(cfg: Config) -> float:
-    """``train.timeout``, else ``FLEXDEMO_TIMEOUT``, else 60 seconds."""
+    """``train.timeout``, else ``FLEXDEMO_TIMEOUT``, else the library's default
+    (:data:`flexdemo.mesh.DEFAULT_TIMEOUT_SECONDS`)."""
     if cfg.train.timeout:
         return float(cfg.train.timeout)
-    env = os.environ.get("FLEXDEMO_TIMEOUT")
-    if env:
-        try:
-            value = float(env)
-        except ValueError:
-            raise TrainingError(f"FLEXDEMO_TIMEOUT={env!r} is not a number of seconds") \
-                from None
-        if value > 0:
-            return value
-    return DEFAULT_TIMEOUT_S
+    try:
+        return timeout_from_env().total_seconds()
+    except ValueError as e:
+        raise TrainingError(str(e)) from None
 
 
 # ---------------------------------------------------------------------- liveness

@@ -298,3 +298,55 @@ def test_rendezvous_timeout_names_the_variable_and_the_peer():
     error = [line for line in run.stdout.splitlines() if line.startswith("ERROR")]
     assert error, run.stdout + run.stderr[-2000:]
     assert f"127.0.0.1:{port}" in error[0] and "FLEXDEMO_TIMEOUT=2" in error[0], error
+
+
+# ---------------------------------------------------------------------- crash after a save
+class _FakeEvents:
+    """Stands in for TensorBoard's SummaryWriter: one event list per log folder, purged of
+    steps >= ``purge_step`` on reopening, as TensorBoard does."""
+
+    logs: dict[str, list[tuple[str, int]]] = {}
+
+    def __init__(self, logdir: str, purge_step: int | None = None) -> None:
+        events = self.logs.setdefault(logdir, [])
+        if purge_step is not None:
+            events[:] = [e for e in events if e[1] < purge_step]
+        self.events = events
+
+    def add_scalar(self, tag: str, value: float, step: int) -> None:
+        self.events.append((tag, step))
+
+    def flush(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def test_a_crash_right_after_a_checkpoint_loses_no_metrics_line(tmp_path, single_process,
+                                                                 monkeypatch):
+    import flexdemo.app.trainer as trainer
+
+    monkeypatch.setattr(trainer, "summary_writer", lambda: _FakeEvents)
+    real_save = trainer.save_checkpoint
+
+    def save_then_crash(path, *args, **kwargs):
+        saved = real_save(path, *args, **kwargs)
+        if Path(path).name == "step_000004":
+            raise KeyboardInterrupt  # the process dies right after the checkpoint is written
+        return saved
+
+    out = tmp_path / "run"
+    base = GPT_QUICK + ["train.steps=6", "train.checkpoint_every=2", "train.progress=false",
+                        "train.tensorboard=true", f"train.out={out}"]
+    monkeypatch.setattr(trainer, "save_checkpoint", save_then_crash)
+    with pytest.raises(KeyboardInterrupt):
+        train(load_config(ROOT / "configs/gpt.toml", base), echo=lambda text: None)
+    monkeypatch.setattr(trainer, "save_checkpoint", real_save)
+    summary = train(load_config(ROOT / "configs/gpt.toml", base + ["resume=true"]),
+                    echo=lambda text: None)
+    assert summary["resumed_from"].endswith("step_000004")
+    assert [r["step"] for r in metrics(out)] == [1, 2, 3, 4, 5, 6]
+    losses = [step for tag, step in _FakeEvents.logs[str(out / "tensorboard")]
+              if tag == "train/loss"]
+    assert losses == [1, 2, 3, 4, 5, 6]

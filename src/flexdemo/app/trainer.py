@@ -160,6 +160,15 @@ def _is_comm_error(e: BaseException) -> bool:
 
 
 # ---------------------------------------------------------------------- outputs
+def summary_writer() -> type | None:
+    """TensorBoard's ``SummaryWriter`` class, or None when tensorboard is not installed."""
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        return None
+    return SummaryWriter
+
+
 class MetricsLog:
     """Rank 0's ``metrics.jsonl`` and TensorBoard writer."""
 
@@ -178,13 +187,12 @@ class MetricsLog:
         self.file = self.path.open("a")
         self.writer = None
         if tensorboard:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-            except ImportError:
+            writer = summary_writer()
+            if writer is None:
                 echo("note: TensorBoard logs skipped: tensorboard is not installed "
                      "(pip install tensorboard)")
             else:
-                self.writer = SummaryWriter(str(out / "tensorboard"), purge_step=resume_step + 1)
+                self.writer = writer(str(out / "tensorboard"), purge_step=resume_step + 1)
 
     def write(self, record: dict) -> None:
         """Append one step's record."""
@@ -196,6 +204,7 @@ class MetricsLog:
                 if key != "step" and isinstance(value, (int, float)):
                     group = "val" if key.startswith("val_") else "train"
                     self.writer.add_scalar(f"{group}/{key}", value, step)
+            self.writer.flush()
 
     def close(self) -> None:
         self.file.close()
@@ -458,11 +467,11 @@ def train(cfg: Config, *, echo: Callable[[str], None] | None = None) -> dict[str
             if (tc.eval_every and step % tc.eval_every == 0) or step == last:
                 val = _evaluate(task, model, cfg, rank, world)
                 record.update(val)
+            if metrics is not None:  # before the checkpoint: a resume keeps lines <= its step
+                metrics.write(record)
             if tc.checkpoint_every and (step % tc.checkpoint_every == 0 or step == last):
                 _save(root, model, opt, step, sampler, train_seconds, sent_total, recv_total,
                       cfg, world, layout, rank, tc.keep_checkpoints)
-            if metrics is not None:
-                metrics.write(record)
             if progress is not None:
                 progress.update(step, loss_value, lr, sent_total / 1e6, val.get("val_loss"))
         loop_seconds = time.perf_counter() - t_loop

@@ -291,7 +291,7 @@ def _toml_string(text: str) -> str:
 def _run_training(cfg) -> int:
     rank = os.environ.get("RANK", "0")
     try:
-        train(cfg)
+        train(cfg, exit_on_lost_peer=True)
     except PeerLostError as e:
         _train_error(str(e), rank0_only=False)
         # the process group is broken: leave without tearing it down (that could block)

@@ -3,6 +3,7 @@ rank killed mid-run."""
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
@@ -350,3 +351,101 @@ def test_a_crash_right_after_a_checkpoint_loses_no_metrics_line(tmp_path, single
     losses = [step for tag, step in _FakeEvents.logs[str(out / "tensorboard")]
               if tag == "train/loss"]
     assert losses == [1, 2, 3, 4, 5, 6]
+
+
+# ---------------------------------------------------------------------- storage faults
+def _no_space(*args, **kwargs):
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), "simulated")
+
+
+def _one_line(e: pytest.ExceptionInfo) -> str:
+    text = str(e.value)
+    assert "\n" not in text and "Traceback" not in text, text
+    return text
+
+
+def test_full_disk_during_a_save_then_resume_from_the_previous_checkpoint(
+        tmp_path, single_process, monkeypatch):
+    import torch.distributed.checkpoint.filesystem as dcp_filesystem
+
+    import flexdemo.app.trainer as trainer
+
+    out = tmp_path / "run"
+    base = GPT_QUICK + ["train.steps=6", "train.checkpoint_every=2", "train.progress=false",
+                        f"train.out={out}"]
+    real_save = trainer.save_checkpoint
+
+    def save(path, *args, **kwargs):
+        if Path(path).name == "step_000004":  # the disk fills up during this save
+            monkeypatch.setattr(dcp_filesystem, "_write_item", _no_space)
+        return real_save(path, *args, **kwargs)
+
+    monkeypatch.setattr(trainer, "save_checkpoint", save)
+    with pytest.raises(TrainingError) as info:
+        train(load_config(ROOT / "configs/gpt.toml", base), echo=lambda text: None)
+    msg = _one_line(info)
+    assert "no space left on device" in msg and "step_000004" in msg, msg
+    assert "step_000002 is intact" in msg and "resume=true" in msg, msg
+    monkeypatch.undo()
+    summary = train(load_config(ROOT / "configs/gpt.toml", base + ["resume=true"]),
+                    echo=lambda text: None)
+    assert summary["resumed_from"].endswith("step_000002") and summary["steps"] == 6
+    assert [r["step"] for r in metrics(out)] == [1, 2, 3, 4, 5, 6]
+
+
+def test_damaged_checkpoint_on_resume_names_it_and_an_older_one(tmp_path, single_process):
+    out = tmp_path / "run"
+    base = GPT_QUICK + ["train.steps=4", "train.checkpoint_every=2", "train.progress=false",
+                        f"train.out={out}"]
+    train(load_config(ROOT / "configs/gpt.toml", base), echo=lambda text: None)
+    (data,) = (out / "checkpoints" / "step_000004").glob("*.distcp")
+    data.write_bytes(data.read_bytes()[:1000])
+    with pytest.raises(TrainingError) as info:
+        train(load_config(ROOT / "configs/gpt.toml", base + ["resume=true"]),
+              echo=lambda text: None)
+    msg = _one_line(info)
+    assert "step_000004" in msg and "truncated or corrupt" in msg, msg
+    assert "older checkpoint" in msg and "step_000002" in msg, msg
+
+
+def test_output_folder_faults_are_one_line(tmp_path, single_process, monkeypatch):
+    a_file = tmp_path / "a_file"
+    a_file.write_text("not a folder")
+    quiet = {"echo": lambda text: None}
+    for out, needle in ((a_file, "is a file"), (a_file / "sub", "not a directory")):
+        with pytest.raises(TrainingError) as info:
+            train(load_config(ROOT / "configs/gpt.toml", GPT_QUICK + [
+                "train.steps=1", f"train.out={out}"]), **quiet)
+        msg = _one_line(info)
+        assert str(out) in msg and needle in msg.lower(), msg
+    denied = OSError(errno.EACCES, os.strerror(errno.EACCES), str(tmp_path / "ro"))
+    monkeypatch.setattr(Path, "write_bytes", lambda self, data: (_ for _ in ()).throw(denied))
+    with pytest.raises(TrainingError) as info:
+        train(load_config(ROOT / "configs/gpt.toml", GPT_QUICK + [
+            "train.steps=1", f"train.out={tmp_path / 'ro'}"]), **quiet)
+    msg = _one_line(info)
+    assert "ro" in msg and "permission denied" in msg, msg
+
+
+def test_full_disk_while_logging_warns_once_and_training_goes_on(tmp_path, single_process,
+                                                                 monkeypatch):
+    import flexdemo.app.trainer as trainer
+
+    class FullDisk:
+        def write(self, text):
+            _no_space()
+
+        def flush(self):
+            pass
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(trainer.MetricsLog, "_open", lambda self: FullDisk())
+    said: list[str] = []
+    summary = train(load_config(ROOT / "configs/gpt.toml", GPT_QUICK + [
+        "train.steps=3", "train.progress=false", f"train.out={tmp_path}"]), echo=said.append)
+    assert summary["steps"] == 3
+    warnings = [line for line in said if line.startswith("warning")]
+    assert len(warnings) == 1 and "no space left on device" in warnings[0], said
+    assert "step 1" in warnings[0] and "metrics.jsonl" in warnings[0] and "\n" not in warnings[0]

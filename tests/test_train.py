@@ -449,3 +449,42 @@ def test_full_disk_while_logging_warns_once_and_training_goes_on(tmp_path, singl
     warnings = [line for line in said if line.startswith("warning")]
     assert len(warnings) == 1 and "no space left on device" in warnings[0], said
     assert "step 1" in warnings[0] and "metrics.jsonl" in warnings[0] and "\n" not in warnings[0]
+
+
+# ---------------------------------------------------------------------- the lost rank
+def test_killed_rank_of_four_is_the_only_one_named_by_every_survivor(tmp_path):
+    """Four bare processes, one rank per launcher, a 2 x 2 mesh: rank 2 is killed. Every
+    survivor stops within 60 s naming rank 2 and no other rank (survivors that leave first
+    must not be counted as lost, and rank 0's exit must not take the store from the others),
+    with no C++ stack frames."""
+    out = tmp_path / "run"
+    procs = _spawn_ranks(4, [str(ROOT / "configs/gpt.toml"), *GPT_QUICK, "train.steps=300",
+                             "mesh.replicate=2", "mesh.shard=2", "train.progress=false",
+                             f"train.out={out}"])
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            path = out / "metrics.jsonl"
+            if path.exists() and len(path.read_text().splitlines()) >= 3:
+                break
+            assert all(p.poll() is None for p in procs), procs[0].communicate()[0]
+            time.sleep(0.05)
+        else:
+            pytest.fail("the run made no progress")
+        procs[2].send_signal(signal.SIGKILL)
+        killed_at = time.monotonic()
+        outputs = {r: procs[r].communicate(timeout=90)[0] for r in (0, 1, 3)}
+        waited = time.monotonic() - killed_at
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.communicate()
+    assert waited < 60, waited
+    for rank, text in outputs.items():
+        assert procs[rank].returncode == 1, (rank, text[-2000:])
+        errors = [line for line in text.splitlines() if "flexdemo train: error" in line]
+        assert len(errors) == 1, (rank, text[-3000:])
+        assert f"rank {rank}: lost rank 2 " in errors[0], (rank, errors[0])
+        assert "frame #" not in errors[0] and ".cpp" not in errors[0], errors[0]
+        assert "Traceback" not in text, (rank, text[-3000:])

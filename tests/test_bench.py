@@ -171,3 +171,15 @@ def test_root_without_network_namespaces_falls_back(tmp_path, monkeypatch, capsy
     printed = capsys.readouterr().out
     assert "Operation not permitted" in printed and "unshaped loopback" in printed
     assert [(r["status"], r["bandwidth"]) for r in results] == [("ok", "unshaped")]
+
+
+def test_a_run_too_short_to_sync_is_flagged():
+    results = _fake_results()
+    short = _fake("diloco", "10mbit", 2.9, 0.15, 0.0, 0.0)  # faster and better: never synced
+    results.insert(2, short)
+    lines = comparison_lines(results)
+    i = lines.index("diloco vs hsdp-adamw @ 10mbit:")
+    assert "never synchronised across nodes in its 20 steps" in lines[i + 1], lines[i + 1]
+    assert "train.steps > 20" in lines[i + 1] and "x faster" in lines[i + 3]
+    assert "never synchronised" in format_table(results)
+    assert not any("never" in line for line in comparison_lines(_fake_results()))

@@ -220,6 +220,9 @@ def test_cli_unshaped_exit_code_and_prefix(capsys):
     (["--nodes", "2", "--bandwidth", "100", "--", "true"], "no unit"),
     (["--nodes", "2", "--", "true"], "--bandwidth is required"),
     (["--nodes", "2", "--unshaped"], "give the command"),
+    (["--nodes", "2", "--bandwidth", "-5mbit", "--", "true"], "must be a positive rate"),
+    (["--nodes", "-2", "--unshaped", "--", "true"], "must be an integer >= 1, got '-2'"),
+    (["--nodes", "2", "--unshaped", "--timeout", "-1", "--", "true"], "got '-1'"),
 ])
 def test_cli_rejects_bad_input(capsys, argv, needle):
     with pytest.raises(SystemExit) as e:

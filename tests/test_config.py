@@ -235,3 +235,20 @@ def test_cli_help_teaches(capsys):
         main(["--help"])
     out = capsys.readouterr().out
     assert all(c in out for c in ("train", "bench", "cluster"))
+
+
+def test_non_utf8_config_file_is_one_line(tmp_path):
+    path = tmp_path / "latin1.toml"
+    path.write_bytes("[train]\n# Gr\xfc\xdfe\nsteps = 3\n".encode("latin-1"))
+    with pytest.raises(ConfigError) as e:
+        load_config(path)
+    assert "not UTF-8" in str(e.value) and str(path) in str(e.value) and "\n" not in str(e.value)
+
+
+def test_an_override_never_replaces_a_malformed_section(tmp_path):
+    path = write(tmp_path, 'strategy = "demo"\n[train]\nsteps = 3\n')
+    with pytest.raises(ConfigError, match=r"strategy is 'demo' \(a string\), not a table"):
+        load_config(path, ["strategy.lr=0.01"])
+    with pytest.raises(ConfigError, match="not a table"):
+        apply_overrides({"train": 5}, ["train.steps=2"])
+    assert apply_overrides({}, ["train.steps=2"]) == {"train": {"steps": 2}}

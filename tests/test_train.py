@@ -488,3 +488,20 @@ def test_killed_rank_of_four_is_the_only_one_named_by_every_survivor(tmp_path):
         assert f"rank {rank}: lost rank 2 " in errors[0], (rank, errors[0])
         assert "frame #" not in errors[0] and ".cpp" not in errors[0], errors[0]
         assert "Traceback" not in text, (rank, text[-3000:])
+
+
+def test_resume_with_another_mesh_says_which_config_keys(tmp_path, single_process):
+    out = tmp_path / "run"
+    base = GPT_QUICK + ["train.steps=2", "train.checkpoint_every=2", "train.progress=false",
+                        f"train.out={out}"]
+    train(load_config(ROOT / "configs/gpt.toml", base), echo=lambda text: None)
+    meta_path = out / "checkpoints" / "step_000002" / "flexdemo.json"
+    meta = json.loads(meta_path.read_text())
+    meta.update(world_size=4, mesh_shape=[2, 2])  # as if written by a 2 x 2 job
+    meta_path.write_text(json.dumps(meta))
+    with pytest.raises(TrainingError) as info:
+        train(load_config(ROOT / "configs/gpt.toml", base + ["resume=true"]),
+              echo=lambda text: None)
+    msg = _one_line(info)
+    assert "mesh.replicate=2 mesh.shard=2" in msg and "4 ranks" in msg, msg
+    assert "prepare(" not in msg, msg

@@ -388,6 +388,7 @@ def format_table(results: list[dict]) -> str:
     lines.append("val loss: mean over all ranks after the last step; time s: training time "
                  "(evaluation excluded)\nstep ms = compute + comm (per rank, mean); MB/step: "
                  "what a rank sends across nodes per step")
+    lines += [note for note in map(never_synced_note, results) if note]
     return "\n".join(lines)
 
 
@@ -419,6 +420,21 @@ def equal_time_losses(results: list[dict], bandwidth: str) -> tuple[float, dict[
     return t, out
 
 
+def never_synced_note(r: dict) -> str | None:
+    """A note for a run whose strategy synchronises across nodes but sent nothing: a run
+    shorter than DiLoCo's ``inner_steps``. Its replicas trained apart, and its step time holds
+    no communication, so neither its loss nor its speed compares with a synced run."""
+    spec = STRATEGIES.get(r.get("strategy", ""), {}).get("strategy", {})
+    if (r.get("status") != "ok" or spec.get("replicator", "none") == "none"
+            or r.get("mb_sent_total", 1.0) != 0):
+        return None
+    every = (spec.get("replicator_kwargs") or {}).get("inner_steps")
+    why = (f" (it syncs every {every} steps; give train.steps > {every})" if every else "")
+    return (f"note: {r['strategy']} @ {r['bandwidth']} never synchronised across nodes in its "
+            f"{r.get('steps', '?')} steps{why}: its replicas trained apart and its step time "
+            "includes no communication, so its speed and loss do not compare with synced runs")
+
+
 def comparison_lines(results: list[dict], reference: str = "hsdp-adamw") -> list[str]:
     """FlexDeMo (and the others) against ``reference``: validation loss at equal steps and
     training loss at equal wall-clock time, per bandwidth."""
@@ -434,8 +450,11 @@ def comparison_lines(results: list[dict], reference: str = "hsdp-adamw") -> list
                 continue
             rel = 100 * (r["val_loss"] - ref["val_loss"]) / ref["val_loss"]
             speed = ref["step_seconds"] / r["step_seconds"] if r.get("step_seconds") else 0
+            note = never_synced_note(r)
+            lines.append(f"{r['strategy']} vs {reference} @ {bw}:")
+            if note:
+                lines.append(f"  {note}")
             lines += [
-                f"{r['strategy']} vs {reference} @ {bw}:",
                 f"  at equal steps: val loss {r['val_loss']:.4f} vs {ref['val_loss']:.4f} "
                 f"({rel:+.1f}%)",
                 f"  step time:      {r['step_seconds'] * 1e3:.0f} ms vs "

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 from collections.abc import Callable, Sequence
 
@@ -378,8 +379,34 @@ def _cmd_bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
     return 0 if all(r["status"] == "ok" for r in results) else 1
 
 
+# options whose value may look like a negative number (a bad one, which their own check names)
+VALUE_OPTIONS = ("--bandwidth", "--bandwidths", "--latency", "--timeout", "--grace", "--port",
+                 "--nodes", "--ranks-per-node", "--steps")
+NEGATIVE = re.compile(r"-\.?\d")
+
+
+def join_negative_values(argv: list[str]) -> list[str]:
+    """``--bandwidth -5mbit`` -> ``--bandwidth=-5mbit``: argparse takes a value that starts
+    with ``-`` for an option and says only "expected one argument"; joined, the option's own
+    check says what is wrong with the value. The command after ``--`` is left alone."""
+    out: list[str] = []
+    i = 0
+    while i < len(argv):
+        token = argv[i]
+        if token == "--":
+            return out + argv[i:]
+        if token in VALUE_OPTIONS and i + 1 < len(argv) and NEGATIVE.match(argv[i + 1]):
+            out.append(f"{token}={argv[i + 1]}")
+            i += 2
+            continue
+        out.append(token)
+        i += 1
+    return out
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``flexdemo`` command; returns the exit code."""
     parser = build_parser()
-    args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
+    args = parser.parse_args(join_negative_values(list(sys.argv[1:] if argv is None
+                                                       else argv)))
     return int(args.func(args, args.subparser))

@@ -192,7 +192,13 @@ def read_config_file(path: str | os.PathLike) -> dict:
         raise ConfigError(f"config file {str(p)!r} does not exist" if not p.exists()
                           else f"config path {str(p)!r} is not a file")
     suffix = p.suffix.lower()
-    text = p.read_text(encoding="utf-8")
+    try:
+        text = p.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{p}: not UTF-8 text (byte 0x{e.object[e.start]:02x} at offset "
+                          f"{e.start}); save the config file as UTF-8") from None
+    except OSError as e:
+        raise ConfigError(f"{p}: cannot read it: {e.strerror or e}") from None
     if suffix == ".toml":
         tomllib = _toml_module()
         try:
@@ -256,9 +262,10 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
         for i, part in enumerate(parts[:-1]):
             nxt = node.get(part)
             if not isinstance(nxt, dict):
-                if nxt is not None and i > 0:
+                if nxt is not None:  # never replace a malformed section silently
                     where = ".".join(parts[: i + 1])
-                    raise ConfigError(f"override {text!r}: {where} is not a table")
+                    raise ConfigError(f"override {text!r}: {where} is {_describe(nxt)}, not a "
+                                      f"table; fix [{where}] in the config file first")
                 nxt = {}
                 node[part] = nxt
             node = nxt

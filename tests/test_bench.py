@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import csv
+import importlib.util
 import json
+from pathlib import Path
 
 import pytest
 
@@ -23,6 +25,7 @@ from flexdemo.app.config import ConfigError, config_from_dict, validate
 pytest.importorskip("matplotlib", reason="the bench's plots need matplotlib")
 
 PNG = b"\x89PNG\r\n\x1a\n"
+ROOT = Path(__file__).parent.parent
 
 
 def test_options_defaults_and_preset():
@@ -183,3 +186,32 @@ def test_a_run_too_short_to_sync_is_flagged():
     assert "train.steps > 20" in lines[i + 1] and "x faster" in lines[i + 3]
     assert "never synchronised" in format_table(results)
     assert not any("never" in line for line in comparison_lines(_fake_results()))
+
+
+def _load_script(path: Path):
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_one_strategy_table_for_bench_example_and_wire_benchmark():
+    from flexdemo.app.strategies import STRATEGIES as TABLE
+    from flexdemo.app.strategies import parse_strategy
+
+    assert STRATEGIES is TABLE
+    s = parse_strategy("demo-defaults:topk=16:values=int2")
+    assert (s.replicator, s.optimizer, s.replicator_kwargs) == (
+        "demo", "sgd", {"topk": 16, "values": "int2"})
+    assert TABLE["demo-defaults"].replicator_kwargs == {}  # the entry itself is untouched
+    with pytest.raises(ValueError, match="did you mean 'flexdemo'"):
+        parse_strategy("flexdem")
+    example = _load_script(ROOT / "examples" / "train_gpt.py")
+    args = example.parse_args(["--strategies", ",".join(TABLE)])
+    assert args.strategies == list(TABLE)
+    wire = _load_script(ROOT / "benchmarks" / "bench_wire.py")
+    for token in wire.CODECS + [t.format(default=wire.DEMO) for t in wire.TIMING]:
+        parse_strategy(token)
+    # the bench's configs follow the table
+    o = bench_options(strategies="flexdemo,diloco")
+    assert run_config(o, "diloco", "x")["strategy"] == TABLE["diloco"].settings()

@@ -252,3 +252,18 @@ def test_an_override_never_replaces_a_malformed_section(tmp_path):
     with pytest.raises(ConfigError, match="not a table"):
         apply_overrides({"train": 5}, ["train.steps=2"])
     assert apply_overrides({}, ["train.steps=2"]) == {"train": {"steps": 2}}
+
+
+def test_task_choices_come_from_the_task_registry(monkeypatch):
+    from flexdemo.app import tasks
+
+    assert tasks.TASK_NAMES == tuple(tasks.TASKS) == ("gpt", "vit", "t5")
+    assert "choose one of gpt, vit, t5" in error_of({"task": {"name": "bert"}})
+    # one entry in the table makes a task valid in configs and buildable
+    built = []
+    spec = tasks.TaskSpec("a test task", ("one",), ("model",),
+                          lambda c, seed: built.append((c.model, seed)) or "task")
+    monkeypatch.setitem(tasks.TASKS, "toy", spec)
+    cfg = load_config(None, ["task.name=toy", "task.model=one"])
+    assert tasks.build_task(cfg.task, seed=3) == "task" and built == [("one", 3)]
+    assert "choose one of one" in error_of({"task": {"name": "toy", "model": "two"}})

@@ -12,7 +12,6 @@ table. Without root (or with ``unshaped``) the runs happen on loopback with no s
 from __future__ import annotations
 
 import csv
-import difflib
 import json
 import math
 import os
@@ -35,40 +34,13 @@ from ..tools.cluster import (
 )
 from .config import apply_overrides, config_from_dict, read_config_file, to_toml, validate
 from .plots import plot_all, smooth
+from .strategies import STRATEGIES, parse_strategy
 
 __all__ = ["DEFAULT_BANDWIDTHS", "DEFAULT_STRATEGIES", "PRESETS", "STRATEGIES", "BenchError",
            "BenchOptions", "bench_options", "equal_time_losses", "format_table", "run_bench"]
 
 UNSHAPED = "unshaped"
 
-# DeMo for short runs: momentum decay 0.9 (the paper's 0.999 remembers ~1000 steps, longer
-# than these runs), the top 64 of 4096 DCT coefficients per 64x64 block, sign-SGD at lr 1e-3;
-# measured on the 150-step GPT/mini job: val loss 2.40 against 2.65 with the paper's settings
-DEMO_SETTINGS = {"replicator": "demo", "optimizer": "sgd", "lr": 1e-3,
-                 "replicator_kwargs": {"topk": 64, "decay": 0.9}}
-
-STRATEGIES: dict[str, dict[str, Any]] = {
-    "flexdemo": {
-        "about": "FlexDeMo: FSDP2 in a node, DeMo (top-64 DCT per block) across nodes, "
-                 "sign-SGD",
-        "strategy": DEMO_SETTINGS, "layout": "hybrid"},
-    "demo-dp": {
-        "about": "DeMo on plain data parallelism (shard 1), sign-SGD",
-        "strategy": DEMO_SETTINGS, "layout": "dp"},
-    "hsdp-adamw": {
-        "about": "hybrid-sharded AdamW, full fp32 gradient all-reduce across nodes",
-        "strategy": {"replicator": "full", "optimizer": "adamw", "lr": 1e-3},
-        "layout": "hybrid"},
-    "no-sync": {
-        "about": "AdamW, FSDP2 in a node, no replication across nodes (replicas drift)",
-        "strategy": {"replicator": "none", "optimizer": "adamw", "lr": 1e-3},
-        "layout": "hybrid"},
-    "diloco": {
-        "about": "DiLoCo: inner AdamW, outer Nesterov SGD, full sync every 20 steps",
-        "strategy": {"replicator": "diloco", "optimizer": "adamw", "lr": 1e-3,
-                     "replicator_kwargs": {"inner_steps": 20}},
-        "layout": "hybrid"},
-}
 DEFAULT_STRATEGIES = ("flexdemo", "demo-dp", "hsdp-adamw", "no-sync")
 DEFAULT_BANDWIDTHS = ("10mbit", "100mbit", "1gbit")
 
@@ -142,10 +114,12 @@ def bench_options(*, preset: str | None = None, strategies: str | list[str] | No
     o.unshaped, o.timeout, o.quiet = unshaped, timeout, quiet
     for s in o.strategies:
         if s not in STRATEGIES:
-            close = difflib.get_close_matches(s, list(STRATEGIES), n=1)
-            hint = f" (did you mean {close[0]!r}?)" if close else ""
-            raise BenchError(f"unknown strategy {s!r}{hint}; choose from "
-                             f"{', '.join(STRATEGIES)}")
+            try:
+                parse_strategy(s)
+            except ValueError as e:
+                raise BenchError(str(e)) from None
+            raise BenchError(f"strategy {s!r}: the bench takes names only; add a strategy to "
+                             "flexdemo.app.strategies.STRATEGIES for other settings")
     if len(set(o.strategies)) != len(o.strategies):
         raise BenchError(f"a strategy is listed twice: {','.join(o.strategies)}")
     for bw in o.bandwidths:
@@ -177,9 +151,9 @@ def run_config(o: BenchOptions, strategy: str, run_dir: str) -> dict:
     """The training config of one run: the base, the strategy and its mesh layout."""
     spec = STRATEGIES[strategy]
     cfg = json.loads(json.dumps(o.base))
-    cfg["strategy"] = json.loads(json.dumps(spec["strategy"]))
+    cfg["strategy"] = spec.settings()
     world = o.nodes * o.ranks_per_node
-    if spec["layout"] == "dp":
+    if spec.layout == "dp":
         cfg["mesh"] = {"replicate": world, "shard": 1}
     else:
         cfg["mesh"] = {"replicate": o.nodes, "shard": o.ranks_per_node}
@@ -303,7 +277,7 @@ def _one_run(o: BenchOptions, cluster: EmulatedCluster, name: str, bw: str, out:
     cfg_path.write_text(to_toml(cfg))
     where = ("loopback, unshaped" if bw == UNSHAPED
              else f"links of {format_rate(parse_bandwidth(bw))}")
-    echo(f"\n== {name} @ {_label(bw)}: {STRATEGIES[name]['about']} ({where})")
+    echo(f"\n== {name} @ {_label(bw)}: {STRATEGIES[name].about} ({where})")
     cmd = [sys.executable, "-m", "flexdemo", "train", str(cfg_path)]
     env = {"PYTHONUNBUFFERED": "1"}
     with (run_dir / "log.txt").open("w") as log:
@@ -311,7 +285,7 @@ def _one_run(o: BenchOptions, cluster: EmulatedCluster, name: str, bw: str, out:
         result = cluster.run(cmd, env=env, stdout=tee, stderr=tee, timeout=o.timeout,
                              cwd=os.getcwd())
     record: dict[str, Any] = {"strategy": name, "bandwidth": _label(bw),
-                              "about": STRATEGIES[name]["about"], "run_dir": str(run_dir),
+                              "about": STRATEGIES[name].about, "run_dir": str(run_dir),
                               "nodes": o.nodes, "ranks_per_node": o.ranks_per_node,
                               "status": "ok" if result.ok else "failed",
                               "message": result.message, "wall_seconds": result.seconds}
@@ -424,11 +398,11 @@ def never_synced_note(r: dict) -> str | None:
     """A note for a run whose strategy synchronises across nodes but sent nothing: a run
     shorter than DiLoCo's ``inner_steps``. Its replicas trained apart, and its step time holds
     no communication, so neither its loss nor its speed compares with a synced run."""
-    spec = STRATEGIES.get(r.get("strategy", ""), {}).get("strategy", {})
-    if (r.get("status") != "ok" or spec.get("replicator", "none") == "none"
+    spec = STRATEGIES.get(r.get("strategy", ""))
+    if (spec is None or r.get("status") != "ok" or spec.replicator == "none"
             or r.get("mb_sent_total", 1.0) != 0):
         return None
-    every = (spec.get("replicator_kwargs") or {}).get("inner_steps")
+    every = spec.replicator_kwargs.get("inner_steps")
     why = (f" (it syncs every {every} steps; give train.steps > {every})" if every else "")
     return (f"note: {r['strategy']} @ {r['bandwidth']} never synchronised across nodes in its "
             f"{r.get('steps', '?')} steps{why}: its replicas trained apart and its step time "

@@ -323,7 +323,7 @@ with no bandwidth limit, and the bench says so.
 
 
 def _add_bench_parser(sub) -> None:
-    strategies = "\n".join(f"  {name:<12} {spec['about']}" for name, spec in STRATEGIES.items())
+    strategies = "\n".join(f"  {name:<12} {spec.about}" for name, spec in STRATEGIES.items())
     presets = "\n".join(f"  {name:<12} {spec['about']}" for name, spec in PRESETS.items())
     b = sub.add_parser(
         "bench", help="sweep strategies x bandwidths on an emulated cluster; table + plots",

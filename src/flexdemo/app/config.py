@@ -48,13 +48,14 @@ from typing import Any
 import torch
 
 from ..mesh import mesh_shape
-from ..optim import make_base_optimizer
+from ..optim import BASE_OPTIMIZERS, make_base_optimizer
 from ..replicate import REPLICATORS, make_replicator
-from .tasks import task_presets
+from .schedule import SCHEDULES
+from .tasks import TASKS, task_presets
 
 __all__ = ["Config", "ConfigError", "MeshConfig", "StrategyConfig", "TaskConfig", "TrainConfig",
-           "apply_overrides", "check_mesh", "config_from_dict", "config_to_dict", "load_config",
-           "parse_override", "read_config_file", "to_toml", "validate"]
+           "apply_overrides", "check_mesh", "choices", "config_from_dict", "config_to_dict",
+           "load_config", "parse_override", "read_config_file", "to_toml", "validate"]
 
 
 class ConfigError(ValueError):
@@ -164,12 +165,12 @@ class Config:
 SECTIONS: dict[str, type] = {"task": TaskConfig, "strategy": StrategyConfig,
                              "mesh": MeshConfig, "train": TrainConfig}
 TOP_LEVEL = ("resume",)
-CHOICES: dict[str, tuple[str, ...]] = {
-    "task.name": ("gpt", "vit", "t5"),
-    "strategy.optimizer": ("sgd", "adamw", "adam"),
-    "strategy.nonfinite": ("raise", "skip"),
-    "train.schedule": ("cosine", "constant"),
-}
+def choices() -> dict[str, tuple[str, ...]]:
+    """The valid values of the keys with a fixed set of them, read from the registries (tasks,
+    base optimizers, schedules) when asked, so that an entry added there is valid here."""
+    return {"task.name": tuple(TASKS), "strategy.optimizer": tuple(BASE_OPTIMIZERS),
+            "strategy.replicator": tuple(sorted(REPLICATORS)),
+            "strategy.nonfinite": ("raise", "skip"), "train.schedule": SCHEDULES}
 
 
 # ---------------------------------------------------------------------- reading files
@@ -389,9 +390,9 @@ def validate(cfg: Config, world_size: int | None = None) -> Config:
     """Check values and their combinations; ``world_size`` (default ``WORLD_SIZE`` or 1)
     checks the mesh shape. Returns ``cfg``; raises :class:`ConfigError`."""
     t, s, m, tr = cfg.task, cfg.strategy, cfg.mesh, cfg.train
-    for where, choices in CHOICES.items():
+    for where, valid in choices().items():
         section, key = where.split(".")
-        _check_choice(where, getattr(getattr(cfg, section), key), choices)
+        _check_choice(where, getattr(getattr(cfg, section), key), valid)
     _check_choice("task.model", t.model, task_presets(t.name))
     _check_range("task.corpus_bytes", t.corpus_bytes >= 10_000, "at least 10000",
                  t.corpus_bytes)
@@ -405,7 +406,6 @@ def validate(cfg: Config, world_size: int | None = None) -> Config:
                  t.noise_density)
     _check_range("task.mean_span", t.mean_span >= 1.0, "at least 1", t.mean_span)
 
-    _check_choice("strategy.replicator", s.replicator, sorted(REPLICATORS))
     _check_range("strategy.lr", s.lr > 0, "a number > 0", s.lr)
     _check_range("strategy.weight_decay", s.weight_decay >= 0, "a number >= 0",
                  s.weight_decay)

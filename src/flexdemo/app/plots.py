@@ -12,10 +12,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from .strategies import STRATEGIES
+
 __all__ = ["plot_all", "plot_loss_vs_bytes", "plot_loss_vs_time", "plot_step_time", "smooth"]
 
-COLORS = {"flexdemo": "#1f77b4", "hsdp-adamw": "#d62728", "demo-dp": "#2ca02c",
-          "no-sync": "#7f7f7f", "diloco": "#9467bd"}
 FALLBACK = ["#8c564b", "#e377c2", "#bcbd22", "#17becf", "#ff7f0e"]
 
 
@@ -29,8 +29,9 @@ def _pyplot():
 
 
 def _color(name: str, order: list[str]) -> str:
-    if name in COLORS:
-        return COLORS[name]
+    spec = STRATEGIES.get(name)
+    if spec is not None and spec.color:
+        return spec.color
     return FALLBACK[order.index(name) % len(FALLBACK)]
 
 

@@ -39,7 +39,6 @@ path and the cause.
 from __future__ import annotations
 
 import json
-import math
 import os
 import re
 import shutil
@@ -67,6 +66,7 @@ from ..checkpoint import (
 from ..mesh import is_timeout, timeout_from_env, timeout_note
 from ..replicate import NonFiniteGradientError
 from .config import Config, config_to_dict, to_toml
+from .schedule import lr_at
 from .tasks import ShardSampler, Task, build_task
 
 __all__ = ["Checkpointer", "Heartbeat", "MetricsLog", "PeerLostError", "Progress", "TrainState",
@@ -86,19 +86,6 @@ class PeerLostError(TrainingError):
     def __init__(self, message: str, lost_ranks: list[int] | None = None) -> None:
         super().__init__(message)
         self.lost_ranks = lost_ranks or []
-
-
-def lr_at(step: int, steps: int, base: float, warmup: int = 0, schedule: str = "cosine",
-          min_lr: float = 0.1) -> float:
-    """Learning rate of step ``step`` (from 0): linear warm-up over ``warmup`` steps, then
-    constant or a cosine decay that reaches ``min_lr * base`` at the last step."""
-    if warmup and step < warmup:
-        return base * (step + 1) / warmup
-    if schedule == "constant":
-        return base
-    span = max(steps - warmup - 1, 1)
-    frac = min(max(step - warmup, 0) / span, 1.0)
-    return base * (min_lr + (1.0 - min_lr) * 0.5 * (1.0 + math.cos(math.pi * frac)))
 
 
 def timeout_seconds(cfg: Config) -> float:

@@ -7,6 +7,8 @@ extra ``t5``). Nothing is downloaded. :func:`build_task` makes one from a ``[tas
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from .base import ShardSampler, Task
@@ -28,30 +30,55 @@ from .text import GPTTask
 from .vit import PRESETS as VIT_PRESETS
 from .vit import ViT, ViTConfig, ViTTask, vit_config
 
-TASK_NAMES = ("gpt", "vit", "t5")
+
+@dataclass(frozen=True)
+class TaskSpec:
+    """One entry of :data:`TASKS`: what the task is, its model presets, the ``[task]`` keys
+    it reads, and how to build it from a ``[task]`` config."""
+
+    about: str
+    presets: tuple[str, ...]
+    options: tuple[str, ...]
+    build: Callable[[Any, int], Task]
+    """``build(task_config, seed)``: the task, data loaded, model not built yet."""
+
+
+# the tasks: adding one is one entry here (plus its module, and its new [task] keys, if any)
+TASKS: dict[str, TaskSpec] = {
+    "gpt": TaskSpec(
+        "byte-level GPT on the standard library's sources", tuple(PRESETS),
+        ("model", "corpus_bytes", "seq_len"),
+        lambda c, seed: GPTTask(c.model, c.corpus_bytes, c.seq_len)),
+    "vit": TaskSpec(
+        "a small ViT on scikit-learn's digits", tuple(VIT_PRESETS),
+        ("model", "patch", "val_fraction"),
+        lambda c, seed: ViTTask(c.model, c.patch, c.val_fraction)),
+    "t5": TaskSpec(
+        "span corruption with a tiny transformers T5 (needs the t5 extra)", tuple(T5_PRESETS),
+        ("model", "corpus_bytes", "seq_len", "noise_density", "mean_span"),
+        lambda c, seed: T5Task(c.model, c.corpus_bytes, c.seq_len, c.noise_density,
+                               c.mean_span, seed)),
+}
+TASK_NAMES = tuple(TASKS)
+
+
+def _spec(name: str) -> TaskSpec:
+    if name not in TASKS:
+        raise ValueError(f"unknown task {name!r}; choose one of {', '.join(TASKS)}")
+    return TASKS[name]
 
 
 def task_presets(name: str) -> tuple[str, ...]:
     """The model size presets of task ``name``."""
-    table = {"gpt": PRESETS, "vit": VIT_PRESETS, "t5": T5_PRESETS}
-    if name not in table:
-        raise ValueError(f"unknown task {name!r}; choose one of {', '.join(TASK_NAMES)}")
-    return tuple(table[name])
+    return _spec(name).presets
 
 
 def build_task(cfg: Any, seed: int = 0) -> Task:
     """The task a ``[task]`` config describes (data loaded, model not built yet)."""
-    if cfg.name == "gpt":
-        return GPTTask(cfg.model, cfg.corpus_bytes, cfg.seq_len)
-    if cfg.name == "vit":
-        return ViTTask(cfg.model, cfg.patch, cfg.val_fraction)
-    if cfg.name == "t5":
-        return T5Task(cfg.model, cfg.corpus_bytes, cfg.seq_len, cfg.noise_density,
-                      cfg.mean_span, seed)
-    raise ValueError(f"unknown task {cfg.name!r}; choose one of {', '.join(TASK_NAMES)}")
+    return _spec(cfg.name).build(cfg, seed)
 
 
-__all__ = ["GPT", "PRESETS", "TASK_NAMES", "GPTConfig", "GPTTask", "ShardSampler", "T5Task",
-           "Task", "ViT", "ViTConfig", "ViTTask", "build_task", "data_generator", "evaluate",
-           "get_batch", "gpt_config", "have_transformers", "load_corpus", "num_params",
-           "stdlib_files", "task_presets", "vit_config"]
+__all__ = ["GPT", "PRESETS", "TASKS", "TASK_NAMES", "GPTConfig", "GPTTask", "ShardSampler",
+           "T5Task", "Task", "TaskSpec", "ViT", "ViTConfig", "ViTTask", "build_task",
+           "data_generator", "evaluate", "get_batch", "gpt_config", "have_transformers",
+           "load_corpus", "num_params", "stdlib_files", "task_presets", "vit_config"]

@@ -8,7 +8,6 @@ import json
 import math
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -17,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from dist_util import free_port, run_world, spawn_ranks
 
 from flexdemo.app.config import load_config
 from flexdemo.app.tasks import ShardSampler, have_transformers
@@ -182,26 +182,6 @@ def test_checkpoint_guards(tmp_path, single_process):
     assert summary["steps_this_run"] == 4
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _spawn_ranks(world: int, args: list[str]) -> list[subprocess.Popen]:
-    """``world`` ranks of ``flexdemo train`` with torchrun's variables (one rank per node)."""
-    port = _free_port()
-    procs = []
-    for rank in range(world):
-        env = dict(os.environ, RANK=str(rank), LOCAL_RANK="0", WORLD_SIZE=str(world),
-                   LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                   OMP_NUM_THREADS="1", FLEXDEMO_TIMEOUT="30")
-        procs.append(subprocess.Popen([PY, "-m", "flexdemo", "train", *args], env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                      text=True))
-    return procs
-
-
 def _train_worker(rank: int, world: int, path: str, overrides: list[str]) -> dict:
     """A rank of ``run_world``: train as ``flexdemo train path overrides`` would."""
     return train(load_config(path, overrides), echo=lambda text: None)
@@ -211,15 +191,13 @@ def test_killed_rank_ends_the_run_and_resume_matches_an_uninterrupted_run(tmp_pa
     """Two replicas (DeMo state differs per replica). Rank 1 is killed mid-run: rank 0 must
     stop within 60 s naming rank 1; resuming from the last checkpoint must then give the
     uninterrupted run's losses bit for bit."""
-    from dist_util import run_world
-
     cfg = str(ROOT / "configs/gpt.toml")
     common = GPT_QUICK + ["train.steps=300", "train.checkpoint_every=3", "mesh.replicate=2",
                           "train.progress=false"]
     ref, run = tmp_path / "reference", tmp_path / "killed"
     run_world(_train_worker, 2, cfg, [*common, "train.stop_at=15", f"train.out={ref}"])
 
-    procs = _spawn_ranks(2, [cfg, *common, f"train.out={run}"])
+    procs = spawn_ranks(2, ["train", cfg, *common, f"train.out={run}"])
     try:
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
@@ -290,7 +268,7 @@ def test_bad_timeout_variable_breaks_neither_import_nor_help_and_train_says_why(
 
 
 def test_rendezvous_timeout_names_the_variable_and_the_peer():
-    port = _free_port()  # nothing listens there: rank 0 never comes
+    port = free_port()  # nothing listens there: rank 0 never comes
     code = ("import flexdemo\ntry:\n    flexdemo.init_distributed()\nexcept TimeoutError as e:\n"
             "    print('ERROR', e)\n")
     run = _flexdemo(["-c", code], {"FLEXDEMO_TIMEOUT": "2", "WORLD_SIZE": "2", "RANK": "1",
@@ -458,7 +436,7 @@ def test_killed_rank_of_four_is_the_only_one_named_by_every_survivor(tmp_path):
     must not be counted as lost, and rank 0's exit must not take the store from the others),
     with no C++ stack frames."""
     out = tmp_path / "run"
-    procs = _spawn_ranks(4, [str(ROOT / "configs/gpt.toml"), *GPT_QUICK, "train.steps=300",
+    procs = spawn_ranks(4, ["train", str(ROOT / "configs/gpt.toml"), *GPT_QUICK, "train.steps=300",
                              "mesh.replicate=2", "mesh.shard=2", "train.progress=false",
                              f"train.out={out}"])
     try:

@@ -378,15 +378,18 @@ def test_full_disk_while_logging_warns_once_and_training_goes_on(tmp_path, singl
 
 
 # ---------------------------------------------------------------------- the lost rank
-def test_killed_rank_of_four_is_the_only_one_named_by_every_survivor(tmp_path):
-    """Four bare processes, one rank per launcher, a 2 x 2 mesh: rank 2 is killed. Every
-    survivor stops within 60 s naming rank 2 and no other rank (survivors that leave first
-    must not be counted as lost, and rank 0's exit must not take the store from the others),
-    with no C++ stack frames."""
+@pytest.mark.parametrize("mesh", [["mesh.replicate=2", "mesh.shard=2"], []],
+                         ids=["2x2", "auto-4x1"])
+def test_killed_rank_of_four_is_the_only_one_named_by_every_survivor(tmp_path, mesh):
+    """Four bare processes, one rank per launcher, a 2 x 2 mesh (some survivors wait in
+    collectives with other survivors) or the default 4 x 1: rank 2 is killed. Every survivor
+    stops within 60 s naming rank 2 and no other rank (survivors that leave first must not be
+    counted as lost, and rank 0's exit must not take the store from the others), with no C++
+    stack frames."""
     out = tmp_path / "run"
-    procs = spawn_ranks(4, ["train", str(ROOT / "configs/gpt.toml"), *GPT_QUICK, "train.steps=300",
-                             "mesh.replicate=2", "mesh.shard=2", "train.progress=false",
-                             f"train.out={out}"])
+    procs = spawn_ranks(4, ["train", str(ROOT / "configs/gpt.toml"), *GPT_QUICK,
+                            "train.steps=300", *mesh, "train.progress=false",
+                            f"train.out={out}"])
     try:
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:

@@ -434,3 +434,38 @@ def test_resume_with_another_mesh_says_which_config_keys(tmp_path, single_proces
     msg = _one_line(info)
     assert "mesh.replicate=2 mesh.shard=2" in msg and "4 ranks" in msg, msg
     assert "prepare(" not in msg, msg
+
+
+def test_heartbeat_verdict_is_shared_and_reaches_a_rank_blocked_in_a_collective():
+    """Four ranks' heartbeats over one store: rank 2 dies; rank 3 noticed the failure first
+    and left (its heartbeat stopped, but it is not lost); rank 0 diagnoses; rank 1, blocked in
+    a collective, learns the verdict from its heartbeat thread."""
+    from flexdemo.app.trainer import Heartbeat
+
+    port = free_port()
+    server = dist.TCPStore("127.0.0.1", port, 4, is_master=True, wait_for_workers=False)
+    stores = [server] + [dist.TCPStore("127.0.0.1", port, 4, is_master=False)
+                         for _ in range(3)]
+    heard: list[list[int]] = []
+    beats = [Heartbeat(r, 4, interval=0.1, store=stores[r],
+                       on_verdict=heard.append if r == 1 else None) for r in range(4)]
+    try:
+        beats[2].stop()  # rank 2 dies
+        beats[3].store.set(f"{Heartbeat.PREFIX}noticed/3", "1")  # rank 3 noticed, then left
+        beats[3].stop()
+        assert beats[0].lost_ranks() == ([2], "")
+        deadline = time.monotonic() + 5
+        while not heard and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert heard == [[2]]
+        # rank 0 hosts the store: it waits for survivors that did not take the verdict yet
+        t0 = time.monotonic()
+        beats[0].wait_for_survivors([2], limit=0.5)
+        assert time.monotonic() - t0 >= 0.5
+        assert beats[3].lost_ranks() == ([2], "")  # a late survivor takes the same verdict
+        t0 = time.monotonic()
+        beats[0].wait_for_survivors([2], limit=5)
+        assert time.monotonic() - t0 < 1
+    finally:
+        for b in beats:
+            b.stop()

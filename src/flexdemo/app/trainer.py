@@ -143,11 +143,12 @@ class Heartbeat:
     PREFIX = "flexdemo/liveness/"
 
     def __init__(self, rank: int, world: int, interval: float = 1.0,
-                 on_verdict: Callable[[list[int]], None] | None = None) -> None:
+                 on_verdict: Callable[[list[int]], None] | None = None,
+                 store: dist.Store | None = None) -> None:
         self.rank, self.world, self.interval = rank, world, interval
         self.on_verdict = on_verdict
-        self.store = None
-        if world > 1:
+        self.store = store
+        if store is None and world > 1:
             try:
                 self.store = dist.distributed_c10d._get_default_store()
             except Exception:  # noqa: BLE001 - no store: no diagnosis, training still runs

@@ -459,13 +459,9 @@ def test_heartbeat_verdict_is_shared_and_reaches_a_rank_blocked_in_a_collective(
             time.sleep(0.05)
         assert heard == [[2]]
         # rank 0 hosts the store: it waits for survivors that did not take the verdict yet
-        t0 = time.monotonic()
-        beats[0].wait_for_survivors([2], limit=0.5)
-        assert time.monotonic() - t0 >= 0.5
+        assert beats[0].wait_for_survivors([2], limit=0.3) is False
         assert beats[3].lost_ranks() == ([2], "")  # a late survivor takes the same verdict
-        t0 = time.monotonic()
-        beats[0].wait_for_survivors([2], limit=5)
-        assert time.monotonic() - t0 < 1
+        assert beats[0].wait_for_survivors([2], limit=30) is True
     finally:
         for b in beats:
             b.stop()

@@ -228,19 +228,22 @@ class Heartbeat:
             return [0], "the rendezvous store on MASTER_ADDR is unreachable"
         return lost, ""
 
-    def wait_for_survivors(self, lost: list[int], limit: float = 15.0) -> None:
+    def wait_for_survivors(self, lost: list[int], limit: float = 15.0) -> bool:
         """On the store's host (rank 0): wait until every survivor took the verdict (or
-        ``limit`` seconds), so that leaving does not take the store from under them."""
+        ``limit`` seconds), so that leaving does not take the store from under them. Returns
+        whether they all did (True on other ranks, which need not wait)."""
         if self.store is None or self.rank != 0:
-            return
+            return True
         deadline = time.monotonic() + limit
         others = [r for r in range(self.world) if r != self.rank and r not in lost]
-        while time.monotonic() < deadline:
+        while True:
             try:
                 if all(self.store.check([self._key("taken", r)]) for r in others):
-                    return
-            except Exception:  # noqa: BLE001 - nothing left to wait for
-                return
+                    return True
+            except Exception:  # noqa: BLE001 - the store is gone: nothing left to wait for
+                return False
+            if time.monotonic() >= deadline:
+                return False
             time.sleep(0.1)
 
 

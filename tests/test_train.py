@@ -252,9 +252,10 @@ class _FakeEvents:
 
 def test_a_crash_right_after_a_checkpoint_loses_no_metrics_line(tmp_path, single_process,
                                                                  monkeypatch):
+    import flexdemo.app.outputs as outputs
     import flexdemo.app.trainer as trainer
 
-    monkeypatch.setattr(trainer, "summary_writer", lambda: _FakeEvents)
+    monkeypatch.setattr(outputs, "summary_writer", lambda: _FakeEvents)
     real_save = trainer.save_checkpoint
 
     def save_then_crash(path, *args, **kwargs):
@@ -355,7 +356,7 @@ def test_output_folder_faults_are_one_line(tmp_path, single_process, monkeypatch
 
 def test_full_disk_while_logging_warns_once_and_training_goes_on(tmp_path, single_process,
                                                                  monkeypatch):
-    import flexdemo.app.trainer as trainer
+    import flexdemo.app.outputs as outputs
 
     class FullDisk:
         def write(self, text):
@@ -367,7 +368,7 @@ def test_full_disk_while_logging_warns_once_and_training_goes_on(tmp_path, singl
         def close(self):
             pass
 
-    monkeypatch.setattr(trainer.MetricsLog, "_open", lambda self: FullDisk())
+    monkeypatch.setattr(outputs.MetricsLog, "_open", lambda self: FullDisk())
     said: list[str] = []
     summary = train(load_config(ROOT / "configs/gpt.toml", GPT_QUICK + [
         "train.steps=3", "train.progress=false", f"train.out={tmp_path}"]), echo=said.append)
@@ -440,7 +441,7 @@ def test_heartbeat_verdict_is_shared_and_reaches_a_rank_blocked_in_a_collective(
     """Four ranks' heartbeats over one store: rank 2 dies; rank 3 noticed the failure first
     and left (its heartbeat stopped, but it is not lost); rank 0 diagnoses; rank 1, blocked in
     a collective, learns the verdict from its heartbeat thread."""
-    from flexdemo.app.trainer import Heartbeat
+    from flexdemo.app.liveness import Heartbeat
 
     port = free_port()
     server = dist.TCPStore("127.0.0.1", port, 4, is_master=True, wait_for_workers=False)

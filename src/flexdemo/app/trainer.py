@@ -5,10 +5,10 @@ replica, the configured replicator across replicas), and runs the loop: learning
 and schedule, each rank reading its own data shard, evaluation every ``eval_every`` steps,
 checkpoints every ``checkpoint_every`` steps. Its parts: :class:`TrainState` (what the loop
 carries from step to step and across a resume), :class:`Checkpointer` (which checkpoint to
-resume from, when to save, atomic saves, pruning), :class:`MetricsLog` and :class:`Progress`
-(rank 0's outputs) and :class:`Heartbeat` (which rank was lost). :func:`train` is the thin
-function for callers. Run it under ``torchrun``, under ``flexdemo cluster``, or as a single
-process.
+resume from, when to save, atomic saves, pruning), rank 0's outputs
+(:mod:`flexdemo.app.outputs`) and the heartbeats that tell which rank was lost
+(:mod:`flexdemo.app.liveness`). :func:`train` is the thin function for callers. Run it under
+``torchrun``, under ``flexdemo cluster``, or as a single process.
 
 Outputs under ``train.out`` (written by rank 0, except the checkpoints, which every rank
 writes; with several machines ``out`` must be a shared folder):
@@ -43,7 +43,6 @@ import os
 import re
 import shutil
 import sys
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -66,11 +65,13 @@ from ..checkpoint import (
 from ..mesh import is_timeout, timeout_from_env, timeout_note
 from ..replicate import NonFiniteGradientError
 from .config import Config, config_to_dict, to_toml
+from .liveness import Heartbeat, is_comm_error, short_error
+from .outputs import MetricsLog, Progress, format_summary
 from .schedule import lr_at
 from .tasks import ShardSampler, Task, build_task
 
-__all__ = ["Checkpointer", "Heartbeat", "MetricsLog", "PeerLostError", "Progress", "TrainState",
-           "Trainer", "TrainingError", "lr_at", "timeout_seconds", "train"]
+__all__ = ["Checkpointer", "PeerLostError", "TrainState", "Trainer", "TrainingError", "lr_at",
+           "timeout_seconds", "train"]
 
 CHECKPOINT_RE = re.compile(r"step_(\d+)$")
 Echo = Callable[[str], None]
@@ -124,260 +125,6 @@ def _sum_over_ranks(values: list[float]) -> list[float]:
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(t)
     return t.tolist()
-
-
-# ---------------------------------------------------------------------- liveness
-class Heartbeat:
-    """Liveness through the rendezvous store, so that after a failed collective every survivor
-    names the same lost ranks.
-
-    Each rank bumps ``hb/<rank>`` every ``interval`` seconds. A rank that sees a collective
-    fail marks ``noticed/<rank>`` (it is alive, whatever its heartbeat does next), and the
-    first one to finish a diagnosis (heartbeats that stopped, ranks that did not notice)
-    publishes it as the ``verdict``; later ones take it. A rank still blocked in a collective
-    learns the verdict from its heartbeat thread (``on_verdict``). The store's host (rank 0)
-    waits for the survivors to take the verdict before it exits, since its exit takes the
-    store down.
-    """
-
-    PREFIX = "flexdemo/liveness/"
-
-    def __init__(self, rank: int, world: int, interval: float = 1.0,
-                 on_verdict: Callable[[list[int]], None] | None = None,
-                 store: dist.Store | None = None) -> None:
-        self.rank, self.world, self.interval = rank, world, interval
-        self.on_verdict = on_verdict
-        self.store = store
-        if store is None and world > 1:
-            try:
-                self.store = dist.distributed_c10d._get_default_store()
-            except Exception:  # noqa: BLE001 - no store: no diagnosis, training still runs
-                self.store = None
-        self.noticed = threading.Event()
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-        if self.store is not None:
-            self._beat()
-            self._thread = threading.Thread(target=self._run, name="flexdemo-heartbeat",
-                                            daemon=True)
-            self._thread.start()
-
-    def _key(self, what: str, rank: int | None = None) -> str:
-        return f"{self.PREFIX}{what}" + ("" if rank is None else f"/{rank}")
-
-    def _beat(self) -> None:
-        assert self.store is not None
-        self.store.add(self._key("hb", self.rank), 1)
-
-    def _run(self) -> None:
-        waited = 0
-        while not self._stop.wait(self.interval):
-            try:
-                self._beat()
-                if self.on_verdict is None or self.noticed.is_set():
-                    continue
-                if self.store.check([self._key("verdict")]):
-                    waited += 1  # give the main thread two beats to notice on its own
-                    if waited > 2 and not self.noticed.is_set():
-                        self.noticed.set()
-                        lost = self._take_verdict()
-                        self.on_verdict(lost)
-                        return
-            except Exception:  # noqa: BLE001 - the store is gone; lost_ranks() will say so
-                return
-
-    def stop(self) -> None:
-        """Stop beating (before the process group goes away)."""
-        self._stop.set()
-        if self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join(timeout=2 * self.interval + 1)
-
-    def _counters(self) -> list[int]:
-        return [self.store.add(self._key("hb", r), 0) for r in range(self.world)]
-
-    def _noticed(self) -> set[int]:
-        return {r for r in range(self.world) if self.store.check([self._key("noticed", r)])}
-
-    def _take_verdict(self) -> list[int]:
-        text = self.store.get(self._key("verdict")).decode()
-        self.store.set(self._key("taken", self.rank), "1")
-        return json.loads(text)
-
-    def lost_ranks(self) -> tuple[list[int], str]:
-        """``(ranks that died or stopped responding, a note)``; the same list on every
-        survivor. Takes about three heartbeat intervals, or no time if a peer already
-        published the verdict."""
-        self.noticed.set()
-        if self.store is None:
-            return [], "no rendezvous store to ask"
-        try:
-            self.store.set(self._key("noticed", self.rank), "1")
-            if not self.store.check([self._key("verdict")]):
-                before = self._counters()
-                time.sleep(3 * self.interval)
-                after = self._counters()
-                alive = self._noticed()
-                lost = [r for r in range(self.world) if r != self.rank and r not in alive
-                        and after[r] == before[r]]
-                # the first diagnosis wins; later ones take it
-                self.store.compare_set(self._key("verdict"), "", json.dumps(lost))
-            lost = self._take_verdict()
-        except Exception:  # noqa: BLE001 - the store's host (rank 0) is unreachable
-            if self.rank == 0:
-                return [], "the rendezvous store is unreachable"
-            return [0], "the rendezvous store on MASTER_ADDR is unreachable"
-        return lost, ""
-
-    def wait_for_survivors(self, lost: list[int], limit: float = 15.0) -> bool:
-        """On the store's host (rank 0): wait until every survivor took the verdict (or
-        ``limit`` seconds), so that leaving does not take the store from under them. Returns
-        whether they all did (True on other ranks, which need not wait)."""
-        if self.store is None or self.rank != 0:
-            return True
-        deadline = time.monotonic() + limit
-        others = [r for r in range(self.world) if r != self.rank and r not in lost]
-        while True:
-            try:
-                if all(self.store.check([self._key("taken", r)]) for r in others):
-                    return True
-            except Exception:  # noqa: BLE001 - the store is gone: nothing left to wait for
-                return False
-            if time.monotonic() >= deadline:
-                return False
-            time.sleep(0.1)
-
-
-def _is_comm_error(e: BaseException) -> bool:
-    if isinstance(e, getattr(dist, "DistError", ())):
-        return True
-    text = str(e).lower()
-    return any(s in text for s in ("gloo", "connection", "timed out", "timeout", "nccl",
-                                   "peer", "socket", "broken pipe"))
-
-
-def _short(e: BaseException) -> str:
-    """The first useful part of a c10d/gloo error, on one line."""
-    text = re.sub(r"\[[^\]]*\.(?:cc|cpp|h|hpp):\d+\]\s*", "", " ".join(str(e).split()))
-    text = text.split(" Exception raised from ")[0].split(" This is typically")[0]
-    return text[:300].rstrip(". ")
-
-
-# ---------------------------------------------------------------------- outputs
-def summary_writer() -> type | None:
-    """TensorBoard's ``SummaryWriter`` class, or None when tensorboard is not installed."""
-    try:
-        from torch.utils.tensorboard import SummaryWriter
-    except ImportError:
-        return None
-    return SummaryWriter
-
-
-class MetricsLog:
-    """Rank 0's ``metrics.jsonl`` and TensorBoard writer.
-
-    On resume, lines up to the resume step are kept (later ones belong to the lost part of
-    the run). A failure to write (a full disk) is reported once, with the path and the
-    cause, and logging stops; training and checkpoints go on.
-    """
-
-    def __init__(self, out: Path, resume_step: int, tensorboard: bool, echo: Echo) -> None:
-        self.path = out / "metrics.jsonl"
-        self.echo = echo
-        kept: list[str] = []
-        if resume_step and self.path.exists():
-            for line in self.path.read_text().splitlines():
-                try:
-                    if json.loads(line).get("step", 0) <= resume_step:
-                        kept.append(line)
-                except json.JSONDecodeError:
-                    break  # a line cut by the crash
-        self.path.write_text("".join(line + "\n" for line in kept))
-        self.file = self._open()
-        self.failed = False
-        self.writer = None
-        if tensorboard:
-            writer = summary_writer()
-            if writer is None:
-                echo("note: TensorBoard logs skipped: tensorboard is not installed "
-                     "(pip install tensorboard)")
-            else:
-                self.writer = writer(str(out / "tensorboard"), purge_step=resume_step + 1)
-
-    def _open(self):
-        return self.path.open("a")
-
-    def write(self, record: dict) -> None:
-        """Append one step's record."""
-        if self.failed:
-            return
-        try:
-            self.file.write(json.dumps(record) + "\n")
-            self.file.flush()
-            if self.writer is not None:
-                step = record["step"]
-                for key, value in record.items():
-                    if key != "step" and isinstance(value, (int, float)):
-                        group = "val" if key.startswith("val_") else "train"
-                        self.writer.add_scalar(f"{group}/{key}", value, step)
-                self.writer.flush()
-        except OSError as e:
-            self.failed = True
-            self.echo(f"warning: step {record['step']}: cannot write {self.path}: "
-                      f"{describe_os_error(e)}; metrics logging stops, training goes on")
-
-    def close(self) -> None:
-        try:
-            self.file.close()
-        except OSError:
-            pass
-        if self.writer is not None:
-            self.writer.close()
-
-
-class Progress:
-    """Rank 0's progress: a tqdm bar on a terminal, plain lines every ``every`` steps
-    otherwise (pipes, ``flexdemo cluster``)."""
-
-    def __init__(self, total: int, start: int, every: int, enabled: bool,
-                 echo: Callable[[str], None]) -> None:
-        self.total, self.every, self.enabled, self.echo = total, every, enabled, echo
-        self.start, self.t0 = start, time.perf_counter()
-        self.bar = None
-        if enabled and sys.stderr.isatty():
-            try:
-                from tqdm import tqdm
-            except ImportError:
-                pass
-            else:
-                self.bar = tqdm(total=total, initial=start, unit="step", dynamic_ncols=True)
-
-    def update(self, step: int, loss: float, lr: float, mb_sent: float,
-               val: float | None = None) -> None:
-        """After step ``step`` (1-based)."""
-        if not self.enabled:
-            return
-        rate = (step - self.start) / max(time.perf_counter() - self.t0, 1e-9)
-        if self.bar is not None:
-            self.bar.update(1)
-            post = {"loss": f"{loss:.4f}", "lr": f"{lr:.2e}", "sent": f"{mb_sent:.2f}MB"}
-            if val is not None:
-                post["val"] = f"{val:.4f}"
-            self.bar.set_postfix(post, refresh=False)
-            return
-        if step % self.every and step != self.total and val is None:
-            return
-        eta = (self.total - step) / rate if rate > 0 else float("nan")
-        line = (f"step {step:>{len(str(self.total))}}/{self.total} "
-                f"({100 * step / self.total:3.0f}%) | {rate:5.2f} steps/s | loss {loss:.4f} | "
-                f"lr {lr:.2e} | sent {mb_sent:8.2f} MB | eta {eta:4.0f}s")
-        if val is not None:
-            line += f" | val {val:.4f}"
-        self.echo(line)
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
-            self.bar = None
 
 
 # ---------------------------------------------------------------------- state
@@ -597,14 +344,14 @@ class Trainer:
         except ValueError as e:
             raise TrainingError(f"prepare: {e}") from None
         except Exception as e:
-            if not _is_comm_error(e):
+            if not is_comm_error(e):
                 raise
             where = (f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
                      if "MASTER_ADDR" in os.environ else "the rendezvous")
             raise TrainingError(
                 f"could not join the job at {where} within {timeout_note(self.timeout)} (a "
                 "peer is missing or unreachable, or MASTER_ADDR/MASTER_PORT are wrong): "
-                f"{_short(e)}") from None
+                f"{short_error(e)}") from None
 
     # ------------------------------------------------------------------ set-up
     def _check_output_folder(self) -> None:
@@ -706,7 +453,7 @@ class Trainer:
         except TrainingError:
             raise
         except Exception as e:
-            if self.world > 1 and _is_comm_error(e):
+            if self.world > 1 and is_comm_error(e):
                 raise self._peer_error(e) from e
             raise
         finally:
@@ -803,7 +550,7 @@ class Trainer:
     def _peer_error(self, e: BaseException) -> PeerLostError:
         assert self.heartbeat is not None
         lost, note = self.heartbeat.lost_ranks()
-        first = _short(e)
+        first = short_error(e)
         if is_timeout(e):
             first += f" (after {timeout_note(self.timeout)})"
         error = PeerLostError(self._peer_message(lost, note, first), lost)
@@ -830,27 +577,3 @@ def train(cfg: Config, *, echo: Echo | None = None,
     :class:`PeerLostError`) with a user-facing message when training cannot go on.
     """
     return Trainer(cfg, echo=echo, exit_on_lost_peer=exit_on_lost_peer).run()
-
-
-def format_summary(s: dict[str, Any]) -> str:
-    """The printed summary."""
-    lines = [
-        "summary",
-        f"  task        {s['task']}/{s['model']} ({s['params'] / 1e6:.3f}M params), world "
-        f"{s['world']} = {s['mesh']['replicate']} x {s['mesh']['shard']}",
-        f"  strategy    {s['replicator']} + {s['optimizer']}, lr {s['lr']:g}",
-        f"  steps       {s['steps']}/{s['steps_total']} ({s['steps_this_run']} this run)",
-        f"  train loss  {s['train_loss']:.4f} (mean of the last steps over ranks)",
-    ]
-    if "val_loss" in s:
-        acc = f", accuracy {s['val_accuracy']:.3f}" if "val_accuracy" in s else ""
-        lines.append(f"  val loss    {s['val_loss']:.4f}{acc}")
-    lines += [
-        f"  time        {s['seconds']:.1f}s in all; per step {s['step_seconds'] * 1e3:.0f} ms "
-        f"= compute {s['compute_seconds'] * 1e3:.0f} ms + communication "
-        f"{s['comm_seconds'] * 1e3:.0f} ms",
-        f"  sent        {s['bytes_sent_per_step'] / 1e6:.4f} MB per rank per step, "
-        f"{s['mb_sent_total']:.2f} MB per rank in all",
-        f"  outputs     {s['out']}/metrics.jsonl, summary.json",
-    ]
-    return "\n".join(lines)

@@ -466,3 +466,27 @@ def test_heartbeat_verdict_is_shared_and_reaches_a_rank_blocked_in_a_collective(
     finally:
         for b in beats:
             b.stop()
+
+
+def test_full_disk_when_resuming_keeps_the_metrics_file(tmp_path, single_process, monkeypatch):
+    out = tmp_path / "run"
+    base = GPT_QUICK + ["train.steps=4", "train.checkpoint_every=2", "train.progress=false",
+                        f"train.out={out}"]
+    train(load_config(ROOT / "configs/gpt.toml", base + ["train.stop_at=3"]),
+          echo=lambda text: None)
+    before = (out / "metrics.jsonl").read_text()
+    real = Path.write_text
+
+    def write_text(self, data, *args, **kwargs):
+        if "metrics.jsonl" in self.name:
+            real(self, data[: len(data) // 2], *args, **kwargs)  # cut off by the full disk
+            _no_space()
+        return real(self, data, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "write_text", write_text)
+    with pytest.raises(TrainingError) as info:
+        train(load_config(ROOT / "configs/gpt.toml", base + ["resume=true"]),
+              echo=lambda text: None)
+    assert "no space left on device" in _one_line(info)
+    assert (out / "metrics.jsonl").read_text() == before
+    assert sorted(p.name for p in out.iterdir() if "metrics" in p.name) == ["metrics.jsonl"]

@@ -4,6 +4,7 @@ and the printed summary."""
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -45,7 +46,13 @@ class MetricsLog:
                         kept.append(line)
                 except json.JSONDecodeError:
                     break  # a line cut by the crash
-        self.path.write_text("".join(line + "\n" for line in kept))
+        # rewritten whole and renamed into place: a full disk here leaves the old file intact
+        tmp = self.path.with_name(f"{self.path.name}.tmp-{os.getpid()}")
+        try:
+            tmp.write_text("".join(line + "\n" for line in kept))
+            os.replace(tmp, self.path)
+        finally:
+            tmp.unlink(missing_ok=True)
         self.file = self._open()
         self.failed = False
         self.writer = None

@@ -13,9 +13,20 @@ from typing import Any
 
 from ..checkpoint import describe_os_error
 
-__all__ = ["MetricsLog", "Progress", "format_summary", "summary_writer"]
+__all__ = ["MetricsLog", "Progress", "format_summary", "summary_writer", "write_atomic"]
 
 Echo = Callable[[str], None]
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """Write ``text`` to a temporary file and rename it to ``path``: a failure (a full disk)
+    leaves the old ``path`` as it was."""
+    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def summary_writer() -> type | None:
@@ -46,13 +57,7 @@ class MetricsLog:
                         kept.append(line)
                 except json.JSONDecodeError:
                     break  # a line cut by the crash
-        # rewritten whole and renamed into place: a full disk here leaves the old file intact
-        tmp = self.path.with_name(f"{self.path.name}.tmp-{os.getpid()}")
-        try:
-            tmp.write_text("".join(line + "\n" for line in kept))
-            os.replace(tmp, self.path)
-        finally:
-            tmp.unlink(missing_ok=True)
+        write_atomic(self.path, "".join(line + "\n" for line in kept))
         self.file = self._open()
         self.failed = False
         self.writer = None

@@ -66,7 +66,7 @@ from ..mesh import is_timeout, timeout_from_env, timeout_note
 from ..replicate import NonFiniteGradientError
 from .config import Config, config_to_dict, to_toml
 from .liveness import Heartbeat, is_comm_error, short_error
-from .outputs import MetricsLog, Progress, format_summary
+from .outputs import MetricsLog, Progress, format_summary, write_atomic
 from .schedule import lr_at
 from .tasks import ShardSampler, Task, build_task
 
@@ -376,7 +376,7 @@ class Trainer:
         """Rank 0 writes ``config.toml`` and opens the metrics log (agreed like above)."""
         def make() -> None:
             try:
-                (self.out / "config.toml").write_text(to_toml(self.cfg))
+                write_atomic(self.out / "config.toml", to_toml(self.cfg))
                 self.metrics = MetricsLog(self.out, self.state.step, self.cfg.train.tensorboard,
                                           self.say)
             except OSError as e:
@@ -500,7 +500,7 @@ class Trainer:
         summary = self._summary(start, resume_from, losses, step_s, comm_s, val, loop_seconds)
         if self.rank == 0:
             try:
-                (self.out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+                write_atomic(self.out / "summary.json", json.dumps(summary, indent=2) + "\n")
             except OSError as e:
                 say(f"warning: cannot write {self.out / 'summary.json'}: "
                     f"{describe_os_error(e)}")

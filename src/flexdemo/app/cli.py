@@ -30,12 +30,12 @@ from .bench import (
     DEFAULT_BANDWIDTHS,
     DEFAULT_STRATEGIES,
     PRESETS,
-    STRATEGIES,
     BenchError,
     bench_options,
     run_bench,
 )
 from .config import ConfigError, load_config, to_toml
+from .strategies import STRATEGIES
 from .trainer import PeerLostError, TrainingError, train
 
 CLUSTER_DESCRIPTION = """\
@@ -323,7 +323,8 @@ with no bandwidth limit, and the bench says so.
 
 
 def _add_bench_parser(sub) -> None:
-    strategies = "\n".join(f"  {name:<12} {spec.about}" for name, spec in STRATEGIES.items())
+    width = max(map(len, STRATEGIES)) + 1
+    strategies = "\n".join(f"  {name:<{width}} {spec.about}" for name, spec in STRATEGIES.items())
     presets = "\n".join(f"  {name:<12} {spec['about']}" for name, spec in PRESETS.items())
     b = sub.add_parser(
         "bench", help="sweep strategies x bandwidths on an emulated cluster; table + plots",

@@ -26,8 +26,8 @@ from pathlib import Path
 import torch
 
 from flexdemo import DeMoReplicator
+from flexdemo.app.tasks import GPT, data_generator, get_batch, gpt_config, load_corpus
 from flexdemo.comm import all_gather_bytes, all_reduce_bytes
-from flexdemo.tasks import GPT, data_generator, get_batch, gpt_config, load_corpus
 
 
 def half_rows(shape: torch.Size, parts: int = 2) -> torch.Size:

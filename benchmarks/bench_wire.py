@@ -24,13 +24,15 @@ import sys
 import tempfile
 from pathlib import Path
 
-from flexdemo.cluster import EmulatedCluster, ShapingUnavailableError
+from flexdemo.tools.cluster import EmulatedCluster, ShapingUnavailableError
 
 ROOT = Path(__file__).resolve().parent.parent
-CODECS = ["flexdemo", "flexdemo:values=bf16", "flexdemo:values=int8", "flexdemo:values=int2",
-          "flexdemo:values=sign", "flexdemo:topk=16", "flexdemo:topk=16:values=int8",
-          "flexdemo:topk=16:values=int2", "flexdemo:topk=16:values=sign",
-          "flexdemo:topk=4:values=sign"]
+# DeMo at the library's defaults: a strategy of flexdemo.app.strategies.STRATEGIES (the table
+# that examples/train_gpt.py and flexdemo bench share), with codec settings after the name
+DEMO = "demo-defaults"
+CODECS = [DEMO] + [f"{DEMO}:{s}" for s in (
+    "values=bf16", "values=int8", "values=int2", "values=sign", "topk=16", "topk=16:values=int8",
+    "topk=16:values=int2", "topk=16:values=sign", "topk=4:values=sign")]
 TIMING = ["floor", "{default}", "{default}:bucket=false", "{default}:overlap=delayed",
           "{default}:transform_dtype=bf16", "{default}:overlap=delayed:transform_dtype=bf16"]
 
@@ -80,7 +82,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--rounds", type=int, default=3, help="timing: passes over the strategies")
     p.add_argument("--bandwidths", default="100mbit,1gbit")
     p.add_argument("--codecs", default=",".join(CODECS))
-    p.add_argument("--default", default="flexdemo:topk=16:values=int2",
+    p.add_argument("--default", default=f"{DEMO}:topk=16:values=int2",
                    help="the codec used in the timing part")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     args = p.parse_args(argv)

@@ -7,5 +7,5 @@ cd "$(dirname "$0")/.."
 PY="${FLEXDEMO_VENV:-.venv}/bin"
 OMP_NUM_THREADS=1 "$PY/torchrun" --nproc-per-node 2 examples/train_gpt.py \
   --model small --batch 4 --steps 300 --replicate 2 --shard 1 --log-every 50 \
-  --strategies diloco-h20,diloco-h100,streaming-diloco,demo-diloco,flexdemo,hsdp-adamw \
+  --strategies diloco,diloco-h100,streaming-diloco,demo-diloco,demo-defaults,hsdp-adamw \
   --out benchmarks/results/diloco.json "$@"

@@ -19,12 +19,8 @@ import time
 
 import torch
 
+from flexdemo.app.tasks.gpt import GPT, data_generator, get_batch, gpt_config, load_corpus
 from flexdemo.simulate import SimulatedReplicas
-
-try:  # the tasks moved under flexdemo.app
-    from flexdemo.app.tasks.gpt import GPT, data_generator, get_batch, gpt_config, load_corpus
-except ImportError:
-    from flexdemo.tasks.gpt import GPT, data_generator, get_batch, gpt_config, load_corpus
 
 
 def parse_args(argv=None) -> argparse.Namespace:

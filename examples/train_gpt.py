@@ -3,18 +3,13 @@
     torchrun --nproc-per-node 4 examples/train_gpt.py      # 2 replicas x 2 shards
     python examples/train_gpt.py                           # one process
 
-Strategies (run one after the other in the same process group, same seed and data):
-
-* ``flexdemo``: FSDP2 inside a replica, DeMo replication (top-k DCT of a decoupled momentum)
-  across replicas, sign-SGD;
-* ``hsdp-adamw``: FSDP2 inside a replica, full fp32 gradient all-reduce across replicas, AdamW.
-
-More (``--strategies``): ``no-sync`` (AdamW, no replication), ``floor`` (no replication,
-plain SGD: the cheapest step), ``diloco-h20``, ``diloco-h100``
-(DiLoCo with inner AdamW, outer Nesterov SGD), ``streaming-diloco`` (H=20, 4 fragments,
-tau=1, int4 exchange), ``demo-diloco`` (H=20, pseudo-gradients exchanged as the DCT top-128
-of each 64x64 block, with error feedback). Replicator settings can follow a name:
-``flexdemo:values=int2:topk=16``.
+Strategies (run one after the other in the same process group, same seed and data) come
+from the one table the bench uses too, :data:`flexdemo.app.strategies.STRATEGIES` (``--help``
+lists them): by default ``flexdemo`` (FSDP2 inside a replica, DeMo replication of a decoupled
+momentum's top-k DCT across replicas, sign-SGD) and ``hsdp-adamw`` (full fp32 gradient
+all-reduce across replicas, AdamW). Replicator settings can follow a name:
+``demo-defaults:values=int2:topk=16``. A strategy's mesh layout ``dp`` (shard 1) applies when
+neither ``--replicate`` nor ``--shard`` is given.
 
 Rank 0 prints progress and a final table and writes the results as JSON (``--out``). Bytes
 are those a rank sends across the replicate dimension (the slow link); FSDP's own traffic
@@ -25,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import time
 from pathlib import Path
@@ -34,24 +28,9 @@ import torch
 import torch.distributed as dist
 
 import flexdemo
-from flexdemo.tasks import GPT, data_generator, evaluate, get_batch, gpt_config, load_corpus
-
-STRATEGIES: dict[str, dict] = {
-    "flexdemo": {"replicator": "demo", "optimizer": "sgd", "lr": 3e-3},
-    "hsdp-adamw": {"replicator": "full", "optimizer": "adamw", "lr": 1e-3},
-    "no-sync": {"replicator": "none", "optimizer": "adamw", "lr": 1e-3},
-    "floor": {"replicator": "none", "optimizer": "sgd", "lr": 3e-3},
-    "diloco-h20": {"replicator": "diloco", "optimizer": "adamw", "lr": 1e-3,
-                   "replicator_kwargs": {"inner_steps": 20}},
-    "diloco-h100": {"replicator": "diloco", "optimizer": "adamw", "lr": 1e-3,
-                    "replicator_kwargs": {"inner_steps": 100}},
-    "streaming-diloco": {"replicator": "diloco", "optimizer": "adamw", "lr": 1e-3,
-                         "replicator_kwargs": {"inner_steps": 20, "fragments": 4, "tau": 1,
-                                               "exchange_kwargs": {"values": "int4"}}},
-    "demo-diloco": {"replicator": "diloco", "optimizer": "adamw", "lr": 1e-3,
-                    "replicator_kwargs": {"inner_steps": 20, "exchange": "demo",
-                                          "exchange_kwargs": {"topk": 128}}},
-}
+from flexdemo.app.schedule import lr_at
+from flexdemo.app.strategies import STRATEGIES, parse_strategy
+from flexdemo.app.tasks import GPT, data_generator, evaluate, get_batch, gpt_config, load_corpus
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -66,7 +45,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--replicate", type=int, default=None)
     p.add_argument("--shard", type=int, default=None)
     p.add_argument("--strategies", default="flexdemo,hsdp-adamw",
-                   help=f"comma-separated, from {sorted(STRATEGIES)}")
+                   help="comma-separated, from: " + "; ".join(
+                       f"{name} ({s.about})" for name, s in STRATEGIES.items()))
     p.add_argument("--corpus-bytes", type=int, default=4_000_000)
     p.add_argument("--eval-batches", type=int, default=8, help="validation batches per rank")
     p.add_argument("--log-every", type=int, default=25)
@@ -76,44 +56,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]
     for s in args.strategies:
         try:
-            strategy_spec(s)
+            parse_strategy(s)
         except ValueError as e:
             p.error(str(e))
     return args
-
-
-def _value(text: str):
-    for cast in (int, float):
-        try:
-            return cast(text)
-        except ValueError:
-            pass
-    return {"true": True, "false": False}.get(text.lower(), text)
-
-
-def strategy_spec(token: str) -> dict:
-    """A strategy by name, with optional replicator settings: ``flexdemo:values=int2:topk=16``."""
-    name, *settings = token.split(":")
-    if name not in STRATEGIES:
-        raise ValueError(f"unknown strategy {name!r}; choose from {sorted(STRATEGIES)}")
-    spec = dict(STRATEGIES[name])
-    kwargs = dict(spec.get("replicator_kwargs") or {})
-    for item in settings:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise ValueError(f"bad setting {item!r} in {token!r}; write key=value")
-        kwargs[key] = _value(value)
-    spec["replicator_kwargs"] = kwargs or None
-    return spec
-
-
-def lr_at(step: int, steps: int, base: float, warmup: float) -> float:
-    """Linear warm-up, then cosine decay to 10% of ``base``."""
-    w = max(1, int(warmup * steps))
-    if step < w:
-        return base * (step + 1) / w
-    frac = (step - w) / max(1, steps - w)
-    return base * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
 
 
 def mean_over_ranks(value: float) -> float:
@@ -142,15 +88,18 @@ def replica_drift(model: torch.nn.Module, group: dist.ProcessGroup) -> float:
 def run_strategy(name: str, args: argparse.Namespace, train: torch.Tensor,
                  val: torch.Tensor, layout: dict) -> dict:
     """Train a fresh model with one strategy; returns its summary (identical on all ranks)."""
-    spec = strategy_spec(name)
-    lr = args.lr if args.lr is not None else spec["lr"]
+    spec = parse_strategy(name)
+    lr = args.lr if args.lr is not None else spec.lr
+    if spec.layout == "dp" and args.replicate is None and args.shard is None:
+        layout = {"replicate": None, "shard": 1}
+    warmup = max(1, int(args.warmup * args.steps))
     cfg = gpt_config(args.model)
     torch.manual_seed(args.seed)  # same initial model on every rank and for every strategy
     model = GPT(cfg)
     n_params = sum(p.numel() for p in model.parameters())
-    model, opt = flexdemo.prepare(model, replicator=spec["replicator"],
-                                  optimizer=spec["optimizer"], lr=lr,
-                                  replicator_kwargs=spec.get("replicator_kwargs"), **layout)
+    model, opt = flexdemo.prepare(model, replicator=spec.replicator, optimizer=spec.optimizer,
+                                  lr=lr, replicator_kwargs=spec.replicator_kwargs or None,
+                                  **layout)
     rank = dist.get_rank()
     local_params = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel()
                        for p in model.parameters())
@@ -164,7 +113,7 @@ def run_strategy(name: str, args: argparse.Namespace, train: torch.Tensor,
     for step in range(args.steps):
         t_step = time.perf_counter()
         for g in opt.param_groups:
-            g["lr"] = lr_at(step, args.steps, lr, args.warmup)
+            g["lr"] = lr_at(step, args.steps, lr, warmup)
         x, y = get_batch(train, args.batch, cfg.seq_len, gen)
         loss = model(x, y)
         loss.backward()
@@ -193,7 +142,7 @@ def run_strategy(name: str, args: argparse.Namespace, train: torch.Tensor,
     step_median = mean_over_ranks(steady[len(steady) // 2]) if steady else 0.0
     result = {
         "strategy": name, "replicator": repr(opt.replicators[0]),
-        "optimizer": spec["optimizer"],
+        "optimizer": spec.optimizer,
         "lr": lr, "steps": args.steps, "params": n_params, "local_params": local_params,
         "mesh": {"replicate": mesh["replicate"].size(), "shard": mesh["shard"].size()},
         "train_loss": train_loss, "val_loss": val_loss, "seconds": seconds,

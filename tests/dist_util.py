@@ -5,6 +5,8 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import socket
+import subprocess
+import sys
 import tempfile
 import traceback
 from datetime import timedelta
@@ -19,6 +21,22 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def spawn_ranks(world: int, args: list[str], timeout: float = 30) -> list[subprocess.Popen]:
+    """``world`` bare processes of ``python -m flexdemo ARGS`` with torchrun's variables, one
+    rank per launcher (``LOCAL_WORLD_SIZE=1``), collectives timing out after ``timeout`` s;
+    stdout and stderr together in each one's ``stdout`` pipe."""
+    port = free_port()
+    procs = []
+    for rank in range(world):
+        env = dict(os.environ, RANK=str(rank), LOCAL_RANK="0", WORLD_SIZE=str(world),
+                   LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                   OMP_NUM_THREADS="1", FLEXDEMO_TIMEOUT=str(timeout))
+        procs.append(subprocess.Popen([sys.executable, "-m", "flexdemo", *args], env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                      text=True))
+    return procs
 
 
 def _entry(fn, rank, world, port, outdir, args, env):

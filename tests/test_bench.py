@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import csv
+import importlib.util
 import json
+from pathlib import Path
 
 import pytest
 
-import flexdemo.cluster as cluster
-from flexdemo.bench import (
+import flexdemo.tools.cluster as cluster
+from flexdemo.app.bench import (
     PRESETS,
     STRATEGIES,
     BenchError,
@@ -18,11 +20,12 @@ from flexdemo.bench import (
     run_bench,
     run_config,
 )
-from flexdemo.config import ConfigError, config_from_dict, validate
+from flexdemo.app.config import ConfigError, config_from_dict, validate
 
 pytest.importorskip("matplotlib", reason="the bench's plots need matplotlib")
 
 PNG = b"\x89PNG\r\n\x1a\n"
+ROOT = Path(__file__).parent.parent
 
 
 def test_options_defaults_and_preset():
@@ -109,7 +112,7 @@ def test_table_and_comparison():
 
 
 def test_plots_from_results(tmp_path):
-    from flexdemo.plots import plot_all
+    from flexdemo.app.plots import plot_all
 
     paths = plot_all(_fake_results(), tmp_path)
     assert [p.name for p in paths] == ["loss_vs_time.png", "loss_vs_bytes.png",
@@ -149,7 +152,7 @@ def test_tiny_sweep_without_root_falls_back_to_loopback(tmp_path, monkeypatch, c
 
 def test_root_without_network_namespaces_falls_back(tmp_path, monkeypatch, capsys):
     """Root, but namespaces cannot be made (a container): the same fallback, with the reason."""
-    import flexdemo.bench as bench
+    import flexdemo.app.bench as bench
 
     enter = bench.EmulatedCluster.__enter__
 
@@ -171,3 +174,44 @@ def test_root_without_network_namespaces_falls_back(tmp_path, monkeypatch, capsy
     printed = capsys.readouterr().out
     assert "Operation not permitted" in printed and "unshaped loopback" in printed
     assert [(r["status"], r["bandwidth"]) for r in results] == [("ok", "unshaped")]
+
+
+def test_a_run_too_short_to_sync_is_flagged():
+    results = _fake_results()
+    short = _fake("diloco", "10mbit", 2.9, 0.15, 0.0, 0.0)  # faster and better: never synced
+    results.insert(2, short)
+    lines = comparison_lines(results)
+    i = lines.index("diloco vs hsdp-adamw @ 10mbit:")
+    assert "never synchronised across nodes in its 20 steps" in lines[i + 1], lines[i + 1]
+    assert "train.steps > 20" in lines[i + 1] and "x faster" in lines[i + 3]
+    assert "never synchronised" in format_table(results)
+    assert not any("never" in line for line in comparison_lines(_fake_results()))
+
+
+def _load_script(path: Path):
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_one_strategy_table_for_bench_example_and_wire_benchmark():
+    from flexdemo.app.strategies import STRATEGIES as TABLE
+    from flexdemo.app.strategies import parse_strategy
+
+    assert STRATEGIES is TABLE
+    s = parse_strategy("demo-defaults:topk=16:values=int2")
+    assert (s.replicator, s.optimizer, s.replicator_kwargs) == (
+        "demo", "sgd", {"topk": 16, "values": "int2"})
+    assert TABLE["demo-defaults"].replicator_kwargs == {}  # the entry itself is untouched
+    with pytest.raises(ValueError, match="did you mean 'flexdemo'"):
+        parse_strategy("flexdem")
+    example = _load_script(ROOT / "examples" / "train_gpt.py")
+    args = example.parse_args(["--strategies", ",".join(TABLE)])
+    assert args.strategies == list(TABLE)
+    wire = _load_script(ROOT / "benchmarks" / "bench_wire.py")
+    for token in wire.CODECS + [t.format(default=wire.DEMO) for t in wire.TIMING]:
+        parse_strategy(token)
+    # the bench's configs follow the table
+    o = bench_options(strategies="flexdemo,diloco")
+    assert run_config(o, "diloco", "x")["strategy"] == TABLE["diloco"].settings()

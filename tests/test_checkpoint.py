@@ -1,5 +1,6 @@
 """Checkpoints: bitwise resume (one process and a 2 x 2 mesh), atomic saves, clear errors."""
 
+import errno
 import json
 import os
 import shutil
@@ -10,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed.checkpoint.filesystem as dcp_filesystem
 from ckpt_workers import extra_for, make_single, resume_worker, run_steps
 from dist_util import run_world
 
@@ -215,3 +217,47 @@ def test_other_world_size_raises(world4):
     model, opt = make_single("demo", 0)  # one process
     with pytest.raises(ValueError, match=r"written by 4 rank\(s\).*runs 1 rank"):
         load_checkpoint(path, model, opt)
+
+
+# ---------------------------------------------------------------------------- storage faults
+def _no_space(*args, **kwargs):
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), "simulated.distcp")
+
+
+@pytest.mark.parametrize("where", ["dcp", "rank_file"])
+def test_full_disk_during_save_is_one_line_and_keeps_the_previous_checkpoint(
+        tmp_path, monkeypatch, where):
+    model, opt = make_single("demo", 0)
+    good = save_checkpoint(tmp_path / "step_000001", model, opt, step=1)
+    run_steps(model, opt, 1, 0)
+    if where == "dcp":  # DCP wraps it in a CheckpointException (a BaseException)
+        monkeypatch.setattr(dcp_filesystem, "_write_item", _no_space)
+    else:
+        monkeypatch.setattr(ckpt, "_fsync_write", _no_space)
+    with pytest.raises(ckpt.CheckpointError) as info:
+        save_checkpoint(tmp_path / "step_000002", model, opt, step=2)
+    msg = str(info.value)
+    assert "\n" not in msg and "no space left on device" in msg and "step_000002" in msg, msg
+    assert isinstance(info.value, Exception)  # `except Exception` sees it
+    monkeypatch.undo()
+    assert latest_checkpoint(tmp_path) == good and os.listdir(tmp_path) == ["step_000001"]
+    load_checkpoint(good, *make_single("demo", 1))
+
+
+@pytest.mark.parametrize("damage", ["truncate", "remove"])
+def test_damaged_distcp_file_is_one_line_naming_it(tmp_path, damage):
+    model, opt = make_single("demo", 0)
+    path = save_checkpoint(tmp_path / "step_000001", model, opt, step=1)
+    (data,) = path.glob("*.distcp")
+    if damage == "truncate":
+        data.write_bytes(data.read_bytes()[: data.stat().st_size // 3])
+    else:
+        data.unlink()
+    with pytest.raises(ckpt.CheckpointError) as info:
+        load_checkpoint(path, *make_single("demo", 1))
+    msg = str(info.value)
+    assert "\n" not in msg and str(path) in msg and "Traceback" not in msg, msg
+    if damage == "remove":
+        assert "no such file or directory" in msg and data.name in msg, msg
+    else:
+        assert "truncated or corrupt" in msg, msg

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from flexdemo.cli import main
-from flexdemo.config import (
+from flexdemo.app.cli import main
+from flexdemo.app.config import (
     Config,
     ConfigError,
     apply_overrides,
@@ -235,3 +235,35 @@ def test_cli_help_teaches(capsys):
         main(["--help"])
     out = capsys.readouterr().out
     assert all(c in out for c in ("train", "bench", "cluster"))
+
+
+def test_non_utf8_config_file_is_one_line(tmp_path):
+    path = tmp_path / "latin1.toml"
+    path.write_bytes("[train]\n# Gr\xfc\xdfe\nsteps = 3\n".encode("latin-1"))
+    with pytest.raises(ConfigError) as e:
+        load_config(path)
+    assert "not UTF-8" in str(e.value) and str(path) in str(e.value) and "\n" not in str(e.value)
+
+
+def test_an_override_never_replaces_a_malformed_section(tmp_path):
+    path = write(tmp_path, 'strategy = "demo"\n[train]\nsteps = 3\n')
+    with pytest.raises(ConfigError, match=r"strategy is 'demo' \(a string\), not a table"):
+        load_config(path, ["strategy.lr=0.01"])
+    with pytest.raises(ConfigError, match="not a table"):
+        apply_overrides({"train": 5}, ["train.steps=2"])
+    assert apply_overrides({}, ["train.steps=2"]) == {"train": {"steps": 2}}
+
+
+def test_task_choices_come_from_the_task_registry(monkeypatch):
+    from flexdemo.app import tasks
+
+    assert tasks.TASK_NAMES == tuple(tasks.TASKS) == ("gpt", "vit", "t5")
+    assert "choose one of gpt, vit, t5" in error_of({"task": {"name": "bert"}})
+    # one entry in the table makes a task valid in configs and buildable
+    built = []
+    spec = tasks.TaskSpec("a test task", ("one",), ("model",),
+                          lambda c, seed: built.append((c.model, seed)) or "task")
+    monkeypatch.setitem(tasks.TASKS, "toy", spec)
+    cfg = load_config(None, ["task.name=toy", "task.model=one"])
+    assert tasks.build_task(cfg.task, seed=3) == "task" and built == [("one", 3)]
+    assert "choose one of one" in error_of({"task": {"name": "toy", "model": "two"}})

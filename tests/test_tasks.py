@@ -1,9 +1,20 @@
+"""The training tasks: corpora, batches, data shards, models, the T5 span corruption."""
+
 import math
 
+import pytest
 import torch
 
 from flexdemo import DeMo
-from flexdemo.tasks import GPT, data_generator, evaluate, get_batch, gpt_config, load_corpus
+from flexdemo.app.tasks import (
+    GPT,
+    ShardSampler,
+    data_generator,
+    evaluate,
+    get_batch,
+    gpt_config,
+    load_corpus,
+)
 
 
 def test_corpus_is_deterministic_and_split():
@@ -36,3 +47,54 @@ def test_tiny_gpt_learns_with_demo():
         opt.step()
         opt.zero_grad()
     assert evaluate(model, val, batches=2) < first - 0.5
+
+
+def test_shard_sampler_gives_disjoint_shards_and_resumes():
+    samplers = [ShardSampler(103, rank, 4, seed=1) for rank in range(4)]
+    seen = [torch.cat([s.next(5) for _ in range(5)]) for s in samplers]
+    assert all(len(set(x.tolist())) == 25 for x in seen)  # one epoch: no repeats
+    assert not set(seen[0].tolist()) & set(seen[1].tolist())
+    assert all(int(i) % 4 == r for r, x in enumerate(seen) for i in x)
+    a = ShardSampler(103, 1, 4, seed=1)
+    first = [a.next(5) for _ in range(7)]  # crosses into the second epoch
+    state = a.state_dict()
+    rest = [a.next(5) for _ in range(3)]
+    b = ShardSampler(103, 1, 4, seed=1)
+    b.load_state_dict(state)
+    assert state["epoch"] == 1 and all(torch.equal(x, y) for x, y in
+                                       zip(rest, [b.next(5) for _ in range(3)]))
+    assert torch.equal(first[0], seen[1][:5])
+    with pytest.raises(ValueError, match="exceeds this rank's"):
+        ShardSampler(10, 0, 4).next(5)
+
+
+def test_t5_span_corruption_examples():
+    from flexdemo.app.tasks.t5 import EOS, SENTINEL0, corrupt, noise_mask, span_counts
+
+    gen = torch.Generator().manual_seed(3)
+    mask = noise_mask(100, 0.15, 3.0, gen)
+    noise, spans = span_counts(100, 0.15, 3.0)
+    assert int(mask.sum()) == noise and not mask[0]
+    tokens = torch.arange(10, 110)
+    x, y = corrupt(tokens, mask)
+    assert len(x) == 100 - noise + spans + 1 and len(y) == noise + spans + 1
+    assert x[-1] == EOS and y[-1] == EOS and y[0] == SENTINEL0
+    # putting the targets back where the sentinels are restores the text
+    fill, restored = {}, []
+    for t in y[:-1].tolist():
+        if t >= SENTINEL0:
+            key = t
+            fill[key] = []
+        else:
+            fill[key].append(t)
+    for t in x[:-1].tolist():
+        restored += fill[t] if t >= SENTINEL0 else [t]
+    assert restored == tokens.tolist()
+
+
+def test_missing_transformers_is_a_clear_error(monkeypatch):
+    import flexdemo.app.tasks.t5 as t5
+
+    monkeypatch.setattr(t5, "have_transformers", lambda: False)
+    with pytest.raises(ModuleNotFoundError, match=r"pip install 'flexdemo\[t5\]'"):
+        t5.T5Task()

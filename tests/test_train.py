@@ -1,25 +1,25 @@
-"""The trainer: schedule, data shards, a short run per task, checkpoints and resume, and a
-rank killed mid-run."""
+"""The trainer (flexdemo.app.trainer) and its schedule: a short run per task, checkpoints and
+resume, FLEXDEMO_TIMEOUT, storage faults, and ranks killed mid-run."""
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
-import torch
 import torch.distributed as dist
+from dist_util import free_port, run_world, spawn_ranks
 
-from flexdemo.config import load_config
-from flexdemo.tasks import ShardSampler, have_transformers
-from flexdemo.train import TrainingError, lr_at, train
+from flexdemo.app.config import load_config
+from flexdemo.app.tasks import have_transformers
+from flexdemo.app.trainer import TrainingError, lr_at, timeout_seconds, train
 
 ROOT = Path(__file__).parent.parent
 PY = sys.executable
@@ -52,25 +52,6 @@ def test_lr_schedule():
     assert all(a >= b for a, b in zip(lrs[10:], lrs[11:]))
     assert lr_at(50, 100, 2.0, warmup=0, schedule="constant") == 2.0
     assert lr_at(0, 1, 1.0, warmup=0) == pytest.approx(1.0)
-
-
-def test_shard_sampler_gives_disjoint_shards_and_resumes():
-    samplers = [ShardSampler(103, rank, 4, seed=1) for rank in range(4)]
-    seen = [torch.cat([s.next(5) for _ in range(5)]) for s in samplers]
-    assert all(len(set(x.tolist())) == 25 for x in seen)  # one epoch: no repeats
-    assert not set(seen[0].tolist()) & set(seen[1].tolist())
-    assert all(int(i) % 4 == r for r, x in enumerate(seen) for i in x)
-    a = ShardSampler(103, 1, 4, seed=1)
-    first = [a.next(5) for _ in range(7)]  # crosses into the second epoch
-    state = a.state_dict()
-    rest = [a.next(5) for _ in range(3)]
-    b = ShardSampler(103, 1, 4, seed=1)
-    b.load_state_dict(state)
-    assert state["epoch"] == 1 and all(torch.equal(x, y) for x, y in
-                                       zip(rest, [b.next(5) for _ in range(3)]))
-    assert torch.equal(first[0], seen[1][:5])
-    with pytest.raises(ValueError, match="exceeds this rank's"):
-        ShardSampler(10, 0, 4).next(5)
 
 
 # ---------------------------------------------------------------------- one run per task
@@ -122,38 +103,6 @@ def test_t5_span_corruption_runs(tmp_path, single_process):
     assert math.isfinite(summary["val_loss"]) and summary["val_loss"] < 7
 
 
-def test_t5_span_corruption_examples():
-    from flexdemo.tasks.t5 import EOS, SENTINEL0, corrupt, noise_mask, span_counts
-
-    gen = torch.Generator().manual_seed(3)
-    mask = noise_mask(100, 0.15, 3.0, gen)
-    noise, spans = span_counts(100, 0.15, 3.0)
-    assert int(mask.sum()) == noise and not mask[0]
-    tokens = torch.arange(10, 110)
-    x, y = corrupt(tokens, mask)
-    assert len(x) == 100 - noise + spans + 1 and len(y) == noise + spans + 1
-    assert x[-1] == EOS and y[-1] == EOS and y[0] == SENTINEL0
-    # putting the targets back where the sentinels are restores the text
-    fill, restored = {}, []
-    for t in y[:-1].tolist():
-        if t >= SENTINEL0:
-            key = t
-            fill[key] = []
-        else:
-            fill[key].append(t)
-    for t in x[:-1].tolist():
-        restored += fill[t] if t >= SENTINEL0 else [t]
-    assert restored == tokens.tolist()
-
-
-def test_missing_transformers_is_a_clear_error(monkeypatch):
-    import flexdemo.tasks.t5 as t5
-
-    monkeypatch.setattr(t5, "have_transformers", lambda: False)
-    with pytest.raises(ModuleNotFoundError, match=r"pip install 'flexdemo\[t5\]'"):
-        t5.T5Task()
-
-
 # ---------------------------------------------------------------------- checkpoints
 def test_checkpoint_guards(tmp_path, single_process):
     out = tmp_path / "run"
@@ -181,26 +130,6 @@ def test_checkpoint_guards(tmp_path, single_process):
     assert summary["steps_this_run"] == 4
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _spawn_ranks(world: int, args: list[str]) -> list[subprocess.Popen]:
-    """``world`` ranks of ``flexdemo train`` with torchrun's variables (one rank per node)."""
-    port = _free_port()
-    procs = []
-    for rank in range(world):
-        env = dict(os.environ, RANK=str(rank), LOCAL_RANK="0", WORLD_SIZE=str(world),
-                   LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                   OMP_NUM_THREADS="1", FLEXDEMO_TIMEOUT="30")
-        procs.append(subprocess.Popen([PY, "-m", "flexdemo", "train", *args], env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                      text=True))
-    return procs
-
-
 def _train_worker(rank: int, world: int, path: str, overrides: list[str]) -> dict:
     """A rank of ``run_world``: train as ``flexdemo train path overrides`` would."""
     return train(load_config(path, overrides), echo=lambda text: None)
@@ -210,15 +139,13 @@ def test_killed_rank_ends_the_run_and_resume_matches_an_uninterrupted_run(tmp_pa
     """Two replicas (DeMo state differs per replica). Rank 1 is killed mid-run: rank 0 must
     stop within 60 s naming rank 1; resuming from the last checkpoint must then give the
     uninterrupted run's losses bit for bit."""
-    from dist_util import run_world
-
     cfg = str(ROOT / "configs/gpt.toml")
     common = GPT_QUICK + ["train.steps=300", "train.checkpoint_every=3", "mesh.replicate=2",
                           "train.progress=false"]
     ref, run = tmp_path / "reference", tmp_path / "killed"
     run_world(_train_worker, 2, cfg, [*common, "train.stop_at=15", f"train.out={ref}"])
 
-    procs = _spawn_ranks(2, [cfg, *common, f"train.out={run}"])
+    procs = spawn_ranks(2, ["train", cfg, *common, f"train.out={run}"])
     try:
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
@@ -252,3 +179,314 @@ def test_killed_rank_ends_the_run_and_resume_matches_an_uninterrupted_run(tmp_pa
     assert [r["step"] for r in again] == list(range(1, 16))
     assert [r["loss"] for r in again] == [r["loss"] for r in reference]
     assert again[-1]["val_loss"] == reference[-1]["val_loss"]
+
+
+# ---------------------------------------------------------------------- FLEXDEMO_TIMEOUT
+def _flexdemo(args: list[str], env: dict, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([PY, *args], capture_output=True, text=True, timeout=timeout,
+                          env=dict(os.environ, PYTHONPATH=str(ROOT / "src"), **env))
+
+
+def test_timeout_variable_is_read_when_used_with_one_default(monkeypatch):
+    from flexdemo.mesh import DEFAULT_TIMEOUT_SECONDS, timeout_from_env
+
+    monkeypatch.delenv("FLEXDEMO_TIMEOUT", raising=False)
+    assert timeout_from_env().total_seconds() == DEFAULT_TIMEOUT_SECONDS
+    cfg = load_config(None, [])
+    assert timeout_seconds(cfg) == DEFAULT_TIMEOUT_SECONDS  # the trainer has no default of its own
+    monkeypatch.setenv("FLEXDEMO_TIMEOUT", "45")
+    assert timeout_from_env().total_seconds() == 45 and timeout_seconds(cfg) == 45
+    assert timeout_seconds(load_config(None, ["train.timeout=7"])) == 7
+    for bad in ("abc", "0", "-5", "inf", "nan"):
+        monkeypatch.setenv("FLEXDEMO_TIMEOUT", bad)
+        with pytest.raises(ValueError, match=f"FLEXDEMO_TIMEOUT='{bad}' is not a number"):
+            timeout_from_env()
+        with pytest.raises(TrainingError, match="FLEXDEMO_TIMEOUT"):
+            timeout_seconds(cfg)
+
+
+def test_bad_timeout_variable_breaks_neither_import_nor_help_and_train_says_why(tmp_path):
+    env = {"FLEXDEMO_TIMEOUT": "abc"}
+    assert _flexdemo(["-c", "import flexdemo, flexdemo.app.cli"], env).returncode == 0
+    assert _flexdemo(["-m", "flexdemo", "--help"], env).returncode == 0
+    run = _flexdemo(["-m", "flexdemo", "train", "train.steps=1", f"train.out={tmp_path}"], env)
+    assert run.returncode == 2, run.stderr
+    lines = run.stderr.strip().splitlines()
+    assert len(lines) == 1 and "FLEXDEMO_TIMEOUT='abc'" in lines[0], run.stderr
+
+
+def test_rendezvous_timeout_names_the_variable_and_the_peer():
+    port = free_port()  # nothing listens there: rank 0 never comes
+    code = ("import flexdemo\ntry:\n    flexdemo.init_distributed()\nexcept TimeoutError as e:\n"
+            "    print('ERROR', e)\n")
+    run = _flexdemo(["-c", code], {"FLEXDEMO_TIMEOUT": "2", "WORLD_SIZE": "2", "RANK": "1",
+                                   "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+                                   "TORCH_CPP_LOG_LEVEL": "FATAL"})
+    error = [line for line in run.stdout.splitlines() if line.startswith("ERROR")]
+    assert error, run.stdout + run.stderr[-2000:]
+    assert f"127.0.0.1:{port}" in error[0] and "FLEXDEMO_TIMEOUT=2" in error[0], error
+
+
+# ---------------------------------------------------------------------- crash after a save
+class _FakeEvents:
+    """Stands in for TensorBoard's SummaryWriter: one event list per log folder, purged of
+    steps >= ``purge_step`` on reopening, as TensorBoard does."""
+
+    logs: dict[str, list[tuple[str, int]]] = {}
+
+    def __init__(self, logdir: str, purge_step: int | None = None) -> None:
+        events = self.logs.setdefault(logdir, [])
+        if purge_step is not None:
+            events[:] = [e for e in events if e[1] < purge_step]
+        self.events = events
+
+    def add_scalar(self, tag: str, value: float, step: int) -> None:
+        self.events.append((tag, step))
+
+    def flush(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def test_a_crash_right_after_a_checkpoint_loses_no_metrics_line(tmp_path, single_process,
+                                                                 monkeypatch):
+    import flexdemo.app.outputs as outputs
+    import flexdemo.app.trainer as trainer
+
+    monkeypatch.setattr(outputs, "summary_writer", lambda: _FakeEvents)
+    real_save = trainer.save_checkpoint
+
+    def save_then_crash(path, *args, **kwargs):
+        saved = real_save(path, *args, **kwargs)
+        if Path(path).name == "step_000004":
+            raise KeyboardInterrupt  # the process dies right after the checkpoint is written
+        return saved
+
+    out = tmp_path / "run"
+    base = GPT_QUICK + ["train.steps=6", "train.checkpoint_every=2", "train.progress=false",
+                        "train.tensorboard=true", f"train.out={out}"]
+    monkeypatch.setattr(trainer, "save_checkpoint", save_then_crash)
+    with pytest.raises(KeyboardInterrupt):
+        train(load_config(ROOT / "configs/gpt.toml", base), echo=lambda text: None)
+    monkeypatch.setattr(trainer, "save_checkpoint", real_save)
+    summary = train(load_config(ROOT / "configs/gpt.toml", base + ["resume=true"]),
+                    echo=lambda text: None)
+    assert summary["resumed_from"].endswith("step_000004")
+    assert [r["step"] for r in metrics(out)] == [1, 2, 3, 4, 5, 6]
+    losses = [step for tag, step in _FakeEvents.logs[str(out / "tensorboard")]
+              if tag == "train/loss"]
+    assert losses == [1, 2, 3, 4, 5, 6]
+
+
+# ---------------------------------------------------------------------- storage faults
+def _no_space(*args, **kwargs):
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), "simulated")
+
+
+def _one_line(e: pytest.ExceptionInfo) -> str:
+    text = str(e.value)
+    assert "\n" not in text and "Traceback" not in text, text
+    return text
+
+
+def test_full_disk_during_a_save_then_resume_from_the_previous_checkpoint(
+        tmp_path, single_process, monkeypatch):
+    import torch.distributed.checkpoint.filesystem as dcp_filesystem
+
+    import flexdemo.app.trainer as trainer
+
+    out = tmp_path / "run"
+    base = GPT_QUICK + ["train.steps=6", "train.checkpoint_every=2", "train.progress=false",
+                        f"train.out={out}"]
+    real_save = trainer.save_checkpoint
+
+    def save(path, *args, **kwargs):
+        if Path(path).name == "step_000004":  # the disk fills up during this save
+            monkeypatch.setattr(dcp_filesystem, "_write_item", _no_space)
+        return real_save(path, *args, **kwargs)
+
+    monkeypatch.setattr(trainer, "save_checkpoint", save)
+    with pytest.raises(TrainingError) as info:
+        train(load_config(ROOT / "configs/gpt.toml", base), echo=lambda text: None)
+    msg = _one_line(info)
+    assert "no space left on device" in msg and "step_000004" in msg, msg
+    assert "step_000002 is intact" in msg and "resume=true" in msg, msg
+    monkeypatch.undo()
+    summary = train(load_config(ROOT / "configs/gpt.toml", base + ["resume=true"]),
+                    echo=lambda text: None)
+    assert summary["resumed_from"].endswith("step_000002") and summary["steps"] == 6
+    assert [r["step"] for r in metrics(out)] == [1, 2, 3, 4, 5, 6]
+
+
+def test_damaged_checkpoint_on_resume_names_it_and_an_older_one(tmp_path, single_process):
+    out = tmp_path / "run"
+    base = GPT_QUICK + ["train.steps=4", "train.checkpoint_every=2", "train.progress=false",
+                        f"train.out={out}"]
+    train(load_config(ROOT / "configs/gpt.toml", base), echo=lambda text: None)
+    (data,) = (out / "checkpoints" / "step_000004").glob("*.distcp")
+    data.write_bytes(data.read_bytes()[:1000])
+    with pytest.raises(TrainingError) as info:
+        train(load_config(ROOT / "configs/gpt.toml", base + ["resume=true"]),
+              echo=lambda text: None)
+    msg = _one_line(info)
+    assert "step_000004" in msg and "truncated or corrupt" in msg, msg
+    assert "older checkpoint" in msg and "step_000002" in msg, msg
+
+
+def test_output_folder_faults_are_one_line(tmp_path, single_process, monkeypatch):
+    a_file = tmp_path / "a_file"
+    a_file.write_text("not a folder")
+    quiet = {"echo": lambda text: None}
+    for out, needle in ((a_file, "is a file"), (a_file / "sub", "not a directory")):
+        with pytest.raises(TrainingError) as info:
+            train(load_config(ROOT / "configs/gpt.toml", GPT_QUICK + [
+                "train.steps=1", f"train.out={out}"]), **quiet)
+        msg = _one_line(info)
+        assert str(out) in msg and needle in msg.lower(), msg
+    denied = OSError(errno.EACCES, os.strerror(errno.EACCES), str(tmp_path / "ro"))
+    monkeypatch.setattr(Path, "write_bytes", lambda self, data: (_ for _ in ()).throw(denied))
+    with pytest.raises(TrainingError) as info:
+        train(load_config(ROOT / "configs/gpt.toml", GPT_QUICK + [
+            "train.steps=1", f"train.out={tmp_path / 'ro'}"]), **quiet)
+    msg = _one_line(info)
+    assert "ro" in msg and "permission denied" in msg, msg
+
+
+def test_full_disk_while_logging_warns_once_and_training_goes_on(tmp_path, single_process,
+                                                                 monkeypatch):
+    import flexdemo.app.outputs as outputs
+
+    class FullDisk:
+        def write(self, text):
+            _no_space()
+
+        def flush(self):
+            pass
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(outputs.MetricsLog, "_open", lambda self: FullDisk())
+    said: list[str] = []
+    summary = train(load_config(ROOT / "configs/gpt.toml", GPT_QUICK + [
+        "train.steps=3", "train.progress=false", f"train.out={tmp_path}"]), echo=said.append)
+    assert summary["steps"] == 3
+    warnings = [line for line in said if line.startswith("warning")]
+    assert len(warnings) == 1 and "no space left on device" in warnings[0], said
+    assert "step 1" in warnings[0] and "metrics.jsonl" in warnings[0] and "\n" not in warnings[0]
+
+
+# ---------------------------------------------------------------------- the lost rank
+@pytest.mark.parametrize("mesh", [["mesh.replicate=2", "mesh.shard=2"], []],
+                         ids=["2x2", "auto-4x1"])
+def test_killed_rank_of_four_is_the_only_one_named_by_every_survivor(tmp_path, mesh):
+    """Four bare processes, one rank per launcher, a 2 x 2 mesh (some survivors wait in
+    collectives with other survivors) or the default 4 x 1: rank 2 is killed. Every survivor
+    stops within 60 s naming rank 2 and no other rank (survivors that leave first must not be
+    counted as lost, and rank 0's exit must not take the store from the others), with no C++
+    stack frames."""
+    out = tmp_path / "run"
+    procs = spawn_ranks(4, ["train", str(ROOT / "configs/gpt.toml"), *GPT_QUICK,
+                            "train.steps=300", *mesh, "train.progress=false",
+                            f"train.out={out}"])
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            path = out / "metrics.jsonl"
+            if path.exists() and len(path.read_text().splitlines()) >= 3:
+                break
+            assert all(p.poll() is None for p in procs), procs[0].communicate()[0]
+            time.sleep(0.05)
+        else:
+            pytest.fail("the run made no progress")
+        procs[2].send_signal(signal.SIGKILL)
+        killed_at = time.monotonic()
+        outputs = {r: procs[r].communicate(timeout=90)[0] for r in (0, 1, 3)}
+        waited = time.monotonic() - killed_at
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.communicate()
+    assert waited < 60, waited
+    for rank, text in outputs.items():
+        assert procs[rank].returncode == 1, (rank, text[-2000:])
+        errors = [line for line in text.splitlines() if "flexdemo train: error" in line]
+        assert len(errors) == 1, (rank, text[-3000:])
+        assert f"rank {rank}: lost rank 2 " in errors[0], (rank, errors[0])
+        assert "frame #" not in errors[0] and ".cpp" not in errors[0], errors[0]
+        assert "Traceback" not in text, (rank, text[-3000:])
+
+
+def test_resume_with_another_mesh_says_which_config_keys(tmp_path, single_process):
+    out = tmp_path / "run"
+    base = GPT_QUICK + ["train.steps=2", "train.checkpoint_every=2", "train.progress=false",
+                        f"train.out={out}"]
+    train(load_config(ROOT / "configs/gpt.toml", base), echo=lambda text: None)
+    meta_path = out / "checkpoints" / "step_000002" / "flexdemo.json"
+    meta = json.loads(meta_path.read_text())
+    meta.update(world_size=4, mesh_shape=[2, 2])  # as if written by a 2 x 2 job
+    meta_path.write_text(json.dumps(meta))
+    with pytest.raises(TrainingError) as info:
+        train(load_config(ROOT / "configs/gpt.toml", base + ["resume=true"]),
+              echo=lambda text: None)
+    msg = _one_line(info)
+    assert "mesh.replicate=2 mesh.shard=2" in msg and "4 ranks" in msg, msg
+    assert "prepare(" not in msg, msg
+
+
+def test_heartbeat_verdict_is_shared_and_reaches_a_rank_blocked_in_a_collective():
+    """Four ranks' heartbeats over one store: rank 2 dies; rank 3 noticed the failure first
+    and left (its heartbeat stopped, but it is not lost); rank 0 diagnoses; rank 1, blocked in
+    a collective, learns the verdict from its heartbeat thread."""
+    from flexdemo.app.liveness import Heartbeat
+
+    port = free_port()
+    server = dist.TCPStore("127.0.0.1", port, 4, is_master=True, wait_for_workers=False)
+    stores = [server] + [dist.TCPStore("127.0.0.1", port, 4, is_master=False)
+                         for _ in range(3)]
+    heard: list[list[int]] = []
+    beats = [Heartbeat(r, 4, interval=0.1, store=stores[r],
+                       on_verdict=heard.append if r == 1 else None) for r in range(4)]
+    try:
+        beats[2].stop()  # rank 2 dies
+        beats[3].store.set(f"{Heartbeat.PREFIX}noticed/3", "1")  # rank 3 noticed, then left
+        beats[3].stop()
+        assert beats[0].lost_ranks() == ([2], "")
+        deadline = time.monotonic() + 5
+        while not heard and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert heard == [[2]]
+        # rank 0 hosts the store: it waits for survivors that did not take the verdict yet
+        assert beats[0].wait_for_survivors([2], limit=0.3) is False
+        assert beats[3].lost_ranks() == ([2], "")  # a late survivor takes the same verdict
+        assert beats[0].wait_for_survivors([2], limit=30) is True
+    finally:
+        for b in beats:
+            b.stop()
+
+
+def test_full_disk_when_resuming_keeps_the_metrics_file(tmp_path, single_process, monkeypatch):
+    out = tmp_path / "run"
+    base = GPT_QUICK + ["train.steps=4", "train.checkpoint_every=2", "train.progress=false",
+                        f"train.out={out}"]
+    train(load_config(ROOT / "configs/gpt.toml", base + ["train.stop_at=3"]),
+          echo=lambda text: None)
+    before = (out / "metrics.jsonl").read_text()
+    real = Path.write_text
+
+    def write_text(self, data, *args, **kwargs):
+        if "metrics.jsonl" in self.name:
+            real(self, data[: len(data) // 2], *args, **kwargs)  # cut off by the full disk
+            _no_space()
+        return real(self, data, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "write_text", write_text)
+    with pytest.raises(TrainingError) as info:
+        train(load_config(ROOT / "configs/gpt.toml", base + ["resume=true"]),
+              echo=lambda text: None)
+    assert "no space left on device" in _one_line(info)
+    assert (out / "metrics.jsonl").read_text() == before
+    assert sorted(p.name for p in out.iterdir() if "metrics" in p.name) == ["metrics.jsonl"]

@@ -27,7 +27,7 @@ from collections.abc import Iterable
 import torch
 import torch.distributed as dist
 
-from .comm import CommStats, all_reduce_bytes
+from .transport import CommStats, all_reduce_bytes
 
 BUFFER_POLICIES = ("mean", "none")
 

@@ -45,10 +45,12 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 from torch.distributed.tensor import DTensor
 
-__all__ = ["FORMAT_VERSION", "latest_checkpoint", "load_checkpoint", "save_checkpoint"]
+__all__ = ["FORMAT_VERSION", "CheckpointError", "latest_checkpoint", "load_checkpoint",
+           "save_checkpoint"]
 
 FORMAT_VERSION = 1
 META_FILE = "flexdemo.json"
@@ -81,22 +83,57 @@ def _rank_world() -> tuple[int, int]:
     return 0, 1
 
 
+class CheckpointError(OSError):
+    """Storage failed while saving or loading a checkpoint (a full disk, a missing or truncated
+    file, no permission). Raised on every rank with the same one-line message, which names
+    the path and the cause; a save that fails leaves the previous checkpoint untouched."""
+
+
+def describe_os_error(e: BaseException) -> str:
+    """One line for a storage error: the cause (e.g. "no space left on device") and the file."""
+    if isinstance(e, OSError) and e.strerror:
+        cause = e.strerror[0].lower() + e.strerror[1:]
+        return f"{cause} ({e.filename})" if e.filename else cause
+    return " ".join(f"{type(e).__name__}: {e}".split())[:300]
+
+
+def _storage_cause(e: BaseException) -> BaseException | None:
+    """The storage error behind ``e``: an OSError itself, or the first one DCP collected."""
+    if isinstance(e, OSError):
+        return e
+    if isinstance(e, CheckpointException):
+        for _rank, (exc, _trace) in sorted(e.failures.items()):
+            return exc
+    return None
+
+
 def _agree(error: BaseException | None, action: str, payload: Any = None) -> list:
     """Collective: every rank learns whether any rank failed, and gets every rank's payload.
 
-    Raises on every rank if one failed (the failing rank re-raises its own exception), so no
-    rank goes on into a collective that the others never join. Also serves as a barrier.
+    Raises on every rank if one failed, so no rank goes on into a collective that the others
+    never join. A storage error (OSError) becomes the same :class:`CheckpointError` on every
+    rank; otherwise the failing rank re-raises its own exception. Also serves as a barrier.
     """
     rank, world = _rank_world()
+    storage = _storage_cause(error) if error is not None else None
     if world == 1:
+        if storage is not None:
+            raise CheckpointError(f"{action}: {describe_os_error(storage)}") from None
         if error is not None:
             raise error
         return [payload]
     note = None if error is None else f"{type(error).__name__}: {error}"
+    if storage is not None:
+        note = f"storage: {describe_os_error(storage)}"
     gathered: list = [None] * world
     dist.all_gather_object(gathered, (note, payload))
     failed = {r: n for r, (n, _) in enumerate(gathered) if n is not None}
     if failed:
+        on_disk = {r: n for r, n in failed.items() if n.startswith("storage: ")}
+        if on_disk:
+            first = min(on_disk)
+            raise CheckpointError(f"{action}: {on_disk[first][len('storage: '):]} (rank {first})"
+                                  ) from None
         if error is not None:
             raise error
         first = min(failed)
@@ -105,11 +142,22 @@ def _agree(error: BaseException | None, action: str, payload: Any = None) -> lis
     return [p for _, p in gathered]
 
 
-def _dcp_call(fn, state: dict, **kwargs) -> None:
-    """Run ``dcp.save`` / ``dcp.load``, without a process group in a lone process."""
+def _dcp_call(fn, state: dict, action: str, **kwargs) -> None:
+    """Run ``dcp.save`` / ``dcp.load`` (without a process group in a lone process). DCP's
+    ``CheckpointException`` derives from ``BaseException`` and holds every rank's traceback;
+    it becomes one :class:`CheckpointError` (every rank gets it from DCP) naming the cause."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        fn(state, no_dist=not (dist.is_available() and dist.is_initialized()), **kwargs)
+        try:
+            fn(state, no_dist=not (dist.is_available() and dist.is_initialized()), **kwargs)
+        except CheckpointException as e:
+            cause = _storage_cause(e)
+            if isinstance(cause, OSError):
+                text = describe_os_error(cause)
+            else:  # e.g. EOFError or an unpickling error from a cut file
+                what = " ".join(f"{type(cause).__name__}: {cause}".split()).rstrip(": ")
+                text = f"its data files (*.distcp) are truncated or corrupt ({what[:200]})"
+            raise CheckpointError(f"{action}: {text}") from None
 
 
 # ---------------------------------------------------------------------------- layout
@@ -464,7 +512,7 @@ def save_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer, *, ste
         info = {"prints": _fingerprints(shared), "step": step, "pid": os.getpid()}
     except Exception as e:
         error = e
-    infos = _agree(error, "saving a checkpoint", info)
+    infos = _agree(error, f"saving checkpoint {final}", info)
     if len({i["step"] for i in infos}) != 1:
         raise ValueError(f"ranks passed different steps to save_checkpoint: "
                          f"{[i['step'] for i in infos]}")
@@ -483,9 +531,10 @@ def save_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer, *, ste
             (tmp / RANKS_DIR).mkdir(parents=True)
         except Exception as e:
             error = e
-    _agree(error, "creating the checkpoint's temporary directory")
+    _agree(error, f"saving checkpoint {final}: creating {tmp}")
     try:
-        _dcp_call(dcp.save, flat, storage_writer=FileSystemWriter(tmp))
+        _dcp_call(dcp.save, flat, f"saving checkpoint {final}",
+                  storage_writer=FileSystemWriter(tmp))
         error = None
         try:
             _fsync_write(_rank_file(tmp, rank), blob)
@@ -506,7 +555,7 @@ def save_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer, *, ste
                 _fsync_write(tmp / META_FILE, json.dumps(meta, indent=1).encode())
         except Exception as e:
             error = e
-        _agree(error, "writing the checkpoint")
+        _agree(error, f"saving checkpoint {final}")
         error = None
         if rank == 0:
             try:
@@ -517,7 +566,7 @@ def save_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer, *, ste
                 _commit(tmp, final)
             except Exception as e:
                 error = e
-        _agree(error, "committing the checkpoint")
+        _agree(error, f"saving checkpoint {final}: committing it")
     except BaseException:
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -571,7 +620,8 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer) -> dic
     except Exception as e:
         error = e
     _agree(error, f"loading checkpoint {path}")
-    _dcp_call(dcp.load, flat, storage_reader=FileSystemReader(path))
+    _dcp_call(dcp.load, flat, f"loading checkpoint {path}",
+              storage_reader=FileSystemReader(path))
     error, result = None, None
     try:
         for ref in _refs(saved):

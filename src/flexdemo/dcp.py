@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from .comm import group_rank
+from .transport import group_rank
 
 if TYPE_CHECKING:
     from .optim import DeToNATION

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 from datetime import timedelta
 
@@ -9,7 +10,39 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-DEFAULT_TIMEOUT = timedelta(seconds=float(os.environ.get("FLEXDEMO_TIMEOUT", "300")))
+TIMEOUT_ENV = "FLEXDEMO_TIMEOUT"
+DEFAULT_TIMEOUT_SECONDS = 300.0
+"""How long a collective (or joining the job) waits for a peer before it gives up, unless
+``FLEXDEMO_TIMEOUT`` (seconds) or an explicit ``timeout`` says otherwise. The one default of
+the library and of ``flexdemo train``."""
+DEFAULT_TIMEOUT = None
+"""``timeout=DEFAULT_TIMEOUT`` (None) means :func:`timeout_from_env` at the time of the call."""
+
+
+def timeout_from_env() -> timedelta:
+    """``FLEXDEMO_TIMEOUT`` seconds if the variable is set, else
+    :data:`DEFAULT_TIMEOUT_SECONDS`; read when called, never at import. Raises ``ValueError``
+    naming the variable when it is not a number of seconds > 0."""
+    raw = os.environ.get(TIMEOUT_ENV, "").strip()
+    if not raw:
+        return timedelta(seconds=DEFAULT_TIMEOUT_SECONDS)
+    try:
+        seconds = float(raw)
+    except ValueError:
+        seconds = float("nan")
+    if not (math.isfinite(seconds) and seconds > 0):
+        raise ValueError(f"{TIMEOUT_ENV}={raw!r} is not a number of seconds > 0; set it to e.g. "
+                         f"{DEFAULT_TIMEOUT_SECONDS:g}, or unset it for the default "
+                         f"({DEFAULT_TIMEOUT_SECONDS:g} s)")
+    return timedelta(seconds=seconds)
+
+
+def _check_timeout(timeout: timedelta | None) -> timedelta:
+    if timeout is None:
+        return timeout_from_env()
+    if not isinstance(timeout, timedelta) or timeout.total_seconds() <= 0:
+        raise ValueError(f"timeout must be a datetime.timedelta > 0, got {timeout!r}")
+    return timeout
 
 
 def backend_for(device: torch.device) -> str:
@@ -18,25 +51,49 @@ def backend_for(device: torch.device) -> str:
 
 
 def init_distributed(device: torch.device | str = "cpu",
-                     timeout: timedelta = DEFAULT_TIMEOUT) -> None:
+                     timeout: timedelta | None = DEFAULT_TIMEOUT) -> None:
     """Initialise the default process group if needed.
 
     Under ``torchrun`` (``WORLD_SIZE`` set) this joins the job; without it, a single-rank
-    group is created in-process, so the same code runs on one laptop CPU. Collectives time out
-    after ``timeout`` (``FLEXDEMO_TIMEOUT`` seconds, default 300) instead of hanging on a dead
-    peer.
+    group is created in-process, so the same code runs on one laptop CPU. Joining and every
+    collective give up after ``timeout`` (default: :func:`timeout_from_env`) instead of
+    hanging on a dead peer; a rendezvous that times out raises ``TimeoutError`` naming
+    ``MASTER_ADDR:MASTER_PORT`` and ``FLEXDEMO_TIMEOUT``.
     """
     if dist.is_initialized():
         return
+    timeout = _check_timeout(timeout)
     device = torch.device(device)
     backend = backend_for(device)
-    if "WORLD_SIZE" in os.environ:
-        if device.type == "cuda":
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group(backend, timeout=timeout)
-    else:
+    if "WORLD_SIZE" not in os.environ:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
                                 timeout=timeout)
+        return
+    if device.type == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    try:
+        dist.init_process_group(backend, timeout=timeout)
+    except (RuntimeError, TimeoutError) as e:  # DistError derives from RuntimeError
+        if not is_timeout(e):
+            raise
+        peer = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
+        raise TimeoutError(
+            f"rank {os.environ.get('RANK', '?')} could not join the job at {peer} within "
+            f"{timeout_note(timeout.total_seconds())}: rank 0 or a peer is "
+            "missing or unreachable, or MASTER_ADDR/MASTER_PORT are wrong") from None
+
+
+def timeout_note(seconds: float) -> str:
+    """For error messages: how long was waited and where that came from."""
+    raw = os.environ.get(TIMEOUT_ENV, "").strip()
+    source = f"{TIMEOUT_ENV}={raw}" if raw else f"the default; set {TIMEOUT_ENV} to change it"
+    return f"{seconds:g} s ({source})"
+
+
+def is_timeout(e: BaseException) -> bool:
+    """Whether a c10d/gloo error is a timeout (rather than a lost connection)."""
+    text = str(e).lower()
+    return isinstance(e, TimeoutError) or "timed out" in text or "timeout" in text
 
 
 def mesh_shape(world: int, replicate: int | None = None, shard: int | None = None

@@ -221,7 +221,7 @@ def prepare(model: nn.Module, replicator: str | Replicator | Sequence = "demo",
             device: str | torch.device | None = None, fsdp_kwargs: dict | None = None,
             init_fn: Callable[[nn.Module], None] | None = None,
             precision: str | None = None, buffers: str = "mean",
-            timeout: timedelta = DEFAULT_TIMEOUT) -> tuple[nn.Module, DeToNATION]:
+            timeout: timedelta | None = DEFAULT_TIMEOUT) -> tuple[nn.Module, DeToNATION]:
     """Shard ``model`` with FSDP2 inside each replica and return it with its optimizer.
 
     The world is arranged as a ``(replicate, shard)`` mesh (default: ``shard`` = ranks per node

@@ -6,8 +6,8 @@ import warnings
 
 import torch
 
-from ..comm import all_gather, all_reduce_bytes, all_reduce_sum
 from ..compress.quant import ValueCodec
+from ..transport import all_gather, all_reduce_bytes, all_reduce_sum
 from .base import (
     HEADER_BYTES,
     MAGIC,

@@ -20,7 +20,7 @@ import math
 
 import torch
 
-from ..comm import all_reduce_bytes, all_reduce_sum
+from ..transport import all_reduce_bytes, all_reduce_sum
 from .base import Agreement, Replicator, nonfinite_flag
 from .full import FlatLayout
 

@@ -1,0 +1,438 @@
+"""``flexdemo bench``: strategies x bandwidths on an emulated cluster, with a table and plots.
+
+For every bandwidth, :func:`run_bench` builds one :class:`~flexdemo.tools.cluster.EmulatedCluster`
+(``nodes`` network namespaces joined by links shaped to that rate) and runs
+``python -m flexdemo train`` on it once per strategy, all with the same task, steps, batch and
+seed. Each run's config, log, metrics and summary stay in ``out/runs/<strategy>@<rate>/``;
+the sweep writes ``results.json`` (with the loss curves), ``results.csv`` (one row per run),
+``loss_vs_time.png``, ``loss_vs_bytes.png`` and ``step_time.png`` to ``out`` and prints a
+table. Without root (or with ``unshaped``) the runs happen on loopback with no shaping.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import os
+import shutil
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+from ..tools.cluster import (
+    ClusterError,
+    EmulatedCluster,
+    ShapingUnavailableError,
+    cleanup_stale,
+    format_rate,
+    parse_bandwidth,
+)
+from .config import apply_overrides, config_from_dict, read_config_file, to_toml, validate
+from .plots import plot_all, smooth
+from .strategies import STRATEGIES, parse_strategy
+
+__all__ = ["DEFAULT_BANDWIDTHS", "DEFAULT_STRATEGIES", "PRESETS", "STRATEGIES", "BenchError",
+           "BenchOptions", "bench_options", "equal_time_losses", "format_table", "run_bench"]
+
+UNSHAPED = "unshaped"
+
+DEFAULT_STRATEGIES = ("flexdemo", "demo-dp", "hsdp-adamw", "no-sync")
+DEFAULT_BANDWIDTHS = ("10mbit", "100mbit", "1gbit")
+
+BASE_CONFIG: dict[str, Any] = {
+    "task": {"name": "gpt", "model": "mini", "corpus_bytes": 2_000_000},
+    "train": {"steps": 100, "batch": 8, "warmup": 10, "eval_every": 25, "eval_batches": 4,
+              "log_every": 10, "tensorboard": False},
+}
+
+PRESETS: dict[str, dict[str, Any]] = {
+    "main": {
+        "about": "the headline demo: FlexDeMo vs hybrid-sharded AdamW, GPT, 2 nodes x 2 ranks "
+                 "at 100 Mbit/s (a few minutes on 2 cores)",
+        "strategies": ("flexdemo", "hsdp-adamw"), "bandwidths": ("100mbit",),
+        "nodes": 2, "ranks_per_node": 2, "steps": 150, "out": "runs/main",
+        "overrides": ["task.model=mini", "train.batch=8", "train.warmup=15",
+                      "train.eval_every=25", "train.eval_batches=8"]},
+}
+
+
+class BenchError(RuntimeError):
+    """The sweep cannot run as asked; the message is meant for the user."""
+
+
+@dataclass
+class BenchOptions:
+    """Everything a sweep needs (see :func:`bench_options`)."""
+
+    strategies: list[str] = field(default_factory=lambda: list(DEFAULT_STRATEGIES))
+    bandwidths: list[str] = field(default_factory=lambda: list(DEFAULT_BANDWIDTHS))
+    nodes: int = 2
+    ranks_per_node: int = 2
+    steps: int = 100
+    base: dict = field(default_factory=lambda: json.loads(json.dumps(BASE_CONFIG)))
+    out: str = "runs/bench"
+    unshaped: bool = False
+    timeout: float | None = None
+    quiet: bool = False
+    preset: str | None = None
+
+
+def _split(text: str | None) -> list[str] | None:
+    if text is None:
+        return None
+    items = [x.strip() for x in text.split(",") if x.strip()]
+    return items or None
+
+
+def bench_options(*, preset: str | None = None, strategies: str | list[str] | None = None,
+                  bandwidths: str | list[str] | None = None, nodes: int | None = None,
+                  ranks_per_node: int | None = None, steps: int | None = None,
+                  config: str | None = None, out: str | None = None, unshaped: bool = False,
+                  overrides: list[str] | None = None, timeout: float | None = None,
+                  quiet: bool = False) -> BenchOptions:
+    """Resolve and check a sweep's options; raises :class:`BenchError` or
+    :class:`~flexdemo.app.config.ConfigError` with a one-line message."""
+    p = PRESETS.get(preset or "", {})
+    if preset and not p:
+        raise BenchError(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
+    o = BenchOptions(preset=preset)
+    if isinstance(strategies, str):
+        strategies = _split(strategies)
+    if isinstance(bandwidths, str):
+        bandwidths = _split(bandwidths)
+    o.strategies = list(strategies or p.get("strategies") or DEFAULT_STRATEGIES)
+    o.bandwidths = list(bandwidths or p.get("bandwidths") or DEFAULT_BANDWIDTHS)
+    o.nodes = nodes or p.get("nodes", 2)
+    o.ranks_per_node = ranks_per_node or p.get("ranks_per_node", 2)
+    o.steps = steps or p.get("steps", 100)
+    o.out = out or p.get("out", "runs/bench")
+    o.unshaped, o.timeout, o.quiet = unshaped, timeout, quiet
+    for s in o.strategies:
+        if s not in STRATEGIES:
+            try:
+                parse_strategy(s)
+            except ValueError as e:
+                raise BenchError(str(e)) from None
+            raise BenchError(f"strategy {s!r}: the bench takes names only; add a strategy to "
+                             "flexdemo.app.strategies.STRATEGIES for other settings")
+    if len(set(o.strategies)) != len(o.strategies):
+        raise BenchError(f"a strategy is listed twice: {','.join(o.strategies)}")
+    for bw in o.bandwidths:
+        if bw == UNSHAPED:
+            continue
+        try:
+            parse_bandwidth(bw)
+        except ValueError as e:
+            raise BenchError(str(e)) from None
+    if o.unshaped:
+        o.bandwidths = [UNSHAPED]
+    elif UNSHAPED in o.bandwidths and len(o.bandwidths) > 1:
+        raise BenchError("'unshaped' cannot be mixed with rates; use --unshaped alone")
+    elif o.bandwidths == [UNSHAPED]:
+        o.unshaped = True
+    base = read_config_file(config) if config else json.loads(json.dumps(BASE_CONFIG))
+    base = apply_overrides(base, list(p.get("overrides", [])) + list(overrides or []))
+    base.setdefault("train", {})["steps"] = o.steps
+    if "strategy" in base or "mesh" in base:
+        raise BenchError("the bench sets [strategy] and [mesh] per strategy; leave them out of "
+                         "the base config and its overrides")
+    o.base = base
+    for name in o.strategies:  # every run's config must be valid before anything starts
+        validate(config_from_dict(run_config(o, name, "check")), o.nodes * o.ranks_per_node)
+    return o
+
+
+def run_config(o: BenchOptions, strategy: str, run_dir: str) -> dict:
+    """The training config of one run: the base, the strategy and its mesh layout."""
+    spec = STRATEGIES[strategy]
+    cfg = json.loads(json.dumps(o.base))
+    cfg["strategy"] = spec.settings()
+    world = o.nodes * o.ranks_per_node
+    if spec.layout == "dp":
+        cfg["mesh"] = {"replicate": world, "shard": 1}
+    else:
+        cfg["mesh"] = {"replicate": o.nodes, "shard": o.ranks_per_node}
+    train = cfg.setdefault("train", {})
+    train.update({"out": run_dir, "overwrite": True, "progress": True})
+    cfg["resume"] = False
+    return cfg
+
+
+class _Tee:
+    """A text sink that writes everything to a log file and echoes rank 0's lines."""
+
+    def __init__(self, log: IO[str], echo: Callable[[str], None] | None) -> None:
+        self.log, self.echo = log, echo
+        self.lock = threading.Lock()
+
+    def write(self, text: str) -> int:
+        with self.lock:
+            self.log.write(text)
+            if self.echo is not None:
+                for line in text.splitlines():
+                    if line.startswith("[rank 0] step ") or "error" in line.lower():
+                        self.echo("    " + line)
+        return len(text)
+
+    def flush(self) -> None:
+        self.log.flush()
+
+
+def _read_metrics(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    rows = []
+    for line in path.read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            break
+    return rows
+
+
+def _count(items: list, one: str, many: str) -> str:
+    return f"{len(items)} {one if len(items) == 1 else many}"
+
+
+def _label(bw: str) -> str:
+    return UNSHAPED if bw == UNSHAPED else bw
+
+
+def run_bench(o: BenchOptions, echo: Callable[[str], None] | None = None) -> list[dict]:
+    """Run the sweep; returns one result per run (``status`` ``"ok"`` or ``"failed"``)."""
+    echo = echo or (lambda text: print(text, flush=True))
+    out = Path(o.out).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    shaped = not o.unshaped
+    bandwidths = list(o.bandwidths)
+    if shaped:
+        try:
+            EmulatedCluster(o.nodes, o.ranks_per_node, bandwidths[0], log=lambda s: None)
+        except ShapingUnavailableError as e:
+            echo(f"note: shaping the links needs root and iproute2 ({e}).\n"
+                 "note: running the unshaped loopback version instead: all ranks on 127.0.0.1, "
+                 "no bandwidth limit, so communication costs little; rerun as root for the "
+                 "shaped comparison.")
+            shaped, bandwidths = False, [UNSHAPED]
+    world = o.nodes * o.ranks_per_node
+    echo(f"bench: {_count(o.strategies, 'strategy', 'strategies')} x "
+         f"{_count(bandwidths, 'bandwidth', 'bandwidths')} on "
+         f"{o.nodes} nodes x {o.ranks_per_node} ranks ({world} ranks), {o.steps} steps each; "
+         f"task {o.base.get('task', {}).get('name', 'gpt')}/"
+         f"{o.base.get('task', {}).get('model', '?')}; out {out}")
+    if shaped:
+        removed = cleanup_stale()
+        if removed:
+            echo(f"bench: removed leftovers of dead runs: {', '.join(removed)}")
+    results: list[dict] = []
+    t0 = time.perf_counter()
+    queue = list(bandwidths)
+    while queue:
+        bw = queue.pop(0)
+        cluster = EmulatedCluster(o.nodes, o.ranks_per_node, None if bw == UNSHAPED else bw,
+                                  unshaped=bw == UNSHAPED, log=lambda s: None)
+        try:
+            cluster.__enter__()
+        except ClusterError as e:
+            if results or bw == UNSHAPED:
+                raise BenchError(f"the emulated cluster failed: {e}") from None
+            echo(f"note: could not build the emulated network here ({e}).\n"
+                 "note: running the unshaped loopback version instead (no bandwidth limit).")
+            shaped, queue = False, [UNSHAPED]
+            continue
+        try:
+            for name in o.strategies:
+                results.append(_one_run(o, cluster, name, bw, out, echo))
+        except ClusterError as e:
+            raise BenchError(f"the emulated cluster failed: {e}") from None
+        finally:
+            cluster.__exit__(None, None, None)
+    write_results(o, results, out, shaped, time.perf_counter() - t0)
+    echo("\n" + format_table(results))
+    for line in comparison_lines(results):
+        echo(line)
+    try:
+        paths = plot_all(results, out)
+        echo("plots: " + ", ".join(str(p) for p in paths) if paths
+             else "plots skipped: no run finished")
+    except ModuleNotFoundError:
+        echo("note: plots skipped: matplotlib is not installed (pip install matplotlib)")
+    echo(f"results: {out / 'results.json'}, {out / 'results.csv'}")
+    return results
+
+
+def _one_run(o: BenchOptions, cluster: EmulatedCluster, name: str, bw: str, out: Path,
+             echo: Callable[[str], None]) -> dict:
+    run_dir = out / "runs" / f"{name}@{_label(bw)}"
+    if run_dir.exists():
+        shutil.rmtree(run_dir)
+    run_dir.mkdir(parents=True)
+    cfg = run_config(o, name, str(run_dir))
+    cfg_path = run_dir / "bench_config.toml"
+    cfg_path.write_text(to_toml(cfg))
+    where = ("loopback, unshaped" if bw == UNSHAPED
+             else f"links of {format_rate(parse_bandwidth(bw))}")
+    echo(f"\n== {name} @ {_label(bw)}: {STRATEGIES[name].about} ({where})")
+    cmd = [sys.executable, "-m", "flexdemo", "train", str(cfg_path)]
+    env = {"PYTHONUNBUFFERED": "1"}
+    with (run_dir / "log.txt").open("w") as log:
+        tee = _Tee(log, None if o.quiet else echo)
+        result = cluster.run(cmd, env=env, stdout=tee, stderr=tee, timeout=o.timeout,
+                             cwd=os.getcwd())
+    record: dict[str, Any] = {"strategy": name, "bandwidth": _label(bw),
+                              "about": STRATEGIES[name].about, "run_dir": str(run_dir),
+                              "nodes": o.nodes, "ranks_per_node": o.ranks_per_node,
+                              "status": "ok" if result.ok else "failed",
+                              "message": result.message, "wall_seconds": result.seconds}
+    summary_path = run_dir / "summary.json"
+    if result.ok and summary_path.exists():
+        summary = json.loads(summary_path.read_text())
+        summary.pop("config", None)
+        record.update({k: v for k, v in summary.items() if k not in record})
+    elif result.ok:
+        record.update(status="failed", message="the run wrote no summary.json")
+    rows = _read_metrics(run_dir / "metrics.jsonl")
+    record["curve"] = {
+        "step": [r["step"] for r in rows], "loss": [r["loss"] for r in rows],
+        "train_seconds": [r["train_seconds"] for r in rows],
+        "bytes_sent_total": [r["bytes_sent_total"] for r in rows],
+        "val_step": [r["step"] for r in rows if "val_loss" in r],
+        "val_loss": [r["val_loss"] for r in rows if "val_loss" in r],
+        "val_seconds": [r["train_seconds"] for r in rows if "val_loss" in r],
+        "val_bytes": [r["bytes_sent_total"] for r in rows if "val_loss" in r],
+    }
+    if record["status"] != "ok":
+        echo(f"   {name} @ {_label(bw)} failed: {result.message} (log: {run_dir / 'log.txt'})")
+    else:
+        val = record.get("val_loss", float("nan"))
+        echo(f"   done in {result.seconds:.0f}s: val loss {val:.4f}"
+             f", step {record['step_seconds'] * 1e3:.0f} ms (compute "
+             f"{record['compute_seconds'] * 1e3:.0f} + comm {record['comm_seconds'] * 1e3:.0f})"
+             f", {record['bytes_sent_per_step'] / 1e6:.4f} MB sent per rank per step")
+    return record
+
+
+CSV_FIELDS = ["strategy", "bandwidth", "status", "nodes", "ranks_per_node", "steps",
+              "params", "train_loss", "val_loss", "val_accuracy", "train_seconds",
+              "wall_seconds", "step_seconds", "compute_seconds", "comm_seconds",
+              "bytes_sent_per_step", "mb_sent_total", "message"]
+
+
+def write_results(o: BenchOptions, results: list[dict], out: Path, shaped: bool,
+                  seconds: float) -> None:
+    """``results.json`` (everything, curves included) and ``results.csv`` (one row per run)."""
+    payload = {"options": asdict(o), "shaped": shaped, "seconds": seconds,
+               "runs": results}
+    (out / "results.json").write_text(json.dumps(payload, indent=1) + "\n")
+    with (out / "results.csv").open("w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=CSV_FIELDS, extrasaction="ignore")
+        w.writeheader()
+        for r in results:
+            w.writerow({k: r.get(k, "") for k in CSV_FIELDS})
+
+
+def _fmt(v: Any, spec: str) -> str:
+    if v is None or (isinstance(v, float) and math.isnan(v)) or v == "":
+        width = int(spec.split(".")[0] or 0)
+        return "-".rjust(width)
+    return format(v, spec)
+
+
+def format_table(results: list[dict]) -> str:
+    """The printed table: one row per run."""
+    head = (f"{'strategy':<12} {'link':>9} {'val loss':>9} {'train':>7} {'time s':>7} "
+            f"{'step ms':>8} {'compute':>8} {'comm':>7} {'MB/step':>9} {'status':>7}")
+    lines = [head, "-" * len(head)]
+    def ms(r: dict, key: str) -> float | None:
+        return r[key] * 1e3 if isinstance(r.get(key), (int, float)) else None
+
+    for r in results:
+        mb = r.get("bytes_sent_per_step")
+        lines.append(
+            f"{r['strategy']:<12} {r['bandwidth']:>9} {_fmt(r.get('val_loss'), '9.4f')} "
+            f"{_fmt(r.get('train_loss'), '7.4f')} {_fmt(r.get('train_seconds'), '7.1f')} "
+            f"{_fmt(ms(r, 'step_seconds'), '8.0f')} {_fmt(ms(r, 'compute_seconds'), '8.0f')} "
+            f"{_fmt(ms(r, 'comm_seconds'), '7.0f')} "
+            f"{_fmt(mb / 1e6 if mb is not None else None, '9.4f')} {r['status']:>7}")
+    lines.append("val loss: mean over all ranks after the last step; time s: training time "
+                 "(evaluation excluded)\nstep ms = compute + comm (per rank, mean); MB/step: "
+                 "what a rank sends across nodes per step")
+    lines += [note for note in map(never_synced_note, results) if note]
+    return "\n".join(lines)
+
+
+def _interp(x: list[float], y: list[float], at: float) -> float:
+    if not x:
+        return float("nan")
+    if at <= x[0]:
+        return y[0]
+    for i in range(1, len(x)):
+        if x[i] >= at:
+            f = (at - x[i - 1]) / max(x[i] - x[i - 1], 1e-12)
+            return y[i - 1] + f * (y[i] - y[i - 1])
+    return y[-1]
+
+
+def equal_time_losses(results: list[dict], bandwidth: str) -> tuple[float, dict[str, float]]:
+    """At one bandwidth: the time all runs reached (the shortest run's training seconds) and
+    each strategy's smoothed training loss at that time."""
+    runs = [r for r in results if r["bandwidth"] == bandwidth and r["status"] == "ok"
+            and r["curve"]["train_seconds"]]
+    if not runs:
+        return float("nan"), {}
+    t = min(r["curve"]["train_seconds"][-1] for r in runs)
+    out = {}
+    for r in runs:
+        c = r["curve"]
+        window = max(1, len(c["loss"]) // 10)
+        out[r["strategy"]] = _interp(c["train_seconds"], smooth(c["loss"], window), t)
+    return t, out
+
+
+def never_synced_note(r: dict) -> str | None:
+    """A note for a run whose strategy synchronises across nodes but sent nothing: a run
+    shorter than DiLoCo's ``inner_steps``. Its replicas trained apart, and its step time holds
+    no communication, so neither its loss nor its speed compares with a synced run."""
+    spec = STRATEGIES.get(r.get("strategy", ""))
+    if (spec is None or r.get("status") != "ok" or spec.replicator == "none"
+            or r.get("mb_sent_total", 1.0) != 0):
+        return None
+    every = spec.replicator_kwargs.get("inner_steps")
+    why = (f" (it syncs every {every} steps; give train.steps > {every})" if every else "")
+    return (f"note: {r['strategy']} @ {r['bandwidth']} never synchronised across nodes in its "
+            f"{r.get('steps', '?')} steps{why}: its replicas trained apart and its step time "
+            "includes no communication, so its speed and loss do not compare with synced runs")
+
+
+def comparison_lines(results: list[dict], reference: str = "hsdp-adamw") -> list[str]:
+    """FlexDeMo (and the others) against ``reference``: validation loss at equal steps and
+    training loss at equal wall-clock time, per bandwidth."""
+    lines = []
+    for bw in dict.fromkeys(r["bandwidth"] for r in results):
+        ref = next((r for r in results if r["bandwidth"] == bw and r["strategy"] == reference
+                    and r["status"] == "ok"), None)
+        if ref is None or "val_loss" not in ref:
+            continue
+        t, at_t = equal_time_losses(results, bw)
+        for r in results:
+            if r["bandwidth"] != bw or r is ref or r["status"] != "ok" or "val_loss" not in r:
+                continue
+            rel = 100 * (r["val_loss"] - ref["val_loss"]) / ref["val_loss"]
+            speed = ref["step_seconds"] / r["step_seconds"] if r.get("step_seconds") else 0
+            note = never_synced_note(r)
+            lines.append(f"{r['strategy']} vs {reference} @ {bw}:")
+            if note:
+                lines.append(f"  {note}")
+            lines += [
+                f"  at equal steps: val loss {r['val_loss']:.4f} vs {ref['val_loss']:.4f} "
+                f"({rel:+.1f}%)",
+                f"  step time:      {r['step_seconds'] * 1e3:.0f} ms vs "
+                f"{ref['step_seconds'] * 1e3:.0f} ms ({speed:.2f}x faster)",
+                f"  at equal time:  train loss {at_t.get(r['strategy'], float('nan')):.4f} vs "
+                f"{at_t.get(reference, float('nan')):.4f} after {t:.0f} s (smoothed)"]
+    return lines

@@ -1,0 +1,149 @@
+"""Which rank was lost: heartbeats in the rendezvous store and one verdict for all survivors,
+and short one-line forms of c10d/gloo errors."""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+import time
+from collections.abc import Callable
+
+import torch.distributed as dist
+
+__all__ = ["Heartbeat", "is_comm_error", "short_error"]
+
+
+class Heartbeat:
+    """Liveness through the rendezvous store, so that after a failed collective every survivor
+    names the same lost ranks.
+
+    Each rank bumps ``hb/<rank>`` every ``interval`` seconds. A rank that sees a collective
+    fail marks ``noticed/<rank>`` (it is alive, whatever its heartbeat does next), and the
+    first one to finish a diagnosis (heartbeats that stopped, ranks that did not notice)
+    publishes it as the ``verdict``; later ones take it. A rank still blocked in a collective
+    learns the verdict from its heartbeat thread (``on_verdict``). The store's host (rank 0)
+    waits for the survivors to take the verdict before it exits, since its exit takes the
+    store down.
+    """
+
+    PREFIX = "flexdemo/liveness/"
+
+    def __init__(self, rank: int, world: int, interval: float = 1.0,
+                 on_verdict: Callable[[list[int]], None] | None = None,
+                 store: dist.Store | None = None) -> None:
+        self.rank, self.world, self.interval = rank, world, interval
+        self.on_verdict = on_verdict
+        self.store = store
+        if store is None and world > 1:
+            try:
+                self.store = dist.distributed_c10d._get_default_store()
+            except Exception:  # noqa: BLE001 - no store: no diagnosis, training still runs
+                self.store = None
+        self.noticed = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        if self.store is not None:
+            self._beat()
+            self._thread = threading.Thread(target=self._run, name="flexdemo-heartbeat",
+                                            daemon=True)
+            self._thread.start()
+
+    def _key(self, what: str, rank: int | None = None) -> str:
+        return f"{self.PREFIX}{what}" + ("" if rank is None else f"/{rank}")
+
+    def _beat(self) -> None:
+        assert self.store is not None
+        self.store.add(self._key("hb", self.rank), 1)
+
+    def _run(self) -> None:
+        waited = 0
+        while not self._stop.wait(self.interval):
+            try:
+                self._beat()
+                if self.on_verdict is None or self.noticed.is_set():
+                    continue
+                if self.store.check([self._key("verdict")]):
+                    waited += 1  # give the main thread two beats to notice on its own
+                    if waited > 2 and not self.noticed.is_set():
+                        self.noticed.set()
+                        lost = self._take_verdict()
+                        self.on_verdict(lost)
+                        return
+            except Exception:  # noqa: BLE001 - the store is gone; lost_ranks() will say so
+                return
+
+    def stop(self) -> None:
+        """Stop beating (before the process group goes away)."""
+        self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=2 * self.interval + 1)
+
+    def _counters(self) -> list[int]:
+        return [self.store.add(self._key("hb", r), 0) for r in range(self.world)]
+
+    def _noticed(self) -> set[int]:
+        return {r for r in range(self.world) if self.store.check([self._key("noticed", r)])}
+
+    def _take_verdict(self) -> list[int]:
+        text = self.store.get(self._key("verdict")).decode()
+        self.store.set(self._key("taken", self.rank), "1")
+        return json.loads(text)
+
+    def lost_ranks(self) -> tuple[list[int], str]:
+        """``(ranks that died or stopped responding, a note)``; the same list on every
+        survivor. Takes about three heartbeat intervals, or no time if a peer already
+        published the verdict."""
+        self.noticed.set()
+        if self.store is None:
+            return [], "no rendezvous store to ask"
+        try:
+            self.store.set(self._key("noticed", self.rank), "1")
+            if not self.store.check([self._key("verdict")]):
+                before = self._counters()
+                time.sleep(3 * self.interval)
+                after = self._counters()
+                alive = self._noticed()
+                lost = [r for r in range(self.world) if r != self.rank and r not in alive
+                        and after[r] == before[r]]
+                # the first diagnosis wins; later ones take it
+                self.store.compare_set(self._key("verdict"), "", json.dumps(lost))
+            lost = self._take_verdict()
+        except Exception:  # noqa: BLE001 - the store's host (rank 0) is unreachable
+            if self.rank == 0:
+                return [], "the rendezvous store is unreachable"
+            return [0], "the rendezvous store on MASTER_ADDR is unreachable"
+        return lost, ""
+
+    def wait_for_survivors(self, lost: list[int], limit: float = 15.0) -> bool:
+        """On the store's host (rank 0): wait until every survivor took the verdict (or
+        ``limit`` seconds), so that leaving does not take the store from under them. Returns
+        whether they all did (True on other ranks, which need not wait)."""
+        if self.store is None or self.rank != 0:
+            return True
+        deadline = time.monotonic() + limit
+        others = [r for r in range(self.world) if r != self.rank and r not in lost]
+        while True:
+            try:
+                if all(self.store.check([self._key("taken", r)]) for r in others):
+                    return True
+            except Exception:  # noqa: BLE001 - the store is gone: nothing left to wait for
+                return False
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.1)
+
+
+def is_comm_error(e: BaseException) -> bool:
+    if isinstance(e, getattr(dist, "DistError", ())):
+        return True
+    text = str(e).lower()
+    return any(s in text for s in ("gloo", "connection", "timed out", "timeout", "nccl",
+                                   "peer", "socket", "broken pipe"))
+
+
+def short_error(e: BaseException) -> str:
+    """The first useful part of a c10d/gloo error, on one line."""
+    text = re.sub(r"\[[^\]]*\.(?:cc|cpp|h|hpp):\d+\]\s*", "", " ".join(str(e).split()))
+    text = text.split(" Exception raised from ")[0].split(" This is typically")[0]
+    return text[:300].rstrip(". ")

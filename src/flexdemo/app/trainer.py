@@ -1,0 +1,579 @@
+"""The trainer behind ``flexdemo train``: one config, any number of ranks.
+
+:class:`Trainer` builds the task and its model, calls :func:`flexdemo.prepare` (FSDP2 inside a
+replica, the configured replicator across replicas), and runs the loop: learning-rate warm-up
+and schedule, each rank reading its own data shard, evaluation every ``eval_every`` steps,
+checkpoints every ``checkpoint_every`` steps. Its parts: :class:`TrainState` (what the loop
+carries from step to step and across a resume), :class:`Checkpointer` (which checkpoint to
+resume from, when to save, atomic saves, pruning), rank 0's outputs
+(:mod:`flexdemo.app.outputs`) and the heartbeats that tell which rank was lost
+(:mod:`flexdemo.app.liveness`). :func:`train` is the thin function for callers. Run it under
+``torchrun``, under ``flexdemo cluster``, or as a single process.
+
+Outputs under ``train.out`` (written by rank 0, except the checkpoints, which every rank
+writes; with several machines ``out`` must be a shared folder):
+
+* ``config.toml``: the resolved config (``flexdemo train out/config.toml`` reruns it);
+* ``metrics.jsonl``: one line per step: ``step``, ``loss`` (rank 0's batch), ``lr``,
+  ``bytes_sent``/``bytes_received`` (rank 0, over the replicate dimension: the slow link),
+  ``comm_seconds`` (inside the replicators' collectives), ``compute_seconds`` (the rest of
+  the step: data, forward, backward with FSDP's own traffic, the optimizer),
+  ``step_seconds``, ``train_seconds`` (cumulative, evaluation and checkpoints excluded) and
+  ``bytes_sent_total``; evaluation steps add ``val_loss`` (and ``val_accuracy``), averaged
+  over all ranks. A step's line is written before its checkpoint, so after a crash and a
+  resume every step appears exactly once;
+* ``summary.json``: the final figures (also printed);
+* ``tensorboard/``: the same scalars, if tensorboard is installed;
+* ``checkpoints/step_NNNNNN``: model, optimizer (with every replica's replicator state),
+  data position, RNG state and step, via :mod:`flexdemo.checkpoint`.
+
+Resuming (``resume = true``) restores all of it; on CPU the resumed run's losses equal an
+uninterrupted run's bit for bit. When a peer dies, every surviving rank stops with an error
+that names the lost rank (found through heartbeats in the rendezvous store, with one verdict
+shared by all survivors) instead of hanging; collectives give up after ``train.timeout``
+seconds (else ``FLEXDEMO_TIMEOUT``, else the library's default). Storage faults (a full disk,
+an unwritable output folder, a damaged checkpoint) stop every rank with one line naming the
+path and the cause.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .. import prepare
+from ..checkpoint import (
+    MARKER_FILE,
+    META_FILE,
+    describe_os_error,
+    latest_checkpoint,
+    load_checkpoint,
+    save_checkpoint,
+)
+from ..mesh import is_timeout, timeout_from_env, timeout_note
+from ..replicate import NonFiniteGradientError
+from .config import Config, config_to_dict, to_toml
+from .liveness import Heartbeat, is_comm_error, short_error
+from .outputs import MetricsLog, Progress, format_summary, write_atomic
+from .schedule import lr_at
+from .tasks import ShardSampler, Task, build_task
+
+__all__ = ["Checkpointer", "PeerLostError", "TrainState", "Trainer", "TrainingError", "lr_at",
+           "timeout_seconds", "train"]
+
+CHECKPOINT_RE = re.compile(r"step_(\d+)$")
+Echo = Callable[[str], None]
+
+
+class TrainingError(RuntimeError):
+    """Training cannot start or go on; the message is meant for the user."""
+
+
+class PeerLostError(TrainingError):
+    """A peer died or became unreachable; ``lost_ranks`` names it when it can be told."""
+
+    def __init__(self, message: str, lost_ranks: list[int] | None = None) -> None:
+        super().__init__(message)
+        self.lost_ranks = lost_ranks or []
+
+
+def timeout_seconds(cfg: Config) -> float:
+    """``train.timeout``, else ``FLEXDEMO_TIMEOUT``, else the library's default
+    (:data:`flexdemo.mesh.DEFAULT_TIMEOUT_SECONDS`)."""
+    if cfg.train.timeout:
+        return float(cfg.train.timeout)
+    try:
+        return timeout_from_env().total_seconds()
+    except ValueError as e:
+        raise TrainingError(str(e)) from None
+
+
+# ---------------------------------------------------------------------- agreement
+def _rank0_decides(rank: int, world: int, decide: Callable[[], Any]) -> Any:
+    """Run ``decide`` on rank 0 and give every rank its result, or the same
+    :class:`TrainingError` (a ``TrainingError`` or ``OSError`` of ``decide`` on rank 0)."""
+    result: list[Any] = [None]
+    if rank == 0:
+        try:
+            result = [("ok", decide())]
+        except TrainingError as e:
+            result = [("error", str(e))]
+        except OSError as e:
+            result = [("error", describe_os_error(e))]
+    if world > 1:
+        dist.broadcast_object_list(result, src=0)
+    kind, value = result[0]
+    if kind == "error":
+        raise TrainingError(value)
+    return value
+
+
+def _sum_over_ranks(values: list[float]) -> list[float]:
+    t = torch.tensor(values, dtype=torch.float64)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(t)
+    return t.tolist()
+
+
+# ---------------------------------------------------------------------- state
+@dataclass
+class TrainState:
+    """What the loop carries from step to step and across a resume (besides the model,
+    optimizer, data position and RNG)."""
+
+    step: int = 0
+    train_seconds: float = 0.0
+    bytes_sent: int = 0
+    bytes_received: int = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"train_seconds": float(self.train_seconds), "bytes_sent": int(self.bytes_sent),
+                "bytes_received": int(self.bytes_received)}
+
+    @classmethod
+    def from_extra(cls, step: int, extra: dict[str, Any]) -> TrainState:
+        return cls(step, float(extra.get("train_seconds", 0.0)),
+                   int(extra.get("bytes_sent", 0)), int(extra.get("bytes_received", 0)))
+
+
+# ---------------------------------------------------------------------- checkpoints
+def _existing_checkpoints(root: Path) -> list[Path]:
+    if not root.is_dir():
+        return []
+    found = [p for p in root.iterdir() if p.is_dir() and CHECKPOINT_RE.match(p.name)]
+    return sorted(found, key=lambda p: int(CHECKPOINT_RE.match(p.name).group(1)))
+
+
+class Checkpointer:
+    """The trainer's checkpoints in ``root``: which one to resume from (rank 0 decides for
+    all), when to save, atomic saves via :mod:`flexdemo.checkpoint`, pruning to the newest
+    ``keep``, and messages in the config's words."""
+
+    def __init__(self, root: Path, every: int, keep: int, rank: int, world: int,
+                 meta: dict[str, Any], echo: Echo) -> None:
+        self.root, self.every, self.keep = root, every, keep
+        self.rank, self.world, self.meta, self.echo = rank, world, meta, echo
+
+    def latest(self) -> Path | None:
+        """The newest complete checkpoint, or None."""
+        return latest_checkpoint(self.root)
+
+    def _find(self, resume: bool | str) -> str | None:
+        if resume is False:
+            return None
+        if resume is True:
+            found = self.latest()
+            if found is None:
+                self.echo(f"resume: no checkpoint in {self.root} yet; starting at step 0")
+            return None if found is None else str(found)
+        path = Path(resume)
+        if not path.exists():
+            raise TrainingError(f"resume: checkpoint {str(path)!r} does not exist")
+        inner = latest_checkpoint(path)
+        return str(inner if inner is not None else path)
+
+    def resume_path(self, resume: bool | str) -> Path | None:
+        """The checkpoint to resume from (rank 0's choice, the same on every rank)."""
+        found = _rank0_decides(self.rank, self.world, lambda: self._find(resume))
+        return None if found is None else Path(found)
+
+    def clear_earlier_run(self, overwrite: bool) -> None:
+        """A fresh run: refuse to mix with an earlier run's checkpoints unless ``overwrite``
+        (then delete them). Rank 0 looks; every rank takes the same branch."""
+        def check() -> bool:
+            if not _existing_checkpoints(self.root):
+                return False
+            if not overwrite:
+                raise TrainingError(
+                    f"{self.root} holds checkpoints of an earlier run; continue it with "
+                    "resume=true, or start afresh with train.overwrite=true (deletes them) "
+                    "or another train.out")
+            shutil.rmtree(self.root)
+            return True
+
+        if _rank0_decides(self.rank, self.world, check) and self.world > 1:
+            dist.barrier()
+
+    def due(self, step: int, last: int) -> bool:
+        """Whether step ``step`` (1-based) ends with a checkpoint."""
+        return bool(self.every) and (step % self.every == 0 or step == last)
+
+    def save(self, step: int, model, opt, sampler: ShardSampler, state: TrainState) -> Path:
+        """Save after step ``step`` (collective), then prune. A storage fault stops every
+        rank with one line; the previous checkpoint stays usable."""
+        previous = self.latest()
+        extra = {"data": sampler.state_dict(), "rng": torch.get_rng_state(),
+                 **state.state_dict(), "meta": self.meta}
+        try:
+            path = save_checkpoint(self.root / f"step_{step:06d}", model, opt, step=step,
+                                   extra=extra)
+        except OSError as e:
+            keep = (f"the previous checkpoint {previous} is intact (continue from it with "
+                    "resume=true)" if previous else "no earlier checkpoint was written")
+            raise TrainingError(f"step {step}: {' '.join(str(e).split())}; {keep}") from None
+        if self.rank == 0 and self.keep > 0:
+            for old in _existing_checkpoints(self.root)[:-self.keep]:
+                shutil.rmtree(old, ignore_errors=True)
+        return path
+
+    def _older_hint(self, path: Path) -> str:
+        older = [p for p in _existing_checkpoints(path.parent)
+                 if p.name < path.name and (p / MARKER_FILE).is_file()]
+        if not older:
+            return ""
+        return f"; an older checkpoint is {older[-1]} (resume from it with resume='{older[-1]}')"
+
+    def _check_layout(self, path: Path) -> None:
+        """The mesh that wrote ``path`` against this job's, in config keys."""
+        try:
+            saved = json.loads((path / META_FILE).read_text())
+            world, (rep, shard) = int(saved["world_size"]), saved["mesh_shape"]
+        except (OSError, ValueError, KeyError, TypeError):
+            return  # load_checkpoint says what is wrong with it
+        want = (self.world, self.meta["replicate"], self.meta["shard"])
+        if (world, rep, shard) != want:
+            raise TrainingError(
+                f"cannot resume from {path}: it was written by {world} rank(s) as mesh "
+                f"replicate {rep} x shard {shard}, this job runs {self.world} rank(s) as "
+                f"{want[1]} x {want[2]}; resume with {world} ranks and mesh.replicate={rep} "
+                f"mesh.shard={shard} (per-replica state cannot be redistributed)")
+
+    def load(self, path: Path, model, opt) -> tuple[TrainState, dict[str, Any]]:
+        """Restore a checkpoint (collective); returns the train state and the saved extra."""
+        self._check_layout(path)
+        try:
+            info = load_checkpoint(path, model, opt)
+        except Exception as e:  # noqa: BLE001 - any failure here is "cannot resume from it"
+            text = " ".join(str(e).split())[:400]
+            if not text.startswith(("loading checkpoint", "restoring checkpoint")):
+                text = f"cannot resume from {path}: {text}"
+            raise TrainingError(text + self._older_hint(path)) from None
+        extra = info.get("extra") or {}
+        meta = extra.get("meta") or {}
+        diff = [f"{k} {meta[k]!r} (now {self.meta[k]!r})" for k in self.meta
+                if k in meta and meta[k] != self.meta[k]]
+        if diff:
+            raise TrainingError(f"cannot resume from {path}: it was written with "
+                                f"{', '.join(diff)}")
+        if "data" not in extra or "rng" not in extra:
+            raise TrainingError(f"cannot resume from {path}: it holds no data position or RNG "
+                                "state (not written by flexdemo train?)")
+        return TrainState.from_extra(int(info["step"]), extra), extra
+
+
+def _checkpoint_meta(cfg: Config, world: int, layout: dict[str, int]) -> dict[str, Any]:
+    return {"task": cfg.task.name, "model": cfg.task.model, "world": world,
+            "replicate": layout["replicate"], "shard": layout["shard"],
+            "replicator": cfg.strategy.replicator, "optimizer": cfg.strategy.optimizer}
+
+
+# ---------------------------------------------------------------------- the trainer
+def _local_numel(model: torch.nn.Module) -> int:
+    return sum((p.to_local() if hasattr(p, "to_local") else p).numel()
+               for p in model.parameters())
+
+
+class Trainer:
+    """One training run as ``cfg`` says.
+
+    Construction builds the task and the model and joins (or creates) the process group
+    through :func:`flexdemo.prepare`; :meth:`run` trains and returns the summary (the same on
+    every rank). Both raise :class:`TrainingError` (or :class:`PeerLostError`) with a message
+    for the user when training cannot go on. With ``exit_on_lost_peer`` (the command line), a
+    rank blocked in a collective while its peers already named a lost rank prints that error
+    and leaves the process at once (exit code 1).
+    """
+
+    def __init__(self, cfg: Config, *, echo: Echo | None = None,
+                 exit_on_lost_peer: bool = False) -> None:
+        self.cfg = cfg
+        self.echo = echo or (lambda text: print(text, flush=True))
+        self.exit_on_lost_peer = exit_on_lost_peer
+        tc = cfg.train
+        if tc.threads:
+            torch.set_num_threads(tc.threads)
+        self.timeout = timeout_seconds(cfg)
+        self.t_start = time.perf_counter()
+        try:
+            self.task: Task = build_task(cfg.task, seed=tc.seed)
+        except (ModuleNotFoundError, ValueError, RuntimeError) as e:
+            raise TrainingError(f"task {cfg.task.name!r}: {e}") from None
+        torch.manual_seed(tc.seed)
+        model = self.task.build_model()
+        self.n_params = sum(p.numel() for p in model.parameters())
+        self.model, self.opt = self._prepare(model)
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.say: Echo = self.echo if self.rank == 0 else (lambda text: None)
+        mesh = self.opt.mesh
+        self.layout = {"replicate": mesh["replicate"].size(), "shard": mesh["shard"].size()}
+        self.out = Path(tc.out)
+        self.checkpointer = Checkpointer(self.out / "checkpoints", tc.checkpoint_every,
+                                         tc.keep_checkpoints, self.rank, self.world,
+                                         _checkpoint_meta(cfg, self.world, self.layout),
+                                         self.say)
+        self.state = TrainState()
+        self.metrics: MetricsLog | None = None
+        self.progress: Progress | None = None
+        self.heartbeat: Heartbeat | None = None
+
+    def _prepare(self, model: torch.nn.Module):
+        sc = self.cfg.strategy
+        try:
+            return prepare(
+                model, replicator=sc.replicator, optimizer=sc.optimizer, lr=sc.lr,
+                replicate=self.cfg.mesh.replicate, shard=self.cfg.mesh.shard,
+                weight_decay=sc.weight_decay,
+                replicator_kwargs=dict(sc.replicator_kwargs) or None,
+                optimizer_kwargs=dict(sc.optimizer_kwargs) or None,
+                shard_units=self.task.shard_units(), nonfinite=sc.nonfinite,
+                timeout=timedelta(seconds=self.timeout))
+        except TimeoutError as e:
+            raise TrainingError(str(e)) from None
+        except ValueError as e:
+            raise TrainingError(f"prepare: {e}") from None
+        except Exception as e:
+            if not is_comm_error(e):
+                raise
+            where = (f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
+                     if "MASTER_ADDR" in os.environ else "the rendezvous")
+            raise TrainingError(
+                f"could not join the job at {where} within {timeout_note(self.timeout)} (a "
+                "peer is missing or unreachable, or MASTER_ADDR/MASTER_PORT are wrong): "
+                f"{short_error(e)}") from None
+
+    # ------------------------------------------------------------------ set-up
+    def _check_output_folder(self) -> None:
+        """Rank 0 creates ``train.out`` and writes a probe file into it; every rank learns
+        whether that worked (one line naming the path and the cause if not)."""
+        def check() -> None:
+            if self.out.exists() and not self.out.is_dir():
+                raise TrainingError(f"train.out {str(self.out)!r} is a file, not a folder; "
+                                    "choose another train.out")
+            probe = self.out / f".write-test-{os.getpid()}"
+            try:
+                self.out.mkdir(parents=True, exist_ok=True)
+                probe.write_bytes(b"flexdemo")
+                probe.unlink()
+            except OSError as e:
+                raise TrainingError(f"train.out {str(self.out)!r} is not a writable folder: "
+                                    f"{describe_os_error(e)}") from None
+
+        _rank0_decides(self.rank, self.world, check)
+
+    def _open_outputs(self) -> None:
+        """Rank 0 writes ``config.toml`` and opens the metrics log (agreed like above)."""
+        def make() -> None:
+            try:
+                write_atomic(self.out / "config.toml", to_toml(self.cfg))
+                self.metrics = MetricsLog(self.out, self.state.step, self.cfg.train.tensorboard,
+                                          self.say)
+            except OSError as e:
+                raise TrainingError(f"train.out {str(self.out)!r}: cannot write the outputs: "
+                                    f"{describe_os_error(e)}") from None
+
+        _rank0_decides(self.rank, self.world, make)
+
+    def _resume(self) -> tuple[Path | None, ShardSampler]:
+        tc = self.cfg.train
+        resume_from = self.checkpointer.resume_path(self.cfg.resume)
+        if resume_from is None:
+            self.checkpointer.clear_earlier_run(tc.overwrite)
+        self._check_output_folder()
+        extra: dict[str, Any] = {}
+        if resume_from is not None:
+            self.state, extra = self.checkpointer.load(resume_from, self.model, self.opt)
+            self.say(f"resumed from {resume_from} at step {self.state.step}")
+        sampler = ShardSampler(self.task.num_train_items, self.rank, self.world, tc.seed)
+        if resume_from is not None:
+            sampler.load_state_dict(extra["data"])
+            torch.set_rng_state(extra["rng"])
+        return resume_from, sampler
+
+    # ------------------------------------------------------------------ the loop
+    def _step(self, step: int, sampler: ShardSampler) -> dict[str, Any]:
+        """One optimizer step; returns its metrics record."""
+        tc, sc = self.cfg.train, self.cfg.strategy
+        lr = lr_at(step - 1, tc.steps, sc.lr, min(tc.warmup, tc.steps), tc.schedule,
+                   tc.min_lr)
+        for g in self.opt.param_groups:
+            g["lr"] = lr
+        t0 = time.perf_counter()
+        batch = self.task.train_batch(sampler.next(tc.batch))
+        try:
+            loss = self.task.loss(self.model, batch)
+            loss.backward()
+            self.opt.step()
+        except NonFiniteGradientError as e:
+            raise TrainingError(f"step {step}: {e}") from None
+        self.opt.zero_grad()
+        loss_value = float(loss.detach())
+        dt = time.perf_counter() - t0
+        stats = self.opt.last_step_stats()
+        s = self.state
+        s.step = step
+        s.train_seconds += dt
+        s.bytes_sent += stats["bytes_sent"]
+        s.bytes_received += stats["bytes_received"]
+        return {"step": step, "loss": loss_value, "lr": lr,
+                "bytes_sent": stats["bytes_sent"], "bytes_received": stats["bytes_received"],
+                "compute_seconds": dt - stats["comm_seconds"],
+                "comm_seconds": stats["comm_seconds"], "step_seconds": dt,
+                "train_seconds": s.train_seconds, "bytes_sent_total": s.bytes_sent}
+
+    def evaluate(self) -> dict[str, float]:
+        """Validation loss (and accuracy) over every rank's share of the validation data."""
+        tc = self.cfg.train
+        sums = self.task.evaluate(self.model, self.rank, self.world, tc.eval_batches, tc.batch)
+        keys = sorted(sums)
+        total = dict(zip(keys, _sum_over_ranks([sums[k] for k in keys])))
+        out = {"val_loss": total["loss_sum"] / max(total["count"], 1.0)}
+        if "correct" in total:
+            out["val_accuracy"] = total["correct"] / max(total["count"], 1.0)
+        return out
+
+    def run(self) -> dict[str, Any]:
+        """Train to ``train.stop_at`` (or ``train.steps``); returns the summary."""
+        self.heartbeat = Heartbeat(self.rank, self.world,
+                                   on_verdict=self._exit_with_verdict
+                                   if self.exit_on_lost_peer else None)
+        try:
+            return self._run()
+        except TrainingError:
+            raise
+        except Exception as e:
+            if self.world > 1 and is_comm_error(e):
+                raise self._peer_error(e) from e
+            raise
+        finally:
+            self.heartbeat.stop()
+            if self.progress is not None:
+                self.progress.close()
+            if self.metrics is not None:
+                self.metrics.close()
+
+    def _run(self) -> dict[str, Any]:
+        tc, sc, say = self.cfg.train, self.cfg.strategy, self.say
+        resume_from, sampler = self._resume()
+        start = self.state.step
+        last = tc.stop_at or tc.steps
+        self._open_outputs()
+        say(f"{self.task.describe()}")
+        say(f"{self.n_params / 1e6:.3f}M parameters; world {self.world} = mesh replicate "
+            f"{self.layout['replicate']} x shard {self.layout['shard']}; {sc.replicator} + "
+            f"{sc.optimizer} lr {sc.lr:g}; steps {start + 1}..{last} of {tc.steps}, batch "
+            f"{tc.batch} per rank; out {self.out}")
+        self.progress = Progress(tc.steps, start, tc.log_every, tc.progress and self.rank == 0,
+                                 say)
+        losses: list[float] = []
+        step_s = comm_s = 0.0
+        val: dict[str, float] = {}
+        t_loop = time.perf_counter()
+        for step in range(start + 1, last + 1):
+            record = self._step(step, sampler)
+            losses.append(record["loss"])
+            step_s += record["step_seconds"]
+            comm_s += record["comm_seconds"]
+            val = {}
+            if (tc.eval_every and step % tc.eval_every == 0) or step == last:
+                val = self.evaluate()
+                record.update(val)
+            if self.metrics is not None:  # before the checkpoint: a resume keeps lines <= it
+                self.metrics.write(record)
+            if self.checkpointer.due(step, last):
+                self.checkpointer.save(step, self.model, self.opt, sampler, self.state)
+            self.progress.update(step, record["loss"], record["lr"],
+                                 self.state.bytes_sent / 1e6, val.get("val_loss"))
+        loop_seconds = time.perf_counter() - t_loop
+        self.progress.close()
+        summary = self._summary(start, resume_from, losses, step_s, comm_s, val, loop_seconds)
+        if self.rank == 0:
+            try:
+                write_atomic(self.out / "summary.json", json.dumps(summary, indent=2) + "\n")
+            except OSError as e:
+                say(f"warning: cannot write {self.out / 'summary.json'}: "
+                    f"{describe_os_error(e)}")
+        say(format_summary(summary))
+        return summary
+
+    def _summary(self, start: int, resume_from: Path | None, losses: list[float],
+                 step_s: float, comm_s: float, val: dict[str, float],
+                 loop_seconds: float) -> dict[str, Any]:
+        cfg, tc, sc, s = self.cfg, self.cfg.train, self.cfg.strategy, self.state
+        step = max(s.step, start)
+        ran = max(step - start, 0)
+        tail = losses[-min(len(losses), 10):] or [float("nan")]
+        sums = _sum_over_ranks([sum(tail) / len(tail), step_s, comm_s, s.bytes_sent,
+                                s.bytes_received])
+        mean = [v / self.world for v in sums]
+        return {
+            "task": cfg.task.name, "model": cfg.task.model, "params": self.n_params,
+            "local_params": _local_numel(self.model), "world": self.world,
+            "mesh": self.layout, "replicator": sc.replicator, "optimizer": sc.optimizer,
+            "lr": sc.lr, "steps": step, "steps_total": tc.steps, "steps_this_run": ran,
+            "resumed_from": str(resume_from) if resume_from else None,
+            "batch_per_rank": tc.batch,
+            "train_loss": mean[0], **val,
+            "seconds": time.perf_counter() - self.t_start, "loop_seconds": loop_seconds,
+            "train_seconds": s.train_seconds,
+            "step_seconds": mean[1] / max(ran, 1), "comm_seconds": mean[2] / max(ran, 1),
+            "compute_seconds": (mean[1] - mean[2]) / max(ran, 1),
+            "bytes_sent_per_step": mean[3] / max(step, 1),
+            "bytes_received_per_step": mean[4] / max(step, 1),
+            "mb_sent_total": mean[3] / 1e6, "out": str(self.out),
+            "config": config_to_dict(cfg),
+        }
+
+    # ------------------------------------------------------------------ lost peers
+    def _peer_message(self, lost: list[int], note: str, first: str) -> str:
+        if lost:
+            who = (f"lost rank{'s' if len(lost) > 1 else ''} {', '.join(map(str, lost))} "
+                   "(stopped responding; died or unreachable)")
+        else:
+            who = "lost contact with a peer" + (f" ({note})" if note else "")
+        latest = self.checkpointer.latest()
+        where = (f"; the last checkpoint is {latest} (continue with resume=true)"
+                 if latest else "; no checkpoint was written")
+        return f"rank {self.rank}: {who}: {first}{where}"
+
+    def _peer_error(self, e: BaseException) -> PeerLostError:
+        assert self.heartbeat is not None
+        lost, note = self.heartbeat.lost_ranks()
+        first = short_error(e)
+        if is_timeout(e):
+            first += f" (after {timeout_note(self.timeout)})"
+        error = PeerLostError(self._peer_message(lost, note, first), lost)
+        self.heartbeat.wait_for_survivors(lost)
+        return error
+
+    def _exit_with_verdict(self, lost: list[int]) -> None:
+        """Heartbeat thread: peers named the lost ranks while this rank waits in a
+        collective that cannot finish; say so and leave (the command line's behaviour)."""
+        text = self._peer_message(lost, "", "a peer's collective failed while this rank "
+                                            "waited for it")
+        print(f"flexdemo train: error: {text}", file=sys.stderr, flush=True)
+        assert self.heartbeat is not None
+        self.heartbeat.wait_for_survivors(lost)
+        sys.stdout.flush()
+        os._exit(1)
+
+
+def train(cfg: Config, *, echo: Echo | None = None,
+          exit_on_lost_peer: bool = False) -> dict[str, Any]:
+    """Train as ``cfg`` says; returns the summary (the same on every rank).
+
+    Joins (or creates) the process group. Raises :class:`TrainingError` (or its subclass
+    :class:`PeerLostError`) with a user-facing message when training cannot go on.
+    """
+    return Trainer(cfg, echo=echo, exit_on_lost_peer=exit_on_lost_peer).run()

@@ -1,0 +1,119 @@
+"""The package's three parts: the library imports nothing from the application or the tools,
+no module imports itself through a circle, and the old module paths still work (with a
+DeprecationWarning) for one release."""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import json
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+
+SRC = Path(__file__).parent.parent / "src"
+PKG = SRC / "flexdemo"
+# old path -> new module (shims kept for one release)
+MOVED = {"flexdemo.cli": "flexdemo.app.cli", "flexdemo.train": "flexdemo.app.trainer",
+         "flexdemo.config": "flexdemo.app.config", "flexdemo.bench": "flexdemo.app.bench",
+         "flexdemo.plots": "flexdemo.app.plots", "flexdemo.cluster": "flexdemo.tools.cluster",
+         "flexdemo.tasks": "flexdemo.app.tasks", "flexdemo.tasks.t5": "flexdemo.app.tasks.t5",
+         "flexdemo.tasks.gpt": "flexdemo.app.tasks.gpt"}
+SHIMS = {"flexdemo._moved", "flexdemo.__main__"} | set(MOVED)
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(SRC).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _modules() -> dict[str, Path]:
+    return {_module_name(p): p for p in sorted(PKG.rglob("*.py"))}
+
+
+def _is_shim(name: str) -> bool:
+    return name in SHIMS or name.startswith("flexdemo.tasks")
+
+
+def library_modules() -> list[str]:
+    return [m for m in _modules() if not _is_shim(m)
+            and not m.startswith(("flexdemo.app", "flexdemo.tools"))]
+
+
+def test_the_library_imports_nothing_from_app_or_tools():
+    mods = library_modules()
+    assert {"flexdemo", "flexdemo.checkpoint", "flexdemo.optim", "flexdemo.mesh"} <= set(mods)
+    code = ("import importlib, json, sys\n"
+            f"for m in {mods!r}: importlib.import_module(m)\n"
+            "print(json.dumps(sorted(sys.modules)))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env={"PYTHONPATH": str(SRC), "PATH": ""}, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    loaded = json.loads(out.stdout.splitlines()[-1])
+    leaked = [m for m in loaded if m.startswith(("flexdemo.app", "flexdemo.tools"))
+              or m in SHIMS]
+    assert not leaked, f"the library imported {leaked}"
+
+
+def _imports(name: str, path: Path, known: set[str]) -> set[str]:
+    """flexdemo modules that ``name`` imports at module level (TYPE_CHECKING blocks too)."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parent = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
+                base = f"{parent}.{base}" if base else parent
+            targets = [f"{base}.{a.name}" for a in node.names] + [base]
+        else:
+            continue
+        for t in targets:
+            while t and t not in known:
+                t = t.rpartition(".")[0]
+            if t and t != name and not name.startswith(t + "."):  # a parent package is fine
+                found.add(t)
+    return found
+
+
+def test_no_import_circles():
+    mods = {m: p for m, p in _modules().items() if not _is_shim(m)}
+    graph = {m: _imports(m, p, set(mods)) for m, p in mods.items()}
+    state: dict[str, int] = {}
+
+    def visit(m: str, trail: list[str]) -> None:
+        state[m] = 1
+        for n in sorted(graph[m]):
+            if state.get(n) == 1:
+                cycle = trail[trail.index(n):] + [n] if n in trail else [m, n]
+                pytest.fail("import circle: " + " -> ".join(cycle))
+            if n not in state:
+                visit(n, trail + [n])
+        state[m] = 2
+
+    for m in sorted(graph):
+        if m not in state:
+            visit(m, [m])
+
+
+@pytest.mark.parametrize("old", sorted(MOVED))
+def test_old_module_paths_warn_and_give_the_new_module(old):
+    for name in [m for m in sys.modules if m == old or m.startswith(old + ".")]:
+        sys.modules.pop(name)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        module = importlib.import_module(old)
+    assert any(issubclass(w.category, DeprecationWarning) and MOVED[old] in str(w.message)
+               for w in caught), [str(w.message) for w in caught]
+    new = importlib.import_module(MOVED[old])
+    if old == "flexdemo.tasks":  # a package shim: the same names, the same objects
+        assert module.GPT is new.GPT and module.build_task is new.build_task
+    else:
+        assert module is new

@@ -23,10 +23,24 @@ order, into one vector viewed as ``(rows, chunk)`` and compressed as one matrix:
 per 1-D chunk (at the defaults 32 of 64: more bytes than dense fp32). ``small="separate"``
 compresses each tensor on its own.
 
-**Groups.** Tensors whose blocks have the same size (and so the same ``k``) form a group: their
-coefficients live in one ``(blocks, block entries)`` matrix, so selection, coding, packing and
-the checks of received payloads run once per group rather than once per tensor (all of them
-work block by block, so the bits are those of coding each tensor alone).
+**Groups: one batch of blocks per block shape.** Tensors whose blocks have the same shape (and
+so the same ``k``) form a group. Every stage of a step runs once per group on all of its
+blocks together: the gradients are staged into one image buffer per group (one multi-tensor
+copy for the whole model), gathered into block layout by a row index built at set-up, both
+DCT products run as batched matrix products, then top-k, value coding, bit packing, error
+feedback, the checks of received payloads, the decoded mean, ``sign()`` and the write into the
+gradients (one multi-tensor copy). The ops a step dispatches grow with the number of groups,
+not of tensors. Everything works block by block, so the bits are those of coding each tensor
+alone (``bucket=False``).
+
+**Host synchronisation.** The checks of the received payloads (header, index range, repeated
+indices, finite values, the non-finite flag and the presence code) run on the device and are
+reduced to one small tensor, read once per step; in ``overlap="delayed"`` mode it is read
+when the payload's result is applied, before the next payload is encoded. The non-finite flag
+of this rank's own input is derived on the device from the values it selects (a NaN or Inf
+in a block's input makes its coefficients non-finite, and top-k picks them). The momentum is
+copied before each step and put back on a rank whose own input was not finite, so that rank's
+state stays untouched.
 
 **Wire format** (one bucket per step): a 32-byte header (magic and version, step, non-finite
 flag, presence code); then per group the block-local indices of all its blocks packed at
@@ -61,16 +75,9 @@ import torch.distributed as dist
 from ..comm import Pending, all_gather
 from ..compress import BlockDCT, ChunkPlan, Scratch, plan_chunks, topk_indices
 from ..compress.bits import pack_bits, packed_nbytes, unpack_bits
+from ..compress.dct import BatchedDCT, block_rows
 from ..compress.quant import BLOCK_FORMATS, BlockValueCodec
-from .base import (
-    HEADER_BYTES,
-    MAGIC,
-    Replicator,
-    all_finite,
-    check_flags,
-    presence_code,
-    write_header,
-)
+from .base import HEADER_BYTES, MAGIC, Replicator, check_flags, presence_code
 
 
 class CorruptPayloadError(RuntimeError):
@@ -93,14 +100,12 @@ PRESETS: dict[str, dict] = {
 
 _TRANSFORM_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
+# reasons a payload body is bad, in the order they are checked (0: good)
+_RANGE, _REPEAT, _NONFINITE = 1, 2, 3
+
 
 def _align(n: int) -> int:
     return (n + 7) // 8 * 8
-
-
-def _has_grad(u: _Unit, grads) -> bool:
-    """Whether any tensor of unit ``u`` has a gradient this step."""
-    return any(grads[i] is not None for i in u.members)
 
 
 @dataclass
@@ -115,17 +120,41 @@ class _Unit:
     delta: torch.Tensor | None = None  # set when its group is built
     group: int = 0
     rows: slice = field(default_factory=lambda: slice(0, 0))  # its blocks in the group
-    flat: torch.Tensor | None = field(default=None, repr=False)
+    image: slice = field(default_factory=lambda: slice(0, 0))  # its padded image in the group
+    xpad: slice | None = None  # padded units: its staged gradient in the group's ``xpad``
+    flat: bool = False  # the batch of small tensors (members concatenated)
+
+    @property
+    def padded(self) -> bool:
+        return self.plan.needs_padding
+
+
+@dataclass
+class _Segment:
+    """Consecutive units of a group that all tile exactly, or all need padding."""
+
+    padded: bool
+    units: list[_Unit]
+    rows: slice  # block rows
+    image: slice  # entries of the group's image buffers
+    inv: torch.Tensor | None  # image row -> block row within the segment (None: identity)
+    deltas: list[torch.Tensor] = field(default_factory=list)  # padded: momentum views
+    outs: list[torch.Tensor] = field(default_factory=list)  # padded: same in the output image
 
 
 @dataclass
 class _Group:
-    """Units with the same block size and ``k``: selected, coded and checked as one matrix of
-    blocks, and sent as one index segment and one value segment."""
+    """Units with the same block shape and ``k``: transformed, selected, coded and checked as
+    one matrix of blocks, and sent as one index segment and one value segment."""
 
     units: list[_Unit]
     k: int
-    coef: torch.Tensor  # (blocks, block_numel): the momentum of unpadded units, in place
+    coef: torch.Tensor  # (blocks, block_numel): the momentum of tiling units, in place
+    dct: BatchedDCT
+    src: torch.Tensor | None = None  # image layout: staged gradients; momentum of padded units
+    xpad: torch.Tensor | None = None  # image layout: staged gradients of padded units
+    perm: torch.Tensor | None = None  # block row -> image row (None: identity)
+    segments: list[_Segment] = field(default_factory=list)
     idx_off: int = 0
     val_off: int = 0
     end: int = 0
@@ -139,6 +168,10 @@ class _Group:
         return self.coef.shape[1]
 
     @property
+    def chunk(self) -> tuple[int, int]:
+        return self.dct.cr, self.dct.cc
+
+    @property
     def bits(self) -> int:
         """Width of a packed block-local index."""
         return max(1, math.ceil(math.log2(self.block_numel)))
@@ -146,6 +179,69 @@ class _Group:
     @property
     def n_sel(self) -> int:
         return self.blocks * self.k
+
+
+@dataclass
+class _Run:
+    """Consecutive units of one segment that have a gradient and the same step size: one
+    momentum update."""
+
+    padded: bool
+    rows: slice
+    image: slice
+    xpad: slice | None
+    scale: float
+
+
+@dataclass
+class _Live:
+    """What one step's gradients look like, from the host's view (no device reads): which
+    units have a gradient, the momentum-update runs, and the tensor lists of the staging and
+    write-back copies. Cached per pattern of present gradients and step sizes."""
+
+    code: int  # presence code
+    unit_on: list[bool]
+    group_on: list[bool]
+    present: list[int]  # parameters with a gradient that belong to an active unit
+    stage: list[torch.Tensor]  # where their gradients are staged
+    zero: list[torch.Tensor]  # staging of members without a gradient, in active units
+    runs: list[list[_Run]]
+    off_rows: list[list[slice]]  # rows of units without a gradient, per group
+    write: list[tuple[list[int], list[torch.Tensor]]]  # per group: parameters, output views
+
+
+def _view_in(buf: torch.Tensor, u: _Unit, member: int, shape: torch.Size) -> torch.Tensor:
+    """The view of member ``member`` of unit ``u`` (shape ``shape``) in the unit's padded
+    image ``buf`` (already sliced to the unit)."""
+    p = u.plan
+    if u.flat:  # the interior of a batch of small tensors is contiguous (no column padding)
+        off = sum(u.sizes[:member])
+        return buf[off: off + u.sizes[member]].view(shape)
+    return buf.view(p.padded)[: p.shape2d[0], : p.shape2d[1]].view(shape)
+
+
+def _interior(buf: torch.Tensor, u: _Unit) -> torch.Tensor:
+    p = u.plan
+    return buf.view(p.padded)[: p.shape2d[0], : p.shape2d[1]]
+
+
+class _Workspace:
+    """Scratch buffers shared by the groups, sized for the largest one at set-up (so views of
+    them can be built once)."""
+
+    def __init__(self, groups: list[_Group], world: int, device: torch.device,
+                 compute_dtype: torch.dtype) -> None:
+        n = max(g.coef.numel() for g in groups)
+        img = max(g.src.numel() for g in groups)
+
+        def buf(numel, dtype=torch.float32):
+            return torch.zeros(numel, dtype=dtype, device=device)
+
+        self.x, self.y, self.z, self.out = buf(n), buf(n), buf(n), buf(img)
+        low = compute_dtype != torch.float32
+        self.xc = buf(n, compute_dtype) if low else None
+        self.yc = buf(n, compute_dtype) if low else None
+        self.zc = buf(n, compute_dtype) if low else None
 
 
 class DeMoReplicator(Replicator):
@@ -222,39 +318,73 @@ class DeMoReplicator(Replicator):
     def _is_small(self, shape: torch.Size) -> bool:
         return self.small == "batch" and (len(shape) <= 1 or shape.numel() < self.small_numel)
 
+    def _basis(self) -> tuple[str, torch.dtype]:
+        if self.transform == "dct":
+            return "dct", _TRANSFORM_DTYPES[self.transform_dtype]
+        return "identity", torch.float32
+
     def _make_unit(self, members: list[int], shape: tuple[int, ...]) -> _Unit:
         plan = plan_chunks(shape, self.chunk)
         k = min(self.topk, plan.block_numel)
-        basis = "dct" if self.transform == "dct" else "identity"
-        ct = _TRANSFORM_DTYPES[self.transform_dtype] if basis == "dct" else torch.float32
+        basis, ct = self._basis()
         t = BlockDCT(plan, self.device, scratch=self.scratch, basis=basis, compute_dtype=ct)
         sizes = [self._shapes[i].numel() for i in members]
         return _Unit(members, sizes, plan, t, k)
 
     def _make_groups(self) -> list[_Group]:
-        """Group the units by (block size, k), in unit order; with ``bucket=False`` every unit
-        is its own group (one collective each)."""
+        """Group the units by (block shape, k), in unit order; with ``bucket=False`` every
+        unit is its own group (one collective each)."""
         keyed: dict = {}
         for j, u in enumerate(self.units):
-            key = (u.plan.block_numel, u.k) if self.bucket else j
+            key = (u.plan.chunk, u.k) if self.bucket else j
             keyed.setdefault(key, []).append(u)
-        groups = []
+        basis, ct = self._basis()
+        groups: list[_Group] = []
         for members in keyed.values():
-            n, k = members[0].plan.block_numel, members[0].k
-            blocks = sum(u.plan.num_blocks for u in members)
-            coef = torch.zeros(blocks, n, dtype=torch.float32, device=self.device)
-            g = _Group(members, k, coef)
-            row = 0
-            for u in members:
-                u.group, u.rows = len(groups), slice(row, row + u.plan.num_blocks)
-                row += u.plan.num_blocks
-                # tensors that tile into blocks keep their momentum in the transform domain,
-                # in the group's matrix; padded ones in their own domain (the padding never
-                # holds momentum) and use their rows of the matrix for fresh coefficients
-                u.delta = (torch.zeros(u.plan.shape2d, dtype=torch.float32, device=self.device)
-                           if u.plan.needs_padding else coef[u.rows])
-            groups.append(g)
+            groups.append(self._make_group(len(groups), members, basis, ct))
         return groups
+
+    def _make_group(self, gi: int, units: list[_Unit], basis: str, ct: torch.dtype) -> _Group:
+        """One group's buffers, layouts and index maps (built once)."""
+        dev, f32 = self.device, torch.float32
+        plan0 = units[0].plan
+        blocks = sum(u.plan.num_blocks for u in units)
+        coef = torch.zeros(blocks, plan0.block_numel, dtype=f32, device=dev)
+        g = _Group(units, units[0].k, coef, BatchedDCT(plan0.chunk, dev, basis, ct))
+        cc = plan0.chunk[1]
+        row = img = pad = 0
+        perms = []
+        for u in units:
+            u.group, u.rows = gi, slice(row, row + u.plan.num_blocks)
+            u.image = slice(img, img + u.plan.padded_numel)
+            perms.append(block_rows(u.plan) + img // cc)
+            row, img = row + u.plan.num_blocks, img + u.plan.padded_numel
+            if u.padded:
+                u.xpad = slice(pad, pad + u.plan.padded_numel)
+                pad += u.plan.padded_numel
+        g.src = torch.zeros(img, dtype=f32, device=dev)
+        g.xpad = torch.zeros(pad, dtype=f32, device=dev) if pad else None
+        perm = torch.cat(perms)
+        g.perm = None if torch.equal(perm, torch.arange(perm.numel())) else perm.to(dev)
+        for u in units:
+            # tensors that tile into blocks keep their momentum in the transform domain, in
+            # the group's matrix; padded ones in their own domain, in their image in ``src``
+            # (the padding stays zero), and use their rows of the matrix for fresh coefficients
+            u.delta = _interior(g.src[u.image], u) if u.padded else coef[u.rows]
+        for u in units:  # segments: runs of units of one kind
+            last = g.segments[-1] if g.segments else None
+            if last is not None and last.padded == u.padded:
+                last.units.append(u)
+                last.rows = slice(last.rows.start, u.rows.stop)
+                last.image = slice(last.image.start, u.image.stop)
+            else:
+                g.segments.append(_Segment(u.padded, [u], u.rows, u.image, None))
+        for s in g.segments:
+            local = perm[s.rows.start * plan0.chunk[0]: s.rows.stop * plan0.chunk[0]]
+            local = local - s.image.start // cc
+            if not torch.equal(local, torch.arange(local.numel())):
+                s.inv = torch.argsort(local).to(dev)
+        return g
 
     def _setup_state(self) -> None:
         self.scratch = Scratch()
@@ -267,7 +397,7 @@ class DeMoReplicator(Replicator):
             total = sum(self._shapes[i].numel() for i in small)
             rows = math.ceil(total / self.chunk)
             unit = self._make_unit(small, (rows, self.chunk))
-            unit.flat = torch.zeros(rows * self.chunk, dtype=torch.float32, device=self.device)
+            unit.flat = True
             self.units.append(unit)
         self.groups = self._make_groups()
         off = HEADER_BYTES
@@ -281,7 +411,24 @@ class DeMoReplicator(Replicator):
         nbuf = 2 if self.overlap == "delayed" else 1
         self._buckets = [torch.zeros(off, dtype=torch.uint8, device=self.device)
                          for _ in range(nbuf)]
-        self._inflight = None  # delayed mode: (step, handle or gathered, sent)
+        self._inflight = None  # delayed mode: (step, handle or gathered, live)
+        self._work = _Workspace(self.groups, self.world, self.device,
+                                self._basis()[1])
+        # the momentum, and a copy of it from before the step (for a rank whose input was not
+        # finite): every group's matrix and the images of its padded units
+        self._state = [g.coef for g in self.groups] + [
+            g.src[u.image] for g in self.groups for u in g.units if u.padded]
+        self._saved = [torch.empty_like(t) for t in self._state]
+        self._out_views = [  # per group: every member's view of the decoded output image
+            {i: _view_in(self._work.out[u.image], u, j, self._shapes[i])
+             for u in g.units for j, i in enumerate(u.members)} for g in self.groups]
+        for g in self.groups:
+            for s in g.segments:
+                if s.padded:
+                    s.deltas = [u.delta for u in s.units]
+                    s.outs = [_interior(self._work.out[u.image], u) for u in s.units]
+        self._lives: dict = {}
+        self._own_flag = torch.zeros((), dtype=torch.bool, device=self.device)
 
     @property
     def delta(self) -> list[torch.Tensor]:
@@ -292,78 +439,152 @@ class DeMoReplicator(Replicator):
         """Bytes this rank contributes to one exchange (header and alignment included)."""
         return self.bucket_bytes
 
+    # ------------------------------------------------------------------ the step's shape
+    def _live_of(self, grads, lrs) -> _Live:
+        present = tuple(g is not None for g in grads)
+        scales = tuple(lrs) if (lrs is not None and self.scale_by_lr) else None
+        return self._live(present, scales)
+
+    def _live(self, present: tuple[bool, ...], scales: tuple[float, ...] | None) -> _Live:
+        """The host-side plan of a step with gradients ``present`` and step sizes ``scales``
+        (per parameter; None: 1), cached: a training run has few such patterns."""
+        key = (present, scales)
+        live = self._lives.get(key)
+        if live is not None:
+            return live
+        if len(self._lives) >= 64:
+            self._lives.clear()
+        unit_on = [any(present[i] for i in u.members) for u in self.units]
+        on = {id(u): o for u, o in zip(self.units, unit_on)}
+        live = _Live(presence_code([0 if p else None for p in present]), unit_on,
+                     [any(on[id(u)] for u in g.units) for g in self.groups],
+                     [], [], [], [], [], [])
+        for gi, g in enumerate(self.groups):
+            runs: list[_Run] = []
+            off: list[slice] = []
+            params: list[int] = []
+            views: list[torch.Tensor] = []
+            for u in g.units:
+                if not on[id(u)]:
+                    off.append(u.rows)
+                    continue
+                staging = g.xpad[u.xpad] if u.padded else g.src[u.image]
+                for j, i in enumerate(u.members):
+                    view = _view_in(staging, u, j, self._shapes[i])
+                    if present[i]:
+                        live.present.append(i)
+                        live.stage.append(view)
+                        params.append(i)
+                        views.append(self._out_views[gi][i])
+                    else:
+                        live.zero.append(view)
+                scale = 1.0 if scales is None else float(scales[u.members[0]])
+                last = runs[-1] if runs else None
+                if (last is not None and last.padded == u.padded and last.scale == scale
+                        and last.rows.stop == u.rows.start):
+                    last.rows = slice(last.rows.start, u.rows.stop)
+                    last.image = slice(last.image.start, u.image.stop)
+                    if u.padded:
+                        last.xpad = slice(last.xpad.start, u.xpad.stop)
+                else:
+                    runs.append(_Run(u.padded, u.rows, u.image, u.xpad, scale))
+            live.runs.append(runs)
+            live.off_rows.append(off)
+            live.write.append((params, views))
+        self._lives[key] = live
+        return live
+
     # ------------------------------------------------------------------ encode
-    def _unit_input(self, u: _Unit, grads) -> torch.Tensor | None:
-        if u.flat is None:
-            return grads[u.members[0]]
-        if not _has_grad(u, grads):
-            return None
-        off = 0
-        for i, size in zip(u.members, u.sizes):
-            seg = u.flat[off: off + size]
-            if grads[i] is None:
-                seg.zero_()
-            else:
-                seg.copy_(grads[i].reshape(-1))
-            off += size
-        u.flat[off:].zero_()  # the padding tail (it held the last output)
-        return u.flat
+    def _stage(self, grads, live: _Live) -> None:
+        """The gradients into the groups' image buffers (one multi-tensor copy)."""
+        if live.present:
+            torch._foreach_copy_(live.stage, [grads[i] for i in live.present])
+        if live.zero:
+            torch._foreach_zero_(live.zero)
 
-    def _transform(self, u: _Unit, x: torch.Tensor, lr: float, coef: torch.Tensor) -> None:
-        """Momentum update; the unit's DCT coefficients land in ``coef`` (its group rows)."""
-        plan, t = u.plan, u.transform
-        scale = lr if self.scale_by_lr else 1.0
-        if plan.needs_padding:
-            u.delta.mul_(self.decay).add_(x.reshape(plan.shape2d), alpha=scale)
-            t.encode_into(u.delta, coef)
-        else:  # coef is the momentum itself: decay and add the new transform in one product
-            t.encode_into(x, coef, alpha=scale, beta=self.decay)
+    def _decay_encode(self, g: _Group, runs: list[_Run]) -> None:
+        """Momentum update and forward DCT of all blocks of ``g`` with a gradient: tiling
+        units ``coef = decay * coef + s * DCT(grad)`` (one fused product), padded units
+        ``delta = decay * delta + s * grad`` and ``coef = DCT(delta)``."""
+        w, (cr, cc), n = self._work, g.chunk, g.coef.numel()
+        for r in runs:
+            if r.padded:
+                g.src[r.image].mul_(self.decay).add_(g.xpad[r.xpad], alpha=r.scale)
+        x = g.src.view(-1, cc)
+        if g.perm is not None:  # image rows -> block layout
+            x = torch.index_select(x, 0, g.perm, out=w.x[:n].view(-1, cc))
+        if w.xc is not None:
+            x = w.xc[:n].view(-1, cc).copy_(x)
+        y = g.dct.rows(x.view(g.blocks, cr, cc),
+                       out=(w.y if w.yc is None else w.yc)[:n].view(g.blocks, cr, cc))
+        for r in runs:
+            alpha, beta = (1.0, 0.0) if r.padded else (r.scale, self.decay)
+            g.dct.cols_into(y[r.rows], g.coef[r.rows], alpha, beta, w.zc)
 
-    def _encode(self, g: _Group, inputs: list, lrs, buf: torch.Tensor):
-        """Momentum update, selection, packing and error feedback of one group; returns the
-        sent (idx, values), both ``(blocks, k)``. Inactive units (no gradient) keep their
-        momentum and send zeros."""
-        for u, x in zip(g.units, inputs):
-            if x is not None:
-                self._transform(u, x, lrs[u.members[0]], g.coef[u.rows])
-        mag = self.scratch.get(4, g.coef.numel(), torch.float32, self.device)
-        idx = topk_indices(torch.abs(g.coef, out=mag.view_as(g.coef)), g.k)
+    def _select(self, g: _Group, off_rows: list[slice]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Top-k coefficients of every block: ``(blocks, k)`` indices and values; units
+        without a gradient keep their momentum and send zeros."""
+        mag = torch.abs(g.coef, out=self._work.x[: g.coef.numel()].view_as(g.coef))
+        idx = topk_indices(mag, g.k)
         vals = g.coef.gather(1, idx)
-        for u, x in zip(g.units, inputs):
-            if x is None:
-                vals[u.rows] = 0.0
-        pack_bits(idx, g.bits, buf[g.idx_off: g.val_off])
-        sent = self.codec.encode(vals, buf[g.val_off: g.end])
-        self._feedback(g, idx, sent, sign=-1.0)
-        return idx, sent
+        for rows in off_rows:
+            vals[rows] = 0.0
+        return idx, vals
 
     def _feedback(self, g: _Group, idx: torch.Tensor, vals: torch.Tensor, sign: float) -> None:
-        """Add ``sign * sent`` to the momentum (sign -1: error feedback, +1: undo it)."""
-        g.coef.scatter_add_(1, idx, vals if sign > 0 else -vals)  # padded units: scratch rows
-        for u in g.units:
-            plan, t = u.plan, u.transform
-            if not plan.needs_padding:
-                continue
-            img = self.scratch.get(2, plan.padded_numel, torch.float32, self.device).zero_()
-            img.index_add_(0, t.image_index(idx[u.rows]), vals[u.rows].reshape(-1))
-            u.delta.add_(t.decode_image(img).reshape(plan.shape2d), alpha=sign)
+        """Add ``sign * sent`` to the momentum (sign -1: error feedback, +1: undo it): to the
+        coefficients of tiling units, and through the inverse DCT to the momentum of padded
+        units (their rows of ``coef`` only hold this step's fresh coefficients)."""
+        g.coef.scatter_add_(1, idx, vals if sign > 0 else -vals)
+        for s in g.segments:
+            if s.padded:
+                blocks = self._dense_inverse(g, s, [(idx[s.rows], vals[s.rows])], 1)
+                self._to_image(g, s, blocks)
+                torch._foreach_add_(s.deltas, s.outs, alpha=sign)
 
-    def _fill(self, grads, lrs, step: int, buf: torch.Tensor):
-        """Encode every group into ``buf``; returns the per-group sent (idx, values), or None
-        for groups without gradients (and for all groups when a gradient is not finite)."""
-        present = [g for g in grads if g is not None]
-        bad = not all_finite(present)
-        code = presence_code(grads)
-        write_header(buf, step, bad, code)
+    def _write_header(self, buf: torch.Tensor, step: int, flag: torch.Tensor,
+                      code: int) -> None:
+        """The header (base's layout) written on the device: no host round trip."""
+        head = buf[:HEADER_BYTES].view(torch.int64)
+        head[0].fill_(MAGIC)
+        head[1].fill_(step)
+        head[2].copy_(flag)
+        head[3].fill_(code)
+
+    def _fill(self, grads, lrs, step: int, buf: torch.Tensor) -> list:
+        """Encode this step into ``buf``; returns per group the sent (indices, values), or
+        None for groups without gradients."""
+        live = self._live_of(grads, lrs)
+        torch._foreach_copy_(self._saved, self._state)  # put back if our input is not finite
+        self._stage(grads, live)
         sent: list = []
-        for g in self.groups:
-            inputs = [None if bad else self._unit_input(u, grads) for u in g.units]
-            if all(x is None for x in inputs):
+        finite = []
+        for gi, g in enumerate(self.groups):
+            if not live.group_on[gi]:
                 buf[g.idx_off: g.end].zero_()
                 sent.append(None)
                 continue
-            sent.append(self._encode(g, inputs, lrs, buf))
-        return sent, code
+            self._decay_encode(g, live.runs[gi])
+            idx, vals = self._select(g, live.off_rows[gi])
+            finite.append(torch.isfinite(vals).all())  # a NaN/Inf input is always selected
+            pack_bits(idx, g.bits, buf[g.idx_off: g.val_off])
+            vals = self.codec.encode(vals, buf[g.val_off: g.end])  # what the peers will see
+            self._feedback(g, idx, vals, sign=-1.0)
+            sent.append((idx, vals))
+        self._own_flag = (~torch.stack(finite).all() if finite
+                          else torch.zeros((), dtype=torch.bool, device=self.device))
+        self._write_header(buf, step, self._own_flag, live.code)
+        return sent
+
+    def _roll_back(self, sent: list) -> None:
+        """After a failed exchange: a rank whose own input was not finite gets its momentum
+        back as it was before the step; the others add back what they sent."""
+        if bool(self._own_flag):  # the rare path: one more read
+            torch._foreach_copy_(self._state, self._saved)
+            return
+        for g, s in zip(self.groups, sent):
+            if s is not None:
+                self._feedback(g, s[0], s[1], sign=1.0)
 
     # ------------------------------------------------------------------ exchange
     def _exchange(self, buf: torch.Tensor) -> torch.Tensor:
@@ -377,35 +598,71 @@ class DeMoReplicator(Replicator):
                                                   self.stats)
         return out
 
-    # ------------------------------------------------------------------ decode
-    def _check_header(self, row: torch.Tensor, step: int) -> str | None:
-        magic, st = row[:16].view(torch.int64).tolist()
-        if magic != MAGIC:
-            return f"bad magic/version {magic:#x} (expected {MAGIC:#x})"
-        if st != step:
-            return f"payload for step {st}"
-        return None
-
-    def _check_body(self, row: torch.Tensor, active: list[bool]):
-        """Decode one peer's groups; returns (idx, values) per group (None where no unit of
-        the group has a gradient), or the reason the payload is bad."""
-        decoded: list = []
-        for g, on in zip(self.groups, active):
-            if not on:
-                decoded.append(None)
+    # ------------------------------------------------------------------ check
+    def _verdict(self, gathered: torch.Tensor, live: _Live):
+        """Every peer's payload checked on the device: ``(peers, 7)`` int64 rows (magic,
+        step, non-finite flag, presence code, body reason, its group, largest index), and per
+        group with gradients the decoded ``(peers, blocks, k)`` indices and values."""
+        n = gathered.shape[0]
+        heads = gathered[:, :HEADER_BYTES].contiguous().view(torch.int64)
+        reason = which = top = torch.zeros(n, dtype=torch.int64, device=gathered.device)
+        decoded: list = [None] * len(self.groups)
+        found = []
+        for gi, g in enumerate(self.groups):
+            if not live.group_on[gi]:
                 continue
-            idx = unpack_bits(row[g.idx_off: g.val_off], g.bits, g.n_sel).view(-1, g.k)
-            if (1 << g.bits) > g.block_numel and int(idx.max()) >= g.block_numel:
-                return (f"index {int(idx.max())} out of range for blocks of "
-                        f"{g.block_numel} entries")
-            srt = idx.sort(dim=1).values
-            if bool((srt[:, 1:] == srt[:, :-1]).any()):
-                return "repeated index within a block"
-            vals = self.codec.decode(row[g.val_off: g.end], g.blocks, g.k)
-            if not bool(torch.isfinite(vals).all()):
-                return "non-finite value"
-            decoded.append((idx, vals))
-        return decoded
+            idx = unpack_bits(gathered[:, g.idx_off: g.val_off], g.bits, g.n_sel)
+            idx = idx.view(n, g.blocks, g.k)
+            vals = self.codec.decode(gathered[:, g.val_off: g.end], g.blocks, g.k)
+            decoded[gi] = (idx, vals)
+            why = torch.where(torch.isfinite(vals).flatten(1).all(1), 0, _NONFINITE)
+            if g.k > 1:
+                srt = idx.sort(dim=2).values
+                why = torch.where((srt[..., 1:] == srt[..., :-1]).flatten(1).any(1), _REPEAT,
+                                  why)
+            big = reason
+            if (1 << g.bits) > g.block_numel:  # a packed index can exceed the block
+                big = idx.flatten(1).amax(1)
+                why = torch.where(big >= g.block_numel, _RANGE, why)
+            found.append((gi, why, big))
+        for gi, why, big in reversed(found):  # the first bad group names the reason
+            hit = why != 0
+            reason = torch.where(hit, why, reason)
+            which = torch.where(hit, gi, which)
+            top = torch.where(hit, big, top)
+        return torch.cat([heads, torch.stack([reason, which, top], 1)], 1), decoded
+
+    def _reason(self, why: int, gi: int, top: int) -> str:
+        if why == _RANGE:
+            return (f"index {top} out of range for blocks of {self.groups[gi].block_numel} "
+                    "entries")
+        return "repeated index within a block" if why == _REPEAT else "non-finite value"
+
+    def _check(self, gathered: torch.Tensor, step: int, live: _Live):
+        """Check the gathered payloads; raise or drop bad ones. Returns the good peers and
+        the decoded payloads."""
+        verdict, decoded = self._verdict(gathered, live)
+        rows = verdict.tolist()  # the one read of the device in a step
+        peers = []
+        for r, (magic, st, *_) in enumerate(rows):
+            if magic != MAGIC:
+                self._bad_peer(r, step, f"bad magic/version {magic:#x} (expected {MAGIC:#x})")
+            elif st != step:
+                self._bad_peer(r, step, f"payload for step {st}")
+            else:
+                peers.append(r)
+        ok = set(peers)
+        check_flags(self.name, [row[2] if r in ok else 0 for r, row in enumerate(rows)],
+                    [row[3] if r in ok else live.code for r, row in enumerate(rows)],
+                    live.code, step)
+        good = []
+        for r in peers:
+            why, gi, top = rows[r][4:]
+            if why:
+                self._bad_peer(r, step, self._reason(why, gi, top))
+            else:
+                good.append(r)
+        return good, decoded
 
     def _bad_peer(self, r: int, step: int, reason: str) -> None:
         global_rank = (dist.get_global_rank(self.group, r)
@@ -414,103 +671,129 @@ class DeMoReplicator(Replicator):
             raise CorruptPayloadError(self.name, r, global_rank, step, reason)
         self.dropped_payloads += 1
         warnings.warn(f"{self.name}: dropped the payload of rank {global_rank} at step {step}: "
-                      f"{reason}", RuntimeWarning, stacklevel=3)
+                      f"{reason}", RuntimeWarning, stacklevel=4)
 
-    def _decode(self, gathered: torch.Tensor, grads, step: int, code: int) -> None:
-        n = gathered.shape[0]
-        heads = gathered[:, :HEADER_BYTES].contiguous().view(torch.int64).view(n, 4).tolist()
-        peers = []
-        for r in range(n):
-            reason = self._check_header(gathered[r], step)
-            if reason is None:
-                peers.append(r)
-            else:
-                self._bad_peer(r, step, reason)
-        check_flags(self.name, [heads[r][2] if r in peers else 0 for r in range(n)],
-                    [heads[r][3] if r in peers else code for r in range(n)], code, step)
-        active = [any(_has_grad(u, grads) for u in g.units) for g in self.groups]
-        good = []
-        for r in peers:
-            res = self._check_body(gathered[r], active)
-            if isinstance(res, str):
-                self._bad_peer(r, step, res)
-            else:
-                good.append(res)
-        for u in self.units:
-            if not _has_grad(u, grads):
-                continue
-            parts = [(dec[u.group][0][u.rows], dec[u.group][1][u.rows]) for dec in good]
-            self._write_output(u, self._mean(u, parts, grads), grads)
+    # ------------------------------------------------------------------ decode
+    def _dense_inverse(self, g: _Group, s: _Segment, parts: list, n: int) -> torch.Tensor:
+        """Inverse DCT of the blocks of segment ``s`` from sparse ``(idx, values)`` parts
+        (summed in order, divided by ``n`` when ``n > 1``), as ``(blocks, cr, cc)``."""
+        w, (cr, cc) = self._work, g.chunk
+        nb = s.rows.stop - s.rows.start
+        numel = nb * g.block_numel
+        coef = w.x[:numel].view(nb, g.block_numel).zero_()
+        for idx, vals in parts:  # rank order: every replica sums alike
+            coef.scatter_add_(1, idx, vals)
+        if n > 1:
+            coef.div_(n)
+        out = (w.out[s.image] if s.inv is None else w.y[:numel]).view(nb, cr, cc)
+        g.dct.inverse(coef, out, w.z[:numel])
+        return out
 
-    def _mean(self, u: _Unit, parts: list, grads) -> torch.Tensor:
-        """The mean of the peers' (idx, values) of unit ``u``, decoded to its matrix shape.
+    def _to_image(self, g: _Group, s: _Segment, blocks: torch.Tensor) -> None:
+        """Blocks of segment ``s`` into its rows of the output image."""
+        if s.inv is not None:
+            cc = g.chunk[1]
+            torch.index_select(blocks.view(-1, cc), 0, s.inv,
+                               out=self._work.out[s.image].view(-1, cc))
+
+    def _decode_mean(self, g: _Group, idx: torch.Tensor, vals: torch.Tensor) -> None:
+        """The mean over the peers of their ``(peers, blocks, k)`` coefficients, through the
+        inverse DCT and ``sign()``, into the output image.
 
         A few coefficients per block (``m <= (cr + cc) / 4`` over all peers) are decoded
-        sparsely; more go through a coefficient image and the dense inverse transform. The
-        choice depends only on shapes and the number of peers, so all replicas take the same
-        path and get the same bits.
+        sparsely; more go through a dense coefficient matrix. The choice depends only on
+        shapes and the number of peers, so all replicas take the same path and get the same
+        bits.
         """
-        plan, t = u.plan, u.transform
-        g = grads[u.members[0]]
-        if u.flat is not None:
-            out = u.flat.view(plan.shape2d)
-        elif g.dtype == torch.float32 and g.is_contiguous():
-            out = g.view(plan.shape2d)  # decode straight into the gradient
-        else:
-            out = self.scratch.get(7, plan.numel, torch.float32, self.device).view(plan.shape2d)
-        m = u.k * len(parts)
-        if parts and not plan.needs_padding and 4 * m <= sum(plan.chunk):
-            idx = torch.cat([p[0] for p in parts], dim=1)
-            vals = torch.cat([p[1] for p in parts], dim=1)
-            if len(parts) > 1:
-                vals = vals / len(parts)
-            return t.decode_sparse(idx, vals, out)
-        img = self.scratch.get(2, plan.padded_numel, torch.float32, self.device).zero_()
-        for idx, vals in parts:  # rank order: every replica sums alike
-            img.index_add_(0, t.image_index(idx), vals.reshape(-1))
-        if len(parts) > 1:
-            img.div_(len(parts))
-        return t.decode_image(img, out=out)
+        n, (cr, cc) = idx.shape[0], g.chunk
+        m = g.k * n
+        for s in g.segments:
+            if n and not s.padded and 4 * m <= cr + cc:
+                nb = s.rows.stop - s.rows.start
+                i, v = idx[:, s.rows], vals[:, s.rows]
+                if n > 1:  # (blocks, peers * k) in rank order
+                    i = i.permute(1, 0, 2).reshape(nb, m)
+                    v = v.permute(1, 0, 2).reshape(nb, m) / n
+                else:
+                    i, v = i[0], v[0]
+                numel = nb * g.block_numel
+                out = (self._work.out[s.image] if s.inv is None
+                       else self._work.y[:numel]).view(nb, cr, cc)
+                left = self.scratch.get(5, nb * m * cr, torch.float32, self.device)
+                right = self.scratch.get(6, nb * m * cc, torch.float32, self.device)
+                g.dct.inverse_sparse(i, v, out, left, right)
+            else:
+                out = self._dense_inverse(g, s, [(idx[r, s.rows], vals[r, s.rows])
+                                                 for r in range(n)], n)
+            if self.sign:
+                out.sign_()
+            self._to_image(g, s, out)
 
-    def _write_output(self, u: _Unit, out: torch.Tensor, grads) -> None:
-        if self.sign:
-            out.sign_()
-        flat, off = out.reshape(-1), 0
-        for i, size in zip(u.members, u.sizes):
-            g = grads[i]
-            if g is not None and g.data_ptr() != flat.data_ptr() + off * flat.element_size():
-                g.copy_(flat[off: off + size].view_as(g))
-            off += size
+    def _apply(self, decoded: list, good: list[int], sent_live: _Live, live: _Live,
+               grads) -> None:
+        """The decoded mean of the good peers' payloads (encoded with ``sent_live``) into the
+        gradients present now (``live``): one multi-tensor copy per group."""
+        for gi, g in enumerate(self.groups):
+            params, views = live.write[gi]
+            if not params:
+                continue
+            targets = [grads[i] for i in params]
+            if not sent_live.group_on[gi]:  # nothing was sent for it (delayed mode)
+                torch._foreach_zero_(targets)
+                continue
+            idx, vals = decoded[gi]
+            if len(good) < idx.shape[0]:  # dropped peers (the rare path)
+                keep = torch.tensor(good, dtype=torch.int64, device=idx.device)
+                idx, vals = idx.index_select(0, keep), vals.index_select(0, keep)
+            self._decode_mean(g, idx, vals)
+            torch._foreach_copy_(targets, views)
+
+    def _decode(self, gathered: torch.Tensor, grads, step: int, code: int) -> None:
+        """Check ``gathered`` payloads of ``step`` and write their decoded mean into
+        ``grads`` (``code``: this rank's presence code, as computed from ``grads``)."""
+        live = self._live_of(grads, None)
+        if code != live.code:
+            raise ValueError(f"{self.name}: presence code {code} does not match the gradients")
+        good, decoded = self._check(gathered, step, live)
+        self._apply(decoded, good, live, live, grads)
 
     # ------------------------------------------------------------------ step
     def replicate(self, grads, lrs, step, communicate):
         if self.overlap == "delayed":
             return self._replicate_delayed(grads, lrs, step)
+        live = self._live_of(grads, lrs)
         buf = self._buckets[0]
-        sent, code = self._fill(grads, lrs, step, buf)
+        # decay + encode, select, code and pack, error feedback: this rank's payload
+        sent = self._fill(grads, lrs, step, buf)
         gathered = self._exchange(buf) if communicate else buf.unsqueeze(0)
-        try:
-            self._decode(gathered, grads, step, code)
+        try:  # every payload checked on the device; one read of the verdict
+            good, decoded = self._check(gathered, step, live)
         except Exception:
-            for g, s in zip(self.groups, sent):
-                if s is not None:
-                    self._feedback(g, s[0], s[1], sign=1.0)
+            self._roll_back(sent)
             raise
+        # mean of the good payloads, inverse transform, sign, into the gradients
+        self._apply(decoded, good, live, live, grads)
         return grads
 
     def _replicate_delayed(self, grads, lrs, step):
+        live = self._live_of(grads, lrs)
+        previous, self._inflight = self._inflight, None
+        if previous is not None:  # check last step's payloads before encoding this one
+            prev_step, handle, prev_live = previous
+            gathered = handle.wait() if isinstance(handle, Pending) else handle
+            try:
+                good, decoded = self._check(gathered, prev_step, prev_live)
+            except Exception:
+                if bool(self._own_flag):  # our own input was not finite: state as before
+                    torch._foreach_copy_(self._state, self._saved)
+                raise
         buf = self._buckets[step % 2]
-        _, code = self._fill(grads, lrs, step, buf)
-        handle = all_gather(buf, self.group, self.stats, async_op=True)
-        previous, self._inflight = self._inflight, (step, handle, code)
+        self._fill(grads, lrs, step, buf)
+        self._inflight = (step, all_gather(buf, self.group, self.stats, async_op=True), live)
         if previous is None:
-            for g in grads:
-                if g is not None:
-                    g.zero_()
+            torch._foreach_zero_([g for g in grads if g is not None])
             return grads
-        prev_step, prev_handle, prev_code = previous
-        gathered = prev_handle.wait() if isinstance(prev_handle, Pending) else prev_handle
-        self._decode(gathered, grads, prev_step, prev_code)
+        self._apply(decoded, good, prev_live, live, grads)
         return grads
 
     # ------------------------------------------------------------------ state
@@ -519,10 +802,12 @@ class DeMoReplicator(Replicator):
         sd["delta"] = [d.clone() for d in self.delta]
         sd["dropped_payloads"] = self.dropped_payloads
         if self._inflight is not None:
-            step, handle, code = self._inflight
+            step, handle, live = self._inflight
             gathered = handle.wait() if isinstance(handle, Pending) else handle
-            self._inflight = (step, gathered, code)
-            sd["inflight"] = {"step": step, "gathered": gathered.clone(), "code": code}
+            self._inflight = (step, gathered, live)
+            present = next(k for k, v in self._lives.items() if v is live)[0]
+            sd["inflight"] = {"step": step, "gathered": gathered.clone(), "code": live.code,
+                              "present": list(present)}
         return sd
 
     def load_state_dict(self, state: dict) -> None:
@@ -540,5 +825,8 @@ class DeMoReplicator(Replicator):
             u.delta.copy_(theirs)
         self.dropped_payloads = int(state.get("dropped_payloads", 0))
         inflight = state.get("inflight")
-        self._inflight = None if inflight is None else (
-            int(inflight["step"]), inflight["gathered"].to(self.device), int(inflight["code"]))
+        self._inflight = None
+        if inflight is not None:
+            present = tuple(bool(p) for p in inflight.get("present", [True] * len(self._shapes)))
+            self._inflight = (int(inflight["step"]), inflight["gathered"].to(self.device),
+                              self._live(present, None))

@@ -259,27 +259,40 @@ class BatchedDCT:
         self._dc_t_fwd = self.dc_t.to(compute_dtype)
 
     def rows(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        """First forward product ``Dr @ block`` of blocks ``x`` ``(blocks, cr, cc)`` (in the
-        compute dtype) into ``out``; blocks of one row (``cr == 1``) need none."""
+        """First forward product ``Dr @ block`` for blocks stored row-major across blocks,
+        ``x`` ``(cr, blocks, cc)`` (in the compute dtype): one matrix product
+        ``Dr @ x.view(cr, blocks * cc)`` into ``out``; blocks of one row need none."""
         if self.cr == 1:
             return x
-        return torch.matmul(self._dr_fwd, x, out=out)
+        torch.mm(self._dr_fwd, x.view(self.cr, -1), out=out.view(self.cr, -1))
+        return out
 
-    def cols_into(self, y: torch.Tensor, coef: torch.Tensor, alpha: float, beta: float,
-                  scratch: torch.Tensor | None = None) -> None:
-        """``coef = beta * coef + alpha * (y @ Dc^T)`` for ``y`` from :meth:`rows`, both viewed
-        as rows of ``cc`` entries (``scratch``: room for the bf16 product)."""
-        y, flat = y.reshape(-1, self.cc), coef.view(-1, self.cc)
+    def cols_into(self, y: torch.Tensor, coef: torch.Tensor, blocks: slice, alpha: float,
+                  beta: float, scratch: torch.Tensor | None = None) -> None:
+        """``coef = beta * coef + alpha * (y @ Dc^T)`` on the ``blocks`` of ``y`` (from
+        :meth:`rows`) and ``coef``, both ``(cr, blocks, cc)`` (``scratch``: room for the
+        bf16 product)."""
+        cc, nb = self.cc, coef.shape[1]
+        whole = blocks.start == 0 and blocks.stop == nb
         if self.compute_dtype == torch.float32:
-            flat.addmm_(y, self.dc_t, beta=beta, alpha=alpha)
+            if whole:
+                coef.view(-1, cc).addmm_(y.reshape(-1, cc), self.dc_t, beta=beta, alpha=alpha)
+            else:  # a run of blocks (the rare case): made contiguous, one product, back
+                part = coef[:, blocks].contiguous()
+                part.view(-1, cc).addmm_(y[:, blocks].reshape(-1, cc), self.dc_t, beta=beta,
+                                         alpha=alpha)
+                coef[:, blocks] = part
             return
-        z = torch.mm(y, self._dc_t_fwd, out=scratch[: y.numel()].view(-1, self.cc))
+        part = y[:, blocks]
+        z = scratch[: part.numel()].view(part.shape)
+        torch.matmul(part, self._dc_t_fwd, out=z)
+        target = coef[:, blocks]
         if beta == 0:
-            flat.copy_(z)
+            target.copy_(z)
             if alpha != 1:
-                flat.mul_(alpha)
+                target.mul_(alpha)
         else:
-            flat.mul_(beta).add_(z, alpha=alpha)
+            target.mul_(beta).add_(z, alpha=alpha)
 
     def inverse(self, coef: torch.Tensor, out: torch.Tensor, scratch: torch.Tensor) -> None:
         """Blocks ``out`` ``(blocks, cr, cc)`` from their coefficients ``coef``

@@ -73,10 +73,11 @@ import torch
 import torch.distributed as dist
 
 from ..comm import Pending, all_gather
-from ..compress import BlockDCT, ChunkPlan, Scratch, plan_chunks, topk_indices
+from ..compress import BlockDCT, ChunkPlan, Scratch, plan_chunks
 from ..compress.bits import pack_bits, packed_nbytes, unpack_bits
 from ..compress.dct import BatchedDCT, block_rows
 from ..compress.quant import BLOCK_FORMATS, BlockValueCodec
+from ..compress.select import topk_blocks_rowmajor
 from .base import HEADER_BYTES, MAGIC, Replicator, check_flags, presence_code
 
 
@@ -120,7 +121,7 @@ class _Unit:
     delta: torch.Tensor | None = None  # set when its group is built
     group: int = 0
     rows: slice = field(default_factory=lambda: slice(0, 0))  # its blocks in the group
-    image: slice = field(default_factory=lambda: slice(0, 0))  # its padded image in the group
+    image: slice | None = None  # image-staged units: its padded image in the group's ``img``
     xpad: slice | None = None  # padded units: its staged gradient in the group's ``xpad``
     flat: bool = False  # the batch of small tensors (members concatenated)
 
@@ -128,16 +129,23 @@ class _Unit:
     def padded(self) -> bool:
         return self.plan.needs_padding
 
+    @property
+    def direct(self) -> bool:
+        """Staged straight into block rows (a tiling tensor); else through an image."""
+        return self.image is None
+
 
 @dataclass
 class _Segment:
-    """Consecutive units of a group that all tile exactly, or all need padding."""
+    """Consecutive units of a group of one kind: staged directly, through an image (the
+    batch of small tensors), or padded (momentum in the parameter's domain)."""
 
     padded: bool
+    direct: bool
     units: list[_Unit]
     rows: slice  # block rows
-    image: slice  # entries of the group's image buffers
-    inv: torch.Tensor | None  # image row -> block row within the segment (None: identity)
+    image: slice | None  # entries of the group's image buffer (image-staged units)
+    inv: torch.Tensor | None = None  # image row -> block row within the segment
     deltas: list[torch.Tensor] = field(default_factory=list)  # padded: momentum views
     outs: list[torch.Tensor] = field(default_factory=list)  # padded: same in the output image
 
@@ -145,15 +153,24 @@ class _Segment:
 @dataclass
 class _Group:
     """Units with the same block shape and ``k``: transformed, selected, coded and checked as
-    one matrix of blocks, and sent as one index segment and one value segment."""
+    one matrix of blocks, and sent as one index segment and one value segment.
+
+    Coefficients are stored row-major across blocks, ``(cr, blocks, cc)``: row ``u`` of every
+    block side by side, so that the first DCT product is one matrix product over the whole
+    group. Block ``b``'s coefficient ``l`` (block-local, row-major) sits at
+    ``(l // cc, b, l % cc)``.
+    """
 
     units: list[_Unit]
     k: int
-    coef: torch.Tensor  # (blocks, block_numel): the momentum of tiling units, in place
+    chunk: tuple[int, int]
+    coef: torch.Tensor  # (cr, blocks, cc): momentum of tiling units; fresh coefficients of padded
     dct: BatchedDCT
-    src: torch.Tensor | None = None  # image layout: staged gradients; momentum of padded units
-    xpad: torch.Tensor | None = None  # image layout: staged gradients of padded units
-    perm: torch.Tensor | None = None  # block row -> image row (None: identity)
+    xh: torch.Tensor  # (cr, blocks, cc): the transform's input
+    img: torch.Tensor | None = None  # image layout: image-staged units' gradient or momentum
+    xpad: torch.Tensor | None = None  # image layout: padded units' staged gradients
+    img_src: torch.Tensor | None = None  # rows of ``img`` ...
+    img_dst: torch.Tensor | None = None  # ... and where they go in ``xh``
     segments: list[_Segment] = field(default_factory=list)
     idx_off: int = 0
     val_off: int = 0
@@ -161,15 +178,11 @@ class _Group:
 
     @property
     def blocks(self) -> int:
-        return self.coef.shape[0]
-
-    @property
-    def block_numel(self) -> int:
         return self.coef.shape[1]
 
     @property
-    def chunk(self) -> tuple[int, int]:
-        return self.dct.cr, self.dct.cc
+    def block_numel(self) -> int:
+        return self.chunk[0] * self.chunk[1]
 
     @property
     def bits(self) -> int:
@@ -188,7 +201,7 @@ class _Run:
 
     padded: bool
     rows: slice
-    image: slice
+    image: slice | None
     xpad: slice | None
     scale: float
 
@@ -225,14 +238,38 @@ def _interior(buf: torch.Tensor, u: _Unit) -> torch.Tensor:
     return buf.view(p.padded)[: p.shape2d[0], : p.shape2d[1]]
 
 
+def _blocked(u: _Unit) -> tuple[int, int, int, int]:
+    """A tiling tensor viewed as ``(block rows, cr, block columns, cc)``."""
+    (nbr, nbc), (cr, cc) = u.plan.grid, u.plan.chunk
+    return nbr, cr, nbc, cc
+
+
+def _as_shape(view4: torch.Tensor, shape: torch.Size) -> torch.Tensor | None:
+    """``view4`` as a view of ``shape``, or None where its strides do not allow it."""
+    try:
+        return view4.view(shape)
+    except RuntimeError:
+        return None
+
+
+def _grad4(grad: torch.Tensor, four: tuple[int, int, int, int] | None) -> torch.Tensor:
+    """The gradient as the tensor its staging or output view expects."""
+    if four is None:
+        return grad
+    try:
+        return grad.view(four)
+    except RuntimeError:  # a gradient with unusual strides
+        return grad.reshape(four)
+
+
 class _Workspace:
     """Scratch buffers shared by the groups, sized for the largest one at set-up (so views of
     them can be built once)."""
 
-    def __init__(self, groups: list[_Group], world: int, device: torch.device,
+    def __init__(self, groups: list[_Group], device: torch.device,
                  compute_dtype: torch.dtype) -> None:
         n = max(g.coef.numel() for g in groups)
-        img = max(g.src.numel() for g in groups)
+        img = max([1] + [g.img.numel() for g in groups if g.img is not None])
 
         def buf(numel, dtype=torch.float32):
             return torch.zeros(numel, dtype=dtype, device=device)
@@ -338,53 +375,98 @@ class DeMoReplicator(Replicator):
         for j, u in enumerate(self.units):
             key = (u.plan.chunk, u.k) if self.bucket else j
             keyed.setdefault(key, []).append(u)
-        basis, ct = self._basis()
         groups: list[_Group] = []
         for members in keyed.values():
-            groups.append(self._make_group(len(groups), members, basis, ct))
+            groups.append(self._make_group(len(groups), members))
         return groups
 
-    def _make_group(self, gi: int, units: list[_Unit], basis: str, ct: torch.dtype) -> _Group:
+    def _make_group(self, gi: int, units: list[_Unit]) -> _Group:
         """One group's buffers, layouts and index maps (built once)."""
         dev, f32 = self.device, torch.float32
-        plan0 = units[0].plan
+        basis, ct = self._basis()
+        (cr, cc), k = units[0].plan.chunk, units[0].k
         blocks = sum(u.plan.num_blocks for u in units)
-        coef = torch.zeros(blocks, plan0.block_numel, dtype=f32, device=dev)
-        g = _Group(units, units[0].k, coef, BatchedDCT(plan0.chunk, dev, basis, ct))
-        cc = plan0.chunk[1]
+        coef = torch.zeros(cr, blocks, cc, dtype=f32, device=dev)
+        g = _Group(units, k, (cr, cc), coef, BatchedDCT((cr, cc), dev, basis, ct),
+                   torch.zeros(cr, blocks, cc, dtype=f32, device=dev))
         row = img = pad = 0
-        perms = []
+        src, dst = [], []
         for u in units:
             u.group, u.rows = gi, slice(row, row + u.plan.num_blocks)
-            u.image = slice(img, img + u.plan.padded_numel)
-            perms.append(block_rows(u.plan) + img // cc)
-            row, img = row + u.plan.num_blocks, img + u.plan.padded_numel
+            if u.padded or u.flat:  # staged through an image
+                u.image = slice(img, img + u.plan.padded_numel)
+                # block row (b, v) of the unit is image row perm[b * cr + v]; in xh: v, row + b
+                src.append(block_rows(u.plan) + img // cc)
+                b = torch.arange(u.plan.num_blocks).repeat_interleave(cr)
+                v = torch.arange(cr).repeat(u.plan.num_blocks)
+                dst.append(v * blocks + row + b)
+                img += u.plan.padded_numel
             if u.padded:
                 u.xpad = slice(pad, pad + u.plan.padded_numel)
                 pad += u.plan.padded_numel
-        g.src = torch.zeros(img, dtype=f32, device=dev)
-        g.xpad = torch.zeros(pad, dtype=f32, device=dev) if pad else None
-        perm = torch.cat(perms)
-        g.perm = None if torch.equal(perm, torch.arange(perm.numel())) else perm.to(dev)
+            row += u.plan.num_blocks
+        if img:
+            g.img = torch.zeros(img, dtype=f32, device=dev)
+            g.img_src, g.img_dst = torch.cat(src).to(dev), torch.cat(dst).to(dev)
+        if pad:
+            g.xpad = torch.zeros(pad, dtype=f32, device=dev)
         for u in units:
             # tensors that tile into blocks keep their momentum in the transform domain, in
-            # the group's matrix; padded ones in their own domain, in their image in ``src``
-            # (the padding stays zero), and use their rows of the matrix for fresh coefficients
-            u.delta = _interior(g.src[u.image], u) if u.padded else coef[u.rows]
+            # the group's matrix (a (blocks, cr, cc) view); padded ones in their own domain, in
+            # their image (the padding stays zero), and use their blocks of the matrix for
+            # fresh coefficients
+            u.delta = (_interior(g.img[u.image], u) if u.padded
+                       else coef[:, u.rows].permute(1, 0, 2))
         for u in units:  # segments: runs of units of one kind
             last = g.segments[-1] if g.segments else None
-            if last is not None and last.padded == u.padded:
+            if last is not None and (last.padded, last.direct) == (u.padded, u.direct):
                 last.units.append(u)
                 last.rows = slice(last.rows.start, u.rows.stop)
-                last.image = slice(last.image.start, u.image.stop)
+                if u.image is not None:
+                    last.image = slice(last.image.start, u.image.stop)
             else:
-                g.segments.append(_Segment(u.padded, [u], u.rows, u.image, None))
+                g.segments.append(_Segment(u.padded, u.direct, [u], u.rows, u.image))
         for s in g.segments:
-            local = perm[s.rows.start * plan0.chunk[0]: s.rows.stop * plan0.chunk[0]]
-            local = local - s.image.start // cc
+            if s.direct:
+                continue
+            local = torch.cat([block_rows(u.plan) + (u.image.start - s.image.start) // cc
+                               for u in s.units])
             if not torch.equal(local, torch.arange(local.numel())):
                 s.inv = torch.argsort(local).to(dev)
         return g
+
+    def _make_views(self) -> None:
+        """Per parameter: where its gradient is staged, where its output is read, and the
+        4-D shape its gradient is viewed as for both (None: its own shape)."""
+        self._stage_at: dict[int, torch.Tensor] = {}
+        self._out_at: dict[int, torch.Tensor] = {}
+        self._four: dict[int, tuple | None] = {}
+        w = self._work
+        for g in self.groups:
+            bn = g.block_numel
+            for u in g.units:
+                if not u.direct:
+                    staging = g.xpad[u.xpad] if u.padded else g.img[u.image]
+                    for j, i in enumerate(u.members):
+                        self._stage_at[i] = _view_in(staging, u, j, self._shapes[i])
+                        self._out_at[i] = _view_in(w.out[u.image], u, j, self._shapes[i])
+                        self._four[i] = None
+                    continue
+                i, shape = u.members[0], self._shapes[u.members[0]]
+                nbr, cr, nbc, cc = _blocked(u)
+                stage = g.xh[:, u.rows].reshape(cr, nbr, nbc, cc).permute(1, 0, 2, 3)
+                out = w.y[u.rows.start * bn: u.rows.stop * bn].view(nbr, nbc, cr, cc)
+                out = out.permute(0, 2, 1, 3)
+                flat_stage, flat_out = _as_shape(stage, shape), _as_shape(out, shape)
+                if flat_stage is not None and flat_out is not None:
+                    self._stage_at[i], self._out_at[i], self._four[i] = flat_stage, flat_out, None
+                else:
+                    self._stage_at[i], self._out_at[i] = stage, out
+                    self._four[i] = (nbr, cr, nbc, cc)
+            for s in g.segments:
+                if s.padded:
+                    s.deltas = [u.delta for u in s.units]
+                    s.outs = [_interior(w.out[u.image], u) for u in s.units]
 
     def _setup_state(self) -> None:
         self.scratch = Scratch()
@@ -412,27 +494,21 @@ class DeMoReplicator(Replicator):
         self._buckets = [torch.zeros(off, dtype=torch.uint8, device=self.device)
                          for _ in range(nbuf)]
         self._inflight = None  # delayed mode: (step, handle or gathered, live)
-        self._work = _Workspace(self.groups, self.world, self.device,
-                                self._basis()[1])
+        self._work = _Workspace(self.groups, self.device, self._basis()[1])
+        self._make_views()
         # the momentum, and a copy of it from before the step (for a rank whose input was not
         # finite): every group's matrix and the images of its padded units
         self._state = [g.coef for g in self.groups] + [
-            g.src[u.image] for g in self.groups for u in g.units if u.padded]
+            g.img[u.image] for g in self.groups for u in g.units if u.padded]
         self._saved = [torch.empty_like(t) for t in self._state]
-        self._out_views = [  # per group: every member's view of the decoded output image
-            {i: _view_in(self._work.out[u.image], u, j, self._shapes[i])
-             for u in g.units for j, i in enumerate(u.members)} for g in self.groups]
-        for g in self.groups:
-            for s in g.segments:
-                if s.padded:
-                    s.deltas = [u.delta for u in s.units]
-                    s.outs = [_interior(self._work.out[u.image], u) for u in s.units]
         self._lives: dict = {}
         self._own_flag = torch.zeros((), dtype=torch.bool, device=self.device)
 
     @property
     def delta(self) -> list[torch.Tensor]:
-        """The momentum buffers, one per unit (large tensor, or the small-tensor batch)."""
+        """The momentum buffers, one per unit (large tensor, or the small-tensor batch):
+        views of the DCT coefficients ``(blocks, cr, cc)`` of tensors that tile into blocks,
+        the tensor as a matrix for padded ones."""
         return [u.delta for u in self.units]
 
     def payload_bytes(self) -> int:
@@ -459,46 +535,43 @@ class DeMoReplicator(Replicator):
         live = _Live(presence_code([0 if p else None for p in present]), unit_on,
                      [any(on[id(u)] for u in g.units) for g in self.groups],
                      [], [], [], [], [], [])
-        for gi, g in enumerate(self.groups):
+        for g in self.groups:
             runs: list[_Run] = []
             off: list[slice] = []
             params: list[int] = []
-            views: list[torch.Tensor] = []
             for u in g.units:
                 if not on[id(u)]:
                     off.append(u.rows)
                     continue
-                staging = g.xpad[u.xpad] if u.padded else g.src[u.image]
-                for j, i in enumerate(u.members):
-                    view = _view_in(staging, u, j, self._shapes[i])
+                for i in u.members:
                     if present[i]:
                         live.present.append(i)
-                        live.stage.append(view)
+                        live.stage.append(self._stage_at[i])
                         params.append(i)
-                        views.append(self._out_views[gi][i])
                     else:
-                        live.zero.append(view)
+                        live.zero.append(self._stage_at[i])
                 scale = 1.0 if scales is None else float(scales[u.members[0]])
                 last = runs[-1] if runs else None
                 if (last is not None and last.padded == u.padded and last.scale == scale
                         and last.rows.stop == u.rows.start):
                     last.rows = slice(last.rows.start, u.rows.stop)
-                    last.image = slice(last.image.start, u.image.stop)
                     if u.padded:
+                        last.image = slice(last.image.start, u.image.stop)
                         last.xpad = slice(last.xpad.start, u.xpad.stop)
                 else:
                     runs.append(_Run(u.padded, u.rows, u.image, u.xpad, scale))
             live.runs.append(runs)
             live.off_rows.append(off)
-            live.write.append((params, views))
+            live.write.append((params, [self._out_at[i] for i in params]))
         self._lives[key] = live
         return live
 
     # ------------------------------------------------------------------ encode
     def _stage(self, grads, live: _Live) -> None:
-        """The gradients into the groups' image buffers (one multi-tensor copy)."""
+        """The gradients into the groups' block rows and images (one multi-tensor copy)."""
         if live.present:
-            torch._foreach_copy_(live.stage, [grads[i] for i in live.present])
+            torch._foreach_copy_(live.stage, [_grad4(grads[i], self._four[i])
+                                              for i in live.present])
         if live.zero:
             torch._foreach_zero_(live.zero)
 
@@ -506,36 +579,37 @@ class DeMoReplicator(Replicator):
         """Momentum update and forward DCT of all blocks of ``g`` with a gradient: tiling
         units ``coef = decay * coef + s * DCT(grad)`` (one fused product), padded units
         ``delta = decay * delta + s * grad`` and ``coef = DCT(delta)``."""
-        w, (cr, cc), n = self._work, g.chunk, g.coef.numel()
+        w, cc, n = self._work, g.chunk[1], g.coef.numel()
         for r in runs:
             if r.padded:
-                g.src[r.image].mul_(self.decay).add_(g.xpad[r.xpad], alpha=r.scale)
-        x = g.src.view(-1, cc)
-        if g.perm is not None:  # image rows -> block layout
-            x = torch.index_select(x, 0, g.perm, out=w.x[:n].view(-1, cc))
-        if w.xc is not None:
-            x = w.xc[:n].view(-1, cc).copy_(x)
-        y = g.dct.rows(x.view(g.blocks, cr, cc),
-                       out=(w.y if w.yc is None else w.yc)[:n].view(g.blocks, cr, cc))
+                g.img[r.image].mul_(self.decay).add_(g.xpad[r.xpad], alpha=r.scale)
+        if g.img is not None:  # image-staged units: their rows into the block rows
+            rows = torch.index_select(g.img.view(-1, cc), 0, g.img_src,
+                                      out=w.x[: g.img_src.numel() * cc].view(-1, cc))
+            g.xh.view(-1, cc).index_copy_(0, g.img_dst, rows)
+        x = g.xh if w.xc is None else w.xc[:n].view_as(g.xh).copy_(g.xh)
+        y = g.dct.rows(x, out=(w.y if w.yc is None else w.yc)[:n].view_as(g.xh))
         for r in runs:
             alpha, beta = (1.0, 0.0) if r.padded else (r.scale, self.decay)
-            g.dct.cols_into(y[r.rows], g.coef[r.rows], alpha, beta, w.zc)
+            g.dct.cols_into(y, g.coef, r.rows, alpha, beta, w.zc)
 
-    def _select(self, g: _Group, off_rows: list[slice]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Top-k coefficients of every block: ``(blocks, k)`` indices and values; units
-        without a gradient keep their momentum and send zeros."""
-        mag = torch.abs(g.coef, out=self._work.x[: g.coef.numel()].view_as(g.coef))
-        idx = topk_indices(mag, g.k)
-        vals = g.coef.gather(1, idx)
+    def _select(self, g: _Group, off_rows: list[slice]):
+        """Top-k coefficients of every block: ``(blocks, k)`` block-local indices, their
+        positions in ``coef`` and their values; units without a gradient keep their momentum
+        and send zeros."""
+        mag = self._work.x[: g.coef.numel()]
+        idx, pos = topk_blocks_rowmajor(g.coef, g.k, mag, self.scratch)
+        vals = torch.take(g.coef, pos)
         for rows in off_rows:
             vals[rows] = 0.0
-        return idx, vals
+        return idx, pos, vals
 
-    def _feedback(self, g: _Group, idx: torch.Tensor, vals: torch.Tensor, sign: float) -> None:
+    def _feedback(self, g: _Group, idx: torch.Tensor, pos: torch.Tensor, vals: torch.Tensor,
+                  sign: float) -> None:
         """Add ``sign * sent`` to the momentum (sign -1: error feedback, +1: undo it): to the
         coefficients of tiling units, and through the inverse DCT to the momentum of padded
-        units (their rows of ``coef`` only hold this step's fresh coefficients)."""
-        g.coef.scatter_add_(1, idx, vals if sign > 0 else -vals)
+        units (their blocks of ``coef`` only hold this step's fresh coefficients)."""
+        g.coef.view(-1).scatter_add_(0, pos.view(-1), (vals if sign > 0 else -vals).view(-1))
         for s in g.segments:
             if s.padded:
                 blocks = self._dense_inverse(g, s, [(idx[s.rows], vals[s.rows])], 1)
@@ -552,8 +626,8 @@ class DeMoReplicator(Replicator):
         head[3].fill_(code)
 
     def _fill(self, grads, lrs, step: int, buf: torch.Tensor) -> list:
-        """Encode this step into ``buf``; returns per group the sent (indices, values), or
-        None for groups without gradients."""
+        """Encode this step into ``buf``; returns per group the sent (indices, positions,
+        values), or None for groups without gradients."""
         live = self._live_of(grads, lrs)
         torch._foreach_copy_(self._saved, self._state)  # put back if our input is not finite
         self._stage(grads, live)
@@ -565,12 +639,12 @@ class DeMoReplicator(Replicator):
                 sent.append(None)
                 continue
             self._decay_encode(g, live.runs[gi])
-            idx, vals = self._select(g, live.off_rows[gi])
+            idx, pos, vals = self._select(g, live.off_rows[gi])
             finite.append(torch.isfinite(vals).all())  # a NaN/Inf input is always selected
             pack_bits(idx, g.bits, buf[g.idx_off: g.val_off])
             vals = self.codec.encode(vals, buf[g.val_off: g.end])  # what the peers will see
-            self._feedback(g, idx, vals, sign=-1.0)
-            sent.append((idx, vals))
+            self._feedback(g, idx, pos, vals, sign=-1.0)
+            sent.append((idx, pos, vals))
         self._own_flag = (~torch.stack(finite).all() if finite
                           else torch.zeros((), dtype=torch.bool, device=self.device))
         self._write_header(buf, step, self._own_flag, live.code)
@@ -584,7 +658,7 @@ class DeMoReplicator(Replicator):
             return
         for g, s in zip(self.groups, sent):
             if s is not None:
-                self._feedback(g, s[0], s[1], sign=1.0)
+                self._feedback(g, *s, sign=1.0)
 
     # ------------------------------------------------------------------ exchange
     def _exchange(self, buf: torch.Tensor) -> torch.Tensor:
@@ -674,10 +748,21 @@ class DeMoReplicator(Replicator):
                       f"{reason}", RuntimeWarning, stacklevel=4)
 
     # ------------------------------------------------------------------ decode
+    def _blocks_out(self, g: _Group, s: _Segment) -> torch.Tensor:
+        """Where segment ``s``'s decoded blocks go: ``(blocks, cr, cc)`` in the group's block
+        rows of the workspace, or straight in the output image when that is the same
+        layout."""
+        cr, cc = g.chunk
+        nb = s.rows.stop - s.rows.start
+        if not s.direct and s.inv is None:
+            return self._work.out[s.image].view(nb, cr, cc)
+        bn = g.block_numel
+        return self._work.y[s.rows.start * bn: s.rows.stop * bn].view(nb, cr, cc)
+
     def _dense_inverse(self, g: _Group, s: _Segment, parts: list, n: int) -> torch.Tensor:
         """Inverse DCT of the blocks of segment ``s`` from sparse ``(idx, values)`` parts
         (summed in order, divided by ``n`` when ``n > 1``), as ``(blocks, cr, cc)``."""
-        w, (cr, cc) = self._work, g.chunk
+        w = self._work
         nb = s.rows.stop - s.rows.start
         numel = nb * g.block_numel
         coef = w.x[:numel].view(nb, g.block_numel).zero_()
@@ -685,12 +770,12 @@ class DeMoReplicator(Replicator):
             coef.scatter_add_(1, idx, vals)
         if n > 1:
             coef.div_(n)
-        out = (w.out[s.image] if s.inv is None else w.y[:numel]).view(nb, cr, cc)
+        out = self._blocks_out(g, s)
         g.dct.inverse(coef, out, w.z[:numel])
         return out
 
     def _to_image(self, g: _Group, s: _Segment, blocks: torch.Tensor) -> None:
-        """Blocks of segment ``s`` into its rows of the output image."""
+        """Blocks of an image-staged segment into its rows of the output image."""
         if s.inv is not None:
             cc = g.chunk[1]
             torch.index_select(blocks.view(-1, cc), 0, s.inv,
@@ -698,7 +783,7 @@ class DeMoReplicator(Replicator):
 
     def _decode_mean(self, g: _Group, idx: torch.Tensor, vals: torch.Tensor) -> None:
         """The mean over the peers of their ``(peers, blocks, k)`` coefficients, through the
-        inverse DCT and ``sign()``, into the output image.
+        inverse DCT and ``sign()``, into the workspace's output views.
 
         A few coefficients per block (``m <= (cr + cc) / 4`` over all peers) are decoded
         sparsely; more go through a dense coefficient matrix. The choice depends only on
@@ -716,9 +801,7 @@ class DeMoReplicator(Replicator):
                     v = v.permute(1, 0, 2).reshape(nb, m) / n
                 else:
                     i, v = i[0], v[0]
-                numel = nb * g.block_numel
-                out = (self._work.out[s.image] if s.inv is None
-                       else self._work.y[:numel]).view(nb, cr, cc)
+                out = self._blocks_out(g, s)
                 left = self.scratch.get(5, nb * m * cr, torch.float32, self.device)
                 right = self.scratch.get(6, nb * m * cc, torch.float32, self.device)
                 g.dct.inverse_sparse(i, v, out, left, right)
@@ -727,7 +810,25 @@ class DeMoReplicator(Replicator):
                                                  for r in range(n)], n)
             if self.sign:
                 out.sign_()
-            self._to_image(g, s, out)
+            if not s.direct:
+                self._to_image(g, s, out)
+
+    def _write(self, grads, params: list[int], views: list[torch.Tensor]) -> None:
+        """The decoded output into the gradients (one multi-tensor copy)."""
+        targets, sources = [], []
+        for i, v in zip(params, views):
+            four = self._four[i]
+            if four is None:
+                targets.append(grads[i])
+                sources.append(v)
+                continue
+            try:
+                targets.append(grads[i].view(four))
+                sources.append(v)
+            except RuntimeError:  # a gradient with unusual strides: copy it on its own
+                grads[i].copy_(v.reshape(grads[i].shape))
+        if targets:
+            torch._foreach_copy_(targets, sources)
 
     def _apply(self, decoded: list, good: list[int], sent_live: _Live, live: _Live,
                grads) -> None:
@@ -737,16 +838,15 @@ class DeMoReplicator(Replicator):
             params, views = live.write[gi]
             if not params:
                 continue
-            targets = [grads[i] for i in params]
             if not sent_live.group_on[gi]:  # nothing was sent for it (delayed mode)
-                torch._foreach_zero_(targets)
+                torch._foreach_zero_([grads[i] for i in params])
                 continue
             idx, vals = decoded[gi]
             if len(good) < idx.shape[0]:  # dropped peers (the rare path)
                 keep = torch.tensor(good, dtype=torch.int64, device=idx.device)
                 idx, vals = idx.index_select(0, keep), vals.index_select(0, keep)
             self._decode_mean(g, idx, vals)
-            torch._foreach_copy_(targets, views)
+            self._write(grads, params, views)
 
     def _decode(self, gathered: torch.Tensor, grads, step: int, code: int) -> None:
         """Check ``gathered`` payloads of ``step`` and write their decoded mean into
@@ -799,7 +899,7 @@ class DeMoReplicator(Replicator):
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict:
         sd = super().state_dict()
-        sd["delta"] = [d.clone() for d in self.delta]
+        sd["delta"] = [d.reshape(d.shape[0], -1).clone() for d in self.delta]
         sd["dropped_payloads"] = self.dropped_payloads
         if self._inflight is not None:
             step, handle, live = self._inflight
@@ -816,13 +916,15 @@ class DeMoReplicator(Replicator):
             raise ValueError(f"{self.name}: state holds {len(deltas)} momentum buffers, this "
                              f"replicator has {len(self.units)} (another model or settings?)")
         for i, (u, theirs) in enumerate(zip(self.units, deltas)):
-            if theirs is None or tuple(theirs.shape) != tuple(u.delta.shape):
+            if theirs is None or (theirs.shape[0], theirs.numel()) != (u.delta.shape[0],
+                                                                        u.delta.numel()):
                 raise ValueError(f"{self.name}: momentum {i} has shape "
                                  f"{None if theirs is None else tuple(theirs.shape)}, "
-                                 f"expected {tuple(u.delta.shape)} (another model or mesh?)")
+                                 f"expected {tuple(u.delta.reshape(u.delta.shape[0], -1).shape)} "
+                                 "(another model or mesh?)")
         super().load_state_dict(state)
         for u, theirs in zip(self.units, deltas):
-            u.delta.copy_(theirs)
+            u.delta.copy_(theirs.reshape(u.delta.shape))
         self.dropped_payloads = int(state.get("dropped_payloads", 0))
         inflight = state.get("inflight")
         self._inflight = None

@@ -27,6 +27,7 @@ import torch
 from .chunking import ChunkPlan
 
 _BASIS: dict[tuple[int, torch.dtype, torch.device], torch.Tensor] = {}
+_WIDE = 64  # blocks at least this wide and tall are transformed by whole-group products
 
 
 def dct_matrix(n: int, dtype: torch.dtype = torch.float32, device=None) -> torch.Tensor:
@@ -257,6 +258,9 @@ class BatchedDCT:
         self.compute_dtype = compute_dtype
         self._dr_fwd = self.dr.to(compute_dtype)
         self._dc_t_fwd = self.dc_t.to(compute_dtype)
+        # small blocks: products per block (batched), so that a block's bits do not depend on
+        # how many blocks are transformed together (BLAS picks other kernels for few rows)
+        self.per_block = min(self.cr, self.cc) < _WIDE
 
     def rows(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """First forward product ``Dr @ block`` for blocks stored row-major across blocks,
@@ -264,6 +268,11 @@ class BatchedDCT:
         ``Dr @ x.view(cr, blocks * cc)`` into ``out``; blocks of one row need none."""
         if self.cr == 1:
             return x
+        if self.per_block:
+            nb = x.shape[1]
+            blocks = torch.bmm(self._dr_fwd.expand(nb, self.cr, self.cr), x.permute(1, 0, 2))
+            out.copy_(blocks.permute(1, 0, 2))
+            return out
         torch.mm(self._dr_fwd, x.view(self.cr, -1), out=out.view(self.cr, -1))
         return out
 
@@ -274,6 +283,22 @@ class BatchedDCT:
         bf16 product)."""
         cc, nb = self.cc, coef.shape[1]
         whole = blocks.start == 0 and blocks.stop == nb
+        if self.per_block:
+            target = coef[:, blocks].permute(1, 0, 2)
+            part = y[:, blocks].permute(1, 0, 2)
+            basis = self.dc_t if self.compute_dtype == torch.float32 else self._dc_t_fwd
+            basis = basis.expand(part.shape[0], cc, cc)
+            if self.compute_dtype == torch.float32:
+                target.baddbmm_(part, basis, beta=beta, alpha=alpha)
+                return
+            z = torch.bmm(part, basis)
+            if beta == 0:
+                target.copy_(z)
+                if alpha != 1:
+                    target.mul_(alpha)
+            else:
+                target.mul_(beta).add_(z, alpha=alpha)
+            return
         if self.compute_dtype == torch.float32:
             if whole:
                 coef.view(-1, cc).addmm_(y.reshape(-1, cc), self.dc_t, beta=beta, alpha=alpha)

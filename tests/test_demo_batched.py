@@ -65,6 +65,22 @@ def test_batched_equals_per_tensor(name):
     assert _same(batched.delta, single.delta)
 
 
+def test_compiled_selection_gives_the_same_bits():
+    shapes = [torch.Size([128, 192]), torch.Size([256, 128]), torch.Size([70])]
+
+    def run(**kw):
+        torch.manual_seed(0)
+        rep = DeMoReplicator(**kw)
+        rep.setup(shapes, torch.device("cpu"), None)
+        outs = [rep([torch.randn(s) for s in shapes], [1e-2] * 3, step) for step in range(3)]
+        return rep, outs
+
+    compiled, a = run(compile=True)
+    eager, b = run()
+    assert compiled.compile  # it compiled (a failure would have switched it off, warning)
+    assert all(_same(x, y) for x, y in zip(a, b)) and _same(compiled.delta, eager.delta)
+
+
 def test_missing_gradients_keep_their_momentum_bitwise():
     rep, _ = _run(steps=2)
     before = [d.clone() for d in rep.delta]

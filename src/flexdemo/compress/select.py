@@ -83,3 +83,19 @@ def _positions(idx: torch.Tensor, nb: int, cc: int) -> torch.Tensor:
     """Flat positions in a ``(cr, nb, cc)`` tensor of block-local indices ``(nb, m)``."""
     block = torch.arange(nb, device=idx.device).unsqueeze(1) * cc
     return (idx // cc) * (nb * cc) + block + idx % cc
+
+
+def select_rowmajor(coef: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`topk_blocks_rowmajor` as one pure function (no scratch, no ``out=``), for
+    ``torch.compile``; needs ``cr % 8 == 0`` and ``cr * cc / 8 >= 4 k``. Same results."""
+    cr, nb, cc = coef.shape
+    groups = cr * cc // _ROWS
+    mag = torch.abs(coef)
+    gmax = torch.amax(mag.view(_ROWS, cr // _ROWS, nb, cc), dim=0).permute(1, 0, 2)
+    top = torch.topk(gmax.reshape(nb, groups), k, dim=1, sorted=False).indices
+    steps = torch.arange(_ROWS, device=coef.device)
+    cand = (top.unsqueeze(2) + steps * groups).view(nb, k * _ROWS)
+    at = (_positions(top, nb, cc).unsqueeze(2)
+          + steps * (cr // _ROWS * nb * cc)).view(nb, k * _ROWS)
+    sel = torch.topk(torch.take(mag, at), k, dim=1, sorted=False).indices
+    return cand.gather(1, sel), at.gather(1, sel)

@@ -77,7 +77,7 @@ from ..compress import BlockDCT, ChunkPlan, Scratch, plan_chunks
 from ..compress.bits import pack_bits, packed_nbytes, unpack_bits
 from ..compress.dct import BatchedDCT, block_rows
 from ..compress.quant import BLOCK_FORMATS, BlockValueCodec
-from ..compress.select import topk_blocks_rowmajor
+from ..compress.select import select_rowmajor, topk_blocks_rowmajor
 from .base import HEADER_BYTES, MAGIC, Replicator, check_flags, presence_code
 
 
@@ -296,7 +296,7 @@ class DeMoReplicator(Replicator):
                  transform: str = "dct", transform_dtype: str = "fp32", small: str = "batch",
                  small_numel: int | None = None,
                  bucket: bool = True, overlap: str = "none", on_bad_peer: str = "raise",
-                 **schedule) -> None:
+                 compile: bool = False, **schedule) -> None:
         super().__init__(**schedule)
         if not isinstance(topk, int) or isinstance(topk, bool) or topk < 1:
             raise ValueError(f"topk must be an integer >= 1, got {topk!r}")
@@ -334,6 +334,9 @@ class DeMoReplicator(Replicator):
         self.bucket, self.overlap, self.on_bad_peer = bucket, overlap, on_bad_peer
         self.codec = BlockValueCodec(values)
         self.dropped_payloads = 0
+        # torch.compile of the top-k selection (same results; falls back to eager on failure)
+        self.compile = bool(compile)
+        self._compiled = None
 
     @classmethod
     def preset(cls, name: str, **overrides) -> DeMoReplicator:
@@ -347,7 +350,7 @@ class DeMoReplicator(Replicator):
             ("transform", self.transform, "dct"),
             ("transform_dtype", self.transform_dtype, "fp32"),
             ("small", self.small, "batch"), ("bucket", self.bucket, True),
-            ("overlap", self.overlap, "none")) if v != d)
+            ("overlap", self.overlap, "none"), ("compile", self.compile, False)) if v != d)
         return (f"topk={self.topk}, chunk={self.chunk}, decay={self.decay}, "
                 f"values={self.values!r}, sign={self.sign}{extra}")
 
@@ -597,12 +600,31 @@ class DeMoReplicator(Replicator):
         """Top-k coefficients of every block: ``(blocks, k)`` block-local indices, their
         positions in ``coef`` and their values; units without a gradient keep their momentum
         and send zeros."""
-        mag = self._work.x[: g.coef.numel()]
-        idx, pos = topk_blocks_rowmajor(g.coef, g.k, mag, self.scratch)
+        idx_pos = self._compiled_select(g)
+        if idx_pos is None:
+            idx_pos = topk_blocks_rowmajor(g.coef, g.k, self._work.x[: g.coef.numel()],
+                                           self.scratch)
+        idx, pos = idx_pos
         vals = torch.take(g.coef, pos)
         for rows in off_rows:
             vals[rows] = 0.0
         return idx, pos, vals
+
+    def _compiled_select(self, g: _Group):
+        """The selection through ``torch.compile`` (``compile=True``), or None: not asked,
+        a block shape it does not cover, or compilation failed once (then never again)."""
+        cr, cc = g.chunk
+        if not self.compile or cr % 8 or cr * cc // 8 < 4 * g.k:
+            return None
+        try:
+            if self._compiled is None:
+                self._compiled = torch.compile(select_rowmajor, dynamic=False)
+            return self._compiled(g.coef, g.k)
+        except Exception as e:  # no compiler, an unsupported backend, ...
+            warnings.warn(f"{self.name}: torch.compile of the selection failed ({e!r:.200}); "
+                          "running it eagerly", RuntimeWarning, stacklevel=2)
+            self.compile = False
+            return None
 
     def _feedback(self, g: _Group, idx: torch.Tensor, pos: torch.Tensor, vals: torch.Tensor,
                   sign: float) -> None:

@@ -203,7 +203,7 @@ class _Run:
     rows: slice
     image: slice | None
     xpad: slice | None
-    scale: float
+    lead: int  # a parameter of the run: its step size is the run's
 
 
 @dataclass
@@ -485,6 +485,7 @@ class DeMoReplicator(Replicator):
             unit.flat = True
             self.units.append(unit)
         self.groups = self._make_groups()
+        self.units_by_param = {i: u for u in self.units for i in u.members}
         off = HEADER_BYTES
         for g in self.groups:
             g.idx_off = off
@@ -521,13 +522,17 @@ class DeMoReplicator(Replicator):
     # ------------------------------------------------------------------ the step's shape
     def _live_of(self, grads, lrs) -> _Live:
         present = tuple(g is not None for g in grads)
-        scales = tuple(lrs) if (lrs is not None and self.scale_by_lr) else None
-        return self._live(present, scales)
+        if lrs is None or not self.scale_by_lr:
+            return self._live(present, None)
+        classes: dict = {}  # which units share a step size (not the sizes: they change)
+        return self._live(present, tuple(classes.setdefault(lrs[u.members[0]], len(classes))
+                                         for u in self.units))
 
-    def _live(self, present: tuple[bool, ...], scales: tuple[float, ...] | None) -> _Live:
-        """The host-side plan of a step with gradients ``present`` and step sizes ``scales``
-        (per parameter; None: 1), cached: a training run has few such patterns."""
-        key = (present, scales)
+    def _live(self, present: tuple[bool, ...], classes: tuple[int, ...] | None) -> _Live:
+        """The host-side plan of a step with gradients ``present`` whose units fall into
+        ``classes`` of equal step size (None: all equal), cached: a training run has few such
+        patterns."""
+        key = (present, classes)
         live = self._lives.get(key)
         if live is not None:
             return live
@@ -538,6 +543,7 @@ class DeMoReplicator(Replicator):
         live = _Live(presence_code([0 if p else None for p in present]), unit_on,
                      [any(on[id(u)] for u in g.units) for g in self.groups],
                      [], [], [], [], [], [])
+        cls = dict(zip(map(id, self.units), classes or [0] * len(self.units)))
         for g in self.groups:
             runs: list[_Run] = []
             off: list[slice] = []
@@ -553,16 +559,16 @@ class DeMoReplicator(Replicator):
                         params.append(i)
                     else:
                         live.zero.append(self._stage_at[i])
-                scale = 1.0 if scales is None else float(scales[u.members[0]])
                 last = runs[-1] if runs else None
-                if (last is not None and last.padded == u.padded and last.scale == scale
+                if (last is not None and last.padded == u.padded
+                        and cls[id(self.units_by_param[last.lead])] == cls[id(u)]
                         and last.rows.stop == u.rows.start):
                     last.rows = slice(last.rows.start, u.rows.stop)
                     if u.padded:
                         last.image = slice(last.image.start, u.image.stop)
                         last.xpad = slice(last.xpad.start, u.xpad.stop)
                 else:
-                    runs.append(_Run(u.padded, u.rows, u.image, u.xpad, scale))
+                    runs.append(_Run(u.padded, u.rows, u.image, u.xpad, u.members[0]))
             live.runs.append(runs)
             live.off_rows.append(off)
             live.write.append((params, [self._out_at[i] for i in params]))
@@ -578,14 +584,16 @@ class DeMoReplicator(Replicator):
         if live.zero:
             torch._foreach_zero_(live.zero)
 
-    def _decay_encode(self, g: _Group, runs: list[_Run]) -> None:
+    def _decay_encode(self, g: _Group, runs: list[_Run], lrs) -> None:
         """Momentum update and forward DCT of all blocks of ``g`` with a gradient: tiling
         units ``coef = decay * coef + s * DCT(grad)`` (one fused product), padded units
         ``delta = decay * delta + s * grad`` and ``coef = DCT(delta)``."""
         w, cc, n = self._work, g.chunk[1], g.coef.numel()
+        scale = {id(r): float(lrs[r.lead]) if self.scale_by_lr and lrs is not None else 1.0
+                 for r in runs}
         for r in runs:
             if r.padded:
-                g.img[r.image].mul_(self.decay).add_(g.xpad[r.xpad], alpha=r.scale)
+                g.img[r.image].mul_(self.decay).add_(g.xpad[r.xpad], alpha=scale[id(r)])
         if g.img is not None:  # image-staged units: their rows into the block rows
             rows = torch.index_select(g.img.view(-1, cc), 0, g.img_src,
                                       out=w.x[: g.img_src.numel() * cc].view(-1, cc))
@@ -593,7 +601,7 @@ class DeMoReplicator(Replicator):
         x = g.xh if w.xc is None else w.xc[:n].view_as(g.xh).copy_(g.xh)
         y = g.dct.rows(x, out=(w.y if w.yc is None else w.yc)[:n].view_as(g.xh))
         for r in runs:
-            alpha, beta = (1.0, 0.0) if r.padded else (r.scale, self.decay)
+            alpha, beta = (1.0, 0.0) if r.padded else (scale[id(r)], self.decay)
             g.dct.cols_into(y, g.coef, r.rows, alpha, beta, w.zc)
 
     def _select(self, g: _Group, off_rows: list[slice]):
@@ -660,7 +668,7 @@ class DeMoReplicator(Replicator):
                 buf[g.idx_off: g.end].zero_()
                 sent.append(None)
                 continue
-            self._decay_encode(g, live.runs[gi])
+            self._decay_encode(g, live.runs[gi], lrs)
             idx, pos, vals = self._select(g, live.off_rows[gi])
             finite.append(torch.isfinite(vals).all())  # a NaN/Inf input is always selected
             pack_bits(idx, g.bits, buf[g.idx_off: g.val_off])

@@ -655,9 +655,16 @@ class DeMoReplicator(Replicator):
         head[2].copy_(flag)
         head[3].fill_(code)
 
+    def _code(self, g: _Group, idx: torch.Tensor, vals: torch.Tensor,
+              buf: torch.Tensor) -> torch.Tensor:
+        """Pack the indices and code the values into the group's segments of ``buf``;
+        returns the values as the peers will decode them."""
+        pack_bits(idx, g.bits, buf[g.idx_off: g.val_off])
+        return self.codec.encode(vals, buf[g.val_off: g.end])
+
     def _fill(self, grads, lrs, step: int, buf: torch.Tensor) -> list:
-        """Encode this step into ``buf``; returns per group the sent (indices, positions,
-        values), or None for groups without gradients."""
+        """This rank's payload for ``step`` in ``buf``; returns per group the sent
+        (indices, positions, values), or None for groups without gradients."""
         live = self._live_of(grads, lrs)
         torch._foreach_copy_(self._saved, self._state)  # put back if our input is not finite
         self._stage(grads, live)
@@ -668,12 +675,11 @@ class DeMoReplicator(Replicator):
                 buf[g.idx_off: g.end].zero_()
                 sent.append(None)
                 continue
-            self._decay_encode(g, live.runs[gi], lrs)
-            idx, pos, vals = self._select(g, live.off_rows[gi])
+            self._decay_encode(g, live.runs[gi], lrs)  # delta = decay delta + lr grad (DCT)
+            idx, pos, vals = self._select(g, live.off_rows[gi])  # top-k of every block
             finite.append(torch.isfinite(vals).all())  # a NaN/Inf input is always selected
-            pack_bits(idx, g.bits, buf[g.idx_off: g.val_off])
-            vals = self.codec.encode(vals, buf[g.val_off: g.end])  # what the peers will see
-            self._feedback(g, idx, pos, vals, sign=-1.0)
+            vals = self._code(g, idx, vals, buf)  # packed indices, coded values
+            self._feedback(g, idx, pos, vals, sign=-1.0)  # delta -= what the peers will see
             sent.append((idx, pos, vals))
         self._own_flag = (~torch.stack(finite).all() if finite
                           else torch.zeros((), dtype=torch.bool, device=self.device))
@@ -875,8 +881,8 @@ class DeMoReplicator(Replicator):
             if len(good) < idx.shape[0]:  # dropped peers (the rare path)
                 keep = torch.tensor(good, dtype=torch.int64, device=idx.device)
                 idx, vals = idx.index_select(0, keep), vals.index_select(0, keep)
-            self._decode_mean(g, idx, vals)
-            self._write(grads, params, views)
+            self._decode_mean(g, idx, vals)  # mean, inverse DCT, sign
+            self._write(grads, params, views)  # into the gradients
 
     def _decode(self, gathered: torch.Tensor, grads, step: int, code: int) -> None:
         """Check ``gathered`` payloads of ``step`` and write their decoded mean into
@@ -889,19 +895,21 @@ class DeMoReplicator(Replicator):
 
     # ------------------------------------------------------------------ step
     def replicate(self, grads, lrs, step, communicate):
+        """One DeMo step; each stage runs once per group of blocks of one shape."""
         if self.overlap == "delayed":
             return self._replicate_delayed(grads, lrs, step)
         live = self._live_of(grads, lrs)
         buf = self._buckets[0]
-        # decay + encode, select, code and pack, error feedback: this rank's payload
+        # decay + encode, select, code, error feedback: this rank's payload
         sent = self._fill(grads, lrs, step, buf)
+        # exchange (a group of one, or a step the schedule skips, keeps its own)
         gathered = self._exchange(buf) if communicate else buf.unsqueeze(0)
-        try:  # every payload checked on the device; one read of the verdict
+        try:  # check every payload on the device; the step's one read of the verdict
             good, decoded = self._check(gathered, step, live)
         except Exception:
             self._roll_back(sent)
             raise
-        # mean of the good payloads, inverse transform, sign, into the gradients
+        # decode the mean of the good payloads, inverse DCT, sign, write into the gradients
         self._apply(decoded, good, live, live, grads)
         return grads
 

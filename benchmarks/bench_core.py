@@ -1,22 +1,33 @@
-"""Core costs of DeMo replication on the "small" (~10.9M parameter) byte-level GPT.
+"""Core costs of DeMo replication on a byte-level GPT: bytes per step, and the replicator's own
+compute against forward+backward, an AdamW step and a one-pass floor.
 
-    python benchmarks/bench_core.py [--out benchmarks/results/core.json]
+    python benchmarks/bench_core.py [--device cpu|cuda] [--preset small|124m|350m]
+                                    [--batch B --seq T] [--out benchmarks/results/core.json]
 
 a. Bytes a rank sends per step over the replicate dimension: DeMo (all-gather of its payload
    to the ``n - 1`` peers) against an fp32 ring all-reduce (``2 (n-1)/n * 4`` bytes per
-   element), for ``n`` = 2 and 4 replicas, for the whole model (data-parallel layout) and for
-   the half-row shards a rank holds in the FlexDeMo 2x2 layout (FSDP2 over 2 ranks cuts every
-   parameter, vectors too, into ``shape[0] // 2`` rows).
-b. Single-thread compute: forward+backward at batch 4 x 128 tokens against one DeMo replicator
-   step (transform, top-k, error feedback, decode, sign; no communication in a group of one)
-   plus the sign-SGD update, and against a ``torch.optim.AdamW`` step, for both layouts.
-   Medians over ``--reps`` repetitions after warm-up.
+   element), for ``n`` = 2 and 4 replicas, for every layout.
+b. Compute per layout (``full``: the whole model, data parallel; ``half``: rows
+   ``[0, ceil(rows/2))`` of every parameter, the FSDP2 shard of a 2x2 layout; ``shard8``: rows
+   ``[0, ceil(rows/8))``, a 1/8 row shard): one DeMo replicator step (transform, top-k, coding,
+   error feedback, payload checks, decode, sign; no communication in a group of one), a
+   ``torch.optim.AdamW`` step (fused on CUDA, foreach on CPU), the ops one replicator step
+   dispatches (``TorchDispatchMode``: ops doing work, and metadata views), the reads of the
+   device per step, and on CUDA the kernel launches (``torch.profiler``); plus the floor of
+   one batched pass over all 64 x 64 blocks of the layout (two batched products to encode,
+   momentum in the DCT domain, top-k per block, the sent coefficients zeroed, two batched
+   products to decode, sign).
+   Forward+backward runs once per model (bf16 autocast on CUDA). Medians over ``--reps``
+   after ``--warmup``; CUDA times with events around synchronised regions; CPU times are the
+   main thread's CPU time by default (``--clock wall`` for wall time), which a machine shared
+   with other jobs disturbs less.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import platform
 import statistics
 import time
@@ -24,173 +35,324 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from flexdemo import DeMoReplicator
 from flexdemo.app.tasks import GPT, data_generator, get_batch, gpt_config, load_corpus
-from flexdemo.comm import all_gather_bytes, all_reduce_bytes
+from flexdemo.compress import dct_matrix
+from flexdemo.transport import all_gather_bytes, all_reduce_bytes
+
+# name: (gpt_config overrides); 124m/350m are GPT-2 small/medium shapes with a GPT-2 vocabulary
+PRESETS = {
+    "small": {},
+    "124m": {"n_layer": 12, "n_head": 12, "d_model": 768, "seq_len": 1024, "vocab": 50257},
+    "350m": {"n_layer": 24, "n_head": 16, "d_model": 1024, "seq_len": 1024, "vocab": 50257},
+}
+LAYOUTS = {"full": 1, "half": 2, "shard8": 8}
+VIEW_OPS = {"view", "slice", "select", "alias", "unsqueeze", "permute", "expand", "detach",
+            "as_strided", "_reshape_alias", "t", "transpose", "squeeze", "split", "unbind"}
 
 
-def half_rows(shape: torch.Size, parts: int = 2) -> torch.Size:
-    """The local shape of one FSDP shard when dim 0 is split ``parts`` ways (even split)."""
-    return torch.Size((shape[0] // parts, *shape[1:]))
+def row_shard(shape: torch.Size, parts: int) -> torch.Size:
+    """Local shape of the first FSDP2 shard when dim 0 is split ``parts`` ways."""
+    return torch.Size((math.ceil(shape[0] / parts), *shape[1:]))
 
 
-def median_seconds(fn: Callable[[], None], reps: int, warmup: int,
-                   setup: Callable[[], None] | None = None) -> float:
-    """Median wall time of ``fn`` over ``reps`` runs after ``warmup`` runs (``setup`` untimed)."""
-    times = []
-    for i in range(warmup + reps):
-        if setup is not None:
-            setup()
-        t0 = time.perf_counter()
+class Timer:
+    """Medians of a function's time: CUDA events on a GPU, else wall or thread CPU time."""
+
+    def __init__(self, device: torch.device, clock: str) -> None:
+        self.cuda = device.type == "cuda"
+        self.clock = time.thread_time if clock == "thread" else time.perf_counter
+
+    def median(self, fn: Callable[[], None], reps: int, warmup: int,
+               setup: Callable[[], None] | None = None) -> float:
+        """Median seconds of ``fn`` over ``reps`` runs after ``warmup`` (``setup`` untimed)."""
+        times = []
+        for i in range(warmup + reps):
+            if setup is not None:
+                setup()
+            if self.cuda:
+                torch.cuda.synchronize()
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(
+                    enable_timing=True)
+                start.record()
+                fn()
+                end.record()
+                torch.cuda.synchronize()
+                dt = start.elapsed_time(end) / 1e3
+            else:
+                t0 = self.clock()
+                fn()
+                dt = self.clock() - t0
+            if i >= warmup:
+                times.append(dt)
+        return statistics.median(times)
+
+
+class OpCount(TorchDispatchMode):
+    """Ops dispatched (work and metadata views apart) and reads of the device."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops = self.views = self.reads = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._local_scalar_dense.default:
+            self.reads += 1
+        if func.overloadpacket.__name__ in VIEW_OPS:
+            self.views += 1
+        else:
+            self.ops += 1
+        return func(*args, **(kwargs or {}))
+
+    def __enter__(self):
+        counter, self._tolist = self, torch.Tensor.tolist
+
+        def tolist(t):  # not dispatched: counted where it is called
+            counter.reads += 1
+            return counter._tolist(t)
+
+        torch.Tensor.tolist = tolist
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        torch.Tensor.tolist = self._tolist
+        return super().__exit__(*exc)
+
+
+def kernel_launches(fn: Callable[[], None]) -> int:
+    """CUDA kernels one call of ``fn`` launches (torch.profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         fn()
-        dt = time.perf_counter() - t0
-        if i >= warmup:
-            times.append(dt)
-    return statistics.median(times)
+        torch.cuda.synchronize()
+    names = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx",
+             "cudaLaunchCooperativeKernel")
+    return sum(1 for e in prof.events() if e.name in names)
 
 
-def traffic(shapes: list[torch.Size], replicas: int, topk: int, chunk: int,
-            values: str = "fp32") -> dict:
-    """Bytes per rank per step of DeMo vs. an fp32 ring all-reduce for local ``shapes``."""
-    rep = DeMoReplicator(topk=topk, chunk=chunk, values=values)
-    rep.setup(shapes, torch.device("cpu"), None)
-    numel = sum(s.numel() for s in shapes)
-    demo = all_gather_bytes(rep.payload_bytes(), replicas)
-    dense = sum(all_reduce_bytes(s.numel(), 4, replicas) for s in shapes)
-    dense_bucket = all_reduce_bytes(numel, 4, replicas)
-    return {
-        "replicas": replicas, "local_params": numel, "payload_bytes": rep.payload_bytes(),
-        "demo_bytes": demo, "allreduce_bytes": dense_bucket,
-        "allreduce_bytes_per_tensor": dense,
-        "demo_bytes_per_param": demo / numel, "allreduce_bytes_per_param": dense_bucket / numel,
-        "ratio": dense_bucket / demo,
-    }
+def sync_warnings(fn: Callable[[], None]) -> int:
+    """Synchronising CUDA calls one call of ``fn`` makes (``set_sync_debug_mode("warn")``)."""
+    import warnings
+
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            fn()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    return sum(1 for w in caught if "synchroniz" in str(w.message).lower())
 
 
-def time_optimizers(params: list[torch.Tensor], grads: list[torch.Tensor], reps: int,
-                    warmup: int, lr: float, topk: int, chunk: int, values: str = "fp32",
-                    transform_dtype: str = "fp32") -> dict:
-    """Median seconds of a DeMo step + sign-SGD update and of an AdamW step on ``params``."""
-    rep = DeMoReplicator(topk=topk, chunk=chunk, values=values, transform_dtype=transform_dtype)
-    rep.setup([p.shape for p in params], torch.device("cpu"), None)
+def traffic(local_params: int, payload: int, replicas: int) -> dict:
+    """Bytes per rank per step of DeMo (``payload`` bytes all-gathered) vs. an fp32 ring
+    all-reduce of ``local_params`` elements."""
+    demo = all_gather_bytes(payload, replicas)
+    dense = all_reduce_bytes(local_params, 4, replicas)
+    return {"replicas": replicas, "local_params": local_params, "payload_bytes": payload,
+            "demo_bytes": demo, "allreduce_bytes": dense,
+            "demo_bytes_per_param": demo / local_params,
+            "allreduce_bytes_per_param": dense / local_params, "ratio": dense / demo}
+
+
+def floor_pass(numel: int, device: torch.device, topk: int, lr: float,
+               decay: float) -> tuple[Callable[[], None], Callable[[], None]]:
+    """One batched pass over all 64 x 64 blocks of ``numel`` entries: encode (two batched
+    products), momentum in the DCT domain, top-k per block, sent coefficients zeroed, decode
+    (two batched products), sign. Returns (setup, step)."""
+    nb = math.ceil(numel / 4096)
+    d = dct_matrix(64, device=device)
+    dt = d.t().contiguous()
+    grad = torch.randn(nb, 64, 64, device=device) * 1e-3
+    coef = torch.zeros(nb, 4096, device=device)
+
+    def step() -> None:
+        fresh = torch.matmul(torch.matmul(d, grad), dt)  # encode
+        coef.mul_(decay).add_(fresh.view(nb, 4096), alpha=lr)  # momentum, DCT domain
+        idx = torch.topk(coef.abs(), topk, dim=1, sorted=False).indices
+        vals = coef.gather(1, idx)
+        coef.scatter_(1, idx, 0.0)  # error feedback: the sent ones leave the momentum
+        dense = torch.zeros_like(coef).scatter_(1, idx, vals).view(nb, 64, 64)
+        torch.matmul(torch.matmul(dt, dense), d).sign_()  # decode, sign
+
+    return (lambda: None), step
+
+
+def time_layout(params: list[torch.Tensor], grads: list[torch.Tensor], args, timer: Timer,
+                device: torch.device) -> dict:
+    """Replicator step, AdamW step, ops, reads (and on CUDA kernels, syncs), floor."""
+    kw = rep_kwargs(args)
+    rep = DeMoReplicator(**kw)
+    rep.setup([p.shape for p in params], device, None)
     work = [torch.empty_like(g) for g in grads]
-    lrs = [lr] * len(params)
+    lrs = [args.lr] * len(params)
     step = [0]
 
     def fresh() -> None:
         torch._foreach_copy_(work, grads)
 
     @torch.no_grad()
-    def demo_step() -> None:
-        out = rep(work, lrs, step[0])
-        torch._foreach_add_(params, out, alpha=-lr)
+    def replicate() -> None:
+        rep(work, lrs, step[0])
         step[0] += 1
 
-    demo = median_seconds(demo_step, reps, warmup, setup=fresh)
-    replicate_only = median_seconds(lambda: rep(work, lrs, 0), reps, warmup, setup=fresh)
+    out = {"replicator_s": timer.median(replicate, args.reps, args.warmup, setup=fresh),
+           "payload_bytes": rep.payload_bytes()}
+    fresh()
+    with OpCount() as c:
+        replicate()
+    out.update(ops=c.ops, views=c.views, reads=c.reads)
+    if device.type == "cuda":
+        fresh()
+        out["kernel_launches"] = kernel_launches(replicate)
+        fresh()
+        out["sync_warnings"] = sync_warnings(replicate)
 
     adam_params = [p.detach().clone().requires_grad_(True) for p in params]
     for p, g in zip(adam_params, grads):
         p.grad = g.clone()
-    adam = torch.optim.AdamW(adam_params, lr=lr)
-    adamw = median_seconds(adam.step, reps, warmup)
-    return {"demo_step_s": demo, "demo_replicator_s": replicate_only, "adamw_step_s": adamw}
+    fused = {"fused": True} if device.type == "cuda" else {"foreach": True}
+    adam = torch.optim.AdamW(adam_params, lr=args.lr, **fused)
+    out["adamw_s"] = timer.median(adam.step, args.reps, args.warmup)
+    del adam, adam_params
+
+    setup, floor = floor_pass(sum(p.numel() for p in params), device, args.topk, args.lr,
+                              args.decay)
+    out["floor_s"] = timer.median(floor, args.reps, args.warmup, setup=setup)
+    return out
+
+
+def rep_kwargs(args) -> dict:
+    return {"topk": args.topk, "chunk": args.chunk, "values": args.values,
+            "transform_dtype": args.transform_dtype, "decay": args.decay,
+            "bucket": not args.per_tensor, "overlap": args.overlap, "compile": args.compile}
 
 
 def main(argv: list[str] | None = None) -> dict:
     """Run the benchmark, print the tables, write JSON."""
-    p = argparse.ArgumentParser(description="DeMo bytes and compute on the small GPT")
-    p.add_argument("--model", default="small")
-    p.add_argument("--batch", type=int, default=4)
+    p = argparse.ArgumentParser(description="DeMo bytes and compute on a byte-level GPT")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--preset", "--model", dest="preset", default="small", choices=PRESETS)
+    p.add_argument("--vocab", type=int, default=None, help="override the preset's vocabulary")
+    p.add_argument("--batch", type=int, default=None, help="default 4 on CPU, 8 on CUDA")
+    p.add_argument("--seq", type=int, default=None, help="default the preset's seq_len")
+    p.add_argument("--layouts", default="full,half,shard8",
+                   help=f"comma-separated, of {sorted(LAYOUTS)}")
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--topk", type=int, default=32)
+    p.add_argument("--topk", type=int, default=16)
     p.add_argument("--chunk", type=int, default=64)
-    p.add_argument("--values", default="fp32", help="value format (fp32, int8, int2, sign, ...)")
+    p.add_argument("--decay", type=float, default=0.999)
+    p.add_argument("--values", default="int2", help="value format (fp32, int8, int2, sign, ...)")
     p.add_argument("--transform-dtype", default="fp32", choices=["fp32", "bf16"],
                    help="precision of the forward DCT's products")
+    p.add_argument("--overlap", default="none", choices=["none", "delayed"])
+    p.add_argument("--compile", action="store_true",
+                   help="torch.compile the top-k selection (compile=True)")
+    p.add_argument("--per-tensor", action="store_true",
+                   help="bucket=False: every tensor its own group (for comparison)")
     p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--threads", type=int, default=1, help="CPU threads")
+    p.add_argument("--clock", default="thread", choices=["thread", "wall"],
+                   help="CPU timing: the main thread's CPU time (one thread) or wall time")
     p.add_argument("--out", default="benchmarks/results/core.json")
     args = p.parse_args(argv)
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda: no CUDA device is available")
+    layouts = [s for s in args.layouts.split(",") if s]
+    unknown = [s for s in layouts if s not in LAYOUTS]
+    if unknown:
+        p.error(f"unknown layouts {unknown}; choose from {sorted(LAYOUTS)}")
     torch.set_num_threads(args.threads)
+    clock = "wall" if args.threads > 1 else args.clock
+    timer = Timer(device, clock)
     torch.manual_seed(0)
 
-    cfg = gpt_config(args.model)
-    model = GPT(cfg)
-    params = [q for q in model.parameters()]
+    overrides = dict(PRESETS[args.preset])
+    if args.vocab is not None:
+        overrides["vocab"] = args.vocab
+    if args.seq is not None:
+        overrides["seq_len"] = args.seq
+    cfg = gpt_config("small", **overrides)
+    batch = args.batch or (8 if device.type == "cuda" else 4)
+    model = GPT(cfg).to(device)
+    params = list(model.parameters())
     n_params = sum(q.numel() for q in params)
-    layouts = {
-        "full": [q.shape for q in params],
-        "half-rows": [half_rows(q.shape) for q in params],
-    }
+    shapes = {name: [row_shard(q.shape, LAYOUTS[name]) for q in params] for name in layouts}
 
-    # a. traffic -----------------------------------------------------------------------
-    bytes_rows = []
-    for layout, shapes in layouts.items():
-        for n in (2, 4):
-            bytes_rows.append({"layout": layout, **traffic(shapes, n, args.topk, args.chunk,
-                                                               args.values)})
-
-    # b. compute -----------------------------------------------------------------------
-    train, _ = load_corpus(1_000_000, val_bytes=1)
-    gen = data_generator(0, 0)
-    x, y = get_batch(train, args.batch, cfg.seq_len, gen)
+    # compute (and the payload size for the traffic table) -----------------------------
+    train, _ = load_corpus(max(1_000_000, 4 * cfg.seq_len), val_bytes=1)
+    x, y = get_batch(train, batch, cfg.seq_len, data_generator(0, 0))
+    x, y = x.to(device), y.to(device)
 
     def fwd_bwd() -> None:
         model.zero_grad(set_to_none=True)
-        model(x, y).backward()
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+            loss = model(x, y)
+        loss.backward()
 
-    fb = median_seconds(fwd_bwd, args.reps, args.warmup)
+    fb = timer.median(fwd_bwd, args.reps, args.warmup)
     fwd_bwd()
-    grads = [q.grad.detach().clone() for q in params]
-    compute = {"forward_backward_s": fb, "batch": args.batch, "seq_len": cfg.seq_len,
-               "layouts": []}
-    for layout in layouts:
-        if layout == "full":
-            ps = [q.detach().clone() for q in params]
-            gs = grads
-        else:
-            ps = [q.detach()[: q.shape[0] // 2].clone() for q in params]
-            gs = [g[: g.shape[0] // 2].clone() for g in grads]
-        t = time_optimizers(ps, gs, args.reps, args.warmup, args.lr, args.topk, args.chunk,
-                            args.values, args.transform_dtype)
+    grads = [q.grad.detach().float().clone() for q in params]
+    model.zero_grad(set_to_none=True)
+    compute = {"forward_backward_s": fb, "batch": batch, "seq_len": cfg.seq_len, "layouts": []}
+    for name in layouts:
+        ps = [q.detach()[: s[0]].float().clone() for q, s in zip(params, shapes[name])]
+        gs = [g[: s[0]].clone() for g, s in zip(grads, shapes[name])]
+        t = time_layout(ps, gs, args, timer, device)
         compute["layouts"].append({
-            "layout": layout, "local_params": sum(q.numel() for q in ps), **t,
-            "demo_pct_of_fwd_bwd": 100 * t["demo_step_s"] / fb,
-            "adamw_pct_of_fwd_bwd": 100 * t["adamw_step_s"] / fb,
+            "layout": name, "local_params": sum(q.numel() for q in ps), **t,
+            "replicator_pct_of_fwd_bwd": 100 * t["replicator_s"] / fb,
+            "adamw_pct_of_fwd_bwd": 100 * t["adamw_s"] / fb,
+            "floor_pct_of_fwd_bwd": 100 * t["floor_s"] / fb,
         })
+        del ps, gs
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    bytes_rows = [{"layout": r["layout"], **traffic(r["local_params"], r["payload_bytes"], n)}
+                  for r in compute["layouts"] for n in (2, 4)]
 
     # report ---------------------------------------------------------------------------
-    print(f"model {args.model}: {n_params / 1e6:.2f}M parameters, DeMo topk={args.topk} "
-          f"chunk={args.chunk} values={args.values} transform {args.transform_dtype}, "
-          f"torch {torch.__version__}, "
-          f"{args.threads} thread(s)\n")
-    head = (f"{'layout':<10} {'n':>2} {'local params':>12} {'DeMo B/step':>12} "
-            f"{'fp32 AR B/step':>15} {'DeMo B/param':>13} {'AR B/param':>11} {'ratio':>7}")
+    dev_name = torch.cuda.get_device_name() if device.type == "cuda" else platform.processor()
+    print(f"{args.preset}: {n_params / 1e6:.1f}M parameters (d{cfg.d_model}, {cfg.n_layer} "
+          f"layers, vocab {cfg.vocab}); DeMo topk={args.topk} chunk={args.chunk} "
+          f"values={args.values} transform {args.transform_dtype} overlap={args.overlap}"
+          f"{' per-tensor' if args.per_tensor else ''}{' compiled' if args.compile else ''}; "
+          f"{device.type} ({dev_name}), torch "
+          f"{torch.__version__}, {args.threads} thread(s), {clock} clock\n")
+    head = (f"{'layout':<7} {'n':>2} {'local params':>13} {'DeMo B/step':>12} "
+            f"{'fp32 AR B/step':>15} {'DeMo B/param':>13} {'ratio':>7}")
     print(head + "\n" + "-" * len(head))
     for r in bytes_rows:
-        print(f"{r['layout']:<10} {r['replicas']:>2} {r['local_params']:>12,} "
+        print(f"{r['layout']:<7} {r['replicas']:>2} {r['local_params']:>13,} "
               f"{r['demo_bytes']:>12,} {r['allreduce_bytes']:>15,} "
-              f"{r['demo_bytes_per_param']:>13.4f} {r['allreduce_bytes_per_param']:>11.3f} "
-              f"{r['ratio']:>6.1f}x")
-    print(f"\nforward+backward (batch {args.batch} x {cfg.seq_len}): {fb * 1e3:.1f} ms "
+              f"{r['demo_bytes_per_param']:>13.4f} {r['ratio']:>6.1f}x")
+    print(f"\nforward+backward (batch {batch} x {cfg.seq_len}"
+          f"{', bf16 autocast' if device.type == 'cuda' else ''}): {fb * 1e3:.1f} ms "
           f"(median of {args.reps})")
-    head = (f"{'layout':<10} {'local params':>12} {'DeMo+signSGD ms':>16} {'% of f+b':>9} "
-            f"{'(replicator ms)':>16} {'AdamW ms':>9} {'% of f+b':>9}")
+    cuda = device.type == "cuda"
+    head = (f"{'layout':<7} {'local params':>13} {'DeMo ms':>8} {'% f+b':>6} {'floor ms':>9} "
+            f"{'AdamW ms':>9} {'ops':>5} {'views':>6} {'reads':>6}"
+            + (f" {'kernels':>8} {'syncs':>6}" if cuda else ""))
     print(head + "\n" + "-" * len(head))
     for r in compute["layouts"]:
-        print(f"{r['layout']:<10} {r['local_params']:>12,} {r['demo_step_s'] * 1e3:>16.1f} "
-              f"{r['demo_pct_of_fwd_bwd']:>8.1f}% {r['demo_replicator_s'] * 1e3:>16.1f} "
-              f"{r['adamw_step_s'] * 1e3:>9.1f} {r['adamw_pct_of_fwd_bwd']:>8.1f}%")
+        print(f"{r['layout']:<7} {r['local_params']:>13,} {r['replicator_s'] * 1e3:>8.1f} "
+              f"{r['replicator_pct_of_fwd_bwd']:>5.1f}% {r['floor_s'] * 1e3:>9.1f} "
+              f"{r['adamw_s'] * 1e3:>9.1f} {r['ops']:>5} {r['views']:>6} {r['reads']:>6}"
+              + (f" {r['kernel_launches']:>8} {r['sync_warnings']:>6}" if cuda else ""))
 
     result = {
-        "model": args.model, "params": n_params, "topk": args.topk, "chunk": args.chunk,
-        "values": args.values, "transform_dtype": args.transform_dtype,
-        "torch": torch.__version__, "threads": args.threads, "python": platform.python_version(),
-        "machine": platform.machine(), "reps": args.reps, "bytes": bytes_rows,
-        "compute": compute,
+        "preset": args.preset, "params": n_params, "config": cfg.__dict__,
+        "replicator": rep_kwargs(args), "device": device.type, "device_name": dev_name,
+        "torch": torch.__version__, "threads": args.threads, "clock": clock,
+        "python": platform.python_version(), "machine": platform.machine(), "reps": args.reps,
+        "bytes": bytes_rows, "compute": compute,
     }
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

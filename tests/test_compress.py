@@ -122,3 +122,54 @@ def test_sparse_decode_matches_dense(shape, m):
     out = torch.empty(shape)
     t.decode_sparse(idx, vals, out)
     torch.testing.assert_close(out, t.decode(dense), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("cr,cc,k", [(64, 64, 16), (64, 64, 32), (8, 8, 4), (50, 64, 16),
+                                     (1, 64, 8)])
+def test_rowmajor_topk_matches_block_topk(cr, cc, k):
+    """Blocks stored row-major across blocks select the same entries in the same order."""
+    from flexdemo.compress import Scratch
+    from flexdemo.compress.select import select_rowmajor, topk_blocks_rowmajor
+
+    torch.manual_seed(5)
+    nb = 37
+    coef = torch.randn(cr, nb, cc)
+    blocks = coef.permute(1, 0, 2).reshape(nb, cr * cc)
+    ref = topk_indices(blocks.abs(), k)
+    idx, pos = topk_blocks_rowmajor(coef, k, torch.empty(coef.numel()), Scratch())
+    assert torch.equal(idx, ref)
+    assert torch.equal(coef.reshape(-1)[pos], blocks.gather(1, idx))
+    if cr % 8 == 0 and cr * cc // 8 >= 4 * k:
+        assert all(torch.equal(a, b) for a, b in zip(select_rowmajor(coef, k), (idx, pos)))
+
+
+@pytest.mark.parametrize("chunk", [(64, 64), (8, 8), (1, 64), (50, 64)])
+def test_batched_dct_matches_per_tensor_dct(chunk):
+    """Forward and inverse products over a batch of blocks equal the per-tensor transform."""
+    from flexdemo.compress.dct import BatchedDCT, block_rows
+
+    torch.manual_seed(6)
+    cr, cc = chunk
+    shape = (2 * cr, 3 * cc) if cr > 1 else (1, 5 * cc)
+    plan = plan_chunks(shape, max(chunk))
+    assert plan.chunk == chunk
+    one, many = BlockDCT(plan), BatchedDCT(chunk)
+    x = torch.randn(shape)
+    nb = plan.num_blocks
+    rows = x.reshape(-1, cc)[block_rows(plan)].view(nb, cr, cc)  # block layout
+    xh = rows.permute(1, 0, 2).contiguous()  # row-major across blocks
+    y = many.rows(xh, torch.empty_like(xh))
+    coef = torch.zeros_like(xh)
+    many.cols_into(y, coef, slice(0, nb), 1.0, 0.0)
+    ref = one.encode(x)
+    torch.testing.assert_close(coef.permute(1, 0, 2).reshape(nb, -1), ref, atol=1e-5, rtol=1e-5)
+    out = torch.empty(nb, cr, cc)
+    many.inverse(ref, out, torch.empty(nb * cr * cc))
+    torch.testing.assert_close(out, rows, atol=1e-5, rtol=1e-5)
+    idx = torch.stack([torch.randperm(cr * cc)[:3] for _ in range(nb)])
+    vals = torch.randn(nb, 3)
+    sparse = torch.empty(nb, cr, cc)
+    many.inverse_sparse(idx, vals, sparse, torch.empty(nb * 3 * cr), torch.empty(nb * 3 * cc))
+    dense = torch.zeros(nb, cr * cc).scatter_(1, idx, vals)
+    many.inverse(dense, out, torch.empty(nb * cr * cc))
+    torch.testing.assert_close(sparse, out, atol=1e-5, rtol=1e-5)

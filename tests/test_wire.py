@@ -262,3 +262,22 @@ def test_delayed_state_round_trip():
             oo.step()
             oo.zero_grad()
     assert all(torch.equal(a, b) for a, b in zip(m.parameters(), m2.parameters()))
+
+
+@pytest.mark.parametrize("bits", [1, 2, 7, 12, 13])
+def test_unpack_rows_at_once(bits):
+    """Rows of packed data (one per peer) unpack in the same ops, each as on its own."""
+    torch.manual_seed(bits)
+    vals = torch.randint(0, 2 ** bits, (3, 101))
+    rows = torch.stack([pack_bits(v, bits) for v in vals])
+    assert torch.equal(unpack_bits(rows, bits, 101), vals)
+
+
+@pytest.mark.parametrize("fmt", BLOCK_FORMATS)
+def test_block_codec_decodes_rows_at_once(fmt):
+    torch.manual_seed(1)
+    codec = BlockValueCodec(fmt)
+    n = codec.nbytes(6, 5)
+    rows = torch.zeros(3, (n + 7) // 8 * 8 + 8, dtype=torch.uint8)  # aligned, as gathered
+    sent = [codec.encode(torch.randn(6, 5), rows[r, :n]) for r in range(3)]
+    assert torch.equal(codec.decode(rows[:, :n], 6, 5), torch.stack(sent))

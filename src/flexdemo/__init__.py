@@ -7,6 +7,7 @@ from .compress import BlockDCT, plan_chunks
 from .mesh import build_mesh, init_distributed, mesh_shape
 from .optim import DeMo, DeToNATION
 from .replicate import (
+    CorruptPayloadError,
     DeMoReplicator,
     DiLoCoReplicator,
     FullReplicator,
@@ -25,7 +26,7 @@ from .transport import CommStats, InProcessHub
 __version__ = "0.1.0"
 
 __all__ = [
-    "BlockDCT", "BufferSync", "CommStats", "DeMo", "DeMoReplicator", "DeToNATION",
+    "BlockDCT", "BufferSync", "CommStats", "CorruptPayloadError", "DeMo", "DeMoReplicator", "DeToNATION",
     "DiLoCoReplicator", "FullReplicator", "InProcessHub", "NoReplication",
     "NoReplicationWarning", "NonFiniteGradientError", "RandomReplicator", "Replicator",
     "SimulatedReplicas", "SlicingReplicator", "StridingReplicator", "build_mesh", "compat",

@@ -30,15 +30,11 @@ the same world size and mesh; other layouts raise ``ValueError``.
 from __future__ import annotations
 
 import io
-from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
 from .transport import group_rank
-
-if TYPE_CHECKING:
-    from .optim import DeToNATION
 
 PREFIX = "flexdemo/"
 FORMAT = 1
@@ -58,7 +54,7 @@ def blob_key() -> str:
     return f"{PREFIX}chain/rank{_global_rank()}"
 
 
-def replica_tag(opt: DeToNATION, t: torch.Tensor) -> str:
+def replica_tag(opt: torch.optim.Optimizer, t: torch.Tensor) -> str:
     """The per-replica key part for ``t``: ``replica<r>`` for DTensor shards (the chunk's
     offsets tell shards apart), ``rank<g>`` for whole tensors."""
     if hasattr(t, "_local_tensor"):
@@ -68,7 +64,7 @@ def replica_tag(opt: DeToNATION, t: torch.Tensor) -> str:
     return f"rank{_global_rank()}"
 
 
-def _mesh_shape(opt: DeToNATION) -> tuple[int, ...] | None:
+def _mesh_shape(opt: torch.optim.Optimizer) -> tuple[int, ...] | None:
     mesh = getattr(opt, "mesh", None)
     return None if mesh is None else tuple(int(n) for n in mesh.mesh.shape)
 
@@ -117,7 +113,7 @@ def _unpack(data: bytes):
 
 
 @torch.no_grad()
-def _init_base_state(opt: DeToNATION) -> bool:
+def _init_base_state(opt: torch.optim.Optimizer) -> bool:
     """Create the base optimizer's state by a zero-lr step on zero gradients if it has none
     (what torch's ``get_state_dict`` does for its own optimizers), so that a fresh optimizer's
     state dict has tensors for DCP to load into. Returns whether state was created. Parameters
@@ -141,7 +137,7 @@ def _init_base_state(opt: DeToNATION) -> bool:
     return any(base.state.get(p) for p in params)
 
 
-def state_dict(opt: DeToNATION) -> dict:
+def state_dict(opt: torch.optim.Optimizer) -> dict:
     """``opt``'s state in torch's layout (see the module docstring)."""
     created = _init_base_state(opt)
     sd = opt.base.state_dict()
@@ -179,7 +175,7 @@ def state_dict(opt: DeToNATION) -> dict:
 
 
 @torch.no_grad()
-def load_state_dict(opt: DeToNATION, sd: dict) -> None:
+def load_state_dict(opt: torch.optim.Optimizer, sd: dict) -> None:
     """Restore a state dict made by :func:`state_dict` (int or parameter-name keys)."""
     groups = sd["param_groups"]
     saved_ids = [i for g in groups for i in g["params"]]

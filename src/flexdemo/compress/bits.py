@@ -73,19 +73,31 @@ def pack_bits(values: torch.Tensor, bits: int, out: torch.Tensor | None = None,
 
 
 def unpack_bits(data: torch.Tensor, bits: int, count: int, method: str = "auto") -> torch.Tensor:
-    """The ``count`` values of ``bits`` bits packed in the uint8 tensor ``data`` (int64)."""
+    """The ``count`` values of ``bits`` bits packed in the uint8 tensor ``data`` (int64).
+
+    ``data`` may have leading dimensions ``(..., bytes)``: each row is unpacked on its own, all
+    rows in the same ops, giving ``(..., count)``.
+    """
     layout = _word_layout(bits, method)
     nbytes = packed_nbytes(count, bits)
-    if data.numel() < nbytes:
-        raise ValueError(f"{data.numel()} bytes cannot hold {count} values of {bits} bits")
-    raw = data[:nbytes].to(torch.int64)
+    if data.shape[-1] < nbytes:
+        raise ValueError(f"{data.shape[-1]} bytes cannot hold {count} values of {bits} bits")
+    lead = data.shape[:-1]
+    raw = data[..., :nbytes].to(torch.int64)
     if layout is not None:
         g, nb = layout
         words = math.ceil(nbytes / nb)
-        word = (_pad_to(raw, words * nb).view(words, nb) << _shifts(nb, 8, raw.device)).sum(
-            dim=1, keepdim=True)
+        raw = _pad_last(raw, words * nb).view(*lead, words, nb)
+        word = (raw << _shifts(nb, 8, raw.device)).sum(dim=-1, keepdim=True)
         vals = (word >> _shifts(g, bits, raw.device)) & ((1 << bits) - 1)
-        return vals.view(-1)[:count]
-    stream = ((raw.unsqueeze(1) >> _shifts(8, 1, raw.device)) & 1).reshape(-1)
-    stream = stream[: count * bits].view(count, bits)
-    return (stream << _shifts(bits, 1, raw.device)).sum(dim=1)
+        return vals.view(*lead, words * g)[..., :count]
+    stream = ((raw.unsqueeze(-1) >> _shifts(8, 1, raw.device)) & 1).view(*lead, nbytes * 8)
+    stream = stream[..., : count * bits].reshape(*lead, count, bits)
+    return (stream << _shifts(bits, 1, raw.device)).sum(dim=-1)
+
+
+def _pad_last(x: torch.Tensor, n: int) -> torch.Tensor:
+    """``x`` zero-padded to ``n`` entries along its last dimension."""
+    if x.shape[-1] == n:
+        return x
+    return torch.cat([x, x.new_zeros(*x.shape[:-1], n - x.shape[-1])], dim=-1)

@@ -27,6 +27,7 @@ import torch
 from .chunking import ChunkPlan
 
 _BASIS: dict[tuple[int, torch.dtype, torch.device], torch.Tensor] = {}
+_WIDE = 64  # blocks at least this wide and tall are transformed by whole-group products
 
 
 def dct_matrix(n: int, dtype: torch.dtype = torch.float32, device=None) -> torch.Tensor:
@@ -220,3 +221,124 @@ class BlockDCT:
     def decode(self, blocks: torch.Tensor) -> torch.Tensor:
         """Inverse DCT of block-layout coefficients, back to the tensor's shape."""
         return self.decode_image(self.blocks_to_image(blocks))
+
+
+def block_rows(plan: ChunkPlan) -> torch.Tensor:
+    """For each row of ``chunk[1]`` entries of the block layout (block ``b``, in-block row
+    ``u``, in block order), the index of the same row in the padded image viewed as rows of
+    ``chunk[1]`` entries. A permutation of ``range(padded_numel // chunk[1])``."""
+    cr, cc = plan.chunk
+    nbr, nbc = plan.grid
+    bi = torch.arange(nbr).view(nbr, 1, 1)
+    bj = torch.arange(nbc).view(1, nbc, 1)
+    u = torch.arange(cr).view(1, 1, cr)
+    return ((bi * cr + u) * nbc + bj).reshape(-1)
+
+
+class BatchedDCT:
+    """The blocked DCT of many ``cr x cc`` blocks at once, in block layout ``(blocks, cr*cc)``.
+
+    The same products, in the same order, as :class:`BlockDCT` applies per tensor (rows first,
+    then columns; the inverse columns first, then rows), batched over the blocks of every tensor
+    that shares the block shape. ``compute_dtype=bfloat16`` runs the forward products in bf16
+    as :class:`BlockDCT` does.
+    """
+
+    def __init__(self, chunk: tuple[int, int], device=None, basis: str = "dct",
+                 compute_dtype: torch.dtype = torch.float32) -> None:
+        if basis not in ("dct", "identity"):
+            raise ValueError(f"basis must be 'dct' or 'identity', got {basis!r}")
+        self.cr, self.cc = chunk
+        self.device = torch.device("cpu") if device is None else torch.device(device)
+        make = dct_matrix if basis == "dct" else (
+            lambda n, dtype, device: torch.eye(n, dtype=dtype, device=device))
+        self.dr = make(self.cr, torch.float32, self.device)
+        self.dc = make(self.cc, torch.float32, self.device)
+        self.dr_t, self.dc_t = self.dr.t(), self.dc.t()
+        self.compute_dtype = compute_dtype
+        self._dr_fwd = self.dr.to(compute_dtype)
+        self._dc_t_fwd = self.dc_t.to(compute_dtype)
+        # small blocks: products per block (batched), so that a block's bits do not depend on
+        # how many blocks are transformed together (BLAS picks other kernels for few rows)
+        self.per_block = min(self.cr, self.cc) < _WIDE
+
+    def rows(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """First forward product ``Dr @ block`` for blocks stored row-major across blocks,
+        ``x`` ``(cr, blocks, cc)`` (in the compute dtype): one matrix product
+        ``Dr @ x.view(cr, blocks * cc)`` into ``out``; blocks of one row need none."""
+        if self.cr == 1:
+            return x
+        if self.per_block:
+            nb = x.shape[1]
+            blocks = torch.bmm(self._dr_fwd.expand(nb, self.cr, self.cr), x.permute(1, 0, 2))
+            out.copy_(blocks.permute(1, 0, 2))
+            return out
+        torch.mm(self._dr_fwd, x.view(self.cr, -1), out=out.view(self.cr, -1))
+        return out
+
+    def cols_into(self, y: torch.Tensor, coef: torch.Tensor, blocks: slice, alpha: float,
+                  beta: float, scratch: torch.Tensor | None = None) -> None:
+        """``coef = beta * coef + alpha * (y @ Dc^T)`` on the ``blocks`` of ``y`` (from
+        :meth:`rows`) and ``coef``, both ``(cr, blocks, cc)`` (``scratch``: room for the
+        bf16 product)."""
+        cc, nb = self.cc, coef.shape[1]
+        whole = blocks.start == 0 and blocks.stop == nb
+        if self.per_block:
+            target = coef[:, blocks].permute(1, 0, 2)
+            part = y[:, blocks].permute(1, 0, 2)
+            basis = self.dc_t if self.compute_dtype == torch.float32 else self._dc_t_fwd
+            basis = basis.expand(part.shape[0], cc, cc)
+            if self.compute_dtype == torch.float32:
+                target.baddbmm_(part, basis, beta=beta, alpha=alpha)
+                return
+            z = torch.bmm(part, basis)
+            if beta == 0:
+                target.copy_(z)
+                if alpha != 1:
+                    target.mul_(alpha)
+            else:
+                target.mul_(beta).add_(z, alpha=alpha)
+            return
+        if self.compute_dtype == torch.float32:
+            if whole:
+                coef.view(-1, cc).addmm_(y.reshape(-1, cc), self.dc_t, beta=beta, alpha=alpha)
+            else:  # a run of blocks (the rare case): made contiguous, one product, back
+                part = coef[:, blocks].contiguous()
+                part.view(-1, cc).addmm_(y[:, blocks].reshape(-1, cc), self.dc_t, beta=beta,
+                                         alpha=alpha)
+                coef[:, blocks] = part
+            return
+        part = y[:, blocks]
+        z = scratch[: part.numel()].view(part.shape)
+        torch.matmul(part, self._dc_t_fwd, out=z)
+        target = coef[:, blocks]
+        if beta == 0:
+            target.copy_(z)
+            if alpha != 1:
+                target.mul_(alpha)
+        else:
+            target.mul_(beta).add_(z, alpha=alpha)
+
+    def inverse(self, coef: torch.Tensor, out: torch.Tensor, scratch: torch.Tensor) -> None:
+        """Blocks ``out`` ``(blocks, cr, cc)`` from their coefficients ``coef``
+        ``(blocks, cr*cc)`` (columns first, then rows; ``scratch`` as large as ``out``)."""
+        nb = coef.shape[0]
+        if self.cr == 1:
+            torch.mm(coef.view(-1, self.cc), self.dc, out=out.view(-1, self.cc))
+            return
+        z = torch.mm(coef.view(-1, self.cc), self.dc, out=scratch.view(-1, self.cc))
+        torch.matmul(self.dr_t, z.view(nb, self.cr, self.cc), out=out)
+
+    def inverse_sparse(self, idx: torch.Tensor, vals: torch.Tensor, out: torch.Tensor,
+                       left: torch.Tensor, right: torch.Tensor) -> None:
+        """Blocks ``out`` ``(blocks, cr, cc)`` from ``m`` coefficients per block (``idx`` and
+        ``vals`` ``(blocks, m)``; repeated indices add up): ``sum_t vals_t outer(Dr[u_t],
+        Dc[v_t])`` in one batched product. ``left``/``right``: scratch of ``blocks*m*cr`` and
+        ``blocks*m*cc`` entries."""
+        nb, m = idx.shape
+        lf = left.view(nb, m, self.cr)
+        torch.index_select(self.dr, 0, (idx // self.cc).reshape(-1), out=lf.view(-1, self.cr))
+        lf.mul_(vals.unsqueeze(2))
+        rt = right.view(nb, m, self.cc)
+        torch.index_select(self.dc, 0, (idx % self.cc).reshape(-1), out=rt.view(-1, self.cc))
+        torch.bmm(lf.transpose(1, 2), rt, out=out)

@@ -165,25 +165,26 @@ class BlockValueCodec:
         return torch.where(neg, -m, m)
 
     def decode(self, data: torch.Tensor, b: int, k: int) -> torch.Tensor:
-        """The fp32 values ``(blocks, k)`` encoded in ``data``."""
-        f = self.fmt
+        """The fp32 values ``(..., blocks, k)`` encoded in ``data`` (uint8 ``(..., bytes)``:
+        leading dimensions, e.g. one row per peer, are decoded together)."""
+        f, lead = self.fmt, data.shape[:-1]
         if f in _FLOAT:
-            return data[: self.nbytes(b, k)].view(_FLOAT[f]).view(b, k).float()
+            return data[..., : self.nbytes(b, k)].view(_FLOAT[f]).view(*lead, b, k).float()
         if f == "int8":
-            s = data[: 2 * b].view(torch.bfloat16).float()
-            codes = data[2 * b: 2 * b + b * k].view(torch.int8).view(b, k).float()
-            return codes * s[:, None]
+            s = data[..., : 2 * b].view(torch.bfloat16).float()
+            codes = data[..., 2 * b: 2 * b + b * k].view(torch.int8).view(*lead, b, k).float()
+            return codes * s.unsqueeze(-1)
         if f == "int2":
-            lh = data[: 4 * b].view(torch.bfloat16).float().view(b, 2)
-            codes = unpack_bits(data[4 * b:], 2, b * k).view(b, k)
+            lh = data[..., : 4 * b].view(torch.bfloat16).float().view(*lead, b, 2)
+            codes = unpack_bits(data[..., 4 * b:], 2, b * k).view(*lead, b, k)
             return _int2_values(lh, (codes >> 1) == 1, (codes & 1) == 1)
-        m = data[: 2 * b].view(torch.bfloat16).float()[:, None]
-        neg = unpack_bits(data[2 * b:], 1, b * k).view(b, k) == 1
+        m = data[..., : 2 * b].view(torch.bfloat16).float().unsqueeze(-1)
+        neg = unpack_bits(data[..., 2 * b:], 1, b * k).view(*lead, b, k) == 1
         return torch.where(neg, -m, m)
 
 
 def _int2_values(lh: torch.Tensor, big: torch.Tensor, neg: torch.Tensor) -> torch.Tensor:
     """int2 values from per-block ``(lo, hi)`` and the magnitude and sign bits."""
     frac = torch.where(big, 0.75, 0.25)
-    mag = lh[:, :1] + (lh[:, 1:] - lh[:, :1]) * frac
+    mag = lh[..., :1] + (lh[..., 1:] - lh[..., :1]) * frac
     return torch.where(neg, -mag, mag)

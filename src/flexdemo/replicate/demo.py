@@ -23,10 +23,24 @@ order, into one vector viewed as ``(rows, chunk)`` and compressed as one matrix:
 per 1-D chunk (at the defaults 32 of 64: more bytes than dense fp32). ``small="separate"``
 compresses each tensor on its own.
 
-**Groups.** Tensors whose blocks have the same size (and so the same ``k``) form a group: their
-coefficients live in one ``(blocks, block entries)`` matrix, so selection, coding, packing and
-the checks of received payloads run once per group rather than once per tensor (all of them
-work block by block, so the bits are those of coding each tensor alone).
+**Groups: one batch of blocks per block shape.** Tensors whose blocks have the same shape (and
+so the same ``k``) form a group. Every stage of a step runs once per group on all of its
+blocks together: the gradients are staged into one image buffer per group (one multi-tensor
+copy for the whole model), gathered into block layout by a row index built at set-up, both
+DCT products run as batched matrix products, then top-k, value coding, bit packing, error
+feedback, the checks of received payloads, the decoded mean, ``sign()`` and the write into the
+gradients (one multi-tensor copy). The ops a step dispatches grow with the number of groups,
+not of tensors. Everything works block by block, so the bits are those of coding each tensor
+alone (``bucket=False``).
+
+**Host synchronisation.** The checks of the received payloads (header, index range, repeated
+indices, finite values, the non-finite flag and the presence code) run on the device and are
+reduced to one small tensor, read once per step; in ``overlap="delayed"`` mode it is read
+when the payload's result is applied, before the next payload is encoded. The non-finite flag
+of this rank's own input is derived on the device from the values it selects (a NaN or Inf
+in a block's input makes its coefficients non-finite, and top-k picks them). The momentum is
+copied before each step and put back on a rank whose own input was not finite, so that rank's
+state stays untouched.
 
 **Wire format** (one bucket per step): a 32-byte header (magic and version, step, non-finite
 flag, presence code); then per group the block-local indices of all its blocks packed at
@@ -56,33 +70,22 @@ import warnings
 from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
 
-from ..comm import Pending, all_gather
-from ..compress import BlockDCT, ChunkPlan, Scratch, plan_chunks, topk_indices
+from ..compress import BlockDCT, ChunkPlan, Scratch, plan_chunks
 from ..compress.bits import pack_bits, packed_nbytes, unpack_bits
+from ..compress.dct import BatchedDCT, block_rows
 from ..compress.quant import BLOCK_FORMATS, BlockValueCodec
+from ..compress.select import select_rowmajor, topk_blocks_rowmajor
+from ..transport import Pending, all_gather
 from .base import (
     HEADER_BYTES,
     MAGIC,
+    CorruptPayloadError,
     Replicator,
-    all_finite,
     check_flags,
+    global_rank_of,
     presence_code,
-    write_header,
 )
-
-
-class CorruptPayloadError(RuntimeError):
-    """A peer sent a payload that does not decode to a valid update."""
-
-    def __init__(self, name: str, rank: int, global_rank: int, step: int, reason: str) -> None:
-        super().__init__(
-            f"{name}: corrupt payload from rank {global_rank} (rank {rank} of the group) at "
-            f"step {step}: {reason}. A faulty peer or a version mismatch; construct the "
-            "replicator with on_bad_peer='drop' to leave such payloads out")
-        self.rank, self.global_rank, self.step, self.reason = rank, global_rank, step, reason
-
 
 PRESETS: dict[str, dict] = {
     "default": {},
@@ -93,14 +96,12 @@ PRESETS: dict[str, dict] = {
 
 _TRANSFORM_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
+# reasons a payload body is bad, in the order they are checked (0: good)
+_RANGE, _REPEAT, _NONFINITE = 1, 2, 3
+
 
 def _align(n: int) -> int:
     return (n + 7) // 8 * 8
-
-
-def _has_grad(u: _Unit, grads) -> bool:
-    """Whether any tensor of unit ``u`` has a gradient this step."""
-    return any(grads[i] is not None for i in u.members)
 
 
 @dataclass
@@ -115,28 +116,68 @@ class _Unit:
     delta: torch.Tensor | None = None  # set when its group is built
     group: int = 0
     rows: slice = field(default_factory=lambda: slice(0, 0))  # its blocks in the group
-    flat: torch.Tensor | None = field(default=None, repr=False)
+    image: slice | None = None  # image-staged units: its padded image in the group's ``img``
+    xpad: slice | None = None  # padded units: its staged gradient in the group's ``xpad``
+    flat: bool = False  # the batch of small tensors (members concatenated)
+
+    @property
+    def padded(self) -> bool:
+        return self.plan.needs_padding
+
+    @property
+    def direct(self) -> bool:
+        """Staged straight into block rows (a tiling tensor); else through an image."""
+        return self.image is None
+
+
+@dataclass
+class _Segment:
+    """Consecutive units of a group of one kind: staged directly, through an image (the
+    batch of small tensors), or padded (momentum in the parameter's domain)."""
+
+    padded: bool
+    direct: bool
+    units: list[_Unit]
+    rows: slice  # block rows
+    image: slice | None  # entries of the group's image buffer (image-staged units)
+    inv: torch.Tensor | None = None  # image row -> block row within the segment
+    deltas: list[torch.Tensor] = field(default_factory=list)  # padded: momentum views
+    outs: list[torch.Tensor] = field(default_factory=list)  # padded: same in the output image
 
 
 @dataclass
 class _Group:
-    """Units with the same block size and ``k``: selected, coded and checked as one matrix of
-    blocks, and sent as one index segment and one value segment."""
+    """Units with the same block shape and ``k``: transformed, selected, coded and checked as
+    one matrix of blocks, and sent as one index segment and one value segment.
+
+    Coefficients are stored row-major across blocks, ``(cr, blocks, cc)``: row ``u`` of every
+    block side by side, so that the first DCT product is one matrix product over the whole
+    group. Block ``b``'s coefficient ``l`` (block-local, row-major) sits at
+    ``(l // cc, b, l % cc)``.
+    """
 
     units: list[_Unit]
     k: int
-    coef: torch.Tensor  # (blocks, block_numel): the momentum of unpadded units, in place
+    chunk: tuple[int, int]
+    coef: torch.Tensor  # (cr, blocks, cc): momentum of tiling units; fresh coefficients of padded
+    dct: BatchedDCT
+    xh: torch.Tensor  # (cr, blocks, cc): the transform's input
+    img: torch.Tensor | None = None  # image layout: image-staged units' gradient or momentum
+    xpad: torch.Tensor | None = None  # image layout: padded units' staged gradients
+    img_src: torch.Tensor | None = None  # rows of ``img`` ...
+    img_dst: torch.Tensor | None = None  # ... and where they go in ``xh``
+    segments: list[_Segment] = field(default_factory=list)
     idx_off: int = 0
     val_off: int = 0
     end: int = 0
 
     @property
     def blocks(self) -> int:
-        return self.coef.shape[0]
+        return self.coef.shape[1]
 
     @property
     def block_numel(self) -> int:
-        return self.coef.shape[1]
+        return self.chunk[0] * self.chunk[1]
 
     @property
     def bits(self) -> int:
@@ -146,6 +187,93 @@ class _Group:
     @property
     def n_sel(self) -> int:
         return self.blocks * self.k
+
+
+@dataclass
+class _Run:
+    """Consecutive units of one segment that have a gradient and the same step size: one
+    momentum update."""
+
+    padded: bool
+    rows: slice
+    image: slice | None
+    xpad: slice | None
+    lead: int  # a parameter of the run: its step size is the run's
+
+
+@dataclass
+class _Live:
+    """What one step's gradients look like, from the host's view (no device reads): which
+    units have a gradient, the momentum-update runs, and the tensor lists of the staging and
+    write-back copies. Cached per pattern of present gradients and step sizes."""
+
+    code: int  # presence code
+    unit_on: list[bool]
+    group_on: list[bool]
+    present: list[int]  # parameters with a gradient that belong to an active unit
+    stage: list[torch.Tensor]  # where their gradients are staged
+    zero: list[torch.Tensor]  # staging of members without a gradient, in active units
+    runs: list[list[_Run]]
+    off_rows: list[list[slice]]  # rows of units without a gradient, per group
+    write: list[tuple[list[int], list[torch.Tensor]]]  # per group: parameters, output views
+
+
+def _view_in(buf: torch.Tensor, u: _Unit, member: int, shape: torch.Size) -> torch.Tensor:
+    """The view of member ``member`` of unit ``u`` (shape ``shape``) in the unit's padded
+    image ``buf`` (already sliced to the unit)."""
+    p = u.plan
+    if u.flat:  # the interior of a batch of small tensors is contiguous (no column padding)
+        off = sum(u.sizes[:member])
+        return buf[off: off + u.sizes[member]].view(shape)
+    return buf.view(p.padded)[: p.shape2d[0], : p.shape2d[1]].view(shape)
+
+
+def _interior(buf: torch.Tensor, u: _Unit) -> torch.Tensor:
+    p = u.plan
+    return buf.view(p.padded)[: p.shape2d[0], : p.shape2d[1]]
+
+
+def _blocked(u: _Unit) -> tuple[int, int, int, int]:
+    """A tiling tensor viewed as ``(block rows, cr, block columns, cc)``."""
+    (nbr, nbc), (cr, cc) = u.plan.grid, u.plan.chunk
+    return nbr, cr, nbc, cc
+
+
+def _as_shape(view4: torch.Tensor, shape: torch.Size) -> torch.Tensor | None:
+    """``view4`` as a view of ``shape``, or None where its strides do not allow it."""
+    try:
+        return view4.view(shape)
+    except RuntimeError:
+        return None
+
+
+def _grad4(grad: torch.Tensor, four: tuple[int, int, int, int] | None) -> torch.Tensor:
+    """The gradient as the tensor its staging or output view expects."""
+    if four is None:
+        return grad
+    try:
+        return grad.view(four)
+    except RuntimeError:  # a gradient with unusual strides
+        return grad.reshape(four)
+
+
+class _Workspace:
+    """Scratch buffers shared by the groups, sized for the largest one at set-up (so views of
+    them can be built once)."""
+
+    def __init__(self, groups: list[_Group], device: torch.device,
+                 compute_dtype: torch.dtype) -> None:
+        n = max(g.coef.numel() for g in groups)
+        img = max([1] + [g.img.numel() for g in groups if g.img is not None])
+
+        def buf(numel, dtype=torch.float32):
+            return torch.zeros(numel, dtype=dtype, device=device)
+
+        self.x, self.y, self.z, self.out = buf(n), buf(n), buf(n), buf(img)
+        low = compute_dtype != torch.float32
+        self.xc = buf(n, compute_dtype) if low else None
+        self.yc = buf(n, compute_dtype) if low else None
+        self.zc = buf(n, compute_dtype) if low else None
 
 
 class DeMoReplicator(Replicator):
@@ -163,7 +291,7 @@ class DeMoReplicator(Replicator):
                  transform: str = "dct", transform_dtype: str = "fp32", small: str = "batch",
                  small_numel: int | None = None,
                  bucket: bool = True, overlap: str = "none", on_bad_peer: str = "raise",
-                 **schedule) -> None:
+                 compile: bool = False, **schedule) -> None:
         super().__init__(**schedule)
         if not isinstance(topk, int) or isinstance(topk, bool) or topk < 1:
             raise ValueError(f"topk must be an integer >= 1, got {topk!r}")
@@ -201,6 +329,9 @@ class DeMoReplicator(Replicator):
         self.bucket, self.overlap, self.on_bad_peer = bucket, overlap, on_bad_peer
         self.codec = BlockValueCodec(values)
         self.dropped_payloads = 0
+        # torch.compile of the top-k selection (same results; falls back to eager on failure)
+        self.compile = bool(compile)
+        self._compiled = None
 
     @classmethod
     def preset(cls, name: str, **overrides) -> DeMoReplicator:
@@ -214,7 +345,7 @@ class DeMoReplicator(Replicator):
             ("transform", self.transform, "dct"),
             ("transform_dtype", self.transform_dtype, "fp32"),
             ("small", self.small, "batch"), ("bucket", self.bucket, True),
-            ("overlap", self.overlap, "none")) if v != d)
+            ("overlap", self.overlap, "none"), ("compile", self.compile, False)) if v != d)
         return (f"topk={self.topk}, chunk={self.chunk}, decay={self.decay}, "
                 f"values={self.values!r}, sign={self.sign}{extra}")
 
@@ -222,39 +353,118 @@ class DeMoReplicator(Replicator):
     def _is_small(self, shape: torch.Size) -> bool:
         return self.small == "batch" and (len(shape) <= 1 or shape.numel() < self.small_numel)
 
+    def _basis(self) -> tuple[str, torch.dtype]:
+        if self.transform == "dct":
+            return "dct", _TRANSFORM_DTYPES[self.transform_dtype]
+        return "identity", torch.float32
+
     def _make_unit(self, members: list[int], shape: tuple[int, ...]) -> _Unit:
         plan = plan_chunks(shape, self.chunk)
         k = min(self.topk, plan.block_numel)
-        basis = "dct" if self.transform == "dct" else "identity"
-        ct = _TRANSFORM_DTYPES[self.transform_dtype] if basis == "dct" else torch.float32
+        basis, ct = self._basis()
         t = BlockDCT(plan, self.device, scratch=self.scratch, basis=basis, compute_dtype=ct)
         sizes = [self._shapes[i].numel() for i in members]
         return _Unit(members, sizes, plan, t, k)
 
     def _make_groups(self) -> list[_Group]:
-        """Group the units by (block size, k), in unit order; with ``bucket=False`` every unit
-        is its own group (one collective each)."""
+        """Group the units by (block shape, k), in unit order; with ``bucket=False`` every
+        unit is its own group (one collective each)."""
         keyed: dict = {}
         for j, u in enumerate(self.units):
-            key = (u.plan.block_numel, u.k) if self.bucket else j
+            key = (u.plan.chunk, u.k) if self.bucket else j
             keyed.setdefault(key, []).append(u)
-        groups = []
+        groups: list[_Group] = []
         for members in keyed.values():
-            n, k = members[0].plan.block_numel, members[0].k
-            blocks = sum(u.plan.num_blocks for u in members)
-            coef = torch.zeros(blocks, n, dtype=torch.float32, device=self.device)
-            g = _Group(members, k, coef)
-            row = 0
-            for u in members:
-                u.group, u.rows = len(groups), slice(row, row + u.plan.num_blocks)
-                row += u.plan.num_blocks
-                # tensors that tile into blocks keep their momentum in the transform domain,
-                # in the group's matrix; padded ones in their own domain (the padding never
-                # holds momentum) and use their rows of the matrix for fresh coefficients
-                u.delta = (torch.zeros(u.plan.shape2d, dtype=torch.float32, device=self.device)
-                           if u.plan.needs_padding else coef[u.rows])
-            groups.append(g)
+            groups.append(self._make_group(len(groups), members))
         return groups
+
+    def _make_group(self, gi: int, units: list[_Unit]) -> _Group:
+        """One group's buffers, layouts and index maps (built once)."""
+        dev, f32 = self.device, torch.float32
+        basis, ct = self._basis()
+        (cr, cc), k = units[0].plan.chunk, units[0].k
+        blocks = sum(u.plan.num_blocks for u in units)
+        coef = torch.zeros(cr, blocks, cc, dtype=f32, device=dev)
+        g = _Group(units, k, (cr, cc), coef, BatchedDCT((cr, cc), dev, basis, ct),
+                   torch.zeros(cr, blocks, cc, dtype=f32, device=dev))
+        row = img = pad = 0
+        src, dst = [], []
+        for u in units:
+            u.group, u.rows = gi, slice(row, row + u.plan.num_blocks)
+            if u.padded or u.flat:  # staged through an image
+                u.image = slice(img, img + u.plan.padded_numel)
+                # block row (b, v) of the unit is image row perm[b * cr + v]; in xh: v, row + b
+                src.append(block_rows(u.plan) + img // cc)
+                b = torch.arange(u.plan.num_blocks).repeat_interleave(cr)
+                v = torch.arange(cr).repeat(u.plan.num_blocks)
+                dst.append(v * blocks + row + b)
+                img += u.plan.padded_numel
+            if u.padded:
+                u.xpad = slice(pad, pad + u.plan.padded_numel)
+                pad += u.plan.padded_numel
+            row += u.plan.num_blocks
+        if img:
+            g.img = torch.zeros(img, dtype=f32, device=dev)
+            g.img_src, g.img_dst = torch.cat(src).to(dev), torch.cat(dst).to(dev)
+        if pad:
+            g.xpad = torch.zeros(pad, dtype=f32, device=dev)
+        for u in units:
+            # tensors that tile into blocks keep their momentum in the transform domain, in
+            # the group's matrix (a (blocks, cr, cc) view); padded ones in their own domain, in
+            # their image (the padding stays zero), and use their blocks of the matrix for
+            # fresh coefficients
+            u.delta = (_interior(g.img[u.image], u) if u.padded
+                       else coef[:, u.rows].permute(1, 0, 2))
+        for u in units:  # segments: runs of units of one kind
+            last = g.segments[-1] if g.segments else None
+            if last is not None and (last.padded, last.direct) == (u.padded, u.direct):
+                last.units.append(u)
+                last.rows = slice(last.rows.start, u.rows.stop)
+                if u.image is not None:
+                    last.image = slice(last.image.start, u.image.stop)
+            else:
+                g.segments.append(_Segment(u.padded, u.direct, [u], u.rows, u.image))
+        for s in g.segments:
+            if s.direct:
+                continue
+            local = torch.cat([block_rows(u.plan) + (u.image.start - s.image.start) // cc
+                               for u in s.units])
+            if not torch.equal(local, torch.arange(local.numel())):
+                s.inv = torch.argsort(local).to(dev)
+        return g
+
+    def _make_views(self) -> None:
+        """Per parameter: where its gradient is staged, where its output is read, and the
+        4-D shape its gradient is viewed as for both (None: its own shape)."""
+        self._stage_at: dict[int, torch.Tensor] = {}
+        self._out_at: dict[int, torch.Tensor] = {}
+        self._four: dict[int, tuple | None] = {}
+        w = self._work
+        for g in self.groups:
+            bn = g.block_numel
+            for u in g.units:
+                if not u.direct:
+                    staging = g.xpad[u.xpad] if u.padded else g.img[u.image]
+                    for j, i in enumerate(u.members):
+                        self._stage_at[i] = _view_in(staging, u, j, self._shapes[i])
+                        self._out_at[i] = _view_in(w.out[u.image], u, j, self._shapes[i])
+                        self._four[i] = None
+                    continue
+                i, shape = u.members[0], self._shapes[u.members[0]]
+                nbr, cr, nbc, cc = _blocked(u)
+                stage = g.xh[:, u.rows].reshape(cr, nbr, nbc, cc).permute(1, 0, 2, 3)
+                out = w.y[u.rows.start * bn: u.rows.stop * bn].view(nbr, nbc, cr, cc)
+                out = out.permute(0, 2, 1, 3)
+                flat_stage, flat_out = _as_shape(stage, shape), _as_shape(out, shape)
+                if flat_stage is not None and flat_out is not None:
+                    self._stage_at[i], self._out_at[i], self._four[i] = flat_stage, flat_out, None
+                else:
+                    self._stage_at[i], self._out_at[i] = stage, out
+                    self._four[i] = (nbr, cr, nbc, cc)
+            for s in g.segments:
+                if s.padded:
+                    s.deltas = [u.delta for u in s.units]
+                    s.outs = [_interior(w.out[u.image], u) for u in s.units]
 
     def _setup_state(self) -> None:
         self.scratch = Scratch()
@@ -267,9 +477,10 @@ class DeMoReplicator(Replicator):
             total = sum(self._shapes[i].numel() for i in small)
             rows = math.ceil(total / self.chunk)
             unit = self._make_unit(small, (rows, self.chunk))
-            unit.flat = torch.zeros(rows * self.chunk, dtype=torch.float32, device=self.device)
+            unit.flat = True
             self.units.append(unit)
         self.groups = self._make_groups()
+        self.units_by_param = {i: u for u in self.units for i in u.members}
         off = HEADER_BYTES
         for g in self.groups:
             g.idx_off = off
@@ -281,89 +492,204 @@ class DeMoReplicator(Replicator):
         nbuf = 2 if self.overlap == "delayed" else 1
         self._buckets = [torch.zeros(off, dtype=torch.uint8, device=self.device)
                          for _ in range(nbuf)]
-        self._inflight = None  # delayed mode: (step, handle or gathered, sent)
+        self._inflight = None  # delayed mode: (step, handle or gathered, live)
+        self._work = _Workspace(self.groups, self.device, self._basis()[1])
+        self._make_views()
+        # the momentum, and a copy of it from before the step (for a rank whose input was not
+        # finite): every group's matrix and the images of its padded units
+        self._state = [g.coef for g in self.groups] + [
+            g.img[u.image] for g in self.groups for u in g.units if u.padded]
+        self._saved = [torch.empty_like(t) for t in self._state]
+        self._lives: dict = {}
+        self._own_flag = torch.zeros((), dtype=torch.bool, device=self.device)
 
     @property
     def delta(self) -> list[torch.Tensor]:
-        """The momentum buffers, one per unit (large tensor, or the small-tensor batch)."""
+        """The momentum buffers, one per unit (large tensor, or the small-tensor batch):
+        views of the DCT coefficients ``(blocks, cr, cc)`` of tensors that tile into blocks,
+        the tensor as a matrix for padded ones."""
         return [u.delta for u in self.units]
 
     def payload_bytes(self) -> int:
         """Bytes this rank contributes to one exchange (header and alignment included)."""
         return self.bucket_bytes
 
-    # ------------------------------------------------------------------ encode
-    def _unit_input(self, u: _Unit, grads) -> torch.Tensor | None:
-        if u.flat is None:
-            return grads[u.members[0]]
-        if not _has_grad(u, grads):
-            return None
-        off = 0
-        for i, size in zip(u.members, u.sizes):
-            seg = u.flat[off: off + size]
-            if grads[i] is None:
-                seg.zero_()
-            else:
-                seg.copy_(grads[i].reshape(-1))
-            off += size
-        u.flat[off:].zero_()  # the padding tail (it held the last output)
-        return u.flat
+    # ------------------------------------------------------------------ the step's shape
+    def _live_of(self, grads, lrs) -> _Live:
+        present = tuple(g is not None for g in grads)
+        if lrs is None or not self.scale_by_lr:
+            return self._live(present, None)
+        classes: dict = {}  # which units share a step size (not the sizes: they change)
+        return self._live(present, tuple(classes.setdefault(lrs[u.members[0]], len(classes))
+                                         for u in self.units))
 
-    def _transform(self, u: _Unit, x: torch.Tensor, lr: float, coef: torch.Tensor) -> None:
-        """Momentum update; the unit's DCT coefficients land in ``coef`` (its group rows)."""
-        plan, t = u.plan, u.transform
-        scale = lr if self.scale_by_lr else 1.0
-        if plan.needs_padding:
-            u.delta.mul_(self.decay).add_(x.reshape(plan.shape2d), alpha=scale)
-            t.encode_into(u.delta, coef)
-        else:  # coef is the momentum itself: decay and add the new transform in one product
-            t.encode_into(x, coef, alpha=scale, beta=self.decay)
-
-    def _encode(self, g: _Group, inputs: list, lrs, buf: torch.Tensor):
-        """Momentum update, selection, packing and error feedback of one group; returns the
-        sent (idx, values), both ``(blocks, k)``. Inactive units (no gradient) keep their
-        momentum and send zeros."""
-        for u, x in zip(g.units, inputs):
-            if x is not None:
-                self._transform(u, x, lrs[u.members[0]], g.coef[u.rows])
-        mag = self.scratch.get(4, g.coef.numel(), torch.float32, self.device)
-        idx = topk_indices(torch.abs(g.coef, out=mag.view_as(g.coef)), g.k)
-        vals = g.coef.gather(1, idx)
-        for u, x in zip(g.units, inputs):
-            if x is None:
-                vals[u.rows] = 0.0
-        pack_bits(idx, g.bits, buf[g.idx_off: g.val_off])
-        sent = self.codec.encode(vals, buf[g.val_off: g.end])
-        self._feedback(g, idx, sent, sign=-1.0)
-        return idx, sent
-
-    def _feedback(self, g: _Group, idx: torch.Tensor, vals: torch.Tensor, sign: float) -> None:
-        """Add ``sign * sent`` to the momentum (sign -1: error feedback, +1: undo it)."""
-        g.coef.scatter_add_(1, idx, vals if sign > 0 else -vals)  # padded units: scratch rows
-        for u in g.units:
-            plan, t = u.plan, u.transform
-            if not plan.needs_padding:
-                continue
-            img = self.scratch.get(2, plan.padded_numel, torch.float32, self.device).zero_()
-            img.index_add_(0, t.image_index(idx[u.rows]), vals[u.rows].reshape(-1))
-            u.delta.add_(t.decode_image(img).reshape(plan.shape2d), alpha=sign)
-
-    def _fill(self, grads, lrs, step: int, buf: torch.Tensor):
-        """Encode every group into ``buf``; returns the per-group sent (idx, values), or None
-        for groups without gradients (and for all groups when a gradient is not finite)."""
-        present = [g for g in grads if g is not None]
-        bad = not all_finite(present)
-        code = presence_code(grads)
-        write_header(buf, step, bad, code)
-        sent: list = []
+    def _live(self, present: tuple[bool, ...], classes: tuple[int, ...] | None) -> _Live:
+        """The host-side plan of a step with gradients ``present`` whose units fall into
+        ``classes`` of equal step size (None: all equal), cached: a training run has few such
+        patterns."""
+        key = (present, classes)
+        live = self._lives.get(key)
+        if live is not None:
+            return live
+        if len(self._lives) >= 64:
+            self._lives.clear()
+        unit_on = [any(present[i] for i in u.members) for u in self.units]
+        on = {id(u): o for u, o in zip(self.units, unit_on)}
+        live = _Live(presence_code([0 if p else None for p in present]), unit_on,
+                     [any(on[id(u)] for u in g.units) for g in self.groups],
+                     [], [], [], [], [], [])
+        cls = dict(zip(map(id, self.units), classes or [0] * len(self.units)))
         for g in self.groups:
-            inputs = [None if bad else self._unit_input(u, grads) for u in g.units]
-            if all(x is None for x in inputs):
+            runs: list[_Run] = []
+            off: list[slice] = []
+            params: list[int] = []
+            for u in g.units:
+                if not on[id(u)]:
+                    off.append(u.rows)
+                    continue
+                for i in u.members:
+                    if present[i]:
+                        live.present.append(i)
+                        live.stage.append(self._stage_at[i])
+                        params.append(i)
+                    else:
+                        live.zero.append(self._stage_at[i])
+                last = runs[-1] if runs else None
+                if (last is not None and last.padded == u.padded
+                        and cls[id(self.units_by_param[last.lead])] == cls[id(u)]
+                        and last.rows.stop == u.rows.start):
+                    last.rows = slice(last.rows.start, u.rows.stop)
+                    if u.padded:
+                        last.image = slice(last.image.start, u.image.stop)
+                        last.xpad = slice(last.xpad.start, u.xpad.stop)
+                else:
+                    runs.append(_Run(u.padded, u.rows, u.image, u.xpad, u.members[0]))
+            live.runs.append(runs)
+            live.off_rows.append(off)
+            live.write.append((params, [self._out_at[i] for i in params]))
+        self._lives[key] = live
+        return live
+
+    # ------------------------------------------------------------------ encode
+    def _stage(self, grads, live: _Live) -> None:
+        """The gradients into the groups' block rows and images (one multi-tensor copy)."""
+        if live.present:
+            torch._foreach_copy_(live.stage, [_grad4(grads[i], self._four[i])
+                                              for i in live.present])
+        if live.zero:
+            torch._foreach_zero_(live.zero)
+
+    def _decay_encode(self, g: _Group, runs: list[_Run], lrs) -> None:
+        """Momentum update and forward DCT of all blocks of ``g`` with a gradient: tiling
+        units ``coef = decay * coef + s * DCT(grad)`` (one fused product), padded units
+        ``delta = decay * delta + s * grad`` and ``coef = DCT(delta)``."""
+        w, cc, n = self._work, g.chunk[1], g.coef.numel()
+        scale = {id(r): float(lrs[r.lead]) if self.scale_by_lr and lrs is not None else 1.0
+                 for r in runs}
+        for r in runs:
+            if r.padded:
+                g.img[r.image].mul_(self.decay).add_(g.xpad[r.xpad], alpha=scale[id(r)])
+        if g.img is not None:  # image-staged units: their rows into the block rows
+            rows = torch.index_select(g.img.view(-1, cc), 0, g.img_src,
+                                      out=w.x[: g.img_src.numel() * cc].view(-1, cc))
+            g.xh.view(-1, cc).index_copy_(0, g.img_dst, rows)
+        x = g.xh if w.xc is None else w.xc[:n].view_as(g.xh).copy_(g.xh)
+        y = g.dct.rows(x, out=(w.y if w.yc is None else w.yc)[:n].view_as(g.xh))
+        for r in runs:
+            alpha, beta = (1.0, 0.0) if r.padded else (scale[id(r)], self.decay)
+            g.dct.cols_into(y, g.coef, r.rows, alpha, beta, w.zc)
+
+    def _select(self, g: _Group, off_rows: list[slice]):
+        """Top-k coefficients of every block: ``(blocks, k)`` block-local indices, their
+        positions in ``coef`` and their values; units without a gradient keep their momentum
+        and send zeros."""
+        idx_pos = self._compiled_select(g)
+        if idx_pos is None:
+            idx_pos = topk_blocks_rowmajor(g.coef, g.k, self._work.x[: g.coef.numel()],
+                                           self.scratch)
+        idx, pos = idx_pos
+        vals = torch.take(g.coef, pos)
+        for rows in off_rows:
+            vals[rows] = 0.0
+        return idx, pos, vals
+
+    def _compiled_select(self, g: _Group):
+        """The selection through ``torch.compile`` (``compile=True``), or None: not asked,
+        a block shape it does not cover, or compilation failed once (then never again)."""
+        cr, cc = g.chunk
+        if not self.compile or cr % 8 or cr * cc // 8 < 4 * g.k:
+            return None
+        try:
+            if self._compiled is None:
+                self._compiled = torch.compile(select_rowmajor, dynamic=False)
+            return self._compiled(g.coef, g.k)
+        except Exception as e:  # no compiler, an unsupported backend, ...
+            warnings.warn(f"{self.name}: torch.compile of the selection failed ({e!r:.200}); "
+                          "running it eagerly", RuntimeWarning, stacklevel=2)
+            self.compile = False
+            return None
+
+    def _feedback(self, g: _Group, idx: torch.Tensor, pos: torch.Tensor, vals: torch.Tensor,
+                  sign: float) -> None:
+        """Add ``sign * sent`` to the momentum (sign -1: error feedback, +1: undo it): to the
+        coefficients of tiling units, and through the inverse DCT to the momentum of padded
+        units (their blocks of ``coef`` only hold this step's fresh coefficients)."""
+        g.coef.view(-1).scatter_add_(0, pos.view(-1), (vals if sign > 0 else -vals).view(-1))
+        for s in g.segments:
+            if s.padded:
+                blocks = self._dense_inverse(g, s, [(idx[s.rows], vals[s.rows])], 1)
+                self._to_image(g, s, blocks)
+                torch._foreach_add_(s.deltas, s.outs, alpha=sign)
+
+    def _write_header(self, buf: torch.Tensor, step: int, flag: torch.Tensor,
+                      code: int) -> None:
+        """The header (base's layout) written on the device: no host round trip."""
+        head = buf[:HEADER_BYTES].view(torch.int64)
+        head[0].fill_(MAGIC)
+        head[1].fill_(step)
+        head[2].copy_(flag)
+        head[3].fill_(code)
+
+    def _code(self, g: _Group, idx: torch.Tensor, vals: torch.Tensor,
+              buf: torch.Tensor) -> torch.Tensor:
+        """Pack the indices and code the values into the group's segments of ``buf``;
+        returns the values as the peers will decode them."""
+        pack_bits(idx, g.bits, buf[g.idx_off: g.val_off])
+        return self.codec.encode(vals, buf[g.val_off: g.end])
+
+    def _fill(self, grads, lrs, step: int, buf: torch.Tensor) -> list:
+        """This rank's payload for ``step`` in ``buf``; returns per group the sent
+        (indices, positions, values), or None for groups without gradients."""
+        live = self._live_of(grads, lrs)
+        torch._foreach_copy_(self._saved, self._state)  # put back if our input is not finite
+        self._stage(grads, live)
+        sent: list = []
+        finite = []
+        for gi, g in enumerate(self.groups):
+            if not live.group_on[gi]:
                 buf[g.idx_off: g.end].zero_()
                 sent.append(None)
                 continue
-            sent.append(self._encode(g, inputs, lrs, buf))
-        return sent, code
+            self._decay_encode(g, live.runs[gi], lrs)  # delta = decay delta + lr grad (DCT)
+            idx, pos, vals = self._select(g, live.off_rows[gi])  # top-k of every block
+            finite.append(torch.isfinite(vals).all())  # a NaN/Inf input is always selected
+            vals = self._code(g, idx, vals, buf)  # packed indices, coded values
+            self._feedback(g, idx, pos, vals, sign=-1.0)  # delta -= what the peers will see
+            sent.append((idx, pos, vals))
+        self._own_flag = (~torch.stack(finite).all() if finite
+                          else torch.zeros((), dtype=torch.bool, device=self.device))
+        self._write_header(buf, step, self._own_flag, live.code)
+        return sent
+
+    def _roll_back(self, sent: list) -> None:
+        """After a failed exchange: a rank whose own input was not finite gets its momentum
+        back as it was before the step; the others add back what they sent."""
+        if bool(self._own_flag):  # the rare path: one more read
+            torch._foreach_copy_(self._state, self._saved)
+            return
+        for g, s in zip(self.groups, sent):
+            if s is not None:
+                self._feedback(g, *s, sign=1.0)
 
     # ------------------------------------------------------------------ exchange
     def _exchange(self, buf: torch.Tensor) -> torch.Tensor:
@@ -377,152 +703,243 @@ class DeMoReplicator(Replicator):
                                                   self.stats)
         return out
 
-    # ------------------------------------------------------------------ decode
-    def _check_header(self, row: torch.Tensor, step: int) -> str | None:
-        magic, st = row[:16].view(torch.int64).tolist()
-        if magic != MAGIC:
-            return f"bad magic/version {magic:#x} (expected {MAGIC:#x})"
-        if st != step:
-            return f"payload for step {st}"
-        return None
-
-    def _check_body(self, row: torch.Tensor, active: list[bool]):
-        """Decode one peer's groups; returns (idx, values) per group (None where no unit of
-        the group has a gradient), or the reason the payload is bad."""
-        decoded: list = []
-        for g, on in zip(self.groups, active):
-            if not on:
-                decoded.append(None)
+    # ------------------------------------------------------------------ check
+    def _verdict(self, gathered: torch.Tensor, live: _Live):
+        """Every peer's payload checked on the device: ``(peers, 7)`` int64 rows (magic,
+        step, non-finite flag, presence code, body reason, its group, largest index), and per
+        group with gradients the decoded ``(peers, blocks, k)`` indices and values."""
+        n = gathered.shape[0]
+        heads = gathered[:, :HEADER_BYTES].contiguous().view(torch.int64)
+        reason = which = top = torch.zeros(n, dtype=torch.int64, device=gathered.device)
+        decoded: list = [None] * len(self.groups)
+        found = []
+        for gi, g in enumerate(self.groups):
+            if not live.group_on[gi]:
                 continue
-            idx = unpack_bits(row[g.idx_off: g.val_off], g.bits, g.n_sel).view(-1, g.k)
-            if (1 << g.bits) > g.block_numel and int(idx.max()) >= g.block_numel:
-                return (f"index {int(idx.max())} out of range for blocks of "
-                        f"{g.block_numel} entries")
-            srt = idx.sort(dim=1).values
-            if bool((srt[:, 1:] == srt[:, :-1]).any()):
-                return "repeated index within a block"
-            vals = self.codec.decode(row[g.val_off: g.end], g.blocks, g.k)
-            if not bool(torch.isfinite(vals).all()):
-                return "non-finite value"
-            decoded.append((idx, vals))
-        return decoded
+            idx = unpack_bits(gathered[:, g.idx_off: g.val_off], g.bits, g.n_sel)
+            idx = idx.view(n, g.blocks, g.k)
+            vals = self.codec.decode(gathered[:, g.val_off: g.end], g.blocks, g.k)
+            decoded[gi] = (idx, vals)
+            why = torch.where(torch.isfinite(vals).flatten(1).all(1), 0, _NONFINITE)
+            if g.k > 1:
+                srt = idx.sort(dim=2).values
+                why = torch.where((srt[..., 1:] == srt[..., :-1]).flatten(1).any(1), _REPEAT,
+                                  why)
+            big = reason
+            if (1 << g.bits) > g.block_numel:  # a packed index can exceed the block
+                big = idx.flatten(1).amax(1)
+                why = torch.where(big >= g.block_numel, _RANGE, why)
+            found.append((gi, why, big))
+        for gi, why, big in reversed(found):  # the first bad group names the reason
+            hit = why != 0
+            reason = torch.where(hit, why, reason)
+            which = torch.where(hit, gi, which)
+            top = torch.where(hit, big, top)
+        return torch.cat([heads, torch.stack([reason, which, top], 1)], 1), decoded
+
+    def _reason(self, why: int, gi: int, top: int) -> str:
+        if why == _RANGE:
+            return (f"index {top} out of range for blocks of {self.groups[gi].block_numel} "
+                    "entries")
+        return "repeated index within a block" if why == _REPEAT else "non-finite value"
+
+    def _check(self, gathered: torch.Tensor, step: int, live: _Live):
+        """Check the gathered payloads; raise or drop bad ones. Returns the good peers and
+        the decoded payloads."""
+        verdict, decoded = self._verdict(gathered, live)
+        rows = verdict.tolist()  # the one read of the device in a step
+        peers = []
+        for r, (magic, st, *_) in enumerate(rows):
+            if magic != MAGIC:
+                self._bad_peer(r, step, f"bad magic/version {magic:#x} (expected {MAGIC:#x})")
+            elif st != step:
+                self._bad_peer(r, step, f"payload for step {st}")
+            else:
+                peers.append(r)
+        ok = set(peers)
+        check_flags(self.name, [row[2] if r in ok else 0 for r, row in enumerate(rows)],
+                    [row[3] if r in ok else live.code for r, row in enumerate(rows)],
+                    live.code, step)
+        good = []
+        for r in peers:
+            why, gi, top = rows[r][4:]
+            if why:
+                self._bad_peer(r, step, self._reason(why, gi, top))
+            else:
+                good.append(r)
+        return good, decoded
 
     def _bad_peer(self, r: int, step: int, reason: str) -> None:
-        global_rank = (dist.get_global_rank(self.group, r)
-                       if dist.is_initialized() and self.world > 1 else r)
+        global_rank = global_rank_of(self.group, r)
         if self.on_bad_peer == "raise":
             raise CorruptPayloadError(self.name, r, global_rank, step, reason)
         self.dropped_payloads += 1
         warnings.warn(f"{self.name}: dropped the payload of rank {global_rank} at step {step}: "
-                      f"{reason}", RuntimeWarning, stacklevel=3)
+                      f"{reason}", RuntimeWarning, stacklevel=4)
 
-    def _decode(self, gathered: torch.Tensor, grads, step: int, code: int) -> None:
-        n = gathered.shape[0]
-        heads = gathered[:, :HEADER_BYTES].contiguous().view(torch.int64).view(n, 4).tolist()
-        peers = []
-        for r in range(n):
-            reason = self._check_header(gathered[r], step)
-            if reason is None:
-                peers.append(r)
-            else:
-                self._bad_peer(r, step, reason)
-        check_flags(self.name, [heads[r][2] if r in peers else 0 for r in range(n)],
-                    [heads[r][3] if r in peers else code for r in range(n)], code, step)
-        active = [any(_has_grad(u, grads) for u in g.units) for g in self.groups]
-        good = []
-        for r in peers:
-            res = self._check_body(gathered[r], active)
-            if isinstance(res, str):
-                self._bad_peer(r, step, res)
-            else:
-                good.append(res)
-        for u in self.units:
-            if not _has_grad(u, grads):
-                continue
-            parts = [(dec[u.group][0][u.rows], dec[u.group][1][u.rows]) for dec in good]
-            self._write_output(u, self._mean(u, parts, grads), grads)
+    # ------------------------------------------------------------------ decode
+    def _blocks_out(self, g: _Group, s: _Segment) -> torch.Tensor:
+        """Where segment ``s``'s decoded blocks go: ``(blocks, cr, cc)`` in the group's block
+        rows of the workspace, or straight in the output image when that is the same
+        layout."""
+        cr, cc = g.chunk
+        nb = s.rows.stop - s.rows.start
+        if not s.direct and s.inv is None:
+            return self._work.out[s.image].view(nb, cr, cc)
+        bn = g.block_numel
+        return self._work.y[s.rows.start * bn: s.rows.stop * bn].view(nb, cr, cc)
 
-    def _mean(self, u: _Unit, parts: list, grads) -> torch.Tensor:
-        """The mean of the peers' (idx, values) of unit ``u``, decoded to its matrix shape.
+    def _dense_inverse(self, g: _Group, s: _Segment, parts: list, n: int) -> torch.Tensor:
+        """Inverse DCT of the blocks of segment ``s`` from sparse ``(idx, values)`` parts
+        (summed in order, divided by ``n`` when ``n > 1``), as ``(blocks, cr, cc)``."""
+        w = self._work
+        nb = s.rows.stop - s.rows.start
+        numel = nb * g.block_numel
+        coef = w.x[:numel].view(nb, g.block_numel).zero_()
+        for idx, vals in parts:  # rank order: every replica sums alike
+            coef.scatter_add_(1, idx, vals)
+        if n > 1:
+            coef.div_(n)
+        out = self._blocks_out(g, s)
+        g.dct.inverse(coef, out, w.z[:numel])
+        return out
+
+    def _to_image(self, g: _Group, s: _Segment, blocks: torch.Tensor) -> None:
+        """Blocks of an image-staged segment into its rows of the output image."""
+        if s.inv is not None:
+            cc = g.chunk[1]
+            torch.index_select(blocks.view(-1, cc), 0, s.inv,
+                               out=self._work.out[s.image].view(-1, cc))
+
+    def _decode_mean(self, g: _Group, idx: torch.Tensor, vals: torch.Tensor) -> None:
+        """The mean over the peers of their ``(peers, blocks, k)`` coefficients, through the
+        inverse DCT and ``sign()``, into the workspace's output views.
 
         A few coefficients per block (``m <= (cr + cc) / 4`` over all peers) are decoded
-        sparsely; more go through a coefficient image and the dense inverse transform. The
-        choice depends only on shapes and the number of peers, so all replicas take the same
-        path and get the same bits.
+        sparsely; more go through a dense coefficient matrix. The choice depends only on
+        shapes and the number of peers, so all replicas take the same path and get the same
+        bits.
         """
-        plan, t = u.plan, u.transform
-        g = grads[u.members[0]]
-        if u.flat is not None:
-            out = u.flat.view(plan.shape2d)
-        elif g.dtype == torch.float32 and g.is_contiguous():
-            out = g.view(plan.shape2d)  # decode straight into the gradient
-        else:
-            out = self.scratch.get(7, plan.numel, torch.float32, self.device).view(plan.shape2d)
-        m = u.k * len(parts)
-        if parts and not plan.needs_padding and 4 * m <= sum(plan.chunk):
-            idx = torch.cat([p[0] for p in parts], dim=1)
-            vals = torch.cat([p[1] for p in parts], dim=1)
-            if len(parts) > 1:
-                vals = vals / len(parts)
-            return t.decode_sparse(idx, vals, out)
-        img = self.scratch.get(2, plan.padded_numel, torch.float32, self.device).zero_()
-        for idx, vals in parts:  # rank order: every replica sums alike
-            img.index_add_(0, t.image_index(idx), vals.reshape(-1))
-        if len(parts) > 1:
-            img.div_(len(parts))
-        return t.decode_image(img, out=out)
+        n, (cr, cc) = idx.shape[0], g.chunk
+        m = g.k * n
+        for s in g.segments:
+            if n and not s.padded and 4 * m <= cr + cc:
+                nb = s.rows.stop - s.rows.start
+                i, v = idx[:, s.rows], vals[:, s.rows]
+                if n > 1:  # (blocks, peers * k) in rank order
+                    i = i.permute(1, 0, 2).reshape(nb, m)
+                    v = v.permute(1, 0, 2).reshape(nb, m) / n
+                else:
+                    i, v = i[0], v[0]
+                out = self._blocks_out(g, s)
+                left = self.scratch.get(5, nb * m * cr, torch.float32, self.device)
+                right = self.scratch.get(6, nb * m * cc, torch.float32, self.device)
+                g.dct.inverse_sparse(i, v, out, left, right)
+            else:
+                out = self._dense_inverse(g, s, [(idx[r, s.rows], vals[r, s.rows])
+                                                 for r in range(n)], n)
+            if self.sign:
+                out.sign_()
+            if not s.direct:
+                self._to_image(g, s, out)
 
-    def _write_output(self, u: _Unit, out: torch.Tensor, grads) -> None:
-        if self.sign:
-            out.sign_()
-        flat, off = out.reshape(-1), 0
-        for i, size in zip(u.members, u.sizes):
-            g = grads[i]
-            if g is not None and g.data_ptr() != flat.data_ptr() + off * flat.element_size():
-                g.copy_(flat[off: off + size].view_as(g))
-            off += size
+    def _write(self, grads, params: list[int], views: list[torch.Tensor]) -> None:
+        """The decoded output into the gradients (one multi-tensor copy)."""
+        targets, sources = [], []
+        for i, v in zip(params, views):
+            four = self._four[i]
+            if four is None:
+                targets.append(grads[i])
+                sources.append(v)
+                continue
+            try:
+                targets.append(grads[i].view(four))
+                sources.append(v)
+            except RuntimeError:  # a gradient with unusual strides: copy it on its own
+                grads[i].copy_(v.reshape(grads[i].shape))
+        if targets:
+            torch._foreach_copy_(targets, sources)
+
+    def _apply(self, decoded: list, good: list[int], sent_live: _Live, live: _Live,
+               grads) -> None:
+        """The decoded mean of the good peers' payloads (encoded with ``sent_live``) into the
+        gradients present now (``live``): one multi-tensor copy per group."""
+        for gi, g in enumerate(self.groups):
+            params, views = live.write[gi]
+            if not params:
+                continue
+            if not sent_live.group_on[gi]:  # nothing was sent for it (delayed mode)
+                torch._foreach_zero_([grads[i] for i in params])
+                continue
+            idx, vals = decoded[gi]
+            if len(good) < idx.shape[0]:  # dropped peers (the rare path)
+                keep = torch.tensor(good, dtype=torch.int64, device=idx.device)
+                idx, vals = idx.index_select(0, keep), vals.index_select(0, keep)
+            self._decode_mean(g, idx, vals)  # mean, inverse DCT, sign
+            self._write(grads, params, views)  # into the gradients
+
+    def _decode(self, gathered: torch.Tensor, grads, step: int, code: int) -> None:
+        """Check ``gathered`` payloads of ``step`` and write their decoded mean into
+        ``grads`` (``code``: this rank's presence code, as computed from ``grads``)."""
+        live = self._live_of(grads, None)
+        if code != live.code:
+            raise ValueError(f"{self.name}: presence code {code} does not match the gradients")
+        good, decoded = self._check(gathered, step, live)
+        self._apply(decoded, good, live, live, grads)
 
     # ------------------------------------------------------------------ step
     def replicate(self, grads, lrs, step, communicate):
+        """One DeMo step; each stage runs once per group of blocks of one shape."""
         if self.overlap == "delayed":
             return self._replicate_delayed(grads, lrs, step)
+        live = self._live_of(grads, lrs)
         buf = self._buckets[0]
-        sent, code = self._fill(grads, lrs, step, buf)
+        # decay + encode, select, code, error feedback: this rank's payload
+        sent = self._fill(grads, lrs, step, buf)
+        # exchange (a group of one, or a step the schedule skips, keeps its own)
         gathered = self._exchange(buf) if communicate else buf.unsqueeze(0)
-        try:
-            self._decode(gathered, grads, step, code)
+        try:  # check every payload on the device; the step's one read of the verdict
+            good, decoded = self._check(gathered, step, live)
         except Exception:
-            for g, s in zip(self.groups, sent):
-                if s is not None:
-                    self._feedback(g, s[0], s[1], sign=1.0)
+            self._roll_back(sent)
             raise
+        # decode the mean of the good payloads, inverse DCT, sign, write into the gradients
+        self._apply(decoded, good, live, live, grads)
         return grads
 
     def _replicate_delayed(self, grads, lrs, step):
+        live = self._live_of(grads, lrs)
+        previous, self._inflight = self._inflight, None
+        if previous is not None:  # check last step's payloads before encoding this one
+            prev_step, handle, prev_live = previous
+            gathered = handle.wait() if isinstance(handle, Pending) else handle
+            try:
+                good, decoded = self._check(gathered, prev_step, prev_live)
+            except Exception:
+                if bool(self._own_flag):  # our own input was not finite: state as before
+                    torch._foreach_copy_(self._state, self._saved)
+                raise
         buf = self._buckets[step % 2]
-        _, code = self._fill(grads, lrs, step, buf)
-        handle = all_gather(buf, self.group, self.stats, async_op=True)
-        previous, self._inflight = self._inflight, (step, handle, code)
+        self._fill(grads, lrs, step, buf)
+        self._inflight = (step, all_gather(buf, self.group, self.stats, async_op=True), live)
         if previous is None:
-            for g in grads:
-                if g is not None:
-                    g.zero_()
+            torch._foreach_zero_([g for g in grads if g is not None])
             return grads
-        prev_step, prev_handle, prev_code = previous
-        gathered = prev_handle.wait() if isinstance(prev_handle, Pending) else prev_handle
-        self._decode(gathered, grads, prev_step, prev_code)
+        self._apply(decoded, good, prev_live, live, grads)
         return grads
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict:
         sd = super().state_dict()
-        sd["delta"] = [d.clone() for d in self.delta]
+        sd["delta"] = [d.reshape(d.shape[0], -1).clone() for d in self.delta]
         sd["dropped_payloads"] = self.dropped_payloads
         if self._inflight is not None:
-            step, handle, code = self._inflight
+            step, handle, live = self._inflight
             gathered = handle.wait() if isinstance(handle, Pending) else handle
-            self._inflight = (step, gathered, code)
-            sd["inflight"] = {"step": step, "gathered": gathered.clone(), "code": code}
+            self._inflight = (step, gathered, live)
+            present = next(k for k, v in self._lives.items() if v is live)[0]
+            sd["inflight"] = {"step": step, "gathered": gathered.clone(), "code": live.code,
+                              "present": list(present)}
         return sd
 
     def load_state_dict(self, state: dict) -> None:
@@ -531,14 +948,19 @@ class DeMoReplicator(Replicator):
             raise ValueError(f"{self.name}: state holds {len(deltas)} momentum buffers, this "
                              f"replicator has {len(self.units)} (another model or settings?)")
         for i, (u, theirs) in enumerate(zip(self.units, deltas)):
-            if theirs is None or tuple(theirs.shape) != tuple(u.delta.shape):
+            if theirs is None or (theirs.shape[0], theirs.numel()) != (u.delta.shape[0],
+                                                                        u.delta.numel()):
                 raise ValueError(f"{self.name}: momentum {i} has shape "
                                  f"{None if theirs is None else tuple(theirs.shape)}, "
-                                 f"expected {tuple(u.delta.shape)} (another model or mesh?)")
+                                 f"expected {tuple(u.delta.reshape(u.delta.shape[0], -1).shape)} "
+                                 "(another model or mesh?)")
         super().load_state_dict(state)
         for u, theirs in zip(self.units, deltas):
-            u.delta.copy_(theirs)
+            u.delta.copy_(theirs.reshape(u.delta.shape))
         self.dropped_payloads = int(state.get("dropped_payloads", 0))
         inflight = state.get("inflight")
-        self._inflight = None if inflight is None else (
-            int(inflight["step"]), inflight["gathered"].to(self.device), int(inflight["code"]))
+        self._inflight = None
+        if inflight is not None:
+            present = tuple(bool(p) for p in inflight.get("present", [True] * len(self._shapes)))
+            self._inflight = (int(inflight["step"]), inflight["gathered"].to(self.device),
+                              self._live(present, None))

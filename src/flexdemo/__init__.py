@@ -26,7 +26,8 @@ from .transport import CommStats, InProcessHub
 __version__ = "0.1.0"
 
 __all__ = [
-    "BlockDCT", "BufferSync", "CommStats", "CorruptPayloadError", "DeMo", "DeMoReplicator", "DeToNATION",
+    "BlockDCT", "BufferSync", "CommStats", "CorruptPayloadError", "DeMo", "DeMoReplicator",
+    "DeToNATION",
     "DiLoCoReplicator", "FullReplicator", "InProcessHub", "NoReplication",
     "NoReplicationWarning", "NonFiniteGradientError", "RandomReplicator", "Replicator",
     "SimulatedReplicas", "SlicingReplicator", "StridingReplicator", "build_mesh", "compat",

@@ -354,6 +354,9 @@ def _add_bench_parser(sub) -> None:
                    help="no shaping, no root needed: all ranks on loopback")
     b.add_argument("--timeout", type=_seconds, metavar="S",
                    help="stop a run that takes longer than S seconds")
+    b.add_argument("--device", choices=("auto", "cpu", "cuda"),
+                   help="where every rank trains (default: train.device of --config, else "
+                        "auto: CUDA when this machine has a GPU per rank, else CPU)")
     b.add_argument("-q", "--quiet", action="store_true",
                    help="do not echo the ranks' progress (it still goes to each run's log.txt)")
     b.set_defaults(func=_cmd_bench, subparser=b)
@@ -365,7 +368,8 @@ def _cmd_bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
             preset=args.preset, strategies=args.strategies, bandwidths=args.bandwidths,
             nodes=args.nodes, ranks_per_node=args.ranks_per_node, steps=args.steps,
             config=args.config, out=args.out, unshaped=args.unshaped,
-            overrides=args.overrides, timeout=args.timeout, quiet=args.quiet)
+            overrides=args.overrides, timeout=args.timeout, quiet=args.quiet,
+            device=args.device)
     except (BenchError, ConfigError) as e:
         print(f"flexdemo bench: error: {e}", file=sys.stderr, flush=True)
         return 2

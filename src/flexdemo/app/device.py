@@ -31,7 +31,7 @@ def check_device(name: str) -> None:
     """Raise ``ValueError`` (one line) if ``name`` is not a device this process can use."""
     if name not in DEVICES:
         raise ValueError(f"unknown device {name!r}; choose one of {', '.join(DEVICES)}")
-    if name != "cuda":
+    if name == "cpu" or (name == "auto" and not torch.cuda.is_available()):
         return
     if not torch.cuda.is_available():
         build = (f"torch {torch.__version__} is built without CUDA"
@@ -50,8 +50,6 @@ def resolve_device(name: str) -> torch.device:
     check_device(name)
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
-        if name == "cuda":
-            check_device("cuda")
     if name == "cpu":
         return torch.device("cpu")
     return torch.device("cuda", int(os.environ.get(_index_variable(), "0")))

@@ -205,6 +205,8 @@ def test_cli_reports_bad_config_in_one_line(capsys, tmp_path):
         ((str(cfg), "mesh.replicate=3"), "does not divide the world size 1"),
         ((str(tmp_path / "nope.toml"),), "does not exist"),
         ((str(cfg), "train.steps"), "is not an override"),
+        ((str(cfg), "train.device=gpu"), "train.device: unknown value 'gpu'"),
+        ((str(cfg), "train.precision=fp16"), "train.precision: unknown value 'fp16'"),
     ]:
         code, out, err = run_cli(capsys, *argv)
         assert code == 2, (argv, err)
@@ -310,3 +312,12 @@ def test_cuda_rank_beyond_the_gpus_is_one_line(monkeypatch):
     monkeypatch.setenv("RANK", "1")
     monkeypatch.setenv("FLEXDEMO_CUDA_BY_RANK", "1")  # the bench's emulated nodes
     assert resolve_device("cuda") == torch.device("cuda", 1)
+
+
+def test_cli_cuda_without_cuda_is_one_line(capsys, monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    code, out, err = run_cli(capsys, "train.device=cuda")
+    assert code == 2 and err.count("\n") == 1 and "Traceback" not in err, err
+    assert err.startswith("flexdemo train: error: train.device: device 'cuda' asked for")

@@ -575,3 +575,29 @@ def test_default_mesh_is_the_same_for_train_and_the_example(tmp_path, local_worl
         assert "mesh.replicate=2" in notes[0][0] and "'demo' exchanges nothing" in notes[0][0]
     else:
         assert notes == [[], []]
+
+
+def test_losses_read_in_windows_give_the_same_metrics(tmp_path, single_process):
+    """The CUDA loop reads losses once every log_every steps instead of after each step;
+    run on the CPU with that window (3, with evaluations and checkpoints in between), the
+    metrics lines are those of the per-step loop: every step once, in order, same losses."""
+    from flexdemo.app.trainer import Trainer
+
+    runs = {}
+    for every in (1, 3):
+        out = tmp_path / f"every{every}"
+        cfg = load_config(ROOT / "configs/gpt.toml",
+                          [*GPT_QUICK, "train.steps=8", "train.eval_every=4",
+                           "train.checkpoint_every=5", "train.progress=false",
+                           "mesh.replicate=1", "mesh.shard=1", f"train.out={out}"])
+        trainer = Trainer(cfg, echo=lambda text: None)
+        trainer.read_every = every
+        summary = trainer.run()
+        runs[every] = (metrics(out), summary)
+        dist.destroy_process_group()
+    (lines1, s1), (lines3, s3) = runs[1], runs[3]
+    assert [r["step"] for r in lines3] == list(range(1, 9))
+    assert [r["loss"] for r in lines3] == [r["loss"] for r in lines1]
+    assert [r.get("val_loss") for r in lines3] == [r.get("val_loss") for r in lines1]
+    assert all(isinstance(r["loss"], float) for r in lines3)
+    assert s3["train_loss"] == s1["train_loss"] and s3["val_loss"] == s1["val_loss"]

@@ -224,12 +224,15 @@ examples:
       strategy.optimizer=adamw strategy.lr=1e-3
   flexdemo train configs/vit.toml --resume                 # continue after a stop or crash
   flexdemo train configs/gpt.toml --print-config           # show the resolved config
+  torchrun --nproc-per-node 4 -m flexdemo train configs/gpt.toml mesh.replicate=2 \\
+      train.device=cuda train.precision=bf16         # 4 GPUs as 2 replicas x 2 shards
 
 exit codes: 0 done, 1 training failed (e.g. a rank was lost), 2 bad config or arguments.
 environment: FLEXDEMO_TIMEOUT (seconds a collective waits for a dead peer; default 300,
-the library's; train.timeout overrides it). The error that stops a run is the last line,
-after any log lines of torch's C++ side (TORCH_CPP_LOG_LEVEL=FATAL hides those; set it
-before starting Python).
+the library's; train.timeout overrides it); FLEXDEMO_CUDA_BY_RANK=1 puts rank r on cuda:r
+instead of cuda:LOCAL_RANK (emulated nodes sharing one machine's GPUs). The error that
+stops a run is the last line, after any log lines of torch's C++ side
+(TORCH_CPP_LOG_LEVEL=FATAL hides those; set it before starting Python).
 """
 
 

@@ -75,8 +75,7 @@ def test_device_option_and_config(monkeypatch, tmp_path):
     assert o.device == "cpu" and run_config(o, "flexdemo", "x")["train"]["device"] == "cpu"
     base = tmp_path / "base.toml"
     base.write_text('[task]\nname = "gpt"\nmodel = "tiny"\n[train]\ndevice = "cuda"\n')
-    with pytest.raises(BenchError, match=r"runs 4 ranks on this machine, one GPU each, but it "
-                                         r"shows 0 GPU\(s\); use --device cpu"):
+    with pytest.raises(BenchError, match="shows no CUDA GPU; use --device cpu"):
         bench_options(config=str(base))
     with pytest.raises(ConfigError, match="train.device: unknown device 'tpu'"):
         bench_options(device="tpu")
@@ -84,6 +83,9 @@ def test_device_option_and_config(monkeypatch, tmp_path):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     assert bench_options().device == "cpu"  # 4 ranks, 2 GPUs: auto stays on the CPU
     assert bench_options(nodes=2, ranks_per_node=1).device == "cuda"
+    with pytest.raises(BenchError, match=r"runs 4 ranks on this machine, one GPU each, but it "
+                                         r"shows 2 GPU\(s\); use --device cpu"):
+        bench_options(device="cuda")
 
 
 def test_bad_overrides_are_config_errors():

@@ -174,6 +174,9 @@ def _bench_device(name: Any, world: int) -> str:
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if name == "auto":
         return "cuda" if gpus >= world else "cpu"
+    if name == "cuda" and gpus == 0:
+        raise BenchError("device cuda: this machine shows no CUDA GPU; use --device cpu (or "
+                         "auto: CUDA when there is a GPU per rank)")
     if name == "cuda" and gpus < world:
         raise BenchError(f"device cuda: the sweep runs {world} ranks on this machine, one GPU "
                          f"each, but it shows {gpus} GPU(s); use --device cpu or fewer "

@@ -225,6 +225,41 @@ def check_hf(extra: list[str]):
     return check
 
 
+def check_app(precision: str, device: str = "cuda"):
+    """``flexdemo train`` (the application) on CUDA: a small GPT for a few steps, one process,
+    through its own config (written to a temporary folder) and its own process group."""
+    def check(rank, steps):
+        import json
+
+        from flexdemo.app.config import load_config
+        from flexdemo.app.trainer import Trainer
+
+        with tempfile.TemporaryDirectory() as tmp:
+            cfg_path = Path(tmp) / "gpt.toml"
+            cfg_path.write_text(
+                '[task]\nname = "gpt"\nmodel = "mini"\ncorpus_bytes = 400000\n\n'
+                '[strategy]\nreplicator = "demo"\noptimizer = "sgd"\nlr = 3e-3\n\n'
+                f'[train]\nsteps = {steps}\nbatch = 8\nwarmup = 2\neval_every = 0\n'
+                'eval_batches = 2\nlog_every = 10\ntensorboard = false\nprogress = false\n'
+                f'device = "{device}"\nprecision = "{precision}"\nout = "{tmp}/run"\n')
+            lines: list[str] = []
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                trainer = Trainer(load_config(cfg_path), echo=lines.append)
+                summary = trainer.run()
+            rows = [json.loads(x) for x in (Path(tmp) / "run" / "metrics.jsonl")
+                    .read_text().splitlines()]
+            on = {str(p.device) for p in trainer.model.parameters()}
+        first, last = rows[0]["loss"], summary["train_loss"]
+        ok = (summary["device"].startswith(device) and summary["precision"] == precision
+              and all(d.startswith(device) for d in on) and len(rows) == steps
+              and last < first)
+        return ok, (f"{summary['params']:,} params on {summary['device']}, loss {first:.4f} "
+                    f"-> {last:.4f} (mean of the last steps), val {summary['val_loss']:.4f}, "
+                    f"{summary['step_seconds'] * 1e3:.1f} ms/step")
+    return check
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--steps", type=int, default=30)
@@ -270,10 +305,19 @@ def main(argv: list[str] | None = None) -> int:
                 traceback.print_exc()
     if hf_skip:
         rows.append(("HF example", "SKIP", hf_skip))
-    # TODO(lead): `flexdemo train` on CUDA in fp32 and bf16 goes here once the app's config has
-    # the `device` / `precision` keys (issue 10, item 1).
-    rows.append(("flexdemo train (app) on CUDA", "SKIP", "the app's device setting is not "
-                 "wired yet"))
+    if dist.get_world_size() == 1:
+        checks_app = [(f"flexdemo train {p}", check_app(p)) for p in ("fp32", "bf16")]
+    else:  # its outputs go to one rank's temporary folder
+        checks_app = []
+        rows.append(("flexdemo train", "SKIP", "checked in a single process only (python "
+                     "benchmarks/gpu_check.py)"))
+    for name, fn in checks_app:
+        try:
+            ok, detail = fn(rank, args.steps)
+            rows.append((name, "PASS" if ok else "FAIL", detail))
+        except Exception as e:  # noqa: BLE001 - a failed check is a row
+            rows.append((name, "FAIL", f"{type(e).__name__}: {e}".splitlines()[0][:300]))
+            traceback.print_exc()
     if rank == 0:
         name = torch.cuda.get_device_name()
         print(f"\ngpu_check: {name}, torch {torch.__version__}, {dist.get_world_size()} "

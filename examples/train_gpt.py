@@ -1,7 +1,13 @@
 """Train a small byte-level GPT on the standard library's sources with two strategies.
 
-    torchrun --nproc-per-node 4 examples/train_gpt.py      # 2 replicas x 2 shards
-    python examples/train_gpt.py                           # one process
+    torchrun --nproc-per-node 4 examples/train_gpt.py --replicate 2   # 2 replicas x 2 shards
+    torchrun --nnodes 2 --nproc-per-node 2 ... examples/train_gpt.py  # the same over 2 nodes
+    python examples/train_gpt.py                                      # one process
+    python examples/train_gpt.py --device cuda --precision bf16       # one GPU
+
+The mesh defaults as in :func:`flexdemo.prepare` and ``flexdemo train``: shard = ranks per node
+(``LOCAL_WORLD_SIZE``), replicate = the number of nodes. On one node that is a single replica
+that exchanges nothing (said once); ``--replicate 2`` makes two replicas of the node's ranks.
 
 Strategies (run one after the other in the same process group, same seed and data) come
 from the one table the bench uses too, :data:`flexdemo.app.strategies.STRATEGIES` (``--help``
@@ -10,6 +16,10 @@ momentum's top-k DCT across replicas, sign-SGD) and ``hsdp-adamw`` (full fp32 gr
 all-reduce across replicas, AdamW). Replicator settings can follow a name:
 ``demo-defaults:values=int2:topk=16``. A strategy's mesh layout ``dp`` (shard 1) applies when
 neither ``--replicate`` nor ``--shard`` is given.
+
+``--device`` (``auto``: CUDA when available) puts rank ``r`` of a node on ``cuda:LOCAL_RANK``
+with NCCL, or on the CPU with gloo; ``--precision bf16`` trains with FSDP2 mixed precision
+(bf16 compute, fp32 gradients and master weights).
 
 Rank 0 prints progress and a final table and writes the results as JSON (``--out``). Bytes
 are those a rank sends across the replicate dimension (the slow link); FSDP's own traffic
@@ -20,14 +30,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import time
+import warnings
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 import flexdemo
+from flexdemo.app.device import DEVICES, PRECISIONS, resolve_device, to_device
 from flexdemo.app.schedule import lr_at
 from flexdemo.app.strategies import STRATEGIES, parse_strategy
 from flexdemo.app.tasks import GPT, data_generator, evaluate, get_batch, gpt_config, load_corpus
@@ -44,6 +55,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=float, default=0.05, help="warm-up fraction of the steps")
     p.add_argument("--replicate", type=int, default=None)
     p.add_argument("--shard", type=int, default=None)
+    p.add_argument("--device", choices=DEVICES, default="auto",
+                   help="auto (CUDA when available), cpu or cuda (cuda:LOCAL_RANK per rank)")
+    p.add_argument("--precision", choices=PRECISIONS, default="fp32",
+                   help="bf16: bf16 compute with fp32 gradients and master weights")
     p.add_argument("--strategies", default="flexdemo,hsdp-adamw",
                    help="comma-separated, from: " + "; ".join(
                        f"{name} ({s.about})" for name, s in STRATEGIES.items()))
@@ -54,6 +69,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", default="runs/main/results.json")
     args = p.parse_args(argv)
     args.strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]
+    try:
+        args.device = resolve_device(args.device)
+    except ValueError as e:
+        p.error(f"--device: {e}")
     for s in args.strategies:
         try:
             parse_strategy(s)
@@ -62,11 +81,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def mean_over_ranks(value: float) -> float:
-    """The mean of ``value`` over all ranks."""
+def mean_over_ranks(value: float, device: torch.device) -> float:
+    """The mean of ``value`` over all ranks (reduced on ``device``: NCCL needs CUDA tensors)."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return value
-    t = torch.tensor([value], dtype=torch.float64)
+    t = torch.tensor([value], dtype=torch.float64, device=device)
     dist.all_reduce(t)
     return float(t) / dist.get_world_size()
 
@@ -80,7 +99,7 @@ def replica_drift(model: torch.nn.Module, group: dist.ProcessGroup) -> float:
     hi, lo = flat.clone(), flat.clone()
     dist.all_reduce(hi, op=dist.ReduceOp.MAX, group=group)
     dist.all_reduce(lo, op=dist.ReduceOp.MIN, group=group)
-    d = torch.tensor([float((hi - lo).max())], dtype=torch.float64)
+    d = (hi - lo).max().double().reshape(1)
     dist.all_reduce(d, op=dist.ReduceOp.MAX)
     return float(d)
 
@@ -97,15 +116,25 @@ def run_strategy(name: str, args: argparse.Namespace, train: torch.Tensor,
     torch.manual_seed(args.seed)  # same initial model on every rank and for every strategy
     model = GPT(cfg)
     n_params = sum(p.numel() for p in model.parameters())
-    model, opt = flexdemo.prepare(model, replicator=spec.replicator, optimizer=spec.optimizer,
-                                  lr=lr, replicator_kwargs=spec.replicator_kwargs or None,
-                                  **layout)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", flexdemo.NoReplicationWarning)
+        model, opt = flexdemo.prepare(model, replicator=spec.replicator,
+                                      optimizer=spec.optimizer, lr=lr,
+                                      replicator_kwargs=spec.replicator_kwargs or None,
+                                      device=args.device, precision=args.precision, **layout)
     rank = dist.get_rank()
+    if rank == 0 and any(issubclass(w.category, flexdemo.NoReplicationWarning) for w in caught):
+        how = ("launch several ranks (torchrun) to train replicas" if dist.get_world_size() == 1
+               else "pass --replicate 2 to replicate across the ranks of one node")
+        print(f"[{name}] note: the mesh has a single replica (replicate 1 x shard "
+              f"{opt.mesh['shard'].size()}), so {spec.replicator!r} exchanges nothing; {how}",
+              flush=True)
     local_params = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel()
                        for p in model.parameters())
     mesh = opt.mesh
     gen = data_generator(args.seed, rank)
     losses: list[float] = []
+    pending: list[torch.Tensor] = []
     history: list[dict] = []
     sent = 0
     step_times: list[float] = []
@@ -114,16 +143,19 @@ def run_strategy(name: str, args: argparse.Namespace, train: torch.Tensor,
         t_step = time.perf_counter()
         for g in opt.param_groups:
             g["lr"] = lr_at(step, args.steps, lr, warmup)
-        x, y = get_batch(train, args.batch, cfg.seq_len, gen)
+        x, y = to_device(get_batch(train, args.batch, cfg.seq_len, gen), args.device)
         loss = model(x, y)
         loss.backward()
         opt.step()
         opt.zero_grad()
         sent += opt.last_step_stats()["bytes_sent"]
-        losses.append(loss.item())
+        pending.append(loss.detach())
         step_times.append(time.perf_counter() - t_step)
         if (step + 1) % args.log_every == 0 or step + 1 == args.steps:
-            avg = mean_over_ranks(sum(losses[-args.log_every:]) / len(losses[-args.log_every:]))
+            losses += torch.stack(pending).float().tolist()  # one host read per log line
+            pending = []
+            avg = mean_over_ranks(sum(losses[-args.log_every:]) / len(losses[-args.log_every:]),
+                                  args.device)
             elapsed = time.perf_counter() - t0
             history.append({"step": step + 1, "train_loss": avg, "seconds": elapsed})
             if rank == 0:
@@ -133,17 +165,19 @@ def run_strategy(name: str, args: argparse.Namespace, train: torch.Tensor,
     seconds = time.perf_counter() - t0
     drift = replica_drift(model, mesh["replicate"].get_group())
     tail = losses[-min(len(losses), args.log_every):]
-    train_loss = mean_over_ranks(sum(tail) / len(tail))
+    dev = args.device
+    train_loss = mean_over_ranks(sum(tail) / len(tail), dev)
     val_loss = mean_over_ranks(evaluate(model, val, args.eval_batches, args.batch, cfg.seq_len,
-                                        seed=10_000 + args.seed + rank))
-    per_step = mean_over_ranks(sent / max(args.steps, 1))
-    comm = mean_over_ranks(opt.comm_seconds)
+                                        seed=10_000 + args.seed + rank, device=dev), dev)
+    per_step = mean_over_ranks(sent / max(args.steps, 1), dev)
+    comm = mean_over_ranks(opt.comm_seconds, dev)
     steady = sorted(step_times[min(3, len(step_times) - 1):])  # leave out warm-up steps
-    step_median = mean_over_ranks(steady[len(steady) // 2]) if steady else 0.0
+    step_median = mean_over_ranks(steady[len(steady) // 2], dev) if steady else 0.0
     result = {
         "strategy": name, "replicator": repr(opt.replicators[0]),
         "optimizer": spec.optimizer,
-        "lr": lr, "steps": args.steps, "params": n_params, "local_params": local_params,
+        "lr": lr, "steps": args.steps, "device": str(dev), "precision": args.precision,
+        "params": n_params, "local_params": local_params,
         "mesh": {"replicate": mesh["replicate"].size(), "shard": mesh["shard"].size()},
         "train_loss": train_loss, "val_loss": val_loss, "seconds": seconds,
         "step_seconds_median": step_median,
@@ -172,10 +206,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     """Run every requested strategy; returns the results."""
     args = parse_args(argv)
     torch.set_num_threads(1)
-    world = int(os.environ.get("WORLD_SIZE", "1"))
     layout = {"replicate": args.replicate, "shard": args.shard}
-    if world == 4 and args.replicate is None and args.shard is None:
-        layout = {"replicate": 2, "shard": 2}
     train, val = load_corpus(args.corpus_bytes)
     results = []
     try:
@@ -190,7 +221,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
             print_table(results)
             out = Path(args.out)
             out.parent.mkdir(parents=True, exist_ok=True)
-            payload = {"config": {k: v for k, v in vars(args).items()},
+            payload = {"config": {k: str(v) if isinstance(v, torch.device) else v
+                                  for k, v in vars(args).items()},
                        "world": dist.get_world_size(), "results": results}
             out.write_text(json.dumps(payload, indent=2))
             print(f"\nwrote {out}")

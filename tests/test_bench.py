@@ -63,6 +63,31 @@ def test_bad_options(kwargs, message):
     assert message in str(e.value)
 
 
+def test_device_option_and_config(monkeypatch, tmp_path):
+    """--device (or train.device of the base config) reaches every run; auto is CUDA only
+    with a GPU per rank; cuda with too few GPUs, or a bad name, is one line."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    assert bench_options().device == "cpu"
+    o = bench_options(device="cpu")
+    assert o.device == "cpu" and run_config(o, "flexdemo", "x")["train"]["device"] == "cpu"
+    base = tmp_path / "base.toml"
+    base.write_text('[task]\nname = "gpt"\nmodel = "tiny"\n[train]\ndevice = "cuda"\n')
+    with pytest.raises(BenchError, match="shows no CUDA GPU; use --device cpu"):
+        bench_options(config=str(base))
+    with pytest.raises(ConfigError, match="train.device: unknown device 'tpu'"):
+        bench_options(device="tpu")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert bench_options().device == "cpu"  # 4 ranks, 2 GPUs: auto stays on the CPU
+    assert bench_options(nodes=2, ranks_per_node=1).device == "cuda"
+    with pytest.raises(BenchError, match=r"runs 4 ranks on this machine, one GPU each, but it "
+                                         r"shows 2 GPU\(s\); use --device cpu"):
+        bench_options(device="cuda")
+
+
 def test_bad_overrides_are_config_errors():
     with pytest.raises(ConfigError, match="did you mean 'train.steps'"):
         bench_options(overrides=["train.stpes=3"])

@@ -205,6 +205,8 @@ def test_cli_reports_bad_config_in_one_line(capsys, tmp_path):
         ((str(cfg), "mesh.replicate=3"), "does not divide the world size 1"),
         ((str(tmp_path / "nope.toml"),), "does not exist"),
         ((str(cfg), "train.steps"), "is not an override"),
+        ((str(cfg), "train.device=gpu"), "train.device: unknown value 'gpu'"),
+        ((str(cfg), "train.precision=fp16"), "train.precision: unknown value 'fp16'"),
     ]:
         code, out, err = run_cli(capsys, *argv)
         assert code == 2, (argv, err)
@@ -267,3 +269,55 @@ def test_task_choices_come_from_the_task_registry(monkeypatch):
     cfg = load_config(None, ["task.name=toy", "task.model=one"])
     assert tasks.build_task(cfg.task, seed=3) == "task" and built == [("one", 3)]
     assert "choose one of one" in error_of({"task": {"name": "toy", "model": "two"}})
+
+
+# ---------------------------------------------------------------------- device, precision
+def test_device_and_precision_keys(monkeypatch):
+    import torch
+
+    from flexdemo.app.device import resolve_device
+
+    cfg = load_config(None, ["train.device=cpu", "train.precision=bf16"])
+    assert (cfg.train.device, cfg.train.precision) == ("cpu", "bf16")
+    assert load_config().train.device == "auto" and load_config().train.precision == "fp32"
+    assert resolve_device("cpu") == torch.device("cpu")
+    for data, words in [({"train": {"device": "gpu"}}, ["train.device", "'gpu'",
+                                                        "auto, cpu, cuda"]),
+                        ({"train": {"precision": "fp16"}}, ["train.precision", "'fp16'",
+                                                            "fp32, bf16"]),
+                        ({"train": {"device": 0}}, ["train.device", "expected a string"])]:
+        text = error_of(data)
+        assert all(w in text for w in words) and "\n" not in text, text
+    # without CUDA: auto is the CPU, and asking for cuda is one line that names the fix
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert resolve_device("auto") == torch.device("cpu")
+    text = error_of({"train": {"device": "cuda"}})
+    assert text.startswith("train.device: device 'cuda' asked for") and "\n" not in text
+    assert 'use device "cpu"' in text
+
+
+def test_cuda_rank_beyond_the_gpus_is_one_line(monkeypatch):
+    """cuda:LOCAL_RANK must exist (faked: two GPUs, LOCAL_RANK 2)."""
+    import torch
+
+    from flexdemo.app.device import resolve_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert resolve_device("cuda") == torch.device("cuda", 1)
+    monkeypatch.setenv("LOCAL_RANK", "2")
+    text = error_of({"train": {"device": "auto"}})
+    assert "LOCAL_RANK=2 needs GPU 2" in text and "--nproc-per-node" in text, text
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("FLEXDEMO_CUDA_BY_RANK", "1")  # the bench's emulated nodes
+    assert resolve_device("cuda") == torch.device("cuda", 1)
+
+
+def test_cli_cuda_without_cuda_is_one_line(capsys, monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    code, out, err = run_cli(capsys, "train.device=cuda")
+    assert code == 2 and err.count("\n") == 1 and "Traceback" not in err, err
+    assert err.startswith("flexdemo train: error: train.device: device 'cuda' asked for")

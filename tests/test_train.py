@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 import torch.distributed as dist
 from dist_util import free_port, run_world, spawn_ranks
 
@@ -490,3 +491,113 @@ def test_full_disk_when_resuming_keeps_the_metrics_file(tmp_path, single_process
     assert "no space left on device" in _one_line(info)
     assert (out / "metrics.jsonl").read_text() == before
     assert sorted(p.name for p in out.iterdir() if "metrics" in p.name) == ["metrics.jsonl"]
+
+
+# ---------------------------------------------------------------------- device, precision, mesh
+def _local_tensors(model) -> list:
+    return [(p.to_local() if hasattr(p, "to_local") else p).detach().clone()
+            for p in model.parameters()]
+
+
+def _bf16_worker(rank: int, world: int, path: str, overrides: list[str]) -> dict:
+    import torch
+
+    from flexdemo.app.trainer import Trainer
+
+    lines: list[str] = []
+    trainer = Trainer(load_config(path, overrides), echo=lines.append)
+    summary = trainer.run()
+    params = _local_tensors(trainer.model)  # the fp32 shards (a forward unshards in bf16)
+    with torch.no_grad():
+        logits = trainer.model(torch.zeros(1, 4, dtype=torch.long))
+    return {"summary": summary, "params": params, "lines": lines,
+            "compute_dtype": logits.dtype, "master_dtypes": {p.dtype for p in params}}
+
+
+def test_bf16_on_cpu_two_replicas_stay_identical(tmp_path):
+    """train.precision=bf16 on the CPU (FSDP2 mixed precision with gloo), 2 replicas of one
+    rank each: compute in bf16, fp32 master weights, replicas bitwise equal, loss finite."""
+    overrides = [*GPT_QUICK, "train.steps=4", "train.eval_every=2", "mesh.replicate=2",
+                 "train.device=cpu", "train.precision=bf16", "train.progress=false",
+                 f"train.out={tmp_path / 'run'}"]
+    r0, r1 = run_world(_bf16_worker, 2, str(ROOT / "configs/gpt.toml"), overrides)
+    assert r0["compute_dtype"] == torch.bfloat16
+    assert r0["master_dtypes"] == {torch.float32}
+    assert all(torch.equal(a, b) for a, b in zip(r0["params"], r1["params"]))
+    s = r0["summary"]
+    assert s["precision"] == "bf16" and s["device"] == "cpu" and s["mesh"] == {
+        "replicate": 2, "shard": 1}
+    assert math.isfinite(s["train_loss"]) and math.isfinite(s["val_loss"])
+    assert s["bytes_sent_per_step"] > 0  # the replicas did exchange
+    assert not any("single replica" in line for line in r0["lines"])
+
+
+def _default_mesh_worker(rank: int, world: int, path: str, overrides: list[str],
+                         example_args: list[str], none_out: str) -> dict:
+    import importlib.util
+
+    from flexdemo.app.trainer import Trainer
+
+    lines: list[str] = []
+    summary = Trainer(load_config(path, overrides), echo=lines.append).run()
+    none_lines: list[str] = []
+    Trainer(load_config(path, [*overrides, "strategy.replicator=none",
+                               f"train.out={none_out}"]),
+            echo=none_lines.append).run()
+    spec = importlib.util.spec_from_file_location("train_gpt", ROOT / "examples/train_gpt.py")
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    results = example.main(example_args)  # ends the process group
+    return {"mesh": summary["mesh"], "lines": lines, "none_lines": none_lines,
+            "example_mesh": results[0]["mesh"]}
+
+
+@pytest.mark.parametrize("local_world", [None, "1"], ids=["one-node", "one-rank-per-node"])
+def test_default_mesh_is_the_same_for_train_and_the_example(tmp_path, local_world):
+    """No mesh keys: shard = ranks per node (LOCAL_WORLD_SIZE, else the world), as in
+    prepare(). flexdemo train and examples/train_gpt.py build the same mesh; a single
+    replica is said once, on rank 0, unless the replicator is none."""
+    out = tmp_path / "run"
+    overrides = [*GPT_QUICK, "train.steps=2", "train.progress=false", f"train.out={out}"]
+    example_args = ["--model", "tiny", "--steps", "2", "--batch", "2", "--corpus-bytes",
+                    "200000", "--eval-batches", "1", "--strategies", "flexdemo", "--out",
+                    str(tmp_path / "example.json")]
+    env = {"LOCAL_WORLD_SIZE": local_world} if local_world else {}
+    results = run_world(_default_mesh_worker, 2, str(ROOT / "configs/gpt.toml"), overrides,
+                        example_args, str(tmp_path / "none"), env=env)
+    want = {"replicate": 1, "shard": 2} if local_world is None else {"replicate": 2, "shard": 1}
+    for r in results:
+        assert r["mesh"] == r["example_mesh"] == want
+        assert not any("single replica" in line for line in r["none_lines"])
+    notes = [[line for line in r["lines"] if "single replica" in line] for r in results]
+    if local_world is None:
+        assert len(notes[0]) == 1 and notes[1] == [], notes
+        assert "mesh.replicate=2" in notes[0][0] and "'demo' exchanges nothing" in notes[0][0]
+    else:
+        assert notes == [[], []]
+
+
+def test_losses_read_in_windows_give_the_same_metrics(tmp_path, single_process):
+    """The CUDA loop reads losses once every log_every steps instead of after each step;
+    run on the CPU with that window (3, with evaluations and checkpoints in between), the
+    metrics lines are those of the per-step loop: every step once, in order, same losses."""
+    from flexdemo.app.trainer import Trainer
+
+    runs = {}
+    for every in (1, 3):
+        out = tmp_path / f"every{every}"
+        cfg = load_config(ROOT / "configs/gpt.toml",
+                          [*GPT_QUICK, "train.steps=8", "train.eval_every=4",
+                           "train.checkpoint_every=5", "train.progress=false",
+                           "mesh.replicate=1", "mesh.shard=1", f"train.out={out}"])
+        trainer = Trainer(cfg, echo=lambda text: None)
+        trainer.read_every = every
+        summary = trainer.run()
+        runs[every] = (metrics(out), summary)
+        dist.destroy_process_group()
+    (lines1, s1), (lines3, s3) = runs[1], runs[3]
+    assert [r["step"] for r in lines3] == list(range(1, 9))
+    assert [r["loss"] for r in lines3] == [r["loss"] for r in lines1]
+    assert [r.get("val_loss") for r in lines3] == [r.get("val_loss") for r in lines1]
+    assert all(isinstance(r["loss"], float) for r in lines3)
+    assert s3["train_loss"] == s1["train_loss"] and s3["val_loss"] == s1["val_loss"]

@@ -69,8 +69,9 @@ def init_distributed(device: torch.device | str = "cpu",
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
                                 timeout=timeout)
         return
-    if device.type == "cuda":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    if device.type == "cuda":  # an explicit index wins over torchrun's LOCAL_RANK
+        torch.cuda.set_device(device if device.index is not None
+                              else int(os.environ.get("LOCAL_RANK", "0")))
     try:
         dist.init_process_group(backend, timeout=timeout)
     except (RuntimeError, TimeoutError) as e:  # DistError derives from RuntimeError

@@ -24,6 +24,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
+import torch
+
 from ..tools.cluster import (
     ClusterError,
     EmulatedCluster,
@@ -32,7 +34,15 @@ from ..tools.cluster import (
     format_rate,
     parse_bandwidth,
 )
-from .config import apply_overrides, config_from_dict, read_config_file, to_toml, validate
+from .config import (
+    ConfigError,
+    apply_overrides,
+    config_from_dict,
+    read_config_file,
+    to_toml,
+    validate,
+)
+from .device import BY_RANK_ENV, DEVICES
 from .plots import plot_all, smooth
 from .strategies import STRATEGIES, parse_strategy
 
@@ -80,6 +90,9 @@ class BenchOptions:
     timeout: float | None = None
     quiet: bool = False
     preset: str | None = None
+    device: str = "cpu"
+    """Where every run trains (``cpu`` or ``cuda``; ``auto`` is resolved by
+    :func:`bench_options`)."""
 
 
 def _split(text: str | None) -> list[str] | None:
@@ -94,7 +107,7 @@ def bench_options(*, preset: str | None = None, strategies: str | list[str] | No
                   ranks_per_node: int | None = None, steps: int | None = None,
                   config: str | None = None, out: str | None = None, unshaped: bool = False,
                   overrides: list[str] | None = None, timeout: float | None = None,
-                  quiet: bool = False) -> BenchOptions:
+                  quiet: bool = False, device: str | None = None) -> BenchOptions:
     """Resolve and check a sweep's options; raises :class:`BenchError` or
     :class:`~flexdemo.app.config.ConfigError` with a one-line message."""
     p = PRESETS.get(preset or "", {})
@@ -141,10 +154,34 @@ def bench_options(*, preset: str | None = None, strategies: str | list[str] | No
     if "strategy" in base or "mesh" in base:
         raise BenchError("the bench sets [strategy] and [mesh] per strategy; leave them out of "
                          "the base config and its overrides")
+    train = base.setdefault("train", {})
+    if device is not None:
+        train["device"] = device
+    o.device = train["device"] = _bench_device(train.get("device", "auto"),
+                                               o.nodes * o.ranks_per_node)
     o.base = base
     for name in o.strategies:  # every run's config must be valid before anything starts
         validate(config_from_dict(run_config(o, name, "check")), o.nodes * o.ranks_per_node)
     return o
+
+
+def _bench_device(name: Any, world: int) -> str:
+    """``cpu`` or ``cuda`` for a sweep of ``world`` ranks on this machine, one GPU per rank
+    (``auto``: CUDA when there are that many GPUs)."""
+    if name not in DEVICES:
+        raise ConfigError(f"train.device: unknown device {name!r}; choose one of "
+                          f"{', '.join(DEVICES)}")
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if name == "auto":
+        return "cuda" if gpus >= world else "cpu"
+    if name == "cuda" and gpus == 0:
+        raise BenchError("device cuda: this machine shows no CUDA GPU; use --device cpu (or "
+                         "auto: CUDA when there is a GPU per rank)")
+    if name == "cuda" and gpus < world:
+        raise BenchError(f"device cuda: the sweep runs {world} ranks on this machine, one GPU "
+                         f"each, but it shows {gpus} GPU(s); use --device cpu or fewer "
+                         "--nodes/--ranks-per-node")
+    return name
 
 
 def run_config(o: BenchOptions, strategy: str, run_dir: str) -> dict:
@@ -222,7 +259,8 @@ def run_bench(o: BenchOptions, echo: Callable[[str], None] | None = None) -> lis
     world = o.nodes * o.ranks_per_node
     echo(f"bench: {_count(o.strategies, 'strategy', 'strategies')} x "
          f"{_count(bandwidths, 'bandwidth', 'bandwidths')} on "
-         f"{o.nodes} nodes x {o.ranks_per_node} ranks ({world} ranks), {o.steps} steps each; "
+         f"{o.nodes} nodes x {o.ranks_per_node} ranks ({world} ranks, {o.device}), "
+         f"{o.steps} steps each; "
          f"task {o.base.get('task', {}).get('name', 'gpt')}/"
          f"{o.base.get('task', {}).get('model', '?')}; out {out}")
     if shaped:
@@ -280,6 +318,11 @@ def _one_run(o: BenchOptions, cluster: EmulatedCluster, name: str, bw: str, out:
     echo(f"\n== {name} @ {_label(bw)}: {STRATEGIES[name].about} ({where})")
     cmd = [sys.executable, "-m", "flexdemo", "train", str(cfg_path)]
     env = {"PYTHONUNBUFFERED": "1"}
+    if o.device == "cuda":
+        # the emulated nodes share this machine's GPUs: rank r takes cuda:r; NCCL sends over
+        # sockets (no shared memory or peer-to-peer copies), so its traffic crosses the links
+        env.update({BY_RANK_ENV: "1", "NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1",
+                    "NCCL_IB_DISABLE": "1"})
     with (run_dir / "log.txt").open("w") as log:
         tee = _Tee(log, None if o.quiet else echo)
         result = cluster.run(cmd, env=env, stdout=tee, stderr=tee, timeout=o.timeout,

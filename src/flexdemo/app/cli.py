@@ -224,12 +224,15 @@ examples:
       strategy.optimizer=adamw strategy.lr=1e-3
   flexdemo train configs/vit.toml --resume                 # continue after a stop or crash
   flexdemo train configs/gpt.toml --print-config           # show the resolved config
+  torchrun --nproc-per-node 4 -m flexdemo train configs/gpt.toml mesh.replicate=2 \\
+      train.device=cuda train.precision=bf16         # 4 GPUs as 2 replicas x 2 shards
 
 exit codes: 0 done, 1 training failed (e.g. a rank was lost), 2 bad config or arguments.
 environment: FLEXDEMO_TIMEOUT (seconds a collective waits for a dead peer; default 300,
-the library's; train.timeout overrides it). The error that stops a run is the last line,
-after any log lines of torch's C++ side (TORCH_CPP_LOG_LEVEL=FATAL hides those; set it
-before starting Python).
+the library's; train.timeout overrides it); FLEXDEMO_CUDA_BY_RANK=1 puts rank r on cuda:r
+instead of cuda:LOCAL_RANK (emulated nodes sharing one machine's GPUs). The error that
+stops a run is the last line, after any log lines of torch's C++ side
+(TORCH_CPP_LOG_LEVEL=FATAL hides those; set it before starting Python).
 """
 
 
@@ -354,6 +357,9 @@ def _add_bench_parser(sub) -> None:
                    help="no shaping, no root needed: all ranks on loopback")
     b.add_argument("--timeout", type=_seconds, metavar="S",
                    help="stop a run that takes longer than S seconds")
+    b.add_argument("--device", choices=("auto", "cpu", "cuda"),
+                   help="where every rank trains (default: train.device of --config, else "
+                        "auto: CUDA when this machine has a GPU per rank, else CPU)")
     b.add_argument("-q", "--quiet", action="store_true",
                    help="do not echo the ranks' progress (it still goes to each run's log.txt)")
     b.set_defaults(func=_cmd_bench, subparser=b)
@@ -365,7 +371,8 @@ def _cmd_bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
             preset=args.preset, strategies=args.strategies, bandwidths=args.bandwidths,
             nodes=args.nodes, ranks_per_node=args.ranks_per_node, steps=args.steps,
             config=args.config, out=args.out, unshaped=args.unshaped,
-            overrides=args.overrides, timeout=args.timeout, quiet=args.quiet)
+            overrides=args.overrides, timeout=args.timeout, quiet=args.quiet,
+            device=args.device)
     except (BenchError, ConfigError) as e:
         print(f"flexdemo bench: error: {e}", file=sys.stderr, flush=True)
         return 2

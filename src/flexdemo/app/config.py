@@ -22,6 +22,8 @@ A config is a TOML file (or YAML, with pyyaml installed, or JSON)::
 
     [train]
     steps = 200
+    device = "auto"                # auto (CUDA when available) | cpu | cuda
+    precision = "fp32"             # fp32 | bf16 (mixed precision, fp32 master weights)
 
 Every key has a default (:class:`Config`); overrides ``section.key=value`` (the value in TOML
 syntax, bare words are strings) replace single keys. An override that switches
@@ -50,6 +52,7 @@ import torch
 from ..mesh import mesh_shape
 from ..optim import BASE_OPTIMIZERS, make_base_optimizer
 from ..replicate import REPLICATORS, make_replicator
+from .device import DEVICES, PRECISIONS, check_device
 from .schedule import SCHEDULES
 from .tasks import TASKS, task_presets
 
@@ -147,6 +150,13 @@ class TrainConfig:
     set, else the library's default, :data:`flexdemo.mesh.DEFAULT_TIMEOUT_SECONDS`)."""
     tensorboard: bool = True
     progress: bool = True
+    device: str = "auto"
+    """``auto`` (CUDA when available, else CPU), ``cpu`` or ``cuda`` (each rank on
+    ``cuda:LOCAL_RANK``, NCCL between ranks; gloo on the CPU)."""
+    precision: str = "fp32"
+    """``fp32``, or ``bf16``: bf16 parameters for forward and backward, gradients reduced and
+    kept in fp32 next to fp32 master weights (FSDP2 mixed precision; the replicators see
+    fp32)."""
 
 
 @dataclass
@@ -170,7 +180,8 @@ def choices() -> dict[str, tuple[str, ...]]:
     base optimizers, schedules) when asked, so that an entry added there is valid here."""
     return {"task.name": tuple(TASKS), "strategy.optimizer": tuple(BASE_OPTIMIZERS),
             "strategy.replicator": tuple(sorted(REPLICATORS)),
-            "strategy.nonfinite": ("raise", "skip"), "train.schedule": SCHEDULES}
+            "strategy.nonfinite": ("raise", "skip"), "train.schedule": SCHEDULES,
+            "train.device": DEVICES, "train.precision": PRECISIONS}
 
 
 # ---------------------------------------------------------------------- reading files
@@ -429,6 +440,10 @@ def validate(cfg: Config, world_size: int | None = None) -> Config:
                  f"0 or at most train.steps={tr.steps}", tr.stop_at)
     _check_range("train.min_lr", 0.0 <= tr.min_lr <= 1.0, "between 0 and 1", tr.min_lr)
     _check_range("train.timeout", tr.timeout >= 0, "a number of seconds >= 0", tr.timeout)
+    try:
+        check_device(tr.device)
+    except ValueError as e:
+        raise ConfigError(f"train.device: {e}") from None
     if not tr.out.strip():
         raise ConfigError("train.out: must name an output folder, e.g. \"runs/gpt\"")
     if isinstance(cfg.resume, str) and not cfg.resume.strip():

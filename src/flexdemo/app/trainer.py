@@ -27,6 +27,13 @@ writes; with several machines ``out`` must be a shared folder):
 * ``checkpoints/step_NNNNNN``: model, optimizer (with every replica's replicator state),
   data position, RNG state and step, via :mod:`flexdemo.checkpoint`.
 
+Devices (``train.device``): ``auto`` (CUDA when available), ``cpu`` (gloo) or ``cuda`` (each
+rank on ``cuda:LOCAL_RANK``, NCCL); batches, losses and every sum over ranks live on that
+device, and on CUDA the losses are read once every ``log_every`` steps (and at evaluations and
+checkpoints), not after each step. ``train.precision = "bf16"`` trains with FSDP2 mixed
+precision (bf16 compute, fp32 gradients and master weights). A run whose mesh has a single
+replica (e.g. ``torchrun --nproc-per-node 4`` on one node: replicate 1 x shard 4) says so once.
+
 Resuming (``resume = true``) restores all of it; on CPU the resumed run's losses equal an
 uninterrupted run's bit for bit. When a peer dies, every surviving rank stops with an error
 that names the lost rank (found through heartbeats in the rendezvous store, with one verdict
@@ -44,6 +51,7 @@ import re
 import shutil
 import sys
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
@@ -53,7 +61,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .. import prepare
+from .. import NoReplicationWarning, prepare
 from ..checkpoint import (
     MARKER_FILE,
     META_FILE,
@@ -65,6 +73,7 @@ from ..checkpoint import (
 from ..mesh import is_timeout, timeout_from_env, timeout_note
 from ..replicate import NonFiniteGradientError
 from .config import Config, config_to_dict, to_toml
+from .device import resolve_device, to_device
 from .liveness import Heartbeat, is_comm_error, short_error
 from .outputs import MetricsLog, Progress, format_summary, write_atomic
 from .schedule import lr_at
@@ -120,8 +129,10 @@ def _rank0_decides(rank: int, world: int, decide: Callable[[], Any]) -> Any:
     return value
 
 
-def _sum_over_ranks(values: list[float]) -> list[float]:
-    t = torch.tensor(values, dtype=torch.float64)
+def _sum_over_ranks(values: list[float], device: torch.device | str = "cpu") -> list[float]:
+    """``values`` summed over all ranks; the tensor lives on ``device`` (the training device:
+    NCCL reduces CUDA tensors only)."""
+    t = torch.tensor(values, dtype=torch.float64, device=device)
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(t)
     return t.tolist()
@@ -310,14 +321,28 @@ class Trainer:
             self.task: Task = build_task(cfg.task, seed=tc.seed)
         except (ModuleNotFoundError, ValueError, RuntimeError) as e:
             raise TrainingError(f"task {cfg.task.name!r}: {e}") from None
+        try:
+            self.device = resolve_device(tc.device)
+        except ValueError as e:
+            raise TrainingError(f"train.device: {e}") from None
+        self.task.device = self.device
         torch.manual_seed(tc.seed)
         model = self.task.build_model()
         self.n_params = sum(p.numel() for p in model.parameters())
-        self.model, self.opt = self._prepare(model)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", NoReplicationWarning)
+            self.model, self.opt = self._prepare(model)
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.say: Echo = self.echo if self.rank == 0 else (lambda text: None)
         mesh = self.opt.mesh
         self.layout = {"replicate": mesh["replicate"].size(), "shard": mesh["shard"].size()}
+        if any(issubclass(w.category, NoReplicationWarning) for w in caught):
+            self.say(self._single_replica_note())
+        for w in caught:  # anything else prepare() warned about goes on as usual
+            if not issubclass(w.category, NoReplicationWarning):
+                warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+        # CUDA: losses are read every log_every steps (a host read waits for the GPU)
+        self.read_every = 1 if self.device.type == "cpu" else max(tc.log_every, 1)
         self.out = Path(tc.out)
         self.checkpointer = Checkpointer(self.out / "checkpoints", tc.checkpoint_every,
                                          tc.keep_checkpoints, self.rank, self.world,
@@ -328,8 +353,20 @@ class Trainer:
         self.progress: Progress | None = None
         self.heartbeat: Heartbeat | None = None
 
+    def _single_replica_note(self) -> str:
+        what = f"a single replica, so replicator {self.cfg.strategy.replicator!r} exchanges nothing"
+        if self.world == 1:
+            return (f"note: one process: {what}; launch several ranks (torchrun, flexdemo "
+                    "cluster) to train replicas")
+        shard = self.layout["shard"]
+        split = next(p for p in range(2, self.world + 1) if self.world % p == 0)
+        return (f"note: mesh replicate 1 x shard {shard}: {what} (the {self.world} ranks shard "
+                "one model with FSDP). mesh.shard defaults to the ranks per node; set "
+                f"mesh.replicate (e.g. mesh.replicate={split}) to replicate across the ranks "
+                "of one node, or run on several nodes")
+
     def _prepare(self, model: torch.nn.Module):
-        sc = self.cfg.strategy
+        sc, tc = self.cfg.strategy, self.cfg.train
         try:
             return prepare(
                 model, replicator=sc.replicator, optimizer=sc.optimizer, lr=sc.lr,
@@ -338,6 +375,7 @@ class Trainer:
                 replicator_kwargs=dict(sc.replicator_kwargs) or None,
                 optimizer_kwargs=dict(sc.optimizer_kwargs) or None,
                 shard_units=self.task.shard_units(), nonfinite=sc.nonfinite,
+                device=self.device, precision=tc.precision,
                 timeout=timedelta(seconds=self.timeout))
         except TimeoutError as e:
             raise TrainingError(str(e)) from None
@@ -403,14 +441,15 @@ class Trainer:
 
     # ------------------------------------------------------------------ the loop
     def _step(self, step: int, sampler: ShardSampler) -> dict[str, Any]:
-        """One optimizer step; returns its metrics record."""
+        """One optimizer step; returns its metrics record, whose ``loss`` is still a tensor
+        on the device (read in :meth:`_read_losses`, without a host read per step)."""
         tc, sc = self.cfg.train, self.cfg.strategy
         lr = lr_at(step - 1, tc.steps, sc.lr, min(tc.warmup, tc.steps), tc.schedule,
                    tc.min_lr)
         for g in self.opt.param_groups:
             g["lr"] = lr
         t0 = time.perf_counter()
-        batch = self.task.train_batch(sampler.next(tc.batch))
+        batch = to_device(self.task.train_batch(sampler.next(tc.batch)), self.device)
         try:
             loss = self.task.loss(self.model, batch)
             loss.backward()
@@ -418,7 +457,6 @@ class Trainer:
         except NonFiniteGradientError as e:
             raise TrainingError(f"step {step}: {e}") from None
         self.opt.zero_grad()
-        loss_value = float(loss.detach())
         dt = time.perf_counter() - t0
         stats = self.opt.last_step_stats()
         s = self.state
@@ -426,18 +464,35 @@ class Trainer:
         s.train_seconds += dt
         s.bytes_sent += stats["bytes_sent"]
         s.bytes_received += stats["bytes_received"]
-        return {"step": step, "loss": loss_value, "lr": lr,
+        return {"step": step, "loss": loss.detach(), "lr": lr,
                 "bytes_sent": stats["bytes_sent"], "bytes_received": stats["bytes_received"],
                 "compute_seconds": dt - stats["comm_seconds"],
                 "comm_seconds": stats["comm_seconds"], "step_seconds": dt,
                 "train_seconds": s.train_seconds, "bytes_sent_total": s.bytes_sent}
+
+    def _read_losses(self, records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """The losses of ``records`` as floats, read in one host transfer. On CUDA the time
+        this waits for the GPU's queued work is charged to the last record's step (so the
+        step and train seconds add up to the wall-clock time of the steps)."""
+        t0 = time.perf_counter()
+        values = torch.stack([r["loss"] for r in records]).float().tolist()
+        for r, v in zip(records, values):
+            r["loss"] = v
+        if self.device.type != "cpu":
+            waited = time.perf_counter() - t0
+            last = records[-1]
+            last["step_seconds"] += waited
+            last["compute_seconds"] += waited
+            self.state.train_seconds += waited
+            last["train_seconds"] = self.state.train_seconds
+        return records
 
     def evaluate(self) -> dict[str, float]:
         """Validation loss (and accuracy) over every rank's share of the validation data."""
         tc = self.cfg.train
         sums = self.task.evaluate(self.model, self.rank, self.world, tc.eval_batches, tc.batch)
         keys = sorted(sums)
-        total = dict(zip(keys, _sum_over_ranks([sums[k] for k in keys])))
+        total = dict(zip(keys, _sum_over_ranks([sums[k] for k in keys], self.device)))
         out = {"val_loss": total["loss_sum"] / max(total["count"], 1.0)}
         if "correct" in total:
             out["val_accuracy"] = total["correct"] / max(total["count"], 1.0)
@@ -473,28 +528,35 @@ class Trainer:
         say(f"{self.n_params / 1e6:.3f}M parameters; world {self.world} = mesh replicate "
             f"{self.layout['replicate']} x shard {self.layout['shard']}; {sc.replicator} + "
             f"{sc.optimizer} lr {sc.lr:g}; steps {start + 1}..{last} of {tc.steps}, batch "
-            f"{tc.batch} per rank; out {self.out}")
+            f"{tc.batch} per rank; {self.device.type} {tc.precision}; out {self.out}")
         self.progress = Progress(tc.steps, start, tc.log_every, tc.progress and self.rank == 0,
                                  say)
         losses: list[float] = []
         step_s = comm_s = 0.0
         val: dict[str, float] = {}
         t_loop = time.perf_counter()
+        pending: list[dict[str, Any]] = []
         for step in range(start + 1, last + 1):
-            record = self._step(step, sampler)
-            losses.append(record["loss"])
-            step_s += record["step_seconds"]
-            comm_s += record["comm_seconds"]
-            val = {}
-            if (tc.eval_every and step % tc.eval_every == 0) or step == last:
-                val = self.evaluate()
-                record.update(val)
-            if self.metrics is not None:  # before the checkpoint: a resume keeps lines <= it
-                self.metrics.write(record)
-            if self.checkpointer.due(step, last):
+            pending.append(self._step(step, sampler))
+            evaluate = bool(tc.eval_every and step % tc.eval_every == 0) or step == last
+            checkpoint = self.checkpointer.due(step, last)
+            if evaluate or checkpoint or step % self.read_every == 0:
+                self._read_losses(pending)  # first: the steps' GPU time is theirs, not eval's
+                val = self.evaluate() if evaluate else {}
+                pending[-1].update(val)
+                # the lines go out before the checkpoint: a resume keeps the lines <= it
+                for record in pending:
+                    losses.append(record["loss"])
+                    step_s += record["step_seconds"]
+                    comm_s += record["comm_seconds"]
+                    if self.metrics is not None:
+                        self.metrics.write(record)
+                    self.progress.update(record["step"], record["loss"], record["lr"],
+                                         record["bytes_sent_total"] / 1e6,
+                                         record.get("val_loss"))
+                pending = []
+            if checkpoint:
                 self.checkpointer.save(step, self.model, self.opt, sampler, self.state)
-            self.progress.update(step, record["loss"], record["lr"],
-                                 self.state.bytes_sent / 1e6, val.get("val_loss"))
         loop_seconds = time.perf_counter() - t_loop
         self.progress.close()
         summary = self._summary(start, resume_from, losses, step_s, comm_s, val, loop_seconds)
@@ -515,7 +577,7 @@ class Trainer:
         ran = max(step - start, 0)
         tail = losses[-min(len(losses), 10):] or [float("nan")]
         sums = _sum_over_ranks([sum(tail) / len(tail), step_s, comm_s, s.bytes_sent,
-                                s.bytes_received])
+                                s.bytes_received], self.device)
         mean = [v / self.world for v in sums]
         return {
             "task": cfg.task.name, "model": cfg.task.model, "params": self.n_params,
@@ -523,7 +585,7 @@ class Trainer:
             "mesh": self.layout, "replicator": sc.replicator, "optimizer": sc.optimizer,
             "lr": sc.lr, "steps": step, "steps_total": tc.steps, "steps_this_run": ran,
             "resumed_from": str(resume_from) if resume_from else None,
-            "batch_per_rank": tc.batch,
+            "batch_per_rank": tc.batch, "device": str(self.device), "precision": tc.precision,
             "train_loss": mean[0], **val,
             "seconds": time.perf_counter() - self.t_start, "loop_seconds": loop_seconds,
             "train_seconds": s.train_seconds,

@@ -110,6 +110,9 @@ class Task(ABC):
     """
 
     name = "task"
+    device: torch.device = torch.device("cpu")
+    """Where the model lives (set by the trainer): ``evaluate`` moves its batches there;
+    ``train_batch`` returns CPU tensors that the trainer moves."""
 
     @abstractmethod
     def build_model(self) -> nn.Module:

@@ -198,8 +198,10 @@ def get_batch(data: torch.Tensor, batch: int, seq_len: int,
 
 @torch.no_grad()
 def evaluate(model: nn.Module, data: torch.Tensor, batches: int, batch: int = 8,
-             seq_len: int | None = None, seed: int = 1234) -> float:
-    """Mean loss over ``batches`` random batches of ``data`` (fixed ``seed``), in eval mode.
+             seq_len: int | None = None, seed: int = 1234,
+             device: torch.device | str | None = None) -> float:
+    """Mean loss over ``batches`` random batches of ``data`` (fixed ``seed``), in eval mode,
+    with the batches on ``device`` (default: the CPU).
 
     Under FSDP every rank of a shard group must call this the same number of times.
     """
@@ -210,6 +212,8 @@ def evaluate(model: nn.Module, data: torch.Tensor, batches: int, batch: int = 8,
     total = 0.0
     for _ in range(batches):
         x, y = get_batch(data, batch, seq_len, gen)
+        if device is not None:
+            x, y = x.to(device), y.to(device)
         total += float(model(x, y))
     model.train(was_training)
     return total / max(batches, 1)

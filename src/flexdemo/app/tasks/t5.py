@@ -175,6 +175,7 @@ class T5Task(Task):
                  batch_size: int) -> dict[str, float]:
         def batch_loss(idx: torch.Tensor) -> tuple[float, int]:
             x, y = self._examples(self.val_windows, idx, salt=2)
+            x, y = x.to(self.device), y.to(self.device)
             return float(model(input_ids=x, labels=y).loss), y.numel()
 
         return summed_eval_loss(model, len(self.val_windows), rank, world, batches, batch_size,

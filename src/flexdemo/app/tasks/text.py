@@ -67,7 +67,7 @@ class GPTTask(Task):
     def evaluate(self, model: nn.Module, rank: int, world: int, batches: int,
                  batch_size: int) -> dict[str, float]:
         def batch_loss(idx: torch.Tensor) -> tuple[float, int]:
-            w = self.val_windows.get(idx)
+            w = self.val_windows.get(idx).to(self.device)
             return float(model(w[:, :-1], w[:, 1:])), w[:, 1:].numel()
 
         return summed_eval_loss(model, len(self.val_windows), rank, world, batches, batch_size,

@@ -168,14 +168,18 @@ class ViTTask(Task):
                                 torch.zeros(per_rank - owned.numel())])
         was = model.training
         model.eval()
-        loss_sum = correct = 0.0
+        dev = self.device
+        sums = torch.zeros(2, dtype=torch.float64, device=dev)  # loss, correct: one host read
         for start in range(0, idx.numel(), batch_size):
-            i, w = idx[start:start + batch_size], weight[start:start + batch_size]
-            logits = model(self.val_x[i]).float()
-            losses = F.cross_entropy(logits, self.val_y[i], reduction="none")
-            loss_sum += float((losses * w).sum())
-            correct += float(((logits.argmax(1) == self.val_y[i]).float() * w).sum())
+            i = idx[start:start + batch_size]
+            w = weight[start:start + batch_size].to(dev)
+            y = self.val_y[i].to(dev)
+            logits = model(self.val_x[i].to(dev)).float()
+            losses = F.cross_entropy(logits, y, reduction="none")
+            sums[0] += (losses * w).sum()
+            sums[1] += ((logits.argmax(1) == y).float() * w).sum()
         model.train(was)
+        loss_sum, correct = sums.tolist()
         return {"loss_sum": loss_sum, "count": float(weight.sum()), "correct": correct}
 
     def describe(self) -> str:

@@ -31,7 +31,8 @@ from flexdemo.tools.cluster import (
 
 PY = sys.executable
 ENV_KEYS = ["RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "NODE_RANK", "GROUP_RANK",
-            "MASTER_ADDR", "MASTER_PORT", "GLOO_SOCKET_IFNAME", "OMP_NUM_THREADS"]
+            "MASTER_ADDR", "MASTER_PORT", "GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME",
+            "OMP_NUM_THREADS"]
 PRINT_ENV = ("import json, os; print(json.dumps({k: os.environ.get(k) for k in "
              + repr(ENV_KEYS) + "}))")
 
@@ -186,6 +187,7 @@ def test_unshaped_env_per_rank():
         assert e["LOCAL_RANK"] == "0" and e["LOCAL_WORLD_SIZE"] == "1"
         assert e["WORLD_SIZE"] == "2"
         assert e["MASTER_ADDR"] == "127.0.0.1" and e["GLOO_SOCKET_IFNAME"] == "lo"
+        assert e["NCCL_SOCKET_IFNAME"] == "lo"
         assert e["MASTER_PORT"] == str(c.port)
         assert e["OMP_NUM_THREADS"] == os.environ.get("OMP_NUM_THREADS", "1")
 

@@ -583,6 +583,7 @@ class EmulatedCluster:
             "MASTER_ADDR": self.master_addr,
             "MASTER_PORT": str(self.port),
             "GLOO_SOCKET_IFNAME": node.interface,
+            "NCCL_SOCKET_IFNAME": node.interface,  # NCCL's sockets use the emulated link too
         }
 
     def run(self, cmd: Sequence[str], *, env: Mapping[str, str] | None = None,

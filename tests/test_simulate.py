@@ -245,15 +245,31 @@ def test_state_dict_round_trip_resumes_bitwise(tmp_path):
         tiny_sim(replicas=2).load_state_dict(a.state_dict())
 
 
-def test_example_trains_replicas_of_the_gpt(capsys):
-    import importlib.util
-    from pathlib import Path
+def test_cli_simulate_trains_replicas_of_the_gpt(capsys, tmp_path):
+    import json
 
-    path = Path(__file__).parents[1] / "examples" / "simulate.py"
-    spec = importlib.util.spec_from_file_location("simulate_example", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    mod.main(["--replicas", "2", "--steps", "3", "--log-every", "3", "--batch", "2",
-              "--corpus-bytes", "40000"])
-    out = capsys.readouterr().out
-    assert "sent/replica/step" in out and "replicas identical: True" in out
+    from flexdemo.app.cli import main
+
+    out = tmp_path / "sim.json"
+    assert main(["simulate", "--replicas", "2", "--steps", "3", "--log-every", "3", "--batch",
+                 "2", "--corpus-bytes", "40000", "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "sent/replica/step" in text and "replicas identical: True" in text
+    summary = json.loads(out.read_text())
+    assert summary["replicas_identical"] is True
+    assert len(set(summary["val_loss_per_replica"])) == 1
+    assert summary["bytes_sent_per_replica"][0] > 0
+    assert summary["strategy"]["replicator"] == "demo"
+
+
+def test_cli_simulate_rejects_bad_input_in_one_line(capsys):
+    from flexdemo.app.cli import main
+
+    for argv, needle in ((["--strategy", "nope"], "unknown strategy 'nope'"),
+                         (["--warmup", "5", "--steps", "5"], "--warmup must be"),
+                         (["--lr", "-1"], "--lr must be > 0")):
+        with pytest.raises(SystemExit) as e:
+            main(["simulate", *argv])
+        assert e.value.code == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert needle in err[-1] and "Traceback" not in "".join(err)

@@ -14,6 +14,7 @@ import re
 import sys
 from collections.abc import Callable, Sequence
 
+import torch
 import torch.distributed as dist
 
 from ..mesh import timeout_from_env
@@ -35,7 +36,8 @@ from .bench import (
     run_bench,
 )
 from .config import ConfigError, load_config, to_toml
-from .strategies import STRATEGIES
+from .simulate import SimulateOptions, run_simulation, write_summary
+from .strategies import STRATEGIES, parse_strategy
 from .trainer import PeerLostError, TrainingError, train
 
 CLUSTER_DESCRIPTION = """\
@@ -142,6 +144,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.set_defaults(func=_cmd_cluster, subparser=c)
     _add_train_parser(sub)
     _add_bench_parser(sub)
+    _add_simulate_parser(sub)
     return parser
 
 
@@ -385,6 +388,63 @@ def _cmd_bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
         print("flexdemo bench: interrupted; runs stopped", file=sys.stderr, flush=True)
         return 130
     return 0 if all(r["status"] == "ok" for r in results) else 1
+
+
+def _add_simulate_parser(sub) -> None:
+    d = SimulateOptions()
+    s = sub.add_parser(
+        "simulate", help="train N replicas of the GPT task in one process (CPU or one GPU)",
+        description="Train N replicas of the byte-level GPT in one process: each replica its "
+                    "own data, the strategy's replicators exchanging through memory with the "
+                    "same codecs and byte counts as over a network (bitwise the weights N gloo "
+                    "processes reach).",
+        epilog="examples:\n  flexdemo simulate --replicas 4 --steps 300\n"
+               "  flexdemo simulate --strategy hsdp-adamw --replicas 8 --model small "
+               "--device cuda\n  flexdemo simulate --strategy flexdemo:topk=16:values=int2 "
+               "--lr 3e-3",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    s.add_argument("--strategy", default=d.strategy, metavar="NAME",
+                   help=f"a named strategy, optionally with settings (default {d.strategy}; "
+                        f"see flexdemo bench --help)")
+    s.add_argument("--replicas", type=_positive_int, default=d.replicas, metavar="N")
+    s.add_argument("--model", default=d.model, choices=("tiny", "mini", "small"),
+                   help=f"GPT preset (default {d.model})")
+    s.add_argument("--steps", type=_positive_int, default=d.steps, metavar="N")
+    s.add_argument("--batch", type=_positive_int, default=d.batch, metavar="B",
+                   help="sequences per replica per step")
+    s.add_argument("--lr", type=float, metavar="LR", help="default: the strategy's")
+    s.add_argument("--warmup", type=int, default=d.warmup, metavar="N",
+                   help="linear warm-up steps (default 0)")
+    s.add_argument("--schedule", default=d.schedule, choices=("cosine", "constant"))
+    s.add_argument("--device", default=d.device, choices=("cpu", "cuda"),
+                   help="every replica on this one device")
+    s.add_argument("--seed", type=int, default=d.seed)
+    s.add_argument("--corpus-bytes", type=_positive_int, default=d.corpus_bytes, metavar="N",
+                   help="bytes of standard-library sources to read")
+    s.add_argument("--log-every", type=_positive_int, default=d.log_every, metavar="N")
+    s.add_argument("--out", metavar="FILE", help="write the summary as JSON")
+    s.set_defaults(func=_cmd_simulate, subparser=s)
+
+
+def _cmd_simulate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    try:
+        parse_strategy(args.strategy)
+    except ValueError as e:
+        parser.error(str(e))
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: no CUDA device here; use --device cpu")
+    if args.lr is not None and not args.lr > 0:
+        parser.error(f"--lr must be > 0, got {args.lr}")
+    if not 0 <= args.warmup < args.steps:
+        parser.error(f"--warmup must be in 0..{args.steps - 1} (fewer than --steps)")
+    opts = SimulateOptions(strategy=args.strategy, replicas=args.replicas, model=args.model,
+                           steps=args.steps, batch=args.batch, lr=args.lr, warmup=args.warmup,
+                           schedule=args.schedule, device=args.device, seed=args.seed,
+                           corpus_bytes=args.corpus_bytes, log_every=args.log_every)
+    summary = run_simulation(opts)
+    if args.out:
+        print(f"wrote {write_summary(summary, args.out)}")
+    return 0
 
 
 # options whose value may look like a negative number (a bad one, which their own check names)

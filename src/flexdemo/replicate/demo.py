@@ -37,11 +37,12 @@ alone (``bucket=False``).
 indices, finite values, the non-finite flag and the presence code) run on the device and are
 reduced to one small tensor, read once per step; in ``overlap="delayed"`` mode it is read
 when the payload's result is applied, before the next payload is encoded. The non-finite flag
-of this rank's own input is found on the device before the momentum update (one reduction
-over its gradients); where it is set, the staged input is zeroed, the decay factor is 1 and the
-selected values are sent as zeros, so that rank's momentum stays bitwise untouched without a
-copy of it or a read of the flag. (A momentum that overflows to Inf from finite input is
-flagged too, from the values it sends; it is not put back.)
+of this rank's own input is found on the device before the momentum update (the least and
+largest entry of its staged input, one reduction per staging buffer); where it is set, the
+staged input is zeroed, the decay factor is 1 and the selected values are sent as zeros, so
+that rank's momentum stays bitwise untouched without a copy of it or a read of the flag. (A
+momentum that overflows to Inf from finite input is flagged too, from the values it sends;
+it is not put back.)
 
 **Wire format** (one bucket per step): a 32-byte header (magic and version, step, non-finite
 flag, presence code); then per group the block-local indices of all its blocks packed at
@@ -85,7 +86,6 @@ from .base import (
     Replicator,
     check_flags,
     global_rank_of,
-    nonfinite_flag,
     presence_code,
 )
 
@@ -668,13 +668,13 @@ class DeMoReplicator(Replicator):
         (indices, positions, values), or None for groups without gradients.
 
         A rank whose input holds a NaN or Inf leaves its momentum as it was, decided on the
-        device: the flag is found first (one reduction over the gradients), the staged input
+        device: the flag is found first (least and largest staged input), the staged input
         is zeroed and the decay factor is 1 where it is set, and the selected values are
         sent as zeros (so error feedback changes nothing); the header carries the flag."""
         live = self._live_of(grads, lrs)
         self._stage(grads, live)
-        bad = nonfinite_flag([grads[i] for i in live.present], self.device)
-        self._mask(bad)
+        bad = self._input_flag(live)
+        self._mask(bad, live)
         decay = torch.where(bad, self._one, self._decay)
         sent: list = []
         finite = [~bad]
@@ -693,17 +693,30 @@ class DeMoReplicator(Replicator):
         self._write_header(buf, step, self._own_flag, live.code)
         return sent
 
-    def _mask(self, bad: torch.Tensor) -> None:
-        """Zero every staged input where ``bad`` (a 0-d device flag) is set: the groups'
-        block rows, the staged gradients of padded units and the images of small-tensor
-        batches (one in-place pass each, no host read)."""
-        for g in self.groups:
-            g.xh.masked_fill_(bad, 0.0)
-            if g.xpad is not None:
-                g.xpad.masked_fill_(bad, 0.0)
-            for s in g.segments:
-                if not s.padded and not s.direct:
-                    g.img[s.image].masked_fill_(bad, 0.0)
+    def _inputs(self, gi: int) -> list[torch.Tensor]:
+        """The buffers group ``gi``'s input is staged in: its block rows, the staged
+        gradients of its padded units, the images of its small-tensor batches."""
+        g = self.groups[gi]
+        return [g.xh] + ([g.xpad] if g.xpad is not None else []) + [
+            g.img[s.image] for s in g.segments if not s.padded and not s.direct]
+
+    def _input_flag(self, live: _Live) -> torch.Tensor:
+        """A 0-d device flag, set when a staged input holds a NaN or Inf: the least and
+        largest entry of every staging buffer (NaN and Inf propagate, no overflow), then one
+        finiteness test."""
+        ends = [e for gi, on in enumerate(live.group_on) if on
+                for buf in self._inputs(gi) for e in torch.aminmax(buf)]
+        if not ends:
+            return torch.zeros((), dtype=torch.bool, device=self.device)
+        return ~torch.isfinite(torch.stack(ends)).all()
+
+    def _mask(self, bad: torch.Tensor, live: _Live) -> None:
+        """Zero every staged input where ``bad`` (a 0-d device flag) is set (one in-place
+        pass per staging buffer, no host read)."""
+        for gi, on in enumerate(live.group_on):
+            if on:
+                for buf in self._inputs(gi):
+                    buf.masked_fill_(bad, 0.0)
 
     def _roll_back(self, sent: list) -> None:
         """After a failed exchange every rank adds back what it sent (a rank whose input was

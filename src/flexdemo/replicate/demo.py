@@ -579,12 +579,13 @@ class DeMoReplicator(Replicator):
         if live.zero:
             torch._foreach_zero_(live.zero)
 
-    def _decay_encode(self, g: _Group, runs: list[_Run], lrs, decay: torch.Tensor) -> None:
+    def _decay_encode(self, g: _Group, runs: list[_Run], lrs, decay: torch.Tensor,
+                      bad: torch.Tensor) -> None:
         """Momentum update and forward DCT of all blocks of ``g`` with a gradient: tiling
         units ``coef = decay * coef + s * DCT(grad)``, padded units
         ``delta = decay * delta + s * grad`` and ``coef = DCT(delta)``. ``decay`` is a 0-d
-        device tensor: 1 on a rank whose input is not finite (its staged input is then
-        zero, so its momentum stays as it was, bit for bit). Decaying first and adding the
+        device tensor: 1 on a rank whose input is not finite (``bad``; its staged input is
+        then zero, so its momentum stays as it was, bit for bit). Decaying first and adding the
         product with ``beta = 1`` gives the bits of one product with ``beta = decay``."""
         w, cc, n = self._work, g.chunk[1], g.coef.numel()
         scale = {id(r): float(lrs[r.lead]) if self.scale_by_lr and lrs is not None else 1.0
@@ -596,7 +597,9 @@ class DeMoReplicator(Replicator):
             rows = torch.index_select(g.img.view(-1, cc), 0, g.img_src,
                                       out=w.x[: g.img_src.numel() * cc].view(-1, cc))
             g.xh.view(-1, cc).index_copy_(0, g.img_dst, rows)
-        x = g.xh if w.xc is None else w.xc[:n].view_as(g.xh).copy_(g.xh)
+        x = g.xh
+        if w.xc is not None:  # a non-finite input is zeroed in the compute dtype's copy
+            x = w.xc[:n].view_as(g.xh).copy_(g.xh).masked_fill_(bad, 0.0)
         y = g.dct.rows(x, out=(w.y if w.yc is None else w.yc)[:n].view_as(g.xh))
         for r in runs:
             if r.padded:  # fresh coefficients of the momentum in the parameter's domain
@@ -683,7 +686,7 @@ class DeMoReplicator(Replicator):
                 buf[g.idx_off: g.end].zero_()
                 sent.append(None)
                 continue
-            self._decay_encode(g, live.runs[gi], lrs, decay)  # delta = decay delta + lr grad
+            self._decay_encode(g, live.runs[gi], lrs, decay, bad)  # delta = decay delta + s g
             idx, pos, vals = self._select(g, live.off_rows[gi], bad)  # top-k of every block
             finite.append(torch.isfinite(vals).all())  # a momentum that overflowed
             vals = self._code(g, idx, vals, buf)  # packed indices, coded values
@@ -712,11 +715,16 @@ class DeMoReplicator(Replicator):
 
     def _mask(self, bad: torch.Tensor, live: _Live) -> None:
         """Zero every staged input where ``bad`` (a 0-d device flag) is set (one in-place
-        pass per staging buffer, no host read)."""
+        pass per staging buffer, no host read). With a low-precision transform only the
+        padded units' gradients here: the rest is zeroed in the (smaller) copy of the block
+        rows in the compute dtype."""
         for gi, on in enumerate(live.group_on):
-            if on:
-                for buf in self._inputs(gi):
-                    buf.masked_fill_(bad, 0.0)
+            if not on:
+                continue
+            g = self.groups[gi]
+            for buf in ([g.xpad] if g.xpad is not None else []) if self._work.xc is not None \
+                    else self._inputs(gi):
+                buf.masked_fill_(bad, 0.0)
 
     def _roll_back(self, sent: list) -> None:
         """After a failed exchange every rank adds back what it sent (a rank whose input was

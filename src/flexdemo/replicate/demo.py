@@ -41,8 +41,8 @@ of this rank's own input is found on the device before the momentum update (the 
 largest entry of its staged input, one reduction per staging buffer); where it is set, the
 staged input is zeroed, the decay factor is 1 and the selected values are sent as zeros, so
 that rank's momentum stays bitwise untouched without a copy of it or a read of the flag. (A
-momentum that overflows to Inf from finite input is flagged too, from the values it sends;
-it is not put back.)
+momentum that overflows to Inf from finite input sends non-finite values: every replica's
+payload check names that rank, as for any corrupt payload.)
 
 **Wire format** (one bucket per step): a 32-byte header (magic and version, step, non-finite
 flag, presence code); then per group the block-local indices of all its blocks packed at
@@ -498,7 +498,6 @@ class DeMoReplicator(Replicator):
         self._work = _Workspace(self.groups, self.device, self._basis()[1])
         self._make_views()
         self._lives: dict = {}
-        self._own_flag = torch.zeros((), dtype=torch.bool, device=self.device)
         # the momentum's decay factor, and 1 for a step whose input is not finite
         self._decay = torch.tensor(self.decay, dtype=torch.float32, device=self.device)
         self._one = torch.ones((), dtype=torch.float32, device=self.device)
@@ -680,7 +679,6 @@ class DeMoReplicator(Replicator):
         self._mask(bad, live)
         decay = torch.where(bad, self._one, self._decay)
         sent: list = []
-        finite = [~bad]
         for gi, g in enumerate(self.groups):
             if not live.group_on[gi]:
                 buf[g.idx_off: g.end].zero_()
@@ -688,12 +686,10 @@ class DeMoReplicator(Replicator):
                 continue
             self._decay_encode(g, live.runs[gi], lrs, decay, bad)  # delta = decay delta + s g
             idx, pos, vals = self._select(g, live.off_rows[gi], bad)  # top-k of every block
-            finite.append(torch.isfinite(vals).all())  # a momentum that overflowed
             vals = self._code(g, idx, vals, buf)  # packed indices, coded values
             self._feedback(g, idx, pos, vals, sign=-1.0)  # delta -= what the peers will see
             sent.append((idx, pos, vals))
-        self._own_flag = ~torch.stack(finite).all()
-        self._write_header(buf, step, self._own_flag, live.code)
+        self._write_header(buf, step, bad, live.code)
         return sent
 
     def _inputs(self, gi: int) -> list[torch.Tensor]:

@@ -98,12 +98,20 @@ def test_missing_gradients_keep_their_momentum_bitwise():
 
 
 @pytest.mark.parametrize("overlap", ["none", "delayed"])
-def test_non_finite_input_leaves_the_momentum_untouched(overlap):
-    """The non-finite flag is found on the device; the rank's momentum is put back."""
-    rep, _ = _run(steps=3, overlap=overlap)
+@pytest.mark.parametrize("where", [(9, (3, 4), "nan"), (8, (70, 5), "inf"), (1, (7,), "-inf")],
+                         ids=["padded-nan", "tiling-inf", "small-neginf"])
+@pytest.mark.parametrize("kw", [{}, {"transform_dtype": "bf16", "values": "fp32"}],
+                         ids=["fp32", "bf16-transform"])
+def test_non_finite_input_leaves_the_momentum_untouched(overlap, where, kw):
+    """The non-finite flag is found on the device before the momentum update; the rank's
+    momentum stays bitwise as it was (no copy of it is kept), it sends zeros, and its header
+    carries the flag."""
+    rep, _ = _run(steps=3, overlap=overlap, **kw)
+    assert not hasattr(rep, "_saved")
     before = [d.clone() for d in rep.delta]
     grads = [torch.randn(s) for s in SHAPES]
-    grads[9][3, 4] = float("nan")  # a padded tensor
+    i, at, value = where
+    grads[i][at] = float(value)
     lrs = [1e-2] * len(SHAPES)
     if overlap == "none":
         with pytest.raises(NonFiniteGradientError, match="step 3"):
@@ -113,6 +121,10 @@ def test_non_finite_input_leaves_the_momentum_untouched(overlap):
         with pytest.raises(NonFiniteGradientError, match="step 3"):
             rep([torch.randn(s) for s in SHAPES], lrs, 4)
     assert _same(rep.delta, before)
+    buf = rep._buckets[3 % len(rep._buckets)]
+    assert buf[:32].view(torch.int64)[2].item() == 1  # the header's non-finite flag
+    for g in rep.groups:  # every value sent is zero
+        assert not rep.codec.decode(buf[g.val_off: g.end].unsqueeze(0), g.blocks, g.k).any()
 
 
 def test_corrupt_payload_in_delayed_mode_is_named():

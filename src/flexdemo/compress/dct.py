@@ -297,7 +297,9 @@ class BatchedDCT:
                 if alpha != 1:
                     target.mul_(alpha)
             else:
-                target.mul_(beta).add_(z, alpha=alpha)
+                if beta != 1:
+                    target.mul_(beta)
+                target.add_(z, alpha=alpha)
             return
         if self.compute_dtype == torch.float32:
             if whole:
@@ -317,7 +319,9 @@ class BatchedDCT:
             if alpha != 1:
                 target.mul_(alpha)
         else:
-            target.mul_(beta).add_(z, alpha=alpha)
+            if beta != 1:
+                target.mul_(beta)
+            target.add_(z, alpha=alpha)
 
     def inverse(self, coef: torch.Tensor, out: torch.Tensor, scratch: torch.Tensor) -> None:
         """Blocks ``out`` ``(blocks, cr, cc)`` from their coefficients ``coef``

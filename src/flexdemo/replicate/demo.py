@@ -37,10 +37,12 @@ alone (``bucket=False``).
 indices, finite values, the non-finite flag and the presence code) run on the device and are
 reduced to one small tensor, read once per step; in ``overlap="delayed"`` mode it is read
 when the payload's result is applied, before the next payload is encoded. The non-finite flag
-of this rank's own input is derived on the device from the values it selects (a NaN or Inf
-in a block's input makes its coefficients non-finite, and top-k picks them). The momentum is
-copied before each step and put back on a rank whose own input was not finite, so that rank's
-state stays untouched.
+of this rank's own input is found on the device before the momentum update (the least and
+largest entry of its staged input, one reduction per staging buffer); where it is set, the
+staged input is zeroed, the decay factor is 1 and the selected values are sent as zeros, so
+that rank's momentum stays bitwise untouched without a copy of it or a read of the flag. (A
+momentum that overflows to Inf from finite input sends non-finite values: every replica's
+payload check names that rank, as for any corrupt payload.)
 
 **Wire format** (one bucket per step): a 32-byte header (magic and version, step, non-finite
 flag, presence code); then per group the block-local indices of all its blocks packed at
@@ -495,13 +497,10 @@ class DeMoReplicator(Replicator):
         self._inflight = None  # delayed mode: (step, handle or gathered, live)
         self._work = _Workspace(self.groups, self.device, self._basis()[1])
         self._make_views()
-        # the momentum, and a copy of it from before the step (for a rank whose input was not
-        # finite): every group's matrix and the images of its padded units
-        self._state = [g.coef for g in self.groups] + [
-            g.img[u.image] for g in self.groups for u in g.units if u.padded]
-        self._saved = [torch.empty_like(t) for t in self._state]
         self._lives: dict = {}
-        self._own_flag = torch.zeros((), dtype=torch.bool, device=self.device)
+        # the momentum's decay factor, and 1 for a step whose input is not finite
+        self._decay = torch.tensor(self.decay, dtype=torch.float32, device=self.device)
+        self._one = torch.ones((), dtype=torch.float32, device=self.device)
 
     @property
     def delta(self) -> list[torch.Tensor]:
@@ -579,36 +578,45 @@ class DeMoReplicator(Replicator):
         if live.zero:
             torch._foreach_zero_(live.zero)
 
-    def _decay_encode(self, g: _Group, runs: list[_Run], lrs) -> None:
+    def _decay_encode(self, g: _Group, runs: list[_Run], lrs, decay: torch.Tensor,
+                      bad: torch.Tensor) -> None:
         """Momentum update and forward DCT of all blocks of ``g`` with a gradient: tiling
-        units ``coef = decay * coef + s * DCT(grad)`` (one fused product), padded units
-        ``delta = decay * delta + s * grad`` and ``coef = DCT(delta)``."""
+        units ``coef = decay * coef + s * DCT(grad)``, padded units
+        ``delta = decay * delta + s * grad`` and ``coef = DCT(delta)``. ``decay`` is a 0-d
+        device tensor: 1 on a rank whose input is not finite (``bad``; its staged input is
+        then zero, so its momentum stays as it was, bit for bit). Decaying first and adding the
+        product with ``beta = 1`` gives the bits of one product with ``beta = decay``."""
         w, cc, n = self._work, g.chunk[1], g.coef.numel()
         scale = {id(r): float(lrs[r.lead]) if self.scale_by_lr and lrs is not None else 1.0
                  for r in runs}
         for r in runs:
             if r.padded:
-                g.img[r.image].mul_(self.decay).add_(g.xpad[r.xpad], alpha=scale[id(r)])
+                g.img[r.image].mul_(decay).add_(g.xpad[r.xpad], alpha=scale[id(r)])
         if g.img is not None:  # image-staged units: their rows into the block rows
             rows = torch.index_select(g.img.view(-1, cc), 0, g.img_src,
                                       out=w.x[: g.img_src.numel() * cc].view(-1, cc))
             g.xh.view(-1, cc).index_copy_(0, g.img_dst, rows)
-        x = g.xh if w.xc is None else w.xc[:n].view_as(g.xh).copy_(g.xh)
+        x = g.xh
+        if w.xc is not None:  # a non-finite input is zeroed in the compute dtype's copy
+            x = w.xc[:n].view_as(g.xh).copy_(g.xh).masked_fill_(bad, 0.0)
         y = g.dct.rows(x, out=(w.y if w.yc is None else w.yc)[:n].view_as(g.xh))
         for r in runs:
-            alpha, beta = (1.0, 0.0) if r.padded else (scale[id(r)], self.decay)
-            g.dct.cols_into(y, g.coef, r.rows, alpha, beta, w.zc)
+            if r.padded:  # fresh coefficients of the momentum in the parameter's domain
+                g.dct.cols_into(y, g.coef, r.rows, 1.0, 0.0, w.zc)
+            else:  # coef = decay * coef + s * DCT(grad); the decay is the device factor
+                g.coef[:, r.rows].mul_(decay)
+                g.dct.cols_into(y, g.coef, r.rows, scale[id(r)], 1.0, w.zc)
 
-    def _select(self, g: _Group, off_rows: list[slice]):
+    def _select(self, g: _Group, off_rows: list[slice], bad: torch.Tensor):
         """Top-k coefficients of every block: ``(blocks, k)`` block-local indices, their
         positions in ``coef`` and their values; units without a gradient keep their momentum
-        and send zeros."""
+        and send zeros, and so does every unit where ``bad`` (non-finite input) is set."""
         idx_pos = self._compiled_select(g)
         if idx_pos is None:
             idx_pos = topk_blocks_rowmajor(g.coef, g.k, self._work.x[: g.coef.numel()],
                                            self.scratch)
         idx, pos = idx_pos
-        vals = torch.take(g.coef, pos)
+        vals = torch.take(g.coef, pos).masked_fill_(bad, 0.0)
         for rows in off_rows:
             vals[rows] = 0.0
         return idx, pos, vals
@@ -659,34 +667,65 @@ class DeMoReplicator(Replicator):
 
     def _fill(self, grads, lrs, step: int, buf: torch.Tensor) -> list:
         """This rank's payload for ``step`` in ``buf``; returns per group the sent
-        (indices, positions, values), or None for groups without gradients."""
+        (indices, positions, values), or None for groups without gradients.
+
+        A rank whose input holds a NaN or Inf leaves its momentum as it was, decided on the
+        device: the flag is found first (least and largest staged input), the staged input
+        is zeroed and the decay factor is 1 where it is set, and the selected values are
+        sent as zeros (so error feedback changes nothing); the header carries the flag."""
         live = self._live_of(grads, lrs)
-        torch._foreach_copy_(self._saved, self._state)  # put back if our input is not finite
         self._stage(grads, live)
+        bad = self._input_flag(live)
+        self._mask(bad, live)
+        decay = torch.where(bad, self._one, self._decay)
         sent: list = []
-        finite = []
         for gi, g in enumerate(self.groups):
             if not live.group_on[gi]:
                 buf[g.idx_off: g.end].zero_()
                 sent.append(None)
                 continue
-            self._decay_encode(g, live.runs[gi], lrs)  # delta = decay delta + lr grad (DCT)
-            idx, pos, vals = self._select(g, live.off_rows[gi])  # top-k of every block
-            finite.append(torch.isfinite(vals).all())  # a NaN/Inf input is always selected
+            self._decay_encode(g, live.runs[gi], lrs, decay, bad)  # delta = decay delta + s g
+            idx, pos, vals = self._select(g, live.off_rows[gi], bad)  # top-k of every block
             vals = self._code(g, idx, vals, buf)  # packed indices, coded values
             self._feedback(g, idx, pos, vals, sign=-1.0)  # delta -= what the peers will see
             sent.append((idx, pos, vals))
-        self._own_flag = (~torch.stack(finite).all() if finite
-                          else torch.zeros((), dtype=torch.bool, device=self.device))
-        self._write_header(buf, step, self._own_flag, live.code)
+        self._write_header(buf, step, bad, live.code)
         return sent
 
+    def _inputs(self, gi: int) -> list[torch.Tensor]:
+        """The buffers group ``gi``'s input is staged in: its block rows, the staged
+        gradients of its padded units, the images of its small-tensor batches."""
+        g = self.groups[gi]
+        return [g.xh] + ([g.xpad] if g.xpad is not None else []) + [
+            g.img[s.image] for s in g.segments if not s.padded and not s.direct]
+
+    def _input_flag(self, live: _Live) -> torch.Tensor:
+        """A 0-d device flag, set when a staged input holds a NaN or Inf: the least and
+        largest entry of every staging buffer (NaN and Inf propagate, no overflow), then one
+        finiteness test."""
+        ends = [e for gi, on in enumerate(live.group_on) if on
+                for buf in self._inputs(gi) for e in torch.aminmax(buf)]
+        if not ends:
+            return torch.zeros((), dtype=torch.bool, device=self.device)
+        return ~torch.isfinite(torch.stack(ends)).all()
+
+    def _mask(self, bad: torch.Tensor, live: _Live) -> None:
+        """Zero every staged input where ``bad`` (a 0-d device flag) is set (one in-place
+        pass per staging buffer, no host read). With a low-precision transform only the
+        padded units' gradients here: the rest is zeroed in the (smaller) copy of the block
+        rows in the compute dtype."""
+        for gi, on in enumerate(live.group_on):
+            if not on:
+                continue
+            g = self.groups[gi]
+            for buf in ([g.xpad] if g.xpad is not None else []) if self._work.xc is not None \
+                    else self._inputs(gi):
+                buf.masked_fill_(bad, 0.0)
+
     def _roll_back(self, sent: list) -> None:
-        """After a failed exchange: a rank whose own input was not finite gets its momentum
-        back as it was before the step; the others add back what they sent."""
-        if bool(self._own_flag):  # the rare path: one more read
-            torch._foreach_copy_(self._state, self._saved)
-            return
+        """After a failed exchange every rank adds back what it sent (a rank whose input was
+        not finite sent zeros and changed nothing): its momentum is then as after the
+        momentum update alone (no extra read of the device)."""
         for g, s in zip(self.groups, sent):
             if s is not None:
                 self._feedback(g, *s, sign=1.0)
@@ -913,12 +952,7 @@ class DeMoReplicator(Replicator):
         if previous is not None:  # check last step's payloads before encoding this one
             prev_step, handle, prev_live = previous
             gathered = handle.wait() if isinstance(handle, Pending) else handle
-            try:
-                good, decoded = self._check(gathered, prev_step, prev_live)
-            except Exception:
-                if bool(self._own_flag):  # our own input was not finite: state as before
-                    torch._foreach_copy_(self._state, self._saved)
-                raise
+            good, decoded = self._check(gathered, prev_step, prev_live)
         buf = self._buckets[step % 2]
         self._fill(grads, lrs, step, buf)
         self._inflight = (step, all_gather(buf, self.group, self.stats, async_op=True), live)

@@ -7,7 +7,7 @@ import torch.distributed as dist
 from torch import nn
 
 from flexdemo import DeMoReplicator, DeToNATION
-from flexdemo.replicate.demo import CorruptPayloadError
+from flexdemo.replicate import CorruptPayloadError
 
 
 class Mixed(nn.Module):

@@ -240,7 +240,7 @@ def diloco_replicas_worker(rank, world, replicate, shard):
 
 def wire_worker(rank, world):
     """Codecs, bucketing, delayed overlap and corrupt payloads on real process groups."""
-    from flexdemo.replicate.demo import CorruptPayloadError
+    from flexdemo.replicate import CorruptPayloadError
 
     out = {}
     variants = {f"values-{v}": {"values": v} for v in ("bf16", "int8", "int2", "sign")}

@@ -199,7 +199,7 @@ class CorruptingTransport(InProcessTransport):
 
 
 def test_corrupt_payload_is_named_on_every_replica(monkeypatch):
-    from flexdemo.replicate.demo import CorruptPayloadError
+    from flexdemo.replicate import CorruptPayloadError
 
     # DeMo names the peer through torch.distributed whenever a default group exists (another
     # test may leave one behind); with flexdemo.transport.global_rank it needs none

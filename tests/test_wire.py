@@ -10,8 +10,7 @@ from torch import nn
 from flexdemo import DeToNATION
 from flexdemo.compress.bits import pack_bits, packed_nbytes, unpack_bits
 from flexdemo.compress.quant import BLOCK_FORMATS, BlockValueCodec
-from flexdemo.replicate import DeMoReplicator
-from flexdemo.replicate.demo import CorruptPayloadError
+from flexdemo.replicate import CorruptPayloadError, DeMoReplicator
 
 
 @pytest.mark.parametrize("bits", [1, 2, 3, 7, 8, 12, 13, 16, 31])

@@ -235,6 +235,19 @@ def block_rows(plan: ChunkPlan) -> torch.Tensor:
     return ((bi * cr + u) * nbc + bj).reshape(-1)
 
 
+def _accumulate(target: torch.Tensor, z: torch.Tensor, alpha: float, beta: float) -> None:
+    """``target = beta * target + alpha * z`` (``beta == 0``: ``target`` is not read), in the
+    order of operations the fp32 fused products are checked against bitwise."""
+    if beta == 0:
+        target.copy_(z)
+        if alpha != 1:
+            target.mul_(alpha)
+        return
+    if beta != 1:
+        target.mul_(beta)
+    target.add_(z, alpha=alpha)
+
+
 class BatchedDCT:
     """The blocked DCT of many ``cr x cc`` blocks at once, in block layout ``(blocks, cr*cc)``.
 
@@ -291,15 +304,7 @@ class BatchedDCT:
             if self.compute_dtype == torch.float32:
                 target.baddbmm_(part, basis, beta=beta, alpha=alpha)
                 return
-            z = torch.bmm(part, basis)
-            if beta == 0:
-                target.copy_(z)
-                if alpha != 1:
-                    target.mul_(alpha)
-            else:
-                if beta != 1:
-                    target.mul_(beta)
-                target.add_(z, alpha=alpha)
+            _accumulate(target, torch.bmm(part, basis), alpha, beta)
             return
         if self.compute_dtype == torch.float32:
             if whole:
@@ -313,15 +318,7 @@ class BatchedDCT:
         part = y[:, blocks]
         z = scratch[: part.numel()].view(part.shape)
         torch.matmul(part, self._dc_t_fwd, out=z)
-        target = coef[:, blocks]
-        if beta == 0:
-            target.copy_(z)
-            if alpha != 1:
-                target.mul_(alpha)
-        else:
-            if beta != 1:
-                target.mul_(beta)
-            target.add_(z, alpha=alpha)
+        _accumulate(coef[:, blocks], z, alpha, beta)
 
     def inverse(self, coef: torch.Tensor, out: torch.Tensor, scratch: torch.Tensor) -> None:
         """Blocks ``out`` ``(blocks, cr, cc)`` from their coefficients ``coef``

@@ -27,6 +27,7 @@ of the next exchange as non-finite, so that every rank raises there, in the same
 from __future__ import annotations
 
 import math
+import warnings
 import zlib
 from abc import ABC, abstractmethod
 
@@ -368,6 +369,17 @@ class Replicator(ABC):
 
     def after_step(self, step: int) -> None:  # noqa: B027 - optional hook
         """Called by the optimizer after the base optimizer's step ``step`` (override)."""
+
+    def _bad_peer(self, r: int, step: int, reason: str) -> None:
+        """A peer's payload is bad: raise :class:`CorruptPayloadError` naming it
+        (``on_bad_peer="raise"``), or count and warn (``"drop"``) for replicators that check
+        payloads (they set ``on_bad_peer`` and ``dropped_payloads``)."""
+        global_rank = global_rank_of(self.group, r)
+        if self.on_bad_peer == "raise":
+            raise CorruptPayloadError(self.name, r, global_rank, step, reason)
+        self.dropped_payloads += 1
+        warnings.warn(f"{self.name}: dropped the payload of rank {global_rank} at step {step}: "
+                      f"{reason}", RuntimeWarning, stacklevel=4)
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict:

@@ -79,13 +79,12 @@ from ..compress.dct import BatchedDCT, block_rows
 from ..compress.quant import BLOCK_FORMATS, BlockValueCodec
 from ..compress.select import select_rowmajor, topk_blocks_rowmajor
 from ..transport import Pending, all_gather
-from .base import (
+from .base import (  # CorruptPayloadError: its former home was this module
     HEADER_BYTES,
     MAGIC,
-    CorruptPayloadError,
+    CorruptPayloadError,  # noqa: F401
     Replicator,
     check_flags,
-    global_rank_of,
     presence_code,
 )
 
@@ -807,14 +806,6 @@ class DeMoReplicator(Replicator):
             else:
                 good.append(r)
         return good, decoded
-
-    def _bad_peer(self, r: int, step: int, reason: str) -> None:
-        global_rank = global_rank_of(self.group, r)
-        if self.on_bad_peer == "raise":
-            raise CorruptPayloadError(self.name, r, global_rank, step, reason)
-        self.dropped_payloads += 1
-        warnings.warn(f"{self.name}: dropped the payload of rank {global_rank} at step {step}: "
-                      f"{reason}", RuntimeWarning, stacklevel=4)
 
     # ------------------------------------------------------------------ decode
     def _blocks_out(self, g: _Group, s: _Segment) -> torch.Tensor:

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import warnings
-
 import torch
 
 from ..compress.quant import ValueCodec
@@ -12,11 +10,9 @@ from .base import (
     HEADER_BYTES,
     MAGIC,
     Agreement,
-    CorruptPayloadError,
     NonFiniteGradientError,
     Replicator,
     check_flags,
-    global_rank_of,
     header_problems,
     nonfinite_flag,
     write_header,
@@ -208,14 +204,6 @@ class FullReplicator(Replicator):
                 self._bad_peer(r, step, f"non-finite value{hint}")
         if good:
             flat.div_(len(good))
-
-    def _bad_peer(self, r: int, step: int, reason: str) -> None:
-        global_rank = global_rank_of(self.group, r)
-        if self.on_bad_peer == "raise":
-            raise CorruptPayloadError(self.name, r, global_rank, step, reason)
-        self.dropped_payloads += 1
-        warnings.warn(f"{self.name}: dropped the payload of rank {global_rank} at step {step}: "
-                      f"{reason}", RuntimeWarning, stacklevel=4)
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict:

@@ -280,3 +280,24 @@ def test_block_codec_decodes_rows_at_once(fmt):
     rows = torch.zeros(3, (n + 7) // 8 * 8 + 8, dtype=torch.uint8)  # aligned, as gathered
     sent = [codec.encode(torch.randn(6, 5), rows[r, :n]) for r in range(3)]
     assert torch.equal(codec.decode(rows[:, :n], 6, 5), torch.stack(sent))
+
+
+def test_a_value_format_is_one_registry_entry(monkeypatch):
+    """A format registered in BLOCK_CODECS is usable by DeMo with no other edit."""
+    from flexdemo.compress import quant
+
+    class Halves(quant._FloatBlocks):  # fp16 under another name
+        dtype = torch.float16
+
+    monkeypatch.setitem(quant.BLOCK_CODECS, "halves", Halves)
+    codec = BlockValueCodec("halves")
+    assert isinstance(codec, Halves) and codec.fmt == "halves"
+    torch.manual_seed(0)
+    model = nn.Linear(64, 64)
+    rep = DeMoReplicator(values="halves")
+    opt = DeToNATION(model.parameters(), rep, lr=0.1)
+    model(torch.randn(4, 64)).sum().backward()
+    opt.step()
+    assert rep.payload_bytes() > 0 and all(torch.isfinite(p).all() for p in model.parameters())
+    with pytest.raises(ValueError, match="unknown value format 'nope'"):
+        BlockValueCodec("nope")

@@ -76,7 +76,7 @@ import torch
 from ..compress import BlockDCT, ChunkPlan, Scratch, plan_chunks
 from ..compress.bits import pack_bits, packed_nbytes, unpack_bits
 from ..compress.dct import BatchedDCT, block_rows
-from ..compress.quant import BLOCK_FORMATS, BlockValueCodec
+from ..compress.quant import BLOCK_CODECS, BlockValueCodec
 from ..compress.select import select_rowmajor, topk_blocks_rowmajor
 from ..transport import Pending, all_gather
 from .base import (  # CorruptPayloadError: its former home was this module
@@ -303,8 +303,8 @@ class DeMoReplicator(Replicator):
                              "coefficients of a block; lower topk or raise chunk")
         if not isinstance(decay, (int, float)) or not 0.0 <= decay <= 1.0:
             raise ValueError(f"decay must be a number in [0, 1], got {decay!r}")
-        if values not in BLOCK_FORMATS:
-            raise ValueError(f"values must be one of {BLOCK_FORMATS}, got {values!r}")
+        if values not in BLOCK_CODECS:
+            raise ValueError(f"values must be one of {tuple(BLOCK_CODECS)}, got {values!r}")
         if transform not in ("dct", "none"):
             raise ValueError(f"transform must be 'dct' or 'none' (plain top-k per block), "
                              f"got {transform!r}")

@@ -81,11 +81,12 @@ from ..compress.select import select_rowmajor, topk_blocks_rowmajor
 from ..transport import Pending, all_gather
 from .base import (  # CorruptPayloadError: its former home was this module
     HEADER_BYTES,
-    MAGIC,
     CorruptPayloadError,  # noqa: F401
     Replicator,
     check_flags,
+    header_problems,
     presence_code,
+    write_header,
 )
 
 PRESETS: dict[str, dict] = {
@@ -648,15 +649,6 @@ class DeMoReplicator(Replicator):
                 self._to_image(g, s, blocks)
                 torch._foreach_add_(s.deltas, s.outs, alpha=sign)
 
-    def _write_header(self, buf: torch.Tensor, step: int, flag: torch.Tensor,
-                      code: int) -> None:
-        """The header (base's layout) written on the device: no host round trip."""
-        head = buf[:HEADER_BYTES].view(torch.int64)
-        head[0].fill_(MAGIC)
-        head[1].fill_(step)
-        head[2].copy_(flag)
-        head[3].fill_(code)
-
     def _code(self, g: _Group, idx: torch.Tensor, vals: torch.Tensor,
               buf: torch.Tensor) -> torch.Tensor:
         """Pack the indices and code the values into the group's segments of ``buf``;
@@ -688,7 +680,7 @@ class DeMoReplicator(Replicator):
             vals = self._code(g, idx, vals, buf)  # packed indices, coded values
             self._feedback(g, idx, pos, vals, sign=-1.0)  # delta -= what the peers will see
             sent.append((idx, pos, vals))
-        self._write_header(buf, step, bad, live.code)
+        write_header(buf, step, bad, live.code)  # on the device: no host round trip
         return sent
 
     def _inputs(self, gi: int) -> list[torch.Tensor]:
@@ -787,13 +779,11 @@ class DeMoReplicator(Replicator):
         verdict, decoded = self._verdict(gathered, live)
         rows = verdict.tolist()  # the one read of the device in a step
         peers = []
-        for r, (magic, st, *_) in enumerate(rows):
-            if magic != MAGIC:
-                self._bad_peer(r, step, f"bad magic/version {magic:#x} (expected {MAGIC:#x})")
-            elif st != step:
-                self._bad_peer(r, step, f"payload for step {st}")
-            else:
+        for r, problem in enumerate(header_problems([row[:4] for row in rows], step)):
+            if problem is None:
                 peers.append(r)
+            else:
+                self._bad_peer(r, step, problem)
         ok = set(peers)
         check_flags(self.name, [row[2] if r in ok else 0 for r, row in enumerate(rows)],
                     [row[3] if r in ok else live.code for r, row in enumerate(rows)],

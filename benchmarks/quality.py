@@ -42,7 +42,8 @@ from flexdemo.simulate import SimulatedReplicas
 
 @dataclass(frozen=True)
 class Setting:
-    """One strategy of the benchmark: a replicator, a base optimizer, and the lr grid's centre."""
+    """One strategy of the benchmark: a replicator, a base optimizer, and the lowest lr of its
+    grid (``--lr-grid`` multiplies it)."""
 
     about: str
     replicator: str
@@ -69,8 +70,9 @@ SETTINGS: dict[str, Setting] = {
     "demo-noscale": Setting("DeMo defaults, momentum without the lr factor "
                             "(scale_by_lr=False)", "demo", "sgd", 1e-3,
                             {"scale_by_lr": False}),
+    # the outer Nesterov step (lr 0.7, momentum 0.9) amplifies the inner steps: a lower grid
     "diloco": Setting("DiLoCo H=20, outer Nesterov lr 0.7 momentum 0.9 (defaults)", "diloco",
-                      "adamw", 1e-3, {"inner_steps": 20}),
+                      "adamw", 1e-4, {"inner_steps": 20}),
     "diloco-avg": Setting("DiLoCo H=20, plain averaging (outer lr 1.0, momentum 0)", "diloco",
                           "adamw", 1e-3, {"inner_steps": 20, "outer_lr": 1.0,
                                           "outer_momentum": 0.0}),
@@ -80,9 +82,9 @@ SETTINGS: dict[str, Setting] = {
 MAIN = ["adamw", "no-sync", "demo", "demo-d0.9-k64", "diloco", "diloco-avg"]
 
 QUICK = {"model": "tiny", "steps": 300, "batch": 8, "replicas": "2", "seeds": 2,
-         "lr_grid": "0.3,1,3", "eval_every": 20, "eval_batches": 8, "corpus_bytes": 2_000_000}
+         "lr_grid": "1,3,10", "eval_every": 20, "eval_batches": 8, "corpus_bytes": 2_000_000}
 FULL = {"model": "small", "steps": 1000, "batch": 8, "replicas": "2,4", "seeds": 2,
-        "lr_grid": "0.3,1,3", "eval_every": 50, "eval_batches": 16, "corpus_bytes": 8_000_000}
+        "lr_grid": "1,3,10", "eval_every": 50, "eval_batches": 16, "corpus_bytes": 8_000_000}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -96,7 +98,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--batch", type=int, help="sequences per replica per step")
     p.add_argument("--replicas", help="comma list of replica counts, e.g. 2,4")
     p.add_argument("--seeds", type=int, help="seeds per configuration (>= 1)")
-    p.add_argument("--lr-grid", help="multipliers of each strategy's centre lr, e.g. 0.3,1,3")
+    p.add_argument("--lr-grid", help="multipliers of each strategy's base lr, e.g. 1,3,10")
     p.add_argument("--lrs", help="absolute lrs for every strategy instead of --lr-grid")
     p.add_argument("--schedule", default="cosine", choices=SCHEDULES)
     p.add_argument("--warmup", type=float, default=0.05, help="warm-up fraction of the steps")
@@ -113,6 +115,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=0,
                    help="torch threads per worker (0: cores / workers)")
     p.add_argument("--out", default="quality_out")
+    p.add_argument("--merge", action="append", default=[], metavar="JSON",
+                   help="add the runs of an earlier quality.json with the same settings "
+                        "(extends a grid without running it again)")
     args = p.parse_args(argv)
     for key, value in (QUICK if args.quick else FULL).items():
         if getattr(args, key) is None:
@@ -234,7 +239,7 @@ def configurations(args: argparse.Namespace) -> list[dict]:
             lrs = args.grid if args.lrs else [SETTINGS[name].lr * m for m in args.grid]
             for lr in lrs:
                 for seed in range(args.seeds):
-                    out.append({"replicas": n, "strategy": name, "lr": float(f"{lr:.3g}"),
+                    out.append({"replicas": n, "strategy": name, "lr": float(f"{lr:.2g}"),
                                 "seed": seed, "model": args.model, "steps": args.steps,
                                 "batch": args.batch, "schedule": args.schedule,
                                 "warmup": args.warmup, "min_lr": args.min_lr,
@@ -304,7 +309,7 @@ def best_curves(runs: list[dict], rows: list[dict]) -> dict[tuple, list[list[flo
     return out
 
 
-def plot(curves: dict, path: Path, title: str) -> None:
+def plot(curves: dict, lrs: dict, path: Path, title: str) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -316,7 +321,7 @@ def plot(curves: dict, path: Path, title: str) -> None:
             if m != n:
                 continue
             steps = [p[0] for p in c]
-            line, = ax.plot(steps, [p[1] for p in c], label=name,
+            line, = ax.plot(steps, [p[1] for p in c], label=f"{name} (lr {lrs[(m, name)]:.2g})",
                             linestyle="--" if name in ("adamw", "no-sync") else "-")
             ax.fill_between(steps, [p[2] for p in c], [p[3] for p in c], alpha=0.15,
                             color=line.get_color())
@@ -373,6 +378,32 @@ def run_all(cfgs: list[dict], workers: int, say=print) -> list[dict]:
     return runs
 
 
+SAME = ("model", "steps", "batch", "schedule", "warmup", "min_lr", "data", "eval_every",
+        "eval_batches", "corpus_bytes")
+
+
+def merged(runs: list[dict], paths: list[str]) -> list[dict]:
+    """``runs`` plus those of earlier result files; a run measured here wins over a stored one
+    of the same (replicas, strategy, lr, seed). Settings that change the result must agree."""
+    have = {(r["replicas"], r["strategy"], r["lr"], r["seed"]) for r in runs}
+    out = list(runs)
+    for path in paths:
+        try:
+            old = json.loads(Path(path).read_text())["runs"]
+        except (OSError, ValueError, KeyError) as e:
+            raise SystemExit(f"--merge {path}: not a readable quality.json ({e})") from None
+        for r in old:
+            differ = [k for k in SAME if runs and r.get(k) != runs[0].get(k)]
+            if differ:
+                raise SystemExit(f"--merge {path}: its runs differ in {', '.join(differ)} "
+                                 "from this one; merge only runs of the same settings")
+            key = (r["replicas"], r["strategy"], r["lr"], r["seed"])
+            if key not in have:
+                have.add(key)
+                out.append(r)
+    return out
+
+
 def main(argv=None) -> dict:
     args = parse_args(argv)
     if args.threads == 0 and args.device == "cpu":
@@ -384,7 +415,7 @@ def main(argv=None) -> dict:
           f"replica, replicas {args.replicas}, {args.schedule} lr (warm-up "
           f"{args.warmup:.0%}), data {args.data}, {args.workers} worker(s), {args.device}",
           flush=True)
-    runs = run_all(cfgs, args.workers, say=lambda s: print(s, flush=True))
+    runs = merged(run_all(cfgs, args.workers, say=lambda s: print(s, flush=True)), args.merge)
     rows = summarize(runs)
     curves = best_curves(runs, rows)
     settings = {k: v for k, v in vars(args).items() if k != "grid"}
@@ -400,7 +431,8 @@ def main(argv=None) -> dict:
         w = csv.DictWriter(f, fieldnames=list(rows[0]))
         w.writeheader()
         w.writerows(rows)
-    plot(curves, out / "quality.png",
+    best_lrs = {(r["replicas"], r["strategy"]): r["lr"] for r in rows if r["best_lr"]}
+    plot(curves, best_lrs, out / "quality.png",
          f"{args.model} GPT, {args.steps} steps, batch {args.batch}/replica, {args.schedule} "
          f"lr, warm-up {args.warmup:.0%}, data {args.data}, {args.seeds} seed(s)")
     print(table(rows))

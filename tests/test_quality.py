@@ -105,3 +105,18 @@ def test_unknown_strategy_is_one_clear_line(quality, capsys):
         quality.parse_args(["--quick", "--strategies", "adamw,demoo"])
     err = capsys.readouterr().err
     assert "unknown strategy ['demoo']" in err and "choose from" in err
+
+
+def test_merge_adds_stored_runs_and_refuses_other_settings(quality, tmp_path):
+    base = {"model": "tiny", "steps": 10, "batch": 2, "schedule": "cosine", "warmup": 0.05,
+            "min_lr": 0.1, "data": "random", "eval_every": 5, "eval_batches": 2,
+            "corpus_bytes": 1000}
+    here = [{**base, **_run("adamw", 1e-3, 0, 2.0)}]
+    stored = [{**base, **_run("adamw", 1e-3, 0, 9.0)}, {**base, **_run("adamw", 3e-3, 0, 1.5)}]
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps({"runs": stored}))
+    runs = quality.merged(here, [str(path)])
+    assert sorted((r["lr"], r["final_val"]) for r in runs) == [(1e-3, 2.0), (3e-3, 1.5)]
+    path.write_text(json.dumps({"runs": [{**stored[1], "steps": 20}]}))
+    with pytest.raises(SystemExit, match="differ in steps"):
+        quality.merged(here, [str(path)])

@@ -67,6 +67,9 @@ SETTINGS: dict[str, Setting] = {
                           {"decay": 0.99}),
     "demo-d0.9": Setting("DeMo decay 0.9 (topk 16, int2), sign-SGD", "demo", "sgd", 1e-3,
                          {"decay": 0.9}),
+    "demo-k32-fp32": Setting("DeMo as the reference implementation: topk 32, fp32 values, "
+                             "decay 0.999, sign-SGD", "demo", "sgd", 1e-3,
+                             {"topk": 32, "values": "fp32"}),
     "demo-noscale": Setting("DeMo defaults, momentum without the lr factor "
                             "(scale_by_lr=False)", "demo", "sgd", 1e-3,
                             {"scale_by_lr": False}),
@@ -114,7 +117,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--workers", type=int, default=1, help="configurations run in parallel")
     p.add_argument("--threads", type=int, default=0,
                    help="torch threads per worker (0: cores / workers)")
-    p.add_argument("--out", default="quality_out")
+    p.add_argument("--out", default="benchmarks/results/quality")
     p.add_argument("--merge", action="append", default=[], metavar="JSON",
                    help="add the runs of an earlier quality.json with the same settings "
                         "(extends a grid without running it again)")

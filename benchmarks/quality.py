@@ -88,8 +88,9 @@ MAIN = ["adamw", "no-sync", "demo", "demo-d0.9-k64", "diloco", "diloco-avg"]
 
 QUICK = {"model": "tiny", "steps": 300, "batch": 8, "replicas": "2", "seeds": 2,
          "lr_grid": "1,3,10", "eval_every": 20, "eval_batches": 8, "corpus_bytes": 2_000_000}
+# evaluations fall on multiples of DiLoCo's H=20, where its replicas are identical
 FULL = {"model": "small", "steps": 1000, "batch": 8, "replicas": "2,4", "seeds": 2,
-        "lr_grid": "1,3,10", "eval_every": 50, "eval_batches": 16, "corpus_bytes": 8_000_000}
+        "lr_grid": "1,3,10", "eval_every": 40, "eval_batches": 16, "corpus_bytes": 8_000_000}
 
 
 def parse_args(argv=None) -> argparse.Namespace:

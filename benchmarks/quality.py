@@ -1,0 +1,450 @@
+"""Quality against AdamW: strategies x learning rates x seeds on the byte-level GPT task.
+
+Every configuration trains N replicas in one process with :class:`flexdemo.SimulatedReplicas`
+(bitwise the weights N gloo processes would reach); each replica draws its own batches, as a
+rank would. Every strategy is compared at its own best learning rate from a small grid (the
+lowest mean final validation loss over the seeds), against the best-lr AdamW with a full
+gradient all-reduce and against no synchronisation at all. Usage::
+
+    python benchmarks/quality.py --quick                       # tiny GPT, ~15 min on 2 cores
+    python benchmarks/quality.py --device cuda --workers 1     # 10.9M GPT, 1000 steps, 2 and 4
+    python benchmarks/quality.py --quick --strategies adamw,demo --schedule constant --warmup 0
+
+Writes ``quality.json`` (every run with its validation curve, and the summary), ``quality.csv``
+(one row per replicas x strategy x lr) and ``quality.png`` (validation loss against steps of
+every strategy at its best lr, mean over seeds with the min-max band) to ``--out``, and prints
+the table. All strategies use the same batch per replica, so equal steps are equal tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import math
+import multiprocessing as mp
+import os
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from flexdemo.app.schedule import SCHEDULES, lr_at
+from flexdemo.app.tasks.base import ShardSampler, eval_indices
+from flexdemo.app.tasks.gpt import GPT, get_batch, gpt_config, load_corpus
+from flexdemo.app.tasks.text import ByteWindows
+from flexdemo.simulate import SimulatedReplicas
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One strategy of the benchmark: a replicator, a base optimizer, and the lowest lr of its
+    grid (``--lr-grid`` multiplies it)."""
+
+    about: str
+    replicator: str
+    optimizer: str
+    lr: float
+    replicator_kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+# The bench's tuned DeMo (app.strategies "flexdemo") and DiLoCo H=20 are here with the
+# library defaults; the variants measure the issue's hypotheses (momentum decay, no lr scaling
+# of the momentum, DiLoCo's outer step).
+SETTINGS: dict[str, Setting] = {
+    "adamw": Setting("AdamW, full fp32 gradient all-reduce every step", "full", "adamw", 1e-3),
+    "no-sync": Setting("AdamW, no replication (every replica trains alone)", "none", "adamw",
+                       1e-3),
+    "demo": Setting("DeMo at the library defaults (topk 16, int2, decay 0.999), sign-SGD",
+                    "demo", "sgd", 1e-3),
+    "demo-d0.9-k64": Setting("DeMo decay 0.9, topk 64 (the bench's tuned setting), sign-SGD",
+                             "demo", "sgd", 1e-3, {"decay": 0.9, "topk": 64}),
+    "demo-d0.99": Setting("DeMo decay 0.99 (topk 16, int2), sign-SGD", "demo", "sgd", 1e-3,
+                          {"decay": 0.99}),
+    "demo-d0.9": Setting("DeMo decay 0.9 (topk 16, int2), sign-SGD", "demo", "sgd", 1e-3,
+                         {"decay": 0.9}),
+    "demo-k32-fp32": Setting("DeMo as the reference implementation: topk 32, fp32 values, "
+                             "decay 0.999, sign-SGD", "demo", "sgd", 1e-3,
+                             {"topk": 32, "values": "fp32"}),
+    "demo-fp32": Setting("DeMo defaults with fp32 values (topk 16, decay 0.999), sign-SGD",
+                         "demo", "sgd", 1e-3, {"values": "fp32"}),
+    "demo-noscale": Setting("DeMo defaults, momentum without the lr factor "
+                            "(scale_by_lr=False)", "demo", "sgd", 1e-3,
+                            {"scale_by_lr": False}),
+    # the outer Nesterov step (lr 0.7, momentum 0.9) amplifies the inner steps: a lower grid
+    "diloco": Setting("DiLoCo H=20, outer Nesterov lr 0.7 momentum 0.9 (defaults)", "diloco",
+                      "adamw", 1e-4, {"inner_steps": 20}),
+    "diloco-avg": Setting("DiLoCo H=20, plain averaging (outer lr 1.0, momentum 0)", "diloco",
+                          "adamw", 1e-3, {"inner_steps": 20, "outer_lr": 1.0,
+                                          "outer_momentum": 0.0}),
+    "diloco-0.5": Setting("DiLoCo H=20, outer lr 0.5 momentum 0.5", "diloco", "adamw", 1e-3,
+                          {"inner_steps": 20, "outer_lr": 0.5, "outer_momentum": 0.5}),
+}
+MAIN = ["adamw", "no-sync", "demo", "demo-d0.9-k64", "diloco", "diloco-avg"]
+
+QUICK = {"model": "tiny", "steps": 300, "batch": 8, "replicas": "2", "seeds": 2,
+         "lr_grid": "1,3,10", "eval_every": 20, "eval_batches": 8, "corpus_bytes": 2_000_000}
+# evaluations fall on multiples of DiLoCo's H=20, where its replicas are identical
+FULL = {"model": "small", "steps": 1000, "batch": 8, "replicas": "2,4", "seeds": 2,
+        "lr_grid": "1,3,10", "eval_every": 40, "eval_batches": 16, "corpus_bytes": 8_000_000}
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--quick", action="store_true",
+                   help="tiny GPT, 300 steps, 2 replicas (defaults of the options below)")
+    p.add_argument("--strategies", default=",".join(MAIN),
+                   help=f"comma list from: {', '.join(SETTINGS)}")
+    p.add_argument("--model", help="GPT preset: tiny, mini, small")
+    p.add_argument("--steps", type=int)
+    p.add_argument("--batch", type=int, help="sequences per replica per step")
+    p.add_argument("--replicas", help="comma list of replica counts, e.g. 2,4")
+    p.add_argument("--seeds", type=int, help="seeds per configuration (>= 1)")
+    p.add_argument("--lr-grid", help="multipliers of each strategy's base lr, e.g. 1,3,10")
+    p.add_argument("--lrs", help="absolute lrs for every strategy instead of --lr-grid")
+    p.add_argument("--schedule", default="cosine", choices=SCHEDULES)
+    p.add_argument("--warmup", type=float, default=0.05, help="warm-up fraction of the steps")
+    p.add_argument("--min-lr", type=float, default=0.1, help="cosine end, fraction of the lr")
+    p.add_argument("--data", default="random", choices=("random", "slice", "shard"),
+                   help="random: every replica draws random windows of the whole corpus; "
+                        "slice: of its own contiguous 1/N of it; shard: the trainer's "
+                        "ShardSampler (disjoint windows, shuffled per epoch)")
+    p.add_argument("--eval-every", type=int)
+    p.add_argument("--eval-batches", type=int)
+    p.add_argument("--corpus-bytes", type=int)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--workers", type=int, default=1, help="configurations run in parallel")
+    p.add_argument("--threads", type=int, default=0,
+                   help="torch threads per worker (0: cores / workers)")
+    p.add_argument("--out", default="benchmarks/results/quality")
+    p.add_argument("--merge", action="append", default=[], metavar="JSON",
+                   help="add the runs of an earlier quality.json with the same settings "
+                        "(extends a grid without running it again)")
+    args = p.parse_args(argv)
+    for key, value in (QUICK if args.quick else FULL).items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    names = [s for s in args.strategies.split(",") if s]
+    unknown = [s for s in names if s not in SETTINGS]
+    if unknown or not names:
+        p.error(f"unknown strategy {unknown}; choose from {', '.join(SETTINGS)}")
+    args.strategies = names
+    try:
+        args.replicas = [int(x) for x in str(args.replicas).split(",")]
+        grid = args.lrs or args.lr_grid
+        args.grid = [float(x) for x in grid.split(",")]
+    except ValueError as e:
+        p.error(f"--replicas, --lr-grid and --lrs take comma lists of numbers ({e})")
+    if args.seeds < 1 or args.steps < 1 or min(args.replicas) < 1 or args.workers < 1:
+        p.error("--seeds, --steps, --replicas and --workers must be >= 1")
+    if args.eval_every < 1:
+        p.error("--eval-every must be >= 1")
+    return args
+
+
+# ---------------------------------------------------------------------- one run
+_CORPUS: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def corpus(nbytes: int) -> tuple[torch.Tensor, torch.Tensor]:
+    if nbytes not in _CORPUS:
+        _CORPUS[nbytes] = load_corpus(nbytes)
+    return _CORPUS[nbytes]
+
+
+def batch_sources(kind: str, train: torch.Tensor, n: int, seq_len: int, seed: int):
+    """One callable per replica returning its next ``batch`` of ``(x, y)``."""
+    if kind == "shard":
+        windows = ByteWindows(train, seq_len + 1)
+        samplers = [ShardSampler(len(windows), r, n, seed) for r in range(n)]
+
+        def shard(r: int, batch: int):
+            w = windows.get(samplers[r].next(batch))
+            return w[:, :-1].contiguous(), w[:, 1:].contiguous()
+        return [lambda b, r=r: shard(r, b) for r in range(n)]
+    gens = [torch.Generator().manual_seed(seed * 1000 + r) for r in range(n)]
+    if kind == "slice":
+        size = train.numel() // n
+        parts = [train[r * size:(r + 1) * size] for r in range(n)]
+    else:
+        parts = [train] * n
+    return [lambda b, r=r: get_batch(parts[r], b, seq_len, gens[r]) for r in range(n)]
+
+
+@torch.no_grad()
+def evaluate(model: torch.nn.Module, val_x: torch.Tensor, val_y: torch.Tensor,
+             batch: int) -> float:
+    """Mean loss over the fixed validation windows (the same for every run)."""
+    was = model.training
+    model.eval()
+    losses = [model(val_x[i:i + batch], val_y[i:i + batch]) for i in range(0, len(val_x), batch)]
+    model.train(was)
+    return float(torch.stack(losses).mean())
+
+
+def run_one(cfg: dict) -> dict:
+    """Train one configuration; its validation curve, bytes and seconds."""
+    device = torch.device(cfg["device"])
+    if cfg.get("threads"):
+        torch.set_num_threads(cfg["threads"])
+    train, val = corpus(cfg["corpus_bytes"])
+    gcfg = gpt_config(cfg["model"])
+    s = SETTINGS[cfg["strategy"]]
+    n, seed, steps = cfg["replicas"], cfg["seed"], cfg["steps"]
+    vwin = ByteWindows(val, gcfg.seq_len + 1)
+    vw = vwin.get(eval_indices(len(vwin), 0, 1, cfg["eval_batches"] * cfg["batch"]))
+    val_x, val_y = vw[:, :-1].to(device), vw[:, 1:].to(device)
+    sources = batch_sources(cfg["data"], train, n, gcfg.seq_len, seed)
+
+    def loss_fn(model, b):
+        return model(b[0].to(device), b[1].to(device))
+
+    torch.manual_seed(seed)
+    sim = SimulatedReplicas(lambda: GPT(gcfg), loss_fn, replicas=n, replicator=s.replicator,
+                            optimizer=s.optimizer, lr=cfg["lr"],
+                            replicator_kwargs=dict(s.replicator_kwargs) or None,
+                            device=device, seed=seed)
+    nparams = sum(p.numel() for p in sim.models[0].parameters())
+    warmup = int(cfg["warmup"] * steps)
+    curve: list[list[float]] = []
+    t0 = time.perf_counter()
+    diverged = False
+    for step in range(steps):
+        lr = lr_at(step, steps, cfg["lr"], warmup, cfg["schedule"], cfg["min_lr"])
+        for opt in sim.optimizers:
+            for g in opt.param_groups:
+                g["lr"] = lr
+        sim.step([src(cfg["batch"]) for src in sources])
+        done = step + 1
+        if done % cfg["eval_every"] == 0 or done == steps:
+            # replicas that differ (no sync, DiLoCo between syncs) are each evaluated
+            models = sim.models[:1] if sim.identical() else sim.models
+            v = statistics.fmean(evaluate(m, val_x, val_y, cfg["batch"]) for m in models)
+            curve.append([done, v])
+            if not math.isfinite(v):
+                diverged = True
+                break
+    seconds = time.perf_counter() - t0
+    sent = sim.bytes_sent[0]
+    return {**cfg, "params": nparams, "curve": curve, "final_val": curve[-1][1],
+            "diverged": diverged, "identical": sim.identical(), "seconds": seconds,
+            "tokens_per_replica": steps * cfg["batch"] * gcfg.seq_len,
+            "bytes_per_param_step": sent / nparams / steps}
+
+
+# ---------------------------------------------------------------------- summary
+def configurations(args: argparse.Namespace) -> list[dict]:
+    """Every (replicas, strategy, lr, seed) to run, as plain dicts (sent to workers)."""
+    out = []
+    for n in args.replicas:
+        for name in args.strategies:
+            lrs = args.grid if args.lrs else [SETTINGS[name].lr * m for m in args.grid]
+            for lr in lrs:
+                for seed in range(args.seeds):
+                    out.append({"replicas": n, "strategy": name, "lr": float(f"{lr:.2g}"),
+                                "seed": seed, "model": args.model, "steps": args.steps,
+                                "batch": args.batch, "schedule": args.schedule,
+                                "warmup": args.warmup, "min_lr": args.min_lr,
+                                "data": args.data, "eval_every": args.eval_every,
+                                "eval_batches": args.eval_batches,
+                                "corpus_bytes": args.corpus_bytes, "device": args.device,
+                                "threads": args.threads})
+    return out
+
+
+def _finite(x: float) -> float:
+    return x if math.isfinite(x) else float("inf")
+
+
+def summarize(runs: list[dict]) -> list[dict]:
+    """One row per (replicas, strategy, lr): mean, spread, best-lr flag, ratios.
+
+    The best lr of a strategy is the one with the lowest mean final validation loss over its
+    seeds (a diverged run counts as infinite); ``vs_adamw`` and ``vs_no_sync`` divide a
+    row's mean by the best-lr mean of ``adamw`` / ``no-sync`` at the same replica count.
+    """
+    groups: dict[tuple, list[dict]] = {}
+    for r in runs:
+        groups.setdefault((r["replicas"], r["strategy"], r["lr"]), []).append(r)
+    rows = []
+    for (n, name, lr), rs in sorted(groups.items()):
+        finals = [_finite(r["final_val"]) for r in rs]
+        mean = statistics.fmean(finals) if all(math.isfinite(f) for f in finals) else math.inf
+        rows.append({"replicas": n, "strategy": name, "lr": lr, "seeds": len(rs),
+                     "val_mean": mean, "val_std": statistics.pstdev(finals)
+                     if math.isfinite(mean) else math.inf,
+                     "val_min": min(finals), "val_max": max(finals),
+                     "bytes_per_param_step": statistics.fmean(r["bytes_per_param_step"]
+                                                              for r in rs),
+                     "tokens_per_replica": rs[0]["tokens_per_replica"],
+                     "seconds": statistics.fmean(r["seconds"] for r in rs)})
+    best: dict[tuple, dict] = {}
+    for row in rows:
+        key = (row["replicas"], row["strategy"])
+        if key not in best or row["val_mean"] < best[key]["val_mean"]:
+            best[key] = row
+    for row in rows:
+        key = (row["replicas"], row["strategy"])
+        row["best_lr"] = best[key] is row
+        lrs = sorted(r["lr"] for r in rows if (r["replicas"], r["strategy"]) == key)
+        row["lr_at_grid_edge"] = row["best_lr"] and len(lrs) > 1 and row["lr"] in (lrs[0],
+                                                                                   lrs[-1])
+        for ref, col in (("adamw", "vs_adamw"), ("no-sync", "vs_no_sync")):
+            b = best.get((row["replicas"], ref))
+            row[col] = row["val_mean"] / b["val_mean"] if b and math.isfinite(
+                b["val_mean"]) else None
+    return rows
+
+
+def best_curves(runs: list[dict], rows: list[dict]) -> dict[tuple, list[list[float]]]:
+    """Per (replicas, strategy) at its best lr: ``[step, mean, min, max]`` over the seeds."""
+    out = {}
+    for row in rows:
+        if not row["best_lr"]:
+            continue
+        curves = [r["curve"] for r in runs if (r["replicas"], r["strategy"], r["lr"])
+                  == (row["replicas"], row["strategy"], row["lr"])]
+        length = min(len(c) for c in curves)
+        out[(row["replicas"], row["strategy"])] = [
+            [curves[0][i][0], statistics.fmean(c[i][1] for c in curves),
+             min(c[i][1] for c in curves), max(c[i][1] for c in curves)] for i in range(length)]
+    return out
+
+
+def plot(curves: dict, lrs: dict, path: Path, title: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    counts = sorted({n for n, _ in curves})
+    fig, axes = plt.subplots(1, len(counts), figsize=(6.5 * len(counts), 4.8), squeeze=False)
+    for ax, n in zip(axes[0], counts):
+        for (m, name), c in sorted(curves.items()):
+            if m != n:
+                continue
+            steps = [p[0] for p in c]
+            line, = ax.plot(steps, [p[1] for p in c], label=f"{name} (lr {lrs[(m, name)]:.2g})",
+                            linestyle="--" if name in ("adamw", "no-sync") else "-")
+            ax.fill_between(steps, [p[2] for p in c], [p[3] for p in c], alpha=0.15,
+                            color=line.get_color())
+        finals = [c[-1][1] for (m, _), c in curves.items() if m == n]
+        ax.set_ylim(min(finals) - 0.1, min(finals) + 1.2)
+        ax.set_xlabel("step (equal tokens: same batch for every strategy)")
+        ax.set_ylabel("validation loss (mean over seeds, min-max band)")
+        ax.set_title(f"{n} replicas: every strategy at its best lr")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _ratio(x: float | None) -> str:
+    return f"{x:9.3f}" if x is not None else f"{'-':>9}"
+
+
+def table(rows: list[dict]) -> str:
+    """The summary rows as a printable table."""
+    head = (f"{'N':>2} {'strategy':<15} {'lr':>8} {'val (mean±std)':>16} {'vs adamw':>9} "
+            f"{'vs nosync':>9} {'B/param/step':>12} {'s/run':>6}")
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        mark = "*" if r["best_lr"] else " "
+        edge = "!" if r["lr_at_grid_edge"] else " "
+        lines.append(f"{r['replicas']:>2} {r['strategy']:<15} {r['lr']:>8.2g}{mark}{edge}"
+                     f"{r['val_mean']:>8.4f}±{r['val_std']:.4f} {_ratio(r['vs_adamw'])} "
+                     f"{_ratio(r['vs_no_sync'])} {r['bytes_per_param_step']:>12.4f} "
+                     f"{r['seconds']:>6.0f}")
+    lines.append("* best lr of the strategy (lowest mean final val loss); ! best lr at the "
+                 "edge of the grid; ratios: mean / best-lr mean of adamw or no-sync")
+    return "\n".join(lines)
+
+
+def run_all(cfgs: list[dict], workers: int, say=print) -> list[dict]:
+    runs = []
+    t0 = time.perf_counter()
+
+    def report(res: dict) -> None:
+        runs.append(res)
+        say(f"[{len(runs)}/{len(cfgs)} {time.perf_counter() - t0:6.0f}s] N={res['replicas']} "
+            f"{res['strategy']:<14} lr {res['lr']:.3g} seed {res['seed']}: val "
+            f"{res['final_val']:.4f} ({res['seconds']:.0f}s)")
+    if workers == 1:
+        for c in cfgs:
+            report(run_one(c))
+    else:
+        with mp.get_context("spawn").Pool(workers) as pool:
+            for res in pool.imap_unordered(run_one, cfgs):
+                report(res)
+    return runs
+
+
+SAME = ("model", "steps", "batch", "schedule", "warmup", "min_lr", "data", "eval_every",
+        "eval_batches", "corpus_bytes")
+
+
+def merged(runs: list[dict], paths: list[str]) -> list[dict]:
+    """``runs`` plus those of earlier result files; a run measured here wins over a stored one
+    of the same (replicas, strategy, lr, seed). Settings that change the result must agree."""
+    have = {(r["replicas"], r["strategy"], r["lr"], r["seed"]) for r in runs}
+    out = list(runs)
+    for path in paths:
+        try:
+            old = json.loads(Path(path).read_text())["runs"]
+        except (OSError, ValueError, KeyError) as e:
+            raise SystemExit(f"--merge {path}: not a readable quality.json ({e})") from None
+        for r in old:
+            differ = [k for k in SAME if runs and r.get(k) != runs[0].get(k)]
+            if differ:
+                raise SystemExit(f"--merge {path}: its runs differ in {', '.join(differ)} "
+                                 "from this one; merge only runs of the same settings")
+            key = (r["replicas"], r["strategy"], r["lr"], r["seed"])
+            if key not in have:
+                have.add(key)
+                out.append(r)
+    return out
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    if args.threads == 0 and args.device == "cpu":
+        args.threads = max(1, (os.cpu_count() or 1) // args.workers)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    cfgs = configurations(args)
+    print(f"{len(cfgs)} runs: {args.model} GPT, {args.steps} steps, batch {args.batch} per "
+          f"replica, replicas {args.replicas}, {args.schedule} lr (warm-up "
+          f"{args.warmup:.0%}), data {args.data}, {args.workers} worker(s), {args.device}",
+          flush=True)
+    runs = merged(run_all(cfgs, args.workers, say=lambda s: print(s, flush=True)), args.merge)
+    rows = summarize(runs)
+    curves = best_curves(runs, rows)
+    settings = {k: v for k, v in vars(args).items() if k != "grid"}
+    result = {"command": " ".join([Path(sys.argv[0]).name] + (argv if argv is not None
+                                                                else sys.argv[1:])),
+              "settings": settings,
+              "strategies": {k: asdict(SETTINGS[k]) for k in args.strategies},
+              "summary": rows, "runs": runs,
+              "best_curves": [{"replicas": n, "strategy": s, "curve": c}
+                              for (n, s), c in curves.items()]}
+    (out / "quality.json").write_text(json.dumps(result, indent=1))
+    with open(out / "quality.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+    best_lrs = {(r["replicas"], r["strategy"]): r["lr"] for r in rows if r["best_lr"]}
+    plot(curves, best_lrs, out / "quality.png",
+         f"{args.model} GPT, {args.steps} steps, batch {args.batch}/replica, {args.schedule} "
+         f"lr, warm-up {args.warmup:.0%}, data {args.data}, {args.seeds} seed(s)")
+    print(table(rows))
+    print(f"wrote {out / 'quality.json'}, {out / 'quality.csv'}, {out / 'quality.png'}")
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,122 @@
+"""The quality benchmark (benchmarks/quality.py) end to end in a tiny configuration, and its
+best-lr selection and ratios on hand-made runs."""
+
+from __future__ import annotations
+
+import csv
+import importlib.util
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).parent.parent
+
+
+@pytest.fixture(scope="module")
+def quality():
+    path = ROOT / "benchmarks" / "quality.py"
+    spec = importlib.util.spec_from_file_location("quality", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["quality"] = module  # its dataclasses look their module up by name
+    try:
+        spec.loader.exec_module(module)
+        yield module
+    finally:
+        sys.modules.pop("quality", None)
+
+
+def _run(strategy: str, lr: float, seed: int, final: float, replicas: int = 2) -> dict:
+    return {"replicas": replicas, "strategy": strategy, "lr": lr, "seed": seed,
+            "final_val": final, "curve": [[5, final + 1.0], [10, final]], "seconds": 1.0,
+            "bytes_per_param_step": 4.0, "tokens_per_replica": 100}
+
+
+def test_best_lr_is_the_lowest_mean_and_ratios_are_against_best_adamw(quality):
+    runs = [_run("adamw", 1e-3, 0, 2.0), _run("adamw", 1e-3, 1, 2.2),      # mean 2.1
+            _run("adamw", 3e-3, 0, 1.9), _run("adamw", 3e-3, 1, 2.1),      # mean 2.0: best
+            _run("demo", 1e-3, 0, 2.5), _run("demo", 1e-3, 1, 2.3),        # mean 2.4: best
+            _run("demo", 3e-3, 0, 1.0), _run("demo", 3e-3, 1, math.nan),   # diverged seed
+            _run("no-sync", 1e-3, 0, 2.6), _run("no-sync", 1e-3, 1, 2.6),
+            _run("adamw", 1e-3, 0, 3.0, replicas=4)]
+    rows = {(r["replicas"], r["strategy"], r["lr"]): r for r in quality.summarize(runs)}
+    assert rows[(2, "adamw", 3e-3)]["best_lr"] and not rows[(2, "adamw", 1e-3)]["best_lr"]
+    assert rows[(2, "demo", 1e-3)]["best_lr"] and not rows[(2, "demo", 3e-3)]["best_lr"]
+    assert rows[(2, "demo", 3e-3)]["val_mean"] == math.inf
+    assert rows[(2, "adamw", 1e-3)]["val_mean"] == pytest.approx(2.1)
+    assert rows[(2, "adamw", 1e-3)]["val_std"] == pytest.approx(0.1)
+    assert rows[(2, "adamw", 3e-3)]["vs_adamw"] == pytest.approx(1.0)
+    assert rows[(2, "demo", 1e-3)]["vs_adamw"] == pytest.approx(2.4 / 2.0)
+    assert rows[(2, "demo", 1e-3)]["vs_no_sync"] == pytest.approx(2.4 / 2.6)
+    assert rows[(2, "adamw", 3e-3)]["lr_at_grid_edge"]
+    # 4 replicas compare against their own AdamW; no no-sync there
+    assert rows[(4, "adamw", 1e-3)]["vs_adamw"] == pytest.approx(1.0)
+    assert rows[(4, "adamw", 1e-3)]["vs_no_sync"] is None
+    curves = quality.best_curves(runs, list(rows.values()))
+    assert curves[(2, "adamw")] == [[5, pytest.approx(3.0), 2.9, 3.1],
+                                    [10, pytest.approx(2.0), 1.9, 2.1]]
+
+
+def test_benchmark_runs_end_to_end_and_writes_json_csv_plot(quality, tmp_path, capsys):
+    out = tmp_path / "q"
+    result = quality.main(["--quick", "--model", "tiny", "--steps", "6", "--batch", "2",
+                           "--eval-every", "3", "--eval-batches", "2", "--seeds", "1",
+                           "--corpus-bytes", "200000", "--strategies", "adamw,no-sync",
+                           "--lr-grid", "1,3", "--threads", "1", "--out", str(out)])
+    printed = capsys.readouterr().out
+    assert "adamw" in printed and "no-sync" in printed and "vs adamw" in printed
+
+    data = json.loads((out / "quality.json").read_text())
+    assert data["summary"] == json.loads(json.dumps(result["summary"]))
+    runs = data["runs"]
+    assert len(runs) == 4 and {r["strategy"] for r in runs} == {"adamw", "no-sync"}
+    for r in runs:
+        assert [p[0] for p in r["curve"]] == [3, 6]
+        assert all(math.isfinite(p[1]) and 0.0 < p[1] < 10.0 for p in r["curve"])
+        assert r["final_val"] == r["curve"][-1][1]
+        assert r["tokens_per_replica"] == 6 * 2 * 64
+    # full sync keeps the replicas bitwise identical and sends 4 bytes (fp32) per parameter
+    # and step; no sync sends nothing and the replicas drift apart
+    for r in runs:
+        if r["strategy"] == "adamw":
+            assert r["identical"] and r["bytes_per_param_step"] == pytest.approx(4.0, rel=1e-3)
+        else:
+            assert not r["identical"] and r["bytes_per_param_step"] == 0.0
+
+    with open(out / "quality.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert len(rows) == 4
+    for name in ("adamw", "no-sync"):
+        mine = [r for r in rows if r["strategy"] == name]
+        best = [r for r in mine if r["best_lr"] == "True"]
+        assert len(best) == 1
+        assert float(best[0]["val_mean"]) == min(float(r["val_mean"]) for r in mine)
+    adamw_best = min(float(r["val_mean"]) for r in rows if r["strategy"] == "adamw")
+    for r in rows:
+        assert float(r["vs_adamw"]) == pytest.approx(float(r["val_mean"]) / adamw_best)
+    assert (out / "quality.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert len(data["best_curves"]) == 2
+
+
+def test_unknown_strategy_is_one_clear_line(quality, capsys):
+    with pytest.raises(SystemExit):
+        quality.parse_args(["--quick", "--strategies", "adamw,demoo"])
+    err = capsys.readouterr().err
+    assert "unknown strategy ['demoo']" in err and "choose from" in err
+
+
+def test_merge_adds_stored_runs_and_refuses_other_settings(quality, tmp_path):
+    base = {"model": "tiny", "steps": 10, "batch": 2, "schedule": "cosine", "warmup": 0.05,
+            "min_lr": 0.1, "data": "random", "eval_every": 5, "eval_batches": 2,
+            "corpus_bytes": 1000}
+    here = [{**base, **_run("adamw", 1e-3, 0, 2.0)}]
+    stored = [{**base, **_run("adamw", 1e-3, 0, 9.0)}, {**base, **_run("adamw", 3e-3, 0, 1.5)}]
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps({"runs": stored}))
+    runs = quality.merged(here, [str(path)])
+    assert sorted((r["lr"], r["final_val"]) for r in runs) == [(1e-3, 2.0), (3e-3, 1.5)]
+    path.write_text(json.dumps({"runs": [{**stored[1], "steps": 20}]}))
+    with pytest.raises(SystemExit, match="differ in steps"):
+        quality.merged(here, [str(path)])

@@ -173,3 +173,21 @@ def test_batched_dct_matches_per_tensor_dct(chunk):
     dense = torch.zeros(nb, cr * cc).scatter_(1, idx, vals)
     many.inverse(dense, out, torch.empty(nb * cr * cc))
     torch.testing.assert_close(sparse, out, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("blocks", [101, 102, 157, 160])
+def test_panelled_first_product_gives_the_whole_product_bits(blocks):
+    """fp32 on CPU: the first forward product over equal panels of columns (157 blocks: four
+    panels of 39.25 blocks; 101: too few for two panels, one product) gives the bits of one
+    product over the whole group; bf16 keeps the one product."""
+    from flexdemo.compress.dct import _PANEL, BatchedDCT, _panels
+
+    torch.manual_seed(7)
+    n = blocks * 64
+    assert _panels(n) == (1 if n < 2 * _PANEL else {102: 2, 157: 4, 160: 4}[blocks])
+    for dtype in (torch.float32, torch.bfloat16):
+        dct = BatchedDCT((64, 64), compute_dtype=dtype)
+        x = torch.randn(64, blocks, 64).to(dtype)
+        whole = torch.mm(dct._dr_fwd, x.view(64, -1)).view_as(x)
+        y = dct.rows(x, torch.full_like(x, float("nan")))
+        assert torch.equal(y, whole)

@@ -28,6 +28,17 @@ from .chunking import ChunkPlan
 
 _BASIS: dict[tuple[int, torch.dtype, torch.device], torch.Tensor] = {}
 _WIDE = 64  # blocks at least this wide and tall are transformed by whole-group products
+# fp32 on CPU: the first forward product runs over panels of about this many columns
+_PANEL = 51 * 64
+
+
+def _panels(n: int, target: int = _PANEL) -> int:
+    """The number of equal panels ``n`` columns split into: the divisor of ``n`` whose panel
+    width is nearest ``target`` (on a log scale); 1 where ``n < 2 * target``."""
+    if n < 2 * target:
+        return 1
+    divisors = {d for i in range(1, math.isqrt(n) + 1) if n % i == 0 for d in (i, n // i)}
+    return min((d for d in divisors if d > 1), key=lambda d: abs(math.log(n / d / target)))
 
 
 def dct_matrix(n: int, dtype: torch.dtype = torch.float32, device=None) -> torch.Tensor:
@@ -274,19 +285,42 @@ class BatchedDCT:
         # small blocks: products per block (batched), so that a block's bits do not depend on
         # how many blocks are transformed together (BLAS picks other kernels for few rows)
         self.per_block = min(self.cr, self.cc) < _WIDE
+        # columns -> panels of the first product and the basis expanded to them
+        self._panels: dict[int, tuple[int, torch.Tensor | None]] = {}
 
     def rows(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """First forward product ``Dr @ block`` for blocks stored row-major across blocks,
-        ``x`` ``(cr, blocks, cc)`` (in the compute dtype): one matrix product
-        ``Dr @ x.view(cr, blocks * cc)`` into ``out``; blocks of one row need none."""
-        if self.cr == 1:
+        ``x`` ``(cr, blocks, cc)`` (contiguous, in the compute dtype): the matrix product
+        ``Dr @ x.view(cr, blocks * cc)`` into ``out``; blocks of one row need none.
+
+        fp32 on CPU runs it as one batched product over equal panels of about :data:`_PANEL`
+        columns (read and written in place through strided views; a panel need not hold
+        whole blocks): the same bits as the whole-group product (each entry is the same
+        ``cr``-term dot product) in about 15% less time on one thread for groups of a thousand
+        64 x 64 blocks or more, where the whole product's contracted dimension is strided by
+        the whole group's width. bf16 products and CUDA keep the one product."""
+        cr = self.cr
+        if cr == 1:
             return x
+        nb = x.shape[1]
         if self.per_block:
-            nb = x.shape[1]
-            blocks = torch.bmm(self._dr_fwd.expand(nb, self.cr, self.cr), x.permute(1, 0, 2))
+            blocks = torch.bmm(self._dr_fwd.expand(nb, cr, cr), x.permute(1, 0, 2))
             out.copy_(blocks.permute(1, 0, 2))
             return out
-        torch.mm(self._dr_fwd, x.view(self.cr, -1), out=out.view(self.cr, -1))
+        n = x.numel() // cr
+        panels = self._panels.get(n)
+        if panels is None:  # (count, basis expanded to it), once per group width
+            count = _panels(n) if self.device.type == "cpu" else 1
+            basis = self._dr_fwd.expand(count, cr, cr) if count > 1 else None
+            panels = self._panels[n] = (count, basis)
+        count, basis = panels
+        if (basis is None or self.compute_dtype != torch.float32 or not x.is_contiguous()
+                or not out.is_contiguous()):
+            torch.mm(self._dr_fwd, x.view(cr, n), out=out.view(cr, n))
+            return out
+        width = n // count  # panel p: columns [p * width, (p + 1) * width) of every row
+        torch.bmm(basis, x.as_strided((count, cr, width), (width, n, 1)),
+                  out=out.as_strided((count, cr, width), (width, n, 1)))
         return out
 
     def cols_into(self, y: torch.Tensor, coef: torch.Tensor, blocks: slice, alpha: float,

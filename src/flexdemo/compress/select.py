@@ -69,14 +69,22 @@ def topk_blocks_rowmajor(coef: torch.Tensor, k: int, mag: torch.Tensor,
         gmax = scratch.get(1, nb * groups, coef.dtype, coef.device).view(nb, cr // _ROWS, cc)
         gmax.copy_(gm.permute(1, 0, 2))
         top_groups = torch.topk(gmax.view(nb, groups), k, dim=1, sorted=False).indices
-        # candidate r of group j is entry r * groups + j of the block: row r * cr/8 + j // cc
-        steps = torch.arange(_ROWS, device=coef.device)
-        cand = (top_groups.unsqueeze(2) + steps * groups).view(nb, k * _ROWS)
-        at = (_positions(top_groups, nb, cc).unsqueeze(2)
-              + steps * (cr // _ROWS * nb * cc)).view(nb, k * _ROWS)
-        sel = torch.topk(torch.take(mag, at), k, dim=1, sorted=False).indices
-        return cand.gather(1, sel), at.gather(1, sel)
+        return _best_of_groups(mag, top_groups, cr, nb, cc, k)
     return idx, _positions(idx, nb, cc)
+
+
+def _best_of_groups(mag: torch.Tensor, top: torch.Tensor, cr: int, nb: int, cc: int,
+                    k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The top ``k`` entries of ``mag`` ``(cr, nb, cc)`` among the ``_ROWS`` candidates of
+    each of the ``top`` groups ``(nb, k)``: block-local indices and flat positions."""
+    groups = cr * cc // _ROWS
+    # candidate r of group j is entry r * groups + j of the block: row r * cr/8 + j // cc
+    steps = torch.arange(_ROWS, device=mag.device)
+    cand = (top.unsqueeze(2) + steps * groups).view(nb, k * _ROWS)
+    at = (_positions(top, nb, cc).unsqueeze(2)
+          + steps * (cr // _ROWS * nb * cc)).view(nb, k * _ROWS)
+    sel = torch.topk(torch.take(mag, at), k, dim=1, sorted=False).indices
+    return cand.gather(1, sel), at.gather(1, sel)
 
 
 def _positions(idx: torch.Tensor, nb: int, cc: int) -> torch.Tensor:
@@ -93,9 +101,4 @@ def select_rowmajor(coef: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Ten
     mag = torch.abs(coef)
     gmax = torch.amax(mag.view(_ROWS, cr // _ROWS, nb, cc), dim=0).permute(1, 0, 2)
     top = torch.topk(gmax.reshape(nb, groups), k, dim=1, sorted=False).indices
-    steps = torch.arange(_ROWS, device=coef.device)
-    cand = (top.unsqueeze(2) + steps * groups).view(nb, k * _ROWS)
-    at = (_positions(top, nb, cc).unsqueeze(2)
-          + steps * (cr // _ROWS * nb * cc)).view(nb, k * _ROWS)
-    sel = torch.topk(torch.take(mag, at), k, dim=1, sorted=False).indices
-    return cand.gather(1, sel), at.gather(1, sel)
+    return _best_of_groups(mag, top, cr, nb, cc, k)

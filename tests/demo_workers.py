@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from dist_util import corrupt_first_values
 from torch import nn
 
 from flexdemo import DeMoReplicator, DeToNATION
@@ -73,15 +74,7 @@ def corrupt_worker(rank: int, world: int) -> dict:
         rep = DeMoReplicator(overlap=overlap)
         trained = _train(rep, rank, steps=2)
         if rank == 1:
-            fill = rep._fill
-
-            def corrupt(grads, lrs, step, buf, fill=fill, rep=rep):
-                sent = fill(grads, lrs, step, buf)
-                g = rep.groups[0]
-                buf[g.val_off: g.val_off + 2].view(torch.bfloat16).fill_(float("nan"))
-                return sent
-
-            rep._fill = corrupt
+            corrupt_first_values(rep, torch.bfloat16, 1)
         try:  # synchronous: raised at step 2; delayed: when step 2's payloads are applied
             _train(rep, rank, steps=2, start=2, trained=trained)
             out[overlap] = None

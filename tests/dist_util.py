@@ -96,3 +96,17 @@ def replicas_by_shard(results: list, name: str) -> dict:
     for res in results:
         groups.setdefault(res[name]["coord"][1], []).append(res[name])
     return groups
+
+
+def corrupt_first_values(rep, dtype: torch.dtype, count: int) -> None:
+    """Make DeMo replicator ``rep`` send NaN as the first ``count`` values (of ``dtype``) of its
+    first group from now on: a corrupt peer."""
+    fill = rep._fill
+
+    def corrupt(grads, lrs, step, buf):
+        res = fill(grads, lrs, step, buf)
+        g = rep.groups[0]
+        buf[g.val_off: g.val_off + count * dtype.itemsize].view(dtype).fill_(float("nan"))
+        return res
+
+    rep._fill = corrupt

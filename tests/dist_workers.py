@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from dist_util import corrupt_first_values
 from torch import nn
 
 import flexdemo
@@ -259,15 +260,7 @@ def wire_worker(rank, world):
         model, opt = flexdemo.prepare(fresh_model(), rep, lr=0.01, replicate=world, shard=1)
         train(model, opt, 2, rank)
         if rank == 1:
-            fill = rep._fill
-
-            def corrupt(grads, lrs, step, buf, fill=fill, rep=rep):
-                res = fill(grads, lrs, step, buf)
-                u = rep.groups[0]
-                buf[u.val_off: u.val_off + 4].view(torch.float32).fill_(float("nan"))
-                return res
-
-            rep._fill = corrupt
+            corrupt_first_values(rep, torch.float32, 1)
         try:
             train(model, opt, 1, rank, start=2)
             out[policy] = None

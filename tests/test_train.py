@@ -131,6 +131,17 @@ def test_checkpoint_guards(tmp_path, single_process):
     assert summary["steps_this_run"] == 4
 
 
+def _wait_for_metrics(procs, path, lines: int) -> None:
+    """Wait (at most 120 s) until ``path`` holds ``lines`` metrics lines, every rank alive."""
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        if path.exists() and len(path.read_text().splitlines()) >= lines:
+            return
+        assert all(p.poll() is None for p in procs), procs[0].communicate()[0]
+        time.sleep(0.05)
+    pytest.fail("the run made no progress")
+
+
 def _train_worker(rank: int, world: int, path: str, overrides: list[str]) -> dict:
     """A rank of ``run_world``: train as ``flexdemo train path overrides`` would."""
     return train(load_config(path, overrides), echo=lambda text: None)
@@ -148,15 +159,7 @@ def test_killed_rank_ends_the_run_and_resume_matches_an_uninterrupted_run(tmp_pa
 
     procs = spawn_ranks(2, ["train", cfg, *common, f"train.out={run}"])
     try:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            path = run / "metrics.jsonl"
-            if path.exists() and len(path.read_text().splitlines()) >= 5:
-                break
-            assert procs[0].poll() is None, procs[0].communicate()[0]
-            time.sleep(0.05)
-        else:
-            pytest.fail("the run made no progress")
+        _wait_for_metrics(procs, run / "metrics.jsonl", 5)
         procs[1].send_signal(signal.SIGKILL)
         killed_at = time.monotonic()
         out, _ = procs[0].communicate(timeout=60)
@@ -393,15 +396,7 @@ def test_killed_rank_of_four_is_the_only_one_named_by_every_survivor(tmp_path, m
                             "train.steps=300", *mesh, "train.progress=false",
                             f"train.out={out}"])
     try:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            path = out / "metrics.jsonl"
-            if path.exists() and len(path.read_text().splitlines()) >= 3:
-                break
-            assert all(p.poll() is None for p in procs), procs[0].communicate()[0]
-            time.sleep(0.05)
-        else:
-            pytest.fail("the run made no progress")
+        _wait_for_metrics(procs, out / "metrics.jsonl", 3)
         procs[2].send_signal(signal.SIGKILL)
         killed_at = time.monotonic()
         outputs = {r: procs[r].communicate(timeout=90)[0] for r in (0, 1, 3)}

@@ -134,6 +134,28 @@ def kernel_launches(fn: Callable[[], None]) -> int:
     return sum(1 for e in prof.events() if e.name in names)
 
 
+def kernel_profile(fn: Callable[[], None], top: int) -> dict:
+    """GPU kernel time of one call of ``fn`` against its wall time, and the ``top`` kernels by
+    total device time (``torch.profiler``): where a step's time goes."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    wall = time.perf_counter() - t0
+    per: dict[str, list[float]] = {}
+    for e in prof.events():
+        if e.device_type == DeviceType.CUDA:
+            us = getattr(e, "device_time", None) or getattr(e, "cuda_time", 0.0)
+            per.setdefault(e.name, []).append(us)
+    rows = sorted(((sum(v), len(v), k) for k, v in per.items()), reverse=True)
+    return {"kernel_ms": sum(r[0] for r in rows) / 1e3, "profiled_wall_ms": wall * 1e3,
+            "top": [{"ms": us / 1e3, "calls": n, "kernel": k[:90]} for us, n, k in rows[:top]]}
+
+
 def sync_warnings(fn: Callable[[], None]) -> int:
     """Synchronising CUDA calls one call of ``fn`` makes (``set_sync_debug_mode("warn")``)."""
     import warnings
@@ -212,6 +234,9 @@ def time_layout(params: list[torch.Tensor], grads: list[torch.Tensor], args, tim
         out["kernel_launches"] = kernel_launches(replicate)
         fresh()
         out["sync_warnings"] = sync_warnings(replicate)
+        if args.profile:
+            fresh()
+            out["profile"] = kernel_profile(replicate, args.profile)
 
     adam_params = [p.detach().clone().requires_grad_(True) for p in params]
     for p, g in zip(adam_params, grads):
@@ -256,6 +281,8 @@ def main(argv: list[str] | None = None) -> dict:
                    help="torch.compile the top-k selection (compile=True)")
     p.add_argument("--per-tensor", action="store_true",
                    help="bucket=False: every tensor its own group (for comparison)")
+    p.add_argument("--profile", type=int, default=0, metavar="N",
+                   help="CUDA: the step's GPU kernel time and its N costliest kernels")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--threads", type=int, default=1, help="CPU threads")
     p.add_argument("--clock", default="thread", choices=["thread", "wall"],
@@ -346,6 +373,13 @@ def main(argv: list[str] | None = None) -> dict:
               f"{r['replicator_pct_of_fwd_bwd']:>5.1f}% {r['floor_s'] * 1e3:>9.1f} "
               f"{r['adamw_s'] * 1e3:>9.1f} {r['ops']:>5} {r['views']:>6} {r['reads']:>6}"
               + (f" {r['kernel_launches']:>8} {r['sync_warnings']:>6}" if cuda else ""))
+    for r in compute["layouts"]:
+        if "profile" in r:
+            pr = r["profile"]
+            print(f"\n{r['layout']}: GPU kernels {pr['kernel_ms']:.1f} ms in a profiled step of "
+                  f"{pr['profiled_wall_ms']:.1f} ms wall")
+            for k in pr["top"]:
+                print(f"  {k['ms']:7.2f} ms {k['calls']:4d}x  {k['kernel']}")
 
     result = {
         "preset": args.preset, "params": n_params, "config": cfg.__dict__,

@@ -83,6 +83,22 @@ SETTINGS: dict[str, Setting] = {
                                           "outer_momentum": 0.0}),
     "diloco-0.5": Setting("DiLoCo H=20, outer lr 0.5 momentum 0.5", "diloco", "adamw", 1e-3,
                           {"inner_steps": 20, "outer_lr": 0.5, "outer_momentum": 0.5}),
+    # the compression-free limit of DeMo: every coefficient sent, so nothing stays in the
+    # momentum and the step is sign-SGD of the mean gradient
+    "demo-dense": Setting("DeMo sending all 4096 coefficients of a block in fp32 (no "
+                          "compression): sign-SGD of the mean gradient", "demo", "sgd", 1e-3,
+                          {"topk": 4096, "values": "fp32"}),
+    # the decoded mean as AdamW's gradient instead of its sign
+    "demo-adamw": Setting("DeMo defaults (topk 16, int2, decay 0.999) without sign or lr "
+                          "scaling; the decoded mean drives AdamW", "demo", "adamw", 1e-3,
+                          {"sign": False, "scale_by_lr": False}),
+    # SparseLoCo: DiLoCo whose pseudo-gradient is sent as top-k of each 64 x 64 block (64 of
+    # 4096) with 2-bit values and an error-feedback buffer (decay 0.95), plain outer averaging
+    "sparseloco": Setting("DiLoCo H=20, pseudo-gradient top-64/4096 int2 with error feedback "
+                          "(decay 0.95), outer lr 1.0 momentum 0", "diloco", "adamw", 1e-3,
+                          {"inner_steps": 20, "outer_lr": 1.0, "outer_momentum": 0.0,
+                           "exchange": "topk",
+                           "exchange_kwargs": {"topk": 64, "values": "int2", "decay": 0.95}}),
 }
 MAIN = ["adamw", "no-sync", "demo", "demo-d0.9-k64", "diloco", "diloco-avg"]
 

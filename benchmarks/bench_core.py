@@ -121,8 +121,8 @@ class OpCount(TorchDispatchMode):
         return super().__exit__(*exc)
 
 
-def kernel_launches(fn: Callable[[], None]) -> int:
-    """CUDA kernels one call of ``fn`` launches (torch.profiler)."""
+def kernel_launches(fn: Callable[[], None]) -> tuple[int, int]:
+    """CUDA kernels and CUDA graphs one call of ``fn`` launches (torch.profiler)."""
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
@@ -131,7 +131,9 @@ def kernel_launches(fn: Callable[[], None]) -> int:
         torch.cuda.synchronize()
     names = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx",
              "cudaLaunchCooperativeKernel")
-    return sum(1 for e in prof.events() if e.name in names)
+    kernels = sum(1 for e in prof.events() if e.name in names)
+    graphs = sum(1 for e in prof.events() if e.name == "cudaGraphLaunch")
+    return kernels, graphs
 
 
 def kernel_profile(fn: Callable[[], None], top: int) -> dict:
@@ -231,7 +233,7 @@ def time_layout(params: list[torch.Tensor], grads: list[torch.Tensor], args, tim
     out.update(ops=c.ops, views=c.views, reads=c.reads)
     if device.type == "cuda":
         fresh()
-        out["kernel_launches"] = kernel_launches(replicate)
+        out["kernel_launches"], out["graph_launches"] = kernel_launches(replicate)
         fresh()
         out["sync_warnings"] = sync_warnings(replicate)
         if args.profile:
@@ -255,7 +257,8 @@ def time_layout(params: list[torch.Tensor], grads: list[torch.Tensor], args, tim
 def rep_kwargs(args) -> dict:
     return {"topk": args.topk, "chunk": args.chunk, "values": args.values,
             "transform_dtype": args.transform_dtype, "decay": args.decay,
-            "bucket": not args.per_tensor, "overlap": args.overlap, "compile": args.compile}
+            "bucket": not args.per_tensor, "overlap": args.overlap, "compile": args.compile,
+            "graphs": args.graphs}
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -279,6 +282,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--overlap", default="none", choices=["none", "delayed"])
     p.add_argument("--compile", action="store_true",
                    help="torch.compile the top-k selection (compile=True)")
+    p.add_argument("--graphs", action="store_true",
+                   help="graphs=True: CUDA graphs of the step's device work")
     p.add_argument("--per-tensor", action="store_true",
                    help="bucket=False: every tensor its own group (for comparison)")
     p.add_argument("--profile", type=int, default=0, metavar="N",
@@ -350,7 +355,8 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"{args.preset}: {n_params / 1e6:.1f}M parameters (d{cfg.d_model}, {cfg.n_layer} "
           f"layers, vocab {cfg.vocab}); DeMo topk={args.topk} chunk={args.chunk} "
           f"values={args.values} transform {args.transform_dtype} overlap={args.overlap}"
-          f"{' per-tensor' if args.per_tensor else ''}{' compiled' if args.compile else ''}; "
+          f"{' per-tensor' if args.per_tensor else ''}{' compiled' if args.compile else ''}"
+          f"{' graphs' if args.graphs else ''}; "
           f"{device.type} ({dev_name}), torch "
           f"{torch.__version__}, {args.threads} thread(s), {clock} clock\n")
     head = (f"{'layout':<7} {'n':>2} {'local params':>13} {'DeMo B/step':>12} "
@@ -366,13 +372,14 @@ def main(argv: list[str] | None = None) -> dict:
     cuda = device.type == "cuda"
     head = (f"{'layout':<7} {'local params':>13} {'DeMo ms':>8} {'% f+b':>6} {'floor ms':>9} "
             f"{'AdamW ms':>9} {'ops':>5} {'views':>6} {'reads':>6}"
-            + (f" {'kernels':>8} {'syncs':>6}" if cuda else ""))
+            + (f" {'kernels':>8} {'graphs':>6} {'syncs':>6}" if cuda else ""))
     print(head + "\n" + "-" * len(head))
     for r in compute["layouts"]:
         print(f"{r['layout']:<7} {r['local_params']:>13,} {r['replicator_s'] * 1e3:>8.1f} "
               f"{r['replicator_pct_of_fwd_bwd']:>5.1f}% {r['floor_s'] * 1e3:>9.1f} "
               f"{r['adamw_s'] * 1e3:>9.1f} {r['ops']:>5} {r['views']:>6} {r['reads']:>6}"
-              + (f" {r['kernel_launches']:>8} {r['sync_warnings']:>6}" if cuda else ""))
+              + (f" {r['kernel_launches']:>8} {r['graph_launches']:>6} {r['sync_warnings']:>6}"
+                 if cuda else ""))
     for r in compute["layouts"]:
         if "profile" in r:
             pr = r["profile"]

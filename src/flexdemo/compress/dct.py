@@ -323,17 +323,26 @@ class BatchedDCT:
                   out=out.as_strided((count, cr, width), (width, n, 1)))
         return out
 
-    def cols_into(self, y: torch.Tensor, coef: torch.Tensor, blocks: slice, alpha: float,
-                  beta: float, scratch: torch.Tensor | None = None) -> None:
+    def cols_into(self, y: torch.Tensor, coef: torch.Tensor, blocks: slice,
+                  alpha: float | torch.Tensor, beta: float,
+                  scratch: torch.Tensor | None = None) -> None:
         """``coef = beta * coef + alpha * (y @ Dc^T)`` on the ``blocks`` of ``y`` (from
         :meth:`rows`) and ``coef``, both ``(cr, blocks, cc)`` (``scratch``: room for the
-        bf16 product)."""
+        bf16 product). ``alpha`` may be a 0-d device tensor (a step size that changes
+        between replays of a CUDA graph): it then scales the ``cc x cc`` basis instead of the
+        product, the same value up to rounding at no extra pass over ``coef``."""
         cc, nb = self.cc, coef.shape[1]
         whole = blocks.start == 0 and blocks.stop == nb
+        dc_t, dc_t_fwd = self.dc_t, self._dc_t_fwd
+        if isinstance(alpha, torch.Tensor):
+            dc_t = dc_t * alpha
+            dc_t_fwd = dc_t if self.compute_dtype == torch.float32 else (
+                self.dc_t * alpha).to(self.compute_dtype)
+            alpha = 1.0
         if self.per_block:
             target = coef[:, blocks].permute(1, 0, 2)
             part = y[:, blocks].permute(1, 0, 2)
-            basis = self.dc_t if self.compute_dtype == torch.float32 else self._dc_t_fwd
+            basis = dc_t if self.compute_dtype == torch.float32 else dc_t_fwd
             basis = basis.expand(part.shape[0], cc, cc)
             if self.compute_dtype == torch.float32:
                 target.baddbmm_(part, basis, beta=beta, alpha=alpha)
@@ -342,16 +351,16 @@ class BatchedDCT:
             return
         if self.compute_dtype == torch.float32:
             if whole:
-                coef.view(-1, cc).addmm_(y.reshape(-1, cc), self.dc_t, beta=beta, alpha=alpha)
+                coef.view(-1, cc).addmm_(y.reshape(-1, cc), dc_t, beta=beta, alpha=alpha)
             else:  # a run of blocks (the rare case): made contiguous, one product, back
                 part = coef[:, blocks].contiguous()
-                part.view(-1, cc).addmm_(y[:, blocks].reshape(-1, cc), self.dc_t, beta=beta,
+                part.view(-1, cc).addmm_(y[:, blocks].reshape(-1, cc), dc_t, beta=beta,
                                          alpha=alpha)
                 coef[:, blocks] = part
             return
         part = y[:, blocks]
         z = scratch[: part.numel()].view(part.shape)
-        torch.matmul(part, self._dc_t_fwd, out=z)
+        torch.matmul(part, dc_t_fwd, out=z)
         _accumulate(coef[:, blocks], z, alpha, beta)
 
     def inverse(self, coef: torch.Tensor, out: torch.Tensor, scratch: torch.Tensor) -> None:

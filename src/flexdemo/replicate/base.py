@@ -184,13 +184,18 @@ MAGIC = 0x0DE70001
 HEADER_BYTES = 32
 
 
-def write_header(buf: torch.Tensor, step: int, bad: bool | torch.Tensor, code: int) -> None:
+def write_header(buf: torch.Tensor, step: int | torch.Tensor, bad: bool | torch.Tensor,
+                 code: int) -> None:
     """The 32-byte header of a gathered payload: magic, step, non-finite flag, presence.
 
-    ``bad`` may be a device tensor (no host synchronisation)."""
+    ``bad`` may be a device tensor (no host synchronisation), and so may ``step`` (an int64
+    scalar that changes between replays of a CUDA graph)."""
     head = buf[:HEADER_BYTES].view(torch.int64)
+    if isinstance(step, torch.Tensor):
+        head[1:2].copy_(step.reshape(1))
     for i, v in ((0, MAGIC), (1, step), (3, code)):  # fills: no host-to-device copy
-        head[i].fill_(v)
+        if not isinstance(v, torch.Tensor):
+            head[i].fill_(v)
     if isinstance(bad, torch.Tensor):
         head[2:3].copy_(bad.reshape(1))
     else:

@@ -44,6 +44,18 @@ that rank's momentum stays bitwise untouched without a copy of it or a read of t
 momentum that overflows to Inf from finite input sends non-finite values: every replica's
 payload check names that rank, as for any corrupt payload.)
 
+**CUDA graphs** (``graphs=True``, CUDA only; no effect on other devices). The device work
+between the host's decisions is captured once per step shape (which gradients are present,
+which step sizes are equal) and replayed: encoding (flag, momentum, transform, selection,
+coding, error feedback, header), the checks of the gathered payloads, and each group's decoded
+mean. Staging the gradients, the exchange, the one read of the verdict and the writes into the
+gradients stay eager (their addresses change between steps). The step number and the step
+sizes are device scalars filled before a replay; a step size then scales the column basis of
+the transform rather than its product, so the coefficients can differ from eager CUDA in the
+last bit, identically on every replica. The first two steps of a shape run eagerly, the third
+captures. A failed capture warns and the replicator stays eager. Every replica must use the same
+setting.
+
 **Wire format** (one bucket per step): a 32-byte header (magic and version, step, non-finite
 flag, presence code); then per group the block-local indices of all its blocks packed at
 ``ceil(log2(block entries))`` bits (12 for 64 x 64 blocks) and their values in the ``values``
@@ -97,6 +109,8 @@ PRESETS: dict[str, dict] = {
 
 
 _TRANSFORM_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+_WARM = 2  # eager calls of a step shape before its CUDA graph is captured
+_MAX_GRAPHS = 32  # step shapes beyond this many run eagerly
 
 # reasons a payload body is bad, in the order they are checked (0: good)
 _RANGE, _REPEAT, _NONFINITE = 1, 2, 3
@@ -218,6 +232,7 @@ class _Live:
     runs: list[list[_Run]]
     off_rows: list[list[slice]]  # rows of units without a gradient, per group
     write: list[tuple[list[int], list[torch.Tensor]]]  # per group: parameters, output views
+    key: tuple = ()  # (present, classes): the cache key, also a CUDA graph's
 
 
 def _view_in(buf: torch.Tensor, u: _Unit, member: int, shape: torch.Size) -> torch.Tensor:
@@ -293,7 +308,7 @@ class DeMoReplicator(Replicator):
                  transform: str = "dct", transform_dtype: str = "fp32", small: str = "batch",
                  small_numel: int | None = None,
                  bucket: bool = True, overlap: str = "none", on_bad_peer: str = "raise",
-                 compile: bool = False, **schedule) -> None:
+                 compile: bool = False, graphs: bool = False, **schedule) -> None:
         super().__init__(**schedule)
         if not isinstance(topk, int) or isinstance(topk, bool) or topk < 1:
             raise ValueError(f"topk must be an integer >= 1, got {topk!r}")
@@ -324,6 +339,11 @@ class DeMoReplicator(Replicator):
                              "communicates every step (replicate_every=1, skip_every=0)")
         if on_bad_peer not in ("raise", "drop"):
             raise ValueError(f"on_bad_peer must be 'raise' or 'drop', got {on_bad_peer!r}")
+        if not isinstance(graphs, bool):
+            raise ValueError(f"graphs must be True or False, got {graphs!r}")
+        if graphs and compile:
+            raise ValueError("graphs=True and compile=True do not combine: the CUDA graphs "
+                             "replay the eager selection; choose one")
         self.topk, self.chunk, self.decay = topk, chunk, float(decay)
         self.sign, self.scale_by_lr, self.values = sign, scale_by_lr, values
         self.transform, self.transform_dtype, self.small = transform, transform_dtype, small
@@ -334,6 +354,8 @@ class DeMoReplicator(Replicator):
         # torch.compile of the top-k selection (same results; falls back to eager on failure)
         self.compile = bool(compile)
         self._compiled = None
+        # CUDA graphs of the device work between the host's steps (no effect off CUDA)
+        self.graphs = graphs
 
     @classmethod
     def preset(cls, name: str, **overrides) -> DeMoReplicator:
@@ -347,7 +369,8 @@ class DeMoReplicator(Replicator):
             ("transform", self.transform, "dct"),
             ("transform_dtype", self.transform_dtype, "fp32"),
             ("small", self.small, "batch"), ("bucket", self.bucket, True),
-            ("overlap", self.overlap, "none"), ("compile", self.compile, False)) if v != d)
+            ("overlap", self.overlap, "none"), ("compile", self.compile, False),
+            ("graphs", self.graphs, False)) if v != d)
         return (f"topk={self.topk}, chunk={self.chunk}, decay={self.decay}, "
                 f"values={self.values!r}, sign={self.sign}{extra}")
 
@@ -501,6 +524,15 @@ class DeMoReplicator(Replicator):
         # the momentum's decay factor, and 1 for a step whose input is not finite
         self._decay = torch.tensor(self.decay, dtype=torch.float32, device=self.device)
         self._one = torch.ones((), dtype=torch.float32, device=self.device)
+        # CUDA graphs: the step and the step sizes as device scalars, filled before a replay
+        self._graphs: dict = {}
+        self._warm: dict = {}
+        self._class_lrs: list[float] = []
+        self._unit_of = {i: j for j, u in enumerate(self.units) for i in u.members}
+        self._step_dev = torch.zeros((), dtype=torch.int64, device=self.device)
+        self._lr_dev = torch.zeros(max(1, len(self.units)), dtype=torch.float32,
+                                   device=self.device)
+        self._static: dict[int, torch.Tensor] = {}  # peers -> gathered payloads, for graphs
 
     @property
     def delta(self) -> list[torch.Tensor]:
@@ -513,14 +545,47 @@ class DeMoReplicator(Replicator):
         """Bytes this rank contributes to one exchange (header and alignment included)."""
         return self.bucket_bytes
 
+    # ------------------------------------------------------------------ CUDA graphs
+    @property
+    def _graphed(self) -> bool:
+        return self.graphs and self.device is not None and self.device.type == "cuda"
+
+    def _graph(self, key: tuple, fn):
+        """``fn()`` through a CUDA graph captured for ``key``: the first ``_WARM`` calls of a
+        key run eagerly (they allocate the scratch buffers), the next one captures (which
+        runs nothing) and every call replays. Inputs and outputs are the replicator's own
+        buffers and the graph's outputs, so their addresses hold. A failed capture warns once
+        and the replicator runs eagerly from then on."""
+        entry = self._graphs.get(key)
+        if entry is None:
+            seen = self._warm.get(key, 0)
+            if seen < _WARM or len(self._graphs) >= _MAX_GRAPHS:
+                self._warm[key] = seen + 1
+                return fn()
+            graph = torch.cuda.CUDAGraph()
+            try:
+                with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+                    out = fn()
+            except Exception as e:
+                warnings.warn(f"{self.name}: capturing a CUDA graph failed ({e!r:.200}); "
+                              "running eagerly", RuntimeWarning, stacklevel=3)
+                self.graphs = False
+                self._graphs.clear()
+                return fn()
+            entry = self._graphs[key] = (graph, out)
+        entry[0].replay()
+        return entry[1]
+
     # ------------------------------------------------------------------ the step's shape
     def _live_of(self, grads, lrs) -> _Live:
         present = tuple(g is not None for g in grads)
         if lrs is None or not self.scale_by_lr:
             return self._live(present, None)
         classes: dict = {}  # which units share a step size (not the sizes: they change)
-        return self._live(present, tuple(classes.setdefault(lrs[u.members[0]], len(classes))
+        live = self._live(present, tuple(classes.setdefault(lrs[u.members[0]], len(classes))
                                          for u in self.units))
+        self._class_lrs = list(classes)  # the step size of each class, in class order
+        return live
 
     def _live(self, present: tuple[bool, ...], classes: tuple[int, ...] | None) -> _Live:
         """The host-side plan of a step with gradients ``present`` whose units fall into
@@ -566,6 +631,7 @@ class DeMoReplicator(Replicator):
             live.runs.append(runs)
             live.off_rows.append(off)
             live.write.append((params, [self._out_at[i] for i in params]))
+        live.key = key
         self._lives[key] = live
         return live
 
@@ -578,8 +644,16 @@ class DeMoReplicator(Replicator):
         if live.zero:
             torch._foreach_zero_(live.zero)
 
+    def _scale(self, r: _Run, lrs, classes: tuple[int, ...] | None) -> float | torch.Tensor:
+        """Run ``r``'s step size: a float, or under CUDA graphs its class's device scalar."""
+        if not self.scale_by_lr or lrs is None:
+            return 1.0
+        if self._graphed:
+            return self._lr_dev[classes[self._unit_of[r.lead]]]
+        return float(lrs[r.lead])
+
     def _decay_encode(self, g: _Group, runs: list[_Run], lrs, decay: torch.Tensor,
-                      bad: torch.Tensor) -> None:
+                      bad: torch.Tensor, classes: tuple[int, ...] | None = None) -> None:
         """Momentum update and forward DCT of all blocks of ``g`` with a gradient: tiling
         units ``coef = decay * coef + s * DCT(grad)``, padded units
         ``delta = decay * delta + s * grad`` and ``coef = DCT(delta)``. ``decay`` is a 0-d
@@ -587,10 +661,11 @@ class DeMoReplicator(Replicator):
         then zero, so its momentum stays as it was, bit for bit). Decaying first and adding the
         product with ``beta = 1`` gives the bits of one product with ``beta = decay``."""
         w, cc, n = self._work, g.chunk[1], g.coef.numel()
-        scale = {id(r): float(lrs[r.lead]) if self.scale_by_lr and lrs is not None else 1.0
-                 for r in runs}
+        scale = {id(r): self._scale(r, lrs, classes) for r in runs}
         for r in runs:
-            if r.padded:
+            if r.padded and isinstance(scale[id(r)], torch.Tensor):
+                g.img[r.image].mul_(decay).addcmul_(g.xpad[r.xpad], scale[id(r)])
+            elif r.padded:
                 g.img[r.image].mul_(decay).add_(g.xpad[r.xpad], alpha=scale[id(r)])
         if g.img is not None:  # image-staged units: their rows into the block rows
             rows = torch.index_select(g.img.view(-1, cc), 0, g.img_src,
@@ -666,6 +741,18 @@ class DeMoReplicator(Replicator):
         sent as zeros (so error feedback changes nothing); the header carries the flag."""
         live = self._live_of(grads, lrs)
         self._stage(grads, live)
+        if not self._graphed:
+            return self._encode(live, lrs, step, buf)
+        # the device scalars the graph reads, set by fills (no host-to-device copy)
+        self._step_dev.fill_(step)
+        for c, v in enumerate(self._class_lrs if self.scale_by_lr and lrs is not None else ()):
+            self._lr_dev[c].fill_(v)
+        return self._graph(("fill", live.key, buf.data_ptr()),
+                           lambda: self._encode(live, lrs, self._step_dev, buf))
+
+    def _encode(self, live: _Live, lrs, step: int | torch.Tensor, buf: torch.Tensor) -> list:
+        """:meth:`_fill` after the staging: all device work, the same for every step of one
+        shape (a CUDA graph under ``graphs=True``)."""
         bad = self._input_flag(live)
         self._mask(bad, live)
         decay = torch.where(bad, self._one, self._decay)
@@ -675,7 +762,8 @@ class DeMoReplicator(Replicator):
                 buf[g.idx_off: g.end].zero_()
                 sent.append(None)
                 continue
-            self._decay_encode(g, live.runs[gi], lrs, decay, bad)  # delta = decay delta + s g
+            self._decay_encode(g, live.runs[gi], lrs, decay, bad,  # delta = decay delta + s g
+                               live.key[1])
             idx, pos, vals = self._select(g, live.off_rows[gi], bad)  # top-k of every block
             vals = self._code(g, idx, vals, buf)  # packed indices, coded values
             self._feedback(g, idx, pos, vals, sign=-1.0)  # delta -= what the peers will see
@@ -776,7 +864,16 @@ class DeMoReplicator(Replicator):
     def _check(self, gathered: torch.Tensor, step: int, live: _Live):
         """Check the gathered payloads; raise or drop bad ones. Returns the good peers and
         the decoded payloads."""
-        verdict, decoded = self._verdict(gathered, live)
+        if self._graphed:  # the payloads into a buffer of fixed address, then the graph
+            n = gathered.shape[0]
+            static = self._static.get(n)
+            if static is None:
+                static = self._static[n] = torch.empty_like(gathered)
+            static.copy_(gathered)
+            verdict, decoded = self._graph(("check", live.key, n),
+                                           lambda: self._verdict(static, live))
+        else:
+            verdict, decoded = self._verdict(gathered, live)
         rows = verdict.tolist()  # the one read of the device in a step
         peers = []
         for r, problem in enumerate(header_problems([row[:4] for row in rows], step)):
@@ -892,10 +989,16 @@ class DeMoReplicator(Replicator):
                 torch._foreach_zero_([grads[i] for i in params])
                 continue
             idx, vals = decoded[gi]
-            if len(good) < idx.shape[0]:  # dropped peers (the rare path)
+            n = idx.shape[0]
+            if len(good) < n:  # dropped peers (the rare path)
                 keep = torch.tensor(good, dtype=torch.int64, device=idx.device)
                 idx, vals = idx.index_select(0, keep), vals.index_select(0, keep)
-            self._decode_mean(g, idx, vals)  # mean, inverse DCT, sign
+                self._decode_mean(g, idx, vals)
+            elif self._graphed:  # groups share the workspace: one graph each, then its write
+                self._graph(("decode", sent_live.key, n, gi),
+                            lambda g=g, idx=idx, vals=vals: self._decode_mean(g, idx, vals))
+            else:
+                self._decode_mean(g, idx, vals)  # mean, inverse DCT, sign
             self._write(grads, params, views)  # into the gradients
 
     def _decode(self, gathered: torch.Tensor, grads, step: int, code: int) -> None:

@@ -1,0 +1,105 @@
+"""DeMo with ``graphs=True``: no effect off CUDA; on CUDA the replayed graphs give the eager
+bits (step sizes that are powers of two scale the basis exactly), follow a changing step size
+and step number, and still name a corrupt peer."""
+
+import pytest
+import torch
+
+from flexdemo import CorruptPayloadError
+from flexdemo.replicate import DeMoReplicator
+
+# padded (131 rows, 67x130), tiling, 1-D and small tensors
+SHAPES = [(128, 192), (192,), (7, 9), (131, 70), (256, 128), (64, 64), (67, 130), (200, 64)]
+CUDA = torch.cuda.is_available()
+
+
+def _run(device, steps=7, missing_at=4, **kw):
+    """Outputs per step and the final momentum; step sizes are powers of two that change
+    every step and differ between tensors from step 5 on; some gradients missing at one
+    step."""
+    torch.manual_seed(0)
+    rep = DeMoReplicator(**kw)
+    rep.setup([torch.Size(s) for s in SHAPES], torch.device(device), None)
+    outs = []
+    for step in range(steps):
+        grads = [torch.randn(s).to(device) for s in SHAPES]
+        if step == missing_at:
+            grads[0] = grads[3] = None
+        lrs = [2.0 ** -(8 + step % 3 + (i % 2 if step >= 5 else 0)) for i in range(len(SHAPES))]
+        outs.append([None if g is None else g.cpu().clone() for g in rep(grads, lrs, step)])
+    return rep, outs
+
+
+def _same(a, b):
+    return all((x is None and y is None) or torch.equal(x.cpu(), y.cpu()) for x, y in zip(a, b))
+
+
+def test_graphs_have_no_effect_off_cuda():
+    graphed, a = _run("cpu", graphs=True)
+    eager, b = _run("cpu")
+    assert not graphed._graphs
+    assert all(_same(x, y) for x, y in zip(a, b))
+    assert _same(graphed.delta, eager.delta)
+
+
+def test_graphs_bad_settings():
+    with pytest.raises(ValueError, match="graphs must be True or False"):
+        DeMoReplicator(graphs="yes")
+    with pytest.raises(ValueError, match="do not combine"):
+        DeMoReplicator(graphs=True, compile=True)
+    assert "graphs=True" in repr(DeMoReplicator(graphs=True))
+
+
+@pytest.mark.skipif(not CUDA, reason="CUDA graphs need a CUDA device (torch.cuda.is_available)")
+@pytest.mark.parametrize("kw", [{}, {"values": "fp32", "topk": 32}, {"overlap": "delayed"},
+                                {"transform_dtype": "bf16"}], ids=str)
+def test_graphs_equal_eager_on_cuda(kw):
+    graphed, a = _run("cuda", steps=9, **kw)
+    eager, b = _run("cuda", steps=9, **kw)  # graphs=False
+    kinds = {key[0] for key in graphed._graphs}
+    assert {"fill", "check", "decode"} <= kinds  # captured, and replayed from step 3 on
+    assert all(_same(x, y) for x, y in zip(a, b))
+    assert _same(graphed.delta, eager.delta)
+
+
+def _corrupt_run(device, graphs):
+    """Two peers (this rank's payload twice), the second sending NaN from step 5 on: the error
+    and the momentum after it (rolled back to after the momentum update alone)."""
+    rep = DeMoReplicator(graphs=graphs, values="fp32")
+    shapes = [torch.Size(s) for s in SHAPES]
+    rep.setup(shapes, torch.device(device), None)
+
+    calls = [0]
+
+    def exchange(buf):
+        out = torch.stack([buf, buf])
+        calls[0] += 1
+        if calls[0] > 5:
+            g = rep.groups[0]
+            out[1, g.val_off: g.val_off + 8].view(torch.float32).fill_(float("nan"))
+        return out
+
+    rep._exchange = exchange
+    torch.manual_seed(0)
+    lrs = [2.0 ** -10] * len(shapes)
+    for step in range(5):
+        rep.replicate([torch.randn(s, device=device) for s in shapes], lrs, step, True)
+    with pytest.raises(CorruptPayloadError, match="rank 1") as err:
+        rep.replicate([torch.randn(s, device=device) for s in shapes], lrs, 5, True)
+    return rep, str(err.value), [d.cpu().clone() for d in rep.delta]
+
+
+def test_corrupt_peer_named_with_graphs_off_cuda():
+    rep, msg, _ = _corrupt_run("cpu", True)
+    assert "non-finite" in msg and not rep._graphs
+
+
+@pytest.mark.skipif(not CUDA, reason="CUDA graphs need a CUDA device (torch.cuda.is_available)")
+def test_graphs_name_a_corrupt_peer_on_cuda():
+    """After the check's graph is captured: the same error and the same rolled-back momentum
+    as eager CUDA."""
+    rep, msg, delta = _corrupt_run("cuda", True)
+    assert any(key[0] == "check" for key in rep._graphs)
+    _, eager_msg, eager_delta = _corrupt_run("cuda", False)
+    assert msg == eager_msg
+    assert all(torch.equal(x, y) for x, y in zip(delta, eager_delta))

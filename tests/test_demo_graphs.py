@@ -54,8 +54,9 @@ def test_graphs_bad_settings():
 @pytest.mark.parametrize("kw", [{}, {"values": "fp32", "topk": 32}, {"overlap": "delayed"},
                                 {"transform_dtype": "bf16"}], ids=str)
 def test_graphs_equal_eager_on_cuda(kw):
-    graphed, a = _run("cuda", steps=9, graphs=True, **kw)
-    eager, b = _run("cuda", steps=9, **kw)  # graphs=False
+    # 12 steps: the delayed mode alternates two payload buffers, a graph each
+    graphed, a = _run("cuda", steps=12, graphs=True, **kw)
+    eager, b = _run("cuda", steps=12, **kw)  # graphs=False
     kinds = {key[0] for key in graphed._graphs}
     assert {"fill", "check", "decode"} <= kinds  # captured, and replayed from step 3 on
     assert all(_same(x, y) for x, y in zip(a, b))

@@ -211,6 +211,10 @@ def time_layout(params: list[torch.Tensor], grads: list[torch.Tensor], args, tim
                 device: torch.device) -> dict:
     """Replicator step, AdamW step, ops, reads (and on CUDA kernels, syncs), floor."""
     kw = rep_kwargs(args)
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.empty_cache()
+        base = torch.cuda.memory_reserved()
     rep = DeMoReplicator(**kw)
     rep.setup([p.shape for p in params], device, None)
     work = [torch.empty_like(g) for g in grads]
@@ -227,6 +231,9 @@ def time_layout(params: list[torch.Tensor], grads: list[torch.Tensor], args, tim
 
     out = {"replicator_s": timer.median(replicate, args.reps, args.warmup, setup=fresh),
            "payload_bytes": rep.payload_bytes()}
+    if cuda:  # what the replicator holds: its buffers, and its CUDA graphs' memory pools
+        torch.cuda.empty_cache()
+        out["held_bytes"] = torch.cuda.memory_reserved() - base
     fresh()
     with OpCount() as c:
         replicate()
@@ -372,14 +379,14 @@ def main(argv: list[str] | None = None) -> dict:
     cuda = device.type == "cuda"
     head = (f"{'layout':<7} {'local params':>13} {'DeMo ms':>8} {'% f+b':>6} {'floor ms':>9} "
             f"{'AdamW ms':>9} {'ops':>5} {'views':>6} {'reads':>6}"
-            + (f" {'kernels':>8} {'graphs':>6} {'syncs':>6}" if cuda else ""))
+            + (f" {'kernels':>8} {'graphs':>6} {'syncs':>6} {'held GB':>8}" if cuda else ""))
     print(head + "\n" + "-" * len(head))
     for r in compute["layouts"]:
         print(f"{r['layout']:<7} {r['local_params']:>13,} {r['replicator_s'] * 1e3:>8.1f} "
               f"{r['replicator_pct_of_fwd_bwd']:>5.1f}% {r['floor_s'] * 1e3:>9.1f} "
               f"{r['adamw_s'] * 1e3:>9.1f} {r['ops']:>5} {r['views']:>6} {r['reads']:>6}"
               + (f" {r['kernel_launches']:>8} {r['graph_launches']:>6} {r['sync_warnings']:>6}"
-                 if cuda else ""))
+                 f" {r['held_bytes'] / 2**30:>8.2f}" if cuda else ""))
     for r in compute["layouts"]:
         if "profile" in r:
             pr = r["profile"]

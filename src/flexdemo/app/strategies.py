@@ -64,7 +64,7 @@ STRATEGIES: dict[str, Strategy] = {
         "no replication, plain SGD: the cheapest step (a timing floor)",
         "none", "sgd", 3e-3, color="#bcbd22"),
     "diloco": Strategy(
-        "DiLoCo: inner AdamW, outer Nesterov SGD, full sync every 20 steps",
+        "DiLoCo: inner AdamW, full sync (outer averaging) every 20 steps",
         "diloco", "adamw", 1e-3, {"inner_steps": 20}, color="#9467bd"),
     "diloco-h100": Strategy(
         "DiLoCo with a full sync every 100 steps",

@@ -7,8 +7,11 @@ Every ``inner_steps`` (H) steps a fragment of the parameters is synchronised:
    *exchange* replicator (default: the fp32 mean, :class:`FullReplicator`; or quantised with
    ``FullReplicator(values="int8" | "int4" | "bf16" | "fp16")``; or compressed with error
    feedback: ``"demo"`` (DCT top-k) or ``"topk"`` (plain top-k per block));
-2. an outer optimizer (default SGD, lr 0.7, Nesterov momentum 0.9) steps the global copy of
-   the fragment with the averaged pseudo-gradient as its gradient;
+2. an outer optimizer steps the global copy of the fragment with the averaged pseudo-gradient
+   as its gradient: by default SGD with lr 1.0 and no momentum, which sets the global copy to
+   the replicas' mean (plain averaging; the best of ``benchmarks/quality.py`` at 2 and 4
+   replicas, H=20, ahead of the DiLoCo paper's Nesterov lr 0.7 / momentum 0.9, which
+   ``outer_lr=0.7, outer_momentum=0.9`` selects);
 3. the replica's parameters are mixed with the new global ones:
    ``local = alpha * local + (1 - alpha) * global`` (``alpha = 0``, the default, restarts every
    replica from the same global parameters, bitwise identical).
@@ -97,8 +100,8 @@ class DiLoCoReplicator(Replicator):
 
     name = "diloco"
 
-    def __init__(self, inner_steps: int = 100, *, outer_lr: float = 0.7,
-                 outer_momentum: float = 0.9, nesterov: bool = True,
+    def __init__(self, inner_steps: int = 100, *, outer_lr: float = 1.0,
+                 outer_momentum: float = 0.0, nesterov: bool = True,
                  outer_optimizer: Callable[[list[torch.Tensor]], torch.optim.Optimizer]
                  | None = None, exchange: str | Replicator = "full",
                  exchange_kwargs: dict | None = None, fragments: int = 1, tau: int = 0,

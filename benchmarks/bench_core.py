@@ -26,6 +26,7 @@ b. Compute per layout (``full``: the whole model, data parallel; ``half``: rows
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import math
 import platform
@@ -212,7 +213,8 @@ def time_layout(params: list[torch.Tensor], grads: list[torch.Tensor], args, tim
     """Replicator step, AdamW step, ops, reads (and on CUDA kernels, syncs), floor."""
     kw = rep_kwargs(args)
     cuda = device.type == "cuda"
-    if cuda:
+    if cuda:  # earlier layouts' replicators (reference cycles) freed first
+        gc.collect()
         torch.cuda.empty_cache()
         base = torch.cuda.memory_reserved()
     rep = DeMoReplicator(**kw)

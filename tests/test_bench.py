@@ -134,6 +134,10 @@ def test_table_and_comparison():
     assert lines[i + 1] == "  at equal steps: val loss 3.0200 vs 3.0000 (+0.7%)"
     assert lines[i + 2] == "  step time:      200 ms vs 1200 ms (6.00x faster)"
     assert lines[i + 3].startswith("  at equal time:  train loss 3.1500 vs 4.7333 after 4 s")
+    # validation at equal time: no-sync's last evaluation (3.8 s) bounds it; flexdemo's is
+    # interpolated between its evaluations at 2 s and 4 s; AdamW's first is at 12 s
+    assert lines[i + 4] == ("                  val loss 3.0700 vs nan after 4 s (between "
+                            "evaluations)")
 
 
 def test_plots_from_results(tmp_path):

@@ -47,7 +47,8 @@ from .plots import plot_all, smooth
 from .strategies import STRATEGIES, parse_strategy
 
 __all__ = ["DEFAULT_BANDWIDTHS", "DEFAULT_STRATEGIES", "PRESETS", "STRATEGIES", "BenchError",
-           "BenchOptions", "bench_options", "equal_time_losses", "format_table", "run_bench"]
+           "BenchOptions", "bench_options", "equal_time_losses", "equal_time_val_losses",
+           "format_table", "run_bench"]
 
 UNSHAPED = "unshaped"
 
@@ -437,6 +438,23 @@ def equal_time_losses(results: list[dict], bandwidth: str) -> tuple[float, dict[
     return t, out
 
 
+def equal_time_val_losses(results: list[dict], bandwidth: str) -> tuple[float, dict[str, float]]:
+    """At one bandwidth: the training time every run's evaluations reached (the shortest run's
+    last evaluation) and each strategy's validation loss then, interpolated linearly between
+    its evaluations; NaN for a run not evaluated by then."""
+    runs = [r for r in results if r["bandwidth"] == bandwidth and r["status"] == "ok"
+            and r["curve"].get("val_seconds")]
+    if not runs:
+        return float("nan"), {}
+    t = min(r["curve"]["val_seconds"][-1] for r in runs)
+    out = {}
+    for r in runs:
+        c = r["curve"]
+        out[r["strategy"]] = (float("nan") if c["val_seconds"][0] > t
+                              else _interp(c["val_seconds"], c["val_loss"], t))
+    return t, out
+
+
 def never_synced_note(r: dict) -> str | None:
     """A note for a run whose strategy synchronises across nodes but sent nothing: a run
     shorter than DiLoCo's ``inner_steps``. Its replicas trained apart, and its step time holds
@@ -462,6 +480,7 @@ def comparison_lines(results: list[dict], reference: str = "hsdp-adamw") -> list
         if ref is None or "val_loss" not in ref:
             continue
         t, at_t = equal_time_losses(results, bw)
+        tv, val_t = equal_time_val_losses(results, bw)
         for r in results:
             if r["bandwidth"] != bw or r is ref or r["status"] != "ok" or "val_loss" not in r:
                 continue
@@ -477,5 +496,8 @@ def comparison_lines(results: list[dict], reference: str = "hsdp-adamw") -> list
                 f"  step time:      {r['step_seconds'] * 1e3:.0f} ms vs "
                 f"{ref['step_seconds'] * 1e3:.0f} ms ({speed:.2f}x faster)",
                 f"  at equal time:  train loss {at_t.get(r['strategy'], float('nan')):.4f} vs "
-                f"{at_t.get(reference, float('nan')):.4f} after {t:.0f} s (smoothed)"]
+                f"{at_t.get(reference, float('nan')):.4f} after {t:.0f} s (smoothed)",
+                f"                  val loss {val_t.get(r['strategy'], float('nan')):.4f} vs "
+                f"{val_t.get(reference, float('nan')):.4f} after {tv:.0f} s (between "
+                "evaluations)"]
     return lines

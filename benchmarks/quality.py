@@ -50,6 +50,7 @@ class Setting:
     optimizer: str
     lr: float
     replicator_kwargs: dict[str, Any] = field(default_factory=dict)
+    optimizer_kwargs: dict[str, Any] = field(default_factory=dict)
 
 
 # The bench's tuned DeMo (app.strategies "flexdemo") and DiLoCo H=20 are here with the
@@ -90,6 +91,11 @@ SETTINGS: dict[str, Setting] = {
     "demo-dense": Setting("DeMo sending all 4096 coefficients of a block in fp32 (no "
                           "compression): sign-SGD of the mean gradient", "demo", "sgd", 1e-3,
                           {"topk": 4096, "values": "fp32"}),
+    # an average of the signed updates over about 10 steps (SGD momentum 0.9 with dampening
+    # 0.9: an EMA, so a step moves a parameter by at most lr, as sign-SGD does)
+    "demo-ema": Setting("DeMo defaults, sign-SGD through an EMA (momentum 0.9, dampening 0.9) "
+                        "of the signed updates", "demo", "sgd", 1e-3, {},
+                        {"base_kwargs": {"momentum": 0.9, "dampening": 0.9}}),
     # the decoded mean as AdamW's gradient instead of its sign
     "demo-adamw": Setting("DeMo defaults (topk 16, int2, decay 0.999) without sign or lr "
                           "scaling; the decoded mean drives AdamW", "demo", "adamw", 1e-3,
@@ -139,6 +145,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=0,
                    help="torch threads per worker (0: cores / workers)")
     p.add_argument("--out", default="benchmarks/results/quality")
+    p.add_argument("--merge-only", action="store_true",
+                   help="run nothing: the table, CSV and plot of the --merge files")
     p.add_argument("--merge", action="append", default=[], metavar="JSON",
                    help="add the runs of an earlier quality.json with the same settings "
                         "(extends a grid without running it again)")
@@ -225,7 +233,7 @@ def run_one(cfg: dict) -> dict:
     sim = SimulatedReplicas(lambda: GPT(gcfg), loss_fn, replicas=n, replicator=s.replicator,
                             optimizer=s.optimizer, lr=cfg["lr"],
                             replicator_kwargs=dict(s.replicator_kwargs) or None,
-                            device=device, seed=seed)
+                            device=device, seed=seed, **s.optimizer_kwargs)
     nparams = sum(p.numel() for p in sim.models[0].parameters())
     warmup = int(cfg["warmup"] * steps)
     curve: list[list[float]] = []
@@ -417,7 +425,7 @@ def merged(runs: list[dict], paths: list[str]) -> list[dict]:
         except (OSError, ValueError, KeyError) as e:
             raise SystemExit(f"--merge {path}: not a readable quality.json ({e})") from None
         for r in old:
-            differ = [k for k in SAME if runs and r.get(k) != runs[0].get(k)]
+            differ = [k for k in SAME if out and r.get(k) != out[0].get(k)]
             if differ:
                 raise SystemExit(f"--merge {path}: its runs differ in {', '.join(differ)} "
                                  "from this one; merge only runs of the same settings")
@@ -434,19 +442,28 @@ def main(argv=None) -> dict:
         args.threads = max(1, (os.cpu_count() or 1) // args.workers)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    cfgs = configurations(args)
+    cfgs = [] if args.merge_only else configurations(args)
     print(f"{len(cfgs)} runs: {args.model} GPT, {args.steps} steps, batch {args.batch} per "
           f"replica, replicas {args.replicas}, {args.schedule} lr (warm-up "
           f"{args.warmup:.0%}), data {args.data}, {args.workers} worker(s), {args.device}",
           flush=True)
     runs = merged(run_all(cfgs, args.workers, say=lambda s: print(s, flush=True)), args.merge)
+    if not runs:
+        raise SystemExit("no runs: --merge-only needs --merge files")
+    if args.merge_only:  # the table's settings are those of the merged runs
+        for k in SAME + ("seeds",):
+            if k == "seeds":
+                args.seeds = max(r["seed"] for r in runs) + 1
+            else:
+                setattr(args, k, runs[0][k])
     rows = summarize(runs)
     curves = best_curves(runs, rows)
     settings = {k: v for k, v in vars(args).items() if k != "grid"}
     result = {"command": " ".join([Path(sys.argv[0]).name] + (argv if argv is not None
                                                                 else sys.argv[1:])),
               "settings": settings,
-              "strategies": {k: asdict(SETTINGS[k]) for k in args.strategies},
+              "strategies": {k: asdict(SETTINGS[k]) for k in dict.fromkeys(
+                  r["strategy"] for r in runs) if k in SETTINGS},
               "summary": rows, "runs": runs,
               "best_curves": [{"replicas": n, "strategy": s, "curve": c}
                               for (n, s), c in curves.items()]}

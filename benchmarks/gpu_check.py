@@ -117,6 +117,9 @@ def check_train(precision: str, replicator: str, optimizer: str, lr: float, **kw
                 out = model(torch.randn(2, 64, device="cuda"))
             ok = ok and out.dtype == torch.bfloat16
         note = f"; replicator saw {sorted(map(str, seen))}, masters {sorted(map(str, masters))}"
+        if (kw.get("replicator_kwargs") or {}).get("graphs"):
+            ok = ok and bool(rep._graphs)
+            note += f"; {len(rep._graphs)} CUDA graphs captured"
         return ok, summary(r) + note
     return check
 
@@ -263,6 +266,7 @@ def check_app(precision: str, device: str = "cuda"):
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--only", default="", help="run the checks whose name contains this")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print(f"gpu_check: no CUDA device here (torch {torch.__version__}); nothing to check")
@@ -275,6 +279,8 @@ def main(argv: list[str] | None = None) -> int:
     checks = [
         ("prepare demo fp32", check_train("fp32", "demo", "sgd", 3e-3)),
         ("prepare demo bf16", check_train("bf16", "demo", "sgd", 3e-3)),
+        ("prepare demo bf16 graphs", check_train("bf16", "demo", "sgd", 3e-3,
+                                                 replicator_kwargs={"graphs": True})),
         ("prepare full+adamw bf16", check_train("bf16", "full", "adamw", 1e-3)),
         ("prepare diloco bf16", check_train("bf16", "diloco", "adamw", 1e-3,
                                             replicator_kwargs={"inner_steps": 5})),
@@ -294,6 +300,7 @@ def main(argv: list[str] | None = None) -> int:
         hf_skip = None
     except ImportError:
         hf_skip = "transformers is not installed"
+    checks = [(name, fn) for name, fn in checks if args.only in name]
     rows = []
     for name, fn in checks:
         try:
@@ -311,6 +318,7 @@ def main(argv: list[str] | None = None) -> int:
         checks_app = []
         rows.append(("flexdemo train", "SKIP", "checked in a single process only (python "
                      "benchmarks/gpu_check.py)"))
+    checks_app = [(name, fn) for name, fn in checks_app if args.only in name]
     for name, fn in checks_app:
         try:
             ok, detail = fn(rank, args.steps)

@@ -137,26 +137,34 @@ def kernel_launches(fn: Callable[[], None]) -> tuple[int, int]:
     return kernels, graphs
 
 
-def kernel_profile(fn: Callable[[], None], top: int) -> dict:
-    """GPU kernel time of one call of ``fn`` against its wall time, and the ``top`` kernels by
-    total device time (``torch.profiler``): where a step's time goes."""
+def step_profile(fn: Callable[[], None], top: int, cuda: bool) -> dict:
+    """Where one call of ``fn`` spends its time (``torch.profiler``): on CUDA the GPU kernels'
+    time and the ``top`` kernels by total device time; on CPU the ops' own (self) CPU time and
+    the ``top`` ops. Both against the profiled call's wall time."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
-    torch.cuda.synchronize()
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    sync()
     t0 = time.perf_counter()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    with profile(activities=acts) as prof:
         fn()
-        torch.cuda.synchronize()
+        sync()
     wall = time.perf_counter() - t0
     per: dict[str, list[float]] = {}
-    for e in prof.events():
-        if e.device_type == DeviceType.CUDA:
-            us = getattr(e, "device_time", None) or getattr(e, "cuda_time", 0.0)
-            per.setdefault(e.name, []).append(us)
-    rows = sorted(((sum(v), len(v), k) for k, v in per.items()), reverse=True)
-    return {"kernel_ms": sum(r[0] for r in rows) / 1e3, "profiled_wall_ms": wall * 1e3,
-            "top": [{"ms": us / 1e3, "calls": n, "kernel": k[:90]} for us, n, k in rows[:top]]}
+    if cuda:
+        for e in prof.events():
+            if e.device_type == DeviceType.CUDA:
+                us = getattr(e, "device_time", None) or getattr(e, "cuda_time", 0.0)
+                per.setdefault(e.name, []).append(us)
+        rows = sorted(((sum(v), len(v), k) for k, v in per.items()), reverse=True)
+    else:
+        rows = sorted(((a.self_cpu_time_total, a.count, a.key) for a in prof.key_averages()),
+                      reverse=True)
+    return {"what": "GPU kernels" if cuda else "CPU ops (self time)",
+            "total_ms": sum(r[0] for r in rows) / 1e3, "profiled_wall_ms": wall * 1e3,
+            "top": [{"ms": us / 1e3, "calls": n, "name": k[:90]} for us, n, k in rows[:top]]}
 
 
 def sync_warnings(fn: Callable[[], None]) -> int:
@@ -245,9 +253,10 @@ def time_layout(params: list[torch.Tensor], grads: list[torch.Tensor], args, tim
         out["kernel_launches"], out["graph_launches"] = kernel_launches(replicate)
         fresh()
         out["sync_warnings"] = sync_warnings(replicate)
-        if args.profile:
-            fresh()
-            out["profile"] = kernel_profile(replicate, args.profile)
+
+    if args.profile:
+        fresh()
+        out["profile"] = step_profile(replicate, args.profile, device.type == "cuda")
 
     adam_params = [p.detach().clone().requires_grad_(True) for p in params]
     for p, g in zip(adam_params, grads):
@@ -296,7 +305,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--per-tensor", action="store_true",
                    help="bucket=False: every tensor its own group (for comparison)")
     p.add_argument("--profile", type=int, default=0, metavar="N",
-                   help="CUDA: the step's GPU kernel time and its N costliest kernels")
+                   help="the step's N costliest GPU kernels (CUDA) or CPU ops")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--threads", type=int, default=1, help="CPU threads")
     p.add_argument("--clock", default="thread", choices=["thread", "wall"],
@@ -392,10 +401,10 @@ def main(argv: list[str] | None = None) -> dict:
     for r in compute["layouts"]:
         if "profile" in r:
             pr = r["profile"]
-            print(f"\n{r['layout']}: GPU kernels {pr['kernel_ms']:.1f} ms in a profiled step of "
-                  f"{pr['profiled_wall_ms']:.1f} ms wall")
+            print(f"\n{r['layout']}: {pr['what']} {pr['total_ms']:.1f} ms in a profiled step "
+                  f"of {pr['profiled_wall_ms']:.1f} ms wall")
             for k in pr["top"]:
-                print(f"  {k['ms']:7.2f} ms {k['calls']:4d}x  {k['kernel']}")
+                print(f"  {k['ms']:7.2f} ms {k['calls']:4d}x  {k['name']}")
 
     result = {
         "preset": args.preset, "params": n_params, "config": cfg.__dict__,

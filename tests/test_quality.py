@@ -120,3 +120,24 @@ def test_merge_adds_stored_runs_and_refuses_other_settings(quality, tmp_path):
     path.write_text(json.dumps({"runs": [{**stored[1], "steps": 20}]}))
     with pytest.raises(SystemExit, match="differ in steps"):
         quality.merged(here, [str(path)])
+
+
+def test_merge_only_writes_the_merged_table_without_running(quality, tmp_path, capsys):
+    base = {"model": "tiny", "steps": 10, "batch": 2, "schedule": "cosine", "warmup": 0.05,
+            "min_lr": 0.1, "data": "random", "eval_every": 5, "eval_batches": 2,
+            "corpus_bytes": 1000}
+    one = [{**base, **_run("adamw", 1e-3, s, 2.0 + s)} for s in (0, 1)]
+    two = [{**base, **_run("demo", 3e-4, s, 2.5)} for s in (0, 1)]
+    paths = []
+    for name, runs in (("a.json", one), ("b.json", two)):
+        (tmp_path / name).write_text(json.dumps({"runs": runs}))
+        paths += ["--merge", str(tmp_path / name)]
+    out = tmp_path / "all"
+    result = quality.main(["--merge-only", *paths, "--out", str(out)])
+    rows = {r["strategy"]: r for r in result["summary"]}
+    assert rows["adamw"]["val_mean"] == 2.5 and rows["demo"]["vs_adamw"] == 1.0
+    assert result["settings"]["steps"] == 10 and result["settings"]["seeds"] == 2
+    assert (out / "quality.csv").exists() and (out / "quality.png").exists()
+    assert "0 runs" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="no runs"):
+        quality.main(["--merge-only", "--out", str(out)])

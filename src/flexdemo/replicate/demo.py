@@ -276,7 +276,8 @@ def _grad4(grad: torch.Tensor, four: tuple[int, int, int, int] | None) -> torch.
 
 class _Workspace:
     """Scratch buffers shared by the groups, sized for the largest one at set-up (so views of
-    them can be built once)."""
+    them can be built once). The first product of the transform goes to ``z``; the decoded
+    blocks go to the group's own staging buffer ``xh``, free once its step is encoded."""
 
     def __init__(self, groups: list[_Group], device: torch.device,
                  compute_dtype: torch.dtype) -> None:
@@ -286,7 +287,7 @@ class _Workspace:
         def buf(numel, dtype=torch.float32):
             return torch.zeros(numel, dtype=dtype, device=device)
 
-        self.x, self.y, self.z, self.out = buf(n), buf(n), buf(n), buf(img)
+        self.x, self.z, self.out = buf(n), buf(n), buf(img)
         low = compute_dtype != torch.float32
         self.xc = buf(n, compute_dtype) if low else None
         self.yc = buf(n, compute_dtype) if low else None
@@ -478,7 +479,8 @@ class DeMoReplicator(Replicator):
                 i, shape = u.members[0], self._shapes[u.members[0]]
                 nbr, cr, nbc, cc = _blocked(u)
                 stage = g.xh[:, u.rows].reshape(cr, nbr, nbc, cc).permute(1, 0, 2, 3)
-                out = w.y[u.rows.start * bn: u.rows.stop * bn].view(nbr, nbc, cr, cc)
+                out = g.xh.view(-1)[u.rows.start * bn: u.rows.stop * bn]
+                out = out.view(nbr, nbc, cr, cc)
                 out = out.permute(0, 2, 1, 3)
                 flat_stage, flat_out = _as_shape(stage, shape), _as_shape(out, shape)
                 if flat_stage is not None and flat_out is not None:
@@ -674,7 +676,7 @@ class DeMoReplicator(Replicator):
         x = g.xh
         if w.xc is not None:  # a non-finite input is zeroed in the compute dtype's copy
             x = w.xc[:n].view_as(g.xh).copy_(g.xh).masked_fill_(bad, 0.0)
-        y = g.dct.rows(x, out=(w.y if w.yc is None else w.yc)[:n].view_as(g.xh))
+        y = g.dct.rows(x, out=(w.z if w.yc is None else w.yc)[:n].view_as(g.xh))
         for r in runs:
             if r.padded:  # fresh coefficients of the momentum in the parameter's domain
                 g.dct.cols_into(y, g.coef, r.rows, 1.0, 0.0, w.zc)
@@ -896,15 +898,15 @@ class DeMoReplicator(Replicator):
 
     # ------------------------------------------------------------------ decode
     def _blocks_out(self, g: _Group, s: _Segment) -> torch.Tensor:
-        """Where segment ``s``'s decoded blocks go: ``(blocks, cr, cc)`` in the group's block
-        rows of the workspace, or straight in the output image when that is the same
-        layout."""
+        """Where segment ``s``'s decoded blocks go: ``(blocks, cr, cc)`` in the group's staging
+        buffer (block-major: its input is no longer needed), or straight in the output image
+        when that is the same layout."""
         cr, cc = g.chunk
         nb = s.rows.stop - s.rows.start
         if not s.direct and s.inv is None:
             return self._work.out[s.image].view(nb, cr, cc)
         bn = g.block_numel
-        return self._work.y[s.rows.start * bn: s.rows.stop * bn].view(nb, cr, cc)
+        return g.xh.view(-1)[s.rows.start * bn: s.rows.stop * bn].view(nb, cr, cc)
 
     def _dense_inverse(self, g: _Group, s: _Segment, parts: list, n: int) -> torch.Tensor:
         """Inverse DCT of the blocks of segment ``s`` from sparse ``(idx, values)`` parts

@@ -216,6 +216,19 @@ def floor_pass(numel: int, device: torch.device, topk: int, lr: float,
     return (lambda: None), step
 
 
+def buffer_bytes(rep: DeMoReplicator) -> int:
+    """Bytes of the replicator's own buffers (momentum, staging, images, workspace, payload
+    buckets; shared storage counted once), on any device."""
+    seen: dict[int, int] = {}
+    tensors = [t for g in rep.groups for t in (g.coef, g.xh, g.img, g.xpad)]
+    tensors += list(vars(rep._work).values()) + list(rep._buckets)
+    for t in tensors:
+        if isinstance(t, torch.Tensor):
+            st = t.untyped_storage()
+            seen[st.data_ptr()] = st.nbytes()
+    return sum(seen.values())
+
+
 def time_layout(params: list[torch.Tensor], grads: list[torch.Tensor], args, timer: Timer,
                 device: torch.device) -> dict:
     """Replicator step, AdamW step, ops, reads (and on CUDA kernels, syncs), floor."""
@@ -240,7 +253,7 @@ def time_layout(params: list[torch.Tensor], grads: list[torch.Tensor], args, tim
         step[0] += 1
 
     out = {"replicator_s": timer.median(replicate, args.reps, args.warmup, setup=fresh),
-           "payload_bytes": rep.payload_bytes()}
+           "payload_bytes": rep.payload_bytes(), "buffer_bytes": buffer_bytes(rep)}
     if cuda:  # what the replicator holds: its buffers, and its CUDA graphs' memory pools
         torch.cuda.empty_cache()
         out["held_bytes"] = torch.cuda.memory_reserved() - base
@@ -389,13 +402,14 @@ def main(argv: list[str] | None = None) -> dict:
           f"(median of {args.reps})")
     cuda = device.type == "cuda"
     head = (f"{'layout':<7} {'local params':>13} {'DeMo ms':>8} {'% f+b':>6} {'floor ms':>9} "
-            f"{'AdamW ms':>9} {'ops':>5} {'views':>6} {'reads':>6}"
+            f"{'AdamW ms':>9} {'buf GB':>7} {'ops':>5} {'views':>6} {'reads':>6}"
             + (f" {'kernels':>8} {'graphs':>6} {'syncs':>6} {'held GB':>8}" if cuda else ""))
     print(head + "\n" + "-" * len(head))
     for r in compute["layouts"]:
         print(f"{r['layout']:<7} {r['local_params']:>13,} {r['replicator_s'] * 1e3:>8.1f} "
               f"{r['replicator_pct_of_fwd_bwd']:>5.1f}% {r['floor_s'] * 1e3:>9.1f} "
-              f"{r['adamw_s'] * 1e3:>9.1f} {r['ops']:>5} {r['views']:>6} {r['reads']:>6}"
+              f"{r['adamw_s'] * 1e3:>9.1f} {r['buffer_bytes'] / 2**30:>7.2f} {r['ops']:>5} "
+              f"{r['views']:>6} {r['reads']:>6}"
               + (f" {r['kernel_launches']:>8} {r['graph_launches']:>6} {r['sync_warnings']:>6}"
                  f" {r['held_bytes'] / 2**30:>8.2f}" if cuda else ""))
     for r in compute["layouts"]:

@@ -95,11 +95,13 @@ def test_streaming_syncs_every_parameter_once_per_period():
 def test_sync_resets_to_global_and_outer_step_is_sgd():
     """Group of one, H=3, outer SGD lr 1 without momentum: the pseudo-gradient is global -
     local, so the new global is the local model and nothing changes; with lr 0.5 the new
-    parameters are the midpoint of the old global and the local ones."""
-    for lr, expect in ((1.0, "local"), (0.5, "mid")):
+    parameters are the midpoint of the old global and the local ones. The default outer step
+    is the first: plain averaging."""
+    for kw, expect in (({"outer_lr": 1.0, "outer_momentum": 0.0}, "local"), ({}, "local"),
+                       ({"outer_lr": 0.5, "outer_momentum": 0.0}, "mid")):
         m = model()
         start = [p.detach().clone() for p in m.parameters()]
-        rep = DiLoCoReplicator(inner_steps=3, outer_lr=lr, outer_momentum=0.0)
+        rep = DiLoCoReplicator(inner_steps=3, **kw)
         opt = DeToNATION(m.parameters(), rep, base="sgd", lr=0.05)
         run(m, opt, 2)
         ref = copy.deepcopy(m)

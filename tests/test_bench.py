@@ -136,8 +136,8 @@ def test_table_and_comparison():
     assert lines[i + 3].startswith("  at equal time:  train loss 3.1500 vs 4.7333 after 4 s")
     # validation at equal time: no-sync's last evaluation (3.8 s) bounds it; flexdemo's is
     # interpolated between its evaluations at 2 s and 4 s; AdamW's first is at 12 s
-    assert lines[i + 4] == ("                  val loss 3.0700 vs nan after 4 s (between "
-                            "evaluations)")
+    assert lines[i + 4] == ("                  val loss 3.0700 vs - (no evaluation yet) after "
+                            "4 s (between evaluations)")
 
 
 def test_plots_from_results(tmp_path):

@@ -455,6 +455,11 @@ def equal_time_val_losses(results: list[dict], bandwidth: str) -> tuple[float, d
     return t, out
 
 
+def _loss(v: float | None) -> str:
+    """A loss for the comparison lines; '-' for a run not evaluated by then."""
+    return f"{v:.4f}" if v is not None and math.isfinite(v) else "- (no evaluation yet)"
+
+
 def never_synced_note(r: dict) -> str | None:
     """A note for a run whose strategy synchronises across nodes but sent nothing: a run
     shorter than DiLoCo's ``inner_steps``. Its replicas trained apart, and its step time holds
@@ -497,7 +502,6 @@ def comparison_lines(results: list[dict], reference: str = "hsdp-adamw") -> list
                 f"{ref['step_seconds'] * 1e3:.0f} ms ({speed:.2f}x faster)",
                 f"  at equal time:  train loss {at_t.get(r['strategy'], float('nan')):.4f} vs "
                 f"{at_t.get(reference, float('nan')):.4f} after {t:.0f} s (smoothed)",
-                f"                  val loss {val_t.get(r['strategy'], float('nan')):.4f} vs "
-                f"{val_t.get(reference, float('nan')):.4f} after {tv:.0f} s (between "
-                "evaluations)"]
+                f"                  val loss {_loss(val_t.get(r['strategy']))} vs "
+                f"{_loss(val_t.get(reference))} after {tv:.0f} s (between evaluations)"]
     return lines

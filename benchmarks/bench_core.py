@@ -261,7 +261,7 @@ def time_layout(params: list[torch.Tensor], grads: list[torch.Tensor], args, tim
     with OpCount() as c:
         replicate()
     out.update(ops=c.ops, views=c.views, reads=c.reads)
-    if device.type == "cuda":
+    if cuda:
         fresh()
         out["kernel_launches"], out["graph_launches"] = kernel_launches(replicate)
         fresh()
@@ -269,7 +269,7 @@ def time_layout(params: list[torch.Tensor], grads: list[torch.Tensor], args, tim
 
     if args.profile:
         fresh()
-        out["profile"] = step_profile(replicate, args.profile, device.type == "cuda")
+        out["profile"] = step_profile(replicate, args.profile, cuda)
 
     adam_params = [p.detach().clone().requires_grad_(True) for p in params]
     for p, g in zip(adam_params, grads):

@@ -454,11 +454,9 @@ def main(argv=None) -> dict:
     if not runs:
         raise SystemExit("no runs: --merge-only needs --merge files")
     if args.merge_only:  # the table's settings are those of the merged runs
-        for k in SAME + ("seeds",):
-            if k == "seeds":
-                args.seeds = max(r["seed"] for r in runs) + 1
-            else:
-                setattr(args, k, runs[0][k])
+        for k in SAME:
+            setattr(args, k, runs[0][k])
+        args.seeds = max(r["seed"] for r in runs) + 1
     rows = summarize(runs)
     curves = best_curves(runs, rows)
     settings = {k: v for k, v in vars(args).items() if k != "grid"}

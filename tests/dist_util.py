@@ -39,6 +39,14 @@ def spawn_ranks(world: int, args: list[str], timeout: float = 30) -> list[subpro
     return procs
 
 
+def reap(procs: list[subprocess.Popen]) -> None:
+    """Kill and wait for every process of ``procs`` still running (a test's clean-up)."""
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+            p.communicate()
+
+
 def _entry(fn, rank, world, port, outdir, args, env):
     os.environ.update(env)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from dist_util import free_port, run_world, spawn_ranks
+from dist_util import free_port, reap, run_world, spawn_ranks
 
 from flexdemo.app.config import load_config
 from flexdemo.app.tasks import have_transformers
@@ -165,10 +165,7 @@ def test_killed_rank_ends_the_run_and_resume_matches_an_uninterrupted_run(tmp_pa
         out, _ = procs[0].communicate(timeout=60)
         waited = time.monotonic() - killed_at
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.communicate()
+        reap(procs)
     assert procs[0].returncode == 1 and waited < 60
     error = [line for line in out.splitlines() if "error" in line]
     assert error and "lost rank 1" in error[-1] and "resume=true" in error[-1], out[-2000:]
@@ -402,10 +399,7 @@ def test_killed_rank_of_four_is_the_only_one_named_by_every_survivor(tmp_path, m
         outputs = {r: procs[r].communicate(timeout=90)[0] for r in (0, 1, 3)}
         waited = time.monotonic() - killed_at
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.communicate()
+        reap(procs)
     assert waited < 60, waited
     for rank, text in outputs.items():
         assert procs[rank].returncode == 1, (rank, text[-2000:])

@@ -422,37 +422,38 @@ def _interp(x: list[float], y: list[float], at: float) -> float:
     return y[-1]
 
 
-def equal_time_losses(results: list[dict], bandwidth: str) -> tuple[float, dict[str, float]]:
-    """At one bandwidth: the time all runs reached (the shortest run's training seconds) and
-    each strategy's smoothed training loss at that time."""
+def _at_equal_time(results: list[dict], bandwidth: str, times: str,
+                   values: Callable[[dict], list[float]],
+                   unseen: float | None = None) -> tuple[float, dict[str, float]]:
+    """At one bandwidth: the time every run's curve ``times`` reached (the shortest run's last
+    point) and each strategy's ``values(curve)`` then, interpolated linearly; ``unseen`` (when
+    given) for a run whose first point comes later."""
     runs = [r for r in results if r["bandwidth"] == bandwidth and r["status"] == "ok"
-            and r["curve"]["train_seconds"]]
+            and r["curve"].get(times)]
     if not runs:
         return float("nan"), {}
-    t = min(r["curve"]["train_seconds"][-1] for r in runs)
+    t = min(r["curve"][times][-1] for r in runs)
     out = {}
     for r in runs:
         c = r["curve"]
-        window = max(1, len(c["loss"]) // 10)
-        out[r["strategy"]] = _interp(c["train_seconds"], smooth(c["loss"], window), t)
+        out[r["strategy"]] = (unseen if unseen is not None and c[times][0] > t
+                              else _interp(c[times], values(c), t))
     return t, out
+
+
+def equal_time_losses(results: list[dict], bandwidth: str) -> tuple[float, dict[str, float]]:
+    """At one bandwidth: the time all runs reached (the shortest run's training seconds) and
+    each strategy's smoothed training loss at that time."""
+    return _at_equal_time(results, bandwidth, "train_seconds",
+                          lambda c: smooth(c["loss"], max(1, len(c["loss"]) // 10)))
 
 
 def equal_time_val_losses(results: list[dict], bandwidth: str) -> tuple[float, dict[str, float]]:
     """At one bandwidth: the training time every run's evaluations reached (the shortest run's
     last evaluation) and each strategy's validation loss then, interpolated linearly between
     its evaluations; NaN for a run not evaluated by then."""
-    runs = [r for r in results if r["bandwidth"] == bandwidth and r["status"] == "ok"
-            and r["curve"].get("val_seconds")]
-    if not runs:
-        return float("nan"), {}
-    t = min(r["curve"]["val_seconds"][-1] for r in runs)
-    out = {}
-    for r in runs:
-        c = r["curve"]
-        out[r["strategy"]] = (float("nan") if c["val_seconds"][0] > t
-                              else _interp(c["val_seconds"], c["val_loss"], t))
-    return t, out
+    return _at_equal_time(results, bandwidth, "val_seconds", lambda c: c["val_loss"],
+                          unseen=float("nan"))
 
 
 def _loss(v: float | None) -> str:

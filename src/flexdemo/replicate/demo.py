@@ -995,8 +995,7 @@ class DeMoReplicator(Replicator):
             if len(good) < n:  # dropped peers (the rare path)
                 keep = torch.tensor(good, dtype=torch.int64, device=idx.device)
                 idx, vals = idx.index_select(0, keep), vals.index_select(0, keep)
-                self._decode_mean(g, idx, vals)
-            elif self._graphed:  # groups share the workspace: one graph each, then its write
+            if self._graphed and len(good) == n:  # the workspace is shared: a graph per group
                 self._graph(("decode", sent_live.key, n, gi),
                             lambda g=g, idx=idx, vals=vals: self._decode_mean(g, idx, vals))
             else:

@@ -108,6 +108,19 @@ SETTINGS: dict[str, Setting] = {
                           {"inner_steps": 20, "outer_lr": 1.0, "outer_momentum": 0.0,
                            "exchange": "topk",
                            "exchange_kwargs": {"topk": 64, "values": "int2", "decay": 0.95}}),
+    # the sign step with nothing compressed: Lion on the exact mean gradient
+    "lion": Setting("Lion (betas 0.9 / 0.99) on the full fp32 mean gradient: a sign step "
+                    "with nothing compressed", "full", "lion", 3e-4),
+    # DeMo's decoded mean as Lion's gradient: its momentum gathers the coefficients sent over
+    # several steps before the sign (betas 0 / 0 would be sign-SGD DeMo)
+    "demo-lion": Setting("DeMo defaults without sign or lr scaling; the decoded mean drives "
+                         "Lion (betas 0.9 / 0.99)", "demo", "lion", 3e-4,
+                         {"sign": False, "scale_by_lr": False}),
+    # plain averaging at other sync intervals: H sets the bytes (0.2 B/param/step at H=20)
+    **{f"diloco-h{h}": Setting(f"DiLoCo H={h}, plain averaging (outer lr 1.0, momentum 0)",
+                               "diloco", "adamw", 1e-3, {"inner_steps": h, "outer_lr": 1.0,
+                                                         "outer_momentum": 0.0})
+       for h in (5, 10, 50, 100)},
 }
 MAIN = ["adamw", "no-sync", "demo", "demo-d0.9-k64", "diloco", "diloco-avg"]
 

@@ -10,6 +10,7 @@ from torch import nn
 
 from . import dcp as _dcp
 from .buffers import BUFFER_POLICIES, BufferSync
+from .lion import Lion
 from .replicate import (
     DeMoReplicator,
     FullReplicator,
@@ -27,6 +28,7 @@ BASE_OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {
     "sgd": torch.optim.SGD,
     "adamw": torch.optim.AdamW,
     "adam": torch.optim.Adam,
+    "lion": Lion,
 }
 
 
@@ -36,7 +38,8 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 def make_base_optimizer(base, params, lr: float, **kwargs) -> torch.optim.Optimizer:
-    """A base optimizer from a name (``"sgd"``, ``"adamw"``, ``"adam"``) or a factory."""
+    """A base optimizer from a name (``"sgd"``, ``"adamw"``, ``"adam"``, ``"lion"``) or a
+    factory."""
     if isinstance(base, str):
         cls = BASE_OPTIMIZERS.get(base.lower())
         if cls is None:
@@ -97,7 +100,7 @@ class DeToNATION(torch.optim.Optimizer):
         params: parameters (or parameter groups) to optimise; FSDP2 DTensors are fine.
         replicators: one replicator or a list (names or instances). Each one's output feeds
             the next; the last output becomes ``param.grad`` for the base optimizer.
-        base: base optimizer name (``"sgd"``, ``"adamw"``, ``"adam"``) or a factory
+        base: base optimizer name (``"sgd"``, ``"adamw"``, ``"adam"``, ``"lion"``) or a factory
             ``params -> torch.optim.Optimizer``.
         lr: learning rate (shared with the base optimizer's param groups).
         weight_decay: decoupled weight decay, ``p *= 1 - lr * weight_decay`` before the base

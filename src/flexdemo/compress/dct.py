@@ -325,10 +325,14 @@ class BatchedDCT:
 
     def cols_into(self, y: torch.Tensor, coef: torch.Tensor, blocks: slice,
                   alpha: float | torch.Tensor, beta: float,
-                  scratch: torch.Tensor | None = None) -> None:
+                  scratch: torch.Tensor | None = None,
+                  wide: torch.Tensor | None = None) -> None:
         """``coef = beta * coef + alpha * (y @ Dc^T)`` on the ``blocks`` of ``y`` (from
         :meth:`rows`) and ``coef``, both ``(cr, blocks, cc)`` (``scratch``: room for the
-        bf16 product). ``alpha`` may be a 0-d device tensor (a step size that changes
+        bf16 product; ``wide``: fp32 room as large, where it is widened before it is added,
+        the same bits as a mixed-precision add without its temporary: on a CPU a fresh
+        model-sized temporary costs more than the product). ``alpha`` may be a 0-d device
+        tensor (a step size that changes
         between replays of a CUDA graph): it then scales the ``cc x cc`` basis instead of the
         product, the same value up to rounding at no extra pass over ``coef``."""
         cc, nb = self.cc, coef.shape[1]
@@ -361,6 +365,8 @@ class BatchedDCT:
         part = y[:, blocks]
         z = scratch[: part.numel()].view(part.shape)
         torch.matmul(part, dc_t_fwd, out=z)
+        if wide is not None:
+            z = wide[: part.numel()].view(part.shape).copy_(z)
         _accumulate(coef[:, blocks], z, alpha, beta)
 
     def inverse(self, coef: torch.Tensor, out: torch.Tensor, scratch: torch.Tensor) -> None:

@@ -677,12 +677,13 @@ class DeMoReplicator(Replicator):
         if w.xc is not None:  # a non-finite input is zeroed in the compute dtype's copy
             x = w.xc[:n].view_as(g.xh).copy_(g.xh).masked_fill_(bad, 0.0)
         y = g.dct.rows(x, out=(w.z if w.yc is None else w.yc)[:n].view_as(g.xh))
+        wide = None if w.yc is None else w.z  # free in low precision: widens the product
         for r in runs:
             if r.padded:  # fresh coefficients of the momentum in the parameter's domain
-                g.dct.cols_into(y, g.coef, r.rows, 1.0, 0.0, w.zc)
+                g.dct.cols_into(y, g.coef, r.rows, 1.0, 0.0, w.zc, wide)
             else:  # coef = decay * coef + s * DCT(grad); the decay is the device factor
                 g.coef[:, r.rows].mul_(decay)
-                g.dct.cols_into(y, g.coef, r.rows, scale[id(r)], 1.0, w.zc)
+                g.dct.cols_into(y, g.coef, r.rows, scale[id(r)], 1.0, w.zc, wide)
 
     def _select(self, g: _Group, off_rows: list[slice], bad: torch.Tensor):
         """Top-k coefficients of every block: ``(blocks, k)`` block-local indices, their
@@ -693,7 +694,7 @@ class DeMoReplicator(Replicator):
             idx_pos = topk_blocks_rowmajor(g.coef, g.k, self._work.x[: g.coef.numel()],
                                            self.scratch)
         idx, pos = idx_pos
-        vals = torch.take(g.coef, pos).masked_fill_(bad, 0.0)
+        vals = g.coef.view(-1).index_select(0, pos.view(-1)).view(pos.shape).masked_fill_(bad, 0.0)
         for rows in off_rows:
             vals[rows] = 0.0
         return idx, pos, vals

@@ -121,6 +121,14 @@ SETTINGS: dict[str, Setting] = {
                                "diloco", "adamw", 1e-3, {"inner_steps": h, "outer_lr": 1.0,
                                                          "outer_momentum": 0.0})
        for h in (5, 10, 50, 100)},
+    # about the defaults' bytes (0.008 B/param/step) in other splits of index and value bits
+    "demo-k17-sign": Setting("DeMo topk 17, sign values with a magnitude per block (about "
+                             "the defaults' bytes)", "demo", "sgd", 1e-3,
+                             {"topk": 17, "values": "sign"}),
+    "demo-k8-int8": Setting("DeMo topk 8, int8 values (fewer bytes than the defaults)",
+                            "demo", "sgd", 1e-3, {"topk": 8, "values": "int8"}),
+    "demo-k6-bf16": Setting("DeMo topk 6, bf16 values (fewer bytes than the defaults)",
+                            "demo", "sgd", 1e-3, {"topk": 6, "values": "bf16"}),
 }
 MAIN = ["adamw", "no-sync", "demo", "demo-d0.9-k64", "diloco", "diloco-avg"]
 

@@ -129,6 +129,13 @@ SETTINGS: dict[str, Setting] = {
                             "demo", "sgd", 1e-3, {"topk": 8, "values": "int8"}),
     "demo-k6-bf16": Setting("DeMo topk 6, bf16 values (fewer bytes than the defaults)",
                             "demo", "sgd", 1e-3, {"topk": 6, "values": "bf16"}),
+    "demo-k64": Setting("DeMo topk 64 (decay 0.999, int2), sign-SGD", "demo", "sgd", 1e-3,
+                        {"topk": 64}),
+    # a denser start: topk 64 for the first N steps, then the defaults' 16 (demo-warmup)
+    **{f"demo-warm{n}": Setting(f"DeMo topk 64 for {n} steps, then the defaults (topk 16, "
+                                "int2, decay 0.999), sign-SGD", "demo-warmup", "sgd", 1e-3,
+                                {"warmup_topk": 64, "warmup_steps": n})
+       for n in (30, 60, 120)},
 }
 MAIN = ["adamw", "no-sync", "demo", "demo-d0.9-k64", "diloco", "diloco-avg"]
 

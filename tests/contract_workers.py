@@ -15,6 +15,8 @@ from flexdemo.replicate import REPLICATORS
 
 # small settings so that a few steps exercise every part (DiLoCo syncs after steps 1, 3, 5)
 SETTINGS = {"demo": {"topk": 4, "chunk": 8}, "diloco": {"inner_steps": 2},
+            # topk 8 for steps 0-2, then 4: the state round trip and the NaN fall after it
+            "demo-warmup": {"warmup_topk": 8, "warmup_steps": 3, "topk": 4, "chunk": 8},
             "random": {"rate": 0.25}, "striding": {"rate": 0.25}, "slicing": {"rate": 0.25}}
 STEPS = 6
 
@@ -45,13 +47,15 @@ def contract_worker(rank: int, world: int) -> dict:
         model = _model()
         opt = _opt(name, model)
         rep = opt.replicators[0]
-        sent = []
+        sent, formula = [], []
         for s in range(STEPS):
             _step(model, opt, rank, s)
             sent.append(opt.last_step_stats()["bytes_sent"])
+            formula.append(rep.exchange_bytes())  # of the step just run (phases may differ)
         res["shards"] = shards(model)
         res["sent"] = sent
         res["exchange_bytes"] = rep.exchange_bytes()
+        res["formula"] = formula
         res["communicates"] = [rep.communicates(s) for s in range(STEPS)]
         # state round trip: a fresh optimizer loaded from the state gives the same next step
         state = opt.state_dict()

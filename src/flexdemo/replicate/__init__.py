@@ -8,6 +8,7 @@ from .demo import PRESETS as DEMO_PRESETS
 from .demo import DeMoReplicator
 from .diloco import DiLoCoReplicator
 from .full import FullReplicator, NoReplication
+from .phased import PhasedReplicator, demo_warmup
 from .subset import RandomReplicator, SlicingReplicator, StridingReplicator
 
 REPLICATORS: dict[str, Callable[..., Replicator]] = {
@@ -15,6 +16,7 @@ REPLICATORS: dict[str, Callable[..., Replicator]] = {
     "diloco": DiLoCoReplicator,
     "full": FullReplicator,
     "none": NoReplication,
+    "demo-warmup": demo_warmup,
     "random": RandomReplicator,
     "striding": StridingReplicator,
     "slicing": SlicingReplicator,
@@ -42,5 +44,6 @@ def make_replicator(spec, **kwargs) -> Replicator:
 
 __all__ = ["DEMO_PRESETS", "REPLICATORS", "Agreement", "CorruptPayloadError", "DeMoReplicator",
            "DiLoCoReplicator", "FullReplicator", "NoReplication",
-           "NonFiniteGradientError", "RandomReplicator", "Replicator", "SlicingReplicator",
+           "NonFiniteGradientError", "PhasedReplicator", "RandomReplicator", "Replicator",
+           "SlicingReplicator",
            "StridingReplicator", "make_replicator"]

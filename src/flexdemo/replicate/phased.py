@@ -1,0 +1,134 @@
+"""Two replicators in turn: one for the first steps of a run, another for the rest.
+
+The use it was built for is a denser DeMo at the start (:func:`demo_warmup`): in the quality
+benchmark the default DeMo loses most of its distance to AdamW in the first hundred steps,
+and a start at topk 64 followed by topk 16 keeps most of what topk 64 throughout gains at
+a fraction of its bytes (README, "Quality against AdamW").
+
+At the first step of the second phase the second replicator takes over the first one's
+momentum where both keep it in the same layout (DeMo replicators of one ``chunk`` and
+small-tensor setting), and the first one's buffers are freed. Both phases run on the phased
+replicator's group and schedule (``replicate_every``, ``skip_every``); the step a phase
+starts is the same on every rank, so replicas stay bitwise identical.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .base import Replicator
+from .demo import DeMoReplicator
+
+_SCHEDULE = ("replicate_every", "skip_every")
+
+
+class PhasedReplicator(Replicator):
+    """``first`` for steps ``0 .. steps - 1``, then ``then`` (both unused instances, each
+    with the default schedule and no overlap: the schedule is the phased replicator's)."""
+
+    name = "phased"
+
+    def __init__(self, first: Replicator, then: Replicator, steps: int, **schedule) -> None:
+        super().__init__(**schedule)
+        for which, rep in (("first", first), ("then", then)):
+            if not isinstance(rep, Replicator):
+                raise TypeError(f"phased: {which} must be a Replicator instance, got "
+                                f"{type(rep).__name__}")
+            if rep._shapes is not None:
+                raise ValueError(f"phased: the {which} replicator is already in use; pass a "
+                                 "fresh one")
+            if rep.replicate_every != 1 or rep.skip_every:
+                raise ValueError(f"phased: give the schedule to the phased replicator, not to "
+                                 f"its {which} phase (replicate_every=1, skip_every=0 there)")
+            if getattr(rep, "overlap", "none") != "none":
+                raise ValueError("phased: a phase with overlap='delayed' would leave its last "
+                                 "exchange unapplied at the switch; use overlap='none'")
+        if first is then:
+            raise ValueError("phased: first and then must be two instances")
+        if not isinstance(steps, int) or isinstance(steps, bool) or steps < 0:
+            raise ValueError(f"phased: steps must be an integer >= 0, got {steps!r}")
+        self.first: Replicator | None = first
+        self.then = then
+        self.steps = steps
+        self.phase = 0 if steps > 0 else 1
+
+    def setup(self, shapes, device, default_group, params=None, nonfinite="raise") -> None:
+        super().setup(shapes, device, default_group, params, nonfinite)
+        for rep in (self.first, self.then):
+            rep.setup(shapes, device, self.group, params, nonfinite)
+            rep.stats = self.stats  # one account of bytes and time for both phases
+        self._handoff = self._momentum_pairs()
+        if self.phase == 1:
+            self.first = None
+
+    def _momentum_pairs(self) -> bool:
+        """Whether ``then`` can take over ``first``'s momentum (same buffers, same shapes)."""
+        a, b = getattr(self.first, "delta", None), getattr(self.then, "delta", None)
+        if a is None or b is None:
+            return False
+        if len(a) != len(b) or any(x.shape != y.shape for x, y in zip(a, b)):
+            raise ValueError("phased: the two phases keep their momentum in other layouts "
+                             "(another chunk or small-tensor setting?); give both the same")
+        return True
+
+    @property
+    def active(self) -> Replicator:
+        return self.then if self.phase else self.first
+
+    def _switch(self) -> None:
+        if self._handoff and self.first is not None:
+            for mine, theirs in zip(self.then.delta, self.first.delta):
+                mine.copy_(theirs)
+        self.first = None  # its buffers are no longer needed
+        self.phase = 1
+
+    def replicate(self, grads, lrs, step, communicate):
+        if self.phase == 0 and step >= self.steps:
+            self._switch()
+        return self.active.replicate(grads, lrs, step, communicate)
+
+    def after_step(self, step: int) -> None:
+        self.active.after_step(step)
+
+    def payload_bytes(self) -> int:
+        return self.active.payload_bytes()
+
+    def exchange_bytes(self) -> int:
+        return self.active.exchange_bytes()
+
+    @property
+    def delta(self) -> list[torch.Tensor]:
+        """The active phase's momentum buffers."""
+        return self.active.delta
+
+    def state_dict(self) -> dict:
+        sd = super().state_dict()
+        sd["phase"] = self.phase
+        sd["active"] = self.active.state_dict()
+        return sd
+
+    def load_state_dict(self, state: dict) -> None:
+        phase = int(state["phase"])
+        if phase == 1 and self.phase == 0:
+            self._switch()
+        elif phase == 0 and self.phase == 1:
+            raise ValueError("phased: the state is from the first phase, this replicator has "
+                             "left it; load it into a fresh one")
+        self.active.load_state_dict(state["active"])
+        super().load_state_dict(state)
+        self.active.stats = self.stats
+
+    def extra_repr(self) -> str:
+        first = "done" if self.first is None else repr(self.first)
+        return f"first={first}, then={self.then!r}, steps={self.steps}"
+
+
+def demo_warmup(warmup_topk: int = 64, warmup_steps: int = 60, **kwargs) -> PhasedReplicator:
+    """DeMo that sends ``warmup_topk`` coefficients per block for the first ``warmup_steps``
+    steps and ``topk`` (default 16) after; the other settings (``kwargs``) go to both phases,
+    the schedule to the phased replicator."""
+    schedule = {k: kwargs.pop(k) for k in _SCHEDULE if k in kwargs}
+    if not isinstance(warmup_topk, int) or isinstance(warmup_topk, bool) or warmup_topk < 1:
+        raise ValueError(f"warmup_topk must be an integer >= 1, got {warmup_topk!r}")
+    first = DeMoReplicator(**{**kwargs, "topk": warmup_topk})
+    return PhasedReplicator(first, DeMoReplicator(**kwargs), warmup_steps, **schedule)

@@ -1,0 +1,106 @@
+"""PhasedReplicator and the DeMo warm-up: one replicator, then another with its momentum."""
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import flexdemo
+from flexdemo import DeMoReplicator, PhasedReplicator, SimulatedReplicas
+from flexdemo.replicate import demo_warmup
+
+SHAPES = [torch.Size(s) for s in [(64, 64), (40, 70), (9,), (3, 5)]]
+
+
+def setup(rep):
+    rep.setup(SHAPES, torch.device("cpu"), None)
+    return rep
+
+
+def grads_at(step):
+    g = torch.Generator().manual_seed(100 + step)
+    return [torch.randn(s, generator=g) for s in SHAPES]
+
+
+def test_warmup_is_the_dense_demo_then_the_sparse_one_with_its_momentum():
+    phased = setup(demo_warmup(warmup_topk=8, warmup_steps=2, topk=4, chunk=8))
+    dense = setup(DeMoReplicator(topk=8, chunk=8))
+    sparse = setup(DeMoReplicator(topk=4, chunk=8))
+    assert phased.payload_bytes() == dense.payload_bytes() > sparse.payload_bytes()
+    for step in range(5):
+        ref = dense if step < 2 else sparse
+        if step == 2:  # the hand-over: the sparse phase starts from the dense one's momentum
+            for mine, theirs in zip(sparse.delta, dense.delta):
+                mine.copy_(theirs)
+        lrs = [0.01] * len(SHAPES)
+        out = phased(grads_at(step), lrs, step)
+        want = ref(grads_at(step), lrs, step)
+        assert all(torch.equal(a, b) for a, b in zip(out, want)), step
+        assert all(torch.equal(a, b) for a, b in zip(phased.delta, ref.delta)), step
+    assert phased.first is None and phased.payload_bytes() == sparse.payload_bytes()
+
+
+@pytest.mark.parametrize("stop", [1, 3])
+def test_state_round_trip_in_either_phase(stop):
+    a = setup(demo_warmup(warmup_topk=8, warmup_steps=2, topk=4, chunk=8))
+    lrs = [0.01] * len(SHAPES)
+    for step in range(stop):
+        a(grads_at(step), lrs, step)
+    b = setup(demo_warmup(warmup_topk=8, warmup_steps=2, topk=4, chunk=8))
+    b.load_state_dict(copy.deepcopy(a.state_dict()))
+    for step in range(stop, 5):
+        out_a, out_b = a(grads_at(step), lrs, step), b(grads_at(step), lrs, step)
+        assert all(torch.equal(x, y) for x, y in zip(out_a, out_b)), step
+
+
+def test_replicas_stay_identical_through_the_switch():
+    torch.manual_seed(0)
+
+    def model():
+        return nn.Sequential(nn.Linear(12, 64), nn.Tanh(), nn.Linear(64, 3))
+
+    def loss_fn(m, b):
+        return (m(b[0]) - b[1]).pow(2).mean()
+
+    sim = SimulatedReplicas(model, loss_fn, replicas=2, replicator="demo-warmup",
+                            replicator_kwargs={"warmup_topk": 32, "warmup_steps": 3,
+                                               "topk": 4, "chunk": 16},
+                            optimizer="sgd", lr=0.01, seed=0)
+    sent = []
+    for step in range(6):
+        g = torch.Generator().manual_seed(step)
+        sim.step([(torch.randn(8, 12, generator=g), torch.randn(8, 3, generator=g))
+                  for _ in range(2)])
+        assert sim.identical(), step
+        sent.append(sim.bytes_sent[0])
+    per_step = [b - a for a, b in zip([0] + sent, sent)]
+    assert per_step[0] == per_step[2] > per_step[3] == per_step[5] > 0
+
+
+def test_bad_settings():
+    with pytest.raises(ValueError, match="steps must be"):
+        PhasedReplicator(DeMoReplicator(), DeMoReplicator(), -1)
+    one = DeMoReplicator()
+    with pytest.raises(ValueError, match="two instances"):
+        PhasedReplicator(one, one, 3)
+    with pytest.raises(ValueError, match="overlap"):
+        PhasedReplicator(DeMoReplicator(overlap="delayed"), DeMoReplicator(), 3)
+    with pytest.raises(ValueError, match="schedule"):
+        PhasedReplicator(DeMoReplicator(replicate_every=2), DeMoReplicator(), 3)
+    with pytest.raises(TypeError, match="Replicator instance"):
+        PhasedReplicator("demo", DeMoReplicator(), 3)
+    with pytest.raises(ValueError, match="warmup_topk"):
+        demo_warmup(warmup_topk=0)
+    with pytest.raises(ValueError, match="other layouts"):
+        setup(PhasedReplicator(DeMoReplicator(chunk=8), DeMoReplicator(chunk=16), 2))
+
+
+def test_by_name_through_the_optimizer():
+    m = nn.Linear(8, 8)
+    opt = flexdemo.DeToNATION(m.parameters(), "demo-warmup", base="sgd", lr=0.01)
+    assert isinstance(opt.replicators[0], PhasedReplicator)
+    for _ in range(3):
+        m(torch.randn(4, 8)).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()

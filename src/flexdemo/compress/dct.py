@@ -332,9 +332,9 @@ class BatchedDCT:
         bf16 product; ``wide``: fp32 room as large, where it is widened before it is added,
         the same bits as a mixed-precision add without its temporary: on a CPU a fresh
         model-sized temporary costs more than the product). ``alpha`` may be a 0-d device
-        tensor (a step size that changes
-        between replays of a CUDA graph): it then scales the ``cc x cc`` basis instead of the
-        product, the same value up to rounding at no extra pass over ``coef``."""
+        tensor (a step size that changes between replays of a CUDA graph): it then scales the
+        ``cc x cc`` basis instead of the product, the same value up to rounding at no extra
+        pass over ``coef``."""
         cc, nb = self.cc, coef.shape[1]
         whole = blocks.start == 0 and blocks.stop == nb
         dc_t, dc_t_fwd = self.dc_t, self._dc_t_fwd

@@ -677,7 +677,10 @@ class DeMoReplicator(Replicator):
         if w.xc is not None:  # a non-finite input is zeroed in the compute dtype's copy
             x = w.xc[:n].view_as(g.xh).copy_(g.xh).masked_fill_(bad, 0.0)
         y = g.dct.rows(x, out=(w.z if w.yc is None else w.yc)[:n].view_as(g.xh))
-        wide = None if w.yc is None else w.z  # free in low precision: widens the product
+        # on a CPU a low-precision product is widened into ``z`` (free then) before it is
+        # added: a mixed-precision add there allocates a model-sized temporary (GPUs cast in
+        # the kernel)
+        wide = w.z if w.yc is not None and self.device.type == "cpu" else None
         for r in runs:
             if r.padded:  # fresh coefficients of the momentum in the parameter's domain
                 g.dct.cols_into(y, g.coef, r.rows, 1.0, 0.0, w.zc, wide)

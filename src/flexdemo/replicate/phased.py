@@ -115,8 +115,7 @@ class PhasedReplicator(Replicator):
             raise ValueError("phased: the state is from the first phase, this replicator has "
                              "left it; load it into a fresh one")
         self.active.load_state_dict(state["active"])
-        super().load_state_dict(state)
-        self.active.stats = self.stats
+        super().load_state_dict(state)  # the stats, shared with both phases
 
     def extra_repr(self) -> str:
         first = "done" if self.first is None else repr(self.first)

@@ -142,6 +142,9 @@ COUNTED = {
     "diloco-inner": ("diloco", {"inner_steps": 8}),  # step 3 is an inner step
     "diloco-int4": ("diloco", {"inner_steps": 2,
                                "exchange_kwargs": {"values": "int4", "block": 32}}),
+    # step 3 hands the momentum over to the topk-16 phase (these layers' small tensors make
+    # one block whose shape, and so DeMo's selection path at topk 64, follows their number)
+    "demo-warmup": ("demo-warmup", {"warmup_steps": 3}),
 }
 
 

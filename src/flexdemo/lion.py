@@ -8,7 +8,8 @@ Two uses in flexdemo: with a ``"full"`` replicator it is the sign-based optimize
 exact mean gradient (what a sign step can reach when nothing is compressed); with a DeMo
 replicator at ``sign=False`` it takes the decoded mean of the replicas as its gradient, so its
 momentum gathers the coefficients sent over several steps before the sign (``beta1 = beta2 =
-0`` is sign-SGD DeMo). Every replica receives the same gradient and so keeps the same bits.
+0`` is sign-SGD DeMo; with the usual betas the quality benchmark found it worse than sign-SGD
+DeMo). Every replica receives the same gradient and so keeps the same bits.
 """
 
 from __future__ import annotations

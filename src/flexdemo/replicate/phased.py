@@ -77,8 +77,7 @@ class PhasedReplicator(Replicator):
 
     def _switch(self) -> None:
         if self._handoff and self.first is not None:
-            for mine, theirs in zip(self.then.delta, self.first.delta):
-                mine.copy_(theirs)
+            torch._foreach_copy_(self.then.delta, self.first.delta)
         self.first = None  # its buffers are no longer needed
         self.phase = 1
 

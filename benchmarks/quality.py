@@ -37,6 +37,7 @@ from flexdemo.app.schedule import SCHEDULES, lr_at
 from flexdemo.app.tasks.base import ShardSampler, eval_indices
 from flexdemo.app.tasks.gpt import GPT, get_batch, gpt_config, load_corpus
 from flexdemo.app.tasks.text import ByteWindows
+from flexdemo.replicate import REPLICATORS, DeMoReplicator
 from flexdemo.simulate import SimulatedReplicas
 
 
@@ -136,7 +137,59 @@ SETTINGS: dict[str, Setting] = {
                                 "int2, decay 0.999), sign-SGD", "demo-warmup", "sgd", 1e-3,
                                 {"warmup_topk": 64, "warmup_steps": n})
        for n in (30, 60, 120)},
+    # Nesterov-style DeMo (the prototype below): select and send the look-ahead
+    **{f"demo-nesterov{tag}": Setting(f"DeMo{about}, selecting and sending the look-ahead "
+                                      "decay * m + s * DCT(g) (a prototype), sign-SGD",
+                                      "demo-lookahead", "sgd", 1e-3, kw)
+       for tag, about, kw in (("", " defaults", {}), ("-k64", " topk 64", {"topk": 64}),
+                              ("-d0.9-k64", " decay 0.9, topk 64", {"decay": 0.9, "topk": 64}))},
+    # overlapped syncs: the exchange launched after step t is applied after step t + tau (the
+    # tau local steps in between are replaced by the global parameters unless alpha > 0);
+    # streaming: 4 fragments, one synced every 5 steps
+    **{f"diloco{f}-tau{tau}{a}": Setting(
+        f"DiLoCo H=20{' in 4 fragments' if f else ''}, applied {tau} steps after launch"
+        f"{', local mixed in at alpha 0.5' if a else ''}, plain averaging", "diloco", "adamw",
+        1e-3, {"inner_steps": 20, "outer_lr": 1.0, "outer_momentum": 0.0, "tau": tau,
+               "fragments": 4 if f else 1, "alpha": 0.5 if a else 0.0})
+       for f, tau, a in (("", 1, ""), ("", 4, ""), ("", 4, "-a0.5"), ("-f4", 0, ""),
+                         ("-f4", 1, ""), ("-f4", 4, ""), ("-f4", 4, "-a0.5"))},
 }
+
+
+class LookaheadDeMo(DeMoReplicator):
+    """A prototype of Nesterov-style DeMo, kept here for the benchmark only (it did not help):
+    each replica selects the top-k of the look-ahead ``decay * m_t + gain * s * DCT(g_t)``
+    (Nesterov's ``beta * m_t + g_t``; ``m_t`` the momentum after this step's update) instead of
+    ``m_t``, sends its values and subtracts them from ``m_t``. It hooks two private stages of
+    :class:`DeMoReplicator` (no CUDA graphs, no compiled selection); ``gain=None`` selects
+    from ``m_t`` itself, bitwise the plain replicator (a test holds it to that)."""
+
+    def __init__(self, gain: float | None = 1.0, **kwargs) -> None:
+        super().__init__(**kwargs)
+        if self.graphs or self.compile:
+            raise ValueError("the look-ahead prototype runs eagerly: graphs=False, compile=False")
+        self.gain = gain
+
+    def _decay_encode(self, g, runs, lrs, decay, bad, classes=None) -> None:
+        before = g.coef.clone()
+        super()._decay_encode(g, runs, lrs, decay, bad, classes)
+        if self.gain is None:
+            g.look = g.coef.clone()
+            return
+        fresh = g.coef - decay * before  # s * DCT(g_t): linear, so padded units too
+        g.look = decay * g.coef + self.gain * fresh
+
+    def _select(self, g, off_rows, bad):
+        coef, g.coef = g.coef, g.look
+        try:
+            return super()._select(g, off_rows, bad)
+        finally:
+            g.coef = coef
+            del g.look
+
+
+REPLICATORS.setdefault("demo-lookahead", LookaheadDeMo)  # this script's runs (and workers)
+
 MAIN = ["adamw", "no-sync", "demo", "demo-d0.9-k64", "diloco", "diloco-avg"]
 
 QUICK = {"model": "tiny", "steps": 300, "batch": 8, "replicas": "2", "seeds": 2,

@@ -141,3 +141,36 @@ def test_merge_only_writes_the_merged_table_without_running(quality, tmp_path, c
     assert "0 runs" in capsys.readouterr().out
     with pytest.raises(SystemExit, match="no runs"):
         quality.main(["--merge-only", "--out", str(out)])
+
+
+def _tiny_cfg(strategy: str) -> dict:
+    return {"device": "cpu", "threads": 1, "corpus_bytes": 200_000, "model": "tiny",
+            "strategy": strategy, "replicas": 2, "seed": 0, "steps": 4, "batch": 2,
+            "lr": 3e-3, "warmup": 0.0, "schedule": "constant", "min_lr": 0.1,
+            "eval_every": 4, "eval_batches": 2, "data": "random"}
+
+
+def test_lookahead_prototype_without_look_ahead_is_plain_demo(quality, monkeypatch):
+    """The Nesterov-style prototype hooks private stages of DeMoReplicator: with ``gain=None``
+    it must reproduce the plain replicator bit for bit, and with the look-ahead it must send
+    other coefficients (a different run), at the same bytes."""
+    monkeypatch.setitem(quality.SETTINGS, "lookahead-off", quality.Setting(
+        "the prototype selecting from the momentum itself", "demo-lookahead", "sgd", 1e-3,
+        {"gain": None}))
+    plain = quality.run_one(_tiny_cfg("demo"))
+    off = quality.run_one(_tiny_cfg("lookahead-off"))
+    nesterov = quality.run_one(_tiny_cfg("demo-nesterov"))
+    assert off["curve"] == plain["curve"] and off["identical"]
+    assert nesterov["identical"] and nesterov["curve"] != plain["curve"]
+    assert nesterov["bytes_per_param_step"] == plain["bytes_per_param_step"]
+    with pytest.raises(ValueError, match="runs eagerly"):
+        quality.LookaheadDeMo(graphs=True)
+
+
+def test_overlapped_diloco_settings_run(quality):
+    """The overlapped DiLoCo settings build and train (an exchange applied ``tau`` steps after
+    its launch), and streaming sends one fragment at a time."""
+    cfg = {**_tiny_cfg("diloco-f4-tau1"), "steps": 20, "eval_every": 20}
+    run = quality.run_one(cfg)
+    assert math.isfinite(run["final_val"])
+    assert 0.0 < run["bytes_per_param_step"] < 4.0 / 20 * 1.01

@@ -212,6 +212,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--batch", type=int, help="sequences per replica per step")
     p.add_argument("--replicas", help="comma list of replica counts, e.g. 2,4")
     p.add_argument("--seeds", type=int, help="seeds per configuration (>= 1)")
+    p.add_argument("--first-seed", type=int, default=0,
+                   help="seeds run: first-seed .. first-seed + seeds - 1 (more seeds for an "
+                        "earlier result with --merge)")
     p.add_argument("--lr-grid", help="multipliers of each strategy's base lr, e.g. 1,3,10")
     p.add_argument("--lrs", help="absolute lrs for every strategy instead of --lr-grid")
     p.add_argument("--schedule", default="cosine", choices=SCHEDULES)
@@ -251,6 +254,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error(f"--replicas, --lr-grid and --lrs take comma lists of numbers ({e})")
     if args.seeds < 1 or args.steps < 1 or min(args.replicas) < 1 or args.workers < 1:
         p.error("--seeds, --steps, --replicas and --workers must be >= 1")
+    if args.first_seed < 0:
+        p.error("--first-seed must be >= 0")
     if args.eval_every < 1:
         p.error("--eval-every must be >= 1")
     return args
@@ -354,7 +359,7 @@ def configurations(args: argparse.Namespace) -> list[dict]:
         for name in args.strategies:
             lrs = args.grid if args.lrs else [SETTINGS[name].lr * m for m in args.grid]
             for lr in lrs:
-                for seed in range(args.seeds):
+                for seed in range(args.first_seed, args.first_seed + args.seeds):
                     out.append({"replicas": n, "strategy": name, "lr": float(f"{lr:.2g}"),
                                 "seed": seed, "model": args.model, "steps": args.steps,
                                 "batch": args.batch, "schedule": args.schedule,

@@ -174,3 +174,12 @@ def test_overlapped_diloco_settings_run(quality):
     run = quality.run_one(cfg)
     assert math.isfinite(run["final_val"])
     assert 0.0 < run["bytes_per_param_step"] < 4.0 / 20 * 1.01
+
+
+def test_first_seed_shifts_the_seeds_run(quality, capsys):
+    args = quality.parse_args(["--quick", "--strategies", "demo", "--lrs", "1e-3",
+                               "--seeds", "2", "--first-seed", "3"])
+    assert sorted(c["seed"] for c in quality.configurations(args)) == [3, 4]
+    with pytest.raises(SystemExit):
+        quality.parse_args(["--quick", "--first-seed", "-1"])
+    assert "--first-seed must be >= 0" in capsys.readouterr().err

@@ -171,9 +171,9 @@ class LookaheadDeMo(DeMoReplicator):
         self.gain = gain
 
     def _decay_encode(self, g, runs, lrs, decay, bad, classes=None) -> None:
-        before = g.coef.clone()
+        before = None if self.gain is None else g.coef.clone()
         super()._decay_encode(g, runs, lrs, decay, bad, classes)
-        if self.gain is None:
+        if before is None:
             g.look = g.coef.clone()
             return
         fresh = g.coef - decay * before  # s * DCT(g_t): linear, so padded units too

@@ -321,3 +321,36 @@ def test_cli_cuda_without_cuda_is_one_line(capsys, monkeypatch):
     code, out, err = run_cli(capsys, "train.device=cuda")
     assert code == 2 and err.count("\n") == 1 and "Traceback" not in err, err
     assert err.startswith("flexdemo train: error: train.device: device 'cuda' asked for")
+
+
+class _Left(Exception):
+    pass
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_the_executable_skips_finalisation_only_after_a_multi_rank_run(monkeypatch, world):
+    """After a finished multi-rank ``train`` the executable leaves through ``os._exit`` with the
+    run's code (no interpreter finalisation to abort in); a one-process run exits normally."""
+    import flexdemo.app.cli as cli
+
+    monkeypatch.setattr(cli, "_LEAVE_AT_ONCE", cli.threading.Event())
+    monkeypatch.setattr(cli, "train", lambda cfg, exit_on_lost_peer: {})
+    monkeypatch.setattr(cli.dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(cli.dist, "get_world_size", lambda: world)
+    torn = []
+    monkeypatch.setattr(cli.dist, "destroy_process_group", lambda: torn.append(1))
+    monkeypatch.setattr(cli, "main", lambda: cli._run_training(None))
+
+    def fake_exit(code):
+        raise _Left(code)
+
+    monkeypatch.setattr(cli.os, "_exit", fake_exit)
+    if world > 1:
+        with pytest.raises(_Left) as left:
+            cli.entry()
+        assert left.value.args == (0,)
+    else:
+        with pytest.raises(SystemExit) as done:
+            cli.entry()
+        assert done.value.code == 0
+    assert torn == [1]

@@ -1,8 +1,6 @@
 """``python -m flexdemo ...``: the flexdemo command line."""
 
-import sys
-
-from .app.cli import main
+from .app.cli import entry
 
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()

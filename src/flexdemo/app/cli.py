@@ -12,6 +12,7 @@ import json
 import os
 import re
 import sys
+import threading
 from collections.abc import Callable, Sequence
 
 import torch
@@ -295,6 +296,11 @@ def _toml_string(text: str) -> str:
     return json.dumps(text)
 
 
+# Set once a multi-rank run has torn its process group down: the process then leaves without
+# the interpreter's finalisation (see :func:`entry`).
+_LEAVE_AT_ONCE = threading.Event()
+
+
 def _run_training(cfg) -> int:
     rank = os.environ.get("RANK", "0")
     try:
@@ -312,7 +318,10 @@ def _run_training(cfg) -> int:
         _train_error("interrupted", rank0_only=False)
         return 130
     if dist.is_initialized():
+        several = dist.get_world_size() > 1
         dist.destroy_process_group()
+        if several:
+            _LEAVE_AT_ONCE.set()
     return 0
 
 
@@ -473,8 +482,25 @@ def join_negative_values(argv: list[str]) -> list[str]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the ``flexdemo`` command; returns the exit code."""
+    """The ``flexdemo`` command on ``argv`` (default: ``sys.argv``); returns the exit code."""
     parser = build_parser()
     args = parser.parse_args(join_negative_values(list(sys.argv[1:] if argv is None
                                                        else argv)))
     return int(args.func(args, args.subparser))
+
+
+def entry() -> None:
+    """The ``flexdemo`` executable (and ``python -m flexdemo``): :func:`main`, then exit.
+
+    After a multi-rank ``train`` that finished and tore its process group down, the process
+    leaves with ``os._exit`` once its output is flushed: at interpreter finalisation, C++
+    threads of the communication backend and the rendezvous store can still be unwinding,
+    and a rare abort there ("terminate called without an active exception") would turn a
+    finished run into a failed exit code.
+    """
+    code = main()
+    if _LEAVE_AT_ONCE.is_set():
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)

@@ -37,7 +37,7 @@ from flexdemo.app.schedule import SCHEDULES, lr_at
 from flexdemo.app.tasks.base import ShardSampler, eval_indices
 from flexdemo.app.tasks.gpt import GPT, get_batch, gpt_config, load_corpus
 from flexdemo.app.tasks.text import ByteWindows
-from flexdemo.replicate import REPLICATORS, DeMoReplicator
+from flexdemo.replicate import REPLICATORS, DeMoReplicator, DiLoCoReplicator
 from flexdemo.simulate import SimulatedReplicas
 
 
@@ -151,8 +151,17 @@ SETTINGS: dict[str, Setting] = {
         f"{', local mixed in at alpha 0.5' if a else ''}, plain averaging", "diloco", "adamw",
         1e-3, {"inner_steps": 20, "outer_lr": 1.0, "outer_momentum": 0.0, "tau": tau,
                "fragments": 4 if f else 1, "alpha": 0.5 if a else 0.0})
-       for f, tau, a in (("", 1, ""), ("", 4, ""), ("", 4, "-a0.5"), ("-f4", 0, ""),
-                         ("-f4", 1, ""), ("-f4", 4, ""), ("-f4", 4, "-a0.5"))},
+       for f, tau, a in (("", 1, ""), ("", 4, ""), ("", 4, "-a0.5"), ("", 10, ""),
+                         ("-f4", 0, ""), ("-f4", 1, ""), ("-f4", 4, ""),
+                         ("-f4", 4, "-a0.5"))},
+    # eager-style overlap (the prototype below): a replica keeps the tau local steps it took
+    # while its sync was in flight, on top of the new global parameters
+    **{f"diloco{f}-tau{tau}-keep": Setting(
+        f"DiLoCo H=20{' in 4 fragments' if f else ''}, applied {tau} steps after launch, the "
+        "local steps taken meanwhile kept (a prototype), plain averaging", "diloco-keep",
+        "adamw", 1e-3, {"inner_steps": 20, "outer_lr": 1.0, "outer_momentum": 0.0, "tau": tau,
+                        "fragments": 4 if f else 1})
+       for f, tau in (("", 1), ("", 4), ("", 10), ("-f4", 4))},
 }
 
 
@@ -189,6 +198,39 @@ class LookaheadDeMo(DeMoReplicator):
 
 
 REPLICATORS.setdefault("demo-lookahead", LookaheadDeMo)  # this script's runs (and workers)
+
+
+class KeepDiLoCo(DiLoCoReplicator):
+    """A prototype of an eager-style overlapped sync, kept here for the benchmark only: when a
+    fragment's sync lands ``tau`` steps after its launch, the replica takes the new global
+    parameters plus its own progress since the launch (``local - local_at_launch``), instead
+    of dropping those steps (``alpha = 0``) or mixing whole parameters (``alpha > 0``). The
+    next pseudo-gradient counts that progress once, against the new global parameters.
+    Replicas differ after a sync by their own ``tau`` steps. With ``tau = 0`` it is plain
+    DiLoCo. No checkpoints (the launch copies are not saved)."""
+
+    def _setup_state(self) -> None:
+        super()._setup_state()
+        if self.alpha != 0.0:
+            raise ValueError("the keep prototype replaces the alpha mix: alpha=0")
+        self._at_launch: dict[int, list[torch.Tensor]] = {}
+
+    def _launch(self, p: int, step: int) -> None:
+        if self.tau:
+            self._at_launch[p] = [self._locals[i].clone() for i in self.parts[p]]
+        super()._launch(p, step)
+
+    def _apply(self, p: int, step: int) -> None:
+        start = self._at_launch.pop(p, None)
+        if start is None:
+            return super()._apply(p, step)
+        local = [self._locals[i] for i in self.parts[p]]
+        moved = torch._foreach_sub(local, start)
+        super()._apply(p, step)
+        torch._foreach_add_(local, moved)
+
+
+REPLICATORS.setdefault("diloco-keep", KeepDiLoCo)
 
 MAIN = ["adamw", "no-sync", "demo", "demo-d0.9-k64", "diloco", "diloco-avg"]
 

@@ -177,6 +177,25 @@ def test_overlapped_diloco_settings_run(quality):
     assert run["bytes_per_param_step"] == pytest.approx(4.0 / 20, rel=1e-3)  # + a small header
 
 
+def test_keep_prototype_keeps_the_overlapped_steps(quality, monkeypatch):
+    """The eager-style prototype: with ``tau = 0`` it is plain DiLoCo bit for bit; with
+    ``tau = 4`` the sync launched after step 20 lands after step 24, where plain DiLoCo
+    restarts both replicas from the same global parameters (identical) and the prototype
+    keeps each replica's own 4 steps (not identical), at the same bytes."""
+    monkeypatch.setitem(quality.SETTINGS, "keep-tau0", quality.Setting(
+        "the prototype without overlap", "diloco-keep", "adamw", 1e-3,
+        {"inner_steps": 20, "outer_lr": 1.0, "outer_momentum": 0.0}))
+    cfg = {**_tiny_cfg("diloco-avg"), "steps": 24, "eval_every": 12}
+    plain0 = quality.run_one(cfg)
+    keep0 = quality.run_one({**cfg, "strategy": "keep-tau0"})
+    assert keep0["curve"] == plain0["curve"]
+    plain = quality.run_one({**cfg, "strategy": "diloco-tau4"})
+    keep = quality.run_one({**cfg, "strategy": "diloco-tau4-keep"})
+    assert plain["identical"] and not keep["identical"]
+    assert keep["curve"][0] == plain["curve"][0] and keep["curve"][1] != plain["curve"][1]
+    assert keep["bytes_per_param_step"] == plain["bytes_per_param_step"]
+
+
 def test_first_seed_shifts_the_seeds_run(quality, capsys):
     args = quality.parse_args(["--quick", "--strategies", "demo", "--lrs", "1e-3",
                                "--seeds", "2", "--first-seed", "3"])

@@ -389,8 +389,17 @@ def _gone(pid: int) -> bool:
         return True
 
 
+@pytest.fixture
+def default_sigint():
+    """Python's own SIGINT handler in this process, and so the default one in the processes it
+    starts: a test run started as a shell's background job inherits SIGINT ignored."""
+    old = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, old)
+
+
 @pytest.mark.parametrize("sig,code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
-def test_cli_signal_stops_ranks_and_removes_namespaces(sig, code):
+def test_cli_signal_stops_ranks_and_removes_namespaces(sig, code, default_sigint):
     shaped = _netns_problem() is None  # shaped when possible, else on loopback
     mode = ["--bandwidth", "100mbit"] if shaped else ["--unshaped"]
     script = "import os, time; print('ready', os.getpid(), flush=True); time.sleep(60)"

@@ -241,7 +241,7 @@ def diloco_replicas_worker(rank, world, replicate, shard):
 
 def wire_worker(rank, world):
     """Codecs, bucketing, delayed overlap and corrupt payloads on real process groups."""
-    from flexdemo.replicate import CorruptPayloadError
+    from flexdemo.replicate import CorruptPayloadError, demo_warmup
 
     out = {}
     variants = {f"values-{v}": {"values": v} for v in ("bf16", "int8", "int2", "sign")}
@@ -254,6 +254,11 @@ def wire_worker(rank, world):
         stats = train(model, opt, 5, rank)
         out[name] = {"shards": shards(model), "stats": stats, "payload": rep.payload_bytes(),
                      "units": len(rep.units)}
+    # overlapped exchanges through a phase switch (topk 8 for steps 0-1, then 4)
+    rep = demo_warmup(warmup_topk=8, warmup_steps=2, topk=4, chunk=8, overlap="delayed")
+    model, opt = flexdemo.prepare(fresh_model(), rep, lr=0.01, replicate=world, shard=1)
+    train(model, opt, 5, rank)
+    out["warmup-delayed"] = {"shards": shards(model)}
     # a corrupt payload from rank 1 (NaN value): every rank names it, or drops it
     for policy in ("raise", "drop"):
         rep = DeMoReplicator(topk=4, chunk=8, on_bad_peer=policy)

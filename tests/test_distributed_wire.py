@@ -17,7 +17,7 @@ def _same(a, b):
 
 @pytest.mark.parametrize("name", ["values-bf16", "values-int8", "values-int2", "values-sign",
                                   "bucketed", "per-tensor", "delayed", "separate-small",
-                                  "transform-bf16"])
+                                  "transform-bf16", "warmup-delayed"])
 def test_replicas_identical(results, name):
     assert _same(results[0][name]["shards"], results[1][name]["shards"])
 
@@ -39,6 +39,12 @@ def test_smaller_codecs_send_fewer_bytes(results):
 
 def test_delayed_differs_from_synchronous(results):
     assert not _same(results[0]["delayed"]["shards"], results[0]["bucketed"]["shards"])
+
+
+def test_delayed_warmup_is_not_the_plain_delayed_run(results):
+    """The overlapped warm-up (topk 8 for two steps, then 4) trained otherwise than topk 4
+    throughout, with the same data; its replicas are identical (above)."""
+    assert not _same(results[0]["warmup-delayed"]["shards"], results[0]["delayed"]["shards"])
 
 
 def test_corrupt_payload_named_on_every_rank(results):

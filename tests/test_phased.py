@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 import flexdemo
-from flexdemo import DeMoReplicator, PhasedReplicator, SimulatedReplicas
+from flexdemo import DeMoReplicator, FullReplicator, PhasedReplicator, SimulatedReplicas
 from flexdemo.replicate import demo_warmup
 
 SHAPES = [torch.Size(s) for s in [(64, 64), (40, 70), (9,), (3, 5)]]
@@ -41,20 +41,58 @@ def test_warmup_is_the_dense_demo_then_the_sparse_one_with_its_momentum():
     assert phased.first is None and phased.payload_bytes() == sparse.payload_bytes()
 
 
-@pytest.mark.parametrize("stop", [1, 3])
-def test_state_round_trip_in_either_phase(stop):
-    a = setup(demo_warmup(warmup_topk=8, warmup_steps=2, topk=4, chunk=8))
+def test_delayed_phases_of_one_setting_are_one_delayed_demo():
+    """Overlapped exchanges through the switch: two phases of the same setting give the bits of
+    one delayed replicator (the second applies nothing itself at the switch step: the first's
+    exchange in flight is applied then, and the momentum carries over)."""
+    phased = setup(PhasedReplicator(DeMoReplicator(topk=4, chunk=8, overlap="delayed"),
+                                    DeMoReplicator(topk=4, chunk=8, overlap="delayed"), 3))
+    one = setup(DeMoReplicator(topk=4, chunk=8, overlap="delayed"))
+    lrs = [0.01] * len(SHAPES)
+    for step in range(7):
+        out, want = phased(grads_at(step), lrs, step), one(grads_at(step), lrs, step)
+        assert all(torch.equal(a, b) for a, b in zip(out, want)), step
+        assert all(torch.equal(a, b) for a, b in zip(phased.delta, one.delta)), step
+    assert phased.first is None
+
+
+def test_delayed_warmup_applies_the_dense_exchange_at_the_switch():
+    phased = setup(demo_warmup(warmup_topk=8, warmup_steps=2, topk=4, chunk=8,
+                               overlap="delayed"))
+    dense = setup(DeMoReplicator(topk=8, chunk=8, overlap="delayed"))
+    sparse = setup(DeMoReplicator(topk=4, chunk=8, overlap="delayed"))
+    lrs = [0.01] * len(SHAPES)
+    for step in range(6):
+        out = phased(grads_at(step), lrs, step)
+        if step < 2:
+            want = dense(grads_at(step), lrs, step)
+        elif step == 2:  # dense's exchange of step 1 is applied; sparse launches step 2's
+            for mine, theirs in zip(sparse.delta, dense.delta):
+                mine.copy_(theirs)
+            want = dense(grads_at(step), lrs, step)
+            assert all(not g.any() for g in sparse(grads_at(step), lrs, step))
+        else:
+            want = sparse(grads_at(step), lrs, step)
+        assert all(torch.equal(a, b) for a, b in zip(out, want)), step
+        assert any(g.any() for g in out) == (step > 0), step
+
+
+@pytest.mark.parametrize("overlap,stop", [("none", 1), ("none", 3), ("delayed", 1),
+                                          ("delayed", 2), ("delayed", 3)])
+def test_state_round_trip_in_either_phase(overlap, stop):
+    a = setup(demo_warmup(warmup_topk=8, warmup_steps=2, topk=4, chunk=8, overlap=overlap))
     lrs = [0.01] * len(SHAPES)
     for step in range(stop):
         a(grads_at(step), lrs, step)
-    b = setup(demo_warmup(warmup_topk=8, warmup_steps=2, topk=4, chunk=8))
+    b = setup(demo_warmup(warmup_topk=8, warmup_steps=2, topk=4, chunk=8, overlap=overlap))
     b.load_state_dict(copy.deepcopy(a.state_dict()))
     for step in range(stop, 5):
         out_a, out_b = a(grads_at(step), lrs, step), b(grads_at(step), lrs, step)
         assert all(torch.equal(x, y) for x, y in zip(out_a, out_b)), step
 
 
-def test_replicas_stay_identical_through_the_switch():
+@pytest.mark.parametrize("overlap", ["none", "delayed"])
+def test_replicas_stay_identical_through_the_switch(overlap):
     torch.manual_seed(0)
 
     def model():
@@ -65,7 +103,7 @@ def test_replicas_stay_identical_through_the_switch():
 
     sim = SimulatedReplicas(model, loss_fn, replicas=2, replicator="demo-warmup",
                             replicator_kwargs={"warmup_topk": 32, "warmup_steps": 3,
-                                               "topk": 4, "chunk": 16},
+                                               "topk": 4, "chunk": 16, "overlap": overlap},
                             optimizer="sgd", lr=0.01, seed=0)
     sent = []
     for step in range(6):
@@ -84,8 +122,10 @@ def test_bad_settings():
     one = DeMoReplicator()
     with pytest.raises(ValueError, match="two instances"):
         PhasedReplicator(one, one, 3)
-    with pytest.raises(ValueError, match="overlap"):
+    with pytest.raises(ValueError, match="both overlap='delayed' or both overlap='none'"):
         PhasedReplicator(DeMoReplicator(overlap="delayed"), DeMoReplicator(), 3)
+    with pytest.raises(ValueError, match="two DeMo phases"):
+        PhasedReplicator(FullReplicator(), DeMoReplicator(overlap="delayed"), 3)
     with pytest.raises(ValueError, match="schedule"):
         PhasedReplicator(DeMoReplicator(replicate_every=2), DeMoReplicator(), 3)
     with pytest.raises(TypeError, match="Replicator instance"):

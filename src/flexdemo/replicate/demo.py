@@ -1037,19 +1037,36 @@ class DeMoReplicator(Replicator):
 
     def _replicate_delayed(self, grads, lrs, step):
         live = self._live_of(grads, lrs)
+        landed = self._land()  # check last step's payloads before encoding this one
+        self._launch(grads, lrs, step, live)
+        self._apply_landed(landed, live, grads)
+        return grads
+
+    def _land(self):
+        """Delayed mode: wait for and check the exchange in flight (launched the step before);
+        ``(decoded, good peers, presence it was encoded with)``, or None when there is none."""
         previous, self._inflight = self._inflight, None
-        if previous is not None:  # check last step's payloads before encoding this one
-            prev_step, handle, prev_live = previous
-            gathered = handle.wait() if isinstance(handle, Pending) else handle
-            good, decoded = self._check(gathered, prev_step, prev_live)
+        if previous is None:
+            return None
+        prev_step, handle, prev_live = previous
+        gathered = handle.wait() if isinstance(handle, Pending) else handle
+        good, decoded = self._check(gathered, prev_step, prev_live)
+        return decoded, good, prev_live
+
+    def _launch(self, grads, lrs, step: int, live: _Live) -> None:
+        """Delayed mode: encode ``grads`` and start their exchange (applied next step)."""
         buf = self._buckets[step % 2]
         self._fill(grads, lrs, step, buf)
         self._inflight = (step, all_gather(buf, self.group, self.stats, async_op=True), live)
-        if previous is None:
+
+    def _apply_landed(self, landed, live: _Live, grads) -> None:
+        """Delayed mode: the decoded mean of what :meth:`_land` returned into ``grads`` (zeros
+        when nothing was in flight)."""
+        if landed is None:
             torch._foreach_zero_([g for g in grads if g is not None])
-            return grads
-        self._apply(decoded, good, prev_live, live, grads)
-        return grads
+            return
+        decoded, good, sent_live = landed
+        self._apply(decoded, good, sent_live, live, grads)
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict:

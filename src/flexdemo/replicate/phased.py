@@ -7,9 +7,10 @@ a fraction of its bytes (README, "Quality against AdamW").
 
 At the first step of the second phase the second replicator takes over the first one's
 momentum where both keep it in the same layout (DeMo replicators of one ``chunk`` and
-small-tensor setting), and the first one's buffers are freed. Both phases run on the phased
-replicator's group and schedule (``replicate_every``, ``skip_every``); the step a phase
-starts is the same on every rank, so replicas stay bitwise identical.
+small-tensor setting), and the first one's buffers are freed (with overlapped exchanges, once
+it has applied the exchange it launched last). Both phases run on the phased replicator's
+group and schedule (``replicate_every``, ``skip_every``); the step a phase starts is the same
+on every rank, so replicas stay bitwise identical.
 """
 
 from __future__ import annotations
@@ -24,7 +25,9 @@ _SCHEDULE = ("replicate_every", "skip_every")
 
 class PhasedReplicator(Replicator):
     """``first`` for steps ``0 .. steps - 1``, then ``then`` (both unused instances, each
-    with the default schedule and no overlap: the schedule is the phased replicator's)."""
+    with the default schedule: the schedule is the phased replicator's). Two DeMo phases may
+    both overlap their exchanges (``overlap="delayed"``): the exchange launched at the last
+    step of the first phase is applied at the first step of the second."""
 
     name = "phased"
 
@@ -40,9 +43,13 @@ class PhasedReplicator(Replicator):
             if rep.replicate_every != 1 or rep.skip_every:
                 raise ValueError(f"phased: give the schedule to the phased replicator, not to "
                                  f"its {which} phase (replicate_every=1, skip_every=0 there)")
-            if getattr(rep, "overlap", "none") != "none":
-                raise ValueError("phased: a phase with overlap='delayed' would leave its last "
-                                 "exchange unapplied at the switch; use overlap='none'")
+        overlaps = {getattr(rep, "overlap", "none") for rep in (first, then)}
+        self._delayed = overlaps == {"delayed"} and all(
+            isinstance(rep, DeMoReplicator) for rep in (first, then))
+        if overlaps != {"none"} and not self._delayed:
+            raise ValueError("phased: overlap='delayed' needs two DeMo phases that both have "
+                             "it (the second takes over the first's exchange in flight); "
+                             "give both overlap='delayed' or both overlap='none'")
         if first is then:
             raise ValueError("phased: first and then must be two instances")
         if not isinstance(steps, int) or isinstance(steps, bool) or steps < 0:
@@ -83,8 +90,23 @@ class PhasedReplicator(Replicator):
 
     def replicate(self, grads, lrs, step, communicate):
         if self.phase == 0 and step >= self.steps:
+            if self._delayed:
+                return self._switch_delayed(grads, lrs, step)
             self._switch()
         return self.active.replicate(grads, lrs, step, communicate)
+
+    def _switch_delayed(self, grads, lrs, step):
+        """The switch step with overlapped exchanges: the first phase checks its exchange in
+        flight, the second takes over the momentum and launches this step's, and the first
+        applies what it checked (as one delayed replicator would)."""
+        first, then = self.first, self.then
+        assert isinstance(first, DeMoReplicator) and isinstance(then, DeMoReplicator)
+        live = first._live_of(grads, lrs)
+        landed = first._land()
+        self._switch()
+        then._launch(grads, lrs, step, then._live_of(grads, lrs))
+        first._apply_landed(landed, live, grads)
+        return grads
 
     def after_step(self, step: int) -> None:
         self.active.after_step(step)

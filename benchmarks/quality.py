@@ -136,7 +136,7 @@ SETTINGS: dict[str, Setting] = {
     **{f"demo-warm{n}": Setting(f"DeMo topk 64 for {n} steps, then the defaults (topk 16, "
                                 "int2, decay 0.999), sign-SGD", "demo-warmup", "sgd", 1e-3,
                                 {"warmup_topk": 64, "warmup_steps": n})
-       for n in (30, 60, 120)},
+       for n in (30, 60, 120, 200)},
     # Nesterov-style DeMo (the prototype below): select and send the look-ahead
     **{f"demo-nesterov{tag}": Setting(f"DeMo{about}, selecting and sending the look-ahead "
                                       "decay * m + s * DCT(g) (a prototype), sign-SGD",

@@ -129,6 +129,7 @@ class _Unit:
     plan: ChunkPlan
     transform: BlockDCT
     k: int
+    part: tuple[int, int] | None = None  # rows [a, b) of its one member (a split tensor)
     delta: torch.Tensor | None = None  # set when its group is built
     group: int = 0
     rows: slice = field(default_factory=lambda: slice(0, 0))  # its blocks in the group
@@ -215,6 +216,7 @@ class _Run:
     image: slice | None
     xpad: slice | None
     lead: int  # a parameter of the run: its step size is the run's
+    unit: int  # a unit of the run (its class of step size)
 
 
 @dataclass
@@ -226,12 +228,12 @@ class _Live:
     code: int  # presence code
     unit_on: list[bool]
     group_on: list[bool]
-    present: list[int]  # parameters with a gradient that belong to an active unit
+    present: list[int]  # pieces with a gradient that belong to an active unit
     stage: list[torch.Tensor]  # where their gradients are staged
     zero: list[torch.Tensor]  # staging of members without a gradient, in active units
     runs: list[list[_Run]]
     off_rows: list[list[slice]]  # rows of units without a gradient, per group
-    write: list[tuple[list[int], list[torch.Tensor]]]  # per group: parameters, output views
+    write: list[tuple[list[int], list[torch.Tensor]]]  # per group: pieces, output views
     key: tuple = ()  # (present, classes): the cache key, also a CUDA graph's
 
 
@@ -384,13 +386,30 @@ class DeMoReplicator(Replicator):
             return "dct", _TRANSFORM_DTYPES[self.transform_dtype]
         return "identity", torch.float32
 
-    def _make_unit(self, members: list[int], shape: tuple[int, ...]) -> _Unit:
-        plan = plan_chunks(shape, self.chunk)
+    def _make_unit(self, members: list[int], plan: ChunkPlan,
+                   part: tuple[int, int] | None = None) -> _Unit:
         k = min(self.topk, plan.block_numel)
         basis, ct = self._basis()
         t = BlockDCT(plan, self.device, scratch=self.scratch, basis=basis, compute_dtype=ct)
-        sizes = [self._shapes[i].numel() for i in members]
-        return _Unit(members, sizes, plan, t, k)
+        sizes = [plan.numel] if part is not None else [self._shapes[i].numel() for i in members]
+        return _Unit(members, sizes, plan, t, k, part=part)
+
+    def _units_of(self, i: int) -> list[_Unit]:
+        """The units of large parameter ``i``: one; or, where only its rows need padding, the
+        rows that tile into blocks (momentum in the transform domain) and the rest (padded to
+        one row of blocks), split at set-up. The blocks are those of the padded tensor, so
+        the algorithm is the same; only the rounding of the momentum of the tiling rows
+        differs (it is kept as coefficients)."""
+        shape = tuple(self._shapes[i])
+        plan = plan_chunks(shape, self.chunk)
+        (rows, cols), (cr, cc) = plan.shape2d, plan.chunk
+        tile = rows // cr * cr
+        if (len(shape) < 2 or cr == 1 or plan.padded[1] != cols or tile == rows
+                or tile == 0):
+            return [self._make_unit([i], plan)]
+        head = ChunkPlan((tile, *shape[1:]), (tile, cols), (cr, cc), (tile, cols))
+        rest = ChunkPlan((rows - tile, *shape[1:]), (rows - tile, cols), (cr, cc), (cr, cols))
+        return [self._make_unit([i], head, (0, tile)), self._make_unit([i], rest, (tile, rows))]
 
     def _make_groups(self) -> list[_Group]:
         """Group the units by (block shape, k), in unit order; with ``bucket=False`` every
@@ -460,8 +479,9 @@ class DeMoReplicator(Replicator):
         return g
 
     def _make_views(self) -> None:
-        """Per parameter: where its gradient is staged, where its output is read, and the
-        4-D shape its gradient is viewed as for both (None: its own shape)."""
+        """Per piece (a parameter, or rows of one): where its gradient is staged, where its
+        output is read, and the 4-D shape its gradient is viewed as for both (None: its own
+        shape)."""
         self._stage_at: dict[int, torch.Tensor] = {}
         self._out_at: dict[int, torch.Tensor] = {}
         self._four: dict[int, tuple | None] = {}
@@ -469,14 +489,17 @@ class DeMoReplicator(Replicator):
         for g in self.groups:
             bn = g.block_numel
             for u in g.units:
+                pieces = self._pieces_of[self._index[id(u)]]
                 if not u.direct:
                     staging = g.xpad[u.xpad] if u.padded else g.img[u.image]
-                    for j, i in enumerate(u.members):
-                        self._stage_at[i] = _view_in(staging, u, j, self._shapes[i])
-                        self._out_at[i] = _view_in(w.out[u.image], u, j, self._shapes[i])
+                    for j, i in enumerate(pieces):
+                        shape = self._pieces[i][2]
+                        self._stage_at[i] = _view_in(staging, u, j, shape)
+                        self._out_at[i] = _view_in(w.out[u.image], u, j, shape)
                         self._four[i] = None
                     continue
-                i, shape = u.members[0], self._shapes[u.members[0]]
+                i = pieces[0]
+                shape = self._pieces[i][2]
                 nbr, cr, nbc, cc = _blocked(u)
                 stage = g.xh[:, u.rows].reshape(cr, nbr, nbc, cc).permute(1, 0, 2, 3)
                 out = g.xh.view(-1)[u.rows.start * bn: u.rows.stop * bn]
@@ -499,15 +522,24 @@ class DeMoReplicator(Replicator):
         self.units: list[_Unit] = []
         for i, s in enumerate(self._shapes):
             if s.numel() and i not in small:
-                self.units.append(self._make_unit([i], tuple(s)))
+                self.units.extend(self._units_of(i))
         if small:
             total = sum(self._shapes[i].numel() for i in small)
             rows = math.ceil(total / self.chunk)
-            unit = self._make_unit(small, (rows, self.chunk))
+            unit = self._make_unit(small, plan_chunks((rows, self.chunk), self.chunk))
             unit.flat = True
             self.units.append(unit)
+        # pieces: (parameter, rows of it or None, shape), a unit's members in order
+        self._pieces: list[tuple[int, tuple[int, int] | None, torch.Size]] = []
+        self._pieces_of: list[list[int]] = []
+        for u in self.units:
+            first = len(self._pieces)
+            for i in u.members:
+                shape = self._shapes[i] if u.part is None else torch.Size(u.plan.shape)
+                self._pieces.append((i, u.part, shape))
+            self._pieces_of.append(list(range(first, len(self._pieces))))
+        self._index = {id(u): j for j, u in enumerate(self.units)}
         self.groups = self._make_groups()
-        self.units_by_param = {i: u for u in self.units for i in u.members}
         off = HEADER_BYTES
         for g in self.groups:
             g.idx_off = off
@@ -530,7 +562,6 @@ class DeMoReplicator(Replicator):
         self._graphs: dict = {}
         self._warm: dict = {}
         self._class_lrs: list[float] = []
-        self._unit_of = {i: j for j, u in enumerate(self.units) for i in u.members}
         self._step_dev = torch.zeros((), dtype=torch.int64, device=self.device)
         self._lr_dev = torch.zeros(max(1, len(self.units)), dtype=torch.float32,
                                    device=self.device)
@@ -608,31 +639,32 @@ class DeMoReplicator(Replicator):
         for g in self.groups:
             runs: list[_Run] = []
             off: list[slice] = []
-            params: list[int] = []
+            pieces: list[int] = []
             for u in g.units:
                 if not on[id(u)]:
                     off.append(u.rows)
                     continue
-                for i in u.members:
-                    if present[i]:
-                        live.present.append(i)
-                        live.stage.append(self._stage_at[i])
-                        params.append(i)
+                j = self._index[id(u)]
+                for p in self._pieces_of[j]:
+                    if present[self._pieces[p][0]]:
+                        live.present.append(p)
+                        live.stage.append(self._stage_at[p])
+                        pieces.append(p)
                     else:
-                        live.zero.append(self._stage_at[i])
+                        live.zero.append(self._stage_at[p])
                 last = runs[-1] if runs else None
                 if (last is not None and last.padded == u.padded
-                        and cls[id(self.units_by_param[last.lead])] == cls[id(u)]
+                        and cls[id(self.units[last.unit])] == cls[id(u)]
                         and last.rows.stop == u.rows.start):
                     last.rows = slice(last.rows.start, u.rows.stop)
                     if u.padded:
                         last.image = slice(last.image.start, u.image.stop)
                         last.xpad = slice(last.xpad.start, u.xpad.stop)
                 else:
-                    runs.append(_Run(u.padded, u.rows, u.image, u.xpad, u.members[0]))
+                    runs.append(_Run(u.padded, u.rows, u.image, u.xpad, u.members[0], j))
             live.runs.append(runs)
             live.off_rows.append(off)
-            live.write.append((params, [self._out_at[i] for i in params]))
+            live.write.append((pieces, [self._out_at[p] for p in pieces]))
         live.key = key
         self._lives[key] = live
         return live
@@ -641,17 +673,22 @@ class DeMoReplicator(Replicator):
     def _stage(self, grads, live: _Live) -> None:
         """The gradients into the groups' block rows and images (one multi-tensor copy)."""
         if live.present:
-            torch._foreach_copy_(live.stage, [_grad4(grads[i], self._four[i])
-                                              for i in live.present])
+            torch._foreach_copy_(live.stage, [_grad4(self._piece(grads, p), self._four[p])
+                                              for p in live.present])
         if live.zero:
             torch._foreach_zero_(live.zero)
+
+    def _piece(self, grads, p: int) -> torch.Tensor:
+        """Piece ``p`` of the gradients: a parameter's gradient, or rows of it."""
+        i, part, _ = self._pieces[p]
+        return grads[i] if part is None else grads[i].narrow(0, part[0], part[1] - part[0])
 
     def _scale(self, r: _Run, lrs, classes: tuple[int, ...] | None) -> float | torch.Tensor:
         """Run ``r``'s step size: a float, or under CUDA graphs its class's device scalar."""
         if not self.scale_by_lr or lrs is None:
             return 1.0
         if self._graphed:
-            return self._lr_dev[classes[self._unit_of[r.lead]]]
+            return self._lr_dev[classes[r.unit]]
         return float(lrs[r.lead])
 
     def _decay_encode(self, g: _Group, runs: list[_Run], lrs, decay: torch.Tensor,
@@ -966,20 +1003,20 @@ class DeMoReplicator(Replicator):
             if not s.direct:
                 self._to_image(g, s, out)
 
-    def _write(self, grads, params: list[int], views: list[torch.Tensor]) -> None:
-        """The decoded output into the gradients (one multi-tensor copy)."""
+    def _write(self, grads, pieces: list[int], views: list[torch.Tensor]) -> None:
+        """The decoded output into the gradients' ``pieces`` (one multi-tensor copy)."""
         targets, sources = [], []
-        for i, v in zip(params, views):
-            four = self._four[i]
+        for p, v in zip(pieces, views):
+            four, grad = self._four[p], self._piece(grads, p)
             if four is None:
-                targets.append(grads[i])
+                targets.append(grad)
                 sources.append(v)
                 continue
             try:
-                targets.append(grads[i].view(four))
+                targets.append(grad.view(four))
                 sources.append(v)
             except RuntimeError:  # a gradient with unusual strides: copy it on its own
-                grads[i].copy_(v.reshape(grads[i].shape))
+                grad.copy_(v.reshape(grad.shape))
         if targets:
             torch._foreach_copy_(targets, sources)
 
@@ -988,11 +1025,11 @@ class DeMoReplicator(Replicator):
         """The decoded mean of the good peers' payloads (encoded with ``sent_live``) into the
         gradients present now (``live``): one multi-tensor copy per group."""
         for gi, g in enumerate(self.groups):
-            params, views = live.write[gi]
-            if not params:
+            pieces, views = live.write[gi]
+            if not pieces:
                 continue
             if not sent_live.group_on[gi]:  # nothing was sent for it (delayed mode)
-                torch._foreach_zero_([grads[i] for i in params])
+                torch._foreach_zero_([self._piece(grads, p) for p in pieces])
                 continue
             idx, vals = decoded[gi]
             n = idx.shape[0]
@@ -1004,7 +1041,7 @@ class DeMoReplicator(Replicator):
                             lambda g=g, idx=idx, vals=vals: self._decode_mean(g, idx, vals))
             else:
                 self._decode_mean(g, idx, vals)  # mean, inverse DCT, sign
-            self._write(grads, params, views)  # into the gradients
+            self._write(grads, pieces, views)  # into the gradients
 
     def _decode(self, gathered: torch.Tensor, grads, step: int, code: int) -> None:
         """Check ``gathered`` payloads of ``step`` and write their decoded mean into
@@ -1082,8 +1119,32 @@ class DeMoReplicator(Replicator):
                               "present": list(present)}
         return sd
 
+    def _from_unsplit(self, deltas: list) -> list | None:
+        """Momentum saved before tensors whose rows need padding were split (one buffer in
+        the parameter's domain for each), in today's units: the tiling rows transformed,
+        the rest as they were; None where ``deltas`` is not of that layout."""
+        split = sum(u.part is not None and u.part[0] == 0 for u in self.units)
+        if not split or len(deltas) != len(self.units) - split:
+            return None
+        out, theirs = [], iter(deltas)
+        for j, u in enumerate(self.units):
+            if u.part is None:
+                out.append(next(theirs))
+            elif u.part[0] == 0:
+                whole, tile = next(theirs), u.part[1]
+                rows = self.units[j + 1].part[1]
+                if whole is None or whole.numel() != rows * u.plan.shape2d[1]:
+                    return None
+                whole = whole.to(self.device, torch.float32).reshape(rows, -1)
+                basis = "dct" if self.transform == "dct" else "identity"
+                out.append(BlockDCT(u.plan, self.device, basis=basis).encode(whole[:tile]))
+                out.append(whole[tile:])
+        return out
+
     def load_state_dict(self, state: dict) -> None:
         deltas = state["delta"]
+        if len(deltas) != len(self.units):
+            deltas = self._from_unsplit(deltas) or deltas
         if len(deltas) != len(self.units):
             raise ValueError(f"{self.name}: state holds {len(deltas)} momentum buffers, this "
                              f"replicator has {len(self.units)} (another model or settings?)")

@@ -356,7 +356,10 @@ class BatchedDCT:
         if self.compute_dtype == torch.float32:
             if whole:
                 coef.view(-1, cc).addmm_(y.reshape(-1, cc), dc_t, beta=beta, alpha=alpha)
-            else:  # a run of blocks (the rare case): made contiguous, one product, back
+            elif coef.is_cuda:  # a run of blocks: a product per coefficient row, in place
+                coef[:, blocks].baddbmm_(y[:, blocks], dc_t.expand(self.cr, cc, cc),
+                                         beta=beta, alpha=alpha)
+            else:  # a run of blocks: made contiguous, one product (the whole group's bits), back
                 part = coef[:, blocks].contiguous()
                 part.view(-1, cc).addmm_(y[:, blocks].reshape(-1, cc), dc_t, beta=beta,
                                          alpha=alpha)

@@ -180,7 +180,7 @@ class Agreement:
             raise NonFiniteGradientError(self.name, [self.rank], step, local=local)
 
 
-MAGIC = 0x0DE70001
+MAGIC = 0x0DE70002  # wire format 2: tiling units before padded ones in a group
 HEADER_BYTES = 32
 
 

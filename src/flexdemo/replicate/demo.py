@@ -420,6 +420,9 @@ class DeMoReplicator(Replicator):
             keyed.setdefault(key, []).append(u)
         groups: list[_Group] = []
         for members in keyed.values():
+            # tiling units first, then padded ones, then the batch of small tensors: one run of
+            # each kind (blocks are coded alone, so the order changes no bits)
+            members.sort(key=lambda u: 2 if u.flat else 1 if u.padded else 0)
             groups.append(self._make_group(len(groups), members))
         return groups
 

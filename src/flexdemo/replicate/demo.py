@@ -184,6 +184,7 @@ class _Group:
     img_src: torch.Tensor | None = None  # rows of ``img`` ...
     img_dst: torch.Tensor | None = None  # ... and where they go in ``xh``
     segments: list[_Segment] = field(default_factory=list)
+    pad0: int = 0  # image offset of the padded units (their outputs: the workspace's ``out``)
     idx_off: int = 0
     val_off: int = 0
     end: int = 0
@@ -279,12 +280,14 @@ def _grad4(grad: torch.Tensor, four: tuple[int, int, int, int] | None) -> torch.
 class _Workspace:
     """Scratch buffers shared by the groups, sized for the largest one at set-up (so views of
     them can be built once). The first product of the transform goes to ``z``; the decoded
-    blocks go to the group's own staging buffer ``xh``, free once its step is encoded."""
+    blocks go to the group's own staging buffer ``xh``, free once its step is encoded, and
+    from there into the image they were staged in (``out`` for padded units, whose image
+    holds their momentum)."""
 
     def __init__(self, groups: list[_Group], device: torch.device,
                  compute_dtype: torch.dtype) -> None:
         n = max(g.coef.numel() for g in groups)
-        img = max([1] + [g.img.numel() for g in groups if g.img is not None])
+        img = max([1] + [g.xpad.numel() for g in groups if g.xpad is not None])
 
         def buf(numel, dtype=torch.float32):
             return torch.zeros(numel, dtype=dtype, device=device)
@@ -311,7 +314,8 @@ class DeMoReplicator(Replicator):
                  transform: str = "dct", transform_dtype: str = "fp32", small: str = "batch",
                  small_numel: int | None = None,
                  bucket: bool = True, overlap: str = "none", on_bad_peer: str = "raise",
-                 compile: bool = False, graphs: bool = False, **schedule) -> None:
+                 compile: bool = False, graphs: bool = False, staging: str = "auto",
+                 **schedule) -> None:
         super().__init__(**schedule)
         if not isinstance(topk, int) or isinstance(topk, bool) or topk < 1:
             raise ValueError(f"topk must be an integer >= 1, got {topk!r}")
@@ -344,6 +348,8 @@ class DeMoReplicator(Replicator):
             raise ValueError(f"on_bad_peer must be 'raise' or 'drop', got {on_bad_peer!r}")
         if not isinstance(graphs, bool):
             raise ValueError(f"graphs must be True or False, got {graphs!r}")
+        if staging not in ("auto", "direct", "image"):
+            raise ValueError(f"staging must be 'auto', 'direct' or 'image', got {staging!r}")
         if graphs and compile:
             raise ValueError("graphs=True and compile=True do not combine: the CUDA graphs "
                              "replay the eager selection; choose one")
@@ -359,6 +365,7 @@ class DeMoReplicator(Replicator):
         self._compiled = None
         # CUDA graphs of the device work between the host's steps (no effect off CUDA)
         self.graphs = graphs
+        self.staging = staging
 
     @classmethod
     def preset(cls, name: str, **overrides) -> DeMoReplicator:
@@ -373,7 +380,7 @@ class DeMoReplicator(Replicator):
             ("transform_dtype", self.transform_dtype, "fp32"),
             ("small", self.small, "batch"), ("bucket", self.bucket, True),
             ("overlap", self.overlap, "none"), ("compile", self.compile, False),
-            ("graphs", self.graphs, False)) if v != d)
+            ("graphs", self.graphs, False), ("staging", self.staging, "auto")) if v != d)
         return (f"topk={self.topk}, chunk={self.chunk}, decay={self.decay}, "
                 f"values={self.values!r}, sign={self.sign}{extra}")
 
@@ -437,9 +444,10 @@ class DeMoReplicator(Replicator):
                    torch.zeros(cr, blocks, cc, dtype=f32, device=dev))
         row = img = pad = 0
         src, dst = [], []
+        images = self._stage_images
         for u in units:
             u.group, u.rows = gi, slice(row, row + u.plan.num_blocks)
-            if u.padded or u.flat:  # staged through an image
+            if u.padded or u.flat or images:  # staged through an image
                 u.image = slice(img, img + u.plan.padded_numel)
                 # block row (b, v) of the unit is image row perm[b * cr + v]; in xh: v, row + b
                 src.append(block_rows(u.plan) + img // cc)
@@ -448,6 +456,8 @@ class DeMoReplicator(Replicator):
                 dst.append(v * blocks + row + b)
                 img += u.plan.padded_numel
             if u.padded:
+                if not pad:
+                    g.pad0 = u.image.start
                 u.xpad = slice(pad, pad + u.plan.padded_numel)
                 pad += u.plan.padded_numel
             row += u.plan.num_blocks
@@ -481,6 +491,24 @@ class DeMoReplicator(Replicator):
                 s.inv = torch.argsort(local).to(dev)
         return g
 
+    @property
+    def _stage_images(self) -> bool:
+        """Every unit staged through its image (``staging="image"``; ``"auto"``: on CUDA):
+        the gradients' copies in and out are contiguous (a few multi-tensor launches instead
+        of a strided copy per tensor), and the permutation into block rows is one gather per
+        group (inside a CUDA graph where there is one)."""
+        if self.staging == "auto":
+            return self.device is not None and self.device.type == "cuda"
+        return self.staging == "image"
+
+    def _out_image(self, g: _Group, part: slice, padded: bool) -> torch.Tensor:
+        """Where the decoded output of image-staged units ``part`` (entries of ``g.img``)
+        goes: back into their image, free once encoded; padded units' image holds their
+        momentum, so theirs goes to the workspace's ``out``."""
+        if padded:
+            return self._work.out[part.start - g.pad0: part.stop - g.pad0]
+        return g.img[part]
+
     def _make_views(self) -> None:
         """Per piece (a parameter, or rows of one): where its gradient is staged, where its
         output is read, and the 4-D shape its gradient is viewed as for both (None: its own
@@ -488,7 +516,6 @@ class DeMoReplicator(Replicator):
         self._stage_at: dict[int, torch.Tensor] = {}
         self._out_at: dict[int, torch.Tensor] = {}
         self._four: dict[int, tuple | None] = {}
-        w = self._work
         for g in self.groups:
             bn = g.block_numel
             for u in g.units:
@@ -498,7 +525,8 @@ class DeMoReplicator(Replicator):
                     for j, i in enumerate(pieces):
                         shape = self._pieces[i][2]
                         self._stage_at[i] = _view_in(staging, u, j, shape)
-                        self._out_at[i] = _view_in(w.out[u.image], u, j, shape)
+                        self._out_at[i] = _view_in(self._out_image(g, u.image, u.padded), u,
+                                                   j, shape)
                         self._four[i] = None
                     continue
                 i = pieces[0]
@@ -517,7 +545,7 @@ class DeMoReplicator(Replicator):
             for s in g.segments:
                 if s.padded:
                     s.deltas = [u.delta for u in s.units]
-                    s.outs = [_interior(w.out[u.image], u) for u in s.units]
+                    s.outs = [_interior(self._out_image(g, u.image, True), u) for u in s.units]
 
     def _setup_state(self) -> None:
         self.scratch = Scratch()
@@ -655,6 +683,9 @@ class DeMoReplicator(Replicator):
                         pieces.append(p)
                     else:
                         live.zero.append(self._stage_at[p])
+                if u.flat and u.image.stop - u.image.start > sum(u.sizes):
+                    # the small batch's padding: its image also receives decoded output
+                    live.zero.append(g.img[u.image.start + sum(u.sizes): u.image.stop])
                 last = runs[-1] if runs else None
                 if (last is not None and last.padded == u.padded
                         and cls[id(self.units[last.unit])] == cls[id(u)]
@@ -821,7 +852,8 @@ class DeMoReplicator(Replicator):
         """The buffers group ``gi``'s input is staged in: its block rows, the staged
         gradients of its padded units, the images of its small-tensor batches."""
         g = self.groups[gi]
-        return [g.xh] + ([g.xpad] if g.xpad is not None else []) + [
+        direct = [g.xh] if any(s.direct for s in g.segments) else []
+        return direct + ([g.xpad] if g.xpad is not None else []) + [
             g.img[s.image] for s in g.segments if not s.padded and not s.direct]
 
     def _input_flag(self, live: _Live) -> torch.Tensor:
@@ -948,7 +980,7 @@ class DeMoReplicator(Replicator):
         cr, cc = g.chunk
         nb = s.rows.stop - s.rows.start
         if not s.direct and s.inv is None:
-            return self._work.out[s.image].view(nb, cr, cc)
+            return self._out_image(g, s.image, s.padded).view(nb, cr, cc)
         bn = g.block_numel
         return g.xh.view(-1)[s.rows.start * bn: s.rows.stop * bn].view(nb, cr, cc)
 
@@ -972,7 +1004,7 @@ class DeMoReplicator(Replicator):
         if s.inv is not None:
             cc = g.chunk[1]
             torch.index_select(blocks.view(-1, cc), 0, s.inv,
-                               out=self._work.out[s.image].view(-1, cc))
+                               out=self._out_image(g, s.image, s.padded).view(-1, cc))
 
     def _decode_mean(self, g: _Group, idx: torch.Tensor, vals: torch.Tensor) -> None:
         """The mean over the peers of their ``(peers, blocks, k)`` coefficients, through the

@@ -111,9 +111,6 @@ PRESETS: dict[str, dict] = {
 _TRANSFORM_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 _WARM = 2  # eager calls of a step shape before its CUDA graph is captured
 _MAX_GRAPHS = 32  # step shapes beyond this many run eagerly
-# staging="auto" stages through images under CUDA graphs below this many entries per tensor
-# (on one H100 the direct step is then bound by its per-tensor copies, not the GPU)
-_IMAGE_NUMEL = 500_000
 
 # reasons a payload body is bad, in the order they are checked (0: good)
 _RANGE, _REPEAT, _NONFINITE = 1, 2, 3
@@ -160,9 +157,7 @@ class _Segment:
     units: list[_Unit]
     rows: slice  # block rows
     image: slice | None  # entries of the group's image buffer (image-staged units)
-    moved: bool = False  # tiling units staged through their image, moved by strided copies
     inv: torch.Tensor | None = None  # image row -> block row within the segment
-    moves: tuple[list, list] = ([], [])  # moved: (image views, decoded block views)
     deltas: list[torch.Tensor] = field(default_factory=list)  # padded: momentum views
     outs: list[torch.Tensor] = field(default_factory=list)  # padded: same in the output image
 
@@ -188,7 +183,6 @@ class _Group:
     xpad: torch.Tensor | None = None  # image layout: padded units' staged gradients
     img_src: torch.Tensor | None = None  # rows of ``img`` ...
     img_dst: torch.Tensor | None = None  # ... and where they go in ``xh``
-    moves: tuple[list, list] = ([], [])  # moved units: (block-row views, image views)
     segments: list[_Segment] = field(default_factory=list)
     pad0: int = 0  # image offset of the padded units (their outputs: the workspace's ``out``)
     idx_off: int = 0
@@ -455,12 +449,11 @@ class DeMoReplicator(Replicator):
             u.group, u.rows = gi, slice(row, row + u.plan.num_blocks)
             if u.padded or u.flat or images:  # staged through an image
                 u.image = slice(img, img + u.plan.padded_numel)
-                if u.padded or u.flat:  # gathered: block row (b, v) of the unit is image
-                    # row perm[b * cr + v]; in xh: v, row + b
-                    src.append(block_rows(u.plan) + img // cc)
-                    b = torch.arange(u.plan.num_blocks).repeat_interleave(cr)
-                    v = torch.arange(cr).repeat(u.plan.num_blocks)
-                    dst.append(v * blocks + row + b)
+                # block row (b, v) of the unit is image row perm[b * cr + v]; in xh: v, row + b
+                src.append(block_rows(u.plan) + img // cc)
+                b = torch.arange(u.plan.num_blocks).repeat_interleave(cr)
+                v = torch.arange(cr).repeat(u.plan.num_blocks)
+                dst.append(v * blocks + row + b)
                 img += u.plan.padded_numel
             if u.padded:
                 if not pad:
@@ -470,13 +463,7 @@ class DeMoReplicator(Replicator):
             row += u.plan.num_blocks
         if img:
             g.img = torch.zeros(img, dtype=f32, device=dev)
-        if src:
             g.img_src, g.img_dst = torch.cat(src).to(dev), torch.cat(dst).to(dev)
-        for u in units:  # tiling units staged through their image: strided copies
-            if u.image is not None and not (u.padded or u.flat):
-                nbr, cr_, nbc, cc_ = _blocked(u)
-                g.moves[0].append(g.xh[:, u.rows].view(cr, nbr, nbc, cc))
-                g.moves[1].append(g.img[u.image].view(nbr, cr, nbc, cc).permute(1, 0, 2, 3))
         if pad:
             g.xpad = torch.zeros(pad, dtype=f32, device=dev)
         for u in units:
@@ -488,24 +475,15 @@ class DeMoReplicator(Replicator):
                        else coef[:, u.rows].permute(1, 0, 2))
         for u in units:  # segments: runs of units of one kind
             last = g.segments[-1] if g.segments else None
-            moved = not (u.direct or u.padded or u.flat)
-            if last is not None and (last.padded, last.direct, last.moved) == (
-                    u.padded, u.direct, moved):
+            if last is not None and (last.padded, last.direct) == (u.padded, u.direct):
                 last.units.append(u)
                 last.rows = slice(last.rows.start, u.rows.stop)
                 if u.image is not None:
                     last.image = slice(last.image.start, u.image.stop)
             else:
-                g.segments.append(_Segment(u.padded, u.direct, [u], u.rows, u.image, moved))
-        bn = g.block_numel
+                g.segments.append(_Segment(u.padded, u.direct, [u], u.rows, u.image))
         for s in g.segments:
-            if s.moved:  # decoded blocks (block-major, in xh) back into the units' images
-                for u in s.units:
-                    nbr, cr_, nbc, cc_ = _blocked(u)
-                    s.moves[0].append(g.img[u.image].view(nbr, cr, nbc, cc))
-                    s.moves[1].append(g.xh.view(-1)[u.rows.start * bn: u.rows.stop * bn]
-                                      .view(nbr, nbc, cr, cc).permute(0, 2, 1, 3))
-            if s.direct or s.moved:
+            if s.direct:
                 continue
             local = torch.cat([block_rows(u.plan) + (u.image.start - s.image.start) // cc
                                for u in s.units])
@@ -519,9 +497,8 @@ class DeMoReplicator(Replicator):
         the gradients' copies in and out are contiguous (a few multi-tensor launches instead
         of a strided copy per tensor), and the permutation into block rows is one gather per
         group (inside a CUDA graph where there is one)."""
-        if self.staging == "auto":  # where a graphed step is bound by the host's launches
-            numel = sum(s.numel() for s in self._shapes)
-            return self._graphed and numel < _IMAGE_NUMEL * len(self._shapes)
+        if self.staging == "auto":
+            return self.device is not None and self.device.type == "cuda"
         return self.staging == "image"
 
     def _out_image(self, g: _Group, part: slice, padded: bool) -> torch.Tensor:
@@ -763,9 +740,7 @@ class DeMoReplicator(Replicator):
                 g.img[r.image].mul_(decay).addcmul_(g.xpad[r.xpad], scale[id(r)])
             elif r.padded:
                 g.img[r.image].mul_(decay).add_(g.xpad[r.xpad], alpha=scale[id(r)])
-        if g.moves[0]:  # tiling units staged through their image: into their block rows
-            torch._foreach_copy_(*g.moves)
-        if g.img_src is not None:  # padded units and the small batch: rows gathered
+        if g.img is not None:  # image-staged units: their rows into the block rows
             rows = torch.index_select(g.img.view(-1, cc), 0, g.img_src,
                                       out=w.x[: g.img_src.numel() * cc].view(-1, cc))
             g.xh.view(-1, cc).index_copy_(0, g.img_dst, rows)
@@ -1004,7 +979,7 @@ class DeMoReplicator(Replicator):
         when that is the same layout."""
         cr, cc = g.chunk
         nb = s.rows.stop - s.rows.start
-        if not s.direct and not s.moved and s.inv is None:
+        if not s.direct and s.inv is None:
             return self._out_image(g, s.image, s.padded).view(nb, cr, cc)
         bn = g.block_numel
         return g.xh.view(-1)[s.rows.start * bn: s.rows.stop * bn].view(nb, cr, cc)
@@ -1026,9 +1001,7 @@ class DeMoReplicator(Replicator):
 
     def _to_image(self, g: _Group, s: _Segment, blocks: torch.Tensor) -> None:
         """Blocks of an image-staged segment into its rows of the output image."""
-        if s.moved:
-            torch._foreach_copy_(*s.moves)
-        elif s.inv is not None:
+        if s.inv is not None:
             cc = g.chunk[1]
             torch.index_select(blocks.view(-1, cc), 0, s.inv,
                                out=self._out_image(g, s.image, s.padded).view(-1, cc))

@@ -38,6 +38,8 @@ def test_graphs_have_no_effect_off_cuda():
     graphed, a = _run("cpu", graphs=True)
     eager, b = _run("cpu")
     assert not graphed._graphs
+    # staging="auto" stays direct where there are no graphs
+    assert any(s.direct for g in graphed.groups for s in g.segments)
     assert all(_same(x, y) for x, y in zip(a, b))
     assert _same(graphed.delta, eager.delta)
 

@@ -111,6 +111,9 @@ PRESETS: dict[str, dict] = {
 _TRANSFORM_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 _WARM = 2  # eager calls of a step shape before its CUDA graph is captured
 _MAX_GRAPHS = 32  # step shapes beyond this many run eagerly
+# staging="auto" stages through images under CUDA graphs below this many entries per tensor
+# (on one H100 a graphed direct step is then bound by its per-tensor copies, not the GPU)
+_IMAGE_NUMEL = 500_000
 
 # reasons a payload body is bad, in the order they are checked (0: good)
 _RANGE, _REPEAT, _NONFINITE = 1, 2, 3
@@ -493,12 +496,15 @@ class DeMoReplicator(Replicator):
 
     @property
     def _stage_images(self) -> bool:
-        """Every unit staged through its image (``staging="image"``; ``"auto"``: on CUDA):
-        the gradients' copies in and out are contiguous (a few multi-tensor launches instead
-        of a strided copy per tensor), and the permutation into block rows is one gather per
-        group (inside a CUDA graph where there is one)."""
-        if self.staging == "auto":
-            return self.device is not None and self.device.type == "cuda"
+        """Every unit staged through its image (``staging="image"``; ``"auto"``: under CUDA
+        graphs, below 500k entries per tensor): the gradients' copies in and out are
+        contiguous (a few multi-tensor launches instead of a strided copy per tensor), and the
+        permutation into block rows is one gather per group, inside the graphs. It costs more
+        GPU time than the strided copies (a gather and a second pass), so it pays where the
+        host's launches bound the step: shards."""
+        if self.staging == "auto":  # where a graphed step is bound by the host's launches
+            numel = sum(s.numel() for s in self._shapes)
+            return self._graphed and numel < _IMAGE_NUMEL * len(self._shapes)
         return self.staging == "image"
 
     def _out_image(self, g: _Group, part: slice, padded: bool) -> torch.Tensor:

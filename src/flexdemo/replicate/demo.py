@@ -185,7 +185,7 @@ class _Group:
     img: torch.Tensor | None = None  # image layout: image-staged units' gradient or momentum
     xpad: torch.Tensor | None = None  # image layout: padded units' staged gradients
     img_src: torch.Tensor | None = None  # rows of ``img`` ...
-    img_dst: torch.Tensor | None = None  # ... and where they go in ``xh``
+    img_dst: torch.Tensor | None = None  # ... and where they go in ``xh`` (None: in order)
     segments: list[_Segment] = field(default_factory=list)
     pad0: int = 0  # image offset of the padded units (their outputs: the workspace's ``out``)
     idx_off: int = 0
@@ -466,7 +466,12 @@ class DeMoReplicator(Replicator):
             row += u.plan.num_blocks
         if img:
             g.img = torch.zeros(img, dtype=f32, device=dev)
-            g.img_src, g.img_dst = torch.cat(src).to(dev), torch.cat(dst).to(dev)
+            src, dst = torch.cat(src), torch.cat(dst)
+            if dst.numel() == cr * blocks:  # every block row comes from the image: one gather
+                src = torch.empty_like(src).index_copy_(0, dst, src)
+                g.img_src = src.to(dev)
+            else:
+                g.img_src, g.img_dst = src.to(dev), dst.to(dev)
         if pad:
             g.xpad = torch.zeros(pad, dtype=f32, device=dev)
         for u in units:
@@ -747,9 +752,12 @@ class DeMoReplicator(Replicator):
             elif r.padded:
                 g.img[r.image].mul_(decay).add_(g.xpad[r.xpad], alpha=scale[id(r)])
         if g.img is not None:  # image-staged units: their rows into the block rows
-            rows = torch.index_select(g.img.view(-1, cc), 0, g.img_src,
-                                      out=w.x[: g.img_src.numel() * cc].view(-1, cc))
-            g.xh.view(-1, cc).index_copy_(0, g.img_dst, rows)
+            if g.img_dst is None:  # all of them, straight into the block rows
+                torch.index_select(g.img.view(-1, cc), 0, g.img_src, out=g.xh.view(-1, cc))
+            else:
+                rows = torch.index_select(g.img.view(-1, cc), 0, g.img_src,
+                                          out=w.x[: g.img_src.numel() * cc].view(-1, cc))
+                g.xh.view(-1, cc).index_copy_(0, g.img_dst, rows)
         x = g.xh
         if w.xc is not None:  # a non-finite input is zeroed in the compute dtype's copy
             x = w.xc[:n].view_as(g.xh).copy_(g.xh).masked_fill_(bad, 0.0)

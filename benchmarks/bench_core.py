@@ -289,7 +289,8 @@ def rep_kwargs(args) -> dict:
     return {"topk": args.topk, "chunk": args.chunk, "values": args.values,
             "transform_dtype": args.transform_dtype, "decay": args.decay,
             "bucket": not args.per_tensor, "overlap": args.overlap, "compile": args.compile,
-            "graphs": args.graphs, "staging": args.staging}
+            "graphs": True if args.graphs else False if args.eager else "auto",
+            "staging": args.staging}
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -314,9 +315,12 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--compile", action="store_true",
                    help="torch.compile the top-k selection (compile=True)")
     p.add_argument("--graphs", action="store_true",
-                   help="graphs=True: CUDA graphs of the step's device work")
+                   help="graphs=True: CUDA graphs of the step's device work (default: the "
+                        "library's 'auto', on CUDA)")
+    p.add_argument("--eager", action="store_true", help="graphs=False: the eager step")
     p.add_argument("--staging", default="auto", choices=["auto", "direct", "image"],
-                   help="DeMo's staging of the gradients (auto: image on CUDA, direct on CPU)")
+                   help="DeMo's staging of the gradients (auto: images under CUDA graphs "
+                        "below 500k entries per tensor, else direct)")
     p.add_argument("--per-tensor", action="store_true",
                    help="bucket=False: every tensor its own group (for comparison)")
     p.add_argument("--profile", type=int, default=0, metavar="N",
@@ -389,7 +393,8 @@ def main(argv: list[str] | None = None) -> dict:
           f"layers, vocab {cfg.vocab}); DeMo topk={args.topk} chunk={args.chunk} "
           f"values={args.values} transform {args.transform_dtype} overlap={args.overlap}"
           f"{' per-tensor' if args.per_tensor else ''}{' compiled' if args.compile else ''}"
-          f"{' graphs' if args.graphs else ''} staging={args.staging}; "
+          f" graphs={'on' if args.graphs else 'off' if args.eager else 'auto'}"
+          f" staging={args.staging}; "
           f"{device.type} ({dev_name}), torch "
           f"{torch.__version__}, {args.threads} thread(s), {clock} clock\n")
     head = (f"{'layout':<7} {'n':>2} {'local params':>13} {'DeMo B/step':>12} "

@@ -87,6 +87,24 @@ def run_replicas(hub: InProcessHub, fn: Callable[[int], object]) -> list:
     return results
 
 
+def _without_graphs(reps, device: torch.device) -> None:
+    """Replicas share one stream from several threads, which a CUDA graph's capture cannot:
+    ``graphs="auto"`` is turned off (also inside composite replicators), ``True`` refused."""
+    todo = [r for r in reps if isinstance(r, Replicator)]
+    while todo:
+        rep = todo.pop()
+        graphs = getattr(rep, "graphs", None)
+        if graphs == "auto":
+            rep.graphs = False
+        elif graphs is True and device.type == "cuda":
+            raise ValueError(f"{rep.name}: graphs=True cannot run under SimulatedReplicas (its "
+                             "replicas share one CUDA stream from several threads); leave "
+                             "graphs at 'auto' or set it to False")
+        for v in vars(rep).values():  # composite replicators: their parts
+            parts = v if isinstance(v, (list, tuple)) else [v]
+            todo.extend(p for p in parts if isinstance(p, Replicator))
+
+
 def _fresh_replicators(spec) -> list:
     """One replica's replicators: names stay names; unused instances are deep-copied."""
     if callable(spec) and not isinstance(spec, Replicator):
@@ -158,10 +176,14 @@ class SimulatedReplicas:
                 return optimizer_fn(params, self.groups[r])
             reps = ([make_replicator(replicator, **replicator_kwargs)] if replicator_kwargs
                     else _fresh_replicators(replicator))
+            reps = [make_replicator(r) if isinstance(r, str) else r for r in reps]
+            _without_graphs(reps, self.device)
             return DeToNATION(params, reps, base=optimizer, lr=lr, group=self.groups[r],
                               **optimizer_kwargs)
 
         self.optimizers: list[torch.optim.Optimizer] = self.run(build)
+        for opt in self.optimizers:  # optimizers of optimizer_fn (already set up)
+            _without_graphs(getattr(opt, "replicators", []), self.device)
 
     # ------------------------------------------------------------------ random numbers
     def _initial_rng(self, seed: int | None, r: int) -> tuple:

@@ -44,7 +44,8 @@ that rank's momentum stays bitwise untouched without a copy of it or a read of t
 momentum that overflows to Inf from finite input sends non-finite values: every replica's
 payload check names that rank, as for any corrupt payload.)
 
-**CUDA graphs** (``graphs=True``, CUDA only; no effect on other devices). The device work
+**CUDA graphs** (``graphs="auto"``, the default: on CUDA unless ``compile=True``; ``True``;
+``False``; no effect on other devices). The device work
 between the host's decisions is captured once per step shape (which gradients are present,
 which step sizes are equal) and replayed: encoding (flag, momentum, transform, selection,
 coding, error feedback, header), the checks of the gathered payloads, and each group's decoded
@@ -53,8 +54,10 @@ gradients stay eager (their addresses change between steps). The step number and
 sizes are device scalars filled before a replay; a step size then scales the column basis of
 the transform rather than its product, so the coefficients can differ from eager CUDA in the
 last bit, identically on every replica. The first two steps of a shape run eagerly, the third
-captures. A failed capture warns and the replicator stays eager. Every replica must use the same
-setting.
+captures (the warm-up steps already use the device scalars, so a resumed run has the bits of
+an uninterrupted one). A failed capture warns and the replicator stays eager. Every replica
+must use the same setting. :class:`~flexdemo.SimulatedReplicas` turns ``"auto"`` off (its
+replicas share one stream from several threads, which a capture cannot).
 
 **Wire format** (one bucket per step): a 32-byte header (magic and version, step, non-finite
 flag, presence code); then per group the block-local indices of all its blocks packed at
@@ -317,7 +320,7 @@ class DeMoReplicator(Replicator):
                  transform: str = "dct", transform_dtype: str = "fp32", small: str = "batch",
                  small_numel: int | None = None,
                  bucket: bool = True, overlap: str = "none", on_bad_peer: str = "raise",
-                 compile: bool = False, graphs: bool = False, staging: str = "auto",
+                 compile: bool = False, graphs: bool | str = "auto", staging: str = "auto",
                  **schedule) -> None:
         super().__init__(**schedule)
         if not isinstance(topk, int) or isinstance(topk, bool) or topk < 1:
@@ -349,11 +352,13 @@ class DeMoReplicator(Replicator):
                              "communicates every step (replicate_every=1, skip_every=0)")
         if on_bad_peer not in ("raise", "drop"):
             raise ValueError(f"on_bad_peer must be 'raise' or 'drop', got {on_bad_peer!r}")
-        if not isinstance(graphs, bool):
-            raise ValueError(f"graphs must be True or False, got {graphs!r}")
+        if not isinstance(graphs, bool) and graphs != "auto":
+            raise ValueError(f"graphs must be True, False or 'auto', got {graphs!r}")
         if staging not in ("auto", "direct", "image"):
             raise ValueError(f"staging must be 'auto', 'direct' or 'image', got {staging!r}")
-        if graphs and compile:
+        if graphs == "auto":  # on CUDA, unless the selection is compiled
+            graphs = "auto" if not compile else False
+        if graphs is True and compile:
             raise ValueError("graphs=True and compile=True do not combine: the CUDA graphs "
                              "replay the eager selection; choose one")
         self.topk, self.chunk, self.decay = topk, chunk, float(decay)
@@ -383,7 +388,7 @@ class DeMoReplicator(Replicator):
             ("transform_dtype", self.transform_dtype, "fp32"),
             ("small", self.small, "batch"), ("bucket", self.bucket, True),
             ("overlap", self.overlap, "none"), ("compile", self.compile, False),
-            ("graphs", self.graphs, False), ("staging", self.staging, "auto")) if v != d)
+            ("graphs", self.graphs, "auto"), ("staging", self.staging, "auto")) if v != d)
         return (f"topk={self.topk}, chunk={self.chunk}, decay={self.decay}, "
                 f"values={self.values!r}, sign={self.sign}{extra}")
 
@@ -623,7 +628,7 @@ class DeMoReplicator(Replicator):
     # ------------------------------------------------------------------ CUDA graphs
     @property
     def _graphed(self) -> bool:
-        return self.graphs and self.device is not None and self.device.type == "cuda"
+        return bool(self.graphs) and self.device is not None and self.device.type == "cuda"
 
     def _graph(self, key: tuple, fn):
         """``fn()`` through a CUDA graph captured for ``key``: the first ``_WARM`` calls of a

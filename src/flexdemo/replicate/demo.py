@@ -848,7 +848,7 @@ class DeMoReplicator(Replicator):
 
     def _encode(self, live: _Live, lrs, step: int | torch.Tensor, buf: torch.Tensor) -> list:
         """:meth:`_fill` after the staging: all device work, the same for every step of one
-        shape (a CUDA graph under ``graphs=True``)."""
+        shape (a CUDA graph on CUDA unless ``graphs=False``)."""
         bad = self._input_flag(live)
         self._mask(bad, live)
         decay = torch.where(bad, self._one, self._decay)

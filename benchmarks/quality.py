@@ -174,7 +174,7 @@ class LookaheadDeMo(DeMoReplicator):
     from ``m_t`` itself, bitwise the plain replicator (a test holds it to that)."""
 
     def __init__(self, gain: float | None = 1.0, **kwargs) -> None:
-        super().__init__(**kwargs)
+        super().__init__(**{"graphs": False, **kwargs})
         if self.graphs or self.compile:
             raise ValueError("the look-ahead prototype runs eagerly: graphs=False, compile=False")
         self.gain = gain

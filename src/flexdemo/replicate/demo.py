@@ -136,6 +136,8 @@ class _Unit:
     transform: BlockDCT
     k: int
     part: tuple[int, int] | None = None  # rows [a, b) of its one member (a split tensor)
+    index: int = 0  # its place in the replicator's units
+    pieces: list[int] = field(default_factory=list)  # its members' pieces (see _pieces)
     delta: torch.Tensor | None = None  # set when its group is built
     group: int = 0
     rows: slice = field(default_factory=lambda: slice(0, 0))  # its blocks in the group
@@ -535,7 +537,7 @@ class DeMoReplicator(Replicator):
         for g in self.groups:
             bn = g.block_numel
             for u in g.units:
-                pieces = self._pieces_of[self._index[id(u)]]
+                pieces = u.pieces
                 if not u.direct:
                     staging = g.xpad[u.xpad] if u.padded else g.img[u.image]
                     for j, i in enumerate(pieces):
@@ -578,14 +580,12 @@ class DeMoReplicator(Replicator):
             self.units.append(unit)
         # pieces: (parameter, rows of it or None, shape), a unit's members in order
         self._pieces: list[tuple[int, tuple[int, int] | None, torch.Size]] = []
-        self._pieces_of: list[list[int]] = []
-        for u in self.units:
-            first = len(self._pieces)
+        for j, u in enumerate(self.units):
+            u.index = j
             for i in u.members:
                 shape = self._shapes[i] if u.part is None else torch.Size(u.plan.shape)
+                u.pieces.append(len(self._pieces))
                 self._pieces.append((i, u.part, shape))
-            self._pieces_of.append(list(range(first, len(self._pieces))))
-        self._index = {id(u): j for j, u in enumerate(self.units)}
         self.groups = self._make_groups()
         off = HEADER_BYTES
         for g in self.groups:
@@ -691,8 +691,7 @@ class DeMoReplicator(Replicator):
                 if not on[id(u)]:
                     off.append(u.rows)
                     continue
-                j = self._index[id(u)]
-                for p in self._pieces_of[j]:
+                for p in u.pieces:
                     if present[self._pieces[p][0]]:
                         live.present.append(p)
                         live.stage.append(self._stage_at[p])
@@ -711,7 +710,8 @@ class DeMoReplicator(Replicator):
                         last.image = slice(last.image.start, u.image.stop)
                         last.xpad = slice(last.xpad.start, u.xpad.stop)
                 else:
-                    runs.append(_Run(u.padded, u.rows, u.image, u.xpad, u.members[0], j))
+                    runs.append(_Run(u.padded, u.rows, u.image, u.xpad, u.members[0],
+                                     u.index))
             live.runs.append(runs)
             live.off_rows.append(off)
             live.write.append((pieces, [self._out_at[p] for p in pieces]))

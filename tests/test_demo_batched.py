@@ -116,8 +116,9 @@ def test_missing_gradients_keep_their_momentum_bitwise():
 @pytest.mark.parametrize("overlap", ["none", "delayed"])
 @pytest.mark.parametrize("where", [(9, (3, 4), "nan"), (8, (70, 5), "inf"), (1, (7,), "-inf")],
                          ids=["padded-nan", "tiling-inf", "small-neginf"])
-@pytest.mark.parametrize("kw", [{}, {"transform_dtype": "bf16", "values": "fp32"}],
-                         ids=["fp32", "bf16-transform"])
+@pytest.mark.parametrize("kw", [{}, {"transform_dtype": "bf16", "values": "fp32"},
+                                {"staging": "image"}],
+                         ids=["fp32", "bf16-transform", "image-staging"])
 def test_non_finite_input_leaves_the_momentum_untouched(overlap, where, kw):
     """The non-finite flag is found on the device before the momentum update; the rank's
     momentum stays bitwise as it was (no copy of it is kept), it sends zeros, and its header

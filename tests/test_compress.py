@@ -133,14 +133,18 @@ def test_rowmajor_topk_matches_block_topk(cr, cc, k):
 
     torch.manual_seed(5)
     nb = 37
-    coef = torch.randn(cr, nb, cc)
-    blocks = coef.permute(1, 0, 2).reshape(nb, cr * cc)
-    ref = topk_indices(blocks.abs(), k)
-    idx, pos = topk_blocks_rowmajor(coef, k, torch.empty(coef.numel()), Scratch())
-    assert torch.equal(idx, ref)
-    assert torch.equal(coef.reshape(-1)[pos], blocks.gather(1, idx))
-    if cr % 8 == 0 and cr * cc // 8 >= 4 * k:
-        assert all(torch.equal(a, b) for a, b in zip(select_rowmajor(coef, k), (idx, pos)))
+    ties = torch.randn(cr, nb, cc)  # blocks of zeros, of -0.0, and half zero: ties to break
+    ties[:, :3] = 0.0
+    ties[:, 3:6] = -0.0
+    ties[: max(1, cr // 2), 6:9] = 0.0
+    for coef in (torch.randn(cr, nb, cc), ties):
+        blocks = coef.permute(1, 0, 2).reshape(nb, cr * cc)
+        ref = topk_indices(blocks.abs(), k)
+        idx, pos = topk_blocks_rowmajor(coef, k, torch.empty(coef.numel()), Scratch())
+        assert torch.equal(idx, ref)
+        assert torch.equal(coef.reshape(-1)[pos], blocks.gather(1, idx))
+        if cr % 8 == 0 and cr * cc // 8 >= 4 * k:
+            assert all(torch.equal(a, b) for a, b in zip(select_rowmajor(coef, k), (idx, pos)))
 
 
 @pytest.mark.parametrize("chunk", [(64, 64), (8, 8), (1, 64), (50, 64)])

@@ -224,8 +224,7 @@ class _Run:
     rows: slice
     image: slice | None
     xpad: slice | None
-    lead: int  # a parameter of the run: its step size is the run's
-    unit: int  # a unit of the run (its class of step size)
+    unit: int  # a unit of the run: its step size (and class of step size) is the run's
 
 
 @dataclass
@@ -710,8 +709,7 @@ class DeMoReplicator(Replicator):
                         last.image = slice(last.image.start, u.image.stop)
                         last.xpad = slice(last.xpad.start, u.xpad.stop)
                 else:
-                    runs.append(_Run(u.padded, u.rows, u.image, u.xpad, u.members[0],
-                                     u.index))
+                    runs.append(_Run(u.padded, u.rows, u.image, u.xpad, u.index))
             live.runs.append(runs)
             live.off_rows.append(off)
             live.write.append((pieces, [self._out_at[p] for p in pieces]))
@@ -739,7 +737,7 @@ class DeMoReplicator(Replicator):
             return 1.0
         if self._graphed:
             return self._lr_dev[classes[r.unit]]
-        return float(lrs[r.lead])
+        return float(lrs[self.units[r.unit].members[0]])
 
     def _decay_encode(self, g: _Group, runs: list[_Run], lrs, decay: torch.Tensor,
                       bad: torch.Tensor, classes: tuple[int, ...] | None = None) -> None:
@@ -868,8 +866,10 @@ class DeMoReplicator(Replicator):
         return sent
 
     def _inputs(self, gi: int) -> list[torch.Tensor]:
-        """The buffers group ``gi``'s input is staged in: its block rows, the staged
-        gradients of its padded units, the images of its small-tensor batches."""
+        """The buffers group ``gi``'s input is staged in: its block rows (where units are
+        staged directly), the staged gradients of its padded units, and the images of the
+        other image-staged units (the small-tensor batch; every tiling unit under
+        ``staging="image"``)."""
         g = self.groups[gi]
         direct = [g.xh] if any(s.direct for s in g.segments) else []
         return direct + ([g.xpad] if g.xpad is not None else []) + [

@@ -16,6 +16,9 @@ NONFINITE_CASES = {
     "full-int8": ("full", {"values": "int8", "block": 32}, 3, 6),
     "full-every2": ("full", {"replicate_every": 2}, 3, 6),  # step 3 exchanges nothing
     "demo-every2": ("demo", {"topk": 4, "chunk": 8, "replicate_every": 2}, 3, 6),
+    # step 3's payloads are applied at step 4 (the update zeroed on the device), and the
+    # verdict, read a step later, raises at step 5
+    "demo-delayed": ("demo", {"topk": 4, "chunk": 8, "overlap": "delayed"}, 3, 7),
     "random": ("random", {"rate": 0.25}, 3, 6),
     "striding": ("striding", {"rate": 0.25}, 3, 6),
     "slicing": ("slicing", {"rate": 0.25}, 3, 6),

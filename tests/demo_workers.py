@@ -75,8 +75,9 @@ def corrupt_worker(rank: int, world: int) -> dict:
         trained = _train(rep, rank, steps=2)
         if rank == 1:
             corrupt_first_values(rep, torch.bfloat16, 1)
-        try:  # synchronous: raised at step 2; delayed: when step 2's payloads are applied
-            _train(rep, rank, steps=2, start=2, trained=trained)
+        try:  # synchronous: raised at step 2; delayed: at step 4, the step after step 2's
+            # payloads are applied (bad peers left out on the device, the verdict read late)
+            _train(rep, rank, steps=3, start=2, trained=trained)
             out[overlap] = None
         except CorruptPayloadError as e:
             out[overlap] = (str(e), e.global_rank, e.step)

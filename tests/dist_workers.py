@@ -273,4 +273,15 @@ def wire_worker(rank, world):
             out[policy] = (str(e), e.global_rank)
         out[policy + "_dropped"] = rep.dropped_payloads
         out[policy + "_shards"] = shards(model)
+    # the same in delayed mode: rank 1's payloads from step 2 on are left out on the device
+    # from step 3 on; the first verdict is read, counted and warned of at step 4
+    rep = DeMoReplicator(topk=4, chunk=8, on_bad_peer="drop", overlap="delayed")
+    model, opt = flexdemo.prepare(fresh_model(), rep, lr=0.01, replicate=world, shard=1)
+    train(model, opt, 2, rank)
+    if rank == 1:
+        corrupt_first_values(rep, torch.float32, 1)
+    train(model, opt, 2, rank, start=2)
+    dropped = rep.dropped_payloads
+    train(model, opt, 1, rank, start=4)
+    out["drop-delayed"] = {"dropped": (dropped, rep.dropped_payloads), "shards": shards(model)}
     return out

@@ -13,7 +13,8 @@ from dist_util import run_world
 # where every rank must raise, per case (the NaN is on rank 1 at step 3)
 RAISE_STEP = {"full-every2": 4, "demo-every2": 4,  # step 3 exchanges nothing: step 4 tells
               "diloco-full": 5, "diloco-demo": 5,  # the next sync, after step 5
-              "diloco-stream": 4}  # fragment 1 launched after step 3, applied after step 4
+              "diloco-stream": 4,  # fragment 1 launched after step 3, applied after step 4
+              "demo-delayed": 5}  # applied at step 4 (as zeros), its verdict read at step 5
 
 
 @pytest.fixture(scope="module")

@@ -58,3 +58,11 @@ def test_corrupt_payload_dropped_on_every_rank(results):
     for res in results:
         assert res["drop"] is None and res["drop_dropped"] == 1
     assert _same(results[0]["drop_shards"], results[1]["drop_shards"])
+
+
+def test_corrupt_payload_dropped_a_step_late_in_delayed_mode(results):
+    """Left out of the mean on the device when applied (step 3), counted at step 4."""
+    for res in results:
+        assert res["drop-delayed"]["dropped"] == (0, 1)
+    assert _same(results[0]["drop-delayed"]["shards"], results[1]["drop-delayed"]["shards"])
+    assert all(torch.isfinite(t).all() for t in results[0]["drop-delayed"]["shards"])

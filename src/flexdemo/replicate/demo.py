@@ -35,8 +35,11 @@ alone (``bucket=False``).
 
 **Host synchronisation.** The checks of the received payloads (header, index range, repeated
 indices, finite values, the non-finite flag and the presence code) run on the device and are
-reduced to one small tensor, read once per step; in ``overlap="delayed"`` mode it is read
-when the payload's result is applied, before the next payload is encoded. The non-finite flag
+reduced to one small tensor, read once per step. In ``overlap="delayed"`` mode a step reads
+nothing: the payloads it applies are checked on the device, bad peers are left out of the mean
+there (a payload with the non-finite flag zeroes the update), and the verdict goes to host
+memory without waiting; the next step judges it first (raises, or counts and warns), and a
+checkpoint carries it. The non-finite flag
 of this rank's own input is found on the device before the momentum update (the least and
 largest entry of its staged input, one reduction per staging buffer); where it is set, the
 staged input is zeroed, the decay factor is 1 and the selected values are sent as zeros, so
@@ -77,7 +80,8 @@ later, so the exchange runs behind the next forward and backward: the update app
 indices in range and unique within a block, values finite. A bad payload raises
 :class:`CorruptPayloadError` naming the sending rank (``on_bad_peer="raise"``, default), or
 with ``on_bad_peer="drop"`` that peer's contribution is left out of the step's mean on every
-replica, with a warning and the counter ``dropped_payloads``.
+replica, with a warning and the counter ``dropped_payloads`` (in delayed mode both come one
+step after the payload is applied without it).
 """
 
 from __future__ import annotations
@@ -96,6 +100,7 @@ from ..compress.select import select_rowmajor, topk_blocks_rowmajor
 from ..transport import Pending, all_gather
 from .base import (  # CorruptPayloadError: its former home was this module
     HEADER_BYTES,
+    MAGIC,
     CorruptPayloadError,  # noqa: F401
     Replicator,
     check_flags,
@@ -612,6 +617,10 @@ class DeMoReplicator(Replicator):
         self._lr_dev = torch.zeros(max(1, len(self.units)), dtype=torch.float32,
                                    device=self.device)
         self._static: dict[int, torch.Tensor] = {}  # peers -> gathered payloads, for graphs
+        # delayed mode: the step a landing payload must carry, and the deferred verdict
+        self._expect = torch.zeros((), dtype=torch.int64, device=self.device)
+        self._host: dict[int, torch.Tensor] = {}  # peers -> host copy of a verdict
+        self._pending = None  # (step, presence code, host rows, CUDA event or None)
 
     @property
     def delta(self) -> list[torch.Tensor]:
@@ -654,6 +663,10 @@ class DeMoReplicator(Replicator):
             entry = self._graphs[key] = (graph, out)
         entry[0].replay()
         return entry[1]
+
+    def _graph_or_run(self, key: tuple, fn):
+        """``fn()`` through :meth:`_graph` when graphed, else eagerly."""
+        return self._graph(key, fn) if self._graphed else fn()
 
     # ------------------------------------------------------------------ the step's shape
     def _live_of(self, grads, lrs) -> _Live:
@@ -958,20 +971,42 @@ class DeMoReplicator(Replicator):
                     "entries")
         return "repeated index within a block" if why == _REPEAT else "non-finite value"
 
+    def _kept(self, gathered: torch.Tensor, live: _Live):
+        """:meth:`_verdict`, and which peers' payloads enter the mean, decided on the device
+        (delayed mode): ``keep`` ``(peers,)`` holds the peers whose header is sound (magic,
+        the step in ``self._expect``, this rank's presence code) and whose body passed; all of
+        them are left out when a sound header carries the non-finite flag (as a raised step
+        would apply nothing). ``count``: how many are kept (0-d int64)."""
+        verdict, decoded = self._verdict(gathered, live)
+        sound = ((verdict[:, 0] == MAGIC) & (verdict[:, 1] == self._expect)
+                 & (verdict[:, 3] == live.code))
+        flagged = (sound & (verdict[:, 2] != 0)).any()
+        keep = sound & (verdict[:, 4] == 0) & ~flagged
+        return verdict, decoded, keep, keep.sum()
+
+    def _on_device(self, fn, key: tuple, gathered: torch.Tensor):
+        """``fn(payloads)`` on ``gathered``, through a CUDA graph for ``key`` when graphed (the
+        payloads are first copied into a buffer of fixed address)."""
+        if not self._graphed:
+            return fn(gathered)
+        n = gathered.shape[0]
+        static = self._static.get(n)
+        if static is None:
+            static = self._static[n] = torch.empty_like(gathered)
+        static.copy_(gathered)
+        return self._graph(key + (n,), lambda: fn(static))
+
     def _check(self, gathered: torch.Tensor, step: int, live: _Live):
         """Check the gathered payloads; raise or drop bad ones. Returns the good peers and
         the decoded payloads."""
-        if self._graphed:  # the payloads into a buffer of fixed address, then the graph
-            n = gathered.shape[0]
-            static = self._static.get(n)
-            if static is None:
-                static = self._static[n] = torch.empty_like(gathered)
-            static.copy_(gathered)
-            verdict, decoded = self._graph(("check", live.key, n),
-                                           lambda: self._verdict(static, live))
-        else:
-            verdict, decoded = self._verdict(gathered, live)
+        verdict, decoded = self._on_device(lambda x: self._verdict(x, live),
+                                           ("check", live.key), gathered)
         rows = verdict.tolist()  # the one read of the device in a step
+        return self._judge(rows, step, live.code), decoded
+
+    def _judge(self, rows: list[list[int]], step: int, code: int) -> list[int]:
+        """The host's side of the check, on the verdict's rows (see :meth:`_verdict`):
+        raise, or count and warn, for every bad payload; the good peers."""
         peers = []
         for r, problem in enumerate(header_problems([row[:4] for row in rows], step)):
             if problem is None:
@@ -980,8 +1015,7 @@ class DeMoReplicator(Replicator):
                 self._bad_peer(r, step, problem)
         ok = set(peers)
         check_flags(self.name, [row[2] if r in ok else 0 for r, row in enumerate(rows)],
-                    [row[3] if r in ok else live.code for r, row in enumerate(rows)],
-                    live.code, step)
+                    [row[3] if r in ok else code for r, row in enumerate(rows)], code, step)
         good = []
         for r in peers:
             why, gi, top = rows[r][4:]
@@ -989,7 +1023,35 @@ class DeMoReplicator(Replicator):
                 self._bad_peer(r, step, self._reason(why, gi, top))
             else:
                 good.append(r)
-        return good, decoded
+        return good
+
+    def _defer(self, verdict: torch.Tensor, step: int, code: int) -> None:
+        """Delayed mode: the verdict into host memory without waiting (pinned memory and an
+        event on CUDA), judged by :meth:`_settle` at the next step."""
+        n = verdict.shape[0]
+        host = self._host.get(n)
+        if host is None:
+            cuda = verdict.is_cuda
+            host = self._host[n] = torch.empty(verdict.shape, dtype=verdict.dtype,
+                                               pin_memory=cuda)
+            host._flexdemo_host_copy = True  # read a step later: not a read of the device
+        host.copy_(verdict, non_blocking=True)
+        event = None
+        if verdict.is_cuda:
+            event = torch.cuda.Event()
+            event.record()
+        self._pending = (step, code, host, event)
+
+    def _settle(self) -> None:
+        """Delayed mode: judge the verdict deferred by the step before (its payloads' update
+        was already applied, bad ones left out on the device): raise, or count and warn.
+        Its copy finished long ago, so this waits on nothing in flight."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            step, code, host, event = pending
+            if event is not None:
+                event.synchronize()
+            self._judge(host.tolist(), step, code)
 
     # ------------------------------------------------------------------ decode
     def _blocks_out(self, g: _Group, s: _Segment) -> torch.Tensor:
@@ -1003,9 +1065,11 @@ class DeMoReplicator(Replicator):
         bn = g.block_numel
         return g.xh.view(-1)[s.rows.start * bn: s.rows.stop * bn].view(nb, cr, cc)
 
-    def _dense_inverse(self, g: _Group, s: _Segment, parts: list, n: int) -> torch.Tensor:
+    def _dense_inverse(self, g: _Group, s: _Segment, parts: list, n: int,
+                       div: int | torch.Tensor | None = None) -> torch.Tensor:
         """Inverse DCT of the blocks of segment ``s`` from sparse ``(idx, values)`` parts
-        (summed in order, divided by ``n`` when ``n > 1``), as ``(blocks, cr, cc)``."""
+        (summed in order, divided by ``div``, default ``n``, when ``n > 1``), as
+        ``(blocks, cr, cc)``."""
         w = self._work
         nb = s.rows.stop - s.rows.start
         numel = nb * g.block_numel
@@ -1013,7 +1077,7 @@ class DeMoReplicator(Replicator):
         for idx, vals in parts:  # rank order: every replica sums alike
             coef.scatter_add_(1, idx, vals)
         if n > 1:
-            coef.div_(n)
+            coef.div_(n if div is None else div)
         out = self._blocks_out(g, s)
         g.dct.inverse(coef, out, w.z[:numel])
         return out
@@ -1025,9 +1089,13 @@ class DeMoReplicator(Replicator):
             torch.index_select(blocks.view(-1, cc), 0, s.inv,
                                out=self._out_image(g, s.image, s.padded).view(-1, cc))
 
-    def _decode_mean(self, g: _Group, idx: torch.Tensor, vals: torch.Tensor) -> None:
+    def _decode_mean(self, g: _Group, idx: torch.Tensor, vals: torch.Tensor,
+                     kept: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
         """The mean over the peers of their ``(peers, blocks, k)`` coefficients, through the
-        inverse DCT and ``sign()``, into the workspace's output views.
+        inverse DCT and ``sign()``, into the workspace's output views. ``kept``: ``(keep,
+        count)`` from :meth:`_kept`, the peers left out are zeroed on the device and the sum is
+        divided by ``count`` (the same bits as the mean of the kept peers alone: zeros add
+        exactly).
 
         A few coefficients per block (``m <= (cr + cc) / 4`` over all peers) are decoded
         sparsely; more go through a dense coefficient matrix. The choice depends only on
@@ -1036,13 +1104,19 @@ class DeMoReplicator(Replicator):
         """
         n, (cr, cc) = idx.shape[0], g.chunk
         m = g.k * n
+        div: int | torch.Tensor = n
+        if kept is not None:
+            keep, count = kept
+            keep = keep.view(n, 1, 1)
+            idx, vals = torch.where(keep, idx, 0), torch.where(keep, vals, 0.0)
+            div = count.clamp(min=1)
         for s in g.segments:
             if n and not s.padded and 4 * m <= cr + cc:
                 nb = s.rows.stop - s.rows.start
                 i, v = idx[:, s.rows], vals[:, s.rows]
                 if n > 1:  # (blocks, peers * k) in rank order
                     i = i.permute(1, 0, 2).reshape(nb, m)
-                    v = v.permute(1, 0, 2).reshape(nb, m) / n
+                    v = v.permute(1, 0, 2).reshape(nb, m) / div
                 else:
                     i, v = i[0], v[0]
                 out = self._blocks_out(g, s)
@@ -1051,7 +1125,7 @@ class DeMoReplicator(Replicator):
                 g.dct.inverse_sparse(i, v, out, left, right)
             else:
                 out = self._dense_inverse(g, s, [(idx[r, s.rows], vals[r, s.rows])
-                                                 for r in range(n)], n)
+                                                 for r in range(n)], n, div)
             if self.sign:
                 out.sign_()
             if not s.direct:
@@ -1074,10 +1148,11 @@ class DeMoReplicator(Replicator):
         if targets:
             torch._foreach_copy_(targets, sources)
 
-    def _apply(self, decoded: list, good: list[int], sent_live: _Live, live: _Live,
-               grads) -> None:
+    def _apply(self, decoded: list, good: list[int] | None, sent_live: _Live, live: _Live,
+               grads, kept: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
         """The decoded mean of the good peers' payloads (encoded with ``sent_live``) into the
-        gradients present now (``live``): one multi-tensor copy per group."""
+        gradients present now (``live``): one multi-tensor copy per group. The good peers are
+        ``good``, or (delayed mode) ``kept``, decided on the device."""
         for gi, g in enumerate(self.groups):
             pieces, views = live.write[gi]
             if not pieces:
@@ -1087,6 +1162,12 @@ class DeMoReplicator(Replicator):
                 continue
             idx, vals = decoded[gi]
             n = idx.shape[0]
+            if kept is not None:  # masked on the device, whichever peers are left out
+                self._graph_or_run(("decode-kept", sent_live.key, n, gi),
+                                   lambda g=g, idx=idx, vals=vals: self._decode_mean(
+                                       g, idx, vals, kept))
+                self._write(grads, pieces, views)
+                continue
             if len(good) < n:  # dropped peers (the rare path)
                 keep = torch.tensor(good, dtype=torch.int64, device=idx.device)
                 idx, vals = idx.index_select(0, keep), vals.index_select(0, keep)
@@ -1134,15 +1215,21 @@ class DeMoReplicator(Replicator):
         return grads
 
     def _land(self):
-        """Delayed mode: wait for and check the exchange in flight (launched the step before);
-        ``(decoded, good peers, presence it was encoded with)``, or None when there is none."""
+        """Delayed mode: judge the verdict deferred by the step before (:meth:`_settle`),
+        then wait for the exchange in flight (launched the step before) and check it on the
+        device, deferring its verdict; ``(decoded, (keep, count), presence it was encoded
+        with)``, or None when there is none. No read of the device."""
+        self._settle()
         previous, self._inflight = self._inflight, None
         if previous is None:
             return None
         prev_step, handle, prev_live = previous
         gathered = handle.wait() if isinstance(handle, Pending) else handle
-        good, decoded = self._check(gathered, prev_step, prev_live)
-        return decoded, good, prev_live
+        self._expect.fill_(prev_step)
+        verdict, decoded, keep, count = self._on_device(
+            lambda x: self._kept(x, prev_live), ("check-kept", prev_live.key), gathered)
+        self._defer(verdict, prev_step, prev_live.code)
+        return decoded, (keep, count), prev_live
 
     def _launch(self, grads, lrs, step: int, live: _Live) -> None:
         """Delayed mode: encode ``grads`` and start their exchange (applied next step)."""
@@ -1156,8 +1243,8 @@ class DeMoReplicator(Replicator):
         if landed is None:
             torch._foreach_zero_([g for g in grads if g is not None])
             return
-        decoded, good, sent_live = landed
-        self._apply(decoded, good, sent_live, live, grads)
+        decoded, kept, sent_live = landed
+        self._apply(decoded, None, sent_live, live, grads, kept)
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict:
@@ -1171,6 +1258,11 @@ class DeMoReplicator(Replicator):
             present = next(k for k, v in self._lives.items() if v is live)[0]
             sd["inflight"] = {"step": step, "gathered": gathered.clone(), "code": live.code,
                               "present": list(present)}
+        if self._pending is not None:  # a verdict not yet judged: judged after a resume
+            step, code, host, event = self._pending
+            if event is not None:
+                event.synchronize()
+            sd["verdict"] = {"step": step, "code": code, "rows": host.clone()}
         return sd
 
     def _from_unsplit(self, deltas: list) -> list | None:
@@ -1213,6 +1305,12 @@ class DeMoReplicator(Replicator):
         for u, theirs in zip(self.units, deltas):
             u.delta.copy_(theirs.reshape(u.delta.shape))
         self.dropped_payloads = int(state.get("dropped_payloads", 0))
+        verdict = state.get("verdict")
+        self._pending = None
+        if verdict is not None:
+            rows = verdict["rows"].to("cpu", torch.int64)
+            rows._flexdemo_host_copy = True
+            self._pending = (int(verdict["step"]), int(verdict["code"]), rows, None)
         inflight = state.get("inflight")
         self._inflight = None
         if inflight is not None:

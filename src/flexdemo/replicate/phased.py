@@ -103,6 +103,7 @@ class PhasedReplicator(Replicator):
         assert isinstance(first, DeMoReplicator) and isinstance(then, DeMoReplicator)
         live = first._live_of(grads, lrs)
         landed = first._land()
+        then._pending, first._pending = first._pending, None  # its verdict, judged next step
         self._switch()
         then._launch(grads, lrs, step, then._live_of(grads, lrs))
         first._apply_landed(landed, live, grads)

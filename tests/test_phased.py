@@ -77,6 +77,23 @@ def test_delayed_warmup_applies_the_dense_exchange_at_the_switch():
         assert any(g.any() for g in out) == (step > 0), step
 
 
+def test_delayed_switch_hands_the_verdict_on():
+    """A bad payload in flight at the switch is left out there and named the step after, by
+    the second phase (the first one's verdict is judged a step late)."""
+    phased = setup(demo_warmup(warmup_topk=8, warmup_steps=2, topk=4, chunk=8,
+                               overlap="delayed"))
+    lrs = [0.01] * len(SHAPES)
+    for step in range(2):
+        phased(grads_at(step), lrs, step)
+    first = phased.first
+    g = first.groups[0]
+    first._inflight[1].wait()[0, g.idx_off: g.val_off] = 0  # repeated indices, step 1
+    assert all(not o.any() for o in phased(grads_at(2), lrs, 2))  # the switch: left out
+    assert phased.first is None
+    with pytest.raises(Exception, match="rank 0 .*step 1: repeated index"):
+        phased(grads_at(3), lrs, 3)
+
+
 @pytest.mark.parametrize("overlap,stop", [("none", 1), ("none", 3), ("delayed", 1),
                                           ("delayed", 2), ("delayed", 3)])
 def test_state_round_trip_in_either_phase(overlap, stop):

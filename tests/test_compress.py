@@ -99,12 +99,15 @@ def test_image_index_maps_blocks():
     torch.testing.assert_close(image[t.image_index(idx)], blocks.gather(1, idx).reshape(-1))
 
 
-def test_topk_matches_torch():
+@pytest.mark.parametrize("k", [32, 16, 4])  # 16 and 4: the groups found in two stages too
+def test_topk_matches_torch(k):
+    from flexdemo.compress import Scratch
+
     torch.manual_seed(2)
     m = torch.rand(50, 4096)
-    got = topk_indices(m, 32).sort(1).values
-    ref = torch.topk(m, 32, dim=1).indices.sort(1).values
-    assert torch.equal(got, ref)
+    ref = torch.topk(m, k, dim=1).indices.sort(1).values
+    assert torch.equal(topk_indices(m, k).sort(1).values, ref)
+    assert torch.equal(topk_indices(m, k, Scratch()).sort(1).values, ref)
     with pytest.raises(ValueError, match="topk"):
         topk_indices(m, 0)
 

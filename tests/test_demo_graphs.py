@@ -81,7 +81,11 @@ def test_graphs_equal_eager_on_cuda(kw):
     graphed, a = _run("cuda", steps=12, graphs=True, **kw)
     eager, b = _run("cuda", steps=12, graphs=False, **kw)
     kinds = {key[0] for key in graphed._graphs}
-    assert {"fill", "check", "decode"} <= kinds  # captured, and replayed from step 3 on
+    # captured, and replayed from step 3 on (the delayed mode's check and decode leave bad
+    # peers out on the device)
+    want = {"fill", "check-kept", "decode-kept"} if kw.get("overlap") else {
+        "fill", "check", "decode"}
+    assert want <= kinds
     assert all(_same(x, y) for x, y in zip(a, b))
     assert _same(graphed.delta, eager.delta)
 
@@ -127,3 +131,73 @@ def test_graphs_name_a_corrupt_peer_on_cuda():
     _, eager_msg, eager_delta = _corrupt_run("cuda", False)
     assert msg == eager_msg
     assert all(torch.equal(x, y) for x, y in zip(delta, eager_delta))
+
+
+def _delayed_corrupt_run(device, graphs, monkeypatch, corrupt=True):
+    """Delayed mode, two peers (this rank's payload twice), the second sending NaN at step 5:
+    the outputs of steps 0-6 and the error at step 7 (None when ``corrupt`` is False)."""
+    import flexdemo.replicate.demo as demo_module
+
+    rep = DeMoReplicator(graphs=graphs, values="fp32", overlap="delayed")
+    shapes = [torch.Size(s) for s in SHAPES]
+    rep.setup(shapes, torch.device(device), None)
+
+    def gather(buf, group, stats, async_op=False):
+        out = torch.stack([buf, buf])
+        if corrupt and int(out[0, 8:16].view(torch.int64)) == 5:  # (the test may read)
+            g = rep.groups[0]
+            out[1, g.val_off: g.val_off + 8].view(torch.float32).fill_(float("nan"))
+        return out
+
+    monkeypatch.setattr(demo_module, "all_gather", gather)
+    torch.manual_seed(0)
+    lrs = [2.0 ** -10] * len(shapes)
+    outs = [[g.cpu().clone() for g in rep.replicate(
+        [torch.randn(s, device=device) for s in shapes], lrs, step, True)] for step in range(7)]
+    err = None
+    try:
+        rep.replicate([torch.randn(s, device=device) for s in shapes], lrs, 7, True)
+    except CorruptPayloadError as e:
+        err = str(e)
+    return rep, outs, err
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not CUDA, reason="CUDA graphs need a CUDA device (torch.cuda.is_available)"))])
+def test_delayed_mode_leaves_a_corrupt_peer_out_then_names_it(device, monkeypatch):
+    """Step 6 applies step 5's payloads with the bad peer left out on the device (both peers
+    sent the same, so the mean of the good one is the uncorrupted mean); step 7 names it. On
+    CUDA, with the check and decode graphs replayed, as eagerly."""
+    rep, outs, err = _delayed_corrupt_run(device, True, monkeypatch)
+    _, clean, none = _delayed_corrupt_run(device, True, monkeypatch, corrupt=False)
+    assert none is None and "rank 1" in err and "step 5" in err and "non-finite" in err
+    assert all(_same(a, b) for a, b in zip(outs, clean))
+    if device == "cuda":
+        assert {"check-kept", "decode-kept"} <= {key[0] for key in rep._graphs}
+        _, eager, eager_err = _delayed_corrupt_run(device, False, monkeypatch)
+        assert eager_err == err and all(_same(a, b) for a, b in zip(outs, eager))
+
+
+@pytest.mark.skipif(not CUDA, reason="synchronisations are a CUDA notion (torch.cuda)")
+def test_delayed_optimizer_step_does_not_synchronise():
+    """After the warm-up, a delayed DeMo optimizer step makes no synchronising CUDA call
+    (``set_sync_debug_mode("error")`` raises on one)."""
+    from torch import nn
+
+    from flexdemo import DeToNATION
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 256), nn.Tanh(), nn.Linear(256, 64)).cuda()
+    opt = DeToNATION(model.parameters(), DeMoReplicator(overlap="delayed"), lr=1e-3,
+                     base_kwargs={"foreach": True})
+    x = torch.randn(8, 64, device="cuda")
+    for step in range(8):
+        model(x).pow(2).mean().backward()
+        if step >= 4:  # graphs captured at step 2
+            torch.cuda.set_sync_debug_mode("error")
+        try:
+            opt.step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        opt.zero_grad()
+    assert any(key[0] == "check-kept" for key in opt.replicators[0]._graphs)

@@ -35,7 +35,9 @@ def make_single(kind: str, seed: int, width: int = 32):
     model = Tiny()
     if width != 32:
         model.out = torch.nn.Linear(32, width)
-    opt = flexdemo.DeToNATION(model.parameters(), make_replicator(kind), base="adamw", lr=0.01)
+    rep = (flexdemo.DeMoReplicator(overlap="delayed") if kind == "demo-delayed"
+           else make_replicator(kind))
+    opt = flexdemo.DeToNATION(model.parameters(), rep, base="adamw", lr=0.01)
     return model, opt
 
 

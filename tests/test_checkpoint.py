@@ -28,12 +28,14 @@ def equal(a, b):
 
 
 # ---------------------------------------------------------------------------- one process
-@pytest.mark.parametrize("kind", ["demo", "diloco"])
+@pytest.mark.parametrize("kind", ["demo", "diloco", "demo-delayed"])
 def test_round_trip_continues_bitwise(tmp_path, kind):
     model, opt = make_single(kind, 0)
     run_steps(model, opt, 2, 0)
     if kind == "diloco":
         assert opt.replicators[0].pending, "fragment 0's sync should be in flight after step 1"
+    if kind == "demo-delayed":  # step 1's exchange in flight, step 0's verdict not yet judged
+        assert opt.replicators[0]._inflight and opt.replicators[0]._pending
     path = save_checkpoint(tmp_path / "step_000002", model, opt, step=2, extra=extra_for(0))
     assert path == tmp_path / "step_000002"
     run_steps(model, opt, 5, 2)
@@ -43,6 +45,8 @@ def test_round_trip_continues_bitwise(tmp_path, kind):
     assert not equal(params(model2), params(model))
     res = load_checkpoint(path, model2, opt2)
     assert res["step"] == 2 and opt2.steps == 2 and opt2.skipped_steps == 0
+    if kind == "demo-delayed":  # the verdict comes back, to be judged at the next step
+        assert opt2.replicators[0]._pending[0] == 0
     want = extra_for(0)
     assert res["extra"].keys() == want.keys()
     assert torch.equal(res["extra"]["rng"], want["rng"])

@@ -157,6 +157,20 @@ def test_codec_decodes_rows_at_once(fmt):
         assert torch.equal(both[r], codec.decode(rows[r], n))
 
 
+@pytest.mark.parametrize("fmt", ["fp32", "bf16", "fp16", "int8", "int4"])
+@pytest.mark.parametrize("n", [37, 48, 1])  # a short last block, whole blocks, one value
+def test_codec_decodes_into_a_buffer_with_the_same_bits(fmt, n):
+    from flexdemo.compress.quant import ValueCodec
+
+    codec = ValueCodec(fmt, 16)
+    data = torch.zeros(codec.nbytes(n) + 3, dtype=torch.uint8)
+    codec.encode(torch.randn(n, generator=torch.Generator().manual_seed(n)) * 3, data)
+    out = torch.full((codec.room(n) + 2,), float("nan"))  # stale contents are overwritten
+    got = codec.decode_into(data, n, out)
+    assert got.data_ptr() == out.data_ptr() and got.shape == (n,)
+    assert torch.equal(got, codec.decode(data, n))
+
+
 def test_diloco_failed_sync_in_flight_survives_a_checkpoint():
     from agreement_workers import diloco_checkpoint_worker
 

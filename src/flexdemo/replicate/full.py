@@ -8,7 +8,6 @@ from ..compress.quant import ValueCodec
 from ..transport import all_gather, all_reduce_bytes, all_reduce_sum
 from .base import (
     HEADER_BYTES,
-    MAGIC,
     Agreement,
     NonFiniteGradientError,
     Replicator,
@@ -112,6 +111,9 @@ class FullReplicator(Replicator):
             nbytes = HEADER_BYTES + self.codec.nbytes(self._total)
             nbytes += -nbytes % 8  # rows of the gathered tensor stay 8-byte aligned
             self._bucket = torch.zeros(nbytes, dtype=torch.uint8, device=self.device)
+            # one peer's decoded values (reused: a fresh buffer page-faults on a CPU)
+            self._scratch = torch.empty(self.codec.room(self._total), dtype=torch.float32,
+                                        device=self.device)
         self.layout = FlatLayout(self._shapes, self.device, flat)
 
     def payload_bytes(self) -> int:
@@ -174,19 +176,21 @@ class FullReplicator(Replicator):
                           code: int) -> None:
         """Check the gathered payloads and write their mean into ``flat``, with one host read.
 
-        Peers are decoded one at a time (memory of one payload, whatever the group size) and
-        summed in rank order, each masked by its verdict (header and finite values) computed
-        on the device; the verdicts are read once at the end, and a bad peer raises or is
-        left out (the mean then divides by the peers kept)."""
+        Peers are decoded one at a time into one reused buffer (memory of one payload,
+        whatever the group size) and summed in rank order; the least and largest value of
+        each tells whether it is finite. The headers and those ends are read once at the
+        end, and a bad peer raises or is left out: then (the rare path) the sum is taken
+        again over the peers kept, the same bits as if the bad one had never been added."""
         n = gathered.shape[0]
         heads = gathered[:, :HEADER_BYTES].view(torch.int64)  # (n, 4)
-        keep = (heads[:, 0] == MAGIC) & (heads[:, 1] == step)
-        finite = torch.empty(n, dtype=torch.bool, device=flat.device)
+        scratch = self._scratch
+        ends = []
         flat.zero_()
         for r in range(n):  # rank order: every replica sums alike
-            values = self.codec.decode(gathered[r, HEADER_BYTES:], self._total)
-            torch.all(torch.isfinite(values), out=finite[r])
-            flat.add_(torch.where(keep[r] & finite[r], values, 0.0))
+            values = self.codec.decode_into(gathered[r, HEADER_BYTES:], self._total, scratch)
+            ends.extend(torch.aminmax(values))
+            flat.add_(values)
+        finite = torch.isfinite(torch.stack(ends).view(n, 2)).all(1)
         read = torch.cat([heads.reshape(-1), finite.to(torch.int64)]).tolist()
         heads_l = [read[4 * r: 4 * r + 4] for r in range(n)]
         problems = header_problems(heads_l, step)
@@ -202,6 +206,11 @@ class FullReplicator(Replicator):
                 hint = " (fp16 overflows beyond 65504: use values='bf16')" \
                     if self.values == "fp16" else ""
                 self._bad_peer(r, step, f"non-finite value{hint}")
+        if len(good) < n:  # dropped peers: the sum again, of the good ones alone
+            flat.zero_()
+            for r in good:
+                flat.add_(self.codec.decode_into(gathered[r, HEADER_BYTES:], self._total,
+                                                 scratch))
         if good:
             flat.div_(len(good))
 

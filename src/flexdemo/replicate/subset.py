@@ -21,7 +21,7 @@ import math
 import torch
 
 from ..transport import all_reduce_bytes, all_reduce_sum
-from .base import Agreement, Replicator, nonfinite_flag
+from .base import Agreement, Replicator, nonfinite_flag, zero_where
 from .full import FlatLayout
 
 
@@ -126,7 +126,7 @@ class _SubsetReplicator(Replicator):
         if communicate:
             # a rank with a non-finite input leaves its momentum as it was: decay by one, add
             # zeros (decided on the device; every rank raises after the exchange)
-            self.work.flat.masked_fill_(flag, 0.0)
+            zero_where(self.work.flat, flag)
             decay = torch.where(flag, 1.0, self.decay)
         else:
             self.agreement.check_local(flag, step)

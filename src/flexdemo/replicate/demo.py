@@ -52,8 +52,9 @@ payload check names that rank, as for any corrupt payload.)
 between the host's decisions is captured once per step shape (which gradients are present,
 which step sizes are equal) and replayed: encoding (flag, momentum, transform, selection,
 coding, error feedback, header), the checks of the gathered payloads, and each group's decoded
-mean. Staging the gradients, the exchange, the one read of the verdict and the writes into the
-gradients stay eager (their addresses change between steps). The step number and the step
+mean. Staging the gradients, the exchange, the read of the verdict (delayed: its copy to
+the host) and the writes into the gradients stay eager (their addresses change between
+steps). The step number and the step
 sizes are device scalars filled before a replay; a step size then scales the column basis of
 the transform rather than its product, so the coefficients can differ from eager CUDA in the
 last bit, identically on every replica. The first two steps of a shape run eagerly, the third

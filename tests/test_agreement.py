@@ -107,6 +107,15 @@ def test_nonfinite_flag_finds_nan_and_inf_but_not_large_values():
         t[2, 3] = bad
         assert bool(nonfinite_flag([torch.ones(3), t]))
     assert not bool(nonfinite_flag([None]))
+    # on a CPU tensors of a million entries and more take the largest-magnitude norm, smaller
+    # ones an fp64 2-norm: both kinds in one call
+    large, small = torch.zeros(1 << 20), torch.full((10,), 3e38)
+    assert not bool(nonfinite_flag([large, small]))
+    for where in (large, small):
+        for bad in (float("nan"), -float("inf")):
+            where[3] = bad
+            assert bool(nonfinite_flag([large, small]))
+            where[3] = 0.0
 
 
 def test_trailer_and_header_carry_flag_and_code():

@@ -69,6 +69,15 @@ class ValueCodec:
         """Entries of the buffer :meth:`decode_into` needs for ``n`` values."""
         return n
 
+    def workspace(self, numel: int, device: torch.device) -> torch.Tensor:
+        """A reused fp32 buffer of ``numel`` entries on ``device`` (the codec's own, grown on
+        demand: a fresh model-sized buffer page-faults on every call on a CPU); encoding with
+        an int format uses it too, so a decode into it must follow the encode."""
+        buf = getattr(self, "_buf", None)
+        if buf is None or buf.numel() < numel or buf.device != torch.device(device):
+            buf = self._buf = torch.empty(numel, dtype=torch.float32, device=device)
+        return buf[:numel]
+
     def max_error(self, x: torch.Tensor) -> torch.Tensor:
         """The documented bound on ``|x - decode(encode(x))|`` per value of ``x``."""
         raise NotImplementedError
@@ -142,14 +151,10 @@ class _IntValues(ValueCodec):
         return out[:n]
 
     def _padded(self, x: torch.Tensor) -> torch.Tensor:
-        """``x`` (flat) copied into a reused fp32 buffer of whole blocks, zero padded: the
-        codes are computed in place there (a fresh buffer page-faults on a CPU)."""
+        """``x`` (flat) copied into the :meth:`workspace` as whole blocks, zero padded: the
+        codes are computed in place there."""
         n = x.numel()
-        m = math.ceil(n / self.block) * self.block
-        buf = getattr(self, "_buf", None)
-        if buf is None or buf.numel() < m or buf.device != x.device:
-            buf = self._buf = torch.empty(m, dtype=torch.float32, device=x.device)
-        buf = buf[:m]
+        buf = self.workspace(self.room(n), x.device)
         buf[:n].copy_(x)
         buf[n:].zero_()
         return buf.view(-1, self.block)

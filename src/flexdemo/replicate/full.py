@@ -111,9 +111,6 @@ class FullReplicator(Replicator):
             nbytes = HEADER_BYTES + self.codec.nbytes(self._total)
             nbytes += -nbytes % 8  # rows of the gathered tensor stay 8-byte aligned
             self._bucket = torch.zeros(nbytes, dtype=torch.uint8, device=self.device)
-            # one peer's decoded values (reused: a fresh buffer page-faults on a CPU)
-            self._scratch = torch.empty(self.codec.room(self._total), dtype=torch.float32,
-                                        device=self.device)
         self.layout = FlatLayout(self._shapes, self.device, flat)
 
     def payload_bytes(self) -> int:
@@ -183,7 +180,7 @@ class FullReplicator(Replicator):
         again over the peers kept, the same bits as if the bad one had never been added."""
         n = gathered.shape[0]
         heads = gathered[:, :HEADER_BYTES].view(torch.int64)  # (n, 4)
-        scratch = self._scratch
+        scratch = self.codec.workspace(self.codec.room(self._total), flat.device)  # (encoded)
         ends = []
         flat.zero_()
         for r in range(n):  # rank order: every replica sums alike

@@ -197,6 +197,55 @@ def test_load_state_dict_rejects_other_model():
         opt.load_state_dict(other.state_dict())
 
 
+def test_load_state_dict_refuses_other_shapes_kinds_and_non_states_before_loading():
+    def two(out):
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(4, 8), nn.Linear(8, out))
+
+    def trained(rep, base, out=3):
+        m = two(out)
+        opt = DeToNATION(m.parameters(), rep, base=base, lr=1e-2)
+        loss = m(torch.randn(2, 4)).square().sum()
+        loss.backward()
+        opt.step()
+        return opt.state_dict()
+
+    # same parameter count, other shapes: the small-tensor batch pads both alike, and
+    # torch's AdamW would load its moments and fail only at the next step
+    cases = [(trained("demo", "adamw"), "demo", "adamw", 5, "parameter 2 has shape"),
+             (trained("full", "sgd"), "full", "sgd", 5, "parameter 2 has shape"),
+             (trained("demo", "adamw"), "full", "adamw", 3, "replicators"),
+             (trained("demo", "adamw"), "diloco", "adamw", 3, "replicators"),
+             (trained("demo", "adamw"), "demo", "sgd", 3, "written by AdamW")]
+    for sd, rep, base, out, msg in cases:
+        opt = DeToNATION(two(out).parameters(), rep, base=base, lr=1e-2)
+        with pytest.raises(ValueError, match=msg):
+            opt.load_state_dict(sd)
+        assert opt.steps == 0 and not any(opt.base.state.values())  # nothing was loaded
+    opt = DeToNATION(two(3).parameters(), "demo")
+    for junk in ({"foo": 1}, 5, {"state": {}}):
+        with pytest.raises(ValueError, match="not an optimizer state of flexdemo"):
+            opt.load_state_dict(junk)
+
+
+def test_bad_settings_name_the_setting_and_the_choices():
+    with pytest.raises(ValueError, match=r"replicator 'demo' has no setting 'bogus'.*'topk'"):
+        flexdemo.make_replicator("demo", bogus=1)
+    with pytest.raises(ValueError, match=r"'demo-warmup' has no setting 'tpk'.*'warmup_topk'"):
+        flexdemo.make_replicator("demo-warmup", tpk=1)
+    with pytest.raises(ValueError, match=r"'diloco' has no setting 'h'.*'inner_steps'"):
+        flexdemo.make_replicator("diloco", h=4)
+    with pytest.raises(ValueError, match="warmup_steps must be an integer >= 0"):
+        flexdemo.make_replicator("demo-warmup", warmup_steps=-1)
+    params = model().parameters()
+    with pytest.raises(ValueError, match="learning rate goes in lr="):
+        DeToNATION(params, "demo", base="adamw", base_kwargs={"lr": 0.1})
+    with pytest.raises(ValueError, match=r"base optimizer 'adamw' \(AdamW\).*'bogus'"):
+        DeToNATION(params, "demo", base="adamw", base_kwargs={"bogus": 0.1})
+    with pytest.raises(TypeError, match="base_kwargs must be a dict"):
+        DeToNATION(params, "demo", base="adamw", base_kwargs=5)
+
+
 def test_decoupled_weight_decay():
     m = nn.Linear(4, 4)
     before = m.weight.detach().clone()

@@ -103,6 +103,9 @@ def test_bad_input_gives_one_clear_line():
         (dict(buffers="sum"), ValueError, "buffers must be one of"),
         (dict(device="meta"), ValueError, "cannot train"),
         (dict(device="tpu9"), ValueError, "device must be"),
+        (dict(replicator_kwargs=5), TypeError, "replicator_kwargs must be a dict"),
+        (dict(optimizer_kwargs=[1]), TypeError, "optimizer_kwargs must be a dict"),
+        (dict(replicator_kwargs={"bogus": 1}), ValueError, "'demo' has no setting 'bogus'"),
     ]
     if not torch.cuda.is_available():
         cases.append((dict(device="cuda"), ValueError, "CUDA is not available"))

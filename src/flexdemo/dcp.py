@@ -166,6 +166,8 @@ def state_dict(opt: torch.optim.Optimizer) -> dict:
         "replicators": reps,
         "steps": opt.steps,
         "skipped_steps": opt.skipped_steps,
+        "params": [list(_local_shape(p)) for p in opt._params],
+        "kinds": _kinds(opt),
         "buffers": [b.detach().clone() for b in opt.buffer_sync.all_buffers]
         if keep_buffers else None,
     }
@@ -217,6 +219,7 @@ def load_state_dict(opt: torch.optim.Optimizer, sd: dict) -> None:
                          f"{blob['mesh']}, this optimizer runs on {_mesh_shape(opt)}; per-replica "
                          "state cannot be redistributed: resume with the same world size and "
                          "mesh")
+    _check_same_job(opt, blob)
     reps = _restore(blob["replicators"], fixed)
     if len(reps) != len(opt.replicators):
         raise ValueError(f"state has {len(reps)} replicators, this optimizer "
@@ -239,6 +242,37 @@ def load_state_dict(opt: torch.optim.Optimizer, sd: dict) -> None:
             b.copy_(v)
     opt.steps = int(blob["steps"])
     opt.skipped_steps = int(blob["skipped_steps"])
+
+
+def _local_shape(p: torch.Tensor) -> torch.Size:
+    return (p._local_tensor if hasattr(p, "_local_tensor") else p).shape
+
+
+def _kinds(opt: torch.optim.Optimizer) -> dict:
+    """The classes of the base optimizer and of the replicators, by name."""
+    return {"base": type(opt.base).__name__,
+            "replicators": [type(r).__name__ for r in opt.replicators]}
+
+
+def _check_same_job(opt: torch.optim.Optimizer, blob: dict) -> None:
+    """Refuse a state written for other parameter shapes, another base optimizer or other
+    replicators before anything is loaded (torch's optimizers load such state silently and
+    fail, or compute nonsense, at a later step). States written before these were recorded
+    are not checked."""
+    saved = blob.get("params")
+    if saved is not None:
+        for i, (shape, p) in enumerate(zip(saved, opt._params)):
+            if tuple(shape) != tuple(_local_shape(p)):
+                raise ValueError(f"the optimizer state is for another model: parameter {i} "
+                                 f"has shape {tuple(shape)} there, {tuple(_local_shape(p))} "
+                                 "here; load it into the model it was saved with")
+    kinds = blob.get("kinds")
+    if kinds is not None and kinds != _kinds(opt):
+        mine = _kinds(opt)
+        raise ValueError(f"the optimizer state was written by {kinds['base']} with replicators "
+                         f"{kinds['replicators']}, this optimizer is {mine['base']} with "
+                         f"{mine['replicators']}; build the optimizer as it was saved (or load "
+                         "only the model's weights to start a new optimizer)")
 
 
 def _copy_local(p: torch.Tensor, v: torch.Tensor) -> None:

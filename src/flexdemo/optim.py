@@ -46,7 +46,13 @@ def make_base_optimizer(base, params, lr: float, **kwargs) -> torch.optim.Optimi
             raise ValueError(f"unknown base optimizer {base!r}; choose one of "
                              f"{sorted(BASE_OPTIMIZERS)} or pass a factory params -> Optimizer")
         kwargs.setdefault("weight_decay", 0.0)
-        return cls(params, lr=lr, **kwargs)
+        try:
+            return cls(params, lr=lr, **kwargs)
+        except TypeError as e:
+            if "keyword argument" not in str(e):
+                raise
+            raise ValueError(f"base optimizer {base!r} ({cls.__name__}): {e}; see "
+                             f"help({cls.__module__}.{cls.__name__}) for its settings") from None
     if callable(base):
         opt = base(params)
         if not isinstance(opt, torch.optim.Optimizer):
@@ -126,6 +132,12 @@ class DeToNATION(torch.optim.Optimizer):
         if nonfinite not in ("raise", "skip"):
             raise ValueError(f"nonfinite must be 'raise' or 'skip', got {nonfinite!r}")
         params = list(params)
+        if base_kwargs is not None and not isinstance(base_kwargs, dict):
+            raise TypeError(f"base_kwargs must be a dict of settings, got "
+                            f"{type(base_kwargs).__name__}")
+        if base_kwargs and "lr" in base_kwargs:
+            raise ValueError("the learning rate goes in lr=..., not in the base optimizer's "
+                             "settings (optimizer_kwargs / base_kwargs)")
         self.base = make_base_optimizer(base, params, lr, **(base_kwargs or {}))
         super().__init__(params, {"lr": lr, "flexdemo_weight_decay": weight_decay})
         self.mesh = mesh
@@ -322,10 +334,16 @@ class DeToNATION(torch.optim.Optimizer):
         return _dcp.state_dict(self)
 
     def load_state_dict(self, state_dict: dict) -> None:
-        if "state" in state_dict and "param_groups" in state_dict:
+        keys = sorted(map(str, state_dict))[:8] if isinstance(state_dict, dict) else None
+        if keys is not None and "state" in state_dict and "param_groups" in state_dict:
             _dcp.load_state_dict(self, state_dict)
-        else:  # the layout of flexdemo 0.1
-            self._load_legacy(state_dict)
+        elif keys is not None and {"replicators", "base", "steps"} <= state_dict.keys():
+            self._load_legacy(state_dict)  # the layout of flexdemo 0.1
+        else:
+            got = keys if keys is not None else type(state_dict).__name__
+            raise ValueError("not an optimizer state of flexdemo: expected a dict with the keys "
+                             f"'state' and 'param_groups' (what opt.state_dict() returns), got "
+                             f"{got}")
         self._share_state()  # torch replaced the base's containers
 
     def _load_legacy(self, state_dict: dict) -> None:

@@ -250,6 +250,10 @@ def prepare(model: nn.Module, replicator: str | Replicator | Sequence = "demo",
     """
     _check_model(model)
     _check_replicators(replicator)
+    for name, kw in (("replicator_kwargs", replicator_kwargs),
+                     ("optimizer_kwargs", optimizer_kwargs)):
+        if kw is not None and not isinstance(kw, dict):
+            raise TypeError(f"{name} must be a dict of settings, got {type(kw).__name__}")
     if replicator_kwargs and not isinstance(replicator, str):
         raise ValueError("replicator_kwargs go with a replicator given by name")
     if buffers not in BUFFER_POLICIES:

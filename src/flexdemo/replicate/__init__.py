@@ -1,5 +1,7 @@
 """Replicators: what crosses the slow link, on which group, and how often."""
 
+import inspect
+import re
 from collections.abc import Callable
 from functools import partial
 
@@ -26,6 +28,26 @@ for _preset in DEMO_PRESETS:
         REPLICATORS[f"demo-{_preset}"] = partial(DeMoReplicator.preset, _preset)
 
 
+def _settings(fn: Callable) -> set[str]:
+    """The keyword settings ``fn`` accepts: its named parameters, and where it forwards
+    ``**kwargs`` those of the classes it forwards to (base classes, or DeMo for the DeMo
+    presets and the warm-up)."""
+    if isinstance(fn, partial):
+        fn = fn.func
+    chain = inspect.getmro(fn) if isinstance(fn, type) else (fn,
+                                                            *inspect.getmro(DeMoReplicator))
+    names: set[str] = set()
+    for f in chain:
+        if f is object:
+            break
+        params = inspect.signature(f.__init__ if isinstance(f, type) else f).parameters
+        names |= {n for n, p in params.items() if n not in ("self", "cls", "name")
+                  and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+        if not any(p.kind is p.VAR_KEYWORD for p in params.values()):
+            break
+    return names
+
+
 def make_replicator(spec, **kwargs) -> Replicator:
     """A replicator from a name (``"demo"``, ``"full"``, ...) and settings, or an instance."""
     if isinstance(spec, Replicator):
@@ -38,7 +60,14 @@ def make_replicator(spec, **kwargs) -> Replicator:
         if cls is None:
             raise ValueError(f"unknown replicator {spec!r}; choose one of {sorted(REPLICATORS)} "
                              "or pass a Replicator instance")
-        return cls(**kwargs)
+        try:
+            return cls(**kwargs)
+        except TypeError as e:
+            bad = re.search(r"unexpected keyword argument '(\w+)'", str(e))
+            if bad is None:
+                raise
+            raise ValueError(f"replicator {spec!r} has no setting {bad.group(1)!r}; its settings: "
+                             f"{sorted(_settings(cls))}") from None
     raise TypeError(f"a replicator is a name or a Replicator instance, got {type(spec).__name__}")
 
 

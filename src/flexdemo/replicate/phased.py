@@ -151,5 +151,7 @@ def demo_warmup(warmup_topk: int = 64, warmup_steps: int = 60, **kwargs) -> Phas
     schedule = {k: kwargs.pop(k) for k in _SCHEDULE if k in kwargs}
     if not isinstance(warmup_topk, int) or isinstance(warmup_topk, bool) or warmup_topk < 1:
         raise ValueError(f"warmup_topk must be an integer >= 1, got {warmup_topk!r}")
+    if not isinstance(warmup_steps, int) or isinstance(warmup_steps, bool) or warmup_steps < 0:
+        raise ValueError(f"warmup_steps must be an integer >= 0, got {warmup_steps!r}")
     first = DeMoReplicator(**{**kwargs, "topk": warmup_topk})
     return PhasedReplicator(first, DeMoReplicator(**kwargs), warmup_steps, **schedule)

@@ -228,6 +228,15 @@ def test_rendezvous_timeout_names_the_variable_and_the_peer():
     assert f"127.0.0.1:{port}" in error[0] and "FLEXDEMO_TIMEOUT=2" in error[0], error
 
 
+def test_world_size_without_torchrun_variables_names_them():
+    code = ("import flexdemo\ntry:\n    flexdemo.init_distributed()\nexcept ValueError as e:\n"
+            "    print('ERROR', e)\n")
+    run = _flexdemo(["-c", code], {"WORLD_SIZE": "2"})
+    error = [line for line in run.stdout.splitlines() if line.startswith("ERROR")]
+    assert error and "RANK, MASTER_ADDR, MASTER_PORT" in error[0] and "torchrun" in error[0], (
+        run.stdout + run.stderr[-2000:])
+
+
 # ---------------------------------------------------------------------- crash after a save
 class _FakeEvents:
     """Stands in for TensorBoard's SummaryWriter: one event list per log folder, purged of

@@ -69,6 +69,11 @@ def init_distributed(device: torch.device | str = "cpu",
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
                                 timeout=timeout)
         return
+    missing = [v for v in ("RANK", "MASTER_ADDR", "MASTER_PORT") if v not in os.environ]
+    if missing:
+        raise ValueError(f"WORLD_SIZE is set but {', '.join(missing)} not: launch with torchrun "
+                         "(or flexdemo cluster), which sets them all, or unset WORLD_SIZE to "
+                         "run in one process")
     if device.type == "cuda":  # an explicit index wins over torchrun's LOCAL_RANK
         torch.cuda.set_device(device if device.index is not None
                               else int(os.environ.get("LOCAL_RANK", "0")))

@@ -140,6 +140,20 @@ def test_table_and_comparison():
                             "4 s (between evaluations)")
 
 
+def test_step_time_says_slower_when_slower():
+    slow = [_fake("flexdemo", "1gbit", 3.02, 0.030, 0.01, 2e3),
+            _fake("hsdp-adamw", "1gbit", 3.0, 0.021, 0.005, 1e6),
+            _fake("no-sync", "1gbit", 3.3, 0.021, 0.0, 0.0)]
+    lines = comparison_lines(slow)
+    i = lines.index("flexdemo vs hsdp-adamw @ 1gbit:")
+    assert lines[i + 2] == "  step time:      30 ms vs 21 ms (1.43x slower)"
+    j = lines.index("no-sync vs hsdp-adamw @ 1gbit:")
+    assert lines[j + 2].endswith("21 ms vs 21 ms (the same)")
+    # a run whose summary holds no validation loss (null in strict JSON) is left out
+    slow[0]["val_loss"] = None
+    assert "flexdemo vs hsdp-adamw @ 1gbit:" not in comparison_lines(slow)
+
+
 def test_plots_from_results(tmp_path):
     from flexdemo.app.plots import plot_all
 
@@ -155,8 +169,8 @@ def test_tiny_sweep_without_root_falls_back_to_loopback(tmp_path, monkeypatch, c
     three PNGs and prints a table."""
     monkeypatch.setattr(cluster.os, "geteuid", lambda: 1000)
     o = bench_options(strategies="flexdemo,hsdp-adamw", bandwidths="100mbit", nodes=2,
-                      ranks_per_node=1, steps=4, out=str(tmp_path), timeout=240,
-                      overrides=["task.model=tiny", "task.corpus_bytes=100000",
+                      ranks_per_node=1, out=str(tmp_path), timeout=240,
+                      overrides=["train.steps=4", "task.model=tiny", "task.corpus_bytes=100000",
                                  "train.batch=2", "train.eval_every=2", "train.eval_batches=1",
                                  "train.warmup=1"])
     results = run_bench(o)

@@ -30,17 +30,6 @@ GPT_QUICK = ["task.model=tiny", "task.corpus_bytes=200000", "train.batch=4", "tr
              "train.tensorboard=false", "train.threads=0"]
 
 
-@pytest.fixture
-def single_process():
-    """In-process runs create a one-rank process group; remove it afterwards."""
-    was = dist.is_initialized()
-    for key in ("WORLD_SIZE", "RANK"):
-        assert key not in os.environ
-    yield
-    if dist.is_initialized() and not was:
-        dist.destroy_process_group()
-
-
 def metrics(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
@@ -96,7 +85,7 @@ def test_vit_learns_digits(tmp_path, single_process):
                     reason="the t5 task needs transformers (pip install 'flexdemo[t5]')")
 def test_t5_span_corruption_runs(tmp_path, single_process):
     cfg = load_config(ROOT / "configs/t5.toml",
-                      ["train.steps=4", "train.batch=4", "train.eval_every=0",
+                      ["train.steps=4", "train.warmup=1", "train.batch=4", "train.eval_every=0",
                        "train.eval_batches=1", "train.checkpoint_every=0", "task.seq_len=64",
                        "task.corpus_bytes=100000", "train.tensorboard=false",
                        "train.progress=false", "train.threads=0", f"train.out={tmp_path}"])
@@ -352,14 +341,14 @@ def test_output_folder_faults_are_one_line(tmp_path, single_process, monkeypatch
     for out, needle in ((a_file, "is a file"), (a_file / "sub", "not a directory")):
         with pytest.raises(TrainingError) as info:
             train(load_config(ROOT / "configs/gpt.toml", GPT_QUICK + [
-                "train.steps=1", f"train.out={out}"]), **quiet)
+                "train.steps=1", "train.warmup=1", f"train.out={out}"]), **quiet)
         msg = _one_line(info)
         assert str(out) in msg and needle in msg.lower(), msg
     denied = OSError(errno.EACCES, os.strerror(errno.EACCES), str(tmp_path / "ro"))
     monkeypatch.setattr(Path, "write_bytes", lambda self, data: (_ for _ in ()).throw(denied))
     with pytest.raises(TrainingError) as info:
         train(load_config(ROOT / "configs/gpt.toml", GPT_QUICK + [
-            "train.steps=1", f"train.out={tmp_path / 'ro'}"]), **quiet)
+            "train.steps=1", "train.warmup=1", f"train.out={tmp_path / 'ro'}"]), **quiet)
     msg = _one_line(info)
     assert "ro" in msg and "permission denied" in msg, msg
 

@@ -43,6 +43,7 @@ from .config import (
     validate,
 )
 from .device import BY_RANK_ENV, DEVICES
+from .outputs import strict_json
 from .plots import plot_all, smooth
 from .strategies import STRATEGIES, parse_strategy
 
@@ -123,7 +124,6 @@ def bench_options(*, preset: str | None = None, strategies: str | list[str] | No
     o.bandwidths = list(bandwidths or p.get("bandwidths") or DEFAULT_BANDWIDTHS)
     o.nodes = nodes or p.get("nodes", 2)
     o.ranks_per_node = ranks_per_node or p.get("ranks_per_node", 2)
-    o.steps = steps or p.get("steps", 100)
     o.out = out or p.get("out", "runs/bench")
     o.unshaped, o.timeout, o.quiet = unshaped, timeout, quiet
     for s in o.strategies:
@@ -149,13 +149,24 @@ def bench_options(*, preset: str | None = None, strategies: str | list[str] | No
         raise BenchError("'unshaped' cannot be mixed with rates; use --unshaped alone")
     elif o.bandwidths == [UNSHAPED]:
         o.unshaped = True
-    base = read_config_file(config) if config else json.loads(json.dumps(BASE_CONFIG))
+    file = read_config_file(config) if config else {}
+    base = file if config else json.loads(json.dumps(BASE_CONFIG))
     base = apply_overrides(base, list(p.get("overrides", [])) + list(overrides or []))
-    base.setdefault("train", {})["steps"] = o.steps
+    if not isinstance(base.get("train", {}), dict):
+        raise ConfigError(f"[train] must be a table of keys, got {base['train']!r}")
+    # what the user set: the --config file's [train], then the overrides' train keys
+    given = apply_overrides({}, [x for x in overrides or [] if x.startswith("train.")])
+    given_file = file.get("train") if isinstance(file.get("train"), dict) else {}
+    o.steps = _bench_steps(steps, given.get("train", {}).get("steps"), given_file.get("steps"),
+                           p.get("steps", 100))
+    train = base.setdefault("train", {})
+    train["steps"] = o.steps
+    if ("warmup" not in {**given_file, **given.get("train", {})}
+            and isinstance(train.get("warmup"), int)):
+        train["warmup"] = min(train["warmup"], o.steps)  # the bench's own default: cut to fit
     if "strategy" in base or "mesh" in base:
         raise BenchError("the bench sets [strategy] and [mesh] per strategy; leave them out of "
                          "the base config and its overrides")
-    train = base.setdefault("train", {})
     if device is not None:
         train["device"] = device
     o.device = train["device"] = _bench_device(train.get("device", "auto"),
@@ -164,6 +175,21 @@ def bench_options(*, preset: str | None = None, strategies: str | list[str] | No
     for name in o.strategies:  # every run's config must be valid before anything starts
         validate(config_from_dict(run_config(o, name, "check")), o.nodes * o.ranks_per_node)
     return o
+
+
+def _bench_steps(option: int | None, override: Any, in_file: Any, default: int) -> int:
+    """Steps per run: ``--steps``, else a ``train.steps=N`` override, else ``train.steps`` of
+    ``--config``, else the preset's (or 100). An override that differs from ``--steps`` is
+    refused, as is a value that is no integer >= 1."""
+    for where, value in (("train.steps", override), ("--config's train.steps", in_file)):
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool)
+                                  or value < 1):
+            raise ConfigError(f"{where}: must be an integer >= 1, got {value!r}; give the "
+                              "steps per run as --steps N (e.g. --steps 50)")
+    if option is not None and override is not None and option != override:
+        raise BenchError(f"--steps {option} and train.steps={override} disagree; give the "
+                         "steps per run once (--steps N)")
+    return option or override or in_file or default
 
 
 def _bench_device(name: Any, world: int) -> str:
@@ -353,8 +379,9 @@ def _one_run(o: BenchOptions, cluster: EmulatedCluster, name: str, bw: str, out:
     if record["status"] != "ok":
         echo(f"   {name} @ {_label(bw)} failed: {result.message} (log: {run_dir / 'log.txt'})")
     else:
-        val = record.get("val_loss", float("nan"))
-        echo(f"   done in {result.seconds:.0f}s: val loss {val:.4f}"
+        val = record.get("val_loss")
+        echo(f"   done in {result.seconds:.0f}s: val loss "
+             f"{format(val, '.4f') if _finite(val) else '-'}"
              f", step {record['step_seconds'] * 1e3:.0f} ms (compute "
              f"{record['compute_seconds'] * 1e3:.0f} + comm {record['comm_seconds'] * 1e3:.0f})"
              f", {record['bytes_sent_per_step'] / 1e6:.4f} MB sent per rank per step")
@@ -372,7 +399,7 @@ def write_results(o: BenchOptions, results: list[dict], out: Path, shaped: bool,
     """``results.json`` (everything, curves included) and ``results.csv`` (one row per run)."""
     payload = {"options": asdict(o), "shaped": shaped, "seconds": seconds,
                "runs": results}
-    (out / "results.json").write_text(json.dumps(payload, indent=1) + "\n")
+    (out / "results.json").write_text(strict_json(payload, indent=1) + "\n")
     with (out / "results.csv").open("w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=CSV_FIELDS, extrasaction="ignore")
         w.writeheader()
@@ -456,6 +483,11 @@ def equal_time_val_losses(results: list[dict], bandwidth: str) -> tuple[float, d
                           unseen=float("nan"))
 
 
+def _finite(v: Any) -> bool:
+    """Whether ``v`` is a finite number (a summary's loss may be null: not finite)."""
+    return isinstance(v, (int, float)) and math.isfinite(v)
+
+
 def _loss(v: float | None) -> str:
     """A loss for the comparison lines; '-' for a run not evaluated by then."""
     return f"{v:.4f}" if v is not None and math.isfinite(v) else "- (no evaluation yet)"
@@ -476,6 +508,17 @@ def never_synced_note(r: dict) -> str | None:
             "includes no communication, so its speed and loss do not compare with synced runs")
 
 
+def _speed(seconds: float | None, reference: float | None) -> str:
+    """`` (1.43x faster)``, `` (1.43x slower)``, `` (the same)``, or nothing when a time is
+    missing."""
+    if not seconds or not reference:
+        return ""
+    ratio = reference / seconds
+    if f"{max(ratio, 1 / ratio):.2f}" == "1.00":
+        return " (the same)"
+    return f" ({ratio:.2f}x faster)" if ratio > 1 else f" ({1 / ratio:.2f}x slower)"
+
+
 def comparison_lines(results: list[dict], reference: str = "hsdp-adamw") -> list[str]:
     """FlexDeMo (and the others) against ``reference``: validation loss at equal steps and
     training loss at equal wall-clock time, per bandwidth."""
@@ -483,15 +526,16 @@ def comparison_lines(results: list[dict], reference: str = "hsdp-adamw") -> list
     for bw in dict.fromkeys(r["bandwidth"] for r in results):
         ref = next((r for r in results if r["bandwidth"] == bw and r["strategy"] == reference
                     and r["status"] == "ok"), None)
-        if ref is None or "val_loss" not in ref:
+        if ref is None or not _finite(ref.get("val_loss")):
             continue
         t, at_t = equal_time_losses(results, bw)
         tv, val_t = equal_time_val_losses(results, bw)
         for r in results:
-            if r["bandwidth"] != bw or r is ref or r["status"] != "ok" or "val_loss" not in r:
+            if (r["bandwidth"] != bw or r is ref or r["status"] != "ok"
+                    or not _finite(r.get("val_loss"))):
                 continue
             rel = 100 * (r["val_loss"] - ref["val_loss"]) / ref["val_loss"]
-            speed = ref["step_seconds"] / r["step_seconds"] if r.get("step_seconds") else 0
+            speed = _speed(r.get("step_seconds"), ref.get("step_seconds"))
             note = never_synced_note(r)
             lines.append(f"{r['strategy']} vs {reference} @ {bw}:")
             if note:
@@ -500,7 +544,7 @@ def comparison_lines(results: list[dict], reference: str = "hsdp-adamw") -> list
                 f"  at equal steps: val loss {r['val_loss']:.4f} vs {ref['val_loss']:.4f} "
                 f"({rel:+.1f}%)",
                 f"  step time:      {r['step_seconds'] * 1e3:.0f} ms vs "
-                f"{ref['step_seconds'] * 1e3:.0f} ms ({speed:.2f}x faster)",
+                f"{ref['step_seconds'] * 1e3:.0f} ms{speed}",
                 f"  at equal time:  train loss {at_t.get(r['strategy'], float('nan')):.4f} vs "
                 f"{at_t.get(reference, float('nan')):.4f} after {t:.0f} s (smoothed)",
                 f"                  val loss {_loss(val_t.get(r['strategy']))} vs "

@@ -36,10 +36,10 @@ from .bench import (
     bench_options,
     run_bench,
 )
-from .config import ConfigError, load_config, to_toml
+from .config import MIN_CORPUS_BYTES, ConfigError, load_config, to_toml
 from .simulate import SimulateOptions, run_simulation, write_summary
-from .strategies import STRATEGIES, parse_strategy
-from .trainer import PeerLostError, TrainingError, train
+from .strategies import STRATEGIES, check_strategy
+from .trainer import PeerLostError, TrainingError, UsageError, train
 
 CLUSTER_DESCRIPTION = """\
 Run a command on an emulated multi-node cluster on this machine.
@@ -219,7 +219,8 @@ strings. Switching strategy.replicator (or .optimizer) drops the file's replicat
 
 Outputs in train.out: config.toml (resolved), metrics.jsonl (one line per step: loss, lr,
 bytes sent/received, compute and communication seconds), summary.json, tensorboard/ and
-checkpoints/step_NNNNNN. --resume (or resume=true) continues from the newest checkpoint.
+checkpoints/step_NNNNNN. --resume (or resume=true) continues from the newest checkpoint;
+one already at train.steps leaves the outputs as they are (nothing to train).
 """
 
 TRAIN_EXAMPLES = """\
@@ -231,7 +232,9 @@ examples:
   torchrun --nproc-per-node 4 -m flexdemo train configs/gpt.toml mesh.replicate=2 \\
       train.device=cuda train.precision=bf16         # 4 GPUs as 2 replicas x 2 shards
 
-exit codes: 0 done, 1 training failed (e.g. a rank was lost), 2 bad config or arguments.
+exit codes: 0 done, 1 training failed (e.g. a rank was lost), 2 bad config or arguments
+(including a checkpoint that does not exist or lies past train.steps, and a train.out that
+cannot be a folder).
 environment: FLEXDEMO_TIMEOUT (seconds a collective waits for a dead peer; default 300,
 the library's; train.timeout overrides it); FLEXDEMO_CUDA_BY_RANK=1 puts rank r on cuda:r
 instead of cuda:LOCAL_RANK (emulated nodes sharing one machine's GPUs). The error that
@@ -311,6 +314,9 @@ def _run_training(cfg) -> int:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(1)
+    except UsageError as e:  # the same on every rank: one line, from rank 0
+        _train_error(str(e))
+        return 2
     except TrainingError as e:
         _train_error(f"rank {rank}: {e}" if rank != "0" else str(e), rank0_only=False)
         return 1
@@ -361,7 +367,10 @@ def _add_bench_parser(sub) -> None:
     b.add_argument("--nodes", type=_positive_int, metavar="N", help="emulated nodes (default 2)")
     b.add_argument("--ranks-per-node", type=_positive_int, metavar="M",
                    help="ranks per node (default 2)")
-    b.add_argument("--steps", type=_positive_int, metavar="N", help="training steps per run")
+    b.add_argument("--steps", type=_positive_int, metavar="N",
+                   help="training steps per run (default: a train.steps=N override, else "
+                        "train.steps of --config, else the preset's, else 100; an override "
+                        "that differs from --steps is an error)")
     b.add_argument("--config", metavar="FILE",
                    help="base training config for every run (default: the GPT task)")
     b.add_argument("--out", metavar="DIR", help="output folder (default runs/bench)")
@@ -435,17 +444,26 @@ def _add_simulate_parser(sub) -> None:
     s.set_defaults(func=_cmd_simulate, subparser=s)
 
 
+def _simulate_error(text: str) -> int:
+    print(f"flexdemo simulate: error: {text}", file=sys.stderr, flush=True)
+    return 2
+
+
 def _cmd_simulate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    try:
-        parse_strategy(args.strategy)
+    try:  # the replicator is built once here, so that no replica raises a traceback later
+        check_strategy(args.strategy)
     except ValueError as e:
-        parser.error(str(e))
+        return _simulate_error(str(e))
     if args.device == "cuda" and not torch.cuda.is_available():
-        parser.error("--device cuda: no CUDA device here; use --device cpu")
+        return _simulate_error("--device cuda: no CUDA device here; use --device cpu")
     if args.lr is not None and not args.lr > 0:
-        parser.error(f"--lr must be > 0, got {args.lr}")
+        return _simulate_error(f"--lr must be > 0, got {args.lr}")
     if not 0 <= args.warmup < args.steps:
-        parser.error(f"--warmup must be in 0..{args.steps - 1} (fewer than --steps)")
+        return _simulate_error(f"--warmup must be in 0..{args.steps - 1} (fewer than --steps), "
+                               f"got {args.warmup}")
+    if args.corpus_bytes < MIN_CORPUS_BYTES:
+        return _simulate_error(f"--corpus-bytes must be at least {MIN_CORPUS_BYTES} (the "
+                               f"training and validation text), got {args.corpus_bytes}")
     opts = SimulateOptions(strategy=args.strategy, replicas=args.replicas, model=args.model,
                            steps=args.steps, batch=args.batch, lr=args.lr, warmup=args.warmup,
                            schedule=args.schedule, device=args.device, seed=args.seed,

@@ -56,9 +56,10 @@ from .device import DEVICES, PRECISIONS, check_device
 from .schedule import SCHEDULES
 from .tasks import TASKS, task_presets
 
-__all__ = ["Config", "ConfigError", "MeshConfig", "StrategyConfig", "TaskConfig", "TrainConfig",
-           "apply_overrides", "check_mesh", "choices", "config_from_dict", "config_to_dict",
-           "load_config", "parse_override", "read_config_file", "to_toml", "validate"]
+__all__ = ["MIN_CORPUS_BYTES", "Config", "ConfigError", "MeshConfig", "StrategyConfig",
+           "TaskConfig", "TrainConfig", "apply_overrides", "check_mesh", "choices",
+           "config_from_dict", "config_to_dict", "load_config", "parse_override",
+           "read_config_file", "to_toml", "validate"]
 
 
 class ConfigError(ValueError):
@@ -120,7 +121,8 @@ class TrainConfig:
     batch: int = 8
     """Examples per rank per step."""
     warmup: int = 10
-    """Steps of linear learning-rate warm-up (at most ``steps``)."""
+    """Steps of linear learning-rate warm-up, at most ``steps`` (a larger value is refused;
+    left at its default, it is cut to ``steps``)."""
     schedule: str = "cosine"
     """``cosine`` (decays to ``min_lr`` x lr at the last step) or ``constant``."""
     min_lr: float = 0.1
@@ -171,6 +173,10 @@ class Config:
     """``true``: continue from the newest checkpoint in ``train.out`` (fresh start if there is
     none); a path: that checkpoint (or the newest one under that folder)."""
 
+
+MIN_CORPUS_BYTES = 10_000
+"""The fewest bytes ``task.corpus_bytes`` (and ``flexdemo simulate --corpus-bytes``) may read:
+validation takes a tenth of them and needs windows of a sequence's length."""
 
 SECTIONS: dict[str, type] = {"task": TaskConfig, "strategy": StrategyConfig,
                              "mesh": MeshConfig, "train": TrainConfig}
@@ -381,7 +387,10 @@ def config_from_dict(data: dict) -> Config:
         else:
             what = "section" if isinstance(value, dict) else "key"
             raise ConfigError(f"unknown {what} '{key}'{_suggest(key, valid)}")
-    return Config(**kwargs)
+    cfg = Config(**kwargs)
+    if "warmup" not in data.get("train", {}):  # the default warm-up never exceeds the run
+        cfg.train.warmup = min(cfg.train.warmup, max(cfg.train.steps, 0))
+    return cfg
 
 
 def _check_choice(where: str, value: str, choices: tuple[str, ...] | list[str]) -> None:
@@ -405,8 +414,8 @@ def validate(cfg: Config, world_size: int | None = None) -> Config:
         section, key = where.split(".")
         _check_choice(where, getattr(getattr(cfg, section), key), valid)
     _check_choice("task.model", t.model, task_presets(t.name))
-    _check_range("task.corpus_bytes", t.corpus_bytes >= 10_000, "at least 10000",
-                 t.corpus_bytes)
+    _check_range("task.corpus_bytes", t.corpus_bytes >= MIN_CORPUS_BYTES,
+                 f"at least {MIN_CORPUS_BYTES}", t.corpus_bytes)
     _check_range("task.seq_len", 0 <= t.seq_len <= 4096, "0 (preset) or 1..4096", t.seq_len)
     if t.name == "t5" and t.seq_len:
         _check_range("task.seq_len", t.seq_len >= 8, "at least 8 for t5", t.seq_len)
@@ -435,6 +444,10 @@ def validate(cfg: Config, world_size: int | None = None) -> Config:
                  "keep_checkpoints", "stop_at", "threads", "seed"):
         _check_range(f"train.{name}", getattr(tr, name) >= 0, "an integer >= 0",
                      getattr(tr, name))
+    if tr.warmup > tr.steps >= 1:
+        raise ConfigError(f"train.warmup: must be at most train.steps={tr.steps}, got "
+                          f"{tr.warmup}; set train.warmup={tr.steps} or less (or raise "
+                          "train.steps)")
     _check_range("train.log_every", tr.log_every >= 1, "an integer >= 1", tr.log_every)
     _check_range("train.stop_at", tr.stop_at <= tr.steps,
                  f"0 or at most train.steps={tr.steps}", tr.stop_at)

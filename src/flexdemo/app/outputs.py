@@ -4,6 +4,7 @@ and the printed summary."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 import time
@@ -13,9 +14,26 @@ from typing import Any
 
 from ..checkpoint import describe_os_error
 
-__all__ = ["MetricsLog", "Progress", "format_summary", "summary_writer", "write_atomic"]
+__all__ = ["MetricsLog", "Progress", "format_summary", "strict_json", "summary_writer",
+           "write_atomic"]
 
 Echo = Callable[[str], None]
+
+
+def _finite_or_none(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite_or_none(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite_or_none(v) for v in value]
+    return value
+
+
+def strict_json(value: Any, indent: int | None = None) -> str:
+    """``value`` as strict JSON: NaN and infinities (which JSON has no words for) become
+    ``null``."""
+    return json.dumps(_finite_or_none(value), indent=indent, allow_nan=False)
 
 
 def write_atomic(path: Path, text: str) -> None:
@@ -77,7 +95,7 @@ class MetricsLog:
         if self.failed:
             return
         try:
-            self.file.write(json.dumps(record) + "\n")
+            self.file.write(strict_json(record) + "\n")
             self.file.flush()
             if self.writer is not None:
                 step = record["step"]

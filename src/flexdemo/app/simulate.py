@@ -9,7 +9,6 @@ All replicas share one device (CPU or one GPU), so a study of many replicas need
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,8 +17,10 @@ from typing import Any
 import torch
 
 from ..simulate import SimulatedReplicas
+from .config import MIN_CORPUS_BYTES
+from .outputs import strict_json
 from .schedule import lr_at
-from .strategies import parse_strategy
+from .strategies import check_strategy
 from .tasks.gpt import GPT, data_generator, get_batch, gpt_config, load_corpus
 
 
@@ -55,8 +56,13 @@ def val_loss(model: torch.nn.Module, val: torch.Tensor, batch: int, seq_len: int
 
 
 def run_simulation(opts: SimulateOptions, echo=print) -> dict[str, Any]:
-    """Train ``opts.replicas`` replicas with ``opts.strategy``; returns the summary."""
-    strategy = parse_strategy(opts.strategy)
+    """Train ``opts.replicas`` replicas with ``opts.strategy``; returns the summary. Bad
+    strategy settings or too little text raise ``ValueError`` (one line) before any replica
+    is built."""
+    strategy = check_strategy(opts.strategy)
+    if opts.corpus_bytes < MIN_CORPUS_BYTES:
+        raise ValueError(f"corpus_bytes must be at least {MIN_CORPUS_BYTES}, got "
+                         f"{opts.corpus_bytes}")
     device = torch.device(opts.device)
     base_lr = strategy.lr if opts.lr is None else opts.lr
     train, val = load_corpus(opts.corpus_bytes)
@@ -107,8 +113,8 @@ def run_simulation(opts: SimulateOptions, echo=print) -> dict[str, Any]:
 
 
 def write_summary(summary: dict[str, Any], out: str | Path) -> Path:
-    """Write the summary as JSON to ``out`` (folders made as needed)."""
+    """Write the summary as JSON to ``out`` (folders made as needed; NaN as null)."""
     path = Path(out)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(summary, indent=2))
+    path.write_text(strict_json(summary, indent=2) + "\n")
     return path

@@ -11,10 +11,13 @@ replicator settings after the name, e.g. ``flexdemo:topk=16:values=int2``
 from __future__ import annotations
 
 import difflib
+import re
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-__all__ = ["STRATEGIES", "Strategy", "parse_strategy"]
+from ..replicate import make_replicator
+
+__all__ = ["STRATEGIES", "Strategy", "check_strategy", "parse_strategy"]
 
 
 @dataclass(frozen=True)
@@ -109,3 +112,53 @@ def parse_strategy(token: str) -> Strategy:
             raise ValueError(f"bad setting {item!r} in {token!r}; write key=value")
         kwargs[key] = _value(value)
     return replace(STRATEGIES[name], replicator_kwargs=kwargs)
+
+
+def _diloco_fit(kwargs: dict[str, Any]) -> dict[str, int]:
+    """For DiLoCo settings whose ``fragments``/``tau`` do not fit ``inner_steps``: the
+    largest fragment count (at most the given one) dividing ``inner_steps`` and the largest
+    ``tau`` (at most the given one) below ``inner_steps / fragments``; only changed keys."""
+    h, f, tau = kwargs.get("inner_steps", 100), kwargs.get("fragments", 1), kwargs.get("tau", 0)
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in (h, f, tau)):
+        return {}
+    if h < 1 or f < 1 or tau < 0:
+        return {}
+    f2 = max(d for d in range(1, min(f, h) + 1) if h % d == 0)
+    tau2 = min(tau, h // f2 - 1)
+    return {k: v for k, v, old in (("fragments", f2, f), ("tau", tau2, tau)) if v != old}
+
+
+def check_strategy(token: str) -> Strategy:
+    """:func:`parse_strategy`, then build its replicator once to check the settings (before
+    anything trains). Raises ``ValueError`` with a one-line message that names the token and,
+    where the preset's own settings clash with the ones given, which to set as well."""
+    strategy = parse_strategy(token)
+    kwargs = strategy.replicator_kwargs
+    try:
+        make_replicator(strategy.replicator, **kwargs)
+    except (TypeError, ValueError) as e:
+        text = " ".join(str(e).split())
+        name, *given = token.split(":")
+        preset = STRATEGIES[name].replicator_kwargs
+        own = {item.partition("=")[0] for item in given}
+        kept = {k: v for k, v in preset.items()
+                if k not in own and re.search(rf"(?<![\w']){re.escape(k)}\b(?!')", text)}
+        hint = ""
+        if strategy.replicator == "diloco":
+            fix = _diloco_fit(kwargs)
+            kept = {k: preset[k] for k in fix if k in preset and k not in own} or kept
+            if fix and not set(fix) & own:
+                try:
+                    make_replicator(strategy.replicator, **{**kwargs, **fix})
+                except (TypeError, ValueError):
+                    fix = {}
+                if fix:
+                    extra = ":".join(f"{k}={v}" for k, v in fix.items())
+                    hint = f", e.g. --strategy {token}:{extra}"
+        if kept:
+            settings = ", ".join(f"{k}={v}" for k, v in kept.items())
+            one = len(kept) == 1
+            text += (f" (the strategy {name!r} sets {settings}, which {'does' if one else 'do'} "
+                     f"not fit the settings given; set {'it' if one else 'them'} too{hint})")
+        raise ValueError(f"strategy {token!r}: {text}") from None
+    return strategy

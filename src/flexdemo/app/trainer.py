@@ -35,7 +35,9 @@ precision (bf16 compute, fp32 gradients and master weights). A run whose mesh ha
 replica (e.g. ``torchrun --nproc-per-node 4`` on one node: replicate 1 x shard 4) says so once.
 
 Resuming (``resume = true``) restores all of it; on CPU the resumed run's losses equal an
-uninterrupted run's bit for bit. When a peer dies, every surviving rank stops with an error
+uninterrupted run's bit for bit. A checkpoint already at ``train.steps`` leaves nothing to
+train (the outputs stay as they are); one past it is refused (:class:`UsageError`).
+When a peer dies, every surviving rank stops with an error
 that names the lost rank (found through heartbeats in the rendezvous store, with one verdict
 shared by all survivors) instead of hanging; collectives give up after ``train.timeout``
 seconds (else ``FLEXDEMO_TIMEOUT``, else the library's default). Storage faults (a full disk,
@@ -45,6 +47,7 @@ path and the cause.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
@@ -75,19 +78,27 @@ from ..replicate import NonFiniteGradientError
 from .config import Config, config_to_dict, to_toml
 from .device import resolve_device, to_device
 from .liveness import Heartbeat, is_comm_error, short_error
-from .outputs import MetricsLog, Progress, format_summary, write_atomic
+from .outputs import MetricsLog, Progress, format_summary, strict_json, write_atomic
 from .schedule import lr_at
 from .tasks import ShardSampler, Task, build_task
 
-__all__ = ["Checkpointer", "PeerLostError", "TrainState", "Trainer", "TrainingError", "lr_at",
-           "timeout_seconds", "train"]
+__all__ = ["Checkpointer", "PeerLostError", "TrainState", "Trainer", "TrainingError",
+           "UsageError", "lr_at", "timeout_seconds", "train"]
 
 CHECKPOINT_RE = re.compile(r"step_(\d+)$")
+_BAD_PATH_ERRNOS = (errno.ENOTDIR, errno.ENOENT, errno.EEXIST, errno.EISDIR, errno.EACCES,
+                    errno.EPERM, errno.EROFS, errno.ENAMETOOLONG)
 Echo = Callable[[str], None]
 
 
 class TrainingError(RuntimeError):
     """Training cannot start or go on; the message is meant for the user."""
+
+
+class UsageError(TrainingError):
+    """Training cannot start as configured: a config value or an argument is wrong (a
+    checkpoint path that does not exist, an output folder that is a file, a checkpoint past
+    ``train.steps``); the command line exits with code 2."""
 
 
 class PeerLostError(TrainingError):
@@ -112,11 +123,14 @@ def timeout_seconds(cfg: Config) -> float:
 # ---------------------------------------------------------------------- agreement
 def _rank0_decides(rank: int, world: int, decide: Callable[[], Any]) -> Any:
     """Run ``decide`` on rank 0 and give every rank its result, or the same
-    :class:`TrainingError` (a ``TrainingError`` or ``OSError`` of ``decide`` on rank 0)."""
+    :class:`TrainingError` (a ``TrainingError``, :class:`UsageError` or ``OSError`` of
+    ``decide`` on rank 0)."""
     result: list[Any] = [None]
     if rank == 0:
         try:
             result = [("ok", decide())]
+        except UsageError as e:
+            result = [("usage", str(e))]
         except TrainingError as e:
             result = [("error", str(e))]
         except OSError as e:
@@ -124,6 +138,8 @@ def _rank0_decides(rank: int, world: int, decide: Callable[[], Any]) -> Any:
     if world > 1:
         dist.broadcast_object_list(result, src=0)
     kind, value = result[0]
+    if kind == "usage":
+        raise UsageError(value)
     if kind == "error":
         raise TrainingError(value)
     return value
@@ -191,7 +207,11 @@ class Checkpointer:
             return None if found is None else str(found)
         path = Path(resume)
         if not path.exists():
-            raise TrainingError(f"resume: checkpoint {str(path)!r} does not exist")
+            latest = self.latest()
+            hint = (f"; the newest checkpoint in {self.root} is {latest.name} (resume=true "
+                    "continues from it)" if latest is not None else "")
+            raise UsageError(f"resume: checkpoint {str(path)!r} does not exist; give true, "
+                             f"false or the path of a checkpoint (or of a folder of them){hint}")
         inner = latest_checkpoint(path)
         return str(inner if inner is not None else path)
 
@@ -255,7 +275,7 @@ class Checkpointer:
             return  # load_checkpoint says what is wrong with it
         want = (self.world, self.meta["replicate"], self.meta["shard"])
         if (world, rep, shard) != want:
-            raise TrainingError(
+            raise UsageError(
                 f"cannot resume from {path}: it was written by {world} rank(s) as mesh "
                 f"replicate {rep} x shard {shard}, this job runs {self.world} rank(s) as "
                 f"{want[1]} x {want[2]}; resume with {world} ranks and mesh.replicate={rep} "
@@ -276,8 +296,9 @@ class Checkpointer:
         diff = [f"{k} {meta[k]!r} (now {self.meta[k]!r})" for k in self.meta
                 if k in meta and meta[k] != self.meta[k]]
         if diff:
-            raise TrainingError(f"cannot resume from {path}: it was written with "
-                                f"{', '.join(diff)}")
+            raise UsageError(f"cannot resume from {path}: it was written with "
+                             f"{', '.join(diff)}; resume with those settings, or start afresh "
+                             "with train.overwrite=true or another train.out")
         if "data" not in extra or "rng" not in extra:
             raise TrainingError(f"cannot resume from {path}: it holds no data position or RNG "
                                 "state (not written by flexdemo train?)")
@@ -397,16 +418,19 @@ class Trainer:
         whether that worked (one line naming the path and the cause if not)."""
         def check() -> None:
             if self.out.exists() and not self.out.is_dir():
-                raise TrainingError(f"train.out {str(self.out)!r} is a file, not a folder; "
-                                    "choose another train.out")
+                raise UsageError(f"train.out {str(self.out)!r} is a file, not a folder; "
+                                 "choose another train.out")
             probe = self.out / f".write-test-{os.getpid()}"
             try:
                 self.out.mkdir(parents=True, exist_ok=True)
                 probe.write_bytes(b"flexdemo")
                 probe.unlink()
             except OSError as e:
-                raise TrainingError(f"train.out {str(self.out)!r} is not a writable folder: "
-                                    f"{describe_os_error(e)}") from None
+                # a path that cannot be a folder, or one this user may not write: the config's
+                # fault (exit code 2); a full disk or an I/O error: the run failed (1)
+                kind = UsageError if e.errno in _BAD_PATH_ERRNOS else TrainingError
+                raise kind(f"train.out {str(self.out)!r} is not a writable folder: "
+                           f"{describe_os_error(e)}; choose another train.out") from None
 
         _rank0_decides(self.rank, self.world, check)
 
@@ -523,6 +547,8 @@ class Trainer:
         resume_from, sampler = self._resume()
         start = self.state.step
         last = tc.stop_at or tc.steps
+        if resume_from is not None and start >= last:
+            return self._nothing_to_train(start, resume_from)
         self._open_outputs()
         say(f"{self.task.describe()}")
         say(f"{self.n_params / 1e6:.3f}M parameters; world {self.world} = mesh replicate "
@@ -562,12 +588,41 @@ class Trainer:
         summary = self._summary(start, resume_from, losses, step_s, comm_s, val, loop_seconds)
         if self.rank == 0:
             try:
-                write_atomic(self.out / "summary.json", json.dumps(summary, indent=2) + "\n")
+                write_atomic(self.out / "summary.json", strict_json(summary, indent=2) + "\n")
             except OSError as e:
                 say(f"warning: cannot write {self.out / 'summary.json'}: "
                     f"{describe_os_error(e)}")
         say(format_summary(summary))
         return summary
+
+    def _nothing_to_train(self, start: int, resume_from: Path) -> dict[str, Any]:
+        """A resume from a checkpoint at or past the last step: nothing to train, and the
+        outputs stay as they are (the summary returned is the saved one, when there is one).
+        A checkpoint past ``train.steps`` is refused (:class:`UsageError`)."""
+        tc = self.cfg.train
+        if start > tc.steps:
+            raise UsageError(
+                f"cannot resume from {resume_from}: it is at step {start}, past "
+                f"train.steps={tc.steps}; set train.steps={start} or more (more than {start} "
+                "to train on), or start afresh with train.overwrite=true or another train.out")
+        if start == tc.steps:
+            self.say(f"already at step {start} of {tc.steps} ({resume_from}); nothing to train "
+                     f"(outputs left as they are; to train on, raise train.steps above {start})")
+        else:
+            self.say(f"already at step {start} (train.stop_at={tc.stop_at}, train.steps="
+                     f"{tc.steps}); nothing to train (outputs left as they are; to go on, raise "
+                     "train.stop_at or set it to 0)")
+
+        def read() -> dict[str, Any]:
+            try:
+                saved = json.loads((self.out / "summary.json").read_text())
+            except (OSError, ValueError):
+                return {}
+            return saved if isinstance(saved, dict) else {}
+
+        saved = _rank0_decides(self.rank, self.world, read)
+        return {"steps": start, "steps_total": tc.steps, "out": str(self.out), **saved,
+                "steps_this_run": 0, "resumed_from": str(resume_from)}
 
     def _summary(self, start: int, resume_from: Path | None, losses: list[float],
                  step_s: float, comm_s: float, val: dict[str, float],

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 import warnings
 from pathlib import Path
@@ -38,46 +39,113 @@ import torch
 import torch.distributed as dist
 
 import flexdemo
+from flexdemo.app.args import Parser, float_in, int_at_least, launch_world, usage_exit
 from flexdemo.app.device import DEVICES, PRECISIONS, resolve_device, to_device
 from flexdemo.app.schedule import lr_at
-from flexdemo.app.strategies import STRATEGIES, parse_strategy
-from flexdemo.app.tasks import GPT, data_generator, evaluate, get_batch, gpt_config, load_corpus
+from flexdemo.app.strategies import STRATEGIES, check_strategy, parse_strategy
+from flexdemo.app.tasks import (
+    GPT,
+    PRESETS,
+    data_generator,
+    evaluate,
+    get_batch,
+    gpt_config,
+    load_corpus,
+)
+from flexdemo.mesh import mesh_shape
+
+PROG = Path(__file__).name
+
+
+class UsageError(Exception):
+    """Bad input found after the process group started: one line, exit code 2."""
+
+
+def min_corpus_bytes(model: str) -> int:
+    """The smallest ``--corpus-bytes`` for a preset: its validation split (a tenth) must hold
+    one window of ``seq_len + 1`` bytes and more."""
+    return 10 * (PRESETS[model].seq_len + 2)
+
+
+def check_out(p: argparse.ArgumentParser, out: str) -> None:
+    """``--out`` must name a file that rank 0 can create (checked before training)."""
+    path = Path(out)
+    if path.is_dir():
+        p.error(f"argument --out: {out!r} is a directory; give a file name such as "
+                f"{str(path / 'results.json')!r}")
+    parent = path.parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
+        p.error(f"argument --out: cannot write {out!r}: {str(parent)!r} is not a writable "
+                "directory; choose another path")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    """Command-line options."""
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--model", default="mini", help="GPT preset: tiny, mini, small")
-    p.add_argument("--steps", type=int, default=250)
-    p.add_argument("--batch", type=int, default=8, help="sequences per rank per step")
-    p.add_argument("--lr", type=float, default=None,
-                   help="learning rate for every strategy (default: per strategy)")
-    p.add_argument("--warmup", type=float, default=0.05, help="warm-up fraction of the steps")
-    p.add_argument("--replicate", type=int, default=None)
-    p.add_argument("--shard", type=int, default=None)
+    """Command-line options; bad ones exit with one line and code 2 (before any training)."""
+    p = Parser(prog=PROG, description=__doc__.split("\n")[0])
+    p.add_argument("--model", choices=tuple(PRESETS), default="mini",
+                   help="GPT preset (default %(default)s)")
+    p.add_argument("--steps", type=int_at_least(1), default=250,
+                   help="optimizer steps, >= 1 (default %(default)s)")
+    p.add_argument("--batch", type=int_at_least(1), default=8,
+                   help="sequences per rank per step, >= 1 (default %(default)s)")
+    p.add_argument("--lr", type=float_in(0, open_low=True), default=None,
+                   help="learning rate (> 0) for every strategy (default: each strategy's own)")
+    p.add_argument("--warmup", type=float_in(0, 1), default=0.05,
+                   help="warm-up length as a FRACTION of --steps, from 0 to 1 (default "
+                        "%(default)s: the first 5%% of the steps); not a number of steps, "
+                        "unlike train_hf.py's --warmup")
+    p.add_argument("--replicate", type=int_at_least(1), default=None,
+                   help="replicas, >= 1 (default: the number of nodes); replicate x shard = "
+                        "the ranks launched")
+    p.add_argument("--shard", type=int_at_least(1), default=None,
+                   help="ranks per replica, >= 1 (default: the ranks per node)")
     p.add_argument("--device", choices=DEVICES, default="auto",
                    help="auto (CUDA when available), cpu or cuda (cuda:LOCAL_RANK per rank)")
     p.add_argument("--precision", choices=PRECISIONS, default="fp32",
                    help="bf16: bf16 compute with fp32 gradients and master weights")
     p.add_argument("--strategies", default="flexdemo,hsdp-adamw",
-                   help="comma-separated, from: " + "; ".join(
+                   help="comma-separated (default %(default)s), from: " + "; ".join(
                        f"{name} ({s.about})" for name, s in STRATEGIES.items()))
-    p.add_argument("--corpus-bytes", type=int, default=4_000_000)
-    p.add_argument("--eval-batches", type=int, default=8, help="validation batches per rank")
-    p.add_argument("--log-every", type=int, default=25)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default="runs/main/results.json")
+    p.add_argument("--corpus-bytes", type=int_at_least(1), default=4_000_000,
+                   help="training text in bytes, validation a tenth of that (default "
+                        "%(default)s); at least " + ", ".join(
+                            f"{min_corpus_bytes(name)} for {name}" for name in PRESETS))
+    p.add_argument("--eval-batches", type=int_at_least(1), default=8,
+                   help="validation batches per rank, >= 1 (default %(default)s)")
+    p.add_argument("--log-every", type=int_at_least(1), default=25,
+                   help="steps between progress lines, >= 1 (default %(default)s)")
+    p.add_argument("--seed", type=int_at_least(0, 2**32), default=0,
+                   help="random seed, 0 to 2**32 - 1 (default %(default)s)")
+    p.add_argument("--out", default="runs/main/results.json",
+                   help="the results as JSON, written by rank 0 (default %(default)s)")
     args = p.parse_args(argv)
     args.strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]
+    if not args.strategies:
+        p.error(f"argument --strategies: name at least one, from {', '.join(STRATEGIES)}")
+    for s in args.strategies:
+        try:
+            check_strategy(s)  # builds its replicator once: bad settings fail here
+        except ValueError as e:
+            p.error(f"argument --strategies: {' '.join(str(e).split())}")
+    need = min_corpus_bytes(args.model)
+    if args.corpus_bytes < need:
+        p.error(f"argument --corpus-bytes: {args.corpus_bytes} is too small for --model "
+                f"{args.model} (sequences of {PRESETS[args.model].seq_len} bytes); use at "
+                f"least {need}")
+    if args.replicate is not None or args.shard is not None or any(
+            parse_strategy(s).layout != "dp" for s in args.strategies):
+        try:
+            mesh_shape(launch_world(), args.replicate, args.shard)
+        except ValueError as e:
+            p.error(f"argument --replicate/--shard: {e}; launch replicate x shard ranks "
+                    "(torchrun --nproc-per-node N) or change --replicate/--shard")
+    check_out(p, args.out)
     try:
         args.device = resolve_device(args.device)
     except ValueError as e:
-        p.error(f"--device: {e}")
-    for s in args.strategies:
-        try:
-            parse_strategy(s)
-        except ValueError as e:
-            p.error(str(e))
+        p.error(f"argument --device: {e}")
     return args
 
 
@@ -118,10 +186,14 @@ def run_strategy(name: str, args: argparse.Namespace, train: torch.Tensor,
     n_params = sum(p.numel() for p in model.parameters())
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", flexdemo.NoReplicationWarning)
-        model, opt = flexdemo.prepare(model, replicator=spec.replicator,
-                                      optimizer=spec.optimizer, lr=lr,
-                                      replicator_kwargs=spec.replicator_kwargs or None,
-                                      device=args.device, precision=args.precision, **layout)
+        try:
+            model, opt = flexdemo.prepare(model, replicator=spec.replicator,
+                                          optimizer=spec.optimizer, lr=lr,
+                                          replicator_kwargs=spec.replicator_kwargs or None,
+                                          device=args.device, precision=args.precision,
+                                          **layout)
+        except ValueError as e:  # settings only the started process group can check
+            raise UsageError(f"strategy {name!r}: {' '.join(str(e).split())}") from e
     rank = dist.get_rank()
     if rank == 0 and any(issubclass(w.category, flexdemo.NoReplicationWarning) for w in caught):
         how = ("launch several ranks (torchrun) to train replicas" if dist.get_world_size() == 1
@@ -211,7 +283,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
     results = []
     try:
         for name in args.strategies:
-            results.append(run_strategy(name, args, train, val, layout))
+            try:
+                results.append(run_strategy(name, args, train, val, layout))
+            except UsageError as e:  # raised alike on every rank, before any collective
+                usage_exit(PROG, str(e))
         if dist.get_rank() == 0:
             r0 = results[0] if results else {}
             print(f"\nmodel {args.model} ({r0.get('params', 0) / 1e6:.2f}M params), "

@@ -30,6 +30,7 @@ Notes that hold for any model trained through flexdemo:
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import sys
@@ -40,6 +41,11 @@ import torch
 import torch.distributed as dist
 
 import flexdemo
+from flexdemo.app.args import Parser, float_in, int_at_least, launch_world, usage_exit
+from flexdemo.app.device import DEVICES, PRECISIONS, check_device
+from flexdemo.mesh import mesh_shape
+from flexdemo.optim import BASE_OPTIMIZERS
+from flexdemo.replicate import REPLICATORS
 
 
 def _transformers():
@@ -51,31 +57,135 @@ def _transformers():
     return transformers
 
 
+PROG = Path(__file__).name
+PRESET_MODELS = ("gpt2", "llama")
+
+
+def preset_heads(hidden: int) -> tuple[int, int]:
+    """Attention heads and key-value heads of the gpt2/llama presets of width ``hidden``."""
+    heads = max(1, hidden // 16) if hidden < 1024 else hidden // 128
+    return heads, max(1, heads // 2)
+
+
+def preset_width_ok(model: str, hidden: int) -> bool:
+    """Whether the ``model`` preset can be built ``hidden`` wide: the heads divide the width,
+    and for llama the key-value heads divide the heads and a head's width is even (rotary)."""
+    heads, kv = preset_heads(hidden)
+    if hidden % heads:
+        return False
+    return model != "llama" or (heads % kv == 0 and hidden // heads % 2 == 0)
+
+
+def check_model(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """``--model`` and the options that depend on it, before transformers is imported."""
+    if args.model in PRESET_MODELS:
+        if args.weights:
+            p.error(f"argument --weights: --model {args.model} is built here with random "
+                    "weights; --weights needs --model DIR, a local model directory")
+        if not preset_width_ok(args.model, args.hidden):
+            near = [h for h in range(max(1, args.hidden - 256), args.hidden + 257)
+                    if h % (16 if h < 1024 else 128) == 0 and preset_width_ok(args.model, h)]
+            below = [h for h in near if h < args.hidden][-1:]
+            above = [h for h in near if h > args.hidden][:1]
+            heads, kv = preset_heads(args.hidden)
+            shape = (f"{heads} heads, {kv} key-value heads, an even head width"
+                     if args.model == "llama" else f"{heads} heads of equal width")
+            p.error(f"argument --hidden: {args.hidden} does not fit the {args.model} preset "
+                    f"({shape}); use e.g. {' or '.join(map(str, below + above))}")
+        return
+    path = Path(args.model)
+    config = path / "config.json"
+    if not config.is_file():
+        p.error(f"argument --model: {args.model!r} is neither {' nor '.join(PRESET_MODELS)} "
+                "nor a local directory with a config.json (nothing is downloaded)")
+    try:
+        settings = json.loads(config.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        p.error(f"argument --model: cannot read {str(config)!r}: {' '.join(str(e).split())}")
+    if not isinstance(settings, dict):
+        p.error(f"argument --model: {str(config)!r} does not hold a JSON object")
+    vocab = settings.get("vocab_size")
+    if isinstance(vocab, int) and vocab < 256:
+        p.error(f"argument --model: vocab_size {vocab} in {str(config)!r} is below 256; the "
+                "text is bytes 0-255, so the vocabulary needs at least 256 entries")
+    for key in ("max_position_embeddings", "n_positions"):
+        limit = settings.get(key)
+        if isinstance(limit, int) and args.seq > limit:
+            p.error(f"argument --seq: {args.seq} exceeds the model's {key}={limit} "
+                    f"({str(config)!r}); use --seq {limit} or less")
+    if args.weights:
+        if args.meta:
+            p.error("argument --meta: not allowed with --weights (a checkpoint is loaded, not "
+                    "initialised); drop one of them")
+        if not any(any(path.glob(pattern)) for pattern in ("*.safetensors", "*.bin",
+                                                            "*.index.json")):
+            p.error(f"argument --weights: {args.model!r} holds no weights (*.safetensors, "
+                    "*.bin); drop --weights to train from random weights")
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--model", default="llama", help="gpt2, llama, or a local model directory")
-    p.add_argument("--hidden", type=int, default=64, help="width of the gpt2/llama presets")
-    p.add_argument("--layers", type=int, default=2, help="depth of the gpt2/llama presets")
+    """Command-line options; bad ones exit with one line and code 2 (before transformers is
+    imported or anything trains)."""
+    p = Parser(prog=PROG, description=__doc__.split("\n")[0])
+    p.add_argument("--model", default="llama",
+                   help="gpt2, llama (tiny presets, random weights) or a local model directory "
+                        "with a config.json (default %(default)s)")
+    p.add_argument("--hidden", type=int_at_least(1), default=64,
+                   help="width of the gpt2/llama presets, hidden // 16 heads (hidden // 128 "
+                        "from 1024 on): multiples of 32 fit, from 1024 on multiples of 256 "
+                        "(default %(default)s)")
+    p.add_argument("--layers", type=int_at_least(1), default=2,
+                   help="depth of the gpt2/llama presets, >= 1 (default %(default)s)")
     p.add_argument("--weights", action="store_true",
                    help="load the weights from the local model directory")
     p.add_argument("--meta", action="store_true", help="build on the meta device first")
-    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    p.add_argument("--precision", default="fp32", choices=["fp32", "bf16"])
-    p.add_argument("--replicator", default="demo")
-    p.add_argument("--optimizer", default="sgd", help="base optimizer: sgd, adamw, adam")
-    p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--warmup", type=int, default=10, help="linear warm-up steps, then cosine")
-    p.add_argument("--steps", type=int, default=50)
-    p.add_argument("--batch", type=int, default=4, help="sequences per micro-batch per rank")
-    p.add_argument("--seq", type=int, default=128)
-    p.add_argument("--accum", type=int, default=1, help="micro-batches per optimizer step")
-    p.add_argument("--clip", type=float, default=0.0, help="gradient-norm clip (0: off)")
-    p.add_argument("--compile", action="store_true")
-    p.add_argument("--replicate", type=int, default=None)
-    p.add_argument("--shard", type=int, default=None)
-    p.add_argument("--log-every", type=int, default=10)
-    p.add_argument("--seed", type=int, default=0)
-    return p.parse_args(argv)
+    p.add_argument("--device", default="auto", choices=DEVICES,
+                   help="auto (CUDA when available), cpu or cuda (cuda:LOCAL_RANK per rank)")
+    p.add_argument("--precision", default="fp32", choices=PRECISIONS,
+                   help="bf16: bf16 compute with fp32 gradients and master weights")
+    p.add_argument("--replicator", default="demo", type=str.lower,
+                   choices=sorted(REPLICATORS), metavar="NAME",
+                   help="what crosses between replicas: " + ", ".join(sorted(REPLICATORS))
+                        + " (default %(default)s)")
+    p.add_argument("--optimizer", default="sgd", type=str.lower, choices=tuple(BASE_OPTIMIZERS),
+                   help="base optimizer (default %(default)s)")
+    p.add_argument("--lr", type=float_in(0, open_low=True), default=3e-3,
+                   help="peak learning rate, > 0 (default %(default)s)")
+    p.add_argument("--warmup", type=int_at_least(0), default=10,
+                   help="linear warm-up as a NUMBER OF STEPS, >= 0 (default %(default)s), then "
+                        "cosine decay; not a fraction, unlike train_gpt.py's --warmup")
+    p.add_argument("--steps", type=int_at_least(1), default=50,
+                   help="optimizer steps, >= 1 (default %(default)s)")
+    p.add_argument("--batch", type=int_at_least(1), default=4,
+                   help="sequences per micro-batch per rank, >= 1 (default %(default)s)")
+    p.add_argument("--seq", type=int_at_least(2, 1_000_001), default=128,
+                   help="tokens per sequence, 2 to 1000000 (default %(default)s)")
+    p.add_argument("--accum", type=int_at_least(1), default=1,
+                   help="micro-batches per optimizer step, >= 1 (default %(default)s)")
+    p.add_argument("--clip", type=float_in(0), default=0.0,
+                   help="gradient-norm clip, >= 0 (default 0: off)")
+    p.add_argument("--compile", action="store_true", help="model.compile() after prepare()")
+    p.add_argument("--replicate", type=int_at_least(1), default=None,
+                   help="replicas, >= 1 (default: the number of nodes); replicate x shard = "
+                        "the ranks launched")
+    p.add_argument("--shard", type=int_at_least(1), default=None,
+                   help="ranks per replica, >= 1 (default: the ranks per node)")
+    p.add_argument("--log-every", type=int_at_least(1), default=10,
+                   help="steps between progress lines, >= 1 (default %(default)s)")
+    p.add_argument("--seed", type=int_at_least(0, 2**32), default=0,
+                   help="random seed, 0 to 2**32 - 1 (default %(default)s)")
+    args = p.parse_args(argv)
+    check_model(p, args)
+    try:
+        mesh_shape(launch_world(), args.replicate, args.shard)
+    except ValueError as e:
+        p.error(f"argument --replicate/--shard: {e}; launch replicate x shard ranks "
+                "(torchrun --nproc-per-node N) or change --replicate/--shard")
+    try:
+        check_device(args.device)
+    except ValueError as e:
+        p.error(f"argument --device: {e}")
+    return args
 
 
 def build_config(name: str, seq: int, hidden: int = 64, layers: int = 2):
@@ -120,9 +230,7 @@ def hf_init_fn(model):
 def build_model(args):
     tf = _transformers()
     config = build_config(args.model, args.seq, args.hidden, args.layers)
-    if args.weights:
-        if args.meta:
-            sys.exit("--weights loads a checkpoint; it cannot be combined with --meta")
+    if args.weights:  # parse_args: a local directory, not with --meta
         return tf.AutoModelForCausalLM.from_pretrained(args.model, local_files_only=True), None
     torch.manual_seed(args.seed)
     if args.meta:
@@ -156,9 +264,15 @@ def batches(text: torch.Tensor, batch: int, seq: int, rank: int, seed: int, devi
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     model, init_fn = build_model(args)
-    model, opt = flexdemo.prepare(
-        model, args.replicator, args.optimizer, args.lr, device=args.device,
-        precision=args.precision, init_fn=init_fn, replicate=args.replicate, shard=args.shard)
+    try:
+        model, opt = flexdemo.prepare(
+            model, args.replicator, args.optimizer, args.lr, device=args.device,
+            precision=args.precision, init_fn=init_fn, replicate=args.replicate,
+            shard=args.shard)
+    except ValueError as e:  # settings only the started process group can check
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        usage_exit(PROG, " ".join(str(e).split()))
     rank = dist.get_rank()
     device = next(p.device for p in model.parameters())
     if args.compile:

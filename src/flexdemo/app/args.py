@@ -1,0 +1,85 @@
+"""Argument checks for scripts launched by ``torchrun`` (the examples): one-line errors that
+rank 0 prints once, exit code 2 on every rank, and ``argparse`` types with ranges."""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+import time
+from typing import NoReturn
+
+import torch.distributed as dist
+
+__all__ = ["Parser", "float_in", "int_at_least", "launch_rank", "launch_world", "usage_exit"]
+
+
+def launch_rank() -> int:
+    """This process's global rank (before the process group starts: torchrun's ``RANK``)."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank()
+    try:
+        return int(os.environ.get("RANK", "0"))
+    except ValueError:
+        return 0
+
+
+def launch_world() -> int:
+    """The number of ranks (before the process group starts: torchrun's ``WORLD_SIZE``)."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size()
+    try:
+        return int(os.environ.get("WORLD_SIZE", "1"))
+    except ValueError:
+        return 1
+
+
+def usage_exit(prog: str, message: str) -> NoReturn:
+    """Print ``prog: error: message`` (one line, rank 0 only) and exit 2 on every rank.
+
+    The other ranks wait a moment first: torchrun stops every rank once one has exited, and
+    rank 0 should have said why by then."""
+    if launch_rank() == 0:
+        print(f"{prog}: error: {message}", file=sys.stderr, flush=True)
+    else:
+        time.sleep(3)
+    sys.exit(2)
+
+
+class Parser(argparse.ArgumentParser):
+    """An argument parser whose errors are one line (no usage block), said once by rank 0."""
+
+    def error(self, message: str) -> NoReturn:
+        usage_exit(self.prog, f"{message} (see --help)")
+
+
+def int_at_least(low: int, high: int | None = None):
+    """An ``argparse`` type: an integer ``>= low`` (and ``< high`` when given)."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < low or (high is not None and value >= high):
+            bound = f"at least {low}" if high is None else f"from {low} to {high - 1}"
+            raise argparse.ArgumentTypeError(f"must be {bound}, got {value}")
+        return value
+    return parse
+
+
+def float_in(low: float, high: float | None = None, *, open_low: bool = False):
+    """An ``argparse`` type: a finite number ``>= low`` (``> low`` with ``open_low``), and
+    ``<= high`` when given."""
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+        if (not math.isfinite(value) or value < low or (open_low and value == low)
+                or (high is not None and value > high)):
+            bound = (f"greater than {low:g}" if open_low else f"at least {low:g}") \
+                if high is None else f"from {low:g} to {high:g}"
+            raise argparse.ArgumentTypeError(f"must be a number {bound}, got {text}")
+        return value
+    return parse

@@ -1,0 +1,308 @@
+"""examples/train_gpt.py and examples/train_hf.py as users run them: bad arguments end in one
+line on stderr and exit code 2 (on every rank), and tiny valid runs train."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+GPT = ROOT / "examples" / "train_gpt.py"
+HF = ROOT / "examples" / "train_hf.py"
+TINY_GPT = ["--model", "tiny", "--steps", "3", "--batch", "2", "--corpus-bytes", "20000",
+            "--eval-batches", "1", "--log-every", "2"]
+TINY_HF = ["--steps", "3", "--batch", "2", "--seq", "16", "--log-every", "1"]
+LAUNCH_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+               "MASTER_PORT", "TORCHELASTIC_RUN_ID")
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS}
+    env.update(OMP_NUM_THREADS="1", FLEXDEMO_TIMEOUT="60", **extra)
+    return env
+
+
+def _run(args: list[str], timeout: float = 120, **extra: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, *map(str, args)], capture_output=True, text=True,
+                          timeout=timeout, env=_env(**extra), cwd=ROOT)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _ranks(args: list[str], world: int = 2, timeout: float = 120) -> list[tuple[int, str]]:
+    """``world`` bare ranks of ``python ARGS`` with torchrun's variables, started together;
+    each one's exit code and stderr."""
+    port = str(_free_port())
+    procs = [subprocess.Popen([sys.executable, *map(str, args)], cwd=ROOT, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              env=_env(RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(world),
+                                       LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
+                                       MASTER_PORT=port))
+             for r in range(world)]
+    try:
+        outs = [p.communicate(timeout=timeout) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.communicate()
+    return [(p.returncode, err) for p, (_, err) in zip(procs, outs)]
+
+
+def _one_line_error(stderr: str, script: str, argument: str) -> str:
+    lines = [line for line in stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, stderr
+    assert lines[0].startswith(f"{script}: error: "), lines[0]
+    assert argument in lines[0], lines[0]
+    assert "Traceback" not in stderr
+    return lines[0]
+
+
+def _load(path: Path):
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+# ----------------------------------------------------------------------------- train_gpt.py
+@pytest.mark.parametrize("args, argument, says", [
+    (["--steps", "0"], "--steps", "at least 1"),
+    (["--steps", "-2"], "--steps", "at least 1"),
+    (["--batch", "0"], "--batch", "at least 1"),
+    (["--model", "huge"], "--model", "'tiny', 'mini', 'small'"),
+    (["--lr", "-1"], "--lr", "greater than 0"),
+    (["--replicate", "2"], "--replicate", "world size 1"),
+    (["--corpus-bytes", "10"], "--corpus-bytes", "at least 660"),
+    (["--warmup", "5"], "--warmup", "from 0 to 1"),
+], ids=lambda v: " ".join(v) if isinstance(v, list) else None)
+def test_gpt_bad_argument_is_one_line_and_code_2(tmp_path, args, argument, says):
+    r = _run([GPT, *TINY_GPT, "--out", tmp_path / "r.json", *args])
+    assert r.returncode == 2, r.stderr
+    assert says in _one_line_error(r.stderr, "train_gpt.py", argument)
+    assert not (tmp_path / "r.json").exists()
+
+
+@pytest.mark.parametrize("args, argument", [
+    (["--eval-batches", "0"], "--eval-batches"),
+    (["--log-every", "0"], "--log-every"),
+    (["--lr", "nan"], "--lr"),
+    (["--warmup", "-0.1"], "--warmup"),
+    (["--shard", "2"], "--shard"),
+    (["--seed", "-1"], "--seed"),
+    (["--strategies", " , "], "--strategies"),
+    (["--strategies", "flexdem"], "did you mean 'flexdemo'"),
+    (["--strategies", "flexdemo:topk=-1"], "topk"),
+    (["--strategies", "flexdemo:bogus=1"], "bogus"),
+    (["--out", "."], "--out"),
+    (["--out", str(ROOT / "README.md" / "results.json")], "--out"),
+    (["--model", "mini", "--corpus-bytes", "1299"], "at least 1300"),  # longer sequences
+], ids=lambda v: " ".join(v) if isinstance(v, list) else None)
+def test_gpt_parse_args_rejects(capsys, args, argument):
+    """The other arguments, through parse_args in this process (no subprocess per case)."""
+    with pytest.raises(SystemExit) as e:
+        _load(GPT).parse_args([*TINY_GPT, *args])
+    assert e.value.code == 2
+    _one_line_error(capsys.readouterr().err, "train_gpt.py", argument)
+
+
+def test_gpt_help_says_warmup_is_a_fraction(capsys):
+    with pytest.raises(SystemExit) as e:
+        _load(GPT).parse_args(["--help"])
+    assert e.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "FRACTION of --steps, from 0 to 1" in text
+    assert "{tiny,mini,small}" in text
+
+
+def test_gpt_tiny_run_trains_and_writes_results(tmp_path):
+    out = tmp_path / "r.json"
+    r = _run([GPT, *TINY_GPT, "--corpus-bytes", "660", "--warmup", "1", "--lr", "0.01",
+              "--strategies", "flexdemo,hsdp-adamw", "--out", out])
+    assert r.returncode == 0, r.stderr
+    results = json.loads(out.read_text())["results"]
+    assert [x["strategy"] for x in results] == ["flexdemo", "hsdp-adamw"]
+    for x in results:
+        assert x["steps"] == 3 and x["lr"] == 0.01
+        assert math.isfinite(x["train_loss"]) and math.isfinite(x["val_loss"])
+        assert [h["step"] for h in x["history"]] == [2, 3]
+
+
+def test_gpt_two_ranks_under_torchrun_replicate(tmp_path):
+    out = tmp_path / "r.json"
+    r = _run(["-m", "torch.distributed.run", "--nproc-per-node", "2", GPT, *TINY_GPT,
+              "--replicate", "2", "--out", out], timeout=240)
+    assert r.returncode == 0, r.stdout + r.stderr
+    payload = json.loads(out.read_text())
+    assert payload["world"] == 2
+    for x in payload["results"]:
+        assert x["mesh"] == {"replicate": 2, "shard": 1}
+        assert x["bytes_sent_per_step"] > 0  # the replicas exchanged
+        assert x["replica_max_abs_diff"] == 0.0
+
+
+def test_gpt_bad_argument_on_two_ranks_said_once(tmp_path):
+    """Before the process group: rank 0 says it, every rank exits 2."""
+    (code0, err0), (code1, err1) = _ranks([GPT, *TINY_GPT, "--replicate", "3",
+                                           "--out", tmp_path / "r.json"])
+    assert (code0, code1) == (2, 2), err0 + err1
+    assert "world size 2" in _one_line_error(err0, "train_gpt.py", "--replicate")
+    assert err1.strip() == ""
+
+
+def test_gpt_error_after_the_process_group_started_said_once(tmp_path):
+    """An error prepare() raises once the process group is up: one line from rank 0, exit 2
+    on every rank, no hang."""
+    wrapper = tmp_path / "wrapper.py"
+    wrapper.write_text(textwrap.dedent(f"""
+        import importlib.util
+        import sys
+
+        spec = importlib.util.spec_from_file_location("train_gpt", {str(GPT)!r})
+        example = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(example)
+
+        def prepare(model, **kwargs):
+            example.flexdemo.init_distributed("cpu")
+            raise ValueError("this mesh cannot hold\\nthe model")
+
+        example.flexdemo.prepare = prepare
+        example.main(sys.argv[1:])
+    """))
+    (code0, err0), (code1, err1) = _ranks([wrapper, *TINY_GPT, "--strategies", "flexdemo",
+                                           "--out", tmp_path / "r.json"], timeout=90)
+    assert (code0, code1) == (2, 2), err0 + err1
+    line = _one_line_error(err0, "train_gpt.py", "strategy 'flexdemo'")
+    assert line.endswith("this mesh cannot hold the model")
+    assert err1.strip() == ""
+
+
+# ------------------------------------------------------------------------------ train_hf.py
+def _model_dir(tmp_path: Path, **config) -> Path:
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text(json.dumps(config))
+    return tmp_path / "model"
+
+
+@pytest.mark.parametrize("args, argument, says", [
+    (["--steps", "0"], "--steps", "at least 1"),
+    (["--warmup", "0.05"], "--warmup", "expected an integer"),
+    (["--warmup", "-1"], "--warmup", "at least 0"),
+    (["--optimizer", "lamb"], "--optimizer", "'lion'"),
+    (["--replicator", "foo"], "--replicator", "'demo'"),
+    (["--replicate", "2"], "--replicate", "world size 1"),
+    (["--hidden", "80"], "--hidden", "64 or 96"),
+    (["--model", "no/such/dir"], "--model", "config.json"),
+    (["--weights"], "--weights", "local model directory"),
+], ids=lambda v: " ".join(v) if isinstance(v, list) else None)
+def test_hf_bad_argument_is_one_line_and_code_2(args, argument, says):
+    """Checked before transformers is imported: the same with or without it."""
+    r = _run([HF, *TINY_HF, *args])
+    assert r.returncode == 2, r.stderr
+    assert says in _one_line_error(r.stderr, "train_hf.py", argument)
+
+
+@pytest.mark.parametrize("args, config, argument", [
+    (["--batch", "0"], None, "--batch"),
+    (["--seq", "1"], None, "--seq"),
+    (["--accum", "0"], None, "--accum"),
+    (["--clip", "-1"], None, "--clip"),
+    (["--lr", "0"], None, "--lr"),
+    (["--log-every", "0"], None, "--log-every"),
+    (["--layers", "0"], None, "--layers"),
+    (["--model", "gpt2", "--hidden", "100"], None, "96 or 112"),
+    (["--seq", "128"], {"vocab_size": 300, "n_positions": 64}, "--seq 64 or less"),
+    ([], {"vocab_size": 100}, "vocab_size 100"),
+    (["--weights"], {"vocab_size": 300}, "holds no weights"),
+    (["--weights", "--meta"], {"vocab_size": 300}, "--meta"),
+], ids=lambda v: " ".join(v) if isinstance(v, list) else None)
+def test_hf_parse_args_rejects(tmp_path, capsys, args, config, argument):
+    model = ["--model", str(_model_dir(tmp_path, **config))] if config else []
+    with pytest.raises(SystemExit) as e:
+        _load(HF).parse_args([*TINY_HF, *model, *args])
+    assert e.value.code == 2
+    _one_line_error(capsys.readouterr().err, "train_hf.py", argument)
+
+
+def test_hf_help_lists_the_library_optimizers_and_says_warmup_is_steps(capsys):
+    from flexdemo.optim import BASE_OPTIMIZERS
+
+    with pytest.raises(SystemExit) as e:
+        _load(HF).parse_args(["--help"])
+    assert e.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "{" + ",".join(BASE_OPTIMIZERS) + "}" in text and "lion" in text
+    assert "warm-up as a NUMBER OF STEPS" in text
+    args = _load(HF).parse_args(["--optimizer", "LION", "--model", "gpt2", "--hidden", "80"])
+    assert (args.optimizer, args.hidden) == ("lion", 80)  # gpt2 needs no key-value heads
+
+
+@pytest.mark.skipif(importlib.util.find_spec("transformers") is not None,
+                    reason="transformers is installed")
+def test_hf_valid_arguments_without_transformers_say_what_to_install():
+    r = _run([HF, *TINY_HF])
+    assert r.returncode == 1
+    assert r.stderr.strip().splitlines() == [
+        "train_hf.py needs the transformers package (pip install transformers); flexdemo "
+        "itself does not"]
+
+
+STUB = '''
+"""A stand-in for transformers: the configs train_hf.py builds and a tiny causal LM."""
+from types import SimpleNamespace
+
+from torch import nn
+
+
+def LlamaConfig(**kw):
+    return SimpleNamespace(width=kw["hidden_size"], **kw)
+
+
+def GPT2Config(**kw):
+    return SimpleNamespace(width=kw["n_embd"], **kw)
+
+
+class _LM(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.embed = nn.Embedding(config.vocab_size, config.width)
+        self.head = nn.Linear(config.width, config.vocab_size)
+
+    def forward(self, input_ids, labels):
+        logits = self.head(self.embed(input_ids))[:, :-1]
+        loss = nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
+                                           labels[:, 1:].reshape(-1))
+        return SimpleNamespace(loss=loss)
+
+
+class AutoModelForCausalLM:
+    @staticmethod
+    def from_config(config):
+        return _LM(config)
+'''
+
+
+def test_hf_tiny_run_trains(tmp_path):
+    """The training loop (prepare, accumulation, clipping, schedule) on a stand-in
+    ``transformers`` (the real one is optional and absent from the test environment)."""
+    (tmp_path / "transformers").mkdir()
+    (tmp_path / "transformers" / "__init__.py").write_text(STUB)
+    r = _run([HF, *TINY_HF, "--optimizer", "lion", "--lr", "1e-3", "--accum", "2",
+              "--clip", "1.0", "--warmup", "2"], PYTHONPATH=str(tmp_path))
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert [line.split()[1] for line in lines if line.startswith("step")] == ["0", "1", "2"]
+    assert lines[-1].startswith("done: loss") and "mesh (1, 1)" in lines[-1]

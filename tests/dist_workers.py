@@ -285,3 +285,31 @@ def wire_worker(rank, world):
     train(model, opt, 1, rank, start=4)
     out["drop-delayed"] = {"dropped": (dropped, rep.dropped_payloads), "shards": shards(model)}
     return out
+
+
+
+SETTINGS_CASES = {  # name: the optimizer arguments of a rank (rank 1 differs, but in "same")
+    "same": lambda r: {"replicators": "demo"},
+    "topk": lambda r: {"replicators": DeMoReplicator(topk=4 * (1 + r), chunk=8)},
+    "seed": lambda r: {"replicators": flexdemo.RandomReplicator(seed=r)},
+    "kinds": lambda r: {"replicators": ["demo", "full"][r]},
+    "nonfinite": lambda r: {"nonfinite": ["raise", "skip"][r]},
+    "base": lambda r: {"base": ["sgd", "adamw"][r]},
+    "diloco": lambda r: {"replicators": flexdemo.DiLoCoReplicator(inner_steps=2 + r)},
+}
+
+
+def settings_worker(rank, world):
+    """Per case, every rank builds an optimizer with the case's arguments: the error each
+    rank raises, or ``"ok"`` after a step."""
+    out = {}
+    for name, kwargs in SETTINGS_CASES.items():
+        model = fresh_model()
+        try:
+            opt = flexdemo.DeToNATION(model.parameters(), lr=0.01, **kwargs(rank))
+        except ValueError as e:
+            out[name] = str(e)
+            continue
+        train(model, opt, 1, rank)
+        out[name] = "ok"
+    return out

@@ -136,14 +136,26 @@ def test_stuck_replica_times_out_with_a_clear_error():
         sim.step([batch(r, 0) for r in range(2)])
 
 
-def test_replicas_running_different_collectives_fail_clearly():
+def test_replicas_built_differently_fail_at_construction():
     def opt_fn(params, group):
         reps = ["demo"] if group.rank == 0 else ["full"]
         return DeToNATION(params, reps, lr=0.01, group=group)
 
+    with pytest.raises(ValueError, match=r"ranks \[1\] built another optimizer"):
+        SimulatedReplicas(model, loss_fn, replicas=2, optimizer_fn=opt_fn, timeout=30)
+
+
+def test_replicas_running_different_collectives_fail_clearly():
+    def opt_fn(params, group):  # built alike, then replica 1 exchanges every other step only
+        opt = DeToNATION(params, ["full"], lr=0.01, group=group)
+        opt.replicators[0].replicate_every = 1 + group.rank
+        return opt
+
     sim = SimulatedReplicas(model, loss_fn, replicas=2, optimizer_fn=opt_fn, timeout=30)
-    with pytest.raises(SimulationError, match="different collectives") as info:
-        sim.step([batch(r, 0) for r in range(2)])
+    sim.step([batch(r, 0) for r in range(2)])
+    with pytest.raises(SimulationError, match="different (sequences of )?collectives") as info:
+        for step in (1, 2):
+            sim.step([batch(r, step) for r in range(2)])
     assert isinstance(info.value.__cause__, ReplicaAbortedError)
 
 

@@ -10,6 +10,7 @@ from torch import nn
 
 from . import dcp as _dcp
 from .buffers import BUFFER_POLICIES, BufferSync
+from .consistency import check_same_settings
 from .lion import Lion
 from .replicate import (
     DeMoReplicator,
@@ -180,6 +181,7 @@ class DeToNATION(torch.optim.Optimizer):
         # the other shards of this replica must learn of a non-finite gradient too
         self._shard_group = (mesh["shard"].get_group()
                              if mesh is not None and mesh["shard"].size() > 1 else None)
+        check_same_settings(self, device)  # ranks built alike, or one error on every rank
 
     # ------------------------------------------------------------------ stepping
     @torch.no_grad()

@@ -123,6 +123,23 @@ def test_nonfinite_gradient_raises_on_every_replica_together():
     assert sim.identical()
 
 
+def test_a_raised_step_leaves_fresh_gradients_for_the_next():
+    sim = tiny_sim(replicas=2)
+    sim.backward([batch(r, 0) for r in range(2)])
+    sim.models[1].out.weight.grad[0, 0] = float("nan")
+    with pytest.raises(NonFiniteGradientError, match=r"rank\(s\) \[1\]"):
+        sim.optimizer_step()
+    assert all(p.grad is None for m in sim.models for p in m.parameters())
+    sim.step([batch(r, 1) for r in range(2)])  # finite data trains on
+    assert sim.identical()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_cuda_without_cuda_is_one_clear_error():
+    with pytest.raises(ValueError, match="CUDA is not available here"):
+        SimulatedReplicas(model, loss_fn, replicas=2, device="cuda")
+
+
 def test_stuck_replica_times_out_with_a_clear_error():
     sim = tiny_sim(replicas=2, timeout=0.5)
     orig = sim.optimizers[0].step

@@ -27,6 +27,7 @@ from torch import nn
 
 from .optim import DeToNATION
 from .replicate import Replicator, make_replicator
+from .sharding import _target_device
 from .transport import InProcessHub, InProcessTransport, ReplicaAbortedError
 
 
@@ -162,6 +163,7 @@ class SimulatedReplicas:
         self.loss_fn = loss_fn
         self.models = [copy.deepcopy(base) for _ in range(replicas)]
         if device is not None:
+            device = _target_device(torch.device("cpu"), device)  # one line if unusable
             self.models = [m.to(device) for m in self.models]
         first = next(self.models[0].parameters(), None)
         self.device = first.device if first is not None else torch.device("cpu")
@@ -245,10 +247,14 @@ class SimulatedReplicas:
         return losses
 
     def optimizer_step(self) -> None:
-        """Every replica's optimizer step (the exchange included) and ``zero_grad``."""
+        """Every replica's optimizer step (the exchange included) and ``zero_grad`` (also
+        after a step that raised, e.g. ``NonFiniteGradientError``: the next step starts from
+        fresh gradients)."""
         def one(r: int) -> None:
-            self.optimizers[r].step()
-            self.optimizers[r].zero_grad()
+            try:
+                self.optimizers[r].step()
+            finally:
+                self.optimizers[r].zero_grad()
         self.run(one)
 
     def step(self, batches: Sequence) -> list[torch.Tensor]:

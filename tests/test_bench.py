@@ -175,7 +175,8 @@ def test_tiny_sweep_without_root_falls_back_to_loopback(tmp_path, monkeypatch, c
                                  "train.warmup=1"])
     results = run_bench(o)
     printed = capsys.readouterr().out
-    assert "shaping the links needs root" in printed and "unshaped loopback" in printed
+    assert "shaping the emulated network needs root" in printed and "unshaped loopback" in printed
+    assert printed.count("Run as root") == 0 and "rerun as root" in printed  # said once
     assert [r["status"] for r in results] == ["ok", "ok"], [r.get("message") for r in results]
     assert all(r["bandwidth"] == "unshaped" for r in results)
     data = json.loads((tmp_path / "results.json").read_text())

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import inspect
 import json
 import re
@@ -184,3 +185,22 @@ def test_gpt_config_states_the_library_defaults_of_demo():
     defaults = {k: p.default for k, p in inspect.signature(DeMoReplicator).parameters.items()}
     assert (int(m[1]), int(m[2]), float(m[3]), m[4]) == (
         defaults["topk"], defaults["chunk"], defaults["decay"], defaults["values"])
+
+
+def test_train_overrides_may_follow_resume(capsys):
+    code = main(["train", GPT, "--resume", "train.steps=30", "train.out=/tmp/elsewhere",
+                 "--print-config"])
+    out = capsys.readouterr().out
+    assert code == 0 and "steps = 30" in out and 'out = "/tmp/elsewhere"' in out, out
+    assert "resume = true" in out
+    with pytest.raises(SystemExit) as info:
+        main(["train", GPT, "--resume", "train.steps=30", "--bogus"])
+    assert info.value.code == 2 and "unrecognized arguments: --bogus" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(importlib.util.find_spec("transformers") is not None,
+                    reason="transformers is installed")
+def test_a_missing_optional_extra_is_a_usage_error(capsys, tmp_path, single_process):
+    code = main(["train", str(ROOT / "configs" / "t5.toml"), f"train.out={tmp_path / 'o'}"])
+    err = capsys.readouterr().err
+    assert code == 2 and "pip install 'flexdemo[t5]'" in err and "Traceback" not in err, err

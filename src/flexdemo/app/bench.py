@@ -278,7 +278,8 @@ def run_bench(o: BenchOptions, echo: Callable[[str], None] | None = None) -> lis
         try:
             EmulatedCluster(o.nodes, o.ranks_per_node, bandwidths[0], log=lambda s: None)
         except ShapingUnavailableError as e:
-            echo(f"note: shaping the links needs root and iproute2 ({e}).\n"
+            reason = str(e).split(". Run as root")[0]  # the fix is said below
+            echo(f"note: {reason}.\n"
                  "note: running the unshaped loopback version instead: all ranks on 127.0.0.1, "
                  "no bandwidth limit, so communication costs little; rerun as root for the "
                  "shaped comparison.")

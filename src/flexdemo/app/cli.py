@@ -502,8 +502,15 @@ def join_negative_values(argv: list[str]) -> list[str]:
 def main(argv: Sequence[str] | None = None) -> int:
     """The ``flexdemo`` command on ``argv`` (default: ``sys.argv``); returns the exit code."""
     parser = build_parser()
-    args = parser.parse_args(join_negative_values(list(sys.argv[1:] if argv is None
-                                                       else argv)))
+    args, extra = parser.parse_known_args(join_negative_values(list(sys.argv[1:] if argv is None
+                                                                    else argv)))
+    if extra:  # train's overrides may follow its options (`CONFIG --resume key=value ...`)
+        if getattr(args, "func", None) is _cmd_train and not any(x.startswith("-")
+                                                                 for x in extra):
+            args.args = [*args.args, *extra]
+        else:
+            (getattr(args, "subparser", None) or parser).error(
+                f"unrecognized arguments: {' '.join(extra)}")
     return int(args.func(args, args.subparser))
 
 

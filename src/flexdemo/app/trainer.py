@@ -340,7 +340,9 @@ class Trainer:
         self.t_start = time.perf_counter()
         try:
             self.task: Task = build_task(cfg.task, seed=tc.seed)
-        except (ModuleNotFoundError, ValueError, RuntimeError) as e:
+        except (ModuleNotFoundError, ValueError) as e:  # a missing extra, a bad setting
+            raise UsageError(f"task {cfg.task.name!r}: {e}") from None
+        except RuntimeError as e:
             raise TrainingError(f"task {cfg.task.name!r}: {e}") from None
         try:
             self.device = resolve_device(tc.device)

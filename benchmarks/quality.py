@@ -29,13 +29,14 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 
+from flexdemo.app.args import Parser, usage_exit
 from flexdemo.app.schedule import SCHEDULES, lr_at
 from flexdemo.app.tasks.base import ShardSampler, eval_indices
-from flexdemo.app.tasks.gpt import GPT, get_batch, gpt_config, load_corpus
+from flexdemo.app.tasks.gpt import GPT, PRESETS, get_batch, gpt_config, load_corpus
 from flexdemo.app.tasks.text import ByteWindows
 from flexdemo.replicate import REPLICATORS, DeMoReplicator, DiLoCoReplicator
 from flexdemo.simulate import SimulatedReplicas
@@ -243,13 +244,22 @@ FULL = {"model": "small", "steps": 1000, "batch": 8, "replicas": "2,4", "seeds":
         "corpus_bytes": 8_000_000}
 
 
+PROG = "quality.py"
+
+
+def fail(message: str) -> NoReturn:
+    """Bad input: ``quality.py: error: message`` on one line, exit code 2."""
+    usage_exit(PROG, message)
+
+
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    """The options, checked (a bad one: one line, exit code 2), with the mode's defaults."""
+    p = Parser(prog=PROG, description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true",
                    help="tiny GPT, 300 steps, 2 replicas (defaults of the options below)")
     p.add_argument("--strategies", default=",".join(MAIN),
                    help=f"comma list from: {', '.join(SETTINGS)}")
-    p.add_argument("--model", help="GPT preset: tiny, mini, small")
+    p.add_argument("--model", choices=sorted(PRESETS), help="GPT preset")
     p.add_argument("--steps", type=int)
     p.add_argument("--batch", type=int, help="sequences per replica per step")
     p.add_argument("--replicas", help="comma list of replica counts, e.g. 2,4")
@@ -269,7 +279,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--eval-every", type=int)
     p.add_argument("--eval-batches", type=int)
     p.add_argument("--corpus-bytes", type=int)
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     p.add_argument("--workers", type=int, default=1, help="configurations run in parallel")
     p.add_argument("--threads", type=int, default=0,
                    help="torch threads per worker (0: cores / workers)")
@@ -300,6 +310,16 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error("--first-seed must be >= 0")
     if args.eval_every < 1:
         p.error("--eval-every must be >= 1")
+    if min(args.batch, args.eval_batches, args.corpus_bytes) < 1 or args.threads < 0:
+        p.error("--batch, --eval-batches and --corpus-bytes must be >= 1, --threads >= 0")
+    if not all(math.isfinite(x) and x > 0 for x in args.grid):
+        p.error(f"--lr-grid and --lrs take positive numbers, got {args.grid}")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        why = ("no CUDA device is visible" if torch.version.cuda else
+               f"torch {torch.__version__} is built without CUDA")
+        p.error(f"--device cuda: {why}; use --device cpu")
+    if args.merge_only and not args.merge:
+        p.error("--merge-only needs --merge files (one --merge per quality.json)")
     return args
 
 
@@ -522,8 +542,9 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def run_all(cfgs: list[dict], workers: int, say=print) -> list[dict]:
-    runs = []
+def run_all(cfgs: list[dict], workers: int, say=print, into: list | None = None) -> list[dict]:
+    """Run every configuration; each finished run is appended to ``into`` as it arrives."""
+    runs = [] if into is None else into
     t0 = time.perf_counter()
 
     def report(res: dict) -> None:
@@ -543,23 +564,55 @@ def run_all(cfgs: list[dict], workers: int, say=print) -> list[dict]:
 
 SAME = ("model", "steps", "batch", "schedule", "warmup", "min_lr", "data", "eval_every",
         "eval_batches", "corpus_bytes")
+# what the summary, table and plot read of a run
+NEEDED = ("replicas", "strategy", "lr", "seed", "final_val", "curve", "seconds",
+          "bytes_per_param_step", "tokens_per_replica") + SAME
 
 
-def merged(runs: list[dict], paths: list[str]) -> list[dict]:
-    """``runs`` plus those of earlier result files; a run measured here wins over a stored one
-    of the same (replicas, strategy, lr, seed). Settings that change the result must agree."""
-    have = {(r["replicas"], r["strategy"], r["lr"], r["seed"]) for r in runs}
-    out = list(runs)
+def load_runs(paths: list[str]) -> list[tuple[str, list[dict]]]:
+    """The runs of each ``--merge`` file, read and checked before anything runs."""
+    out = []
     for path in paths:
         try:
-            old = json.loads(Path(path).read_text())["runs"]
-        except (OSError, ValueError, KeyError) as e:
-            raise SystemExit(f"--merge {path}: not a readable quality.json ({e})") from None
-        for r in old:
-            differ = [k for k in SAME if out and r.get(k) != out[0].get(k)]
+            runs = json.loads(Path(path).read_text())["runs"]
+        except OSError as e:
+            fail(f"--merge {path}: cannot read it ({e.strerror or e}); give the path of a "
+                 "quality.json this script wrote")
+        except ValueError as e:
+            fail(f"--merge {path}: not JSON ({e}); give a quality.json this script wrote")
+        except (KeyError, TypeError):
+            runs = None
+        if not isinstance(runs, list):
+            fail(f"--merge {path}: no 'runs' list in it; give a quality.json this script "
+                 "wrote")
+        for i, r in enumerate(runs):
+            missing = [k for k in NEEDED if not isinstance(r, dict) or k not in r]
+            if missing:
+                fail(f"--merge {path}: run {i} lacks {', '.join(missing)}; give a "
+                     "quality.json this script wrote")
+        out.append((path, runs))
+    return out
+
+
+def check_same(stored: list[tuple[str, list[dict]]], here: dict) -> None:
+    """Every stored run must share the settings that change a result (:data:`SAME`) with
+    ``here``; otherwise one line naming the file and the settings that differ."""
+    for path, runs in stored:
+        for r in runs:
+            differ = [k for k in SAME if r[k] != here[k]]
             if differ:
-                raise SystemExit(f"--merge {path}: its runs differ in {', '.join(differ)} "
-                                 "from this one; merge only runs of the same settings")
+                what = ", ".join(f"{k} ({r[k]} there, {here[k]} here)" for k in differ)
+                fail(f"--merge {path}: its runs differ in {what}; merge only runs made with "
+                     "the same settings")
+
+
+def merged(runs: list[dict], stored: list[tuple[str, list[dict]]]) -> list[dict]:
+    """``runs`` plus the stored ones (:func:`load_runs`); a run measured here wins over a
+    stored one of the same (replicas, strategy, lr, seed)."""
+    have = {(r["replicas"], r["strategy"], r["lr"], r["seed"]) for r in runs}
+    out = list(runs)
+    for _, old in stored:
+        for r in old:
             key = (r["replicas"], r["strategy"], r["lr"], r["seed"])
             if key not in have:
                 have.add(key)
@@ -567,36 +620,78 @@ def merged(runs: list[dict], paths: list[str]) -> list[dict]:
     return out
 
 
+def adopt(args: argparse.Namespace, runs: list[dict]) -> None:
+    """``--merge-only``: take the merged runs' settings, replica counts, strategies and
+    seeds (for the header, the plot's title and the saved settings)."""
+    for k in SAME:
+        setattr(args, k, runs[0][k])
+    args.replicas = sorted({r["replicas"] for r in runs})
+    args.strategies = list(dict.fromkeys(r["strategy"] for r in runs))
+    seeds = {r["seed"] for r in runs}
+    args.seeds, args.first_seed = len(seeds), min(seeds)
+
+
+def describe(args: argparse.Namespace) -> str:
+    """The settings of a table, for its header."""
+    return (f"{args.model} GPT, {args.steps} steps, batch {args.batch} per replica, replicas "
+            f"{args.replicas}, {args.schedule} lr (warm-up {args.warmup:.0%}), data {args.data}")
+
+
+def write_json(out: Path, args: argparse.Namespace, command: str, runs: list[dict],
+               rows: list[dict] | None = None, curves: dict | None = None) -> dict:
+    """``quality.json``: the settings, the runs and (once computed) the summary."""
+    result = {"command": command,
+              "settings": {k: v for k, v in vars(args).items() if k != "grid"},
+              "strategies": {k: asdict(SETTINGS[k]) for k in dict.fromkeys(
+                  r["strategy"] for r in runs) if k in SETTINGS},
+              "summary": rows or [], "runs": runs,
+              "best_curves": [{"replicas": n, "strategy": s, "curve": c}
+                              for (n, s), c in (curves or {}).items()]}
+    (out / "quality.json").write_text(json.dumps(result, indent=1))
+    return result
+
+
 def main(argv=None) -> dict:
+    """Check everything (the --merge files included), run the grid, write and print."""
     args = parse_args(argv)
+    command = " ".join([Path(sys.argv[0]).name] + (argv if argv is not None else sys.argv[1:]))
+    stored = load_runs(args.merge)
+    if args.merge_only:  # the table's settings are those of the merged runs
+        every = [r for _, rs in stored for r in rs]
+        if not every:
+            fail("--merge-only: the --merge files hold no runs; give files with runs")
+        adopt(args, every)
+    check_same(stored, {k: getattr(args, k) for k in SAME})
     if args.threads == 0 and args.device == "cpu":
         args.threads = max(1, (os.cpu_count() or 1) // args.workers)
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        fail(f"--out {out}: cannot create the folder ({e.strerror or e}); give a writable "
+             "folder")
     cfgs = [] if args.merge_only else configurations(args)
-    print(f"{len(cfgs)} runs: {args.model} GPT, {args.steps} steps, batch {args.batch} per "
-          f"replica, replicas {args.replicas}, {args.schedule} lr (warm-up "
-          f"{args.warmup:.0%}), data {args.data}, {args.workers} worker(s), {args.device}",
-          flush=True)
-    runs = merged(run_all(cfgs, args.workers, say=lambda s: print(s, flush=True)), args.merge)
-    if not runs:
-        raise SystemExit("no runs: --merge-only needs --merge files")
-    if args.merge_only:  # the table's settings are those of the merged runs
-        for k in SAME:
-            setattr(args, k, runs[0][k])
-        args.seeds = max(r["seed"] for r in runs) + 1
+    if args.merge_only:
+        print(f"merging {sum(len(rs) for _, rs in stored)} stored runs of "
+              f"{len(stored)} file(s), running none: {describe(args)}", flush=True)
+    else:
+        print(f"{len(cfgs)} runs: {describe(args)}, {args.workers} worker(s), {args.device}"
+              + (f"; merging {len(stored)} file(s)" if stored else ""), flush=True)
+    here: list[dict] = []
+    try:
+        run_all(cfgs, args.workers, say=lambda s: print(s, flush=True), into=here)
+    except BaseException:
+        if here:  # keep what finished: a later run can --merge it
+            write_json(out, args, command, merged(here, stored))
+            print(f"stopped after {len(here)} of {len(cfgs)} runs; the finished ones are in "
+                  f"{out / 'quality.json'} (--merge it into a later run)", file=sys.stderr,
+                  flush=True)
+        raise
+    runs = merged(here, stored)
+    write_json(out, args, command, runs)  # the runs first: kept if a later step fails
     rows = summarize(runs)
     curves = best_curves(runs, rows)
-    settings = {k: v for k, v in vars(args).items() if k != "grid"}
-    result = {"command": " ".join([Path(sys.argv[0]).name] + (argv if argv is not None
-                                                                else sys.argv[1:])),
-              "settings": settings,
-              "strategies": {k: asdict(SETTINGS[k]) for k in dict.fromkeys(
-                  r["strategy"] for r in runs) if k in SETTINGS},
-              "summary": rows, "runs": runs,
-              "best_curves": [{"replicas": n, "strategy": s, "curve": c}
-                              for (n, s), c in curves.items()]}
-    (out / "quality.json").write_text(json.dumps(result, indent=1))
+    result = write_json(out, args, command, runs, rows, curves)
     with open(out / "quality.csv", "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=list(rows[0]))
         w.writeheader()

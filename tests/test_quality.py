@@ -107,27 +107,106 @@ def test_unknown_strategy_is_one_clear_line(quality, capsys):
     assert "unknown strategy ['demoo']" in err and "choose from" in err
 
 
-def test_merge_adds_stored_runs_and_refuses_other_settings(quality, tmp_path):
-    base = {"model": "tiny", "steps": 10, "batch": 2, "schedule": "cosine", "warmup": 0.05,
-            "min_lr": 0.1, "data": "random", "eval_every": 5, "eval_batches": 2,
-            "corpus_bytes": 1000}
-    here = [{**base, **_run("adamw", 1e-3, 0, 2.0)}]
-    stored = [{**base, **_run("adamw", 1e-3, 0, 9.0)}, {**base, **_run("adamw", 3e-3, 0, 1.5)}]
+BASE = {"model": "tiny", "steps": 10, "batch": 2, "schedule": "cosine", "warmup": 0.05,
+        "min_lr": 0.1, "data": "random", "eval_every": 5, "eval_batches": 2,
+        "corpus_bytes": 1000}
+
+
+def test_merge_adds_stored_runs_and_refuses_other_settings(quality, tmp_path, capsys):
+    here = [{**BASE, **_run("adamw", 1e-3, 0, 2.0)}]
+    stored = [{**BASE, **_run("adamw", 1e-3, 0, 9.0)}, {**BASE, **_run("adamw", 3e-3, 0, 1.5)}]
     path = tmp_path / "old.json"
     path.write_text(json.dumps({"runs": stored}))
-    runs = quality.merged(here, [str(path)])
+    loaded = quality.load_runs([str(path)])
+    quality.check_same(loaded, BASE)
+    runs = quality.merged(here, loaded)
     assert sorted((r["lr"], r["final_val"]) for r in runs) == [(1e-3, 2.0), (3e-3, 1.5)]
     path.write_text(json.dumps({"runs": [{**stored[1], "steps": 20}]}))
-    with pytest.raises(SystemExit, match="differ in steps"):
-        quality.merged(here, [str(path)])
+    with pytest.raises(SystemExit) as e:
+        quality.check_same(quality.load_runs([str(path)]), BASE)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1
+    assert "differ in steps (20 there, 10 here)" in err
+
+
+@pytest.mark.parametrize("text, says", [("{", "not JSON"), ("[1]", "no 'runs' list"),
+                                        ('{"runs": [{"lr": 1}]}', "run 0 lacks replicas")])
+def test_unreadable_merge_file_is_one_line(quality, tmp_path, capsys, text, says):
+    path = tmp_path / "bad.json"
+    path.write_text(text)
+    with pytest.raises(SystemExit) as e:
+        quality.main(["--quick", "--merge", str(path), "--out", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1 and says in err
+    assert not (tmp_path / "out").exists()
+
+
+def _fake_run(cfg: dict) -> dict:
+    return {**cfg, "params": 1, "curve": [[cfg["steps"], 2.0]], "final_val": 2.0,
+            "diverged": False, "identical": True, "seconds": 0.0, "tokens_per_replica": 1,
+            "bytes_per_param_step": 4.0}
+
+
+QUICK_ARGS = ["--quick", "--seeds", "1", "--strategies", "adamw", "--model", "tiny",
+              "--batch", "2", "--eval-every", "5", "--eval-batches", "2",
+              "--corpus-bytes", "1000", "--threads", "1"]
+
+
+def test_merge_of_other_settings_is_refused_before_running(quality, tmp_path, capsys,
+                                                           monkeypatch):
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps({"runs": [{**BASE, **_run("adamw", 3e-3, 0, 1.5)}]}))
+    ran = []
+    monkeypatch.setattr(quality, "run_one", lambda cfg: ran.append(cfg) or _fake_run(cfg))
+    with pytest.raises(SystemExit) as e:
+        quality.main([*QUICK_ARGS, "--steps", "11", "--lrs", "1e-3", "--merge", str(path),
+                      "--out", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1 and "differ in steps" in err
+    assert not ran and not (tmp_path / "out").exists()
+
+
+def test_finished_runs_are_written_when_a_later_step_fails(quality, tmp_path, capsys,
+                                                           monkeypatch):
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps({"runs": [{**BASE, **_run("adamw", 3e-3, 0, 1.5)}]}))
+    monkeypatch.setattr(quality, "run_one", _fake_run)
+
+    def broken(runs):
+        raise RuntimeError("summary broke")
+    monkeypatch.setattr(quality, "summarize", broken)
+    out = tmp_path / "out"
+    with pytest.raises(RuntimeError, match="summary broke"):
+        quality.main([*QUICK_ARGS, "--steps", "10", "--lrs", "1e-3,1e-2", "--merge", str(path),
+                      "--out", str(out)])
+    runs = json.loads((out / "quality.json").read_text())["runs"]
+    assert sorted(r["lr"] for r in runs) == [1e-3, 3e-3, 1e-2]
+
+    # a run that fails mid-grid keeps the ones finished before it
+    def second_fails(cfg):
+        if cfg["lr"] == 1e-2:
+            raise RuntimeError("run broke")
+        return _fake_run(cfg)
+    monkeypatch.setattr(quality, "run_one", second_fails)
+    out2 = tmp_path / "out2"
+    with pytest.raises(RuntimeError, match="run broke"):
+        quality.main([*QUICK_ARGS, "--steps", "10", "--lrs", "1e-3,1e-2", "--out", str(out2)])
+    assert [r["lr"] for r in json.loads((out2 / "quality.json").read_text())["runs"]] == [1e-3]
+    assert "stopped after 1 of 2 runs" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("device, says", [("cuda", "--device cuda: "), ("gpu", "invalid choice")])
+def test_device_is_checked_up_front(quality, capsys, monkeypatch, device, says):
+    monkeypatch.setattr(quality.torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit) as e:
+        quality.parse_args(["--quick", "--device", device])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1 and says in err
 
 
 def test_merge_only_writes_the_merged_table_without_running(quality, tmp_path, capsys):
-    base = {"model": "tiny", "steps": 10, "batch": 2, "schedule": "cosine", "warmup": 0.05,
-            "min_lr": 0.1, "data": "random", "eval_every": 5, "eval_batches": 2,
-            "corpus_bytes": 1000}
-    one = [{**base, **_run("adamw", 1e-3, s, 2.0 + s)} for s in (0, 1)]
-    two = [{**base, **_run("demo", 3e-4, s, 2.5)} for s in (0, 1)]
+    one = [{**BASE, **_run("adamw", 1e-3, s, 2.0 + s)} for s in (0, 1)]
+    two = [{**BASE, **_run("demo", 3e-4, s, 2.5)} for s in (0, 1)]
     paths = []
     for name, runs in (("a.json", one), ("b.json", two)):
         (tmp_path / name).write_text(json.dumps({"runs": runs}))
@@ -138,9 +217,15 @@ def test_merge_only_writes_the_merged_table_without_running(quality, tmp_path, c
     assert rows["adamw"]["val_mean"] == 2.5 and rows["demo"]["vs_adamw"] == 1.0
     assert result["settings"]["steps"] == 10 and result["settings"]["seeds"] == 2
     assert (out / "quality.csv").exists() and (out / "quality.png").exists()
-    assert "0 runs" in capsys.readouterr().out
-    with pytest.raises(SystemExit, match="no runs"):
-        quality.main(["--merge-only", "--out", str(out)])
+    # the header names what was merged, with the merged runs' settings
+    head = capsys.readouterr().out.splitlines()[0]
+    assert head.startswith("merging 4 stored runs of 2 file(s), running none: tiny GPT, "
+                           "10 steps, batch 2 per replica, replicas [2]")
+    for argv in (["--merge-only"], ["--merge-only", "--merge", str(tmp_path / "empty.json")]):
+        (tmp_path / "empty.json").write_text(json.dumps({"runs": []}))
+        with pytest.raises(SystemExit) as e:
+            quality.main([*argv, "--out", str(out)])
+        assert e.value.code == 2 and "--merge" in capsys.readouterr().err
 
 
 def _tiny_cfg(strategy: str) -> dict:

@@ -6,24 +6,32 @@ payload, so all checks pass), which measures the replicator's own work — filli
 encoding, checking and decoding payloads, momentum, selection, error feedback, writing the
 gradients — without a network. Usage::
 
-    python benchmarks/bench_replicators.py --device cuda --model 124m
+    python benchmarks/bench_replicators.py --device cuda --model 124m [--out FILE]
+
+Prints a table (median and minimum ms per step, host synchronisations per step on CUDA) and
+writes the per-case records with the run's settings as JSON to ``--out`` (default
+benchmarks/results/replicators.json).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import platform
 import statistics
 import time
 import warnings
+from pathlib import Path
 
 import torch
 
+from flexdemo.app.args import Parser, int_at_least
 from flexdemo.comm import Pending
 from flexdemo.replicate import REPLICATORS
 from flexdemo.replicate import full as full_mod
 from flexdemo.replicate import subset as subset_mod
 
+ROOT = Path(__file__).resolve().parent.parent
 MODELS = {"small": (4, 256, 256), "124m": (12, 768, 50257), "350m": (24, 1024, 50257)}
 CASES = {
     "full-fp32": ("full", {}),
@@ -97,24 +105,69 @@ def bench(name: str, shapes, device, peers: int, steps: int) -> dict:
             times.append(dt * 1e3)
             syncs.append(sum("synchroniz" in str(w.message) for w in caught))
     return {"case": name, "ms_median": round(statistics.median(times), 3),
-            "ms_min": round(min(times), 3), "syncs_per_step": max(syncs),
+            "ms_min": round(min(times), 3), "syncs_per_step": max(syncs) if cuda else None,
             "params": sum(s.numel() for s in shapes), "tensors": len(shapes)}
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Command-line options; bad ones exit with one line and code 2."""
+    ap = Parser(description=" ".join(__doc__.split("\n\n")[0].split()))
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--model", default="small", choices=sorted(MODELS))
-    ap.add_argument("--peers", type=int, default=2)
-    ap.add_argument("--steps", type=int, default=10)
-    ap.add_argument("--cases", nargs="*", default=sorted(CASES))
-    args = ap.parse_args()
+    ap.add_argument("--peers", type=int_at_least(1), default=2, help="simulated replicas, >= 1")
+    ap.add_argument("--steps", type=int_at_least(1), default=10,
+                    help="timed steps per case, >= 1")
+    ap.add_argument("--cases", nargs="*", default=sorted(CASES),
+                    help=f"of {', '.join(sorted(CASES))} (default: all)")
+    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "replicators.json"),
+                    help="JSON file to write (default benchmarks/results/replicators.json)")
+    args = ap.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        ap.error("--device cuda: no CUDA device is available; use --device cpu")
+    unknown = [c for c in args.cases if c not in CASES]
+    if unknown:
+        ap.error(f"argument --cases: unknown {', '.join(map(repr, unknown))}; "
+                 f"choose from {', '.join(sorted(CASES))}")
+    if not args.cases:
+        ap.error(f"argument --cases: name at least one, from {', '.join(sorted(CASES))}")
+    out = Path(args.out)
+    if out.is_dir():
+        ap.error(f"argument --out: {args.out!r} is a directory; give a file name")
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        ap.error(f"argument --out: cannot create {str(out.parent)!r} ({e.strerror}); "
+                 "choose another path")
+    return args
+
+
+def main(argv: list[str] | None = None) -> dict:
+    """Time the cases, print a table, write JSON."""
+    args = parse_args(argv)
     device = torch.device(args.device)
     simulate_peers(args.peers)
     shapes = gpt_shapes(*MODELS[args.model])
+    dev_name = torch.cuda.get_device_name() if device.type == "cuda" else platform.processor()
+    print(f"{args.model}: {sum(s.numel() for s in shapes) / 1e6:.1f}M parameters in "
+          f"{len(shapes)} tensors; {args.peers} simulated peers, {args.steps} timed steps; "
+          f"{device.type} ({dev_name}), torch {torch.__version__}\n")
+    head = f"{'case':<13} {'ms median':>10} {'ms min':>9} {'host syncs':>10}"
+    print(head + "\n" + "-" * len(head), flush=True)
+    rows = []
     for name in args.cases:
-        print(json.dumps({"model": args.model, "device": args.device,
-                          **bench(name, shapes, device, args.peers, args.steps)}), flush=True)
+        r = bench(name, shapes, device, args.peers, args.steps)
+        rows.append(r)
+        syncs = "-" if r["syncs_per_step"] is None else r["syncs_per_step"]
+        print(f"{r['case']:<13} {r['ms_median']:>10.3f} {r['ms_min']:>9.3f} {syncs:>10}",
+              flush=True)
+    result = {"model": args.model, "device": device.type, "device_name": dev_name,
+              "peers": args.peers, "steps": args.steps, "torch": torch.__version__,
+              "threads": torch.get_num_threads(), "python": platform.python_version(),
+              "params": sum(s.numel() for s in shapes), "tensors": len(shapes), "cases": rows}
+    out = Path(args.out)
+    out.write_text(json.dumps(result, indent=2))
+    print(f"\nwrote {out}")
+    return result
 
 
 if __name__ == "__main__":

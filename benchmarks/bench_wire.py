@@ -16,7 +16,6 @@ writes ``wire.json`` under ``--out`` (default benchmarks/results).
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -24,7 +23,10 @@ import sys
 import tempfile
 from pathlib import Path
 
-from flexdemo.tools.cluster import EmulatedCluster, ShapingUnavailableError
+from flexdemo.app.args import Parser, int_at_least
+from flexdemo.app.strategies import check_strategy
+from flexdemo.app.tasks import PRESETS
+from flexdemo.tools.cluster import EmulatedCluster, ShapingUnavailableError, parse_bandwidth
 
 ROOT = Path(__file__).resolve().parent.parent
 # DeMo at the library's defaults: a strategy of flexdemo.app.strategies.STRATEGIES (the table
@@ -33,6 +35,7 @@ DEMO = "demo-defaults"
 CODECS = [DEMO] + [f"{DEMO}:{s}" for s in (
     "values=bf16", "values=int8", "values=int2", "values=sign", "topk=16", "topk=16:values=int8",
     "topk=16:values=int2", "topk=16:values=sign", "topk=4:values=sign")]
+PARTS = ("codecs", "timing")
 TIMING = ["floor", "{default}", "{default}:bucket=false", "{default}:overlap=delayed",
           "{default}:transform_dtype=bf16", "{default}:overlap=delayed:transform_dtype=bf16"]
 
@@ -74,19 +77,41 @@ def summarize_timing(strategies: list[str], runs: list[dict]) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--parts", default="codecs,timing")
-    p.add_argument("--model", default="small")
-    p.add_argument("--steps", type=int, default=150, help="training steps per codec")
-    p.add_argument("--timing-steps", type=int, default=30)
-    p.add_argument("--rounds", type=int, default=3, help="timing: passes over the strategies")
+    p = Parser(description=__doc__.split("\n")[0])
+    p.add_argument("--parts", default=",".join(PARTS),
+                   help=f"comma-separated, of {', '.join(PARTS)} (default %(default)s)")
+    p.add_argument("--model", default="small", choices=tuple(PRESETS))
+    p.add_argument("--steps", type=int_at_least(1), default=150, help="training steps per codec")
+    p.add_argument("--timing-steps", type=int_at_least(1), default=30)
+    p.add_argument("--rounds", type=int_at_least(1), default=3,
+                   help="timing: passes over the strategies")
     p.add_argument("--bandwidths", default="100mbit,1gbit")
     p.add_argument("--codecs", default=",".join(CODECS))
     p.add_argument("--default", default=f"{DEMO}:topk=16:values=int2",
                    help="the codec used in the timing part")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     args = p.parse_args(argv)
-    parts = set(args.parts.split(","))
+    parts = {s.strip() for s in args.parts.split(",") if s.strip()}
+    unknown = sorted(parts - set(PARTS))
+    if unknown or not parts:
+        what = f"unknown {', '.join(map(repr, unknown))}" if unknown else "name at least one"
+        p.error(f"argument --parts: {what}; choose from {', '.join(PARTS)} (comma-separated)")
+    # the rest is checked here too: a bad token would otherwise fail inside the cluster
+    tokens = ([("--codecs", t) for t in args.codecs.split(",")] if "codecs" in parts else []) + (
+        [("--default", args.default)] if "timing" in parts else [])
+    for opt, token in tokens:
+        try:
+            check_strategy(token)
+        except ValueError as e:
+            p.error(f"argument {opt}: {' '.join(str(e).split())}")
+    for bw in args.bandwidths.split(",") if "timing" in parts else []:
+        try:
+            parse_bandwidth(bw)
+        except ValueError as e:
+            p.error(f"argument --bandwidths: {e}")
+    if Path(args.out).exists() and not Path(args.out).is_dir():
+        p.error(f"argument --out: {args.out!r} is a file; give a directory (wire.json goes "
+                "in it)")
     report: dict = {"model": args.model}
     common = ["--model", args.model, "--batch", "4", "--log-every", "50"]
     if "codecs" in parts:
@@ -94,7 +119,8 @@ def main(argv: list[str] | None = None) -> dict:
         res = run_train({"nodes": 2, "ranks_per_node": 1, "bandwidth": "1gbit"}, codecs,
                         common + ["--steps", str(args.steps), "--replicate", "2", "--shard", "1"])
         report["codecs"] = res
-        print(f"\ncodecs: {args.model} GPT, 2 replicas, {args.steps} steps, batch 4 x 128")
+        print(f"\ncodecs: {args.model} GPT, 2 replicas, {args.steps} steps, "
+              f"batch 4 x {PRESETS[args.model].seq_len}")
         print(f"{'strategy':<34} {'B/param/step':>12} {'val loss':>9} {'train':>8}")
         for r in res:
             print(f"{r['strategy']:<34} {r['bytes_per_param_per_step']:12.5f} "

@@ -269,7 +269,7 @@ def check_app(precision: str, device: str = "cuda"):
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--only", default="", help="run the checks whose name contains this")
     args = p.parse_args(argv)

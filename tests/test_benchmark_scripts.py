@@ -1,0 +1,97 @@
+"""benchmarks/bench_replicators.py, bench_wire.py and gpu_check.py: options, table, JSON."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).parent.parent
+BENCH = ROOT / "benchmarks"
+
+
+def _load(name: str):
+    path = BENCH / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _one_line_exit(capsys, fn, argv: list[str], message: str) -> None:
+    with pytest.raises(SystemExit) as e:
+        fn(argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2
+    assert len(err.strip().splitlines()) == 1 and message in err, err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--cases", "nope"], "unknown 'nope'; choose from diloco-inner"),
+    (["--cases"], "name at least one"),
+    (["--steps", "0"], "--steps: must be at least 1"),
+    (["--peers", "0"], "--peers: must be at least 1"),
+])
+def test_replicators_bad_options(capsys, tmp_path, argv, message):
+    rep = _load("bench_replicators")
+    _one_line_exit(capsys, rep.main, argv + ["--out", str(tmp_path / "r.json")], message)
+    assert not (tmp_path / "r.json").exists()
+
+
+def test_replicators_cuda_without_gpu(capsys, monkeypatch):
+    rep = _load("bench_replicators")
+    monkeypatch.setattr(rep.torch.cuda, "is_available", lambda: False)
+    _one_line_exit(capsys, rep.main, ["--device", "cuda"], "no CUDA device is available")
+
+
+def test_replicators_table_and_json(capsys, monkeypatch, tmp_path):
+    rep = _load("bench_replicators")
+    for mod, name in [(rep.full_mod, "all_reduce_sum"), (rep.full_mod, "all_gather"),
+                      (rep.subset_mod, "all_reduce_sum")]:  # its simulated collectives: undone
+        monkeypatch.setattr(mod, name, getattr(mod, name))
+    out = tmp_path / "sub" / "r.json"
+    rep.main(["--device", "cpu", "--steps", "1", "--cases", "full-fp32", "diloco-inner",
+              "--out", str(out)])
+    text = capsys.readouterr().out
+    assert "ms median" in text and "host syncs" in text and f"wrote {out}" in text
+    data = json.loads(out.read_text())
+    assert (data["model"], data["device"], data["steps"], data["peers"]) == ("small", "cpu", 1, 2)
+    assert [r["case"] for r in data["cases"]] == ["full-fp32", "diloco-inner"]
+    assert all(r["ms_median"] > 0 and r["syncs_per_step"] is None for r in data["cases"])
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--parts", "codec"], "--parts: unknown 'codec'; choose from codecs, timing"),
+    (["--parts", ","], "--parts: name at least one"),
+    (["--model", "huge"], "invalid choice: 'huge'"),
+    (["--parts", "codecs", "--codecs", "demo-defaults:values=int3"], "--codecs: strategy"),
+    (["--parts", "timing", "--default", "nope"], "--default: unknown strategy 'nope'"),
+    (["--parts", "timing", "--bandwidths", "fast"], "--bandwidths: bandwidth 'fast'"),
+])
+def test_wire_bad_options_write_nothing(capsys, monkeypatch, tmp_path, argv, message):
+    wire = _load("bench_wire")
+    monkeypatch.setattr(wire, "run_train", lambda *a: pytest.fail("the cluster started"))
+    _one_line_exit(capsys, wire.main, argv + ["--out", str(tmp_path)], message)
+    assert not (tmp_path / "wire.json").exists()
+
+
+def test_wire_codecs_header_names_the_models_sequence(capsys, monkeypatch, tmp_path):
+    wire = _load("bench_wire")
+    row = {"strategy": wire.DEMO, "bytes_per_param_per_step": 0.5, "val_loss": 1.0,
+           "train_loss": 1.0}
+    monkeypatch.setattr(wire, "run_train", lambda *a: [row])
+    wire.main(["--parts", "codecs", "--model", "tiny", "--codecs", wire.DEMO,
+               "--out", str(tmp_path)])
+    assert "batch 4 x 64" in capsys.readouterr().out
+    assert json.loads((tmp_path / "wire.json").read_text())["codecs"] == [row]
+
+
+def test_gpu_check_help_is_a_whole_sentence(capsys):
+    gpu = _load("gpu_check")
+    with pytest.raises(SystemExit):
+        gpu.main(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "meta-device model, checkpoints (DCP's own helpers and flexdemo's), the HF example." \
+        in text

@@ -13,7 +13,6 @@ steps included; they are indications, not benchmarks.
 
 from __future__ import annotations
 
-import argparse
 import importlib.util
 import os
 import sys
@@ -269,8 +268,11 @@ def check_app(precision: str, device: str = "cuda"):
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
-    p.add_argument("--steps", type=int, default=30)
+    from flexdemo.app.args import Parser, int_at_least
+
+    p = Parser(description=" ".join(__doc__.split("\n\n")[0].split()))
+    p.add_argument("--steps", type=int_at_least(1), default=30,
+                   help="training steps per check, >= 1 (default %(default)s)")
     p.add_argument("--only", default="", help="run the checks whose name contains this")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():

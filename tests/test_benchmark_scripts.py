@@ -95,3 +95,8 @@ def test_gpu_check_help_is_a_whole_sentence(capsys):
     text = " ".join(capsys.readouterr().out.split())
     assert "meta-device model, checkpoints (DCP's own helpers and flexdemo's), the HF example." \
         in text
+
+
+def test_gpu_check_steps_must_be_positive(capsys):
+    gpu = _load("gpu_check")
+    _one_line_exit(capsys, gpu.main, ["--steps", "0"], "--steps: must be at least 1")

@@ -17,12 +17,11 @@ rank of a group that disagrees, at construction.
 from __future__ import annotations
 
 import hashlib
-import inspect
 from typing import Any
 
 import torch
 
-from .replicate.base import Replicator
+from .replicate.base import Replicator, setting_names
 from .transport import group_ranks, transport_for
 
 _SIMPLE = (type(None), bool, int, float, str)
@@ -34,25 +33,13 @@ def _simple(value: Any) -> bool:
     return isinstance(value, _SIMPLE)
 
 
-def _constructor_names(cls: type) -> list[str]:
-    """The keyword settings of ``cls``'s constructor chain (through ``**kwargs``)."""
-    names: list[str] = []
-    for c in inspect.getmro(cls):
-        if c is object or "__init__" not in c.__dict__:
-            continue
-        params = inspect.signature(c.__init__).parameters
-        names += [n for n, p in params.items() if n not in ("self", "group") and n not in names
-                  and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
-        if not any(p.kind is p.VAR_KEYWORD for p in params.values()):
-            break
-    return names
-
-
 def replicator_settings(rep: Replicator, prefix: str) -> list[tuple[str, Any]]:
     """``(name, value)`` of a replicator's kind, its constructor settings that it keeps as
     attributes of the same name (nested replicators in turn) and its payload size."""
     out: list[tuple[str, Any]] = [(prefix, type(rep).__name__)]
-    for name in _constructor_names(type(rep)):
+    for name in setting_names(type(rep)):
+        if name == "group":
+            continue
         value = getattr(rep, name, getattr(rep, "_" + name, None))
         if isinstance(value, Replicator):
             out += replicator_settings(value, f"{prefix} {name}")

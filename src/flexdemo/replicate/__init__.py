@@ -1,11 +1,16 @@
 """Replicators: what crosses the slow link, on which group, and how often."""
 
-import inspect
 import re
 from collections.abc import Callable
 from functools import partial
 
-from .base import Agreement, CorruptPayloadError, NonFiniteGradientError, Replicator
+from .base import (
+    Agreement,
+    CorruptPayloadError,
+    NonFiniteGradientError,
+    Replicator,
+    setting_names,
+)
 from .demo import PRESETS as DEMO_PRESETS
 from .demo import DeMoReplicator
 from .diloco import DiLoCoReplicator
@@ -28,24 +33,12 @@ for _preset in DEMO_PRESETS:
         REPLICATORS[f"demo-{_preset}"] = partial(DeMoReplicator.preset, _preset)
 
 
-def _settings(fn: Callable) -> set[str]:
-    """The keyword settings ``fn`` accepts: its named parameters, and where it forwards
-    ``**kwargs`` those of the classes it forwards to (base classes, or DeMo for the DeMo
-    presets and the warm-up)."""
-    if isinstance(fn, partial):
-        fn = fn.func
-    chain = inspect.getmro(fn) if isinstance(fn, type) else (fn,
-                                                            *inspect.getmro(DeMoReplicator))
-    names: set[str] = set()
-    for f in chain:
-        if f is object:
-            break
-        params = inspect.signature(f.__init__ if isinstance(f, type) else f).parameters
-        names |= {n for n, p in params.items() if n not in ("self", "cls", "name")
-                  and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
-        if not any(p.kind is p.VAR_KEYWORD for p in params.values()):
-            break
-    return names
+def _settings(fn: Callable) -> list[str]:
+    """The keyword settings ``fn`` accepts (the DeMo presets and the warm-up forward the rest
+    to DeMo)."""
+    fn = fn.func if isinstance(fn, partial) else fn
+    chain = (fn,) if isinstance(fn, type) else (fn, DeMoReplicator)
+    return [n for n in setting_names(*chain) if n != "name"]
 
 
 def make_replicator(spec, **kwargs) -> Replicator:

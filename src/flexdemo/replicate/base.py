@@ -26,6 +26,7 @@ of the next exchange as non-finite, so that every rank raises there, in the same
 
 from __future__ import annotations
 
+import inspect
 import math
 import warnings
 import zlib
@@ -268,6 +269,23 @@ def check_flags(name: str, flags: list[float], present: list[float], code: int,
             f"(ranks {odd} of the group differ from this rank); every replica must run the "
             "same model code so that the same parameters are used"
         )
+
+
+def setting_names(*chain) -> list[str]:
+    """The keyword settings of a chain of factories, each forwarding ``**kwargs`` to the next
+    (a class stands for its constructor, then its base classes' constructors): the named
+    parameters, in order, up to the first factory that forwards nothing."""
+    names: list[str] = []
+    for f in (c for link in chain for c in (inspect.getmro(link) if isinstance(link, type)
+                                             else (link,))):
+        if f is object or (isinstance(f, type) and "__init__" not in f.__dict__):
+            continue
+        params = inspect.signature(f.__init__ if isinstance(f, type) else f).parameters
+        names += [n for n, p in params.items() if n not in ("self", "cls") and n not in names
+                  and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+        if not any(p.kind is p.VAR_KEYWORD for p in params.values()):
+            break
+    return names
 
 
 class Replicator(ABC):

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from flexdemo.app.args import Parser, int_at_least
+from flexdemo.app.args import Parser, check_out_file, int_at_least
 from flexdemo.comm import Pending
 from flexdemo.replicate import REPLICATORS
 from flexdemo.replicate import full as full_mod
@@ -130,14 +130,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                  f"choose from {', '.join(sorted(CASES))}")
     if not args.cases:
         ap.error(f"argument --cases: name at least one, from {', '.join(sorted(CASES))}")
-    out = Path(args.out)
-    if out.is_dir():
-        ap.error(f"argument --out: {args.out!r} is a directory; give a file name")
-    try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        ap.error(f"argument --out: cannot create {str(out.parent)!r} ({e.strerror}); "
-                 "choose another path")
+    check_out_file(ap, args.out)
     return args
 
 

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import time
 import warnings
 from pathlib import Path
@@ -39,7 +38,14 @@ import torch
 import torch.distributed as dist
 
 import flexdemo
-from flexdemo.app.args import Parser, float_in, int_at_least, launch_world, usage_exit
+from flexdemo.app.args import (
+    Parser,
+    check_out_file,
+    float_in,
+    int_at_least,
+    launch_world,
+    usage_exit,
+)
 from flexdemo.app.device import DEVICES, PRECISIONS, resolve_device, to_device
 from flexdemo.app.schedule import lr_at
 from flexdemo.app.strategies import STRATEGIES, check_strategy, parse_strategy
@@ -65,20 +71,6 @@ def min_corpus_bytes(model: str) -> int:
     """The smallest ``--corpus-bytes`` for a preset: its validation split (a tenth) must hold
     one window of ``seq_len + 1`` bytes and more."""
     return 10 * (PRESETS[model].seq_len + 2)
-
-
-def check_out(p: argparse.ArgumentParser, out: str) -> None:
-    """``--out`` must name a file that rank 0 can create (checked before training)."""
-    path = Path(out)
-    if path.is_dir():
-        p.error(f"argument --out: {out!r} is a directory; give a file name such as "
-                f"{str(path / 'results.json')!r}")
-    parent = path.parent
-    while not parent.exists() and parent != parent.parent:
-        parent = parent.parent
-    if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
-        p.error(f"argument --out: cannot write {out!r}: {str(parent)!r} is not a writable "
-                "directory; choose another path")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -141,7 +133,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         except ValueError as e:
             p.error(f"argument --replicate/--shard: {e}; launch replicate x shard ranks "
                     "(torchrun --nproc-per-node N) or change --replicate/--shard")
-    check_out(p, args.out)
+    check_out_file(p, args.out)  # rank 0 writes it after training
     try:
         args.device = resolve_device(args.device)
     except ValueError as e:

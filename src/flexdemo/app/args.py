@@ -8,11 +8,13 @@ import math
 import os
 import sys
 import time
+from pathlib import Path
 from typing import NoReturn
 
 import torch.distributed as dist
 
-__all__ = ["Parser", "float_in", "int_at_least", "launch_rank", "launch_world", "usage_exit"]
+__all__ = ["Parser", "check_out_file", "float_in", "int_at_least", "launch_rank", "launch_world",
+           "usage_exit"]
 
 
 def launch_rank() -> int:
@@ -83,3 +85,20 @@ def float_in(low: float, high: float | None = None, *, open_low: bool = False):
             raise argparse.ArgumentTypeError(f"must be a number {bound}, got {text}")
         return value
     return parse
+
+
+def check_out_file(parser: argparse.ArgumentParser, out: str, option: str = "--out") -> None:
+    """``out`` must name a file this process can write: not a directory, in a folder that
+    exists (it is made) and is writable; else ``parser.error`` (checked before any work)."""
+    path = Path(out)
+    if path.is_dir():
+        parser.error(f"argument {option}: {out!r} is a directory; give a file name such as "
+                     f"{str(path / 'results.json')!r}")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        parser.error(f"argument {option}: cannot create {str(path.parent)!r} "
+                     f"({e.strerror or e}); choose another path")
+    if not os.access(path.parent, os.W_OK | os.X_OK):
+        parser.error(f"argument {option}: {str(path.parent)!r} is not a writable directory; "
+                     "choose another path")

@@ -163,6 +163,39 @@ SETTINGS: dict[str, Setting] = {
         "adamw", 1e-3, {"inner_steps": 20, "outer_lr": 1.0, "outer_momentum": 0.0, "tau": tau,
                         "fragments": 4 if f else 1})
        for f, tau in (("", 1), ("", 4), ("", 10), ("-f4", 4))},
+    # the Muon family: Muon on the hidden matrices, AdamW on embeddings, head, norms and biases
+    # (optimizer "muon", match_rms_adamw scaling: one lr for both parts)
+    "muon": Setting("Muon + AdamW, full fp32 gradient all-reduce every step", "full", "muon",
+                    1e-2),
+    "muon-no-sync": Setting("Muon + AdamW, no replication (every replica trains alone)",
+                            "none", "muon", 1e-2),
+    # MuLoCo: DiLoCo with Muon inner steps and plain averaging of the pseudo-gradient
+    **{f"muloco-h{h}{tag}": Setting(
+        f"MuLoCo: DiLoCo H={h}{' in 4 fragments' if f > 1 else ''}, Muon inner steps, plain "
+        f"averaging, {about} exchange", "diloco", "muon", 1e-2,
+        {"inner_steps": h, "outer_lr": 1.0, "outer_momentum": 0.0, "fragments": f,
+         **({"exchange_kwargs": {"values": v}} if v != "fp32" else {})})
+       for h, f, v, tag, about in ((20, 1, "fp32", "", "fp32"), (20, 1, "int4", "-int4", "int4"),
+                                   (50, 1, "int4", "-int4", "int4"),
+                                   (100, 1, "int4", "-int4", "int4"),
+                                   (20, 4, "int4", "-f4-int4", "int4"),
+                                   (30, 1, "int2", "-int2", "int2"))},
+    "muloco-h20-topk": Setting("MuLoCo H=20 with a top-64/4096 int2 pseudo-gradient and error "
+                               "feedback (decay 0.95)", "diloco", "muon", 1e-2,
+                               {"inner_steps": 20, "outer_lr": 1.0, "outer_momentum": 0.0,
+                                "exchange": "topk",
+                                "exchange_kwargs": {"topk": 64, "values": "int2",
+                                                    "decay": 0.95}}),
+    # DeMo whose decoded mean is orthogonalised (Muon with momentum 0) instead of sign()d, or
+    # drives a whole local Muon step (momentum 0.95, Nesterov)
+    **{f"demo-{kind}{tag}": Setting(
+        f"DeMo topk {k} (int2, decay {d}), decoded mean "
+        + ("orthogonalised (Muon momentum 0)" if kind == "ortho" else
+           "as the gradient of a local Muon step (momentum 0.95)"),
+        "demo", "muon", 1e-2, {"topk": k, "decay": d, "sign": False, "scale_by_lr": False},
+        {"base_kwargs": {"momentum": 0.0}} if kind == "ortho" else {})
+       for kind in ("ortho", "muon")
+       for k, d, tag in ((16, 0.999, ""), (64, 0.999, "-k64"), (64, 0.9, "-k64-d0.9"))},
 }
 
 
@@ -441,8 +474,9 @@ def summarize(runs: list[dict]) -> list[dict]:
     """One row per (replicas, strategy, lr): mean, spread, best-lr flag, ratios.
 
     The best lr of a strategy is the one with the lowest mean final validation loss over its
-    seeds (a diverged run counts as infinite); ``vs_adamw`` and ``vs_no_sync`` divide a
-    row's mean by the best-lr mean of ``adamw`` / ``no-sync`` at the same replica count.
+    seeds (a diverged run counts as infinite); ``vs_adamw``, ``vs_muon`` and ``vs_no_sync``
+    divide a row's mean by the best-lr mean of ``adamw`` / ``muon`` (full-sync Muon) /
+    ``no-sync`` at the same replica count (``None`` where that baseline was not run).
     """
     groups: dict[tuple, list[dict]] = {}
     for r in runs:
@@ -470,7 +504,7 @@ def summarize(runs: list[dict]) -> list[dict]:
         lrs = sorted(r["lr"] for r in rows if (r["replicas"], r["strategy"]) == key)
         row["lr_at_grid_edge"] = row["best_lr"] and len(lrs) > 1 and row["lr"] in (lrs[0],
                                                                                    lrs[-1])
-        for ref, col in (("adamw", "vs_adamw"), ("no-sync", "vs_no_sync")):
+        for ref, col in (("adamw", "vs_adamw"), ("muon", "vs_muon"), ("no-sync", "vs_no_sync")):
             b = best.get((row["replicas"], ref))
             row[col] = row["val_mean"] / b["val_mean"] if b and math.isfinite(
                 b["val_mean"]) else None
@@ -527,18 +561,19 @@ def _ratio(x: float | None) -> str:
 
 def table(rows: list[dict]) -> str:
     """The summary rows as a printable table."""
-    head = (f"{'N':>2} {'strategy':<15} {'lr':>8} {'val (mean±std)':>16} {'vs adamw':>9} "
-            f"{'vs nosync':>9} {'B/param/step':>12} {'s/run':>6}")
+    head = (f"{'N':>2} {'strategy':<19} {'lr':>8} {'val (mean±std)':>16} {'vs adamw':>9} "
+            f"{'vs muon':>9} {'vs nosync':>9} {'B/param/step':>12} {'s/run':>6}")
     lines = [head, "-" * len(head)]
     for r in rows:
         mark = "*" if r["best_lr"] else " "
         edge = "!" if r["lr_at_grid_edge"] else " "
-        lines.append(f"{r['replicas']:>2} {r['strategy']:<15} {r['lr']:>8.2g}{mark}{edge}"
+        lines.append(f"{r['replicas']:>2} {r['strategy']:<19} {r['lr']:>8.2g}{mark}{edge}"
                      f"{r['val_mean']:>8.4f}±{r['val_std']:.4f} {_ratio(r['vs_adamw'])} "
-                     f"{_ratio(r['vs_no_sync'])} {r['bytes_per_param_step']:>12.4f} "
+                     f"{_ratio(r['vs_muon'])} {_ratio(r['vs_no_sync'])} "
+                     f"{r['bytes_per_param_step']:>12.4f} "
                      f"{r['seconds']:>6.0f}")
     lines.append("* best lr of the strategy (lowest mean final val loss); ! best lr at the "
-                 "edge of the grid; ratios: mean / best-lr mean of adamw or no-sync")
+                 "edge of the grid; ratios: mean / best-lr mean of adamw, muon or no-sync")
     return "\n".join(lines)
 
 

@@ -12,6 +12,7 @@ from . import dcp as _dcp
 from .buffers import BUFFER_POLICIES, BufferSync
 from .consistency import check_same_settings
 from .lion import Lion
+from .muon import MuonAdamW
 from .replicate import (
     DeMoReplicator,
     FullReplicator,
@@ -30,7 +31,16 @@ BASE_OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {
     "adamw": torch.optim.AdamW,
     "adam": torch.optim.Adam,
     "lion": Lion,
+    "muon": MuonAdamW,
 }
+# settings only Muon takes: given to another base optimizer, they are refused by name
+MUON_ONLY = ("muon_params", "ns_steps", "adjust_lr_fn")
+
+
+def _named(params: list) -> bool:
+    """Whether ``params`` are ``(name, tensor)`` pairs (``model.named_parameters()``)."""
+    return bool(params) and all(isinstance(x, tuple) and len(x) == 2 and isinstance(x[0], str)
+                                for x in params)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -39,13 +49,21 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 def make_base_optimizer(base, params, lr: float, **kwargs) -> torch.optim.Optimizer:
-    """A base optimizer from a name (``"sgd"``, ``"adamw"``, ``"adam"``, ``"lion"``) or a
-    factory."""
+    """A base optimizer from a name (``"sgd"``, ``"adamw"``, ``"adam"``, ``"lion"``,
+    ``"muon"``) or a factory. ``params`` may be ``(name, tensor)`` pairs: ``"muon"`` uses the
+    names to keep embeddings and the head on AdamW; the others and factories get the tensors."""
+    params = list(params)
+    if _named(params) and not (isinstance(base, str) and base.lower() == "muon"):
+        params = [p for _, p in params]
     if isinstance(base, str):
         cls = BASE_OPTIMIZERS.get(base.lower())
         if cls is None:
             raise ValueError(f"unknown base optimizer {base!r}; choose one of "
                              f"{sorted(BASE_OPTIMIZERS)} or pass a factory params -> Optimizer")
+        stray = [k for k in MUON_ONLY if k in kwargs and cls is not MuonAdamW]
+        if stray:
+            raise ValueError(f"{', '.join(stray)}: a setting of optimizer 'muon', not of "
+                             f"{base!r}; use optimizer='muon' or drop it")
         kwargs.setdefault("weight_decay", 0.0)
         try:
             return cls(params, lr=lr, **kwargs)
@@ -105,9 +123,12 @@ class DeToNATION(torch.optim.Optimizer):
 
     Args:
         params: parameters (or parameter groups) to optimise; FSDP2 DTensors are fine.
+            ``model.named_parameters()`` lets ``base="muon"`` keep embeddings and the head
+            on AdamW (:mod:`flexdemo.muon`).
         replicators: one replicator or a list (names or instances). Each one's output feeds
             the next; the last output becomes ``param.grad`` for the base optimizer.
-        base: base optimizer name (``"sgd"``, ``"adamw"``, ``"adam"``, ``"lion"``) or a factory
+        base: base optimizer name (``"sgd"``, ``"adamw"``, ``"adam"``, ``"lion"``, ``"muon"``:
+            Muon on hidden matrices and AdamW on the rest) or a factory
             ``params -> torch.optim.Optimizer``.
         lr: learning rate (shared with the base optimizer's param groups).
         weight_decay: decoupled weight decay, ``p *= 1 - lr * weight_decay`` before the base
@@ -133,13 +154,15 @@ class DeToNATION(torch.optim.Optimizer):
         if nonfinite not in ("raise", "skip"):
             raise ValueError(f"nonfinite must be 'raise' or 'skip', got {nonfinite!r}")
         params = list(params)
+        named = params if _named(params) else None  # model.named_parameters(): for "muon"
+        params = [p for _, p in named] if named else params
         if base_kwargs is not None and not isinstance(base_kwargs, dict):
             raise TypeError(f"base_kwargs must be a dict of settings, got "
                             f"{type(base_kwargs).__name__}")
         if base_kwargs and "lr" in base_kwargs:
             raise ValueError("the learning rate goes in lr=..., not in the base optimizer's "
                              "settings (optimizer_kwargs / base_kwargs)")
-        self.base = make_base_optimizer(base, params, lr, **(base_kwargs or {}))
+        self.base = make_base_optimizer(base, named or params, lr, **(base_kwargs or {}))
         super().__init__(params, {"lr": lr, "flexdemo_weight_decay": weight_decay})
         self.mesh = mesh
         self.buffer_sync: BufferSync | None = None
@@ -315,14 +338,23 @@ class DeToNATION(torch.optim.Optimizer):
         return sum(r.stats.last_bytes_received for r in self.replicators)
 
     def last_step_stats(self) -> dict:
-        """Bytes sent/received and communication seconds of the last step, all replicators."""
+        """Bytes sent/received and communication seconds of the last step, all replicators
+        (the replication link). A base optimizer that talks over the shard group (``"muon"``
+        on sharded matrices) adds its intra-node figures as ``shard_bytes_sent``,
+        ``shard_bytes_received`` and ``shard_seconds``."""
         rs = self.replicators
-        return {
+        out = {
             "bytes_sent": sum(r.stats.last_bytes_sent for r in rs),
             "bytes_received": sum(r.stats.last_bytes_received for r in rs),
             "comm_seconds": sum(r.stats.last_seconds for r in rs),
             "collectives": sum(r.stats.last_collectives for r in rs),
         }
+        shard = getattr(self.base, "stats", None)
+        if shard is not None:
+            out.update(shard_bytes_sent=shard.last_bytes_sent,
+                       shard_bytes_received=shard.last_bytes_received,
+                       shard_seconds=shard.last_seconds)
+        return out
 
     def comm_stats(self) -> list[dict]:
         """Per-replicator running totals (``CommStats`` as dicts), in chain order."""

@@ -24,6 +24,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from .buffers import BUFFER_POLICIES
 from .mesh import DEFAULT_TIMEOUT, build_mesh, check_mesh, init_distributed
+from .muon import with_model_rule
 from .optim import DeToNATION
 from .replicate import NoReplication, Replicator, make_replicator
 
@@ -297,8 +298,10 @@ def prepare(model: nn.Module, replicator: str | Replicator | Sequence = "demo",
         if sync_init:  # shards initialise independently; replicas take the first one's
             broadcast_module(model, group=mesh["replicate"].get_group())
     model._flexdemo_prepared = True
-    opt = DeToNATION(model.parameters(), reps, base=optimizer, lr=lr,
+    opt = DeToNATION(list(model.named_parameters()), reps, base=optimizer, lr=lr,
                      weight_decay=weight_decay, group=mesh["replicate"].get_group(),
-                     nonfinite=nonfinite, base_kwargs=optimizer_kwargs, mesh=mesh)
+                     nonfinite=nonfinite, base_kwargs=with_model_rule(model, optimizer,
+                                                                      optimizer_kwargs),
+                     mesh=mesh)
     opt.sync_buffers(model, policy=buffers)
     return model, opt

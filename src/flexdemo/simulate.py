@@ -25,6 +25,7 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
+from .muon import with_model_rule
 from .optim import DeToNATION
 from .replicate import Replicator, make_replicator
 from .sharding import _target_device
@@ -173,15 +174,17 @@ class SimulatedReplicas:
             raise ValueError("replicator_kwargs go with a replicator given by name")
 
         def build(r: int) -> torch.optim.Optimizer:
-            params = list(self.models[r].parameters())
+            model = self.models[r]
             if optimizer_fn is not None:
-                return optimizer_fn(params, self.groups[r])
+                return optimizer_fn(list(model.parameters()), self.groups[r])
             reps = ([make_replicator(replicator, **replicator_kwargs)] if replicator_kwargs
                     else _fresh_replicators(replicator))
             reps = [make_replicator(r) if isinstance(r, str) else r for r in reps]
             _without_graphs(reps, self.device)
-            return DeToNATION(params, reps, base=optimizer, lr=lr, group=self.groups[r],
-                              **optimizer_kwargs)
+            kw = dict(optimizer_kwargs)
+            kw["base_kwargs"] = with_model_rule(model, optimizer, kw.get("base_kwargs"))
+            return DeToNATION(list(model.named_parameters()), reps, base=optimizer, lr=lr,
+                              group=self.groups[r], **kw)
 
         self.optimizers: list[torch.optim.Optimizer] = self.run(build)
         for opt in self.optimizers:  # optimizers of optimizer_fn (already set up)

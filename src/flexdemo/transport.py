@@ -134,6 +134,12 @@ class ProcessGroupTransport(Transport):
     def all_gather_into(self, out, inp, async_op=False):
         return _all_gather_single(out, inp, group=self.group, async_op=async_op)
 
+    def all_to_all_into(self, out: torch.Tensor, inp: torch.Tensor, out_splits: list[int],
+                        in_splits: list[int]) -> None:
+        """Send ``in_splits[r]`` elements of the 1-D ``inp`` to rank ``r``, in rank order;
+        receive ``out_splits[r]`` from rank ``r`` into ``out``."""
+        dist.all_to_all_single(out, inp, out_splits, in_splits, group=self.group)
+
 
 class ReplicaAbortedError(RuntimeError):
     """A simulated collective could not complete: a peer replica failed, left or timed out."""
@@ -339,6 +345,16 @@ def transport_for(group) -> Transport:
 def gather_into(out: torch.Tensor, inp: torch.Tensor, group) -> None:
     """All-gather ``inp`` of every rank into ``out`` (concatenated in rank order)."""
     transport_for(group).all_gather_into(out, inp)
+
+
+def all_to_all(out: torch.Tensor, inp: torch.Tensor, out_splits: list[int],
+               in_splits: list[int], group) -> None:
+    """All-to-all of 1-D buffers over a process group (see
+    :meth:`ProcessGroupTransport.all_to_all_into`); the caller counts the bytes."""
+    tr = transport_for(group)
+    if not isinstance(tr, ProcessGroupTransport):
+        raise TypeError(f"an all-to-all needs a torch.distributed process group, not {tr!r}")
+    tr.all_to_all_into(out, inp, out_splits, in_splits)
 
 
 def group_size(group) -> int:

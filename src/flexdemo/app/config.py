@@ -10,7 +10,7 @@ A config is a TOML file (or YAML, with pyyaml installed, or JSON)::
 
     [strategy]
     replicator = "demo"            # demo | full | none | random | striding | slicing | diloco
-    optimizer = "sgd"              # sgd (sign-SGD with demo) | adamw | adam
+    optimizer = "sgd"              # sgd (sign-SGD with demo) | adamw | adam | lion | muon
     lr = 3e-3
 
     [strategy.replicator_kwargs]
@@ -478,8 +478,11 @@ def _check_optimizer_kwargs(s: StrategyConfig) -> None:
         raise ConfigError("strategy: weight decay is given twice (strategy.weight_decay and "
                           "strategy.optimizer_kwargs.weight_decay); keep one")
     probe = torch.nn.Parameter(torch.zeros(1))
+    kw = dict(s.optimizer_kwargs)
+    if s.optimizer == "muon":  # names of the model's parameters: checked by prepare()
+        kw.pop("muon_params", None)
     try:
-        make_base_optimizer(s.optimizer, [probe], 1e-3, **s.optimizer_kwargs)
+        make_base_optimizer(s.optimizer, [probe], 1e-3, **kw)
     except (TypeError, ValueError) as e:
         raise ConfigError(f"strategy.optimizer_kwargs for {s.optimizer!r}: {_one_line(e)}") \
             from None

@@ -178,8 +178,7 @@ SETTINGS: dict[str, Setting] = {
        for h, f, v, tag, about in ((20, 1, "fp32", "", "fp32"), (20, 1, "int4", "-int4", "int4"),
                                    (50, 1, "int4", "-int4", "int4"),
                                    (100, 1, "int4", "-int4", "int4"),
-                                   (20, 4, "int4", "-f4-int4", "int4"),
-                                   (30, 1, "int2", "-int2", "int2"))},
+                                   (20, 4, "int4", "-f4-int4", "int4"))},
     "muloco-h20-topk": Setting("MuLoCo H=20 with a top-64/4096 int2 pseudo-gradient and error "
                                "feedback (decay 0.95)", "diloco", "muon", 1e-2,
                                {"inner_steps": 20, "outer_lr": 1.0, "outer_momentum": 0.0,

@@ -288,3 +288,26 @@ def test_first_seed_shifts_the_seeds_run(quality, capsys):
     with pytest.raises(SystemExit):
         quality.parse_args(["--quick", "--first-seed", "-1"])
     assert "--first-seed must be >= 0" in capsys.readouterr().err
+
+
+def test_ratios_against_full_sync_muon(quality):
+    runs = [_run("adamw", 1e-3, 0, 2.0), _run("muon", 1e-2, 0, 1.6), _run("muon", 3e-2, 0, 1.8),
+            _run("muloco-h20-int4", 1e-2, 0, 1.7)]
+    rows = {(r["replicas"], r["strategy"], r["lr"]): r for r in quality.summarize(runs)}
+    assert rows[(2, "muloco-h20-int4", 1e-2)]["vs_muon"] == pytest.approx(1.7 / 1.6)
+    assert rows[(2, "muloco-h20-int4", 1e-2)]["vs_adamw"] == pytest.approx(1.7 / 2.0)
+    assert rows[(2, "adamw", 1e-3)]["vs_muon"] == pytest.approx(2.0 / 1.6)
+    assert "vs muon" in quality.table(list(rows.values()))
+
+
+@pytest.mark.parametrize("strategy", ["muloco-h20-f4-int4", "demo-ortho-k64", "demo-muon"])
+def test_muon_family_settings_run(quality, strategy):
+    """Muon-family settings build and train with optimizer "muon" (Muon on the hidden
+    matrices); the orthogonalised DeMo sends topk values as int2, like DeMo."""
+    run = quality.run_one(_tiny_cfg(strategy))
+    assert math.isfinite(run["final_val"]) and run["identical"] in (True, False)
+    setting = quality.SETTINGS[strategy]
+    assert setting.optimizer == "muon"
+    if setting.replicator == "demo":
+        assert run["identical"]  # the decoded mean is the same on every replica
+        assert 0 < run["bytes_per_param_step"] < 0.05

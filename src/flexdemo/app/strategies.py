@@ -84,6 +84,15 @@ STRATEGIES: dict[str, Strategy] = {
         "error feedback", "diloco", "adamw", 1e-3,
         {"inner_steps": 20, "exchange": "demo", "exchange_kwargs": {"topk": 128}},
         color="#ff7f0e"),
+    # the Muon family (optimizer "muon": Muon on hidden matrices, AdamW on the rest; lr with
+    # match_rms_adamw scaling); lrs from benchmarks/quality.py (benchmarks/RESULTS.md)
+    "hsdp-muon": Strategy(
+        "hybrid-sharded Muon + AdamW, full fp32 gradient all-reduce across nodes",
+        "full", "muon", 1e-2, color="#8c1515"),
+    "muloco": Strategy(
+        "MuLoCo: DiLoCo with Muon inner steps, plain averaging every 20 steps, int4 exchange",
+        "diloco", "muon", 1e-2, {"inner_steps": 20, "exchange_kwargs": {"values": "int4"}},
+        color="#2f4b7c"),
 }
 
 

@@ -1,0 +1,143 @@
+"""What sharded Muon costs: the same FlexDeMo-style run with AdamW and with Muon on a mesh.
+
+Spawns ``--replicate x --shard`` gloo ranks on this machine (CPU, ``--threads`` each), builds
+the byte-level GPT with ``flexdemo.prepare()`` (FSDP2 over the shard dimension) and times
+``--steps`` steps of each optimizer under the same replicator, interleaved round by round so
+that both see the same machine. Reports per step: the whole step, the optimizer step, Muon's
+intra-node exchange (seconds and bytes from ``last_step_stats()``), and Muon's extra work as a
+share of its step. Usage::
+
+    python benchmarks/bench_muon.py                       # mini GPT, 2 x 2 mesh, DeMo
+    python benchmarks/bench_muon.py --model small --replicator full --out muon.json
+
+Prints a table and writes JSON (default benchmarks/results/muon.json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import socket
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.multiprocessing as mp
+
+ROOT = Path(__file__).resolve().parent.parent
+OPTIMIZERS = {"adamw": {}, "muon": {}}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank(rank: int, args: argparse.Namespace, port: int, out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(args.replicate * args.shard), LOCAL_RANK=str(rank),
+                      LOCAL_WORLD_SIZE=str(args.shard))
+    torch.set_num_threads(args.threads)
+    import torch.distributed as dist
+
+    import flexdemo
+    from flexdemo.app.tasks.gpt import GPT, gpt_config
+
+    dist.init_process_group("gloo")
+    cfg = gpt_config(args.model)
+    runs = {}
+    for name in OPTIMIZERS:
+        torch.manual_seed(0)
+        model, opt = flexdemo.prepare(GPT(cfg), args.replicator, name, lr=1e-3,
+                                      replicate=args.replicate, shard=args.shard)
+        runs[name] = (model, opt, {"step": [], "opt": [], "shard_s": [], "shard_b": []})
+    gen = torch.Generator().manual_seed(rank)
+    for i in range(args.warmup + args.steps):
+        for _name, (model, opt, rec) in runs.items():
+            x = torch.randint(0, 256, (args.batch, cfg.seq_len), generator=gen)
+            dist.barrier()
+            t0 = time.perf_counter()
+            model(x, x).backward()
+            t1 = time.perf_counter()
+            opt.step()
+            opt.zero_grad()
+            t2 = time.perf_counter()
+            if i >= args.warmup:
+                st = opt.last_step_stats()
+                rec["step"].append(t2 - t0)
+                rec["opt"].append(t2 - t1)
+                rec["shard_s"].append(st.get("shard_seconds", 0.0))
+                rec["shard_b"].append(st.get("shard_bytes_sent", 0))
+    result = {name: {k: statistics.median(v) for k, v in rec.items()}
+              for name, (_, _, rec) in runs.items()}
+    result["params"] = sum(p.numel() for p in runs["muon"][0].parameters())  # global sizes
+    result["muon_matrices"] = len(runs["muon"][1].base.muon_names)
+    torch.save(result, os.path.join(out, f"{rank}.pt"))
+    dist.destroy_process_group()
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="bench_muon.py", description=__doc__.split("\n")[0])
+    p.add_argument("--model", default="mini", choices=("tiny", "mini", "small"))
+    p.add_argument("--replicator", default="demo", help="replicator name (demo, full, ...)")
+    p.add_argument("--replicate", type=int, default=2)
+    p.add_argument("--shard", type=int, default=2)
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    p.add_argument("--out", default=str(ROOT / "benchmarks/results/muon.json"))
+    args = p.parse_args(argv)
+    if min(args.replicate, args.shard, args.steps, args.batch, args.threads) < 1 or \
+            args.warmup < 0:
+        p.error("--replicate, --shard, --steps, --batch and --threads must be >= 1, "
+                "--warmup >= 0")
+    if Path(args.out).is_dir():
+        p.error(f"--out {args.out!r} is a directory; give a file name")
+    return args
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    world = args.replicate * args.shard
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(_rank, args=(args, _free_port(), tmp), nprocs=world)
+        ranks = [torch.load(os.path.join(tmp, f"{r}.pt")) for r in range(world)]
+    # the slowest rank sets the pace of a synchronous step
+    agg = {name: {k: max(r[name][k] for r in ranks) for k in ranks[0][name]}
+           for name in OPTIMIZERS}
+    adamw, muon = agg["adamw"], agg["muon"]
+    extra = muon["step"] - adamw["step"]
+    summary = {"extra_seconds": extra, "extra_share_of_step": extra / muon["step"],
+               "exchange_share_of_step": muon["shard_s"] / muon["step"],
+               "shard_bytes_per_step": muon["shard_b"],
+               "shard_bytes_per_param": muon["shard_b"] / ranks[0]["params"]}
+    print(f"{args.model} GPT ({ranks[0]['params']:,} parameters, "
+          f"{ranks[0]['muon_matrices']} Muon matrices), mesh {args.replicate} x {args.shard}, "
+          f"replicator {args.replicator}, {args.threads} thread(s) per rank, median of "
+          f"{args.steps} steps, slowest rank")
+    print(f"{'optimizer':<10} {'step ms':>9} {'opt.step ms':>12} {'shard ms':>9} "
+          f"{'shard KB sent':>14}")
+    for name, r in agg.items():
+        print(f"{name:<10} {1e3 * r['step']:>9.1f} {1e3 * r['opt']:>12.1f} "
+              f"{1e3 * r['shard_s']:>9.1f} {r['shard_b'] / 1e3:>14.1f}")
+    print(f"Muon's extra work: {1e3 * extra:.1f} ms = {summary['extra_share_of_step']:.1%} of "
+          f"its step (exchange {summary['exchange_share_of_step']:.1%}); intra-node "
+          f"{muon['shard_b'] / 1e3:.1f} KB sent per rank per step")
+    result = {"command": " ".join([Path(sys.argv[0]).name] + (argv or sys.argv[1:])),
+              "settings": vars(args), "machine": platform.platform(),
+              "cpus": os.cpu_count(), "per_optimizer": agg, "ranks": ranks, **summary}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=1))
+    print(f"wrote {args.out}")
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -386,3 +386,29 @@ def test_read_only_file_system_is_permission(small_tmpfs):
     assert "\n" not in msg and "read-only file system" in msg, msg
     assert info.value.cause == "permission"
     assert ckpt.verify_checkpoint(good).state == "intact"
+
+
+def test_verify_command_lists_each_checkpoint(tmp_path, capsys):
+    from flexdemo.app.cli import main
+
+    root = tmp_path / "run" / "checkpoints"
+    model, opt = make_single("demo", 0)
+    for step in (2, 4):
+        run_steps(model, opt, 2, step - 2)
+        save_checkpoint(root / f"step_{step:06d}", model, opt, step=step)
+    assert main(["checkpoint", "verify", str(tmp_path / "run")]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 2 and all("intact (step" in line for line in lines), lines
+    (data,) = (root / "step_000004").glob("*.distcp")
+    _write_inside(data, bytes(4096))
+    (root / "step_000006").mkdir()  # an interrupted save: not damaged
+    assert main(["checkpoint", "verify", str(root)]) == 1
+    out = capsys.readouterr()
+    lines = out.out.splitlines()
+    assert len(lines) == 3, lines
+    assert "step_000002" in lines[0] and "intact" in lines[0]
+    assert "step_000004" in lines[1] and "damaged" in lines[1] and data.name in lines[1]
+    assert "step_000006" in lines[2] and "incomplete" in lines[2]
+    assert "1 of 3 checkpoint(s) damaged" in out.err
+    assert main(["checkpoint", "verify", str(root / "step_000002")]) == 0
+    assert main(["checkpoint", "verify", str(tmp_path / "nothing")]) == 2

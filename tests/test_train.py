@@ -20,7 +20,7 @@ from dist_util import free_port, reap, run_world, spawn_ranks
 
 from flexdemo.app.config import load_config
 from flexdemo.app.tasks import have_transformers
-from flexdemo.app.trainer import TrainingError, lr_at, timeout_seconds, train
+from flexdemo.app.trainer import TrainingError, UsageError, lr_at, timeout_seconds, train
 
 ROOT = Path(__file__).parent.parent
 PY = sys.executable
@@ -319,19 +319,63 @@ def test_full_disk_during_a_save_then_resume_from_the_previous_checkpoint(
     assert [r["step"] for r in metrics(out)] == [1, 2, 3, 4, 5, 6]
 
 
-def test_damaged_checkpoint_on_resume_names_it_and_an_older_one(tmp_path, single_process):
+@pytest.mark.parametrize("damage", ["zeros-distcp", "garbage-json"])
+def test_damaged_checkpoint_on_resume_falls_back_to_the_newest_intact_one(
+        tmp_path, single_process, damage):
+    """Zeros inside the newest checkpoint's data used to load silently (losses drifted);
+    garbage in its flexdemo.json made resume skip it quietly and overwrite it later."""
+    out = tmp_path / "run"
+    base = GPT_QUICK + ["train.steps=6", "train.checkpoint_every=2", "train.progress=false",
+                        "train.keep_checkpoints=0", f"train.out={out}"]
+    ref = tmp_path / "ref"
+    train(load_config(ROOT / "configs/gpt.toml", base[:-1] + [f"train.out={ref}"]),
+          echo=lambda text: None)
+    train(load_config(ROOT / "configs/gpt.toml", base + ["train.stop_at=4"]),
+          echo=lambda text: None)
+    newest = out / "checkpoints" / "step_000004"
+    if damage == "zeros-distcp":
+        (data,) = newest.glob("*.distcp")
+        with open(data, "r+b") as f:
+            f.seek(data.stat().st_size // 2)
+            f.write(bytes(4096))
+        what = data.name
+    else:
+        (newest / "flexdemo.json").write_text("{ garbage")
+        what = "flexdemo.json"
+    # told not to fall back: refused, naming the file; nothing moved
+    with pytest.raises(UsageError) as info:
+        train(load_config(ROOT / "configs/gpt.toml", base + ["resume=true",
+                                                             "train.resume_fallback=false"]),
+              echo=lambda text: None)
+    msg = _one_line(info)
+    assert "step_000004 is damaged" in msg and what in msg and "resume_fallback" in msg, msg
+    assert newest.is_dir()
+    said: list[str] = []
+    summary = train(load_config(ROOT / "configs/gpt.toml", base + ["resume=true"]),
+                    echo=said.append)
+    lines = [line for line in said if line.startswith("resume:")]
+    assert len(lines) == 1 and what in lines[0] and "resuming from step_000002" in lines[0], said
+    assert summary["resumed_from"].endswith("step_000002")
+    aside = out / "checkpoints" / "step_000004.damaged"
+    assert aside.is_dir() and not (aside / "COMPLETE").read_text() == ""  # kept, not overwritten
+    assert (newest / "COMPLETE").is_file()  # step 4 written afresh by the resumed run
+    assert [r["loss"] for r in metrics(out)] == [r["loss"] for r in metrics(ref)]
+
+
+def test_every_checkpoint_damaged_is_refused(tmp_path, single_process):
     out = tmp_path / "run"
     base = GPT_QUICK + ["train.steps=4", "train.checkpoint_every=2", "train.progress=false",
                         f"train.out={out}"]
     train(load_config(ROOT / "configs/gpt.toml", base), echo=lambda text: None)
-    (data,) = (out / "checkpoints" / "step_000004").glob("*.distcp")
-    data.write_bytes(data.read_bytes()[:1000])
-    with pytest.raises(TrainingError) as info:
+    for ckpt_dir in (out / "checkpoints").iterdir():
+        (ckpt_dir / "flexdemo.json").write_text("garbage")
+    with pytest.raises(UsageError) as info:
         train(load_config(ROOT / "configs/gpt.toml", base + ["resume=true"]),
               echo=lambda text: None)
     msg = _one_line(info)
-    assert "step_000004" in msg and "truncated or corrupt" in msg, msg
-    assert "older checkpoint" in msg and "step_000002" in msg, msg
+    assert "no intact checkpoint" in msg and "step_000002 is damaged" in msg, msg
+    assert "step_000004 is damaged" in msg and "train.overwrite=true" in msg, msg
+    assert "starting at step 0" not in msg
 
 
 def test_output_folder_faults_are_one_line(tmp_path, single_process, monkeypatch):
@@ -408,6 +452,16 @@ def test_killed_rank_of_four_is_the_only_one_named_by_every_survivor(tmp_path, m
         assert "Traceback" not in text, (rank, text[-3000:])
 
 
+def _rerecord(path: Path) -> None:
+    """Record the digest of an edited file in its checkpoint's marker (a genuine change)."""
+    from flexdemo.integrity import file_digest
+
+    marker_path = path.parent / "COMPLETE"
+    marker = json.loads(marker_path.read_text())
+    marker["files"][path.name] = file_digest(path)
+    marker_path.write_text(json.dumps(marker))
+
+
 def test_resume_with_another_mesh_says_which_config_keys(tmp_path, single_process):
     out = tmp_path / "run"
     base = GPT_QUICK + ["train.steps=2", "train.checkpoint_every=2", "train.progress=false",
@@ -417,6 +471,7 @@ def test_resume_with_another_mesh_says_which_config_keys(tmp_path, single_proces
     meta = json.loads(meta_path.read_text())
     meta.update(world_size=4, mesh_shape=[2, 2])  # as if written by a 2 x 2 job
     meta_path.write_text(json.dumps(meta))
+    _rerecord(meta_path)
     with pytest.raises(TrainingError) as info:
         train(load_config(ROOT / "configs/gpt.toml", base + ["resume=true"]),
               echo=lambda text: None)

@@ -1,4 +1,5 @@
-"""Command line: ``flexdemo train|bench|cluster ...`` (also ``python -m flexdemo ...``).
+"""Command line: ``flexdemo train|bench|cluster|simulate|checkpoint ...`` (also
+``python -m flexdemo ...``).
 
 A thin user of the library: ``train`` reads a config and calls :func:`flexdemo.app.trainer.train`,
 ``bench`` calls :func:`flexdemo.app.bench.run_bench`, ``cluster`` runs
@@ -36,6 +37,7 @@ from .bench import (
     bench_options,
     run_bench,
 )
+from .checkpoints import add_checkpoint_parser
 from .config import MIN_CORPUS_BYTES, ConfigError, load_config, to_toml
 from .simulate import SimulateOptions, run_simulation, write_summary
 from .strategies import STRATEGIES, check_strategy
@@ -146,6 +148,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_train_parser(sub)
     _add_bench_parser(sub)
     _add_simulate_parser(sub)
+    add_checkpoint_parser(sub)
     return parser
 
 

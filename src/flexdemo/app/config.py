@@ -144,6 +144,10 @@ class TrainConfig:
     out: str = "runs/train"
     overwrite: bool = False
     """Allow a fresh run to replace the checkpoints of an earlier run in ``out``."""
+    resume_fallback: bool = True
+    """On resume, a checkpoint whose files do not match their recorded digests is set aside
+    (renamed ``<name>.damaged``) and the newest intact one is used, with one line saying so;
+    ``false``: refuse to start instead (exit code 2)."""
     threads: int = 0
     """torch threads per rank (0: torch's default, which follows OMP_NUM_THREADS; torchrun and
     flexdemo cluster set that to 1)."""

@@ -643,3 +643,45 @@ def test_losses_read_in_windows_give_the_same_metrics(tmp_path, single_process):
     assert [r.get("val_loss") for r in lines3] == [r.get("val_loss") for r in lines1]
     assert all(isinstance(r["loss"], float) for r in lines3)
     assert s3["train_loss"] == s1["train_loss"] and s3["val_loss"] == s1["val_loss"]
+
+
+# ---------------------------------------------------------------------- refusals exit 2
+SMALLEST = ["task.model=tiny", "task.corpus_bytes=20000", "train.batch=1", "train.warmup=0",
+            "train.eval_every=0", "train.eval_batches=1", "train.tensorboard=false",
+            "train.progress=false", "train.threads=1", "task.seq_len=16"]
+REFUSALS = int(os.environ.get("FLEXDEMO_REFUSALS", "20"))
+
+
+def test_refused_resume_exits_2_on_every_rank_every_time(tmp_path):
+    """A resume with another replicator, optimizer, topk or mesh, refused REFUSALS times over
+    on 2 bare ranks: every rank exits 2 (never 134 from an abort at shutdown, never 1), with
+    one line naming what differs, old against new, pointing at train.overwrite or another
+    train.out and suggesting no older checkpoint (they all have the same mismatch)."""
+    out = tmp_path / "run"
+    args = ["train", *SMALLEST, "train.steps=4", "train.checkpoint_every=2", "mesh.replicate=2",
+            "mesh.shard=1", f"train.out={out}"]
+    procs = spawn_ranks(2, args)
+    try:
+        outputs = [p.communicate(timeout=120)[0] for p in procs]
+    finally:
+        reap(procs)
+    assert [p.returncode for p in procs] == [0, 0], outputs
+    changes = [(["strategy.replicator=full"], "replicator 'demo' (now 'full')"),
+               (["strategy.optimizer=adamw"], "optimizer 'sgd' (now 'adamw')"),
+               (["strategy.replicator_kwargs={topk=8}"], "replicator topk 16 (now 8)"),
+               (["mesh.replicate=1", "mesh.shard=2"], "replicate 2 x shard 1")]
+    for i in range(REFUSALS):
+        change, needle = changes[i % len(changes)]
+        procs = spawn_ranks(2, [*args, *change, "--resume"])
+        try:
+            outputs = [p.communicate(timeout=120)[0] for p in procs]
+        finally:
+            reap(procs)
+        codes = [p.returncode for p in procs]
+        assert codes == [2, 2], (i, change, codes, outputs)
+        for text in outputs:
+            assert "terminate called" not in text and "Traceback" not in text, text[-2000:]
+        errors = [line for line in outputs[0].splitlines() if "error" in line]
+        assert len(errors) == 1, outputs[0][-2000:]
+        assert needle in errors[0] and "step_000004" in errors[0], errors[0]
+        assert "train.overwrite=true" in errors[0] and "step_000002" not in errors[0], errors[0]

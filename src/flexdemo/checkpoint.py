@@ -576,7 +576,7 @@ def save_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer, *, ste
     final = Path(path)
     rank, world = _rank_world()
     base, reps = _optimizer_parts(optimizer)
-    error, info = None, None
+    error, facts = None, None
     try:
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"step must be an integer >= 0, got {step!r}")
@@ -608,10 +608,10 @@ def save_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer, *, ste
                              "lists/tuples/dicts of them") from e
         shared = {f"model/{k}": v for k, v in msd.items() if isinstance(v, torch.Tensor)}
         shared.update(optim_tensors)
-        info = {"prints": _fingerprints(shared), "step": step, "pid": os.getpid()}
+        facts = {"prints": _fingerprints(shared), "step": step, "pid": os.getpid()}
     except Exception as e:
         error = e
-    infos = _agree(error, f"saving checkpoint {final}", info)
+    infos = _agree(error, f"saving checkpoint {final}", facts)
     if len({i["step"] for i in infos}) != 1:
         raise ValueError(f"ranks passed different steps to save_checkpoint: "
                          f"{[i['step'] for i in infos]}")

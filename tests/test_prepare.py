@@ -147,7 +147,9 @@ def test_data_parallel_wrapped_models_are_refused(wrapper):
     from torch.distributed.fsdp import FullyShardedDataParallel
     from torch.nn.parallel import DistributedDataParallel
 
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    fresh = not dist.is_initialized()  # earlier tests' prepare() may have made one
+    if fresh:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         if wrapper == "ddp":
             model, name = DistributedDataParallel(Tiny()), "DistributedDataParallel"
@@ -161,4 +163,5 @@ def test_data_parallel_wrapped_models_are_refused(wrapper):
         msg = str(info.value)
         assert "\n" not in msg and name in msg and "model.module" in msg, msg
     finally:
-        dist.destroy_process_group()
+        if fresh:
+            dist.destroy_process_group()

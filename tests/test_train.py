@@ -685,3 +685,24 @@ def test_refused_resume_exits_2_on_every_rank_every_time(tmp_path):
         assert len(errors) == 1, outputs[0][-2000:]
         assert needle in errors[0] and "step_000004" in errors[0], errors[0]
         assert "train.overwrite=true" in errors[0] and "step_000002" not in errors[0], errors[0]
+
+
+# ---------------------------------------------------------------------- skipped steps
+def test_skipped_steps_are_counted_and_a_run_that_skips_most_stops(tmp_path, single_process):
+    """lr 1e30 makes every gradient from step 2 on NaN: with nonfinite='skip' the run used to
+    finish with exit 0 and no word of it."""
+    out = tmp_path / "run"
+    base = GPT_QUICK + ["train.steps=8", "train.progress=false", "strategy.lr=1e30",
+                        "train.warmup=0", "strategy.nonfinite=skip", f"train.out={out}"]
+    with pytest.raises(TrainingError) as info:
+        train(load_config(ROOT / "configs/gpt.toml", base), echo=lambda text: None)
+    msg = _one_line(info)
+    assert "3 of " in msg and "skipped" in msg and "train.max_skipped=0.25" in msg, msg
+    said: list[str] = []
+    summary = train(load_config(ROOT / "configs/gpt.toml", base + ["train.max_skipped=1",
+                                                                   "train.overwrite=true"]),
+                    echo=said.append)
+    rows = metrics(out)
+    assert [r["skipped"] for r in rows][:1] == [False] and all(r["skipped"] for r in rows[1:])
+    assert rows[-1]["skipped_steps_total"] == 7 and summary["skipped_steps"] == 7
+    assert any("7 skipped for NaN/Inf gradients" in line for line in said), said

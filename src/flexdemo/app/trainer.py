@@ -552,6 +552,7 @@ class Trainer:
             g["lr"] = lr
         t0 = time.perf_counter()
         batch = to_device(self.task.train_batch(sampler.next(tc.batch)), self.device)
+        skipped_before = self.opt.skipped_steps
         try:
             loss = self.task.loss(self.model, batch)
             loss.backward()
@@ -559,6 +560,14 @@ class Trainer:
         except NonFiniteGradientError as e:
             raise TrainingError(f"step {step}: {e}") from None
         self.opt.zero_grad()
+        skipped = self.opt.skipped_steps - skipped_before
+        limit = tc.max_skipped * tc.steps
+        if skipped and self.opt.skipped_steps > limit and tc.max_skipped < 1:
+            raise TrainingError(
+                f"step {step}: {self.opt.skipped_steps} of {step} steps were skipped for "
+                f"NaN/Inf gradients (strategy.nonfinite='skip'), more than train.max_skipped="
+                f"{tc.max_skipped:g} of train.steps={tc.steps}; the run is not training: "
+                "lower strategy.lr or clip gradients (or raise train.max_skipped)")
         dt = time.perf_counter() - t0
         stats = self.opt.last_step_stats()
         s = self.state
@@ -566,7 +575,8 @@ class Trainer:
         s.train_seconds += dt
         s.bytes_sent += stats["bytes_sent"]
         s.bytes_received += stats["bytes_received"]
-        return {"step": step, "loss": loss.detach(), "lr": lr,
+        return {"step": step, "loss": loss.detach(), "lr": lr, "skipped": bool(skipped),
+                "skipped_steps_total": self.opt.skipped_steps,
                 "bytes_sent": stats["bytes_sent"], "bytes_received": stats["bytes_received"],
                 "compute_seconds": dt - stats["comm_seconds"],
                 "comm_seconds": stats["comm_seconds"], "step_seconds": dt,
@@ -717,6 +727,7 @@ class Trainer:
             "local_params": _local_numel(self.model), "world": self.world,
             "mesh": self.layout, "replicator": sc.replicator, "optimizer": sc.optimizer,
             "lr": sc.lr, "steps": step, "steps_total": tc.steps, "steps_this_run": ran,
+            "skipped_steps": int(self.opt.skipped_steps),
             "resumed_from": str(resume_from) if resume_from else None,
             "batch_per_rank": tc.batch, "device": str(self.device), "precision": tc.precision,
             "train_loss": mean[0], **val,

@@ -265,8 +265,10 @@ class Checkpointer:
         named = "; ".join(f"{p.name} is damaged ({why})" for p, why in damaged)
         fresh = "start afresh with train.overwrite=true or another train.out"
         if not may_fall_back:
-            raise UsageError(f"cannot resume from {damaged[0][0]}: it is damaged ({damaged[0][1]})"
-                             f"; resume=true uses the newest intact checkpoint, or {fresh}")
+            state = "incomplete" if "no COMPLETE marker" in damaged[0][1] else "damaged"
+            raise UsageError(f"cannot resume from {damaged[0][0]}: it is {state} "
+                             f"({damaged[0][1]}); resume=true uses the newest intact "
+                             f"checkpoint, or {fresh}")
         if not self.fallback:
             raise UsageError(f"cannot resume: {named}; train.resume_fallback=true resumes from "
                              f"the newest intact checkpoint instead, or {fresh}")

@@ -186,3 +186,20 @@ def sharded_worker(rank: int, world: int) -> dict:
             out[name, policy] = {"raised": raised, "skipped": opt.skipped_steps,
                                  "shards": shards(model), "coord": opt.mesh.get_coordinate()}
     return out
+
+
+def global_rank_worker(rank: int, world: int) -> dict:
+    """2 replicas x 2 shards, DeMo: a NaN in global rank 3's gradient at step 1."""
+    model, opt = flexdemo.prepare(fresh_model(), "demo", optimizer="sgd", lr=0.05, replicate=2,
+                                  shard=2, replicator_kwargs={"topk": 4, "chunk": 8})
+    for s in range(2):
+        x, y = batch(rank // 2, s)
+        (model(x) - y).pow(2).mean().backward()
+        if rank == 3 and s == 1:
+            opt.param_groups[0]["params"][-1].grad._local_tensor.view(-1)[0] = float("nan")
+        try:
+            opt.step()
+        except NonFiniteGradientError as e:
+            return {"ranks": e.ranks, "message": str(e), "coord": opt.mesh.get_coordinate()}
+        opt.zero_grad()
+    return {"ranks": None}

@@ -218,3 +218,16 @@ def test_the_other_shards_of_a_replica_agree_too():
             a, b = (res[name, "skip"]["shards"] for res in results
                     if res[name, "skip"]["coord"][1] == shard)
             assert _same(a, b), (name, shard)
+
+
+def test_a_nan_is_reported_by_global_rank():
+    """On a 2 x 2 mesh the replicate group of global rank 3 is {1, 3}: its NaN used to be
+    reported as "rank(s) [1] of the group" (its index in the group)."""
+    from agreement_workers import global_rank_worker
+
+    results = run_world(global_rank_worker, 4)
+    for rank in (1, 3):  # the replica group that holds rank 3
+        assert results[rank]["ranks"] == [3], results[rank]
+        assert "rank(s) [3]" in results[rank]["message"], results[rank]["message"]
+    for rank in (0, 2):  # rank 2 shares a replica with rank 3: its flag travels there
+        assert results[rank]["ranks"] == [2], results[rank]

@@ -15,6 +15,7 @@ import torch.distributed.checkpoint.filesystem as dcp_filesystem
 from ckpt_workers import extra_for, make_single, resume_worker, run_steps
 from dist_util import run_world
 
+import flexdemo
 import flexdemo.checkpoint as ckpt
 from flexdemo.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 
@@ -261,7 +262,153 @@ def test_damaged_distcp_file_is_one_line_naming_it(tmp_path, damage):
         load_checkpoint(path, *make_single("demo", 1))
     msg = str(info.value)
     assert "\n" not in msg and str(path) in msg and "Traceback" not in msg, msg
+    assert data.name in msg, msg
+    if damage == "remove":
+        assert "is missing" in msg, msg
+    else:
+        assert "is truncated" in msg, msg
+    assert info.value.cause == "damaged"
+    # without the digests, DCP's own failure is still one line naming the cause
+    with pytest.raises(ckpt.CheckpointError) as info:
+        load_checkpoint(path, *make_single("demo", 1), verify=False)
+    msg = str(info.value)
+    assert "\n" not in msg and str(path) in msg, msg
     if damage == "remove":
         assert "no such file or directory" in msg and data.name in msg, msg
     else:
         assert "truncated or corrupt" in msg, msg
+
+
+# ---------------------------------------------------------------------------- integrity
+def _write_inside(path: Path, data: bytes, at: int | None = None) -> None:
+    """Overwrite ``len(data)`` bytes in the middle of ``path`` (its size stays the same)."""
+    size = path.stat().st_size
+    at = max(0, size // 2 - len(data) // 2) if at is None else at
+    with open(path, "r+b") as f:
+        f.seek(at)
+        f.write(data[: max(0, size - at)])
+
+
+def test_every_file_is_recorded_with_its_sha256(tmp_path):
+    import hashlib
+
+    from flexdemo.integrity import check_checkpoint
+
+    model, opt = make_single("demo", 0)
+    run_steps(model, opt, 1, 0)
+    path = save_checkpoint(tmp_path / "step_000001", model, opt, step=1)
+    marker = json.loads((path / ckpt.MARKER_FILE).read_text())
+    on_disk = sorted(str(f.relative_to(path)) for f in path.rglob("*")
+                     if f.is_file() and f.name != ckpt.MARKER_FILE)
+    assert sorted(marker["files"]) == on_disk
+    assert marker["ranks"] == {"0": on_disk}
+    for name, d in marker["files"].items():
+        data = (path / name).read_bytes()
+        assert d == {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}, name
+    status = check_checkpoint(path)
+    assert status.state == "intact" and status.ok and not status.problems
+
+
+@pytest.mark.parametrize("damage", ["zeros-distcp", "random-distcp", "garbage-json",
+                                    "random-metadata", "garbage-marker"])
+def test_damaged_checkpoint_is_refused_naming_the_file(tmp_path, damage):
+    """Bytes changed inside a file (size unchanged) used to load silently or fail deep in
+    DCP; the digests name the file before anything is loaded."""
+    model, opt = make_single("demo", 0)
+    run_steps(model, opt, 1, 0)
+    path = save_checkpoint(tmp_path / "step_000001", model, opt, step=1)
+    (data,) = path.glob("*.distcp")
+    target, junk = {
+        "zeros-distcp": (data, bytes(4096)),
+        "random-distcp": (data, os.urandom(4096)),
+        "garbage-json": (path / ckpt.META_FILE, b"}{ not json"),
+        "random-metadata": (path / ".metadata", os.urandom(64)),
+        "garbage-marker": (path / ckpt.MARKER_FILE, b"\x00garbage"),
+    }[damage]
+    _write_inside(target, junk, at=0 if damage.startswith("garbage") else None)
+    model2, opt2 = make_single("demo", 1)
+    before = params(model2)
+    with pytest.raises((ckpt.CheckpointError, ValueError)) as info:
+        load_checkpoint(path, model2, opt2)
+    msg = str(info.value)
+    assert "\n" not in msg and str(path) in msg and target.name in msg, msg
+    assert equal(params(model2), before), "nothing may be loaded from a damaged checkpoint"
+    if damage != "garbage-marker":
+        assert info.value.cause == "damaged" and "differs from what was written" in msg, msg
+    status = ckpt.verify_checkpoint(path)
+    assert status.state == "damaged" and target.name in status.describe()
+
+
+
+# ---------------------------------------------------------------------------- real file systems
+def test_full_tmpfs_is_no_space_and_keeps_the_previous_checkpoint(small_tmpfs):
+    """A 1 MiB tmpfs: the second checkpoint (340 KB each) does not fit beside a filler file.
+    torch's writer reports that as RuntimeError('[enforce fail at inline_container.cc:...]
+    unexpected pos ...'), which used to read "truncated or corrupt"."""
+    root = small_tmpfs / "checkpoints"
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(200, 200))
+    opt = flexdemo.DeToNATION(model.parameters(), flexdemo.DeMoReplicator(topk=4, chunk=8),
+                              base="sgd", lr=0.01)
+    model(torch.randn(2, 200)).sum().backward()
+    opt.step()
+    good = save_checkpoint(root / "step_000001", model, opt, step=1)
+    (small_tmpfs / "filler").write_bytes(bytes(500_000))
+    with pytest.raises(ckpt.CheckpointError) as info:
+        save_checkpoint(root / "step_000002", model, opt, step=2)
+    msg = str(info.value)
+    assert "\n" not in msg and "step_000002" in msg, msg
+    assert info.value.cause == "no space" and "no space left on device" in msg, msg
+    assert "bytes free" in msg, msg  # found by the probe write: torch raised a RuntimeError
+    assert "corrupt" not in msg and "truncated" not in msg, msg
+    assert sorted(os.listdir(root)) == ["step_000001"]  # no half-written directory left
+    assert ckpt.verify_checkpoint(good).state == "intact"
+    (small_tmpfs / "filler").unlink()
+    saved = params(model)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+    assert load_checkpoint(good, model, opt)["step"] == 1 and equal(params(model), saved)
+
+
+def test_read_only_file_system_is_permission(small_tmpfs):
+    import subprocess
+
+    root = small_tmpfs / "checkpoints"
+    model, opt = make_single("demo", 0)
+    good = save_checkpoint(root / "step_000001", model, opt, step=1)
+    run = subprocess.run(["mount", "-o", "remount,ro", str(small_tmpfs)], capture_output=True,
+                         text=True)
+    assert run.returncode == 0, run.stderr
+    with pytest.raises(ckpt.CheckpointError) as info:
+        save_checkpoint(root / "step_000002", model, opt, step=2)
+    msg = str(info.value)
+    assert "\n" not in msg and "read-only file system" in msg, msg
+    assert info.value.cause == "permission"
+    assert ckpt.verify_checkpoint(good).state == "intact"
+
+
+def test_verify_command_lists_each_checkpoint(tmp_path, capsys):
+    from flexdemo.app.cli import main
+
+    root = tmp_path / "run" / "checkpoints"
+    model, opt = make_single("demo", 0)
+    for step in (2, 4):
+        run_steps(model, opt, 2, step - 2)
+        save_checkpoint(root / f"step_{step:06d}", model, opt, step=step)
+    assert main(["checkpoint", "verify", str(tmp_path / "run")]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 2 and all("intact (step" in line for line in lines), lines
+    (data,) = (root / "step_000004").glob("*.distcp")
+    _write_inside(data, bytes(4096))
+    (root / "step_000006").mkdir()  # an interrupted save: not damaged
+    assert main(["checkpoint", "verify", str(root)]) == 1
+    out = capsys.readouterr()
+    lines = out.out.splitlines()
+    assert len(lines) == 3, lines
+    assert "step_000002" in lines[0] and "intact" in lines[0]
+    assert "step_000004" in lines[1] and "damaged" in lines[1] and data.name in lines[1]
+    assert "step_000006" in lines[2] and "incomplete" in lines[2]
+    assert "1 of 3 checkpoint(s) damaged" in out.err
+    assert main(["checkpoint", "verify", str(root / "step_000002")]) == 0
+    assert main(["checkpoint", "verify", str(tmp_path / "nothing")]) == 2

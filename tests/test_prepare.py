@@ -137,3 +137,31 @@ def test_broadcast_tensors_single_rank_is_a_no_op():
     flexdemo.init_distributed()
     broadcast_tensors(t)
     assert all(torch.equal(a, b) for a, b in zip(t, before))
+
+
+@pytest.mark.parametrize("wrapper", ["ddp", "fsdp1", "inner-ddp"])
+def test_data_parallel_wrapped_models_are_refused(wrapper):
+    """DDP (or FSDP1) all-reduces every gradient itself: under prepare() the full gradients
+    would cross the slow link on top of the replicator's exchange, without a word."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import FullyShardedDataParallel
+    from torch.nn.parallel import DistributedDataParallel
+
+    fresh = not dist.is_initialized()  # earlier tests' prepare() may have made one
+    if fresh:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        if wrapper == "ddp":
+            model, name = DistributedDataParallel(Tiny()), "DistributedDataParallel"
+        elif wrapper == "fsdp1":
+            model = FullyShardedDataParallel(Tiny(), device_id=torch.device("cpu"))
+            name = "FullyShardedDataParallel"
+        else:
+            model, name = nn.Sequential(DistributedDataParallel(Tiny())), "DistributedDataParallel"
+        with pytest.raises(ValueError) as info:
+            flexdemo.prepare(model, "demo")
+        msg = str(info.value)
+        assert "\n" not in msg and name in msg and "model.module" in msg, msg
+    finally:
+        if fresh:
+            dist.destroy_process_group()

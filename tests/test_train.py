@@ -20,7 +20,7 @@ from dist_util import free_port, reap, run_world, spawn_ranks
 
 from flexdemo.app.config import load_config
 from flexdemo.app.tasks import have_transformers
-from flexdemo.app.trainer import TrainingError, lr_at, timeout_seconds, train
+from flexdemo.app.trainer import TrainingError, UsageError, lr_at, timeout_seconds, train
 
 ROOT = Path(__file__).parent.parent
 PY = sys.executable
@@ -319,19 +319,63 @@ def test_full_disk_during_a_save_then_resume_from_the_previous_checkpoint(
     assert [r["step"] for r in metrics(out)] == [1, 2, 3, 4, 5, 6]
 
 
-def test_damaged_checkpoint_on_resume_names_it_and_an_older_one(tmp_path, single_process):
+@pytest.mark.parametrize("damage", ["zeros-distcp", "garbage-json"])
+def test_damaged_checkpoint_on_resume_falls_back_to_the_newest_intact_one(
+        tmp_path, single_process, damage):
+    """Zeros inside the newest checkpoint's data used to load silently (losses drifted);
+    garbage in its flexdemo.json made resume skip it quietly and overwrite it later."""
+    out = tmp_path / "run"
+    base = GPT_QUICK + ["train.steps=6", "train.checkpoint_every=2", "train.progress=false",
+                        "train.keep_checkpoints=0", f"train.out={out}"]
+    ref = tmp_path / "ref"
+    train(load_config(ROOT / "configs/gpt.toml", base[:-1] + [f"train.out={ref}"]),
+          echo=lambda text: None)
+    train(load_config(ROOT / "configs/gpt.toml", base + ["train.stop_at=4"]),
+          echo=lambda text: None)
+    newest = out / "checkpoints" / "step_000004"
+    if damage == "zeros-distcp":
+        (data,) = newest.glob("*.distcp")
+        with open(data, "r+b") as f:
+            f.seek(data.stat().st_size // 2)
+            f.write(bytes(4096))
+        what = data.name
+    else:
+        (newest / "flexdemo.json").write_text("{ garbage")
+        what = "flexdemo.json"
+    # told not to fall back: refused, naming the file; nothing moved
+    with pytest.raises(UsageError) as info:
+        train(load_config(ROOT / "configs/gpt.toml", base + ["resume=true",
+                                                             "train.resume_fallback=false"]),
+              echo=lambda text: None)
+    msg = _one_line(info)
+    assert "step_000004 is damaged" in msg and what in msg and "resume_fallback" in msg, msg
+    assert newest.is_dir()
+    said: list[str] = []
+    summary = train(load_config(ROOT / "configs/gpt.toml", base + ["resume=true"]),
+                    echo=said.append)
+    lines = [line for line in said if line.startswith("resume:")]
+    assert len(lines) == 1 and what in lines[0] and "resuming from step_000002" in lines[0], said
+    assert summary["resumed_from"].endswith("step_000002")
+    aside = out / "checkpoints" / "step_000004.damaged"
+    assert aside.is_dir() and not (aside / "COMPLETE").read_text() == ""  # kept, not overwritten
+    assert (newest / "COMPLETE").is_file()  # step 4 written afresh by the resumed run
+    assert [r["loss"] for r in metrics(out)] == [r["loss"] for r in metrics(ref)]
+
+
+def test_every_checkpoint_damaged_is_refused(tmp_path, single_process):
     out = tmp_path / "run"
     base = GPT_QUICK + ["train.steps=4", "train.checkpoint_every=2", "train.progress=false",
                         f"train.out={out}"]
     train(load_config(ROOT / "configs/gpt.toml", base), echo=lambda text: None)
-    (data,) = (out / "checkpoints" / "step_000004").glob("*.distcp")
-    data.write_bytes(data.read_bytes()[:1000])
-    with pytest.raises(TrainingError) as info:
+    for ckpt_dir in (out / "checkpoints").iterdir():
+        (ckpt_dir / "flexdemo.json").write_text("garbage")
+    with pytest.raises(UsageError) as info:
         train(load_config(ROOT / "configs/gpt.toml", base + ["resume=true"]),
               echo=lambda text: None)
     msg = _one_line(info)
-    assert "step_000004" in msg and "truncated or corrupt" in msg, msg
-    assert "older checkpoint" in msg and "step_000002" in msg, msg
+    assert "no intact checkpoint" in msg and "step_000002 is damaged" in msg, msg
+    assert "step_000004 is damaged" in msg and "train.overwrite=true" in msg, msg
+    assert "starting at step 0" not in msg
 
 
 def test_output_folder_faults_are_one_line(tmp_path, single_process, monkeypatch):
@@ -408,6 +452,16 @@ def test_killed_rank_of_four_is_the_only_one_named_by_every_survivor(tmp_path, m
         assert "Traceback" not in text, (rank, text[-3000:])
 
 
+def _rerecord(path: Path) -> None:
+    """Record the digest of an edited file in its checkpoint's marker (a genuine change)."""
+    from flexdemo.integrity import file_digest
+
+    marker_path = path.parent / "COMPLETE"
+    marker = json.loads(marker_path.read_text())
+    marker["files"][path.name] = file_digest(path)
+    marker_path.write_text(json.dumps(marker))
+
+
 def test_resume_with_another_mesh_says_which_config_keys(tmp_path, single_process):
     out = tmp_path / "run"
     base = GPT_QUICK + ["train.steps=2", "train.checkpoint_every=2", "train.progress=false",
@@ -417,6 +471,7 @@ def test_resume_with_another_mesh_says_which_config_keys(tmp_path, single_proces
     meta = json.loads(meta_path.read_text())
     meta.update(world_size=4, mesh_shape=[2, 2])  # as if written by a 2 x 2 job
     meta_path.write_text(json.dumps(meta))
+    _rerecord(meta_path)
     with pytest.raises(TrainingError) as info:
         train(load_config(ROOT / "configs/gpt.toml", base + ["resume=true"]),
               echo=lambda text: None)
@@ -588,3 +643,66 @@ def test_losses_read_in_windows_give_the_same_metrics(tmp_path, single_process):
     assert [r.get("val_loss") for r in lines3] == [r.get("val_loss") for r in lines1]
     assert all(isinstance(r["loss"], float) for r in lines3)
     assert s3["train_loss"] == s1["train_loss"] and s3["val_loss"] == s1["val_loss"]
+
+
+# ---------------------------------------------------------------------- refusals exit 2
+SMALLEST = ["task.model=tiny", "task.corpus_bytes=20000", "train.batch=1", "train.warmup=0",
+            "train.eval_every=0", "train.eval_batches=1", "train.tensorboard=false",
+            "train.progress=false", "train.threads=1", "task.seq_len=16"]
+REFUSALS = int(os.environ.get("FLEXDEMO_REFUSALS", "20"))
+
+
+def test_refused_resume_exits_2_on_every_rank_every_time(tmp_path):
+    """A resume with another replicator, optimizer, topk or mesh, refused REFUSALS times over
+    on 2 bare ranks: every rank exits 2 (never 134 from an abort at shutdown, never 1), with
+    one line naming what differs, old against new, pointing at train.overwrite or another
+    train.out and suggesting no older checkpoint (they all have the same mismatch)."""
+    out = tmp_path / "run"
+    args = ["train", *SMALLEST, "train.steps=4", "train.checkpoint_every=2", "mesh.replicate=2",
+            "mesh.shard=1", f"train.out={out}"]
+    procs = spawn_ranks(2, args)
+    try:
+        outputs = [p.communicate(timeout=120)[0] for p in procs]
+    finally:
+        reap(procs)
+    assert [p.returncode for p in procs] == [0, 0], outputs
+    changes = [(["strategy.replicator=full"], "replicator 'demo' (now 'full')"),
+               (["strategy.optimizer=adamw"], "optimizer 'sgd' (now 'adamw')"),
+               (["strategy.replicator_kwargs={topk=8}"], "replicator topk 16 (now 8)"),
+               (["mesh.replicate=1", "mesh.shard=2"], "replicate 2 x shard 1")]
+    for i in range(REFUSALS):
+        change, needle = changes[i % len(changes)]
+        procs = spawn_ranks(2, [*args, *change, "--resume"])
+        try:
+            outputs = [p.communicate(timeout=120)[0] for p in procs]
+        finally:
+            reap(procs)
+        codes = [p.returncode for p in procs]
+        assert codes == [2, 2], (i, change, codes, outputs)
+        for text in outputs:
+            assert "terminate called" not in text and "Traceback" not in text, text[-2000:]
+        errors = [line for line in outputs[0].splitlines() if "error" in line]
+        assert len(errors) == 1, outputs[0][-2000:]
+        assert needle in errors[0] and "step_000004" in errors[0], errors[0]
+        assert "train.overwrite=true" in errors[0] and "step_000002" not in errors[0], errors[0]
+
+
+# ---------------------------------------------------------------------- skipped steps
+def test_skipped_steps_are_counted_and_a_run_that_skips_most_stops(tmp_path, single_process):
+    """lr 1e30 makes every gradient from step 2 on NaN: with nonfinite='skip' the run used to
+    finish with exit 0 and no word of it."""
+    out = tmp_path / "run"
+    base = GPT_QUICK + ["train.steps=8", "train.progress=false", "strategy.lr=1e30",
+                        "train.warmup=0", "strategy.nonfinite=skip", f"train.out={out}"]
+    with pytest.raises(TrainingError) as info:
+        train(load_config(ROOT / "configs/gpt.toml", base), echo=lambda text: None)
+    msg = _one_line(info)
+    assert "3 of " in msg and "skipped" in msg and "train.max_skipped=0.25" in msg, msg
+    said: list[str] = []
+    summary = train(load_config(ROOT / "configs/gpt.toml", base + ["train.max_skipped=1",
+                                                                   "train.overwrite=true"]),
+                    echo=said.append)
+    rows = metrics(out)
+    assert [r["skipped"] for r in rows][:1] == [False] and all(r["skipped"] for r in rows[1:])
+    assert rows[-1]["skipped_steps_total"] == 7 and summary["skipped_steps"] == 7
+    assert any("7 skipped for NaN/Inf gradients" in line for line in said), said

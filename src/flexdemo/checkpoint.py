@@ -49,12 +49,24 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 from torch.distributed.tensor import DTensor
 
-__all__ = ["FORMAT_VERSION", "CheckpointError", "latest_checkpoint", "load_checkpoint",
-           "save_checkpoint"]
+from .integrity import (
+    DAMAGED,
+    DIGEST,
+    IO,
+    MARKER_FILE,
+    CheckpointStatus,
+    check_checkpoint,
+    describe_os_error,
+    record_files,
+    storage_cause,
+)
+
+__all__ = ["FORMAT_VERSION", "CheckpointError", "CheckpointMismatchError", "describe_os_error",
+           "latest_checkpoint", "load_checkpoint", "read_info", "save_checkpoint",
+           "verify_checkpoint"]
 
 FORMAT_VERSION = 1
 META_FILE = "flexdemo.json"
-MARKER_FILE = "COMPLETE"
 RANKS_DIR = "ranks"
 _SCRATCH = re.compile(r"\.(tmp|old)-\d+$")  # temporary / replaced directories, never loaded
 
@@ -84,17 +96,18 @@ def _rank_world() -> tuple[int, int]:
 
 
 class CheckpointError(OSError):
-    """Storage failed while saving or loading a checkpoint (a full disk, a missing or truncated
-    file, no permission). Raised on every rank with the same one-line message, which names
-    the path and the cause; a save that fails leaves the previous checkpoint untouched."""
+    """Storage failed while saving or loading a checkpoint (a full disk, no permission, a
+    missing file, a damaged checkpoint). Raised on every rank with the same one-line message,
+    which names the path and the cause; a save that fails leaves the previous checkpoint
+    untouched. ``cause`` is one of ``"no space"``, ``"permission"``, ``"missing"``,
+    ``"damaged"`` or ``"I/O"``."""
 
+    def __init__(self, message: str, cause: str = IO) -> None:
+        super().__init__(message)
+        self.cause = cause
 
-def describe_os_error(e: BaseException) -> str:
-    """One line for a storage error: the cause (e.g. "no space left on device") and the file."""
-    if isinstance(e, OSError) and e.strerror:
-        cause = e.strerror[0].lower() + e.strerror[1:]
-        return f"{cause} ({e.filename})" if e.filename else cause
-    return " ".join(f"{type(e).__name__}: {e}".split())[:300]
+    def __reduce__(self):
+        return type(self), (str(self), self.cause)
 
 
 def _storage_cause(e: BaseException) -> BaseException | None:
@@ -107,57 +120,72 @@ def _storage_cause(e: BaseException) -> BaseException | None:
     return None
 
 
+def _classify(error: BaseException) -> tuple[str, str] | None:
+    """``(cause, text)`` of a storage error, or None for other errors."""
+    if isinstance(error, CheckpointError):
+        return error.cause, str(error)
+    storage = _storage_cause(error)
+    if isinstance(storage, OSError):
+        return storage_cause(storage)
+    return None
+
+
 def _agree(error: BaseException | None, action: str, payload: Any = None) -> list:
     """Collective: every rank learns whether any rank failed, and gets every rank's payload.
 
     Raises on every rank if one failed, so no rank goes on into a collective that the others
-    never join. A storage error (OSError) becomes the same :class:`CheckpointError` on every
-    rank; otherwise the failing rank re-raises its own exception. Also serves as a barrier.
+    never join. A storage error (OSError, :class:`CheckpointError`) becomes the same
+    :class:`CheckpointError` on every rank (the lowest failing rank's); otherwise the failing
+    rank re-raises its own exception. Also serves as a barrier.
     """
     rank, world = _rank_world()
-    storage = _storage_cause(error) if error is not None else None
+    storage = _classify(error) if error is not None else None
+    if storage is not None and not isinstance(error, CheckpointError):
+        storage = (storage[0], f"{action}: {storage[1]}")
     if world == 1:
         if storage is not None:
-            raise CheckpointError(f"{action}: {describe_os_error(storage)}") from None
+            raise CheckpointError(storage[1], storage[0]) from None
         if error is not None:
             raise error
         return [payload]
-    note = None if error is None else f"{type(error).__name__}: {error}"
+    note = None if error is None else ("error", f"{type(error).__name__}: {error}")
     if storage is not None:
-        note = f"storage: {describe_os_error(storage)}"
+        note = ("storage", storage)
     gathered: list = [None] * world
     dist.all_gather_object(gathered, (note, payload))
     failed = {r: n for r, (n, _) in enumerate(gathered) if n is not None}
     if failed:
-        on_disk = {r: n for r, n in failed.items() if n.startswith("storage: ")}
+        on_disk = {r: n[1] for r, n in failed.items() if n[0] == "storage"}
         if on_disk:
             first = min(on_disk)
-            raise CheckpointError(f"{action}: {on_disk[first][len('storage: '):]} (rank {first})"
-                                  ) from None
+            cause, text = on_disk[first]
+            where = f" (rank {first})" if world > 1 else ""
+            raise CheckpointError(f"{text}{where}", cause) from None
         if error is not None:
             raise error
         first = min(failed)
-        cls = ValueError if failed[first].startswith("ValueError") else RuntimeError
-        raise cls(f"{action} failed on rank(s) {sorted(failed)}; rank {first}: {failed[first]}")
+        text = failed[first][1]
+        cls = ValueError if text.startswith("ValueError") else RuntimeError
+        raise cls(f"{action} failed on rank(s) {sorted(failed)}; rank {first}: {text}")
     return [p for _, p in gathered]
 
 
-def _dcp_call(fn, state: dict, action: str, **kwargs) -> None:
+def _dcp_call(fn, state: dict, action: str, directory: Path, **kwargs) -> None:
     """Run ``dcp.save`` / ``dcp.load`` (without a process group in a lone process). DCP's
     ``CheckpointException`` derives from ``BaseException`` and holds every rank's traceback;
-    it becomes one :class:`CheckpointError` (every rank gets it from DCP) naming the cause."""
+    it becomes one :class:`CheckpointError` naming the cause (a full disk that torch's writer
+    reports as a RuntimeError is told apart by a probe write into ``directory``)."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         try:
             fn(state, no_dist=not (dist.is_available() and dist.is_initialized()), **kwargs)
         except CheckpointException as e:
             cause = _storage_cause(e)
-            if isinstance(cause, OSError):
-                text = describe_os_error(cause)
-            else:  # e.g. EOFError or an unpickling error from a cut file
-                what = " ".join(f"{type(cause).__name__}: {cause}".split()).rstrip(": ")
+            kind, text = storage_cause(cause, directory if fn is dcp.save else None)
+            if kind == DAMAGED:  # e.g. EOFError or an unpickling error from a cut file
+                what = text.rstrip(": ")
                 text = f"its data files (*.distcp) are truncated or corrupt ({what[:200]})"
-            raise CheckpointError(f"{action}: {text}") from None
+            raise CheckpointError(f"{action}: {text}", kind) from None
 
 
 # ---------------------------------------------------------------------------- layout
@@ -425,18 +453,56 @@ def _tensor_table(msd: dict) -> dict[str, dict]:
             for k, v in msd.items() if isinstance(v, torch.Tensor)}
 
 
+class CheckpointMismatchError(ValueError):
+    """A checkpoint that this job cannot resume: it was written with another mesh, model,
+    base optimizer or replicators. ``differences`` lists ``(what, saved, now)``."""
+
+    def __init__(self, message: str, differences: list[tuple[str, str, str]]) -> None:
+        super().__init__(message)
+        self.differences = differences
+
+    def __reduce__(self):
+        return type(self), (str(self), self.differences)
+
+
+def setting_differences(saved: str, now: str) -> list[tuple[str, str, str]]:
+    """The ``key=value`` settings that differ between two reprs such as
+    ``DeMoReplicator(topk=16, chunk=64)``; the whole reprs if the kinds differ."""
+    pattern = re.compile(r"^(\w+)\((.*)\)$")
+    ms, mn = pattern.match(saved), pattern.match(now)
+    if not (ms and mn) or ms.group(1) != mn.group(1):
+        return [("kind", saved, now)]
+
+    def pairs(text: str) -> dict[str, str]:
+        out = {}
+        for part in re.split(r",\s*(?=\w+=)", text):
+            if "=" in part:
+                k, v = part.split("=", 1)
+                out[k.strip()] = v.strip()
+        return out
+
+    a, b = pairs(ms.group(2)), pairs(mn.group(2))
+    diff = [(k, a.get(k, "(unset)"), b.get(k, "(unset)")) for k in sorted(set(a) | set(b))
+            if a.get(k) != b.get(k)]
+    return diff or [("settings", saved, now)]
+
+
 def _check_compatible(path: Path, meta: dict, world: int, mesh_shape: tuple[int, int],
                       msd: dict, base: torch.optim.Optimizer, reps: list) -> None:
-    """Raise ValueError if the checkpoint at ``path`` cannot be resumed by this job."""
+    """Raise :class:`CheckpointMismatchError` if the checkpoint at ``path`` cannot be resumed
+    by this job."""
     saved_mesh = tuple(meta["mesh_shape"])
     if meta["world_size"] != world or saved_mesh != tuple(mesh_shape):
-        raise ValueError(
+        raise CheckpointMismatchError(
             f"checkpoint {path} was written by {meta['world_size']} rank(s) as a replicate x "
             f"shard = {saved_mesh[0]} x {saved_mesh[1]} mesh, but this job runs {world} rank(s) "
             f"as {mesh_shape[0]} x {mesh_shape[1]}. Per-replica state (DeMo momentum, "
             "replicator buffers, DiLoCo copies, the data position in `extra`) cannot be "
             "redistributed: resume with the same world size and mesh, e.g. "
-            f"flexdemo.prepare(..., replicate={saved_mesh[0]}, shard={saved_mesh[1]})")
+            f"flexdemo.prepare(..., replicate={saved_mesh[0]}, shard={saved_mesh[1]})",
+            [("world size", str(meta["world_size"]), str(world)),
+             ("mesh", f"{saved_mesh[0]} x {saved_mesh[1]}",
+              f"{mesh_shape[0]} x {mesh_shape[1]}")])
     saved, now = meta["tensors"], _tensor_table(msd)
     missing = sorted(set(saved) - set(now))
     unexpected = sorted(set(now) - set(saved))
@@ -450,38 +516,67 @@ def _check_compatible(path: Path, meta: dict, world: int, mesh_shape: tuple[int,
             if items:
                 more = f" and {len(items) - 5} more" if len(items) > 5 else ""
                 parts.append(f"{label}: {', '.join(items[:5])}{more}")
-        raise ValueError(f"checkpoint {path} was written for another model; tensors "
-                         f"{'; '.join(parts)}. Load it into the model it was saved from (same "
-                         "architecture and parameter names)")
+        raise CheckpointMismatchError(
+            f"checkpoint {path} was written for another model; tensors {'; '.join(parts)}. "
+            "Load it into the model it was saved from (same architecture and parameter names)",
+            [("model", f"{len(saved)} tensors", f"{len(now)} tensors" + (
+                f" ({shapes[0]}{' ...' if len(shapes) > 1 else ''})" if shapes else ""))])
     if meta["base_optimizer"] != type(base).__name__:
-        raise ValueError(f"checkpoint {path} holds {meta['base_optimizer']} state, this "
-                         f"optimizer's base is {type(base).__name__}; build the optimizer with "
-                         f"the same base optimizer to resume")
+        raise CheckpointMismatchError(
+            f"checkpoint {path} holds {meta['base_optimizer']} state, this optimizer's base is "
+            f"{type(base).__name__}; build the optimizer with the same base optimizer to resume",
+            [("base optimizer", meta["base_optimizer"], type(base).__name__)])
     mine = [repr(r) for r in reps]
     if meta["replicators"] != mine:
-        raise ValueError(f"checkpoint {path} was written with replicators "
-                         f"{meta['replicators']}, this optimizer has {mine}; build the "
-                         "optimizer with the same replicators to resume")
+        diff: list[tuple[str, str, str]] = []
+        if len(meta["replicators"]) != len(mine):
+            diff.append(("replicators", str(meta["replicators"]), str(mine)))
+        else:
+            for i, (a, b) in enumerate(zip(meta["replicators"], mine)):
+                tag = "replicator" if len(mine) == 1 else f"replicator {i}"
+                diff += [(f"{tag} {k}" if k != "kind" else tag, x, y)
+                         for k, x, y in setting_differences(a, b) if a != b]
+        said = ", ".join(f"{w} {x} (now {y})" for w, x, y in diff)
+        raise CheckpointMismatchError(
+            f"checkpoint {path} was written with replicators {meta['replicators']}, this "
+            f"optimizer has {mine} ({said}); build the optimizer with the same replicators "
+            "to resume", diff)
     if meta.get("flexdemo_version") != _flexdemo_version():
         warnings.warn(f"checkpoint {path} was written by flexdemo "
                       f"{meta.get('flexdemo_version')}, this is {_flexdemo_version()}",
                       stacklevel=3)
 
 
+def read_info(path: str | os.PathLike) -> dict | None:
+    """The ``info`` that :func:`save_checkpoint` recorded for the checkpoint at ``path`` (and
+    its world size, mesh, base optimizer and replicators under ``"checkpoint"``), or None if
+    its ``flexdemo.json`` cannot be read. Reads no tensors."""
+    try:
+        meta = json.loads((Path(path) / META_FILE).read_text())
+        info = dict(meta.get("info") or {})
+        info["checkpoint"] = {k: meta[k] for k in ("world_size", "mesh_shape", "base_optimizer",
+                                                   "replicators", "step")}
+        return info
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+
+
 # ---------------------------------------------------------------------------- public API
 def save_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer, *, step: int,
-                    extra: dict | None = None) -> Path:
+                    extra: dict | None = None, info: dict | None = None) -> Path:
     """Save model, optimizer (base state, replicators, step counters), ``step`` and ``extra``.
 
     Collective: every rank calls it with the same ``path`` and ``step``; ``extra`` may differ
-    per rank (tensors in it, e.g. RNG states, are stored per rank). ``path`` is the checkpoint
-    directory, e.g. ``runs/x/checkpoints/step_000100``; it is written atomically and replaces an
-    existing checkpoint of the same name. Returns ``path``.
+    per rank (tensors in it, e.g. RNG states, are stored per rank). ``info`` (rank 0's, JSON
+    values) is recorded in ``flexdemo.json``, readable before loading (:func:`read_info`).
+    ``path`` is the checkpoint directory, e.g. ``runs/x/checkpoints/step_000100``; it is
+    written atomically and replaces an existing checkpoint of the same name; its marker
+    records the SHA-256 of every file (:mod:`flexdemo.integrity`). Returns ``path``.
     """
     final = Path(path)
     rank, world = _rank_world()
     base, reps = _optimizer_parts(optimizer)
-    error, info = None, None
+    error, facts = None, None
     try:
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"step must be an integer >= 0, got {step!r}")
@@ -489,6 +584,10 @@ def save_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer, *, ste
             raise ValueError(f"invalid checkpoint directory name {final.name!r}")
         if extra is not None and not isinstance(extra, dict):
             raise ValueError(f"extra must be a dict or None, got {type(extra).__name__}")
+        try:
+            info_json = json.loads(json.dumps(info or {}))
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"info must hold JSON values: {e}") from None
         mesh_shape = _mesh_shape(model, optimizer)
         msd = get_model_state_dict(model)
         own: dict[str, torch.Tensor] = {}
@@ -509,10 +608,10 @@ def save_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer, *, ste
                              "lists/tuples/dicts of them") from e
         shared = {f"model/{k}": v for k, v in msd.items() if isinstance(v, torch.Tensor)}
         shared.update(optim_tensors)
-        info = {"prints": _fingerprints(shared), "step": step, "pid": os.getpid()}
+        facts = {"prints": _fingerprints(shared), "step": step, "pid": os.getpid()}
     except Exception as e:
         error = e
-    infos = _agree(error, f"saving checkpoint {final}", info)
+    infos = _agree(error, f"saving checkpoint {final}", facts)
     if len({i["step"] for i in infos}) != 1:
         raise ValueError(f"ranks passed different steps to save_checkpoint: "
                          f"{[i['step'] for i in infos]}")
@@ -533,11 +632,18 @@ def save_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer, *, ste
             error = e
     _agree(error, f"saving checkpoint {final}: creating {tmp}")
     try:
-        _dcp_call(dcp.save, flat, f"saving checkpoint {final}",
-                  storage_writer=FileSystemWriter(tmp))
         error = None
         try:
+            _dcp_call(dcp.save, flat, f"saving checkpoint {final}", tmp,
+                      storage_writer=FileSystemWriter(tmp))
+        except CheckpointError as e:
+            error = e
+        _agree(error, f"saving checkpoint {final}")  # the same cause on every rank
+        error, written = None, None
+        try:
             _fsync_write(_rank_file(tmp, rank), blob)
+            names = [f.name for f in tmp.glob(f"__{rank}_*.distcp")]
+            names.append(f"{RANKS_DIR}/{_rank_file(tmp, rank).name}")
             if rank == 0:
                 meta = {
                     "format": FORMAT_VERSION,
@@ -550,18 +656,23 @@ def save_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer, *, ste
                     "tensors": _tensor_table(msd),
                     "base_optimizer": type(base).__name__,
                     "replicators": [repr(r) for r in reps],
+                    "info": info_json,
                     "time": time.time(),
                 }
                 _fsync_write(tmp / META_FILE, json.dumps(meta, indent=1).encode())
+                names += [".metadata", META_FILE]
+            written = record_files(tmp, names)  # what this rank saved, read back once
         except Exception as e:
             error = e
-        _agree(error, f"saving checkpoint {final}")
+        tables = _agree(error, f"saving checkpoint {final}", written)
         error = None
         if rank == 0:
             try:
                 _fsync_dir(tmp / RANKS_DIR)
-                marker = {"step": step, "time": time.time()}
-                _fsync_write(tmp / MARKER_FILE, json.dumps(marker).encode())
+                files = {name: d for table in tables for name, d in table.items()}
+                marker = {"step": step, "time": time.time(), "digest": DIGEST, "files": files,
+                          "ranks": {str(r): sorted(t) for r, t in enumerate(tables)}}
+                _fsync_write(tmp / MARKER_FILE, json.dumps(marker, indent=1).encode())
                 _fsync_dir(tmp)
                 _commit(tmp, final)
             except Exception as e:
@@ -574,18 +685,45 @@ def save_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer, *, ste
     return final
 
 
-def load_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer) -> dict:
+def verify_checkpoint(path: str | os.PathLike) -> CheckpointStatus:
+    """Check the checkpoint at ``path`` against the digests its marker records (collective
+    when a process group is up: each rank reads its share of the files once). Returns the
+    same :class:`~flexdemo.integrity.CheckpointStatus` on every rank."""
+    rank, world = _rank_world()
+    status = check_checkpoint(path, rank, world)
+    if world == 1:
+        return status
+    gathered: list = [None] * world
+    dist.all_gather_object(gathered, status)
+    problems = [p for st in gathered for p in st.problems]
+    merged = gathered[0]
+    if any(st.state == "damaged" for st in gathered):
+        merged.state = "damaged"
+    merged.problems = problems
+    return merged
+
+
+def load_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer, *,
+                    verify: bool = True) -> dict:
     """Restore a checkpoint written by :func:`save_checkpoint` into ``model`` and ``optimizer``.
 
-    Collective. The job must have the world size and mesh that wrote it, and the same model,
-    base optimizer and replicators; otherwise ``ValueError`` says what differs. Each rank gets
-    its own replicator state and ``extra`` back. Returns ``{"step": int, "extra": dict}``.
+    Collective. With ``verify`` (the default) every file is first checked against its
+    recorded digest; a damaged checkpoint raises :class:`CheckpointError` (cause
+    ``"damaged"``) naming what is wrong. The job must have the world size and mesh that
+    wrote it, and the same model, base optimizer and replicators; otherwise
+    :class:`CheckpointMismatchError` (a ``ValueError``) says what differs. Each rank gets its
+    own replicator state and ``extra`` back. Returns ``{"step": int, "extra": dict}``.
     """
     path = Path(path)
     rank, world = _rank_world()
     base, reps = _optimizer_parts(optimizer)
     error = None
     flat: dict[str, torch.Tensor] = {}
+    if verify and path.is_dir() and (path / MARKER_FILE).exists():
+        status = verify_checkpoint(path)
+        if status.state == "damaged":
+            raise CheckpointError(f"loading checkpoint {path}: it is damaged: "
+                                  f"{status.describe().split(': ', 1)[1]}", DAMAGED)
     try:
         meta = _require_complete(path)
         mesh_shape = _mesh_shape(model, optimizer)
@@ -620,7 +758,7 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer) -> dic
     except Exception as e:
         error = e
     _agree(error, f"loading checkpoint {path}")
-    _dcp_call(dcp.load, flat, f"loading checkpoint {path}",
+    _dcp_call(dcp.load, flat, f"loading checkpoint {path}", path,
               storage_reader=FileSystemReader(path))
     error, result = None, None
     try:

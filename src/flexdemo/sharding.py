@@ -93,12 +93,29 @@ def _check_replicators(replicator) -> None:
                         f"list of them, got {what}: {bad[0] if bad else replicator!r}")
 
 
+def _wrapper(model: nn.Module) -> str | None:
+    """The name of a data-parallel wrapper (DDP, FSDP1, DataParallel) in ``model``, if any."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+    from torch.nn.parallel import DataParallel, DistributedDataParallel
+
+    kinds = (DistributedDataParallel, FullyShardedDataParallel, DataParallel)
+    for m in model.modules():
+        if isinstance(m, kinds):
+            return type(m).__name__
+    return None
+
+
 def _check_model(model: nn.Module) -> None:
     if not isinstance(model, nn.Module):
         raise TypeError(f"prepare() takes an nn.Module, got {type(model).__name__}")
     if getattr(model, "_flexdemo_prepared", False):
         raise ValueError("this model was already passed to flexdemo.prepare(); call prepare() "
                          "once per model and keep the optimizer it returned")
+    wrapped = _wrapper(model)
+    if wrapped is not None:
+        raise ValueError(f"the model is wrapped in {wrapped}, which synchronises gradients "
+                         "itself (every gradient crosses the link in full, on top of the "
+                         "replicator); pass the unwrapped model (model.module) to prepare()")
     if isinstance(model, FSDPModule) or any(isinstance(m, FSDPModule) for m in model.modules()):
         raise ValueError("the model is already sharded with fully_shard; give prepare() the "
                          "unsharded model, or build flexdemo.DeToNATION over your sharded model")

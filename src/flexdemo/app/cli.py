@@ -1,4 +1,5 @@
-"""Command line: ``flexdemo train|bench|cluster ...`` (also ``python -m flexdemo ...``).
+"""Command line: ``flexdemo train|bench|cluster|simulate|checkpoint ...`` (also
+``python -m flexdemo ...``).
 
 A thin user of the library: ``train`` reads a config and calls :func:`flexdemo.app.trainer.train`,
 ``bench`` calls :func:`flexdemo.app.bench.run_bench`, ``cluster`` runs
@@ -36,6 +37,7 @@ from .bench import (
     bench_options,
     run_bench,
 )
+from .checkpoints import add_checkpoint_parser
 from .config import MIN_CORPUS_BYTES, ConfigError, load_config, to_toml
 from .simulate import SimulateOptions, run_simulation, write_summary
 from .strategies import STRATEGIES, check_strategy
@@ -146,6 +148,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_train_parser(sub)
     _add_bench_parser(sub)
     _add_simulate_parser(sub)
+    add_checkpoint_parser(sub)
     return parser
 
 
@@ -304,6 +307,22 @@ def _toml_string(text: str) -> str:
 _LEAVE_AT_ONCE = threading.Event()
 
 
+def _leave_cleanly() -> None:
+    """Tear a multi-rank process group down and have :func:`entry` leave through
+    ``os._exit`` (after flushing), on the error paths as on the success path: interpreter
+    finalisation with the group alive can abort ("terminate called without an active
+    exception", exit 134) instead of giving the exit code."""
+    if not dist.is_initialized():
+        return
+    several = dist.get_world_size() > 1
+    try:
+        dist.destroy_process_group()
+    except Exception:  # noqa: BLE001 - leaving anyway
+        pass
+    if several:
+        _LEAVE_AT_ONCE.set()
+
+
 def _run_training(cfg) -> int:
     rank = os.environ.get("RANK", "0")
     try:
@@ -316,18 +335,19 @@ def _run_training(cfg) -> int:
         os._exit(1)
     except UsageError as e:  # the same on every rank: one line, from rank 0
         _train_error(str(e))
+        _leave_cleanly()
         return 2
     except TrainingError as e:
-        _train_error(f"rank {rank}: {e}" if rank != "0" else str(e), rank0_only=False)
+        text = str(e)
+        if rank != "0" and not text.startswith(f"rank {rank}"):
+            text = f"rank {rank}: {text}"
+        _train_error(text, rank0_only=False)
+        _leave_cleanly()
         return 1
     except KeyboardInterrupt:
         _train_error("interrupted", rank0_only=False)
         return 130
-    if dist.is_initialized():
-        several = dist.get_world_size() > 1
-        dist.destroy_process_group()
-        if several:
-            _LEAVE_AT_ONCE.set()
+    _leave_cleanly()
     return 0
 
 

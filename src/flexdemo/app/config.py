@@ -144,6 +144,14 @@ class TrainConfig:
     out: str = "runs/train"
     overwrite: bool = False
     """Allow a fresh run to replace the checkpoints of an earlier run in ``out``."""
+    max_skipped: float = 0.25
+    """With ``strategy.nonfinite = "skip"``: stop (one line, exit code 1) once more than this
+    fraction of ``steps`` was skipped for NaN/Inf gradients, instead of finishing as if the
+    run trained; 1 never stops."""
+    resume_fallback: bool = True
+    """On resume, a checkpoint whose files do not match their recorded digests is set aside
+    (renamed ``<name>.damaged``) and the newest intact one is used, with one line saying so;
+    ``false``: refuse to start instead (exit code 2)."""
     threads: int = 0
     """torch threads per rank (0: torch's default, which follows OMP_NUM_THREADS; torchrun and
     flexdemo cluster set that to 1)."""
@@ -452,6 +460,8 @@ def validate(cfg: Config, world_size: int | None = None) -> Config:
     _check_range("train.stop_at", tr.stop_at <= tr.steps,
                  f"0 or at most train.steps={tr.steps}", tr.stop_at)
     _check_range("train.min_lr", 0.0 <= tr.min_lr <= 1.0, "between 0 and 1", tr.min_lr)
+    _check_range("train.max_skipped", 0.0 <= tr.max_skipped <= 1.0, "between 0 and 1",
+                 tr.max_skipped)
     _check_range("train.timeout", tr.timeout >= 0, "a number of seconds >= 0", tr.timeout)
     try:
         check_device(tr.device)

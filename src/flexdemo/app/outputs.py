@@ -171,7 +171,9 @@ def format_summary(s: dict[str, Any]) -> str:
         f"  task        {s['task']}/{s['model']} ({s['params'] / 1e6:.3f}M params), world "
         f"{s['world']} = {s['mesh']['replicate']} x {s['mesh']['shard']}",
         f"  strategy    {s['replicator']} + {s['optimizer']}, lr {s['lr']:g}",
-        f"  steps       {s['steps']}/{s['steps_total']} ({s['steps_this_run']} this run)",
+        f"  steps       {s['steps']}/{s['steps_total']} ({s['steps_this_run']} this run"
+        + (f"; {s['skipped_steps']} skipped for NaN/Inf gradients" if s.get("skipped_steps")
+           else "") + ")",
         f"  train loss  {s['train_loss']:.4f} (mean of the last steps over ranks)",
     ]
     if "val_loss" in s:

@@ -68,10 +68,13 @@ from .. import NoReplicationWarning, prepare
 from ..checkpoint import (
     MARKER_FILE,
     META_FILE,
+    CheckpointMismatchError,
     describe_os_error,
     latest_checkpoint,
     load_checkpoint,
+    read_info,
     save_checkpoint,
+    verify_checkpoint,
 )
 from ..mesh import is_timeout, timeout_from_env, timeout_note
 from ..replicate import NonFiniteGradientError
@@ -183,51 +186,118 @@ def _existing_checkpoints(root: Path) -> list[Path]:
     return sorted(found, key=lambda p: int(CHECKPOINT_RE.match(p.name).group(1)))
 
 
+def _candidates(root: Path) -> list[Path]:
+    """Checkpoints under ``root`` that claim to be complete (a marker, readable or not),
+    newest step first."""
+    return [p for p in reversed(_existing_checkpoints(root)) if (p / MARKER_FILE).exists()]
+
+
+def _set_aside(path: Path) -> Path:
+    """Rename a damaged checkpoint to ``<name>.damaged`` (``.damaged-2``, ... if taken), so
+    that it is neither loaded nor overwritten by a later save."""
+    target, n = path.with_name(f"{path.name}.damaged"), 1
+    while target.exists():
+        n += 1
+        target = path.with_name(f"{path.name}.damaged-{n}")
+    os.replace(path, target)
+    return target
+
+
 class Checkpointer:
-    """The trainer's checkpoints in ``root``: which one to resume from (rank 0 decides for
-    all), when to save, atomic saves via :mod:`flexdemo.checkpoint`, pruning to the newest
-    ``keep``, and messages in the config's words."""
+    """The trainer's checkpoints in ``root``: which one to resume from (rank 0 lists them,
+    every rank checks its share of the files against their digests), when to save, atomic
+    saves via :mod:`flexdemo.checkpoint`, pruning to the newest ``keep``, and messages in the
+    config's words. ``tell`` prints on every rank; ``echo`` on rank 0."""
 
     def __init__(self, root: Path, every: int, keep: int, rank: int, world: int,
-                 meta: dict[str, Any], echo: Echo) -> None:
+                 meta: dict[str, Any], echo: Echo, tell: Echo | None = None,
+                 fallback: bool = True) -> None:
         self.root, self.every, self.keep = root, every, keep
         self.rank, self.world, self.meta, self.echo = rank, world, meta, echo
+        self.tell = tell or echo
+        self.fallback = fallback
 
     def latest(self) -> Path | None:
         """The newest complete checkpoint, or None."""
         return latest_checkpoint(self.root)
 
-    def _find(self, resume: bool | str) -> str | None:
-        if resume is False:
-            return None
+    def _find(self, resume: bool | str) -> tuple[list[str], bool]:
+        """Rank 0: the checkpoints to try, newest first, and whether falling back to an older
+        one is allowed (not for a checkpoint named explicitly)."""
         if resume is True:
-            found = self.latest()
-            if found is None:
+            found = _candidates(self.root)
+            if not _existing_checkpoints(self.root):
                 self.echo(f"resume: no checkpoint in {self.root} yet; starting at step 0")
-            return None if found is None else str(found)
-        path = Path(resume)
+            return [str(p) for p in found], True
+        path = Path(str(resume))
         if not path.exists():
             latest = self.latest()
             hint = (f"; the newest checkpoint in {self.root} is {latest.name} (resume=true "
                     "continues from it)" if latest is not None else "")
             raise UsageError(f"resume: checkpoint {str(path)!r} does not exist; give true, "
                              f"false or the path of a checkpoint (or of a folder of them){hint}")
-        inner = latest_checkpoint(path)
-        return str(inner if inner is not None else path)
+        if (path / MARKER_FILE).exists() or not _candidates(path):
+            return [str(path)], False
+        return [str(p) for p in _candidates(path)], True
 
     def resume_path(self, resume: bool | str) -> Path | None:
-        """The checkpoint to resume from (rank 0's choice, the same on every rank)."""
-        found = _rank0_decides(self.rank, self.world, lambda: self._find(resume))
-        return None if found is None else Path(found)
+        """The checkpoint to resume from, the same on every rank: the newest whose files
+        match their digests. A damaged one is set aside with one line on every rank, or
+        refused (:class:`UsageError`) when ``train.resume_fallback`` is false, when it was
+        named explicitly, or when no intact one is left."""
+        if resume is False:
+            return None
+        found, may_fall_back = _rank0_decides(self.rank, self.world,
+                                              lambda: self._find(resume))
+        damaged: list[tuple[Path, str]] = []
+        chosen = None
+        for text in found:
+            path = Path(text)
+            status = verify_checkpoint(path)
+            if status.ok:
+                chosen = path
+                break
+            damaged.append((path, status.describe().split(": ", 1)[-1]))
+            if not (may_fall_back and self.fallback):
+                break
+        if not damaged:
+            return chosen
+        named = "; ".join(f"{p.name} is damaged ({why})" for p, why in damaged)
+        fresh = "start afresh with train.overwrite=true or another train.out"
+        if not may_fall_back:
+            state = "incomplete" if "no COMPLETE marker" in damaged[0][1] else "damaged"
+            raise UsageError(f"cannot resume from {damaged[0][0]}: it is {state} "
+                             f"({damaged[0][1]}); resume=true uses the newest intact "
+                             f"checkpoint, or {fresh}")
+        if not self.fallback:
+            raise UsageError(f"cannot resume: {named}; train.resume_fallback=true resumes from "
+                             f"the newest intact checkpoint instead, or {fresh}")
 
-    def clear_earlier_run(self, overwrite: bool) -> None:
+        def set_aside() -> list[str]:
+            return [_set_aside(p).name for p, _ in damaged]
+
+        moved = _rank0_decides(self.rank, self.world, set_aside)
+        if chosen is None:
+            raise UsageError(f"cannot resume: no intact checkpoint in {self.root}: {named} (set "
+                             f"aside as {', '.join(moved)}); {fresh}")
+        self.tell(f"resume: {named}; set aside as {', '.join(moved)}; resuming from "
+                  f"{chosen.name} instead")
+        return chosen
+
+    def clear_earlier_run(self, overwrite: bool, resume: bool | str = False) -> None:
         """A fresh run: refuse to mix with an earlier run's checkpoints unless ``overwrite``
         (then delete them). Rank 0 looks; every rank takes the same branch."""
         def check() -> bool:
-            if not _existing_checkpoints(self.root):
+            existing = _existing_checkpoints(self.root)
+            if not existing:
                 return False
             if not overwrite:
-                raise TrainingError(
+                if resume is not False:  # only interrupted saves: nothing to continue
+                    raise UsageError(
+                        f"{self.root} holds no complete checkpoint, only interrupted saves "
+                        f"({', '.join(p.name for p in existing[-3:])}); start afresh with "
+                        "train.overwrite=true (deletes them) or another train.out")
+                raise UsageError(
                     f"{self.root} holds checkpoints of an earlier run; continue it with "
                     "resume=true, or start afresh with train.overwrite=true (deletes them) "
                     "or another train.out")
@@ -249,7 +319,7 @@ class Checkpointer:
                  **state.state_dict(), "meta": self.meta}
         try:
             path = save_checkpoint(self.root / f"step_{step:06d}", model, opt, step=step,
-                                   extra=extra)
+                                   extra=extra, info={"settings": self.meta})
         except OSError as e:
             keep = (f"the previous checkpoint {previous} is intact (continue from it with "
                     "resume=true)" if previous else "no earlier checkpoint was written")
@@ -258,13 +328,6 @@ class Checkpointer:
             for old in _existing_checkpoints(self.root)[:-self.keep]:
                 shutil.rmtree(old, ignore_errors=True)
         return path
-
-    def _older_hint(self, path: Path) -> str:
-        older = [p for p in _existing_checkpoints(path.parent)
-                 if p.name < path.name and (p / MARKER_FILE).is_file()]
-        if not older:
-            return ""
-        return f"; an older checkpoint is {older[-1]} (resume from it with resume='{older[-1]}')"
 
     def _check_layout(self, path: Path) -> None:
         """The mesh that wrote ``path`` against this job's, in config keys."""
@@ -279,26 +342,41 @@ class Checkpointer:
                 f"cannot resume from {path}: it was written by {world} rank(s) as mesh "
                 f"replicate {rep} x shard {shard}, this job runs {self.world} rank(s) as "
                 f"{want[1]} x {want[2]}; resume with {world} ranks and mesh.replicate={rep} "
-                f"mesh.shard={shard} (per-replica state cannot be redistributed)")
+                f"mesh.shard={shard} (per-replica state cannot be redistributed), or start "
+                "afresh with train.overwrite=true or another train.out")
+
+    def _refuse_settings(self, path: Path, diff: list[str]) -> UsageError:
+        return UsageError(f"cannot resume from {path}: it was written with {', '.join(diff)}; "
+                          "resume with those settings, or start afresh with "
+                          "train.overwrite=true or another train.out")
+
+    def _check_settings(self, path: Path, saved: dict | None) -> None:
+        """The trainer settings that wrote ``path`` (task, model, replicator, optimizer)
+        against this job's, old value against new."""
+        if not isinstance(saved, dict):
+            return
+        diff = [f"{k} {saved[k]!r} (now {self.meta[k]!r})" for k in self.meta
+                if k in saved and saved[k] != self.meta[k]]
+        if diff:
+            raise self._refuse_settings(path, diff)
 
     def load(self, path: Path, model, opt) -> tuple[TrainState, dict[str, Any]]:
-        """Restore a checkpoint (collective); returns the train state and the saved extra."""
+        """Restore a checkpoint (collective; its digests were checked by
+        :meth:`resume_path`); returns the train state and the saved extra."""
         self._check_layout(path)
+        self._check_settings(path, (read_info(path) or {}).get("settings"))
         try:
-            info = load_checkpoint(path, model, opt)
+            info = load_checkpoint(path, model, opt, verify=False)
+        except CheckpointMismatchError as e:
+            raise self._refuse_settings(path, [f"{what} {old} (now {new})"
+                                               for what, old, new in e.differences]) from None
         except Exception as e:  # noqa: BLE001 - any failure here is "cannot resume from it"
             text = " ".join(str(e).split())[:400]
             if not text.startswith(("loading checkpoint", "restoring checkpoint")):
                 text = f"cannot resume from {path}: {text}"
-            raise TrainingError(text + self._older_hint(path)) from None
+            raise TrainingError(text) from None
         extra = info.get("extra") or {}
-        meta = extra.get("meta") or {}
-        diff = [f"{k} {meta[k]!r} (now {self.meta[k]!r})" for k in self.meta
-                if k in meta and meta[k] != self.meta[k]]
-        if diff:
-            raise UsageError(f"cannot resume from {path}: it was written with "
-                             f"{', '.join(diff)}; resume with those settings, or start afresh "
-                             "with train.overwrite=true or another train.out")
+        self._check_settings(path, extra.get("meta"))
         if "data" not in extra or "rng" not in extra:
             raise TrainingError(f"cannot resume from {path}: it holds no data position or RNG "
                                 "state (not written by flexdemo train?)")
@@ -370,7 +448,7 @@ class Trainer:
         self.checkpointer = Checkpointer(self.out / "checkpoints", tc.checkpoint_every,
                                          tc.keep_checkpoints, self.rank, self.world,
                                          _checkpoint_meta(cfg, self.world, self.layout),
-                                         self.say)
+                                         self.say, self.echo, tc.resume_fallback)
         self.state = TrainState()
         self.metrics: MetricsLog | None = None
         self.progress: Progress | None = None
@@ -453,7 +531,7 @@ class Trainer:
         tc = self.cfg.train
         resume_from = self.checkpointer.resume_path(self.cfg.resume)
         if resume_from is None:
-            self.checkpointer.clear_earlier_run(tc.overwrite)
+            self.checkpointer.clear_earlier_run(tc.overwrite, self.cfg.resume)
         self._check_output_folder()
         extra: dict[str, Any] = {}
         if resume_from is not None:
@@ -476,6 +554,7 @@ class Trainer:
             g["lr"] = lr
         t0 = time.perf_counter()
         batch = to_device(self.task.train_batch(sampler.next(tc.batch)), self.device)
+        skipped_before = self.opt.skipped_steps
         try:
             loss = self.task.loss(self.model, batch)
             loss.backward()
@@ -483,6 +562,14 @@ class Trainer:
         except NonFiniteGradientError as e:
             raise TrainingError(f"step {step}: {e}") from None
         self.opt.zero_grad()
+        skipped = self.opt.skipped_steps - skipped_before
+        limit = tc.max_skipped * tc.steps
+        if skipped and self.opt.skipped_steps > limit and tc.max_skipped < 1:
+            raise TrainingError(
+                f"step {step}: {self.opt.skipped_steps} of {step} steps were skipped for "
+                f"NaN/Inf gradients (strategy.nonfinite='skip'), more than train.max_skipped="
+                f"{tc.max_skipped:g} of train.steps={tc.steps}; the run is not training: "
+                "lower strategy.lr or clip gradients (or raise train.max_skipped)")
         dt = time.perf_counter() - t0
         stats = self.opt.last_step_stats()
         s = self.state
@@ -490,7 +577,8 @@ class Trainer:
         s.train_seconds += dt
         s.bytes_sent += stats["bytes_sent"]
         s.bytes_received += stats["bytes_received"]
-        return {"step": step, "loss": loss.detach(), "lr": lr,
+        return {"step": step, "loss": loss.detach(), "lr": lr, "skipped": bool(skipped),
+                "skipped_steps_total": self.opt.skipped_steps,
                 "bytes_sent": stats["bytes_sent"], "bytes_received": stats["bytes_received"],
                 "compute_seconds": dt - stats["comm_seconds"],
                 "comm_seconds": stats["comm_seconds"], "step_seconds": dt,
@@ -641,6 +729,7 @@ class Trainer:
             "local_params": _local_numel(self.model), "world": self.world,
             "mesh": self.layout, "replicator": sc.replicator, "optimizer": sc.optimizer,
             "lr": sc.lr, "steps": step, "steps_total": tc.steps, "steps_this_run": ran,
+            "skipped_steps": int(self.opt.skipped_steps),
             "resumed_from": str(resume_from) if resume_from else None,
             "batch_per_rank": tc.batch, "device": str(self.device), "precision": tc.precision,
             "train_loss": mean[0], **val,

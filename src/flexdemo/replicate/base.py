@@ -55,7 +55,7 @@ class NonFiniteGradientError(FloatingPointError):
 
     def __init__(self, replicator: str, ranks: list[int] | None, step: int, *,
                  local: bool = False, note: str = "") -> None:
-        who = f"rank(s) {ranks} of the group" if ranks else "at least one replica"
+        who = f"rank(s) {ranks}" if ranks else "at least one replica"
         super().__init__(
             f"{replicator}: non-finite gradient (NaN or Inf) on {who} at step {step}"
             f"{note}; lower the learning rate, clip gradients, or construct the optimizer with "
@@ -168,8 +168,10 @@ class Agreement:
     without exchange, :meth:`check_local` reads the flag once.
     """
 
-    def __init__(self, name: str, rank: int, world: int, device: torch.device) -> None:
+    def __init__(self, name: str, rank: int, world: int, device: torch.device,
+                 group=None) -> None:
         self.name, self.rank, self.world, self.device = name, rank, world, device
+        self.group = group
         self._codes: dict[tuple, int] = {}
 
     def local(self, tensors: list[torch.Tensor | None],
@@ -199,13 +201,14 @@ class Agreement:
         """Check a summed trailer (one host read); raise on every rank alike."""
         n = self.world
         values = trailer.tolist()
-        check_flags(self.name, values[:n], values[n: 2 * n], code, step)
+        check_flags(self.name, values[:n], values[n: 2 * n], code, step, self.group)
 
     def check_local(self, flag: torch.Tensor, step: int, *, local: bool = False) -> None:
         """Raise if this rank's own flag is set (one host read); ``local`` marks an error
         that only this rank knows of (see :class:`NonFiniteGradientError`)."""
         if bool(flag):
-            raise NonFiniteGradientError(self.name, [self.rank], step, local=local)
+            raise NonFiniteGradientError(self.name, [global_rank_of(self.group, self.rank)],
+                                         step, local=local)
 
 
 MAGIC = 0x0DE70002  # wire format 2: tiling units before padded ones in a group
@@ -257,9 +260,10 @@ def check_headers(name: str, gathered: torch.Tensor, step: int, code: int) -> No
 
 
 def check_flags(name: str, flags: list[float], present: list[float], code: int,
-                step: int) -> None:
-    """Raise if any replica flagged a non-finite input or disagrees on parameter presence."""
-    bad = [r for r, f in enumerate(flags) if f != 0]
+                step: int, group=None) -> None:
+    """Raise if any replica flagged a non-finite input or disagrees on parameter presence
+    (naming global ranks: the group ranks of ``group`` translated)."""
+    bad = [global_rank_of(group, r) for r, f in enumerate(flags) if f != 0]
     if bad:
         raise NonFiniteGradientError(name, bad, step)
     odd = [r for r, c in enumerate(present) if int(c) != code]
@@ -320,7 +324,7 @@ class Replicator(ABC):
         self.world = group_size(self.group)
         self.rank = group_rank(self.group)
         self.nonfinite = nonfinite
-        self.agreement = Agreement(self.name, self.rank, self.world, self.device)
+        self.agreement = Agreement(self.name, self.rank, self.world, self.device, self.group)
         self._withheld: int | None = None  # first step withheld since the last exchange
         self._check_group_shapes()
         self._setup_state()
@@ -361,7 +365,8 @@ class Replicator(ABC):
             return self.replicate(grads, lrs, step, comm)
         except NonFiniteGradientError as e:
             if self._withhold(step, comm):
-                raise NonFiniteGradientError(self.name, [self.rank], step, local=True) from e
+                raise NonFiniteGradientError(self.name, [global_rank_of(self.group, self.rank)],
+                                             step, local=True) from e
             raise
 
     def _begin(self, grads: list[torch.Tensor | None], step: int) -> bool:

@@ -1017,7 +1017,8 @@ class DeMoReplicator(Replicator):
                 self._bad_peer(r, step, problem)
         ok = set(peers)
         check_flags(self.name, [row[2] if r in ok else 0 for r, row in enumerate(rows)],
-                    [row[3] if r in ok else code for r, row in enumerate(rows)], code, step)
+                    [row[3] if r in ok else code for r, row in enumerate(rows)], code, step,
+                    self.group)
         good = []
         for r in peers:
             why, gi, top = rows[r][4:]

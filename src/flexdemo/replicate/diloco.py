@@ -43,7 +43,13 @@ from collections.abc import Callable
 
 import torch
 
-from .base import NonFiniteGradientError, Replicator, mark_nonfinite, nonfinite_flag
+from .base import (
+    NonFiniteGradientError,
+    Replicator,
+    global_rank_of,
+    mark_nonfinite,
+    nonfinite_flag,
+)
 from .demo import DeMoReplicator
 from .full import FullReplicator
 
@@ -191,7 +197,8 @@ class DiLoCoReplicator(Replicator):
             local = self.world > 1  # only this replica knows: it skips this inner step alone
             if local and self.nonfinite == "raise" and self._bad_inner is None:
                 self._bad_inner = step  # reported to every replica by the next sync
-            raise NonFiniteGradientError(self.name, [self.rank], step, local=local)
+            raise NonFiniteGradientError(self.name, [global_rank_of(self.group, self.rank)],
+                                         step, local=local)
         return grads  # inner steps are local
 
     @torch.no_grad()

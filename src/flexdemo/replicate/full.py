@@ -12,6 +12,7 @@ from .base import (
     NonFiniteGradientError,
     Replicator,
     check_flags,
+    global_rank_of,
     header_problems,
     nonfinite_flag,
     write_header,
@@ -129,7 +130,8 @@ class FullReplicator(Replicator):
             return self._start(grads, step, comm)
         except NonFiniteGradientError as e:
             if self._withhold(step, comm):
-                raise NonFiniteGradientError(self.name, [self.rank], step, local=True) from e
+                raise NonFiniteGradientError(self.name, [global_rank_of(self.group, self.rank)],
+                                             step, local=True) from e
             raise
 
     def finish(self, pending):
@@ -196,7 +198,8 @@ class FullReplicator(Replicator):
             if problems[r] is not None:
                 self._bad_peer(r, step, problems[r])
         check_flags(self.name, [heads_l[r][2] if r in peers else 0 for r in range(n)],
-                    [heads_l[r][3] if r in peers else code for r in range(n)], code, step)
+                    [heads_l[r][3] if r in peers else code for r in range(n)], code, step,
+                    self.group)
         good = [r for r in peers if read[4 * n + r]]
         for r in peers:
             if r not in good:

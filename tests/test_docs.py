@@ -181,7 +181,7 @@ def test_readme_usage_exchanges_bytes_on_two_processes(tmp_path):
 
 
 # ---------------------------------------------------------------------- links
-LINK = re.compile(r"(?<!!)\[[^\]]*\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)")
+LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)")  # images too
 
 
 def slug(heading: str) -> str:

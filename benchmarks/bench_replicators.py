@@ -26,10 +26,10 @@ from pathlib import Path
 import torch
 
 from flexdemo.app.args import Parser, check_out_file, int_at_least
-from flexdemo.comm import Pending
 from flexdemo.replicate import REPLICATORS
 from flexdemo.replicate import full as full_mod
 from flexdemo.replicate import subset as subset_mod
+from flexdemo.transport import Pending
 
 ROOT = Path(__file__).resolve().parent.parent
 MODELS = {"small": (4, 256, 256), "124m": (12, 768, 50257), "350m": (24, 1024, 50257)}

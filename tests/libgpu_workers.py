@@ -13,8 +13,8 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 import flexdemo
-from flexdemo.comm import all_gather_bytes
 from flexdemo.optim import _local
+from flexdemo.transport import all_gather_bytes
 
 
 def _loss(model, rank, step):

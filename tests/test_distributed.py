@@ -12,7 +12,7 @@ from dist_workers import (
     replicas_worker,
 )
 
-from flexdemo.comm import all_gather_bytes, all_reduce_bytes
+from flexdemo.transport import all_gather_bytes, all_reduce_bytes
 
 
 @pytest.fixture(scope="module", params=[(2, 2), (4, 1)], ids=["hybrid2x2", "dp1x4"])

@@ -5,7 +5,7 @@ import torch
 from dist_util import replicas_by_shard, run_world
 from dist_workers import DILOCO_EXCHANGES, diloco_averaging_worker, diloco_replicas_worker
 
-from flexdemo.comm import all_gather_bytes, all_reduce_bytes
+from flexdemo.transport import all_gather_bytes, all_reduce_bytes
 
 
 def test_h1_outer_sgd_lr1_is_parameter_averaging():

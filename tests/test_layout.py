@@ -1,28 +1,20 @@
 """The package's three parts: the library imports nothing from the application or the tools,
-no module imports itself through a circle, and the old module paths still work (with a
-DeprecationWarning) for one release."""
+and no module imports itself through a circle."""
 
 from __future__ import annotations
 
 import ast
-import importlib
 import json
 import subprocess
 import sys
-import warnings
 from pathlib import Path
 
 import pytest
 
 SRC = Path(__file__).parent.parent / "src"
 PKG = SRC / "flexdemo"
-# old path -> new module (shims kept for one release)
-MOVED = {"flexdemo.cli": "flexdemo.app.cli", "flexdemo.train": "flexdemo.app.trainer",
-         "flexdemo.config": "flexdemo.app.config", "flexdemo.bench": "flexdemo.app.bench",
-         "flexdemo.plots": "flexdemo.app.plots", "flexdemo.cluster": "flexdemo.tools.cluster",
-         "flexdemo.tasks": "flexdemo.app.tasks", "flexdemo.tasks.t5": "flexdemo.app.tasks.t5",
-         "flexdemo.tasks.gpt": "flexdemo.app.tasks.gpt"}
-SHIMS = {"flexdemo._moved", "flexdemo.__main__"} | set(MOVED)
+# `python -m flexdemo`: the command line's entry, part of the application
+ENTRY = {"flexdemo.__main__"}
 
 
 def _module_name(path: Path) -> str:
@@ -36,12 +28,8 @@ def _modules() -> dict[str, Path]:
     return {_module_name(p): p for p in sorted(PKG.rglob("*.py"))}
 
 
-def _is_shim(name: str) -> bool:
-    return name in SHIMS or name.startswith("flexdemo.tasks")
-
-
 def library_modules() -> list[str]:
-    return [m for m in _modules() if not _is_shim(m)
+    return [m for m in _modules() if m not in ENTRY
             and not m.startswith(("flexdemo.app", "flexdemo.tools"))]
 
 
@@ -56,7 +44,7 @@ def test_the_library_imports_nothing_from_app_or_tools():
     assert out.returncode == 0, out.stderr[-2000:]
     loaded = json.loads(out.stdout.splitlines()[-1])
     leaked = [m for m in loaded if m.startswith(("flexdemo.app", "flexdemo.tools"))
-              or m in SHIMS]
+              or m in ENTRY]
     assert not leaked, f"the library imported {leaked}"
 
 
@@ -84,7 +72,7 @@ def _imports(name: str, path: Path, known: set[str]) -> set[str]:
 
 
 def test_no_import_circles():
-    mods = {m: p for m, p in _modules().items() if not _is_shim(m)}
+    mods = _modules()
     graph = {m: _imports(m, p, set(mods)) for m, p in mods.items()}
     state: dict[str, int] = {}
 
@@ -102,18 +90,3 @@ def test_no_import_circles():
         if m not in state:
             visit(m, [m])
 
-
-@pytest.mark.parametrize("old", sorted(MOVED))
-def test_old_module_paths_warn_and_give_the_new_module(old):
-    for name in [m for m in sys.modules if m == old or m.startswith(old + ".")]:
-        sys.modules.pop(name)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        module = importlib.import_module(old)
-    assert any(issubclass(w.category, DeprecationWarning) and MOVED[old] in str(w.message)
-               for w in caught), [str(w.message) for w in caught]
-    new = importlib.import_module(MOVED[old])
-    if old == "flexdemo.tasks":  # a package shim: the same names, the same objects
-        assert module.GPT is new.GPT and module.build_task is new.build_task
-    else:
-        assert module is new

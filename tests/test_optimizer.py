@@ -17,8 +17,8 @@ from flexdemo import (
     SlicingReplicator,
     StridingReplicator,
 )
-from flexdemo.comm import all_gather_bytes, all_reduce_bytes
 from flexdemo.mesh import mesh_shape
+from flexdemo.transport import all_gather_bytes, all_reduce_bytes
 
 
 def setup(rep, shapes):

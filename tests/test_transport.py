@@ -7,7 +7,6 @@ import torch
 import torch.distributed as dist
 from dist_util import run_world
 
-from flexdemo import comm
 from flexdemo.simulate import SimulationError, run_replicas
 from flexdemo.transport import (
     CommStats,
@@ -128,9 +127,3 @@ def test_hub_and_transport_arguments():
         InProcessHub(2, timeout=0)
     with pytest.raises(ValueError, match="outside"):
         InProcessHub(2).transport(2)
-
-
-def test_comm_module_re_exports_the_transport():
-    from flexdemo import transport
-    for name in comm.__all__:
-        assert getattr(comm, name) is getattr(transport, name)

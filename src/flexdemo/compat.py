@@ -1,7 +1,7 @@
 """Names of the ``detonation`` package (DeToNATION's reference code), mapped onto flexdemo.
 
 Thin aliases where a name maps one to one; the differences are stated in each docstring and in
-the README ("Coming from DeMo / DeToNATION"). In short:
+docs/coming-from-demo.md. In short:
 
 * sharding is FSDP2 (``fully_shard``), not FSDP1 ``HYBRID_SHARD``: ``fsdp_kwargs`` are
   ``fully_shard`` options, gradients arrive already reduce-scattered inside a replica, and

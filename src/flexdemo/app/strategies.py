@@ -46,7 +46,7 @@ class Strategy:
 # than these runs), the top 64 of 4096 DCT coefficients per 64x64 block, sign-SGD at lr 1e-3;
 # measured on the 150-step GPT/mini job: val loss 2.40 against 2.65 with the paper's settings;
 # in benchmarks/quality.py on that horizon (2 seeds, best lr 1e-3) decay 0.9 beats 0.999 at
-# topk 64 (2.547 against 2.638, AdamW 2.505); over 300 steps 0.999 wins (README)
+# topk 64 (2.547 against 2.638, AdamW 2.505); over 300 steps 0.999 wins (benchmarks/RESULTS.md)
 _SHORT_RUN_DEMO = {"topk": 64, "decay": 0.9}
 
 STRATEGIES: dict[str, Strategy] = {

@@ -415,7 +415,7 @@ class Replicator(ABC):
 
     def exchange_bytes(self) -> int:
         """Bytes this rank sends (and receives) in one exchange, by the ring formulas of
-        :mod:`flexdemo.comm`; the default is an all-gather of :meth:`payload_bytes`."""
+        :mod:`flexdemo.transport`; the default is an all-gather of :meth:`payload_bytes`."""
         return all_gather_bytes(self.payload_bytes(), self.world)
 
     def payload_bytes(self) -> int:

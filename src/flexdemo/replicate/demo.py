@@ -99,10 +99,9 @@ from ..compress.dct import BatchedDCT, block_rows
 from ..compress.quant import BLOCK_CODECS, BlockValueCodec
 from ..compress.select import select_rowmajor, topk_blocks_rowmajor
 from ..transport import Pending, all_gather
-from .base import (  # CorruptPayloadError: its former home was this module
+from .base import (
     HEADER_BYTES,
     MAGIC,
-    CorruptPayloadError,  # noqa: F401
     Replicator,
     check_flags,
     header_problems,

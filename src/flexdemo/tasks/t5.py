@@ -1,6 +1,0 @@
-"""Deprecated: moved to :mod:`flexdemo.app.tasks.t5` (this path will be removed in the next
-release)."""
-
-from .._moved import moved
-
-moved(__name__, "flexdemo.app.tasks.t5")

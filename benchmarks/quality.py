@@ -199,7 +199,8 @@ SETTINGS: dict[str, Setting] = {
         "demo", "muon", 1e-2, {"topk": k, "decay": d, "sign": False, "scale_by_lr": False},
         {"base_kwargs": {"momentum": 0.0}} if kind == "ortho" else {})
        for kind in ("ortho", "muon")
-       for k, d, tag in ((16, 0.999, ""), (64, 0.999, "-k64"), (64, 0.9, "-k64-d0.9"))},
+       for k, d, tag in ((16, 0.999, ""), (16, 0.9, "-d0.9"), (64, 0.999, "-k64"),
+                         (64, 0.9, "-k64-d0.9"))},
 }
 
 

@@ -29,6 +29,8 @@ from pathlib import Path
 import torch
 import torch.multiprocessing as mp
 
+from flexdemo.app.args import Parser
+
 ROOT = Path(__file__).resolve().parent.parent
 OPTIMIZERS = {"adamw": {}, "muon": {}}
 
@@ -83,7 +85,7 @@ def _rank(rank: int, args: argparse.Namespace, port: int, out: str) -> None:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="bench_muon.py", description=__doc__.split("\n")[0])
+    p = Parser(prog="bench_muon.py", description=__doc__.split("\n")[0])
     p.add_argument("--model", default="mini", choices=("tiny", "mini", "small"))
     p.add_argument("--replicator", default="demo", help="replicator name (demo, full, ...)")
     p.add_argument("--replicate", type=int, default=2)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -100,3 +101,26 @@ def test_gpu_check_help_is_a_whole_sentence(capsys):
 def test_gpu_check_steps_must_be_positive(capsys):
     gpu = _load("gpu_check")
     _one_line_exit(capsys, gpu.main, ["--steps", "0"], "--steps: must be at least 1")
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--steps", "0"], "must be >= 1"),
+    (["--model", "huge"], "invalid choice: 'huge'"),
+])
+def test_muon_bad_options(capsys, argv, message):
+    _one_line_exit(capsys, _load("bench_muon").main, argv, message)
+
+
+def test_muon_table_and_json(capsys, tmp_path, monkeypatch):
+    """Two ranks of a 1 x 2 mesh: both optimizers step; Muon's shard traffic is counted."""
+    monkeypatch.syspath_prepend(str(BENCH))  # the spawned ranks import the script by name
+    module = _load("bench_muon")
+    monkeypatch.setitem(sys.modules, "bench_muon", module)
+    out = tmp_path / "muon.json"
+    res = module.main(["--model", "tiny", "--replicate", "1", "--shard", "2",
+                                    "--steps", "1", "--warmup", "0", "--batch", "2",
+                                    "--out", str(out)])
+    text = capsys.readouterr().out
+    assert "Muon's extra work" in text and "adamw" in text
+    assert json.loads(out.read_text())["shard_bytes_per_step"] == res["shard_bytes_per_step"] > 0
+    assert res["per_optimizer"]["adamw"]["shard_b"] == 0

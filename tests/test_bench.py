@@ -33,7 +33,8 @@ def test_options_defaults_and_preset():
     assert o.strategies == ["flexdemo", "demo-dp", "hsdp-adamw", "no-sync"]
     assert o.bandwidths == ["10mbit", "100mbit", "1gbit"] and o.nodes * o.ranks_per_node == 4
     main = bench_options(preset="main")
-    assert main.strategies == ["flexdemo", "hsdp-adamw"] and main.bandwidths == ["100mbit"]
+    assert main.strategies == ["flexdemo", "muloco", "hsdp-adamw"]
+    assert main.bandwidths == ["100mbit"]
     assert main.base["task"]["name"] == "gpt" and main.out == "runs/main"
     assert bench_options(preset="main", steps=7).steps == 7
     assert bench_options(unshaped=True).bandwidths == ["unshaped"]

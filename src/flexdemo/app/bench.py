@@ -64,9 +64,9 @@ BASE_CONFIG: dict[str, Any] = {
 
 PRESETS: dict[str, dict[str, Any]] = {
     "main": {
-        "about": "the headline demo: FlexDeMo vs hybrid-sharded AdamW, GPT, 2 nodes x 2 ranks "
-                 "at 100 Mbit/s (a few minutes on 2 cores)",
-        "strategies": ("flexdemo", "hsdp-adamw"), "bandwidths": ("100mbit",),
+        "about": "the headline demo: FlexDeMo and MuLoCo vs hybrid-sharded AdamW, GPT, 2 nodes "
+                 "x 2 ranks at 100 Mbit/s (a few minutes on 2 cores)",
+        "strategies": ("flexdemo", "muloco", "hsdp-adamw"), "bandwidths": ("100mbit",),
         "nodes": 2, "ranks_per_node": 2, "steps": 150, "out": "runs/main",
         "overrides": ["task.model=mini", "train.batch=8", "train.warmup=15",
                       "train.eval_every=25", "train.eval_batches=8"]},

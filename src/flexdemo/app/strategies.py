@@ -92,7 +92,7 @@ STRATEGIES: dict[str, Strategy] = {
     "muloco": Strategy(
         "MuLoCo: DiLoCo with Muon inner steps, plain averaging every 20 steps, int4 exchange",
         "diloco", "muon", 1e-2, {"inner_steps": 20, "exchange_kwargs": {"values": "int4"}},
-        color="#2f4b7c"),
+        color="#31a354"),
 }
 
 

@@ -182,6 +182,7 @@ def run_strategy(name: str, args: argparse.Namespace, train: torch.Tensor,
             model, opt = flexdemo.prepare(model, replicator=spec.replicator,
                                           optimizer=spec.optimizer, lr=lr,
                                           replicator_kwargs=spec.replicator_kwargs or None,
+                                          optimizer_kwargs=spec.optimizer_kwargs or None,
                                           device=args.device, precision=args.precision,
                                           **layout)
         except ValueError as e:  # settings only the started process group can check

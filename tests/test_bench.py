@@ -47,6 +47,9 @@ def test_every_strategy_makes_a_valid_config():
         cfg = validate(config_from_dict(run_config(o, name, "runs/x")), 4)
         assert (cfg.mesh.replicate, cfg.mesh.shard) == ((4, 1) if name == "demo-dp" else (2, 2))
         assert cfg.train.steps == o.steps and cfg.train.out == "runs/x"
+        assert cfg.strategy.optimizer_kwargs == STRATEGIES[name].optimizer_kwargs
+    # a strategy's base optimizer settings reach the config (Muon without momentum)
+    assert STRATEGIES["flexdemo-muon"].settings()["optimizer_kwargs"] == {"momentum": 0.0}
 
 
 @pytest.mark.parametrize("kwargs, message", [

@@ -264,6 +264,14 @@ def prepare(model: nn.Module, replicator: str | Replicator | Sequence = "demo",
             over all ranks whenever the replicators exchange; ``"none"`` leaves them per rank.
             See :mod:`flexdemo.buffers`.
 
+    Which strategy (measured in ``benchmarks/quality.py``; docs/optimizers.md): for the best
+    validation loss at a few hundredths of a byte per parameter per step, MuLoCo,
+    ``prepare(model, "diloco", "muon", lr=..., replicator_kwargs={"inner_steps": 20,
+    "exchange_kwargs": {"values": "int4"}})``; for DeMo's byte budget, DeMo with an
+    orthogonalised step, ``prepare(model, "demo", "muon", replicator_kwargs={"topk": 64,
+    "decay": 0.9, "sign": False, "scale_by_lr": False}, optimizer_kwargs={"momentum": 0.0})``.
+    Muon's best lr was 3-30x AdamW's (match_rms_adamw scaling): sweep upwards from yours.
+
     Example: ``model, opt = flexdemo.prepare(model, replicator="demo", lr=1e-3)``.
     """
     _check_model(model)

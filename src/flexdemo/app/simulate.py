@@ -76,7 +76,8 @@ def run_simulation(opts: SimulateOptions, echo=print) -> dict[str, Any]:
     sim = SimulatedReplicas(lambda: GPT(cfg), loss_fn, replicas=opts.replicas,
                             replicator=strategy.replicator, optimizer=strategy.optimizer,
                             lr=base_lr, replicator_kwargs=strategy.replicator_kwargs or None,
-                            device=device, seed=opts.seed)
+                            device=device, seed=opts.seed,
+                            base_kwargs=strategy.optimizer_kwargs or None)
     nparams = sum(p.numel() for p in sim.models[0].parameters())
     echo(f"{opts.replicas} replicas of a {nparams / 1e6:.2f}M-parameter GPT on {device}; "
          f"{sim.optimizers[0]!r}")

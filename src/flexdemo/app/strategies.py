@@ -30,6 +30,8 @@ class Strategy:
     lr: float
     replicator_kwargs: dict[str, Any] = field(default_factory=dict)
     layout: str = "hybrid"
+    optimizer_kwargs: dict[str, Any] = field(default_factory=dict)
+    """Settings of the base optimizer (e.g. Muon's ``momentum``)."""
     color: str | None = None
     """Its colour in the bench's plots (None: one from a fallback cycle)."""
 
@@ -39,6 +41,8 @@ class Strategy:
                                "lr": self.lr}
         if self.replicator_kwargs:
             out["replicator_kwargs"] = dict(self.replicator_kwargs)
+        if self.optimizer_kwargs:
+            out["optimizer_kwargs"] = dict(self.optimizer_kwargs)
         return out
 
 
@@ -93,6 +97,11 @@ STRATEGIES: dict[str, Strategy] = {
         "MuLoCo: DiLoCo with Muon inner steps, plain averaging every 20 steps, int4 exchange",
         "diloco", "muon", 1e-2, {"inner_steps": 20, "exchange_kwargs": {"values": "int4"}},
         color="#31a354"),
+    "flexdemo-muon": Strategy(
+        "FlexDeMo with an orthogonalised step: DeMo top-64 DCT per block (decay 0.9) across "
+        "nodes, the decoded mean orthogonalised (Muon without momentum) instead of sign()",
+        "demo", "muon", 3e-2, {"topk": 64, "decay": 0.9, "sign": False, "scale_by_lr": False},
+        optimizer_kwargs={"momentum": 0.0}, color="#756bb1"),
 }
 
 

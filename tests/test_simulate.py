@@ -284,6 +284,7 @@ def test_cli_simulate_trains_replicas_of_the_gpt(capsys, tmp_path):
                  "2", "--corpus-bytes", "40000", "--out", str(out)]) == 0
     text = capsys.readouterr().out
     assert "sent/replica/step" in text and "replicas identical: True" in text
+    assert "step     3/3 (100%)" in text and "eta 0s" in text  # progress of a long run
     summary = json.loads(out.read_text())
     assert summary["replicas_identical"] is True
     assert len(set(summary["val_loss_per_replica"])) == 1

@@ -444,22 +444,28 @@ def _add_simulate_parser(sub) -> None:
     s.add_argument("--strategy", default=d.strategy, metavar="NAME",
                    help=f"a named strategy, optionally with settings (default {d.strategy}; "
                         f"see flexdemo bench --help)")
-    s.add_argument("--replicas", type=_positive_int, default=d.replicas, metavar="N")
+    s.add_argument("--replicas", type=_positive_int, default=d.replicas, metavar="N",
+                   help=f"replicas trained side by side (default {d.replicas})")
     s.add_argument("--model", default=d.model, choices=("tiny", "mini", "small"),
                    help=f"GPT preset (default {d.model})")
-    s.add_argument("--steps", type=_positive_int, default=d.steps, metavar="N")
+    s.add_argument("--steps", type=_positive_int, default=d.steps, metavar="N",
+                   help=f"training steps (default {d.steps})")
     s.add_argument("--batch", type=_positive_int, default=d.batch, metavar="B",
-                   help="sequences per replica per step")
+                   help=f"sequences per replica per step (default {d.batch})")
     s.add_argument("--lr", type=float, metavar="LR", help="default: the strategy's")
     s.add_argument("--warmup", type=int, default=d.warmup, metavar="N",
-                   help="linear warm-up steps (default 0)")
-    s.add_argument("--schedule", default=d.schedule, choices=("cosine", "constant"))
+                   help=f"linear warm-up steps (default {d.warmup})")
+    s.add_argument("--schedule", default=d.schedule, choices=("cosine", "constant"),
+                   help=f"lr schedule after the warm-up (default {d.schedule})")
     s.add_argument("--device", default=d.device, choices=("cpu", "cuda"),
-                   help="every replica on this one device")
-    s.add_argument("--seed", type=int, default=d.seed)
+                   help=f"every replica on this one device (default {d.device})")
+    s.add_argument("--seed", type=int, default=d.seed,
+                   help=f"initial weights and data order (default {d.seed})")
     s.add_argument("--corpus-bytes", type=_positive_int, default=d.corpus_bytes, metavar="N",
-                   help="bytes of standard-library sources to read")
-    s.add_argument("--log-every", type=_positive_int, default=d.log_every, metavar="N")
+                   help=f"bytes of standard-library sources to read (default "
+                        f"{d.corpus_bytes:,})")
+    s.add_argument("--log-every", type=_positive_int, default=d.log_every, metavar="N",
+                   help=f"print progress every N steps (default {d.log_every})")
     s.add_argument("--out", metavar="FILE", help="write the summary as JSON")
     s.set_defaults(func=_cmd_simulate, subparser=s)
 

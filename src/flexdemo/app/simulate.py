@@ -95,8 +95,11 @@ def run_simulation(opts: SimulateOptions, echo=print) -> dict[str, Any]:
             loss = float(torch.stack(window).mean())  # one read per log line
             ms = (time.perf_counter() - t0) / len(window) * 1e3
             history.append({"step": step + 1, "train_loss": loss, "lr": lr})
-            echo(f"step {step + 1:5d}  loss {loss:.4f}  lr {lr:.2e}  sent/replica/step "
-                 f"{sent:,} B ({sent / nparams:.4f} B/param)  {ms:.1f} ms/step")
+            done = step + 1
+            eta = (time.perf_counter() - start) / done * (opts.steps - done)
+            echo(f"step {done:5d}/{opts.steps} ({done / opts.steps:4.0%})  loss {loss:.4f}  "
+                 f"lr {lr:.2e}  sent/replica/step {sent:,} B ({sent / nparams:.4f} B/param)  "
+                 f"{ms:.1f} ms/step  eta {eta:.0f}s")
             t0, window = time.perf_counter(), []
     seconds = time.perf_counter() - start
     vals = [val_loss(m, val, opts.batch, cfg.seq_len, device, opts.eval_batches)

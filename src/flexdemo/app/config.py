@@ -41,6 +41,7 @@ import difflib
 import json
 import math
 import os
+import sys
 import types
 import typing
 from dataclasses import dataclass, field
@@ -452,10 +453,12 @@ def validate(cfg: Config, world_size: int | None = None) -> Config:
                  "keep_checkpoints", "stop_at", "threads", "seed"):
         _check_range(f"train.{name}", getattr(tr, name) >= 0, "an integer >= 0",
                      getattr(tr, name))
-    if tr.warmup > tr.steps >= 1:
-        raise ConfigError(f"train.warmup: must be at most train.steps={tr.steps}, got "
-                          f"{tr.warmup}; set train.warmup={tr.steps} or less (or raise "
-                          "train.steps)")
+    if tr.warmup > tr.steps >= 1:  # a config's warm-up meant for longer runs: cut, with a note
+        if os.environ.get("RANK", "0") == "0":
+            print(f"flexdemo: note: train.warmup={tr.warmup} is longer than train.steps="
+                  f"{tr.steps}; the warm-up is cut to {tr.steps} steps (set train.warmup to "
+                  "choose another)", file=sys.stderr, flush=True)
+        tr.warmup = tr.steps
     _check_range("train.log_every", tr.log_every >= 1, "an integer >= 1", tr.log_every)
     _check_range("train.stop_at", tr.stop_at <= tr.steps,
                  f"0 or at most train.steps={tr.steps}", tr.stop_at)

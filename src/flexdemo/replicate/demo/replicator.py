@@ -174,7 +174,19 @@ class DeMoReplicator(Replicator):
 
     # ------------------------------------------------------------------ the step
     def replicate(self, grads, lrs, step, communicate):
-        """One DeMo step; each stage runs once per group of blocks of one shape."""
+        """One DeMo step; each stage runs once per group of blocks of one shape:
+
+        1. momentum ``delta = decay * delta + s * grad``, kept in the DCT domain
+           (:meth:`_update_momentum`);
+        2. the top-k coefficients of every block (:meth:`_select_topk`), packed into this
+           rank's payload (:meth:`_pack_payload`);
+        3. error feedback: ``delta -= `` what the peers will decode (:meth:`_add_to_momentum`);
+        4. all-gather the payloads (:meth:`_exchange`) and check them (:meth:`_check_now`);
+        5. the peers' mean through the inverse DCT, then ``sign()``, into ``grads``
+           (:meth:`_write_mean`).
+
+        Steps 1-3 are :meth:`_encode_payload`. ``overlap="delayed"`` applies step 5 to the
+        payloads of the step before (:meth:`_replicate_delayed`)."""
         if self.overlap == "delayed":
             return self._replicate_delayed(grads, lrs, step)
         plan = self._plan_step(grads, lrs)

@@ -218,19 +218,19 @@ class LookaheadDeMo(DeMoReplicator):
             raise ValueError("the look-ahead prototype runs eagerly: graphs=False, compile=False")
         self.gain = gain
 
-    def _decay_encode(self, g, runs, lrs, decay, bad, classes=None) -> None:
+    def _update_momentum(self, g, runs, lrs, decay, bad, classes=None) -> None:
         before = None if self.gain is None else g.coef.clone()
-        super()._decay_encode(g, runs, lrs, decay, bad, classes)
+        super()._update_momentum(g, runs, lrs, decay, bad, classes)
         if before is None:
             g.look = g.coef.clone()
             return
         fresh = g.coef - decay * before  # s * DCT(g_t): linear, so padded units too
         g.look = decay * g.coef + self.gain * fresh
 
-    def _select(self, g, off_rows, bad):
+    def _select_topk(self, g, off_rows, bad):
         coef, g.coef = g.coef, g.look
         try:
-            return super()._select(g, off_rows, bad)
+            return super()._select_topk(g, off_rows, bad)
         finally:
             g.coef = coef
             del g.look

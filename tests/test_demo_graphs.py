@@ -136,7 +136,7 @@ def test_graphs_name_a_corrupt_peer_on_cuda():
 def _delayed_corrupt_run(device, graphs, monkeypatch, corrupt=True):
     """Delayed mode, two peers (this rank's payload twice), the second sending NaN at step 5:
     the outputs of steps 0-6 and the error at step 7 (None when ``corrupt`` is False)."""
-    import flexdemo.replicate.demo as demo_module
+    import flexdemo.replicate.demo.replicator as demo_module
 
     rep = DeMoReplicator(graphs=graphs, values="fp32", overlap="delayed")
     shapes = [torch.Size(s) for s in SHAPES]

@@ -90,3 +90,12 @@ def test_no_import_circles():
         if m not in state:
             visit(m, [m])
 
+
+
+def test_demo_is_a_package_of_small_modules():
+    """DeMo is a package of modules of one job each, none over about 500 lines."""
+    demo = PKG / "replicate" / "demo"
+    assert not (PKG / "replicate" / "demo.py").exists()
+    sizes = {p.name: len(p.read_text().splitlines()) for p in demo.glob("*.py")}
+    assert {"layout.py", "staging.py", "graphs.py", "checks.py", "replicator.py"} <= set(sizes)
+    assert max(sizes.values()) <= 500, sizes

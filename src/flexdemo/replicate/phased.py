@@ -101,12 +101,12 @@ class PhasedReplicator(Replicator):
         applies what it checked (as one delayed replicator would)."""
         first, then = self.first, self.then
         assert isinstance(first, DeMoReplicator) and isinstance(then, DeMoReplicator)
-        live = first._live_of(grads, lrs)
-        landed = first._land()
+        plan = first._plan_step(grads, lrs)
+        received = first._receive_inflight()
         then._pending, first._pending = first._pending, None  # its verdict, judged next step
         self._switch()
-        then._launch(grads, lrs, step, then._live_of(grads, lrs))
-        first._apply_landed(landed, live, grads)
+        then._encode_and_send(grads, lrs, step, then._plan_step(grads, lrs))
+        first._apply_received(received, plan, grads)
         return grads
 
     def after_step(self, step: int) -> None:

@@ -1,0 +1,384 @@
+"""DeMo's block layout, built once at set-up: which tensors are compressed together (units),
+which units share one matrix of blocks (groups), where every gradient is staged and where its
+decoded output is read (views), and where every group's segments sit in the payload."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from ...compress import BlockDCT, ChunkPlan, Scratch, plan_chunks
+from ...compress.bits import packed_nbytes
+from ...compress.dct import BatchedDCT, block_rows
+from ...compress.quant import BlockValueCodec
+from ..base import HEADER_BYTES
+
+
+def align8(n: int) -> int:
+    """``n`` rounded up to a multiple of 8 (every payload segment is 8-byte aligned)."""
+    return (n + 7) // 8 * 8
+
+
+@dataclass
+class Unit:
+    """One compressed tensor: a large parameter, or the batch of small ones."""
+
+    members: list[int]
+    sizes: list[int]
+    plan: ChunkPlan
+    transform: BlockDCT
+    k: int
+    part: tuple[int, int] | None = None  # rows [a, b) of its one member (a split tensor)
+    index: int = 0  # its place in the replicator's units
+    pieces: list[int] = field(default_factory=list)  # its members' pieces (see BlockLayout)
+    delta: torch.Tensor | None = None  # set when its group is built
+    group: int = 0
+    rows: slice = field(default_factory=lambda: slice(0, 0))  # its blocks in the group
+    image: slice | None = None  # image-staged units: its padded image in the group's ``img``
+    xpad: slice | None = None  # padded units: its staged gradient in the group's ``xpad``
+    flat: bool = False  # the batch of small tensors (members concatenated)
+
+    @property
+    def padded(self) -> bool:
+        return self.plan.needs_padding
+
+    @property
+    def direct(self) -> bool:
+        """Staged straight into block rows (a tiling tensor); else through an image."""
+        return self.image is None
+
+
+@dataclass
+class Segment:
+    """Consecutive units of a group of one kind: staged directly, through an image (the
+    batch of small tensors), or padded (momentum in the parameter's domain)."""
+
+    padded: bool
+    direct: bool
+    units: list[Unit]
+    rows: slice  # block rows
+    image: slice | None  # entries of the group's image buffer (image-staged units)
+    inv: torch.Tensor | None = None  # image row -> block row within the segment
+    deltas: list[torch.Tensor] = field(default_factory=list)  # padded: momentum views
+    outs: list[torch.Tensor] = field(default_factory=list)  # padded: same in the output image
+
+
+@dataclass
+class Group:
+    """Units with the same block shape and ``k``: transformed, selected, coded and checked as
+    one matrix of blocks, and sent as one index segment and one value segment.
+
+    Coefficients are stored row-major across blocks, ``(cr, blocks, cc)``: row ``u`` of every
+    block side by side, so that the first DCT product is one matrix product over the whole
+    group. Block ``b``'s coefficient ``l`` (block-local, row-major) sits at
+    ``(l // cc, b, l % cc)``.
+    """
+
+    units: list[Unit]
+    k: int
+    chunk: tuple[int, int]
+    coef: torch.Tensor  # (cr, blocks, cc): momentum of tiling units; fresh coefficients of padded
+    dct: BatchedDCT
+    xh: torch.Tensor  # (cr, blocks, cc): the transform's input
+    img: torch.Tensor | None = None  # image layout: image-staged units' gradient or momentum
+    xpad: torch.Tensor | None = None  # image layout: padded units' staged gradients
+    img_src: torch.Tensor | None = None  # rows of ``img`` ...
+    img_dst: torch.Tensor | None = None  # ... and where they go in ``xh`` (None: in order)
+    segments: list[Segment] = field(default_factory=list)
+    pad0: int = 0  # image offset of the padded units (their outputs: the workspace's ``out``)
+    idx_off: int = 0
+    val_off: int = 0
+    end: int = 0
+
+    @property
+    def blocks(self) -> int:
+        return self.coef.shape[1]
+
+    @property
+    def block_numel(self) -> int:
+        return self.chunk[0] * self.chunk[1]
+
+    @property
+    def bits(self) -> int:
+        """Width of a packed block-local index."""
+        return max(1, math.ceil(math.log2(self.block_numel)))
+
+    @property
+    def n_sel(self) -> int:
+        return self.blocks * self.k
+
+
+class Workspace:
+    """Scratch buffers shared by the groups, sized for the largest one at set-up (so views of
+    them can be built once). The first product of the transform goes to ``z``; the decoded
+    blocks go to the group's own staging buffer ``xh``, free once its step is encoded, and
+    from there into the image they were staged in (``out`` for padded units, whose image
+    holds their momentum)."""
+
+    def __init__(self, groups: list[Group], device: torch.device,
+                 compute_dtype: torch.dtype) -> None:
+        n = max(g.coef.numel() for g in groups)
+        img = max([1] + [g.xpad.numel() for g in groups if g.xpad is not None])
+
+        def buf(numel, dtype=torch.float32):
+            return torch.zeros(numel, dtype=dtype, device=device)
+
+        self.x, self.z, self.out = buf(n), buf(n), buf(img)
+        low = compute_dtype != torch.float32
+        self.xc = buf(n, compute_dtype) if low else None
+        self.yc = buf(n, compute_dtype) if low else None
+        self.zc = buf(n, compute_dtype) if low else None
+
+
+def member_view(buf: torch.Tensor, u: Unit, member: int, shape: torch.Size) -> torch.Tensor:
+    """The view of member ``member`` of unit ``u`` (shape ``shape``) in the unit's padded
+    image ``buf`` (already sliced to the unit)."""
+    p = u.plan
+    if u.flat:  # the interior of a batch of small tensors is contiguous (no column padding)
+        off = sum(u.sizes[:member])
+        return buf[off: off + u.sizes[member]].view(shape)
+    return buf.view(p.padded)[: p.shape2d[0], : p.shape2d[1]].view(shape)
+
+
+def interior(buf: torch.Tensor, u: Unit) -> torch.Tensor:
+    """The unpadded part of unit ``u``'s image ``buf``, as a matrix."""
+    p = u.plan
+    return buf.view(p.padded)[: p.shape2d[0], : p.shape2d[1]]
+
+
+def _blocked(u: Unit) -> tuple[int, int, int, int]:
+    """A tiling tensor viewed as ``(block rows, cr, block columns, cc)``."""
+    (nbr, nbc), (cr, cc) = u.plan.grid, u.plan.chunk
+    return nbr, cr, nbc, cc
+
+
+def _as_shape(view4: torch.Tensor, shape: torch.Size) -> torch.Tensor | None:
+    """``view4`` as a view of ``shape``, or None where its strides do not allow it."""
+    try:
+        return view4.view(shape)
+    except RuntimeError:
+        return None
+
+
+def grad_as(grad: torch.Tensor, four: tuple[int, int, int, int] | None) -> torch.Tensor:
+    """The gradient as the tensor its staging or output view expects."""
+    if four is None:
+        return grad
+    try:
+        return grad.view(four)
+    except RuntimeError:  # a gradient with unusual strides
+        return grad.reshape(four)
+
+
+class BlockLayout:
+    """Units, groups, pieces, views and payload offsets of one model's tensors ``shapes``.
+
+    ``small_numel``: tensors that are 1-D or have fewer entries form one batch (None: every
+    tensor on its own); ``bucket=False`` makes every unit its own group; ``images``: every unit
+    is staged through an image (else only padded units and the small batch)."""
+
+    def __init__(self, shapes: list[torch.Size], *, topk: int, chunk: int,
+                 small_numel: int | None, basis: str, compute_dtype: torch.dtype, bucket: bool,
+                 images: bool, codec: BlockValueCodec, device: torch.device) -> None:
+        self.shapes, self.topk, self.chunk = shapes, topk, chunk
+        self.basis, self.compute_dtype = basis, compute_dtype
+        self.bucket, self.images, self.device = bucket, images, device
+        self.scratch = Scratch()
+        small = [i for i, s in enumerate(shapes) if s.numel() and small_numel is not None
+                 and (len(s) <= 1 or s.numel() < small_numel)]
+        self.units: list[Unit] = []
+        for i, s in enumerate(shapes):
+            if s.numel() and i not in small:
+                self.units.extend(self._units_of(i))
+        if small:
+            total = sum(shapes[i].numel() for i in small)
+            rows = math.ceil(total / chunk)
+            unit = self._make_unit(small, plan_chunks((rows, chunk), chunk))
+            unit.flat = True
+            self.units.append(unit)
+        # pieces: (parameter, rows of it or None, shape), a unit's members in order
+        self.pieces: list[tuple[int, tuple[int, int] | None, torch.Size]] = []
+        for j, u in enumerate(self.units):
+            u.index = j
+            for i in u.members:
+                shape = shapes[i] if u.part is None else torch.Size(u.plan.shape)
+                u.pieces.append(len(self.pieces))
+                self.pieces.append((i, u.part, shape))
+        self.groups = self._make_groups()
+        off = HEADER_BYTES
+        for g in self.groups:
+            g.idx_off = off
+            off = align8(off + packed_nbytes(g.n_sel, g.bits))
+            g.val_off = off
+            off = align8(off + codec.nbytes(g.blocks, g.k))
+            g.end = off
+        self.bucket_bytes = off
+        self.work = Workspace(self.groups, device, compute_dtype)
+        self._make_views()
+
+    def _make_unit(self, members: list[int], plan: ChunkPlan,
+                   part: tuple[int, int] | None = None) -> Unit:
+        k = min(self.topk, plan.block_numel)
+        t = BlockDCT(plan, self.device, scratch=self.scratch, basis=self.basis,
+                     compute_dtype=self.compute_dtype)
+        sizes = [plan.numel] if part is not None else [self.shapes[i].numel() for i in members]
+        return Unit(members, sizes, plan, t, k, part=part)
+
+    def _units_of(self, i: int) -> list[Unit]:
+        """The units of large parameter ``i``: one; or, where only its rows need padding, the
+        rows that tile into blocks (momentum in the transform domain) and the rest (padded to
+        one row of blocks), split at set-up. The blocks are those of the padded tensor, so
+        the algorithm is the same; only the rounding of the momentum of the tiling rows
+        differs (it is kept as coefficients)."""
+        shape = tuple(self.shapes[i])
+        plan = plan_chunks(shape, self.chunk)
+        (rows, cols), (cr, cc) = plan.shape2d, plan.chunk
+        tile = rows // cr * cr
+        if (len(shape) < 2 or cr == 1 or plan.padded[1] != cols or tile == rows
+                or tile == 0):
+            return [self._make_unit([i], plan)]
+        head = ChunkPlan((tile, *shape[1:]), (tile, cols), (cr, cc), (tile, cols))
+        rest = ChunkPlan((rows - tile, *shape[1:]), (rows - tile, cols), (cr, cc), (cr, cols))
+        return [self._make_unit([i], head, (0, tile)), self._make_unit([i], rest, (tile, rows))]
+
+    def _make_groups(self) -> list[Group]:
+        """Group the units by (block shape, k), in unit order; with ``bucket=False`` every
+        unit is its own group (one collective each)."""
+        keyed: dict = {}
+        for j, u in enumerate(self.units):
+            key = (u.plan.chunk, u.k) if self.bucket else j
+            keyed.setdefault(key, []).append(u)
+        groups: list[Group] = []
+        for members in keyed.values():
+            # tiling units first, then padded ones, then the batch of small tensors: one run of
+            # each kind (blocks are coded alone, so the order changes no bits)
+            members.sort(key=lambda u: 2 if u.flat else 1 if u.padded else 0)
+            groups.append(self._make_group(len(groups), members))
+        return groups
+
+    def _make_group(self, gi: int, units: list[Unit]) -> Group:
+        """One group's buffers, layouts and index maps (built once)."""
+        dev, f32 = self.device, torch.float32
+        (cr, cc), k = units[0].plan.chunk, units[0].k
+        blocks = sum(u.plan.num_blocks for u in units)
+        coef = torch.zeros(cr, blocks, cc, dtype=f32, device=dev)
+        g = Group(units, k, (cr, cc), coef,
+                  BatchedDCT((cr, cc), dev, self.basis, self.compute_dtype),
+                  torch.zeros(cr, blocks, cc, dtype=f32, device=dev))
+        row = img = pad = 0
+        src, dst = [], []
+        for u in units:
+            u.group, u.rows = gi, slice(row, row + u.plan.num_blocks)
+            if u.padded or u.flat or self.images:  # staged through an image
+                u.image = slice(img, img + u.plan.padded_numel)
+                # block row (b, v) of the unit is image row perm[b * cr + v]; in xh: v, row + b
+                src.append(block_rows(u.plan) + img // cc)
+                b = torch.arange(u.plan.num_blocks).repeat_interleave(cr)
+                v = torch.arange(cr).repeat(u.plan.num_blocks)
+                dst.append(v * blocks + row + b)
+                img += u.plan.padded_numel
+            if u.padded:
+                if not pad:
+                    g.pad0 = u.image.start
+                u.xpad = slice(pad, pad + u.plan.padded_numel)
+                pad += u.plan.padded_numel
+            row += u.plan.num_blocks
+        if img:
+            g.img = torch.zeros(img, dtype=f32, device=dev)
+            src, dst = torch.cat(src), torch.cat(dst)
+            if dst.numel() == cr * blocks:  # every block row comes from the image: one gather
+                src = torch.empty_like(src).index_copy_(0, dst, src)
+                g.img_src = src.to(dev)
+            else:
+                g.img_src, g.img_dst = src.to(dev), dst.to(dev)
+        if pad:
+            g.xpad = torch.zeros(pad, dtype=f32, device=dev)
+        for u in units:
+            # tensors that tile into blocks keep their momentum in the transform domain, in
+            # the group's matrix (a (blocks, cr, cc) view); padded ones in their own domain, in
+            # their image (the padding stays zero), and use their blocks of the matrix for
+            # fresh coefficients
+            u.delta = (interior(g.img[u.image], u) if u.padded
+                       else coef[:, u.rows].permute(1, 0, 2))
+        for u in units:  # segments: runs of units of one kind
+            last = g.segments[-1] if g.segments else None
+            if last is not None and (last.padded, last.direct) == (u.padded, u.direct):
+                last.units.append(u)
+                last.rows = slice(last.rows.start, u.rows.stop)
+                if u.image is not None:
+                    last.image = slice(last.image.start, u.image.stop)
+            else:
+                g.segments.append(Segment(u.padded, u.direct, [u], u.rows, u.image))
+        for s in g.segments:
+            if s.direct:
+                continue
+            local = torch.cat([block_rows(u.plan) + (u.image.start - s.image.start) // cc
+                               for u in s.units])
+            if not torch.equal(local, torch.arange(local.numel())):
+                s.inv = torch.argsort(local).to(dev)
+        return g
+
+    def out_image(self, g: Group, part: slice, padded: bool) -> torch.Tensor:
+        """Where the decoded output of image-staged units ``part`` (entries of ``g.img``)
+        goes: back into their image, free once encoded; padded units' image holds their
+        momentum, so theirs goes to the workspace's ``out``."""
+        if padded:
+            return self.work.out[part.start - g.pad0: part.stop - g.pad0]
+        return g.img[part]
+
+    def blocks_out(self, g: Group, s: Segment) -> torch.Tensor:
+        """Where segment ``s``'s decoded blocks go: ``(blocks, cr, cc)`` in the group's staging
+        buffer (block-major: its input is no longer needed), or straight in the output image
+        when that is the same layout."""
+        cr, cc = g.chunk
+        nb = s.rows.stop - s.rows.start
+        if not s.direct and s.inv is None:
+            return self.out_image(g, s.image, s.padded).view(nb, cr, cc)
+        bn = g.block_numel
+        return g.xh.view(-1)[s.rows.start * bn: s.rows.stop * bn].view(nb, cr, cc)
+
+    def piece(self, grads, p: int) -> torch.Tensor:
+        """Piece ``p`` of the gradients: a parameter's gradient, or rows of it."""
+        i, part, _ = self.pieces[p]
+        return grads[i] if part is None else grads[i].narrow(0, part[0], part[1] - part[0])
+
+    def _make_views(self) -> None:
+        """Per piece (a parameter, or rows of one): where its gradient is staged
+        (``stage_at``), where its output is read (``out_at``), and the 4-D shape its gradient
+        is viewed as for both (``grad_shape4``; None: its own shape)."""
+        self.stage_at: dict[int, torch.Tensor] = {}
+        self.out_at: dict[int, torch.Tensor] = {}
+        self.grad_shape4: dict[int, tuple | None] = {}
+        for g in self.groups:
+            bn = g.block_numel
+            for u in g.units:
+                pieces = u.pieces
+                if not u.direct:
+                    staging = g.xpad[u.xpad] if u.padded else g.img[u.image]
+                    for j, i in enumerate(pieces):
+                        shape = self.pieces[i][2]
+                        self.stage_at[i] = member_view(staging, u, j, shape)
+                        self.out_at[i] = member_view(self.out_image(g, u.image, u.padded), u,
+                                                     j, shape)
+                        self.grad_shape4[i] = None
+                    continue
+                i = pieces[0]
+                shape = self.pieces[i][2]
+                nbr, cr, nbc, cc = _blocked(u)
+                stage = g.xh[:, u.rows].reshape(cr, nbr, nbc, cc).permute(1, 0, 2, 3)
+                out = g.xh.view(-1)[u.rows.start * bn: u.rows.stop * bn]
+                out = out.view(nbr, nbc, cr, cc)
+                out = out.permute(0, 2, 1, 3)
+                flat_stage, flat_out = _as_shape(stage, shape), _as_shape(out, shape)
+                if flat_stage is not None and flat_out is not None:
+                    self.stage_at[i], self.out_at[i] = flat_stage, flat_out
+                    self.grad_shape4[i] = None
+                else:
+                    self.stage_at[i], self.out_at[i] = stage, out
+                    self.grad_shape4[i] = (nbr, cr, nbc, cc)
+            for s in g.segments:
+                if s.padded:
+                    s.deltas = [u.delta for u in s.units]
+                    s.outs = [interior(self.out_image(g, u.image, True), u) for u in s.units]

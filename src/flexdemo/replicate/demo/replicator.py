@@ -1,0 +1,484 @@
+"""The DeMo replicator: its settings, its set-up, the stages of the algorithm and the step
+that runs them (see the package's docstring for the algorithm, the wire format and the
+modes)."""
+
+from __future__ import annotations
+
+import torch
+
+from ...compress.bits import pack_bits
+from ...compress.quant import BlockValueCodec
+from ...compress.select import topk_blocks_rowmajor
+from ...transport import Pending, all_gather
+from ..base import HEADER_BYTES, Replicator, write_header, zero_where
+from . import state
+from .checks import VerdictToHost, arrived, check_payloads, good_peers, kept_peers
+from .decode import blocks_into_image, decode_mean, dense_inverse
+from .graphs import CompiledSelection, StepGraphs
+from .layout import BlockLayout, Group
+from .settings import PRESETS, TRANSFORM_DTYPES, check_settings
+from .staging import MomentumRun, Staging, StepPlan
+
+# staging="auto" stages through images under CUDA graphs below this many entries per tensor
+# (on one H100 a graphed direct step is then bound by its per-tensor copies, not the GPU)
+IMAGE_NUMEL = 500_000
+
+
+class DeMoReplicator(Replicator):
+    """DeMo replication (DCT top-k of a decoupled momentum, with error feedback).
+
+    Defaults: 16 of the 4096 coefficients of each 64 x 64 block, values as ``int2`` — about
+    0.008 bytes per parameter per step, chosen from ``benchmarks/bench_wire.py`` (loss within
+    2% of fp32 values at topk 32, which sends 5.5x more). :data:`PRESETS` names other settings.
+    """
+
+    name = "demo"
+
+    def __init__(self, topk: int = 16, chunk: int = 64, decay: float = 0.999, *,
+                 sign: bool = True, scale_by_lr: bool = True, values: str = "int2",
+                 transform: str = "dct", transform_dtype: str = "fp32", small: str = "batch",
+                 small_numel: int | None = None,
+                 bucket: bool = True, overlap: str = "none", on_bad_peer: str = "raise",
+                 compile: bool = False, graphs: bool | str = "auto", staging: str = "auto",
+                 **schedule) -> None:
+        super().__init__(**schedule)
+        graphs = check_settings(
+            topk=topk, chunk=chunk, decay=decay, values=values, transform=transform,
+            transform_dtype=transform_dtype, small=small, small_numel=small_numel,
+            bucket=bucket, overlap=overlap, on_bad_peer=on_bad_peer, compile=compile,
+            graphs=graphs, staging=staging,
+            every_step=self.replicate_every == 1 and not self.skip_every)
+        self.topk, self.chunk, self.decay = topk, chunk, float(decay)
+        self.sign, self.scale_by_lr, self.values = sign, scale_by_lr, values
+        self.transform, self.transform_dtype, self.small = transform, transform_dtype, small
+        self.small_numel = chunk * chunk if small_numel is None else small_numel
+        self.bucket, self.overlap, self.on_bad_peer = bucket, overlap, on_bad_peer
+        self.codec = BlockValueCodec(values)
+        self.dropped_payloads = 0
+        # torch.compile of the top-k selection (same results; falls back to eager on failure)
+        self.compile = bool(compile)
+        self._compiled = CompiledSelection(self.name, self._compile_failed)
+        # CUDA graphs of the device work between the host's steps (no effect off CUDA)
+        self.graphs = graphs
+        self.staging = staging
+
+    def _compile_failed(self) -> None:
+        self.compile = False
+
+    def _graphs_failed(self) -> None:
+        self.graphs = False
+
+    @classmethod
+    def preset(cls, name: str, **overrides) -> DeMoReplicator:
+        """A replicator from a named preset (:data:`PRESETS`), with settings overridden."""
+        if name not in PRESETS:
+            raise ValueError(f"unknown DeMo preset {name!r}; choose one of {sorted(PRESETS)}")
+        return cls(**{**PRESETS[name], **overrides})
+
+    def extra_repr(self) -> str:
+        extra = "".join(f", {k}={v!r}" for k, v, d in (
+            ("transform", self.transform, "dct"),
+            ("transform_dtype", self.transform_dtype, "fp32"),
+            ("small", self.small, "batch"), ("bucket", self.bucket, True),
+            ("overlap", self.overlap, "none"), ("compile", self.compile, False),
+            ("graphs", self.graphs, "auto"), ("staging", self.staging, "auto")) if v != d)
+        return (f"topk={self.topk}, chunk={self.chunk}, decay={self.decay}, "
+                f"values={self.values!r}, sign={self.sign}{extra}")
+
+    # ------------------------------------------------------------------ set-up
+    def _transform_basis(self) -> tuple[str, torch.dtype]:
+        """The transform's basis and the dtype of its forward products."""
+        if self.transform == "dct":
+            return "dct", TRANSFORM_DTYPES[self.transform_dtype]
+        return "identity", torch.float32
+
+    @property
+    def _graphed(self) -> bool:
+        return bool(self.graphs) and self.device is not None and self.device.type == "cuda"
+
+    @property
+    def _stages_through_images(self) -> bool:
+        """Every unit staged through its image (``staging="image"``; ``"auto"``: under CUDA
+        graphs, below 500k entries per tensor): the gradients' copies in and out are
+        contiguous (a few multi-tensor launches instead of a strided copy per tensor), and the
+        permutation into block rows is one gather per group, inside the graphs. It costs more
+        GPU time than the strided copies (a gather and a second pass), so it pays where the
+        host's launches bound the step: shards."""
+        if self.staging == "auto":  # where a graphed step is bound by the host's launches
+            numel = sum(s.numel() for s in self._shapes)
+            return self._graphed and numel < IMAGE_NUMEL * len(self._shapes)
+        return self.staging == "image"
+
+    def _setup_state(self) -> None:
+        basis, compute_dtype = self._transform_basis()
+        self.layout = BlockLayout(
+            self._shapes, topk=self.topk, chunk=self.chunk,
+            small_numel=self.small_numel if self.small == "batch" else None, basis=basis,
+            compute_dtype=compute_dtype, bucket=self.bucket,
+            images=self._stages_through_images, codec=self.codec, device=self.device)
+        self.scratch, self.units, self.groups = (self.layout.scratch, self.layout.units,
+                                                 self.layout.groups)
+        self._work = self.layout.work
+        self.bucket_bytes = self.layout.bucket_bytes
+        self.staging_plans = Staging(self.layout)
+        nbuf = 2 if self.overlap == "delayed" else 1
+        self._buckets = [torch.zeros(self.bucket_bytes, dtype=torch.uint8, device=self.device)
+                         for _ in range(nbuf)]
+        self._inflight = None  # delayed mode: (step, handle or gathered, plan)
+        # the momentum's decay factor, and 1 for a step whose input is not finite
+        self._decay_factor = torch.tensor(self.decay, dtype=torch.float32, device=self.device)
+        self._one = torch.ones((), dtype=torch.float32, device=self.device)
+        # CUDA graphs: the step and the step sizes as device scalars, filled before a replay
+        self.step_graphs = StepGraphs(self.name, self._graphs_failed)
+        self._lr_of_class: list[float] = []
+        self._step_on_device = torch.zeros((), dtype=torch.int64, device=self.device)
+        self._lrs_on_device = torch.zeros(max(1, len(self.units)), dtype=torch.float32,
+                                          device=self.device)
+        # delayed mode: the step a landing payload must carry, and the deferred verdict
+        self._expected_step = torch.zeros((), dtype=torch.int64, device=self.device)
+        self._verdict_to_host = VerdictToHost()
+        self._pending = None  # (step, presence code, host rows, CUDA event or None)
+
+    @property
+    def _graphs(self) -> dict:
+        """The captured CUDA graphs by key (the key's first entry names the stage)."""
+        return self.step_graphs.captured
+
+    @property
+    def delta(self) -> list[torch.Tensor]:
+        """The momentum buffers, one per unit (large tensor, or the small-tensor batch):
+        views of the DCT coefficients ``(blocks, cr, cc)`` of tensors that tile into blocks,
+        the tensor as a matrix for padded ones."""
+        return [u.delta for u in self.units]
+
+    def payload_bytes(self) -> int:
+        """Bytes this rank contributes to one exchange (header and alignment included)."""
+        return self.bucket_bytes
+
+    def _graph_or_run(self, key: tuple, fn):
+        """``fn()`` through a CUDA graph for ``key`` when graphed, else eagerly."""
+        return self.step_graphs.run(key, fn) if self._graphed else fn()
+
+    def _plan_step(self, grads, lrs) -> StepPlan:
+        """The step's plan (which gradients are present, which units share a step size);
+        notes the step size of each class for the device scalars."""
+        present = tuple(g is not None for g in grads)
+        if lrs is None or not self.scale_by_lr:
+            return self.staging_plans.plan(present, None)
+        classes: dict = {}  # which units share a step size (not the sizes: they change)
+        plan = self.staging_plans.plan(
+            present, tuple(classes.setdefault(lrs[u.members[0]], len(classes))
+                           for u in self.units))
+        self._lr_of_class = list(classes)  # the step size of each class, in class order
+        return plan
+
+    # ------------------------------------------------------------------ the step
+    def replicate(self, grads, lrs, step, communicate):
+        """One DeMo step; each stage runs once per group of blocks of one shape:
+
+        1. momentum ``delta = decay * delta + s * grad``, kept in the DCT domain
+           (:meth:`_update_momentum`);
+        2. the top-k coefficients of every block (:meth:`_select_topk`), packed into this
+           rank's payload (:meth:`_pack_payload`);
+        3. error feedback: ``delta -= `` what the peers will decode (:meth:`_add_to_momentum`);
+        4. all-gather the payloads (:meth:`_exchange`) and check them (:meth:`_check_now`);
+        5. the peers' mean through the inverse DCT, then ``sign()``, into ``grads``
+           (:meth:`_write_mean`).
+
+        Steps 1-3 are :meth:`_encode_payload`. ``overlap="delayed"`` applies step 5 to the
+        payloads of the step before (:meth:`_replicate_delayed`)."""
+        if self.overlap == "delayed":
+            return self._replicate_delayed(grads, lrs, step)
+        plan = self._plan_step(grads, lrs)
+        buf = self._buckets[0]
+        # decay + encode, select, code, error feedback: this rank's payload
+        sent = self._encode_payload(grads, lrs, step, buf)
+        # exchange (a group of one, or a step the schedule skips, keeps its own)
+        gathered = self._exchange(buf) if communicate else buf.unsqueeze(0)
+        try:  # check every payload on the device; the step's one read of the verdict
+            good, decoded = self._check_now(gathered, step, plan)
+        except Exception:
+            self._undo_error_feedback(sent)
+            raise
+        # decode the mean of the good payloads, inverse DCT, sign, write into the gradients
+        self._write_mean(decoded, good, plan, plan, grads)
+        return grads
+
+    def _replicate_delayed(self, grads, lrs, step):
+        """One step of ``overlap="delayed"``: check what was sent last step, encode and send
+        this step's, and apply last step's mean."""
+        plan = self._plan_step(grads, lrs)
+        received = self._receive_inflight()  # check last step's payloads before encoding
+        self._encode_and_send(grads, lrs, step, plan)
+        self._apply_received(received, plan, grads)
+        return grads
+
+    # ------------------------------------------------------------------ encode
+    def _encode_payload(self, grads, lrs, step: int, buf: torch.Tensor) -> list:
+        """This rank's payload for ``step`` in ``buf``; returns per group the sent
+        (indices, positions, values), or None for groups without gradients.
+
+        A rank whose input holds a NaN or Inf leaves its momentum as it was, decided on the
+        device: the flag is found first (least and largest staged input), the staged input
+        is zeroed and the decay factor is 1 where it is set, and the selected values are
+        sent as zeros (so error feedback changes nothing); the header carries the flag."""
+        plan = self._plan_step(grads, lrs)
+        self.staging_plans.stage(grads, plan)
+        if not self._graphed:
+            return self._encode_staged(plan, lrs, step, buf)
+        # the device scalars the graph reads, set by fills (no host-to-device copy)
+        self._step_on_device.fill_(step)
+        for c, v in enumerate(self._lr_of_class if self.scale_by_lr and lrs is not None
+                              else ()):
+            self._lrs_on_device[c].fill_(v)
+        return self.step_graphs.run(
+            ("fill", plan.key, buf.data_ptr()),
+            lambda: self._encode_staged(plan, lrs, self._step_on_device, buf))
+
+    def _encode_staged(self, plan: StepPlan, lrs, step: int | torch.Tensor,
+                       buf: torch.Tensor) -> list:
+        """:meth:`_encode_payload` after the staging: all device work, the same for every
+        step of one shape (a CUDA graph on CUDA unless ``graphs=False``)."""
+        bad = self.staging_plans.nonfinite_input_flag(plan)
+        self.staging_plans.zero_inputs_where(bad, plan)
+        decay = torch.where(bad, self._one, self._decay_factor)
+        sent: list = []
+        for gi, g in enumerate(self.groups):
+            if not plan.group_on[gi]:
+                buf[g.idx_off: g.end].zero_()
+                sent.append(None)
+                continue
+            self._update_momentum(g, plan.runs[gi], lrs, decay, bad,  # delta = decay delta + s g
+                                  plan.key[1])
+            idx, pos, vals = self._select_topk(g, plan.off_rows[gi], bad)  # of every block
+            vals = self._pack_payload(g, idx, vals, buf)  # packed indices, coded values
+            self._add_to_momentum(g, idx, pos, vals, sign=-1.0)  # delta -= what peers see
+            sent.append((idx, pos, vals))
+        write_header(buf, step, bad, plan.code)  # on the device: no host round trip
+        return sent
+
+    def _step_size(self, r: MomentumRun, lrs,
+                   classes: tuple[int, ...] | None) -> float | torch.Tensor:
+        """Run ``r``'s step size: a float, or under CUDA graphs its class's device scalar."""
+        if not self.scale_by_lr or lrs is None:
+            return 1.0
+        if self._graphed:
+            return self._lrs_on_device[classes[r.unit]]
+        return float(lrs[self.units[r.unit].members[0]])
+
+    def _update_momentum(self, g: Group, runs: list[MomentumRun], lrs, decay: torch.Tensor,
+                         bad: torch.Tensor, classes: tuple[int, ...] | None = None) -> None:
+        """Momentum update and forward DCT of all blocks of ``g`` with a gradient: tiling
+        units ``coef = decay * coef + s * DCT(grad)``, padded units
+        ``delta = decay * delta + s * grad`` and ``coef = DCT(delta)``. ``decay`` is a 0-d
+        device tensor: 1 on a rank whose input is not finite (``bad``; its staged input is
+        then zero, so its momentum stays as it was, bit for bit). Decaying first and adding the
+        product with ``beta = 1`` gives the bits of one product with ``beta = decay``."""
+        w, cc, n = self._work, g.chunk[1], g.coef.numel()
+        scale = {id(r): self._step_size(r, lrs, classes) for r in runs}
+        for r in runs:
+            if r.padded and isinstance(scale[id(r)], torch.Tensor):
+                g.img[r.image].mul_(decay).addcmul_(g.xpad[r.xpad], scale[id(r)])
+            elif r.padded:
+                g.img[r.image].mul_(decay).add_(g.xpad[r.xpad], alpha=scale[id(r)])
+        if g.img is not None:  # image-staged units: their rows into the block rows
+            if g.img_dst is None:  # all of them, straight into the block rows
+                torch.index_select(g.img.view(-1, cc), 0, g.img_src, out=g.xh.view(-1, cc))
+            else:
+                rows = torch.index_select(g.img.view(-1, cc), 0, g.img_src,
+                                          out=w.x[: g.img_src.numel() * cc].view(-1, cc))
+                g.xh.view(-1, cc).index_copy_(0, g.img_dst, rows)
+        x = g.xh
+        if w.xc is not None:  # a non-finite input is zeroed in the compute dtype's copy
+            x = zero_where(w.xc[:n].view_as(g.xh).copy_(g.xh), bad)
+        y = g.dct.rows(x, out=(w.z if w.yc is None else w.yc)[:n].view_as(g.xh))
+        # on a CPU a low-precision product is widened into ``z`` (free then) before it is
+        # added: a mixed-precision add there allocates a model-sized temporary (GPUs cast in
+        # the kernel)
+        wide = w.z if w.yc is not None and self.device.type == "cpu" else None
+        for r in runs:
+            if r.padded:  # fresh coefficients of the momentum in the parameter's domain
+                g.dct.cols_into(y, g.coef, r.rows, 1.0, 0.0, w.zc, wide)
+            else:  # coef = decay * coef + s * DCT(grad); the decay is the device factor
+                g.coef[:, r.rows].mul_(decay)
+                g.dct.cols_into(y, g.coef, r.rows, scale[id(r)], 1.0, w.zc, wide)
+
+    def _select_topk(self, g: Group, off_rows: list[slice], bad: torch.Tensor):
+        """Top-k coefficients of every block: ``(blocks, k)`` block-local indices, their
+        positions in ``coef`` and their values; units without a gradient keep their momentum
+        and send zeros, and so does every unit where ``bad`` (non-finite input) is set."""
+        idx_pos = self._compiled(g) if self.compile else None
+        if idx_pos is None:
+            idx_pos = topk_blocks_rowmajor(g.coef, g.k, self._work.x[: g.coef.numel()],
+                                           self.scratch)
+        idx, pos = idx_pos
+        vals = g.coef.view(-1).index_select(0, pos.view(-1)).view(pos.shape).masked_fill_(bad, 0.0)
+        for rows in off_rows:
+            vals[rows] = 0.0
+        return idx, pos, vals
+
+    def _pack_payload(self, g: Group, idx: torch.Tensor, vals: torch.Tensor,
+                      buf: torch.Tensor) -> torch.Tensor:
+        """Pack the indices and code the values into the group's segments of ``buf``;
+        returns the values as the peers will decode them."""
+        pack_bits(idx, g.bits, buf[g.idx_off: g.val_off])
+        return self.codec.encode(vals, buf[g.val_off: g.end])
+
+    def _add_to_momentum(self, g: Group, idx: torch.Tensor, pos: torch.Tensor,
+                         vals: torch.Tensor, sign: float) -> None:
+        """Add ``sign * sent`` to the momentum (sign -1: error feedback, +1: undo it): to the
+        coefficients of tiling units, and through the inverse DCT to the momentum of padded
+        units (their blocks of ``coef`` only hold this step's fresh coefficients)."""
+        g.coef.view(-1).scatter_add_(0, pos.view(-1), (vals if sign > 0 else -vals).view(-1))
+        for s in g.segments:
+            if s.padded:
+                blocks = dense_inverse(self.layout, g, s, [(idx[s.rows], vals[s.rows])], 1)
+                blocks_into_image(self.layout, g, s, blocks)
+                torch._foreach_add_(s.deltas, s.outs, alpha=sign)
+
+    def _undo_error_feedback(self, sent: list) -> None:
+        """After a failed exchange every rank adds back what it sent (a rank whose input was
+        not finite sent zeros and changed nothing): its momentum is then as after the
+        momentum update alone (no extra read of the device)."""
+        for g, s in zip(self.groups, sent):
+            if s is not None:
+                self._add_to_momentum(g, *s, sign=1.0)
+
+    # ------------------------------------------------------------------ exchange
+    def _exchange(self, buf: torch.Tensor) -> torch.Tensor:
+        """Every replica's payload, ``(peers, bytes)``."""
+        if self.bucket:
+            return all_gather(buf, self.group, self.stats)
+        n = self.world
+        out = torch.empty(n, buf.numel(), dtype=buf.dtype, device=buf.device)
+        out[:, :HEADER_BYTES] = all_gather(buf[:HEADER_BYTES].clone(), self.group, self.stats)
+        for g in self.groups:  # one per tensor (bucket=False makes a group of each unit)
+            out[:, g.idx_off: g.end] = all_gather(buf[g.idx_off: g.end].clone(), self.group,
+                                                  self.stats)
+        return out
+
+    # ------------------------------------------------------------------ check
+    def _on_payloads(self, key: tuple, fn, gathered: torch.Tensor):
+        """``fn(gathered)``, through a CUDA graph for ``key`` when graphed."""
+        if not self._graphed:
+            return fn(gathered)
+        return self.step_graphs.run_on_payloads(key, fn, gathered)
+
+    def _check_on_device(self, gathered: torch.Tensor, plan: StepPlan):
+        """:func:`~.checks.check_payloads` of this replicator's groups."""
+        return check_payloads(gathered, self.groups, self.codec, plan)
+
+    def _check_now(self, gathered: torch.Tensor, step: int, plan: StepPlan):
+        """Check the gathered payloads and read the verdict; raise or drop bad ones. Returns
+        the good peers and the decoded payloads."""
+        verdict, decoded = self._on_payloads(("check", plan.key),
+                                             lambda x: self._check_on_device(x, plan), gathered)
+        rows = verdict.tolist()  # the one read of the device in a step
+        return self._good_peers(rows, step, plan.code), decoded
+
+    def _check_and_keep(self, gathered: torch.Tensor, plan: StepPlan):
+        """Delayed mode: the verdict, the decoded payloads and the peers kept in the mean
+        (``keep``, ``count``), all decided on the device."""
+        verdict, decoded = self._check_on_device(gathered, plan)
+        keep, count = kept_peers(verdict, self._expected_step, plan.code)
+        return verdict, decoded, keep, count
+
+    def _good_peers(self, rows: list[list[int]], step: int, code: int) -> list[int]:
+        """The good peers of a verdict's ``rows``; raises, or counts and warns, for every bad
+        payload (:meth:`_bad_peer`)."""
+        return good_peers(rows, step, code, name=self.name, group=self.group,
+                          groups=self.groups, bad_peer=self._bad_peer)
+
+    # ------------------------------------------------------------------ decode
+    def _write_mean(self, decoded: list, good: list[int] | None, sent_plan: StepPlan,
+                    plan: StepPlan, grads,
+                    kept: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+        """The decoded mean of the good peers' payloads (encoded with ``sent_plan``) into the
+        gradients present now (``plan``): one multi-tensor copy per group. The good peers are
+        ``good``, or (delayed mode) ``kept``, decided on the device."""
+        lay, sign = self.layout, self.sign
+        for gi, g in enumerate(self.groups):
+            pieces, views = plan.write[gi]
+            if not pieces:
+                continue
+            if not sent_plan.group_on[gi]:  # nothing was sent for it (delayed mode)
+                torch._foreach_zero_([lay.piece(grads, p) for p in pieces])
+                continue
+            idx, vals = decoded[gi]
+            n = idx.shape[0]
+            if kept is not None:  # masked on the device, whichever peers are left out
+                self._graph_or_run(("decode-kept", sent_plan.key, n, gi),
+                                   lambda g=g, idx=idx, vals=vals: decode_mean(
+                                       lay, g, idx, vals, sign=sign, kept=kept))
+                self.staging_plans.write_back(grads, pieces, views)
+                continue
+            if len(good) < n:  # dropped peers (the rare path)
+                keep = torch.tensor(good, dtype=torch.int64, device=idx.device)
+                idx, vals = idx.index_select(0, keep), vals.index_select(0, keep)
+            if self._graphed and len(good) == n:  # the workspace is shared: a graph per group
+                self.step_graphs.run(("decode", sent_plan.key, n, gi),
+                                     lambda g=g, idx=idx, vals=vals: decode_mean(
+                                         lay, g, idx, vals, sign=sign))
+            else:
+                decode_mean(lay, g, idx, vals, sign=sign)  # mean, inverse DCT, sign
+            self.staging_plans.write_back(grads, pieces, views)  # into the gradients
+
+    def _decode(self, gathered: torch.Tensor, grads, step: int, code: int) -> None:
+        """Check ``gathered`` payloads of ``step`` and write their decoded mean into
+        ``grads`` (``code``: this rank's presence code, as computed from ``grads``)."""
+        plan = self._plan_step(grads, None)
+        if code != plan.code:
+            raise ValueError(f"{self.name}: presence code {code} does not match the gradients")
+        good, decoded = self._check_now(gathered, step, plan)
+        self._write_mean(decoded, good, plan, plan, grads)
+
+    # ------------------------------------------------------------------ delayed mode
+    def _judge_deferred_verdict(self) -> None:
+        """Judge the verdict deferred by the step before (its payloads' update was already
+        applied, bad ones left out on the device): raise, or count and warn."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            step, code, host = arrived(pending)
+            self._good_peers(host.tolist(), step, code)
+
+    def _receive_inflight(self):
+        """Judge the verdict deferred by the step before, then wait for the exchange in
+        flight (launched the step before) and check it on the device, deferring its verdict;
+        ``(decoded, (keep, count), plan it was encoded with)``, or None when there is none.
+        No read of the device."""
+        self._judge_deferred_verdict()
+        previous, self._inflight = self._inflight, None
+        if previous is None:
+            return None
+        prev_step, handle, prev_plan = previous
+        gathered = handle.wait() if isinstance(handle, Pending) else handle
+        self._expected_step.fill_(prev_step)
+        verdict, decoded, keep, count = self._on_payloads(
+            ("check-kept", prev_plan.key), lambda x: self._check_and_keep(x, prev_plan),
+            gathered)
+        self._pending = self._verdict_to_host.start(verdict, prev_step, prev_plan.code)
+        return decoded, (keep, count), prev_plan
+
+    def _encode_and_send(self, grads, lrs, step: int, plan: StepPlan) -> None:
+        """Encode ``grads`` and start their exchange (applied next step)."""
+        buf = self._buckets[step % 2]
+        self._encode_payload(grads, lrs, step, buf)
+        self._inflight = (step, all_gather(buf, self.group, self.stats, async_op=True), plan)
+
+    def _apply_received(self, received, plan: StepPlan, grads) -> None:
+        """The decoded mean of what :meth:`_receive_inflight` returned into ``grads`` (zeros
+        when nothing was in flight)."""
+        if received is None:
+            torch._foreach_zero_([g for g in grads if g is not None])
+            return
+        decoded, kept, sent_plan = received
+        self._write_mean(decoded, None, sent_plan, plan, grads, kept)
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> dict:
+        return state.save(self, super().state_dict())
+
+    def load_state_dict(self, sd: dict) -> None:
+        deltas = state.check_loadable(self, sd)
+        super().load_state_dict(sd)
+        state.load(self, sd, deltas)

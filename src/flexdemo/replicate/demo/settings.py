@@ -1,0 +1,60 @@
+"""DeMo's named presets and the checks of its settings."""
+
+from __future__ import annotations
+
+import torch
+
+from ...compress.quant import BLOCK_CODECS
+
+PRESETS: dict[str, dict] = {
+    "default": {},
+    "aggressive": {"topk": 4, "values": "sign"},   # about 0.002 bytes per parameter per step
+    "original": {"topk": 32, "values": "fp32"},     # DeMo's defaults, full-precision values
+}
+
+TRANSFORM_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def check_settings(*, topk, chunk, decay, values, transform, transform_dtype, small,
+                   small_numel, bucket, overlap, on_bad_peer, compile, graphs, staging,
+                   every_step: bool) -> bool | str:
+    """Raise ValueError for a bad setting (``every_step``: the schedule communicates every
+    step); returns ``graphs`` resolved (``"auto"`` is off when the selection is compiled)."""
+    if not isinstance(topk, int) or isinstance(topk, bool) or topk < 1:
+        raise ValueError(f"topk must be an integer >= 1, got {topk!r}")
+    if not isinstance(chunk, int) or isinstance(chunk, bool) or chunk < 2:
+        raise ValueError(f"chunk must be an integer >= 2 (a block edge), got {chunk!r}")
+    if topk > chunk * chunk:
+        raise ValueError(f"topk={topk} exceeds the {chunk}x{chunk}={chunk * chunk} "
+                         "coefficients of a block; lower topk or raise chunk")
+    if not isinstance(decay, (int, float)) or not 0.0 <= decay <= 1.0:
+        raise ValueError(f"decay must be a number in [0, 1], got {decay!r}")
+    if values not in BLOCK_CODECS:
+        raise ValueError(f"values must be one of {tuple(BLOCK_CODECS)}, got {values!r}")
+    if transform not in ("dct", "none"):
+        raise ValueError(f"transform must be 'dct' or 'none' (plain top-k per block), "
+                         f"got {transform!r}")
+    if transform_dtype not in TRANSFORM_DTYPES:
+        raise ValueError(f"transform_dtype must be one of {sorted(TRANSFORM_DTYPES)}, "
+                         f"got {transform_dtype!r}")
+    if small not in ("batch", "separate"):
+        raise ValueError(f"small must be 'batch' or 'separate', got {small!r}")
+    if small_numel is not None and (not isinstance(small_numel, int) or small_numel < 0):
+        raise ValueError(f"small_numel must be an integer >= 0, got {small_numel!r}")
+    if overlap not in ("none", "delayed"):
+        raise ValueError(f"overlap must be 'none' or 'delayed', got {overlap!r}")
+    if overlap == "delayed" and (not bucket or not every_step):
+        raise ValueError("overlap='delayed' needs bucket=True and a replicator that "
+                         "communicates every step (replicate_every=1, skip_every=0)")
+    if on_bad_peer not in ("raise", "drop"):
+        raise ValueError(f"on_bad_peer must be 'raise' or 'drop', got {on_bad_peer!r}")
+    if not isinstance(graphs, bool) and graphs != "auto":
+        raise ValueError(f"graphs must be True, False or 'auto', got {graphs!r}")
+    if staging not in ("auto", "direct", "image"):
+        raise ValueError(f"staging must be 'auto', 'direct' or 'image', got {staging!r}")
+    if graphs == "auto":  # on CUDA, unless the selection is compiled
+        graphs = "auto" if not compile else False
+    if graphs is True and compile:
+        raise ValueError("graphs=True and compile=True do not combine: the CUDA graphs "
+                         "replay the eager selection; choose one")
+    return graphs

@@ -76,7 +76,8 @@ from ..checkpoint import (
     save_checkpoint,
     verify_checkpoint,
 )
-from ..mesh import is_timeout, timeout_from_env, timeout_note
+from ..join import JoinError
+from ..mesh import init_distributed, is_timeout, timeout_from_env, timeout_note
 from ..replicate import NonFiniteGradientError
 from .config import Config, config_to_dict, to_toml
 from .device import resolve_device, to_device
@@ -85,8 +86,8 @@ from .outputs import MetricsLog, Progress, format_summary, strict_json, write_at
 from .schedule import lr_at
 from .tasks import ShardSampler, Task, build_task
 
-__all__ = ["Checkpointer", "PeerLostError", "TrainState", "Trainer", "TrainingError",
-           "UsageError", "lr_at", "timeout_seconds", "train"]
+__all__ = ["Checkpointer", "PeerLostError", "StartupError", "TrainState", "Trainer",
+           "TrainingError", "UsageError", "lr_at", "timeout_seconds", "train"]
 
 CHECKPOINT_RE = re.compile(r"step_(\d+)$")
 _BAD_PATH_ERRNOS = (errno.ENOTDIR, errno.ENOENT, errno.EEXIST, errno.EISDIR, errno.EACCES,
@@ -110,6 +111,11 @@ class PeerLostError(TrainingError):
     def __init__(self, message: str, lost_ranks: list[int] | None = None) -> None:
         super().__init__(message)
         self.lost_ranks = lost_ranks or []
+
+
+class StartupError(PeerLostError):
+    """Peers missing when the job assembles (never arrived, or died during start-up); every
+    survivor names them, and the command line exits with code 2."""
 
 
 def timeout_seconds(cfg: Config) -> float:
@@ -417,15 +423,16 @@ class Trainer:
         self.timeout = timeout_seconds(cfg)
         self.t_start = time.perf_counter()
         try:
+            self.device = resolve_device(tc.device)
+        except ValueError as e:
+            raise TrainingError(f"train.device: {e}") from None
+        self._join()  # before the task: reading data must not count against a peer's arrival
+        try:
             self.task: Task = build_task(cfg.task, seed=tc.seed)
         except (ModuleNotFoundError, ValueError) as e:  # a missing extra, a bad setting
             raise UsageError(f"task {cfg.task.name!r}: {e}") from None
         except RuntimeError as e:
             raise TrainingError(f"task {cfg.task.name!r}: {e}") from None
-        try:
-            self.device = resolve_device(tc.device)
-        except ValueError as e:
-            raise TrainingError(f"train.device: {e}") from None
         self.task.device = self.device
         torch.manual_seed(tc.seed)
         model = self.task.build_model()
@@ -465,6 +472,18 @@ class Trainer:
                 "one model with FSDP). mesh.shard defaults to the ranks per node; set "
                 f"mesh.replicate (e.g. mesh.replicate={split}) to replicate across the ranks "
                 "of one node, or run on several nodes")
+
+    def _join(self) -> None:
+        """Join (or create) the process group; a peer missing at start-up raises
+        :class:`StartupError` naming it."""
+        try:
+            init_distributed(self.device, timedelta(seconds=self.timeout))
+        except JoinError as e:
+            raise StartupError(str(e), e.missing) from None
+        except ValueError as e:
+            raise UsageError(str(e)) from None
+        except TimeoutError as e:
+            raise TrainingError(str(e)) from None
 
     def _prepare(self, model: torch.nn.Module):
         sc, tc = self.cfg.strategy, self.cfg.train

@@ -1,0 +1,73 @@
+"""Start-up: a peer that never arrives, or dies while the job assembles, is named by rank by
+every survivor (exit code 2), long before the collective timeout (FLEXDEMO_TIMEOUT)."""
+
+from __future__ import annotations
+
+import signal
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+from dist_util import free_port, reap, spawn_ranks
+
+ROOT = Path(__file__).parent.parent
+TRAIN = ["train", str(ROOT / "configs/gpt.toml"), "task.model=tiny", "task.corpus_bytes=200000",
+         "train.batch=2", "train.steps=20", "train.tensorboard=false", "train.progress=false"]
+# the collective timeout is far longer than any wait the test allows: only the start-up
+# check can end these runs in time (the communicate() timeouts below guard against a hang)
+LONG = 900
+
+
+def _errors(text: str) -> list[str]:
+    return [line for line in text.splitlines() if "flexdemo train: error" in line]
+
+
+@pytest.mark.parametrize("killed", [2, 0])
+def test_rank_killed_a_second_after_launch_is_named_by_every_survivor(tmp_path, killed):
+    """Four bare ranks; one is killed with SIGKILL a second after launch (before it reaches
+    the job). The three others exit 2 with one line naming it, not after FLEXDEMO_TIMEOUT."""
+    procs = spawn_ranks(4, [*TRAIN, f"train.out={tmp_path / 'run'}"], timeout=LONG)
+    try:
+        time.sleep(1)
+        procs[killed].send_signal(signal.SIGKILL)
+        survivors = [r for r in range(4) if r != killed]
+        outputs = {r: procs[r].communicate(timeout=240)[0] for r in survivors}
+    finally:
+        reap(procs)
+    for rank, text in outputs.items():
+        assert procs[rank].returncode == 2, (rank, text[-2000:])
+        errors = _errors(text)
+        assert len(errors) == 1, (rank, text[-2000:])
+        assert f"rank {rank}: start-up: " in errors[0], errors[0]
+        assert f"rank {killed}" in errors[0].split("start-up: ", 1)[1], errors[0]
+        others = [r for r in survivors if r != rank]
+        assert not any(f"rank {r} " in errors[0].split("start-up: ", 1)[1]
+                       or f"rank {r}," in errors[0] for r in others), errors[0]
+        assert "Traceback" not in text, (rank, text[-2000:])
+
+
+def test_rank_that_dies_after_arriving_is_named_as_dead(tmp_path):
+    """Ranks 0, 2 and 3 of four start (rank 1 never does, and the wait for it is long);
+    rank 3 is killed once it has registered in the job's store. Ranks 0 and 2 say that rank
+    3 died during start-up (rank 1 has not arrived yet) and exit 2, without waiting out
+    FLEXDEMO_JOIN_TIMEOUT or FLEXDEMO_TIMEOUT."""
+    port = free_port()
+    procs = spawn_ranks(4, [*TRAIN, f"train.out={tmp_path / 'run'}"], timeout=LONG,
+                        ranks=[0, 2, 3], port=port, env={"FLEXDEMO_JOIN_TIMEOUT": str(LONG)})
+    try:
+        store = dist.TCPStore("127.0.0.1", port, is_master=False,
+                              timeout=timedelta(seconds=120))
+        store.wait(["flexdemo/join/0/info/3"], timedelta(seconds=120))
+        procs[2].send_signal(signal.SIGKILL)  # rank 3 (procs: ranks 0, 2, 3)
+        outputs = {r: procs[i].communicate(timeout=240)[0] for i, r in ((0, 0), (1, 2))}
+    finally:
+        reap(procs)
+    for i, (rank, text) in enumerate(outputs.items()):
+        assert procs[i].returncode == 2, (rank, text[-2000:])
+        errors = _errors(text)
+        assert len(errors) == 1, (rank, text[-2000:])
+        assert "rank 3 (host " in errors[0] and "died during start-up" in errors[0], errors[0]
+        assert "rank 1 had not arrived yet" in errors[0], errors[0]
+        assert "Traceback" not in text, (rank, text[-2000:])

@@ -60,6 +60,14 @@ from .integrity import (
     record_files,
     storage_cause,
 )
+from .mismatch import (
+    CheckpointMismatchError,
+    check_base,
+    check_mesh,
+    check_model,
+    check_replicators,
+    setting_differences,  # noqa: F401 - re-exported
+)
 
 __all__ = ["FORMAT_VERSION", "CheckpointError", "CheckpointMismatchError", "describe_os_error",
            "latest_checkpoint", "load_checkpoint", "read_info", "save_checkpoint",
@@ -453,94 +461,15 @@ def _tensor_table(msd: dict) -> dict[str, dict]:
             for k, v in msd.items() if isinstance(v, torch.Tensor)}
 
 
-class CheckpointMismatchError(ValueError):
-    """A checkpoint that this job cannot resume: it was written with another mesh, model,
-    base optimizer or replicators. ``differences`` lists ``(what, saved, now)``."""
-
-    def __init__(self, message: str, differences: list[tuple[str, str, str]]) -> None:
-        super().__init__(message)
-        self.differences = differences
-
-    def __reduce__(self):
-        return type(self), (str(self), self.differences)
-
-
-def setting_differences(saved: str, now: str) -> list[tuple[str, str, str]]:
-    """The ``key=value`` settings that differ between two reprs such as
-    ``DeMoReplicator(topk=16, chunk=64)``; the whole reprs if the kinds differ."""
-    pattern = re.compile(r"^(\w+)\((.*)\)$")
-    ms, mn = pattern.match(saved), pattern.match(now)
-    if not (ms and mn) or ms.group(1) != mn.group(1):
-        return [("kind", saved, now)]
-
-    def pairs(text: str) -> dict[str, str]:
-        out = {}
-        for part in re.split(r",\s*(?=\w+=)", text):
-            if "=" in part:
-                k, v = part.split("=", 1)
-                out[k.strip()] = v.strip()
-        return out
-
-    a, b = pairs(ms.group(2)), pairs(mn.group(2))
-    diff = [(k, a.get(k, "(unset)"), b.get(k, "(unset)")) for k in sorted(set(a) | set(b))
-            if a.get(k) != b.get(k)]
-    return diff or [("settings", saved, now)]
-
-
 def _check_compatible(path: Path, meta: dict, world: int, mesh_shape: tuple[int, int],
                       msd: dict, base: torch.optim.Optimizer, reps: list) -> None:
     """Raise :class:`CheckpointMismatchError` if the checkpoint at ``path`` cannot be resumed
     by this job."""
-    saved_mesh = tuple(meta["mesh_shape"])
-    if meta["world_size"] != world or saved_mesh != tuple(mesh_shape):
-        raise CheckpointMismatchError(
-            f"checkpoint {path} was written by {meta['world_size']} rank(s) as a replicate x "
-            f"shard = {saved_mesh[0]} x {saved_mesh[1]} mesh, but this job runs {world} rank(s) "
-            f"as {mesh_shape[0]} x {mesh_shape[1]}. Per-replica state (DeMo momentum, "
-            "replicator buffers, DiLoCo copies, the data position in `extra`) cannot be "
-            "redistributed: resume with the same world size and mesh, e.g. "
-            f"flexdemo.prepare(..., replicate={saved_mesh[0]}, shard={saved_mesh[1]})",
-            [("world size", str(meta["world_size"]), str(world)),
-             ("mesh", f"{saved_mesh[0]} x {saved_mesh[1]}",
-              f"{mesh_shape[0]} x {mesh_shape[1]}")])
-    saved, now = meta["tensors"], _tensor_table(msd)
-    missing = sorted(set(saved) - set(now))
-    unexpected = sorted(set(now) - set(saved))
-    shapes = [f"{k} {tuple(saved[k]['shape'])} -> {tuple(now[k]['shape'])}"
-              for k in sorted(set(saved) & set(now)) if saved[k]["shape"] != now[k]["shape"]]
-    if missing or unexpected or shapes:
-        parts = []
-        for label, items in (("missing from this model", missing),
-                             ("not in the checkpoint", unexpected),
-                             ("with another shape (saved -> this model)", shapes)):
-            if items:
-                more = f" and {len(items) - 5} more" if len(items) > 5 else ""
-                parts.append(f"{label}: {', '.join(items[:5])}{more}")
-        raise CheckpointMismatchError(
-            f"checkpoint {path} was written for another model; tensors {'; '.join(parts)}. "
-            "Load it into the model it was saved from (same architecture and parameter names)",
-            [("model", f"{len(saved)} tensors", f"{len(now)} tensors" + (
-                f" ({shapes[0]}{' ...' if len(shapes) > 1 else ''})" if shapes else ""))])
-    if meta["base_optimizer"] != type(base).__name__:
-        raise CheckpointMismatchError(
-            f"checkpoint {path} holds {meta['base_optimizer']} state, this optimizer's base is "
-            f"{type(base).__name__}; build the optimizer with the same base optimizer to resume",
-            [("base optimizer", meta["base_optimizer"], type(base).__name__)])
-    mine = [repr(r) for r in reps]
-    if meta["replicators"] != mine:
-        diff: list[tuple[str, str, str]] = []
-        if len(meta["replicators"]) != len(mine):
-            diff.append(("replicators", str(meta["replicators"]), str(mine)))
-        else:
-            for i, (a, b) in enumerate(zip(meta["replicators"], mine)):
-                tag = "replicator" if len(mine) == 1 else f"replicator {i}"
-                diff += [(f"{tag} {k}" if k != "kind" else tag, x, y)
-                         for k, x, y in setting_differences(a, b) if a != b]
-        said = ", ".join(f"{w} {x} (now {y})" for w, x, y in diff)
-        raise CheckpointMismatchError(
-            f"checkpoint {path} was written with replicators {meta['replicators']}, this "
-            f"optimizer has {mine} ({said}); build the optimizer with the same replicators "
-            "to resume", diff)
+    check_mesh(path, meta["world_size"], meta["mesh_shape"], world, mesh_shape)
+    check_model(path, {k: v["shape"] for k, v in meta["tensors"].items()},
+                {k: v["shape"] for k, v in _tensor_table(msd).items()})
+    check_base(path, meta["base_optimizer"], type(base).__name__)
+    check_replicators(path, meta["replicators"], [repr(r) for r in reps])
     if meta.get("flexdemo_version") != _flexdemo_version():
         warnings.warn(f"checkpoint {path} was written by flexdemo "
                       f"{meta.get('flexdemo_version')}, this is {_flexdemo_version()}",

@@ -69,9 +69,9 @@ from .mismatch import (
     setting_differences,  # noqa: F401 - re-exported
 )
 
-__all__ = ["FORMAT_VERSION", "CheckpointError", "CheckpointMismatchError", "describe_os_error",
-           "latest_checkpoint", "load_checkpoint", "read_info", "save_checkpoint",
-           "verify_checkpoint"]
+__all__ = ["FORMAT_VERSION", "CheckpointError", "CheckpointMismatchError", "NotACheckpointError",
+           "describe_os_error", "latest_checkpoint", "load_checkpoint", "read_info",
+           "save_checkpoint", "verify_checkpoint"]
 
 FORMAT_VERSION = 1
 META_FILE = "flexdemo.json"
@@ -428,21 +428,36 @@ def _read_meta(path: Path) -> dict | None:
         return None
 
 
+class NotACheckpointError(ValueError):
+    """``path`` holds no complete checkpoint; ``reason`` says why and ``hint`` what to do
+    in the library's words (callers with other words, such as the command line, use
+    ``reason`` with their own advice)."""
+
+    def __init__(self, reason: str, hint: str) -> None:
+        super().__init__(f"{reason}; {hint}")
+        self.reason, self.hint = reason, hint
+
+    def __reduce__(self):
+        return type(self), (self.reason, self.hint)
+
+
 def _require_complete(path: Path) -> dict:
     hint = "use flexdemo.checkpoint.latest_checkpoint(root) to find the newest complete one"
     if not path.is_dir():
-        raise ValueError(f"no checkpoint at {path}: the directory does not exist; {hint}")
+        raise NotACheckpointError(f"no checkpoint at {path}: the directory does not exist",
+                                  hint)
     if _SCRATCH.search(path.name):
-        raise ValueError(f"{path} is not a complete flexdemo checkpoint but the temporary "
-                         f"directory of an interrupted save; {hint}")
+        raise NotACheckpointError(f"{path} is not a complete flexdemo checkpoint but the "
+                                  "temporary directory of an interrupted save", hint)
     meta = _read_meta(path)
     if meta is None:
         if latest_checkpoint(path) is not None:
-            raise ValueError(f"{path} is a directory of checkpoints, not a checkpoint; pass "
-                             f"latest_checkpoint({str(path)!r}) or one of its step directories")
-        raise ValueError(f"{path} is not a complete flexdemo checkpoint (no {MARKER_FILE} "
-                         f"marker, or unreadable {META_FILE}): its save was interrupted or it "
-                         f"was written by something else; {hint}")
+            raise NotACheckpointError(f"{path} is a directory of checkpoints, not a checkpoint",
+                                      f"pass latest_checkpoint({str(path)!r}) or one of its "
+                                      "step directories")
+        raise NotACheckpointError(f"{path} is not a complete flexdemo checkpoint (no "
+                                  f"{MARKER_FILE} marker, or unreadable {META_FILE}): its save "
+                                  "was interrupted or it was written by something else", hint)
     if meta.get("format") != FORMAT_VERSION:
         raise ValueError(f"checkpoint {path} has format {meta.get('format')!r}, this flexdemo "
                          f"reads format {FORMAT_VERSION}; load it with the flexdemo version that "

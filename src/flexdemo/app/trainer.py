@@ -69,6 +69,7 @@ from ..checkpoint import (
     MARKER_FILE,
     META_FILE,
     CheckpointMismatchError,
+    NotACheckpointError,
     describe_os_error,
     latest_checkpoint,
     load_checkpoint,
@@ -78,7 +79,7 @@ from ..checkpoint import (
 )
 from ..join import JoinError
 from ..mesh import init_distributed, is_timeout, timeout_from_env, timeout_note
-from ..replicate import NonFiniteGradientError
+from ..replicate import CorruptPayloadError, NonFiniteGradientError
 from .config import Config, config_to_dict, to_toml
 from .device import resolve_device, to_device
 from .liveness import Heartbeat, is_comm_error, short_error
@@ -127,6 +128,27 @@ def timeout_seconds(cfg: Config) -> float:
         return timeout_from_env().total_seconds()
     except ValueError as e:
         raise TrainingError(str(e)) from None
+
+
+# ---------------------------------------------------------------------- messages
+# The trainer counts steps from 1 (metrics, progress, checkpoints step_NNNNNN); the library
+# names the optimizer's step index (from 0). Library errors that carry a step are retold here
+# in the trainer's count, with advice in config keys.
+def _nonfinite_message(step: int, e: NonFiniteGradientError) -> str:
+    who = (f"global rank(s) {', '.join(map(str, e.ranks))}" if e.ranks
+           else "at least one replica")
+    found = e.step + 1
+    when = "" if found == step else f" (in step {found})"
+    return (f"step {step}: {e.replicator}: non-finite gradient (NaN or Inf) on {who}{when}"
+            f"{e.note}; lower strategy.lr or clip gradients, or set strategy.nonfinite='skip' "
+            "to skip such steps on all replicas")
+
+
+def _corrupt_message(step: int, e: CorruptPayloadError) -> str:
+    return (f"step {step}: {e.name}: corrupt payload from global rank "
+            f"{e.global_rank}: {e.reason}. A faulty peer or a version mismatch (every rank "
+            "must run the same flexdemo); to leave such payloads out, set "
+            "'strategy.replicator_kwargs={on_bad_peer=\"drop\"}'")
 
 
 # ---------------------------------------------------------------------- agreement
@@ -376,6 +398,11 @@ class Checkpointer:
         except CheckpointMismatchError as e:
             raise self._refuse_settings(path, [f"{what} {old} (now {new})"
                                                for what, old, new in e.differences]) from None
+        except NotACheckpointError as e:  # the library's advice is for Python callers
+            raise UsageError(f"cannot resume: {e.reason}; resume=true continues from the "
+                             f"newest intact checkpoint (flexdemo checkpoint verify "
+                             f"{self.root.parent} lists them), or start afresh with "
+                             "train.overwrite=true or another train.out") from None
         except Exception as e:  # noqa: BLE001 - any failure here is "cannot resume from it"
             text = " ".join(str(e).split())[:400]
             if not text.startswith(("loading checkpoint", "restoring checkpoint")):
@@ -579,7 +606,9 @@ class Trainer:
             loss.backward()
             self.opt.step()
         except NonFiniteGradientError as e:
-            raise TrainingError(f"step {step}: {e}") from None
+            raise TrainingError(_nonfinite_message(step, e)) from None
+        except CorruptPayloadError as e:
+            raise TrainingError(_corrupt_message(step, e)) from None
         self.opt.zero_grad()
         skipped = self.opt.skipped_steps - skipped_before
         limit = tc.max_skipped * tc.steps

@@ -79,7 +79,7 @@ from ..checkpoint import (
 )
 from ..join import JoinError
 from ..mesh import init_distributed, is_timeout, timeout_from_env, timeout_note
-from ..replicate import CorruptPayloadError, NonFiniteGradientError
+from ..replicate import NonFiniteGradientError
 from .config import Config, config_to_dict, to_toml
 from .device import resolve_device, to_device
 from .liveness import Heartbeat, is_comm_error, short_error
@@ -142,13 +142,6 @@ def _nonfinite_message(step: int, e: NonFiniteGradientError) -> str:
     return (f"step {step}: {e.replicator}: non-finite gradient (NaN or Inf) on {who}{when}"
             f"{e.note}; lower strategy.lr or clip gradients, or set strategy.nonfinite='skip' "
             "to skip such steps on all replicas")
-
-
-def _corrupt_message(step: int, e: CorruptPayloadError) -> str:
-    return (f"step {step}: {e.name}: corrupt payload from global rank "
-            f"{e.global_rank}: {e.reason}. A faulty peer or a version mismatch (every rank "
-            "must run the same flexdemo); to leave such payloads out, set "
-            "'strategy.replicator_kwargs={on_bad_peer=\"drop\"}'")
 
 
 # ---------------------------------------------------------------------- agreement
@@ -607,8 +600,6 @@ class Trainer:
             self.opt.step()
         except NonFiniteGradientError as e:
             raise TrainingError(_nonfinite_message(step, e)) from None
-        except CorruptPayloadError as e:
-            raise TrainingError(_corrupt_message(step, e)) from None
         self.opt.zero_grad()
         skipped = self.opt.skipped_steps - skipped_before
         limit = tc.max_skipped * tc.steps

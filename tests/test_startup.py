@@ -4,6 +4,7 @@ every survivor (exit code 2), long before the collective timeout (FLEXDEMO_TIMEO
 from __future__ import annotations
 
 import signal
+import socket
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -18,6 +19,18 @@ TRAIN = ["train", str(ROOT / "configs/gpt.toml"), "task.model=tiny", "task.corpu
 # the collective timeout is far longer than any wait the test allows: only the start-up
 # check can end these runs in time (the communicate() timeouts below guard against a hang)
 LONG = 900
+
+
+def _client(port: int) -> dist.TCPStore:
+    """A client of the job's store, once rank 0 listens (torch's own connection retries back
+    off for seconds at a time)."""
+    for _ in range(1200):
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=1):
+                break
+        except OSError:
+            time.sleep(0.1)
+    return dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=120))
 
 
 def _errors(text: str) -> list[str]:
@@ -57,8 +70,7 @@ def test_rank_that_dies_after_arriving_is_named_as_dead(tmp_path):
     procs = spawn_ranks(4, [*TRAIN, f"train.out={tmp_path / 'run'}"], timeout=LONG,
                         ranks=[0, 2, 3], port=port, env={"FLEXDEMO_JOIN_TIMEOUT": str(LONG)})
     try:
-        store = dist.TCPStore("127.0.0.1", port, is_master=False,
-                              timeout=timedelta(seconds=120))
+        store = _client(port)
         store.wait(["flexdemo/join/0/info/3"], timedelta(seconds=120))
         procs[2].send_signal(signal.SIGKILL)  # rank 3 (procs: ranks 0, 2, 3)
         outputs = {r: procs[i].communicate(timeout=240)[0] for i, r in ((0, 0), (1, 2))}
@@ -70,4 +82,31 @@ def test_rank_that_dies_after_arriving_is_named_as_dead(tmp_path):
         assert len(errors) == 1, (rank, text[-2000:])
         assert "rank 3 (host " in errors[0] and "died during start-up" in errors[0], errors[0]
         assert "rank 1 had not arrived yet" in errors[0], errors[0]
+        assert "Traceback" not in text, (rank, text[-2000:])
+
+
+def test_rank_that_dies_while_the_job_is_set_up_is_named(tmp_path):
+    """Four ranks join; rank 2 is killed once its trainer heartbeat exists (it is building
+    the task or in prepare()'s collectives). The survivors, some of them blocked in
+    collectives that wait for rank 2, name it and exit 2, not after FLEXDEMO_TIMEOUT."""
+    port = free_port()
+    # a larger corpus: building the task (after the join) takes a while, long enough for the
+    # kill to land in the set-up
+    procs = spawn_ranks(4, [*TRAIN, "task.corpus_bytes=4000000", "train.steps=300",
+                            f"train.out={tmp_path / 'run'}"], timeout=LONG, port=port)
+    try:
+        # the trainer's heartbeats, in the default group's keys ("0/" under "default_pg")
+        store = dist.PrefixStore("0/", dist.PrefixStore("default_pg", _client(port)))
+        while not store.check(["flexdemo/liveness/hb/2"]):
+            assert all(p.poll() is None for p in procs), procs[0].communicate()[0]
+            time.sleep(0.05)
+        procs[2].send_signal(signal.SIGKILL)
+        outputs = {r: procs[r].communicate(timeout=240)[0] for r in (0, 1, 3)}
+    finally:
+        reap(procs)
+    for rank, text in outputs.items():
+        assert procs[rank].returncode == 2, (rank, text[-2000:])
+        errors = _errors(text)
+        assert len(errors) == 1, (rank, text[-2000:])
+        assert f"rank {rank}: start-up: lost rank 2 " in errors[0], errors[0]
         assert "Traceback" not in text, (rank, text[-2000:])

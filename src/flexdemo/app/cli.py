@@ -331,8 +331,10 @@ def _run_training(cfg) -> int:
         train(cfg, exit_on_lost_peer=True)
     except StartupError as e:  # every survivor names the missing peers (rank 0 may be one)
         _train_error(str(e), rank0_only=False)
-        _leave_cleanly()
-        return 2
+        # a process group with a dead peer: leave without tearing it down (that could block)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(2)
     except PeerLostError as e:
         _train_error(str(e), rank0_only=False)
         # the process group is broken: leave without tearing it down (that could block)

@@ -85,6 +85,8 @@ from .tasks import ShardSampler, Task, build_task
 __all__ = ["Checkpointer", "PeerLostError", "StartupError", "TrainState", "Trainer",
            "TrainingError", "UsageError", "lr_at", "timeout_seconds", "train"]
 
+STARTUP_STALE_SECONDS = 15.0
+"""Until the loop starts, a peer whose heartbeat has not moved for this long has died."""
 _BAD_PATH_ERRNOS = (errno.ENOTDIR, errno.ENOENT, errno.EEXIST, errno.EISDIR, errno.EACCES,
                     errno.EPERM, errno.EROFS, errno.ENAMETOOLONG)
 Echo = Callable[[str], None]
@@ -133,6 +135,24 @@ class Trainer:
         except ValueError as e:
             raise TrainingError(f"train.device: {e}") from None
         self._join()  # before the task: reading data must not count against a peer's arrival
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.started = False  # the loop began: a lost peer is no longer a start-up failure
+        self.checkpointer: Checkpointer | None = None
+        # heartbeats from now on; until the loop starts they also watch for a peer that died
+        # (a rank blocked in prepare()'s collectives learns it from its heartbeat thread)
+        self.heartbeat = Heartbeat(self.rank, self.world,
+                                   on_verdict=self._exit_with_verdict
+                                   if exit_on_lost_peer else None,
+                                   stale=STARTUP_STALE_SECONDS if exit_on_lost_peer else None)
+        try:
+            self._set_up()
+        except BaseException:
+            self.heartbeat.stop()
+            raise
+
+    def _set_up(self) -> None:
+        """Build the task, the model and the optimizer (prepare), and the checkpointer."""
+        cfg, tc = self.cfg, self.cfg.train
         try:
             self.task: Task = build_task(cfg.task, seed=tc.seed)
         except (ModuleNotFoundError, ValueError) as e:  # a missing extra, a bad setting
@@ -146,7 +166,6 @@ class Trainer:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always", NoReplicationWarning)
             self.model, self.opt = self._prepare(model)
-        self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.say: Echo = self.echo if self.rank == 0 else (lambda text: None)
         mesh = self.opt.mesh
         self.layout = {"replicate": mesh["replicate"].size(), "shard": mesh["shard"].size()}
@@ -166,7 +185,6 @@ class Trainer:
         self.state = TrainState()
         self.metrics: MetricsLog | None = None
         self.progress: Progress | None = None
-        self.heartbeat: Heartbeat | None = None
 
     def _single_replica_note(self) -> str:
         what = f"a single replica, so replicator {self.cfg.strategy.replicator!r} exchanges nothing"
@@ -211,6 +229,9 @@ class Trainer:
         except Exception as e:
             if not is_comm_error(e):
                 raise
+            if self.world > 1:  # a peer died during start-up: name it
+                lost = self._peer_error(e)
+                raise StartupError(str(lost), lost.lost_ranks) from None
             where = (f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
                      if "MASTER_ADDR" in os.environ else "the rendezvous")
             raise TrainingError(
@@ -340,9 +361,6 @@ class Trainer:
 
     def run(self) -> dict[str, Any]:
         """Train to ``train.stop_at`` (or ``train.steps``); returns the summary."""
-        self.heartbeat = Heartbeat(self.rank, self.world,
-                                   on_verdict=self._exit_with_verdict
-                                   if self.exit_on_lost_peer else None)
         try:
             return self._run()
         except TrainingError:
@@ -378,6 +396,8 @@ class Trainer:
         val: dict[str, float] = {}
         t_loop = time.perf_counter()
         pending: list[dict[str, Any]] = []
+        self.started = True
+        self.heartbeat.watching.clear()  # from here on, failed collectives tell of lost peers
         for step in range(start + 1, last + 1):
             pending.append(self._step(step, sampler))
             evaluate = bool(tc.eval_every and step % tc.eval_every == 0) or step == last
@@ -476,7 +496,10 @@ class Trainer:
                    "(stopped responding; died or unreachable)")
         else:
             who = "lost contact with a peer" + (f" ({note})" if note else "")
-        latest = self.checkpointer.latest()
+        if not self.started:
+            return (f"rank {self.rank}: start-up: {who}: {first}; restart the job once every "
+                    "rank can start")
+        latest = self.checkpointer.latest() if self.checkpointer is not None else None
         where = (f"; the last checkpoint is {latest} (continue with resume=true)"
                  if latest else "; no checkpoint was written")
         return f"rank {self.rank}: {who}: {first}{where}"
@@ -494,13 +517,14 @@ class Trainer:
     def _exit_with_verdict(self, lost: list[int]) -> None:
         """Heartbeat thread: peers named the lost ranks while this rank waits in a
         collective that cannot finish; say so and leave (the command line's behaviour)."""
-        text = self._peer_message(lost, "", "a peer's collective failed while this rank "
-                                            "waited for it")
+        why = ("a peer's collective failed while this rank waited for it" if self.started
+               else "its heartbeat stopped while the job was being set up")
+        text = self._peer_message(lost, "", why)
         print(f"flexdemo train: error: {text}", file=sys.stderr, flush=True)
         assert self.heartbeat is not None
         self.heartbeat.wait_for_survivors(lost)
         sys.stdout.flush()
-        os._exit(1)
+        os._exit(1 if self.started else 2)  # a job that never assembled: exit 2, as refused
 
 
 def train(cfg: Config, *, echo: Echo | None = None,

@@ -48,7 +48,6 @@ path and the cause.
 
 from __future__ import annotations
 
-import errno
 import json
 import os
 import sys
@@ -78,7 +77,14 @@ from .config import Config, config_to_dict, to_toml
 from .device import resolve_device, to_device
 from .errors import PeerLostError, StartupError, TrainingError, UsageError, _nonfinite_message
 from .liveness import Heartbeat, is_comm_error, short_error
-from .outputs import MetricsLog, Progress, format_summary, strict_json, write_atomic
+from .outputs import (
+    MetricsLog,
+    Progress,
+    check_output_folder,
+    format_summary,
+    strict_json,
+    write_atomic,
+)
 from .schedule import lr_at
 from .tasks import ShardSampler, Task, build_task
 
@@ -87,8 +93,6 @@ __all__ = ["Checkpointer", "PeerLostError", "StartupError", "TrainState", "Train
 
 STARTUP_STALE_SECONDS = 15.0
 """Until the loop starts, a peer whose heartbeat has not moved for this long has died."""
-_BAD_PATH_ERRNOS = (errno.ENOTDIR, errno.ENOENT, errno.EEXIST, errno.EISDIR, errno.EACCES,
-                    errno.EPERM, errno.EROFS, errno.ENAMETOOLONG)
 Echo = Callable[[str], None]
 
 
@@ -243,23 +247,7 @@ class Trainer:
     def _check_output_folder(self) -> None:
         """Rank 0 creates ``train.out`` and writes a probe file into it; every rank learns
         whether that worked (one line naming the path and the cause if not)."""
-        def check() -> None:
-            if self.out.exists() and not self.out.is_dir():
-                raise UsageError(f"train.out {str(self.out)!r} is a file, not a folder; "
-                                 "choose another train.out")
-            probe = self.out / f".write-test-{os.getpid()}"
-            try:
-                self.out.mkdir(parents=True, exist_ok=True)
-                probe.write_bytes(b"flexdemo")
-                probe.unlink()
-            except OSError as e:
-                # a path that cannot be a folder, or one this user may not write: the config's
-                # fault (exit code 2); a full disk or an I/O error: the run failed (1)
-                kind = UsageError if e.errno in _BAD_PATH_ERRNOS else TrainingError
-                raise kind(f"train.out {str(self.out)!r} is not a writable folder: "
-                           f"{describe_os_error(e)}; choose another train.out") from None
-
-        _rank0_decides(self.rank, self.world, check)
+        _rank0_decides(self.rank, self.world, lambda: check_output_folder(self.out))
 
     def _open_outputs(self) -> None:
         """Rank 0 writes ``config.toml`` and opens the metrics log (agreed like above)."""

@@ -191,17 +191,23 @@ def join_store(rank: int, world: int, addr: str, port: int, timeout: timedelta,
 
 def _wait_for_all(store: dist.Store, prefix: str, rank: int, world: int,
                   window: float, note: str) -> dict | None:
-    """None once every rank arrived; else the verdict (``died``, ``absent``, ``waited``),
-    the first one published being everyone's."""
+    """None once every rank arrived; else the verdict (``died``, ``absent``, ``waited``).
+    One outcome for all: the first rank to decide sets it ("ok", or its verdict) and every
+    rank follows it, so that no rank goes on while another gives up."""
     start = time.monotonic()
     seen: dict[int, tuple[int, float]] = {}  # rank -> (heartbeat, when it last moved)
     next_look = start
-    key = f"{prefix}verdict"
+    key = f"{prefix}outcome"
+
+    def settle(mine: str) -> dict | None:
+        outcome = store.compare_set(key, "", mine).decode()
+        return None if outcome == "ok" else json.loads(outcome)
+
     while True:
-        if store.add(f"{prefix}arrived", 0) >= world:
-            return None
         if store.check([key]):
-            return json.loads(store.get(key).decode())
+            return settle("")  # (compare_set on an existing key returns its value)
+        if store.add(f"{prefix}arrived", 0) >= world:
+            return settle("ok")
         now = time.monotonic()
         if now < next_look:
             time.sleep(0.2)
@@ -220,9 +226,8 @@ def _wait_for_all(store: dist.Store, prefix: str, rank: int, world: int,
                 died.append(r)
         absent = [r for r in range(world) if r not in arrived]
         if died or (absent and now - start > window):
-            mine = {"died": died, "absent": absent, "waited": None if died else note}
-            store.compare_set(key, "", json.dumps(mine))
-            return json.loads(store.get(key).decode())
+            return settle(json.dumps({"died": died, "absent": absent,
+                                      "waited": None if died else note}))
 
 
 def _verdict_error(store: dist.Store, prefix: str, rank: int, world: int, verdict: dict,

@@ -23,17 +23,21 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def spawn_ranks(world: int, args: list[str], timeout: float = 30) -> list[subprocess.Popen]:
+def spawn_ranks(world: int, args: list[str], timeout: float = 30,
+                ranks: list[int] | None = None, port: int | None = None,
+                env: dict | None = None) -> list[subprocess.Popen]:
     """``world`` bare processes of ``python -m flexdemo ARGS`` with torchrun's variables, one
     rank per launcher (``LOCAL_WORLD_SIZE=1``), collectives timing out after ``timeout`` s;
-    stdout and stderr together in each one's ``stdout`` pipe."""
-    port = free_port()
+    stdout and stderr together in each one's ``stdout`` pipe. ``ranks``: start only these
+    (a job whose other ranks never arrive); ``env``: more variables."""
+    port = port or free_port()
     procs = []
-    for rank in range(world):
-        env = dict(os.environ, RANK=str(rank), LOCAL_RANK="0", WORLD_SIZE=str(world),
-                   LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                   OMP_NUM_THREADS="1", FLEXDEMO_TIMEOUT=str(timeout))
-        procs.append(subprocess.Popen([sys.executable, "-m", "flexdemo", *args], env=env,
+    for rank in range(world) if ranks is None else ranks:
+        env_r = dict(os.environ, RANK=str(rank), LOCAL_RANK="0", WORLD_SIZE=str(world),
+                     LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                     OMP_NUM_THREADS="1", FLEXDEMO_TIMEOUT=str(timeout))
+        env_r.update(env or {})
+        procs.append(subprocess.Popen([sys.executable, "-m", "flexdemo", *args], env=env_r,
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                       text=True))
     return procs

@@ -250,3 +250,54 @@ def migration_worker(rank, world):
     out["prepare_detonation"] = {"shards": shards(model), "base": type(opt.base).__name__,
                                  "mesh": tuple(opt.mesh.mesh.shape)}
     return out
+
+
+# ---------------------------------------------------------------------------- DCP mismatches
+class Wider(nn.Module):
+    """Tiny's parameter names with another hidden width: another model."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(12, 16)
+        self.blocks = nn.ModuleList([nn.Linear(16, 16) for _ in range(2)])
+        self.out = nn.Linear(16, 6)
+
+    def forward(self, x):
+        return self.out(self.inp(x))
+
+
+def dcp_mismatch_worker(rank, world, root):
+    """Save a 2 x 1 DeMo job both ways (DCP helpers, flexdemo.save_checkpoint); load each
+    into another mesh, replicator setting and model: flexdemo.dcp.load must refuse with the
+    line load_checkpoint gives (its path swapped), and before DCP reads anything."""
+    def make(model, replicate, shard, topk=4):
+        torch.manual_seed(0)
+        return flexdemo.prepare(model, flexdemo.DeMoReplicator(topk=topk, chunk=8), lr=0.01,
+                                replicate=replicate, shard=shard)
+
+    model, opt = make(Tiny(), 2, 1)
+    train(model, opt, 2, rank)
+    msd, osd = get_state_dict(model, opt)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=f"{root}/dcp")
+    flexdemo.save_checkpoint(f"{root}/native", model, opt, step=2)
+    out = {}
+    for case, (m, r, s, topk) in {"mesh": (Tiny(), 1, 2, 4), "replicator": (Tiny(), 2, 1, 8),
+                                  "model": (Wider(), 2, 1, 4)}.items():
+        model2, opt2 = make(m, r, s, topk)
+        before = shards(model2)
+        lines = {}
+        try:
+            flexdemo.load_checkpoint(f"{root}/native", model2, opt2)
+        except flexdemo.checkpoint.CheckpointMismatchError as e:
+            lines["native"] = str(e).replace(f"{root}/native", "PATH")
+        msd2, osd2 = get_state_dict(model2, opt2)
+        try:
+            from flexdemo import dcp as fdcp
+
+            fdcp.load({"model": msd2, "optim": osd2}, checkpoint_id=f"{root}/dcp")
+        except Exception as e:  # noqa: BLE001 - the test names the type it wants
+            lines["dcp"] = str(e).replace(f"{root}/dcp", "PATH")
+            lines["dcp_type"] = type(e).__name__
+        lines["untouched"] = _equal(shards(model2), before)
+        out[case] = lines
+    return out

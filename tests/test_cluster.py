@@ -435,3 +435,17 @@ def test_cli_signal_stops_ranks_and_removes_namespaces(sig, code, default_sigint
     assert all(_gone(p) for p in pids)
     if shaped:
         assert not _ours(proc.pid)
+
+
+def test_cli_says_a_killed_rank_once(capsys):
+    """A rank killed by SIGKILL: `flexdemo cluster` used to print its line twice (once as a
+    fact, once as the error)."""
+    script = ("import os, signal, time\n"
+              "if os.environ['RANK'] == '1': os.kill(os.getpid(), signal.SIGKILL)\n"
+              "time.sleep(60)\n")
+    code = main(["cluster", "--nodes", "2", "--unshaped", "--grace", "1", "--", PY, "-c",
+                 script])
+    err = capsys.readouterr().err
+    assert code == 128 + signal.SIGKILL, err
+    lines = [line for line in err.splitlines() if "killed by SIGKILL" in line]
+    assert len(lines) == 1 and "error:" in lines[0], err

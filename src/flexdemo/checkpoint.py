@@ -24,373 +24,78 @@ Saving is atomic: all ranks write into a sibling ``<name>.tmp-<pid>``; when ever
 rank 0 writes ``COMPLETE`` and renames the directory into place. A crash leaves the previous
 checkpoint as the newest complete one; stale temporary directories are removed by the next save.
 Collectives run on the default process group and time out with its timeout.
+
+This module saves, verifies and loads; its parts: :mod:`flexdemo.checkpoint_files` (the files
+on disk), :mod:`flexdemo.checkpoint_state` (state split into DCP tensors and back),
+:mod:`flexdemo.checkpoint_agree` (one outcome on every rank, storage errors by cause) and
+:mod:`flexdemo.mismatch` (what differs from the job that loads it).
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import pickle
-import re
 import shutil
 import time
 import warnings
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
-from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
-from torch.distributed.tensor import DTensor
 
+from .checkpoint_agree import CheckpointError, _agree, _dcp_call, _rank_world
+from .checkpoint_files import (
+    _SCRATCH,
+    FORMAT_VERSION,
+    META_FILE,
+    RANKS_DIR,
+    NotACheckpointError,
+    _fsync_dir,
+    _fsync_write,
+    _rank_file,
+    _remove_scratch,
+    _require_complete,
+    latest_checkpoint,
+)
+from .checkpoint_state import (
+    _fingerprints,
+    _join,
+    _local,
+    _mesh_shape,
+    _optimizer_parts,
+    _param_names,
+    _refs,
+    _replicas_identical,
+    _split,
+    _split_optimizer,
+    _to_device,
+)
 from .integrity import (
     DAMAGED,
     DIGEST,
-    IO,
     MARKER_FILE,
     CheckpointStatus,
     check_checkpoint,
     describe_os_error,
     record_files,
-    storage_cause,
+)
+from .mismatch import (
+    CheckpointMismatchError,
+    check_base,
+    check_mesh,
+    check_model,
+    check_replicators,
+    setting_differences,  # noqa: F401 - re-exported
 )
 
-__all__ = ["FORMAT_VERSION", "CheckpointError", "CheckpointMismatchError", "describe_os_error",
-           "latest_checkpoint", "load_checkpoint", "read_info", "save_checkpoint",
-           "verify_checkpoint"]
-
-FORMAT_VERSION = 1
-META_FILE = "flexdemo.json"
-RANKS_DIR = "ranks"
-_SCRATCH = re.compile(r"\.(tmp|old)-\d+$")  # temporary / replaced directories, never loaded
-
-
-@dataclass(frozen=True)
-class _Ref:
-    """Where a tensor of a rank's state went: its DCP key, global shape, dtype and device.
-
-    ``scope`` is ``"rank"`` for keys that belong to this rank alone, ``"model"`` for base
-    optimizer state that follows the model's layout (shared or per rank). ``like`` names the
-    parameter whose sharding a DTensor shares.
-    """
-
-    key: str
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-    device: str
-    scope: str = "rank"
-    like: str | None = None
-
-
-# ---------------------------------------------------------------------------- process group
-def _rank_world() -> tuple[int, int]:
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
-
-
-class CheckpointError(OSError):
-    """Storage failed while saving or loading a checkpoint (a full disk, no permission, a
-    missing file, a damaged checkpoint). Raised on every rank with the same one-line message,
-    which names the path and the cause; a save that fails leaves the previous checkpoint
-    untouched. ``cause`` is one of ``"no space"``, ``"permission"``, ``"missing"``,
-    ``"damaged"`` or ``"I/O"``."""
-
-    def __init__(self, message: str, cause: str = IO) -> None:
-        super().__init__(message)
-        self.cause = cause
-
-    def __reduce__(self):
-        return type(self), (str(self), self.cause)
-
-
-def _storage_cause(e: BaseException) -> BaseException | None:
-    """The storage error behind ``e``: an OSError itself, or the first one DCP collected."""
-    if isinstance(e, OSError):
-        return e
-    if isinstance(e, CheckpointException):
-        for _rank, (exc, _trace) in sorted(e.failures.items()):
-            return exc
-    return None
-
-
-def _classify(error: BaseException) -> tuple[str, str] | None:
-    """``(cause, text)`` of a storage error, or None for other errors."""
-    if isinstance(error, CheckpointError):
-        return error.cause, str(error)
-    storage = _storage_cause(error)
-    if isinstance(storage, OSError):
-        return storage_cause(storage)
-    return None
-
-
-def _agree(error: BaseException | None, action: str, payload: Any = None) -> list:
-    """Collective: every rank learns whether any rank failed, and gets every rank's payload.
-
-    Raises on every rank if one failed, so no rank goes on into a collective that the others
-    never join. A storage error (OSError, :class:`CheckpointError`) becomes the same
-    :class:`CheckpointError` on every rank (the lowest failing rank's); otherwise the failing
-    rank re-raises its own exception. Also serves as a barrier.
-    """
-    rank, world = _rank_world()
-    storage = _classify(error) if error is not None else None
-    if storage is not None and not isinstance(error, CheckpointError):
-        storage = (storage[0], f"{action}: {storage[1]}")
-    if world == 1:
-        if storage is not None:
-            raise CheckpointError(storage[1], storage[0]) from None
-        if error is not None:
-            raise error
-        return [payload]
-    note = None if error is None else ("error", f"{type(error).__name__}: {error}")
-    if storage is not None:
-        note = ("storage", storage)
-    gathered: list = [None] * world
-    dist.all_gather_object(gathered, (note, payload))
-    failed = {r: n for r, (n, _) in enumerate(gathered) if n is not None}
-    if failed:
-        on_disk = {r: n[1] for r, n in failed.items() if n[0] == "storage"}
-        if on_disk:
-            first = min(on_disk)
-            cause, text = on_disk[first]
-            where = f" (rank {first})" if world > 1 else ""
-            raise CheckpointError(f"{text}{where}", cause) from None
-        if error is not None:
-            raise error
-        first = min(failed)
-        text = failed[first][1]
-        cls = ValueError if text.startswith("ValueError") else RuntimeError
-        raise cls(f"{action} failed on rank(s) {sorted(failed)}; rank {first}: {text}")
-    return [p for _, p in gathered]
-
-
-def _dcp_call(fn, state: dict, action: str, directory: Path, **kwargs) -> None:
-    """Run ``dcp.save`` / ``dcp.load`` (without a process group in a lone process). DCP's
-    ``CheckpointException`` derives from ``BaseException`` and holds every rank's traceback;
-    it becomes one :class:`CheckpointError` naming the cause (a full disk that torch's writer
-    reports as a RuntimeError is told apart by a probe write into ``directory``)."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        try:
-            fn(state, no_dist=not (dist.is_available() and dist.is_initialized()), **kwargs)
-        except CheckpointException as e:
-            cause = _storage_cause(e)
-            kind, text = storage_cause(cause, directory if fn is dcp.save else None)
-            if kind == DAMAGED:  # e.g. EOFError or an unpickling error from a cut file
-                what = text.rstrip(": ")
-                text = f"its data files (*.distcp) are truncated or corrupt ({what[:200]})"
-            raise CheckpointError(f"{action}: {text}", kind) from None
-
-
-# ---------------------------------------------------------------------------- layout
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """The rank-local part of a DTensor (sharing storage), or ``t`` itself."""
-    return t._local_tensor if isinstance(t, DTensor) else t
-
-
-def _optimizer_parts(optimizer) -> tuple[torch.optim.Optimizer, list]:
-    """The base torch optimizer and the replicator chain (none for a plain torch optimizer)."""
-    base = getattr(optimizer, "base", optimizer)
-    if not isinstance(base, torch.optim.Optimizer):
-        raise TypeError(f"expected a flexdemo.DeToNATION or torch.optim.Optimizer, got "
-                        f"{type(optimizer).__name__}")
-    return base, list(getattr(optimizer, "replicators", []))
-
-
-def _mesh_shape(model: nn.Module, optimizer) -> tuple[int, int]:
-    """``(replicate, shard)``: the optimizer's mesh, else the parameters' shard mesh, else DP."""
-    rank, world = _rank_world()
-    mesh = getattr(optimizer, "mesh", None)
-    if mesh is not None:
-        if mesh.get_coordinate() is None:
-            raise ValueError(f"rank {rank} is not part of the optimizer's mesh")
-        r, s = (int(n) for n in mesh.mesh.shape)
-        return r, s
-    for p in model.parameters():
-        if isinstance(p, DTensor):  # sharded without prepare(): the parameters' mesh is a shard
-            size = p.device_mesh.size()
-            return world // size, size
-    return world, 1
-
-
-def _fingerprints(tensors: dict[str, torch.Tensor]) -> dict[tuple, str]:
-    """Digest of this rank's tensors per chunk identity (the mesh coordinate along sharded
-    dimensions; ``()`` for plain tensors). DCP keeps one copy of chunks with equal identity, so
-    a shared layout is exact only if every rank with the same identity has the same digest."""
-    hashes: dict[tuple, Any] = {}
-    for key in sorted(tensors):
-        t = tensors[key]
-        ident: tuple = ()
-        if isinstance(t, DTensor):
-            coord = t.device_mesh.get_coordinate() or ()
-            ident = tuple(c for c, pl in zip(coord, t.placements) if pl.is_shard())
-        loc = _local(t).detach()
-        h = hashes.setdefault(ident, hashlib.blake2b(digest_size=16))
-        h.update(f"{key}|{loc.dtype}|{tuple(loc.shape)}|".encode())
-        if loc.numel():
-            h.update(loc.contiguous().reshape(-1).view(torch.uint8).cpu().numpy())
-    return {ident: h.hexdigest() for ident, h in hashes.items()}
-
-
-def _replicas_identical(prints: list[dict[tuple, str]]) -> bool:
-    seen: dict[tuple, str] = {}
-    for rank_prints in prints:
-        for ident, digest in rank_prints.items():
-            if seen.setdefault(ident, digest) != digest:
-                return False
-    return True
-
-
-# ---------------------------------------------------------------------------- state trees
-def _split(obj: Any, prefix: str, tensors: dict[str, torch.Tensor], where: str) -> Any:
-    """Replace every tensor in nested dicts/lists/tuples by a :class:`_Ref` (key ``prefix<i>``)
-    and collect the tensors in ``tensors``."""
-    if isinstance(obj, DTensor):
-        raise ValueError(f"{where} holds a DTensor; per-rank state must hold plain tensors "
-                         "(pass t.to_local() or t.full_tensor())")
-    if isinstance(obj, torch.Tensor):
-        key = f"{prefix}{len(tensors)}"
-        tensors[key] = obj.detach()
-        return _Ref(key, tuple(obj.shape), obj.dtype, str(obj.device))
-    if isinstance(obj, dict):
-        out = obj.copy()
-        for k, v in obj.items():
-            out[k] = _split(v, prefix, tensors, f"{where}[{k!r}]")
-        return out
-    if isinstance(obj, (list, tuple)):
-        items = [_split(v, prefix, tensors, f"{where}[{i}]") for i, v in enumerate(obj)]
-        if isinstance(obj, list):
-            return items
-        return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
-    return obj
-
-
-def _join(obj: Any, loaded: dict[str, torch.Tensor]) -> Any:
-    """The inverse of :func:`_split`: put the loaded tensors back in place of the references."""
-    if isinstance(obj, _Ref):
-        return loaded[obj.key]
-    if isinstance(obj, dict):
-        out = obj.copy()
-        for k, v in obj.items():
-            out[k] = _join(v, loaded)
-        return out
-    if isinstance(obj, (list, tuple)):
-        items = [_join(v, loaded) for v in obj]
-        if isinstance(obj, list):
-            return items
-        return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
-    return obj
-
-
-def _refs(obj: Any):
-    """Every :class:`_Ref` in a nested structure."""
-    if isinstance(obj, _Ref):
-        yield obj
-    elif isinstance(obj, dict):
-        for v in obj.values():
-            yield from _refs(v)
-    elif isinstance(obj, (list, tuple)):
-        for v in obj:
-            yield from _refs(v)
-
-
-def _to_device(t: torch.Tensor, device: str) -> torch.Tensor:
-    """Move a loaded tensor back to the device it was saved from, where that device exists."""
-    dev = torch.device(device)
-    if dev.type == "cpu" or (dev.type == "cuda" and not torch.cuda.is_available()):
-        return t
-    try:
-        return t.to(dev)
-    except (RuntimeError, AssertionError):
-        return t
-
-
-def _param_names(model: nn.Module, base: torch.optim.Optimizer) -> list[str]:
-    """Names of the base optimizer's parameters, in its (state dict index) order."""
-    names = {id(p): n for n, p in model.named_parameters()}
-    out = []
-    for g in base.param_groups:
-        for p in g["params"]:
-            if id(p) not in names:
-                raise ValueError("the optimizer holds a parameter that is not in the model; "
-                                 "checkpoint the model the optimizer was built for")
-            out.append(names[id(p)])
-    return out
-
-
-def _split_optimizer(model: nn.Module, base: torch.optim.Optimizer, rank: int,
-                     own: dict[str, torch.Tensor]) -> tuple[dict, dict[str, torch.Tensor]]:
-    """The base optimizer's state keyed by parameter name.
-
-    Returns the structure (tensors as references) and the model-scoped tensors
-    ``optim/<fqn>/<name>``; tensors nested deeper go to the rank's own keys ``own``.
-    """
-    names = _param_names(model, base)
-    params = {n: p for n, p in model.named_parameters()}
-    sd = base.state_dict()
-    tensors: dict[str, torch.Tensor] = {}
-    state: dict[str, dict] = {}
-    for idx, entry in sd["state"].items():
-        fqn = names[idx]
-        out = {}
-        for k, v in entry.items():
-            if isinstance(v, torch.Tensor):
-                key = f"optim/{fqn}/{k}"
-                like = None
-                if isinstance(v, DTensor):
-                    p = params[fqn]
-                    if not (isinstance(p, DTensor) and v.shape == p.shape
-                            and v.device_mesh == p.device_mesh and v.placements == p.placements):
-                        raise ValueError(f"optimizer state {fqn}/{k} is a DTensor sharded unlike "
-                                         "its parameter; this is not supported")
-                    like = fqn
-                tensors[key] = v.detach()
-                out[k] = _Ref(key, tuple(v.shape), v.dtype, str(_local(v).device), "model", like)
-            else:
-                out[k] = _split(v, f"rank{rank}/state/", own, f"optimizer state {fqn}/{k}")
-        state[fqn] = out
-    groups = []
-    for g in sd["param_groups"]:
-        g = {k: v for k, v in g.items() if k != "params"} | {
-            "params": [names[i] for i in g["params"]]}
-        groups.append(_split(g, f"rank{rank}/state/", own, "optimizer param_groups"))
-    return {"state": state, "param_groups": groups}, tensors
-
-
-# ---------------------------------------------------------------------------- files
-def _fsync_write(path: Path, data: bytes) -> None:
-    with open(path, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def _remove_scratch(root: Path) -> None:
-    """Remove temporary and replaced checkpoint directories left by an interrupted save."""
-    if not root.is_dir():
-        return
-    for d in root.iterdir():
-        if _SCRATCH.search(d.name) and d.is_dir():
-            shutil.rmtree(d, ignore_errors=True)
+__all__ = ["FORMAT_VERSION", "CheckpointError", "CheckpointMismatchError", "NotACheckpointError",
+           "describe_os_error", "latest_checkpoint", "load_checkpoint", "read_info",
+           "save_checkpoint", "verify_checkpoint"]
 
 
 def _commit(tmp: Path, final: Path) -> None:
@@ -405,43 +110,6 @@ def _commit(tmp: Path, final: Path) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def _rank_file(path: Path, rank: int) -> Path:
-    return path / RANKS_DIR / f"rank{rank:05d}.pkl"
-
-
-def _read_meta(path: Path) -> dict | None:
-    """The metadata of a complete checkpoint at ``path``, or None."""
-    try:
-        if not (path / MARKER_FILE).is_file() or not (path / ".metadata").is_file():
-            return None
-        meta = json.loads((path / META_FILE).read_text())
-        return meta if isinstance(meta, dict) else None
-    except (OSError, ValueError):
-        return None
-
-
-def _require_complete(path: Path) -> dict:
-    hint = "use flexdemo.checkpoint.latest_checkpoint(root) to find the newest complete one"
-    if not path.is_dir():
-        raise ValueError(f"no checkpoint at {path}: the directory does not exist; {hint}")
-    if _SCRATCH.search(path.name):
-        raise ValueError(f"{path} is not a complete flexdemo checkpoint but the temporary "
-                         f"directory of an interrupted save; {hint}")
-    meta = _read_meta(path)
-    if meta is None:
-        if latest_checkpoint(path) is not None:
-            raise ValueError(f"{path} is a directory of checkpoints, not a checkpoint; pass "
-                             f"latest_checkpoint({str(path)!r}) or one of its step directories")
-        raise ValueError(f"{path} is not a complete flexdemo checkpoint (no {MARKER_FILE} "
-                         f"marker, or unreadable {META_FILE}): its save was interrupted or it "
-                         f"was written by something else; {hint}")
-    if meta.get("format") != FORMAT_VERSION:
-        raise ValueError(f"checkpoint {path} has format {meta.get('format')!r}, this flexdemo "
-                         f"reads format {FORMAT_VERSION}; load it with the flexdemo version that "
-                         f"wrote it ({meta.get('flexdemo_version')})")
-    return meta
-
-
 def _flexdemo_version() -> str:
     import flexdemo
 
@@ -453,94 +121,15 @@ def _tensor_table(msd: dict) -> dict[str, dict]:
             for k, v in msd.items() if isinstance(v, torch.Tensor)}
 
 
-class CheckpointMismatchError(ValueError):
-    """A checkpoint that this job cannot resume: it was written with another mesh, model,
-    base optimizer or replicators. ``differences`` lists ``(what, saved, now)``."""
-
-    def __init__(self, message: str, differences: list[tuple[str, str, str]]) -> None:
-        super().__init__(message)
-        self.differences = differences
-
-    def __reduce__(self):
-        return type(self), (str(self), self.differences)
-
-
-def setting_differences(saved: str, now: str) -> list[tuple[str, str, str]]:
-    """The ``key=value`` settings that differ between two reprs such as
-    ``DeMoReplicator(topk=16, chunk=64)``; the whole reprs if the kinds differ."""
-    pattern = re.compile(r"^(\w+)\((.*)\)$")
-    ms, mn = pattern.match(saved), pattern.match(now)
-    if not (ms and mn) or ms.group(1) != mn.group(1):
-        return [("kind", saved, now)]
-
-    def pairs(text: str) -> dict[str, str]:
-        out = {}
-        for part in re.split(r",\s*(?=\w+=)", text):
-            if "=" in part:
-                k, v = part.split("=", 1)
-                out[k.strip()] = v.strip()
-        return out
-
-    a, b = pairs(ms.group(2)), pairs(mn.group(2))
-    diff = [(k, a.get(k, "(unset)"), b.get(k, "(unset)")) for k in sorted(set(a) | set(b))
-            if a.get(k) != b.get(k)]
-    return diff or [("settings", saved, now)]
-
-
 def _check_compatible(path: Path, meta: dict, world: int, mesh_shape: tuple[int, int],
                       msd: dict, base: torch.optim.Optimizer, reps: list) -> None:
     """Raise :class:`CheckpointMismatchError` if the checkpoint at ``path`` cannot be resumed
     by this job."""
-    saved_mesh = tuple(meta["mesh_shape"])
-    if meta["world_size"] != world or saved_mesh != tuple(mesh_shape):
-        raise CheckpointMismatchError(
-            f"checkpoint {path} was written by {meta['world_size']} rank(s) as a replicate x "
-            f"shard = {saved_mesh[0]} x {saved_mesh[1]} mesh, but this job runs {world} rank(s) "
-            f"as {mesh_shape[0]} x {mesh_shape[1]}. Per-replica state (DeMo momentum, "
-            "replicator buffers, DiLoCo copies, the data position in `extra`) cannot be "
-            "redistributed: resume with the same world size and mesh, e.g. "
-            f"flexdemo.prepare(..., replicate={saved_mesh[0]}, shard={saved_mesh[1]})",
-            [("world size", str(meta["world_size"]), str(world)),
-             ("mesh", f"{saved_mesh[0]} x {saved_mesh[1]}",
-              f"{mesh_shape[0]} x {mesh_shape[1]}")])
-    saved, now = meta["tensors"], _tensor_table(msd)
-    missing = sorted(set(saved) - set(now))
-    unexpected = sorted(set(now) - set(saved))
-    shapes = [f"{k} {tuple(saved[k]['shape'])} -> {tuple(now[k]['shape'])}"
-              for k in sorted(set(saved) & set(now)) if saved[k]["shape"] != now[k]["shape"]]
-    if missing or unexpected or shapes:
-        parts = []
-        for label, items in (("missing from this model", missing),
-                             ("not in the checkpoint", unexpected),
-                             ("with another shape (saved -> this model)", shapes)):
-            if items:
-                more = f" and {len(items) - 5} more" if len(items) > 5 else ""
-                parts.append(f"{label}: {', '.join(items[:5])}{more}")
-        raise CheckpointMismatchError(
-            f"checkpoint {path} was written for another model; tensors {'; '.join(parts)}. "
-            "Load it into the model it was saved from (same architecture and parameter names)",
-            [("model", f"{len(saved)} tensors", f"{len(now)} tensors" + (
-                f" ({shapes[0]}{' ...' if len(shapes) > 1 else ''})" if shapes else ""))])
-    if meta["base_optimizer"] != type(base).__name__:
-        raise CheckpointMismatchError(
-            f"checkpoint {path} holds {meta['base_optimizer']} state, this optimizer's base is "
-            f"{type(base).__name__}; build the optimizer with the same base optimizer to resume",
-            [("base optimizer", meta["base_optimizer"], type(base).__name__)])
-    mine = [repr(r) for r in reps]
-    if meta["replicators"] != mine:
-        diff: list[tuple[str, str, str]] = []
-        if len(meta["replicators"]) != len(mine):
-            diff.append(("replicators", str(meta["replicators"]), str(mine)))
-        else:
-            for i, (a, b) in enumerate(zip(meta["replicators"], mine)):
-                tag = "replicator" if len(mine) == 1 else f"replicator {i}"
-                diff += [(f"{tag} {k}" if k != "kind" else tag, x, y)
-                         for k, x, y in setting_differences(a, b) if a != b]
-        said = ", ".join(f"{w} {x} (now {y})" for w, x, y in diff)
-        raise CheckpointMismatchError(
-            f"checkpoint {path} was written with replicators {meta['replicators']}, this "
-            f"optimizer has {mine} ({said}); build the optimizer with the same replicators "
-            "to resume", diff)
+    check_mesh(path, meta["world_size"], meta["mesh_shape"], world, mesh_shape)
+    check_model(path, {k: v["shape"] for k, v in meta["tensors"].items()},
+                {k: v["shape"] for k, v in _tensor_table(msd).items()})
+    check_base(path, meta["base_optimizer"], type(base).__name__)
+    check_replicators(path, meta["replicators"], [repr(r) for r in reps])
     if meta.get("flexdemo_version") != _flexdemo_version():
         warnings.warn(f"checkpoint {path} was written by flexdemo "
                       f"{meta.get('flexdemo_version')}, this is {_flexdemo_version()}",
@@ -791,27 +380,3 @@ def _load_base(base: torch.optim.Optimizer, names: list[str], saved: dict) -> No
     base.load_state_dict({"state": state, "param_groups": groups})
 
 
-def latest_checkpoint(root: str | os.PathLike) -> Path | None:
-    """The complete checkpoint under ``root`` with the highest step (newest on ties), or None.
-
-    Directories without the completion marker (interrupted saves) and temporary directories
-    are ignored.
-    """
-    root = Path(root)
-    if not root.is_dir():
-        return None
-    best, best_key = None, None
-    for d in root.iterdir():
-        if _SCRATCH.search(d.name) or not d.is_dir():
-            continue
-        meta = _read_meta(d)
-        if meta is None or not isinstance(meta.get("step"), int):
-            continue
-        try:
-            stamp = json.loads((d / MARKER_FILE).read_text()).get("time", 0.0)
-        except (OSError, ValueError, AttributeError):
-            stamp = 0.0
-        key = (meta["step"], float(stamp), d.name)
-        if best_key is None or key > best_key:
-            best, best_key = d, key
-    return best

@@ -25,15 +25,27 @@ an optimizer state dict shaped like torch's: ``{"state": {param: {...}}, "param_
 Whether replicas are identical is decided from the replicator kinds and schedules
 (:meth:`DeToNATION.replicas_identical`), conservatively. A checkpoint loads into a job with
 the same world size and mesh; other layouts raise ``ValueError``.
+
+:func:`load` is ``dcp.load`` with flexdemo's checks first (:func:`check_load`): a checkpoint
+written on another mesh, for another model, base optimizer or replicators raises
+:class:`~flexdemo.mismatch.CheckpointMismatchError` with the line that
+:func:`flexdemo.load_checkpoint` gives, instead of DCP's "Size mismatch" traceback.
 """
 
 from __future__ import annotations
 
 import io
+import os
+import re
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from .mismatch import check_base, check_mesh, check_model, check_replicators
 from .transport import group_rank
 
 PREFIX = "flexdemo/"
@@ -168,6 +180,7 @@ def state_dict(opt: torch.optim.Optimizer) -> dict:
         "skipped_steps": opt.skipped_steps,
         "params": [list(_local_shape(p)) for p in opt._params],
         "kinds": _kinds(opt),
+        "reprs": [repr(r) for r in opt.replicators],
         "buffers": [b.detach().clone() for b in opt.buffer_sync.all_buffers]
         if keep_buffers else None,
     }
@@ -279,3 +292,66 @@ def _copy_local(p: torch.Tensor, v: torch.Tensor) -> None:
     dst = p._local_tensor if hasattr(p, "_local_tensor") else p
     src = v._local_tensor if hasattr(v, "_local_tensor") else v
     dst.copy_(src)
+
+
+# ---------------------------------------------------------------------- checks before dcp.load
+_BLOB = re.compile(r"^(.*)" + re.escape(PREFIX) + r"chain/rank(\d+)$")
+
+
+def check_load(state_dict: dict, checkpoint_id: str | os.PathLike) -> None:
+    """Compare the DCP checkpoint ``checkpoint_id`` with the job about to load it into
+    ``state_dict`` (what ``get_state_dict`` returned, under any top-level keys): the world
+    size and mesh, the model's tensors (names and global shapes), the base optimizer and the
+    replicators. Raises :class:`~flexdemo.mismatch.CheckpointMismatchError` with the same line
+    as :func:`flexdemo.load_checkpoint`; does nothing for state dicts without flexdemo's
+    optimizer. Reads only the checkpoint's metadata and one small entry; not collective."""
+    flat, _ = flatten_state_dict(state_dict)
+    mine = [(k, m) for k in flat if (m := _BLOB.match(k))]
+    if not mine:
+        return
+    key, match = mine[0]
+    head = match.group(1)  # e.g. "optim.state.inp.weight."
+    top = head.split(".", 1)[0] + "."
+    meta = FileSystemReader(checkpoint_id).read_metadata().state_dict_metadata
+    saved_ranks = sorted(int(m.group(2)) for k in meta
+                         if (m := _BLOB.match(k)) and k.startswith(top))
+    if not saved_ranks:
+        return  # not written by flexdemo's optimizer: load_state_dict says so
+    saved_key = key if key in meta else next(k for k in meta if _BLOB.match(k)
+                                             and k.startswith(top))
+    blob = _read_entry(checkpoint_id, saved_key)
+    now = _unpack(flat[key]) if isinstance(flat[key], (bytes, bytearray)) else flat[key]
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    if blob.get("mesh") is not None and now.get("mesh") is not None:
+        check_mesh(checkpoint_id, len(saved_ranks), blob["mesh"], world, now["mesh"])
+    saved_model = {k: tuple(md.size) for k, md in meta.items()
+                   if isinstance(md, TensorStorageMetadata) and not k.startswith(top)}
+    now_model = {k: tuple(v.shape) for k, v in flat.items()
+                 if isinstance(v, torch.Tensor) and not k.startswith(top)}
+    models = {k.split(".", 1)[0] for k in saved_model} | {k.split(".", 1)[0] for k in now_model}
+    strip = (lambda k: k.split(".", 1)[1]) if len(models) == 1 else (lambda k: k)
+    check_model(checkpoint_id, {strip(k): v for k, v in saved_model.items()},
+                {strip(k): v for k, v in now_model.items()})
+    saved_kinds, now_kinds = blob.get("kinds"), now.get("kinds")
+    if saved_kinds and now_kinds:
+        check_base(checkpoint_id, saved_kinds["base"], now_kinds["base"])
+    if blob.get("reprs") is not None and now.get("reprs") is not None:
+        check_replicators(checkpoint_id, blob["reprs"], now["reprs"])
+    elif saved_kinds and now_kinds:
+        check_replicators(checkpoint_id, saved_kinds["replicators"], now_kinds["replicators"])
+
+
+def _read_entry(checkpoint_id: str | os.PathLike, key: str) -> dict:
+    """One rank's replicator-chain entry of a DCP checkpoint, read by this rank alone."""
+    one: dict = {key: b""}
+    dcp.load(one, checkpoint_id=checkpoint_id, no_dist=True)
+    value = one[key]
+    return _unpack(value) if isinstance(value, (bytes, bytearray)) else value
+
+
+def load(state_dict: dict, *, checkpoint_id: str | os.PathLike, **kwargs) -> None:
+    """``torch.distributed.checkpoint.load`` after :func:`check_load`: a checkpoint this job
+    cannot resume raises :class:`~flexdemo.mismatch.CheckpointMismatchError` (one line, old
+    value against new) before DCP reads anything. Collective, like ``dcp.load``."""
+    check_load(state_dict, checkpoint_id)
+    dcp.load(state_dict, checkpoint_id=checkpoint_id, **kwargs)

@@ -10,6 +10,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from .join import JoinError, join_store
+
 TIMEOUT_ENV = "FLEXDEMO_TIMEOUT"
 DEFAULT_TIMEOUT_SECONDS = 300.0
 """How long a collective (or joining the job) waits for a peer before it gives up, unless
@@ -57,8 +59,12 @@ def init_distributed(device: torch.device | str = "cpu",
     Under ``torchrun`` (``WORLD_SIZE`` set) this joins the job; without it, a single-rank
     group is created in-process, so the same code runs on one laptop CPU. Joining and every
     collective give up after ``timeout`` (default: :func:`timeout_from_env`) instead of
-    hanging on a dead peer; a rendezvous that times out raises ``TimeoutError`` naming
-    ``MASTER_ADDR:MASTER_PORT`` and ``FLEXDEMO_TIMEOUT``.
+    hanging on a dead peer. Every rank first registers in the job's store and waits there for
+    the others (:func:`flexdemo.join.join_store`): a peer that never arrives within
+    ``FLEXDEMO_JOIN_TIMEOUT`` (default 30 s) or dies while the others wait raises
+    :class:`flexdemo.join.JoinError` (a ``TimeoutError``) naming it by rank; a rendezvous
+    that times out later raises ``TimeoutError`` naming ``MASTER_ADDR:MASTER_PORT`` and
+    ``FLEXDEMO_TIMEOUT``.
     """
     if dist.is_initialized():
         return
@@ -77,8 +83,14 @@ def init_distributed(device: torch.device | str = "cpu",
     if device.type == "cuda":  # an explicit index wins over torchrun's LOCAL_RANK
         torch.cuda.set_device(device if device.index is not None
                               else int(os.environ.get("LOCAL_RANK", "0")))
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     try:
-        dist.init_process_group(backend, timeout=timeout)
+        store = join_store(rank, world, os.environ["MASTER_ADDR"],
+                           int(os.environ["MASTER_PORT"]), timeout)
+        dist.init_process_group(backend, store=dist.PrefixStore("default_pg", store),
+                                rank=rank, world_size=world, timeout=timeout)
+    except JoinError:
+        raise
     except (RuntimeError, TimeoutError) as e:  # DistError derives from RuntimeError
         if not is_timeout(e):
             raise

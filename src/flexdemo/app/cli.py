@@ -41,7 +41,7 @@ from .checkpoints import add_checkpoint_parser
 from .config import MIN_CORPUS_BYTES, ConfigError, load_config, to_toml
 from .simulate import SimulateOptions, run_simulation, write_summary
 from .strategies import STRATEGIES, check_strategy
-from .trainer import PeerLostError, TrainingError, UsageError, train
+from .trainer import PeerLostError, StartupError, TrainingError, UsageError, train
 
 CLUSTER_DESCRIPTION = """\
 Run a command on an emulated multi-node cluster on this machine.
@@ -237,12 +237,14 @@ examples:
 
 exit codes: 0 done, 1 training failed (e.g. a rank was lost), 2 bad config or arguments
 (including a checkpoint that does not exist or lies past train.steps, and a train.out that
-cannot be a folder).
+cannot be a folder) or a job that could not assemble (a rank never arrived or died during
+start-up; every survivor names it).
 environment: FLEXDEMO_TIMEOUT (seconds a collective waits for a dead peer; default 300,
-the library's; train.timeout overrides it); FLEXDEMO_CUDA_BY_RANK=1 puts rank r on cuda:r
-instead of cuda:LOCAL_RANK (emulated nodes sharing one machine's GPUs). The error that
-stops a run is the last line, after any log lines of torch's C++ side
-(TORCH_CPP_LOG_LEVEL=FATAL hides those; set it before starting Python).
+the library's; train.timeout overrides it); FLEXDEMO_JOIN_TIMEOUT (seconds a rank waits at
+start-up for a peer that has not arrived at all; default 30); FLEXDEMO_CUDA_BY_RANK=1
+puts rank r on cuda:r instead of cuda:LOCAL_RANK (emulated nodes sharing one machine's
+GPUs). The error that stops a run is the last line, after any log lines of torch's C++
+side (TORCH_CPP_LOG_LEVEL=FATAL hides those; set it before starting Python).
 """
 
 
@@ -327,6 +329,12 @@ def _run_training(cfg) -> int:
     rank = os.environ.get("RANK", "0")
     try:
         train(cfg, exit_on_lost_peer=True)
+    except StartupError as e:  # every survivor names the missing peers (rank 0 may be one)
+        _train_error(str(e), rank0_only=False)
+        # a process group with a dead peer: leave without tearing it down (that could block)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(2)
     except PeerLostError as e:
         _train_error(str(e), rank0_only=False)
         # the process group is broken: leave without tearing it down (that could block)

@@ -22,7 +22,9 @@ class Heartbeat:
     fail marks ``noticed/<rank>`` (it is alive, whatever its heartbeat does next), and the
     first one to finish a diagnosis (heartbeats that stopped, ranks that did not notice)
     publishes it as the ``verdict``; later ones take it. A rank still blocked in a collective
-    learns the verdict from its heartbeat thread (``on_verdict``). The store's host (rank 0)
+    learns the verdict from its heartbeat thread (``on_verdict``); with ``stale`` set, the
+    thread also names a peer whose heartbeat stopped for that long, until ``watching`` is
+    cleared (start-up, where no collective fails for it). The store's host (rank 0)
     waits for the survivors to take the verdict before it exits, since its exit takes the
     store down.
     """
@@ -31,10 +33,15 @@ class Heartbeat:
 
     def __init__(self, rank: int, world: int, interval: float = 1.0,
                  on_verdict: Callable[[list[int]], None] | None = None,
-                 store: dist.Store | None = None) -> None:
+                 store: dist.Store | None = None, stale: float | None = None) -> None:
         self.rank, self.world, self.interval = rank, world, interval
         self.on_verdict = on_verdict
         self.store = store
+        self.stale = stale
+        self.watching = threading.Event()  # see _watch; cleared when training starts
+        if stale is not None and on_verdict is not None:
+            self.watching.set()
+        self._moved: dict[int, tuple[int, float]] = {}
         if store is None and world > 1:
             try:
                 self.store = dist.distributed_c10d._get_default_store()
@@ -63,6 +70,8 @@ class Heartbeat:
                 self._beat()
                 if self.on_verdict is None or self.noticed.is_set():
                     continue
+                if self.watching.is_set() and self._watch():
+                    return
                 if self.store.check([self._key("verdict")]):
                     waited += 1  # give the main thread two beats to notice on its own
                     if waited > 2 and not self.noticed.is_set():
@@ -72,6 +81,27 @@ class Heartbeat:
                         return
             except Exception:  # noqa: BLE001 - the store is gone; lost_ranks() will say so
                 return
+
+    def _watch(self) -> bool:
+        """While watching (start-up, when no collective may fail for a dead peer, e.g. ranks
+        waiting for it in a group's creation): a peer whose heartbeat has not moved for
+        ``stale`` seconds died; publish that verdict (or take an earlier one) and hand it to
+        ``on_verdict``. Returns whether it did."""
+        now = time.monotonic()
+        stalled = []
+        for r, count in enumerate(self._counters()):
+            last = self._moved.get(r)
+            if last is None or last[0] != count:
+                self._moved[r] = (count, now)
+            elif r != self.rank and now - last[1] > self.stale:
+                stalled.append(r)
+        if not stalled or not self.watching.is_set():
+            return False
+        self.noticed.set()
+        self.store.set(self._key("noticed", self.rank), "1")
+        self.store.compare_set(self._key("verdict"), "", json.dumps(stalled))
+        self.on_verdict(self._take_verdict())
+        return True
 
     def stop(self) -> None:
         """Stop beating (before the process group goes away)."""

@@ -3,6 +3,7 @@ and the printed summary."""
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
@@ -13,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from ..checkpoint import describe_os_error
+from .errors import TrainingError, UsageError
 
 __all__ = ["MetricsLog", "Progress", "format_summary", "strict_json", "summary_writer",
            "write_atomic"]
@@ -188,3 +190,26 @@ def format_summary(s: dict[str, Any]) -> str:
         f"  outputs     {s['out']}/metrics.jsonl, summary.json",
     ]
     return "\n".join(lines)
+
+
+# a path that cannot be a folder, or one this user may not write: the config's fault (exit
+# code 2); a full disk or an I/O error: the run failed (1)
+_BAD_PATH_ERRNOS = (errno.ENOTDIR, errno.ENOENT, errno.EEXIST, errno.EISDIR, errno.EACCES,
+                    errno.EPERM, errno.EROFS, errno.ENAMETOOLONG)
+
+
+def check_output_folder(out: Path) -> None:
+    """Create ``out`` and write a probe file into it (rank 0's part of the trainer's check);
+    raises :class:`UsageError` or :class:`TrainingError` naming the path and the cause."""
+    if out.exists() and not out.is_dir():
+        raise UsageError(f"train.out {str(out)!r} is a file, not a folder; choose another "
+                         "train.out")
+    probe = out / f".write-test-{os.getpid()}"
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe.write_bytes(b"flexdemo")
+        probe.unlink()
+    except OSError as e:
+        kind = UsageError if e.errno in _BAD_PATH_ERRNOS else TrainingError
+        raise kind(f"train.out {str(out)!r} is not a writable folder: "
+                   f"{describe_os_error(e)}; choose another train.out") from None

@@ -4,11 +4,12 @@
 replica, the configured replicator across replicas), and runs the loop: learning-rate warm-up
 and schedule, each rank reading its own data shard, evaluation every ``eval_every`` steps,
 checkpoints every ``checkpoint_every`` steps. Its parts: :class:`TrainState` (what the loop
-carries from step to step and across a resume), :class:`Checkpointer` (which checkpoint to
-resume from, when to save, atomic saves, pruning), rank 0's outputs
-(:mod:`flexdemo.app.outputs`) and the heartbeats that tell which rank was lost
-(:mod:`flexdemo.app.liveness`). :func:`train` is the thin function for callers. Run it under
-``torchrun``, under ``flexdemo cluster``, or as a single process.
+carries from step to step and across a resume) and :class:`Checkpointer` (which checkpoint
+to resume from, when to save, atomic saves, pruning) in :mod:`flexdemo.app.checkpointer`, the
+errors in :mod:`flexdemo.app.errors`, rank 0's outputs (:mod:`flexdemo.app.outputs`) and the
+heartbeats that tell which rank was lost (:mod:`flexdemo.app.liveness`). :func:`train` is the
+thin function for callers. Run it under ``torchrun``, under ``flexdemo cluster``, or as a
+single process.
 
 Outputs under ``train.out`` (written by rank 0, except the checkpoints, which every rank
 writes; with several machines ``out`` must be a shared folder):
@@ -47,16 +48,12 @@ path and the cause.
 
 from __future__ import annotations
 
-import errno
 import json
 import os
-import re
-import shutil
 import sys
 import time
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -65,51 +62,38 @@ import torch
 import torch.distributed as dist
 
 from .. import NoReplicationWarning, prepare
-from ..checkpoint import (
-    MARKER_FILE,
-    META_FILE,
-    CheckpointMismatchError,
-    describe_os_error,
-    latest_checkpoint,
-    load_checkpoint,
-    read_info,
-    save_checkpoint,
-    verify_checkpoint,
-)
-from ..mesh import is_timeout, timeout_from_env, timeout_note
+from ..checkpoint import describe_os_error, save_checkpoint
+from ..join import JoinError
+from ..mesh import init_distributed, is_timeout, timeout_from_env, timeout_note
 from ..replicate import NonFiniteGradientError
+from .checkpointer import (
+    Checkpointer,
+    TrainState,
+    _checkpoint_meta,
+    _rank0_decides,
+    _sum_over_ranks,
+)
 from .config import Config, config_to_dict, to_toml
 from .device import resolve_device, to_device
+from .errors import PeerLostError, StartupError, TrainingError, UsageError, _nonfinite_message
 from .liveness import Heartbeat, is_comm_error, short_error
-from .outputs import MetricsLog, Progress, format_summary, strict_json, write_atomic
+from .outputs import (
+    MetricsLog,
+    Progress,
+    check_output_folder,
+    format_summary,
+    strict_json,
+    write_atomic,
+)
 from .schedule import lr_at
 from .tasks import ShardSampler, Task, build_task
 
-__all__ = ["Checkpointer", "PeerLostError", "TrainState", "Trainer", "TrainingError",
-           "UsageError", "lr_at", "timeout_seconds", "train"]
+__all__ = ["Checkpointer", "PeerLostError", "StartupError", "TrainState", "Trainer",
+           "TrainingError", "UsageError", "lr_at", "timeout_seconds", "train"]
 
-CHECKPOINT_RE = re.compile(r"step_(\d+)$")
-_BAD_PATH_ERRNOS = (errno.ENOTDIR, errno.ENOENT, errno.EEXIST, errno.EISDIR, errno.EACCES,
-                    errno.EPERM, errno.EROFS, errno.ENAMETOOLONG)
+STARTUP_STALE_SECONDS = 15.0
+"""Until the loop starts, a peer whose heartbeat has not moved for this long has died."""
 Echo = Callable[[str], None]
-
-
-class TrainingError(RuntimeError):
-    """Training cannot start or go on; the message is meant for the user."""
-
-
-class UsageError(TrainingError):
-    """Training cannot start as configured: a config value or an argument is wrong (a
-    checkpoint path that does not exist, an output folder that is a file, a checkpoint past
-    ``train.steps``); the command line exits with code 2."""
-
-
-class PeerLostError(TrainingError):
-    """A peer died or became unreachable; ``lost_ranks`` names it when it can be told."""
-
-    def __init__(self, message: str, lost_ranks: list[int] | None = None) -> None:
-        super().__init__(message)
-        self.lost_ranks = lost_ranks or []
 
 
 def timeout_seconds(cfg: Config) -> float:
@@ -121,272 +105,6 @@ def timeout_seconds(cfg: Config) -> float:
         return timeout_from_env().total_seconds()
     except ValueError as e:
         raise TrainingError(str(e)) from None
-
-
-# ---------------------------------------------------------------------- agreement
-def _rank0_decides(rank: int, world: int, decide: Callable[[], Any]) -> Any:
-    """Run ``decide`` on rank 0 and give every rank its result, or the same
-    :class:`TrainingError` (a ``TrainingError``, :class:`UsageError` or ``OSError`` of
-    ``decide`` on rank 0)."""
-    result: list[Any] = [None]
-    if rank == 0:
-        try:
-            result = [("ok", decide())]
-        except UsageError as e:
-            result = [("usage", str(e))]
-        except TrainingError as e:
-            result = [("error", str(e))]
-        except OSError as e:
-            result = [("error", describe_os_error(e))]
-    if world > 1:
-        dist.broadcast_object_list(result, src=0)
-    kind, value = result[0]
-    if kind == "usage":
-        raise UsageError(value)
-    if kind == "error":
-        raise TrainingError(value)
-    return value
-
-
-def _sum_over_ranks(values: list[float], device: torch.device | str = "cpu") -> list[float]:
-    """``values`` summed over all ranks; the tensor lives on ``device`` (the training device:
-    NCCL reduces CUDA tensors only)."""
-    t = torch.tensor(values, dtype=torch.float64, device=device)
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(t)
-    return t.tolist()
-
-
-# ---------------------------------------------------------------------- state
-@dataclass
-class TrainState:
-    """What the loop carries from step to step and across a resume (besides the model,
-    optimizer, data position and RNG)."""
-
-    step: int = 0
-    train_seconds: float = 0.0
-    bytes_sent: int = 0
-    bytes_received: int = 0
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"train_seconds": float(self.train_seconds), "bytes_sent": int(self.bytes_sent),
-                "bytes_received": int(self.bytes_received)}
-
-    @classmethod
-    def from_extra(cls, step: int, extra: dict[str, Any]) -> TrainState:
-        return cls(step, float(extra.get("train_seconds", 0.0)),
-                   int(extra.get("bytes_sent", 0)), int(extra.get("bytes_received", 0)))
-
-
-# ---------------------------------------------------------------------- checkpoints
-def _existing_checkpoints(root: Path) -> list[Path]:
-    if not root.is_dir():
-        return []
-    found = [p for p in root.iterdir() if p.is_dir() and CHECKPOINT_RE.match(p.name)]
-    return sorted(found, key=lambda p: int(CHECKPOINT_RE.match(p.name).group(1)))
-
-
-def _candidates(root: Path) -> list[Path]:
-    """Checkpoints under ``root`` that claim to be complete (a marker, readable or not),
-    newest step first."""
-    return [p for p in reversed(_existing_checkpoints(root)) if (p / MARKER_FILE).exists()]
-
-
-def _set_aside(path: Path) -> Path:
-    """Rename a damaged checkpoint to ``<name>.damaged`` (``.damaged-2``, ... if taken), so
-    that it is neither loaded nor overwritten by a later save."""
-    target, n = path.with_name(f"{path.name}.damaged"), 1
-    while target.exists():
-        n += 1
-        target = path.with_name(f"{path.name}.damaged-{n}")
-    os.replace(path, target)
-    return target
-
-
-class Checkpointer:
-    """The trainer's checkpoints in ``root``: which one to resume from (rank 0 lists them,
-    every rank checks its share of the files against their digests), when to save, atomic
-    saves via :mod:`flexdemo.checkpoint`, pruning to the newest ``keep``, and messages in the
-    config's words. ``tell`` prints on every rank; ``echo`` on rank 0."""
-
-    def __init__(self, root: Path, every: int, keep: int, rank: int, world: int,
-                 meta: dict[str, Any], echo: Echo, tell: Echo | None = None,
-                 fallback: bool = True) -> None:
-        self.root, self.every, self.keep = root, every, keep
-        self.rank, self.world, self.meta, self.echo = rank, world, meta, echo
-        self.tell = tell or echo
-        self.fallback = fallback
-
-    def latest(self) -> Path | None:
-        """The newest complete checkpoint, or None."""
-        return latest_checkpoint(self.root)
-
-    def _find(self, resume: bool | str) -> tuple[list[str], bool]:
-        """Rank 0: the checkpoints to try, newest first, and whether falling back to an older
-        one is allowed (not for a checkpoint named explicitly)."""
-        if resume is True:
-            found = _candidates(self.root)
-            if not _existing_checkpoints(self.root):
-                self.echo(f"resume: no checkpoint in {self.root} yet; starting at step 0")
-            return [str(p) for p in found], True
-        path = Path(str(resume))
-        if not path.exists():
-            latest = self.latest()
-            hint = (f"; the newest checkpoint in {self.root} is {latest.name} (resume=true "
-                    "continues from it)" if latest is not None else "")
-            raise UsageError(f"resume: checkpoint {str(path)!r} does not exist; give true, "
-                             f"false or the path of a checkpoint (or of a folder of them){hint}")
-        if (path / MARKER_FILE).exists() or not _candidates(path):
-            return [str(path)], False
-        return [str(p) for p in _candidates(path)], True
-
-    def resume_path(self, resume: bool | str) -> Path | None:
-        """The checkpoint to resume from, the same on every rank: the newest whose files
-        match their digests. A damaged one is set aside with one line on every rank, or
-        refused (:class:`UsageError`) when ``train.resume_fallback`` is false, when it was
-        named explicitly, or when no intact one is left."""
-        if resume is False:
-            return None
-        found, may_fall_back = _rank0_decides(self.rank, self.world,
-                                              lambda: self._find(resume))
-        damaged: list[tuple[Path, str]] = []
-        chosen = None
-        for text in found:
-            path = Path(text)
-            status = verify_checkpoint(path)
-            if status.ok:
-                chosen = path
-                break
-            damaged.append((path, status.describe().split(": ", 1)[-1]))
-            if not (may_fall_back and self.fallback):
-                break
-        if not damaged:
-            return chosen
-        named = "; ".join(f"{p.name} is damaged ({why})" for p, why in damaged)
-        fresh = "start afresh with train.overwrite=true or another train.out"
-        if not may_fall_back:
-            state = "incomplete" if "no COMPLETE marker" in damaged[0][1] else "damaged"
-            raise UsageError(f"cannot resume from {damaged[0][0]}: it is {state} "
-                             f"({damaged[0][1]}); resume=true uses the newest intact "
-                             f"checkpoint, or {fresh}")
-        if not self.fallback:
-            raise UsageError(f"cannot resume: {named}; train.resume_fallback=true resumes from "
-                             f"the newest intact checkpoint instead, or {fresh}")
-
-        def set_aside() -> list[str]:
-            return [_set_aside(p).name for p, _ in damaged]
-
-        moved = _rank0_decides(self.rank, self.world, set_aside)
-        if chosen is None:
-            raise UsageError(f"cannot resume: no intact checkpoint in {self.root}: {named} (set "
-                             f"aside as {', '.join(moved)}); {fresh}")
-        self.tell(f"resume: {named}; set aside as {', '.join(moved)}; resuming from "
-                  f"{chosen.name} instead")
-        return chosen
-
-    def clear_earlier_run(self, overwrite: bool, resume: bool | str = False) -> None:
-        """A fresh run: refuse to mix with an earlier run's checkpoints unless ``overwrite``
-        (then delete them). Rank 0 looks; every rank takes the same branch."""
-        def check() -> bool:
-            existing = _existing_checkpoints(self.root)
-            if not existing:
-                return False
-            if not overwrite:
-                if resume is not False:  # only interrupted saves: nothing to continue
-                    raise UsageError(
-                        f"{self.root} holds no complete checkpoint, only interrupted saves "
-                        f"({', '.join(p.name for p in existing[-3:])}); start afresh with "
-                        "train.overwrite=true (deletes them) or another train.out")
-                raise UsageError(
-                    f"{self.root} holds checkpoints of an earlier run; continue it with "
-                    "resume=true, or start afresh with train.overwrite=true (deletes them) "
-                    "or another train.out")
-            shutil.rmtree(self.root)
-            return True
-
-        if _rank0_decides(self.rank, self.world, check) and self.world > 1:
-            dist.barrier()
-
-    def due(self, step: int, last: int) -> bool:
-        """Whether step ``step`` (1-based) ends with a checkpoint."""
-        return bool(self.every) and (step % self.every == 0 or step == last)
-
-    def save(self, step: int, model, opt, sampler: ShardSampler, state: TrainState) -> Path:
-        """Save after step ``step`` (collective), then prune. A storage fault stops every
-        rank with one line; the previous checkpoint stays usable."""
-        previous = self.latest()
-        extra = {"data": sampler.state_dict(), "rng": torch.get_rng_state(),
-                 **state.state_dict(), "meta": self.meta}
-        try:
-            path = save_checkpoint(self.root / f"step_{step:06d}", model, opt, step=step,
-                                   extra=extra, info={"settings": self.meta})
-        except OSError as e:
-            keep = (f"the previous checkpoint {previous} is intact (continue from it with "
-                    "resume=true)" if previous else "no earlier checkpoint was written")
-            raise TrainingError(f"step {step}: {' '.join(str(e).split())}; {keep}") from None
-        if self.rank == 0 and self.keep > 0:
-            for old in _existing_checkpoints(self.root)[:-self.keep]:
-                shutil.rmtree(old, ignore_errors=True)
-        return path
-
-    def _check_layout(self, path: Path) -> None:
-        """The mesh that wrote ``path`` against this job's, in config keys."""
-        try:
-            saved = json.loads((path / META_FILE).read_text())
-            world, (rep, shard) = int(saved["world_size"]), saved["mesh_shape"]
-        except (OSError, ValueError, KeyError, TypeError):
-            return  # load_checkpoint says what is wrong with it
-        want = (self.world, self.meta["replicate"], self.meta["shard"])
-        if (world, rep, shard) != want:
-            raise UsageError(
-                f"cannot resume from {path}: it was written by {world} rank(s) as mesh "
-                f"replicate {rep} x shard {shard}, this job runs {self.world} rank(s) as "
-                f"{want[1]} x {want[2]}; resume with {world} ranks and mesh.replicate={rep} "
-                f"mesh.shard={shard} (per-replica state cannot be redistributed), or start "
-                "afresh with train.overwrite=true or another train.out")
-
-    def _refuse_settings(self, path: Path, diff: list[str]) -> UsageError:
-        return UsageError(f"cannot resume from {path}: it was written with {', '.join(diff)}; "
-                          "resume with those settings, or start afresh with "
-                          "train.overwrite=true or another train.out")
-
-    def _check_settings(self, path: Path, saved: dict | None) -> None:
-        """The trainer settings that wrote ``path`` (task, model, replicator, optimizer)
-        against this job's, old value against new."""
-        if not isinstance(saved, dict):
-            return
-        diff = [f"{k} {saved[k]!r} (now {self.meta[k]!r})" for k in self.meta
-                if k in saved and saved[k] != self.meta[k]]
-        if diff:
-            raise self._refuse_settings(path, diff)
-
-    def load(self, path: Path, model, opt) -> tuple[TrainState, dict[str, Any]]:
-        """Restore a checkpoint (collective; its digests were checked by
-        :meth:`resume_path`); returns the train state and the saved extra."""
-        self._check_layout(path)
-        self._check_settings(path, (read_info(path) or {}).get("settings"))
-        try:
-            info = load_checkpoint(path, model, opt, verify=False)
-        except CheckpointMismatchError as e:
-            raise self._refuse_settings(path, [f"{what} {old} (now {new})"
-                                               for what, old, new in e.differences]) from None
-        except Exception as e:  # noqa: BLE001 - any failure here is "cannot resume from it"
-            text = " ".join(str(e).split())[:400]
-            if not text.startswith(("loading checkpoint", "restoring checkpoint")):
-                text = f"cannot resume from {path}: {text}"
-            raise TrainingError(text) from None
-        extra = info.get("extra") or {}
-        self._check_settings(path, extra.get("meta"))
-        if "data" not in extra or "rng" not in extra:
-            raise TrainingError(f"cannot resume from {path}: it holds no data position or RNG "
-                                "state (not written by flexdemo train?)")
-        return TrainState.from_extra(int(info["step"]), extra), extra
-
-
-def _checkpoint_meta(cfg: Config, world: int, layout: dict[str, int]) -> dict[str, Any]:
-    return {"task": cfg.task.name, "model": cfg.task.model, "world": world,
-            "replicate": layout["replicate"], "shard": layout["shard"],
-            "replicator": cfg.strategy.replicator, "optimizer": cfg.strategy.optimizer}
 
 
 # ---------------------------------------------------------------------- the trainer
@@ -417,15 +135,34 @@ class Trainer:
         self.timeout = timeout_seconds(cfg)
         self.t_start = time.perf_counter()
         try:
+            self.device = resolve_device(tc.device)
+        except ValueError as e:
+            raise TrainingError(f"train.device: {e}") from None
+        self._join()  # before the task: reading data must not count against a peer's arrival
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.started = False  # the loop began: a lost peer is no longer a start-up failure
+        self.checkpointer: Checkpointer | None = None
+        # heartbeats from now on; until the loop starts they also watch for a peer that died
+        # (a rank blocked in prepare()'s collectives learns it from its heartbeat thread)
+        self.heartbeat = Heartbeat(self.rank, self.world,
+                                   on_verdict=self._exit_with_verdict
+                                   if exit_on_lost_peer else None,
+                                   stale=STARTUP_STALE_SECONDS if exit_on_lost_peer else None)
+        try:
+            self._set_up()
+        except BaseException:
+            self.heartbeat.stop()
+            raise
+
+    def _set_up(self) -> None:
+        """Build the task, the model and the optimizer (prepare), and the checkpointer."""
+        cfg, tc = self.cfg, self.cfg.train
+        try:
             self.task: Task = build_task(cfg.task, seed=tc.seed)
         except (ModuleNotFoundError, ValueError) as e:  # a missing extra, a bad setting
             raise UsageError(f"task {cfg.task.name!r}: {e}") from None
         except RuntimeError as e:
             raise TrainingError(f"task {cfg.task.name!r}: {e}") from None
-        try:
-            self.device = resolve_device(tc.device)
-        except ValueError as e:
-            raise TrainingError(f"train.device: {e}") from None
         self.task.device = self.device
         torch.manual_seed(tc.seed)
         model = self.task.build_model()
@@ -433,7 +170,6 @@ class Trainer:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always", NoReplicationWarning)
             self.model, self.opt = self._prepare(model)
-        self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.say: Echo = self.echo if self.rank == 0 else (lambda text: None)
         mesh = self.opt.mesh
         self.layout = {"replicate": mesh["replicate"].size(), "shard": mesh["shard"].size()}
@@ -448,11 +184,11 @@ class Trainer:
         self.checkpointer = Checkpointer(self.out / "checkpoints", tc.checkpoint_every,
                                          tc.keep_checkpoints, self.rank, self.world,
                                          _checkpoint_meta(cfg, self.world, self.layout),
-                                         self.say, self.echo, tc.resume_fallback)
+                                         self.say, self.echo, tc.resume_fallback,
+                                         save=lambda *a, **k: save_checkpoint(*a, **k))
         self.state = TrainState()
         self.metrics: MetricsLog | None = None
         self.progress: Progress | None = None
-        self.heartbeat: Heartbeat | None = None
 
     def _single_replica_note(self) -> str:
         what = f"a single replica, so replicator {self.cfg.strategy.replicator!r} exchanges nothing"
@@ -465,6 +201,18 @@ class Trainer:
                 "one model with FSDP). mesh.shard defaults to the ranks per node; set "
                 f"mesh.replicate (e.g. mesh.replicate={split}) to replicate across the ranks "
                 "of one node, or run on several nodes")
+
+    def _join(self) -> None:
+        """Join (or create) the process group; a peer missing at start-up raises
+        :class:`StartupError` naming it."""
+        try:
+            init_distributed(self.device, timedelta(seconds=self.timeout))
+        except JoinError as e:
+            raise StartupError(str(e), e.missing) from None
+        except ValueError as e:
+            raise UsageError(str(e)) from None
+        except TimeoutError as e:
+            raise TrainingError(str(e)) from None
 
     def _prepare(self, model: torch.nn.Module):
         sc, tc = self.cfg.strategy, self.cfg.train
@@ -485,6 +233,9 @@ class Trainer:
         except Exception as e:
             if not is_comm_error(e):
                 raise
+            if self.world > 1:  # a peer died during start-up: name it
+                lost = self._peer_error(e)
+                raise StartupError(str(lost), lost.lost_ranks) from None
             where = (f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
                      if "MASTER_ADDR" in os.environ else "the rendezvous")
             raise TrainingError(
@@ -496,23 +247,7 @@ class Trainer:
     def _check_output_folder(self) -> None:
         """Rank 0 creates ``train.out`` and writes a probe file into it; every rank learns
         whether that worked (one line naming the path and the cause if not)."""
-        def check() -> None:
-            if self.out.exists() and not self.out.is_dir():
-                raise UsageError(f"train.out {str(self.out)!r} is a file, not a folder; "
-                                 "choose another train.out")
-            probe = self.out / f".write-test-{os.getpid()}"
-            try:
-                self.out.mkdir(parents=True, exist_ok=True)
-                probe.write_bytes(b"flexdemo")
-                probe.unlink()
-            except OSError as e:
-                # a path that cannot be a folder, or one this user may not write: the config's
-                # fault (exit code 2); a full disk or an I/O error: the run failed (1)
-                kind = UsageError if e.errno in _BAD_PATH_ERRNOS else TrainingError
-                raise kind(f"train.out {str(self.out)!r} is not a writable folder: "
-                           f"{describe_os_error(e)}; choose another train.out") from None
-
-        _rank0_decides(self.rank, self.world, check)
+        _rank0_decides(self.rank, self.world, lambda: check_output_folder(self.out))
 
     def _open_outputs(self) -> None:
         """Rank 0 writes ``config.toml`` and opens the metrics log (agreed like above)."""
@@ -560,7 +295,7 @@ class Trainer:
             loss.backward()
             self.opt.step()
         except NonFiniteGradientError as e:
-            raise TrainingError(f"step {step}: {e}") from None
+            raise TrainingError(_nonfinite_message(step, e)) from None
         self.opt.zero_grad()
         skipped = self.opt.skipped_steps - skipped_before
         limit = tc.max_skipped * tc.steps
@@ -614,9 +349,6 @@ class Trainer:
 
     def run(self) -> dict[str, Any]:
         """Train to ``train.stop_at`` (or ``train.steps``); returns the summary."""
-        self.heartbeat = Heartbeat(self.rank, self.world,
-                                   on_verdict=self._exit_with_verdict
-                                   if self.exit_on_lost_peer else None)
         try:
             return self._run()
         except TrainingError:
@@ -652,6 +384,8 @@ class Trainer:
         val: dict[str, float] = {}
         t_loop = time.perf_counter()
         pending: list[dict[str, Any]] = []
+        self.started = True
+        self.heartbeat.watching.clear()  # from here on, failed collectives tell of lost peers
         for step in range(start + 1, last + 1):
             pending.append(self._step(step, sampler))
             evaluate = bool(tc.eval_every and step % tc.eval_every == 0) or step == last
@@ -750,7 +484,10 @@ class Trainer:
                    "(stopped responding; died or unreachable)")
         else:
             who = "lost contact with a peer" + (f" ({note})" if note else "")
-        latest = self.checkpointer.latest()
+        if not self.started:
+            return (f"rank {self.rank}: start-up: {who}: {first}; restart the job once every "
+                    "rank can start")
+        latest = self.checkpointer.latest() if self.checkpointer is not None else None
         where = (f"; the last checkpoint is {latest} (continue with resume=true)"
                  if latest else "; no checkpoint was written")
         return f"rank {self.rank}: {who}: {first}{where}"
@@ -768,13 +505,14 @@ class Trainer:
     def _exit_with_verdict(self, lost: list[int]) -> None:
         """Heartbeat thread: peers named the lost ranks while this rank waits in a
         collective that cannot finish; say so and leave (the command line's behaviour)."""
-        text = self._peer_message(lost, "", "a peer's collective failed while this rank "
-                                            "waited for it")
+        why = ("a peer's collective failed while this rank waited for it" if self.started
+               else "its heartbeat stopped while the job was being set up")
+        text = self._peer_message(lost, "", why)
         print(f"flexdemo train: error: {text}", file=sys.stderr, flush=True)
         assert self.heartbeat is not None
         self.heartbeat.wait_for_survivors(lost)
         sys.stdout.flush()
-        os._exit(1)
+        os._exit(1 if self.started else 2)  # a job that never assembled: exit 2, as refused
 
 
 def train(cfg: Config, *, echo: Echo | None = None,

@@ -49,8 +49,10 @@ from ..transport import (
 class NonFiniteGradientError(FloatingPointError):
     """Raised on every replica of a group when some replica's input was NaN or Inf.
 
-    ``local`` is True when only this rank knows of it (a step without exchange): the optimizer
-    then skips the step on this rank and the flag travels with the next exchange.
+    ``step`` is the optimizer's step index (``opt.steps`` when the step began: the first step
+    is step 0), as in every message of the library. ``local`` is True when only this rank
+    knows of it (a step without exchange): the optimizer then skips the step on this rank and
+    the flag travels with the next exchange.
     """
 
     def __init__(self, replicator: str, ranks: list[int] | None, step: int, *,
@@ -64,6 +66,7 @@ class NonFiniteGradientError(FloatingPointError):
         self.ranks = ranks
         self.step = step
         self.local = local
+        self.replicator, self.note = replicator, note
 
 
 class CorruptPayloadError(RuntimeError):
@@ -75,6 +78,7 @@ class CorruptPayloadError(RuntimeError):
             f"step {step}: {reason}. A faulty peer or a version mismatch; construct the "
             "replicator with on_bad_peer='drop' to leave such payloads out")
         self.rank, self.global_rank, self.step, self.reason = rank, global_rank, step, reason
+        self.name = name
 
 
 def _check_schedule(replicate_every: int, skip_every: int) -> None:

@@ -655,7 +655,8 @@ class EmulatedCluster:
                    f"{', '.join(map(str, terminated))}" if terminated else "")
         result = RunResult(codes, rank, exit_code, f"{message}{stopped} ({seconds:.1f}s)",
                            seconds, timed_out, terminated)
-        self._log(result.message)
+        if result.ok:  # a failure is the caller's to report, once (flexdemo cluster: error:)
+            self._log(result.message)
         return result
 
     def _supervise(self, procs: list[subprocess.Popen[bytes]], t0: float,

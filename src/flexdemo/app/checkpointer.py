@@ -1,0 +1,312 @@
+"""The trainer's checkpoints: :class:`TrainState` (what the loop carries across a resume)
+and :class:`Checkpointer` (which checkpoint to resume from, checked against its digests, with
+fallback; when to save; atomic saves and pruning; refusals in the config's words). Rank 0
+decides what every rank must agree on (:func:`_rank0_decides`)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..checkpoint import (
+    MARKER_FILE,
+    META_FILE,
+    CheckpointMismatchError,
+    NotACheckpointError,
+    describe_os_error,
+    latest_checkpoint,
+    load_checkpoint,
+    read_info,
+    save_checkpoint,
+    verify_checkpoint,
+)
+from .config import Config
+from .errors import TrainingError, UsageError
+from .tasks import ShardSampler
+
+__all__ = ["Checkpointer", "TrainState"]
+
+Echo = Callable[[str], None]
+
+CHECKPOINT_RE = re.compile(r"step_(\d+)$")
+
+
+# ---------------------------------------------------------------------- agreement
+def _rank0_decides(rank: int, world: int, decide: Callable[[], Any]) -> Any:
+    """Run ``decide`` on rank 0 and give every rank its result, or the same
+    :class:`TrainingError` (a ``TrainingError``, :class:`UsageError` or ``OSError`` of
+    ``decide`` on rank 0)."""
+    result: list[Any] = [None]
+    if rank == 0:
+        try:
+            result = [("ok", decide())]
+        except UsageError as e:
+            result = [("usage", str(e))]
+        except TrainingError as e:
+            result = [("error", str(e))]
+        except OSError as e:
+            result = [("error", describe_os_error(e))]
+    if world > 1:
+        dist.broadcast_object_list(result, src=0)
+    kind, value = result[0]
+    if kind == "usage":
+        raise UsageError(value)
+    if kind == "error":
+        raise TrainingError(value)
+    return value
+
+
+def _sum_over_ranks(values: list[float], device: torch.device | str = "cpu") -> list[float]:
+    """``values`` summed over all ranks; the tensor lives on ``device`` (the training device:
+    NCCL reduces CUDA tensors only)."""
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(t)
+    return t.tolist()
+
+
+# ---------------------------------------------------------------------- state
+@dataclass
+class TrainState:
+    """What the loop carries from step to step and across a resume (besides the model,
+    optimizer, data position and RNG)."""
+
+    step: int = 0
+    train_seconds: float = 0.0
+    bytes_sent: int = 0
+    bytes_received: int = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"train_seconds": float(self.train_seconds), "bytes_sent": int(self.bytes_sent),
+                "bytes_received": int(self.bytes_received)}
+
+    @classmethod
+    def from_extra(cls, step: int, extra: dict[str, Any]) -> TrainState:
+        return cls(step, float(extra.get("train_seconds", 0.0)),
+                   int(extra.get("bytes_sent", 0)), int(extra.get("bytes_received", 0)))
+
+
+# ---------------------------------------------------------------------- checkpoints
+def _existing_checkpoints(root: Path) -> list[Path]:
+    if not root.is_dir():
+        return []
+    found = [p for p in root.iterdir() if p.is_dir() and CHECKPOINT_RE.match(p.name)]
+    return sorted(found, key=lambda p: int(CHECKPOINT_RE.match(p.name).group(1)))
+
+
+def _candidates(root: Path) -> list[Path]:
+    """Checkpoints under ``root`` that claim to be complete (a marker, readable or not),
+    newest step first."""
+    return [p for p in reversed(_existing_checkpoints(root)) if (p / MARKER_FILE).exists()]
+
+
+def _set_aside(path: Path) -> Path:
+    """Rename a damaged checkpoint to ``<name>.damaged`` (``.damaged-2``, ... if taken), so
+    that it is neither loaded nor overwritten by a later save."""
+    target, n = path.with_name(f"{path.name}.damaged"), 1
+    while target.exists():
+        n += 1
+        target = path.with_name(f"{path.name}.damaged-{n}")
+    os.replace(path, target)
+    return target
+
+
+class Checkpointer:
+    """The trainer's checkpoints in ``root``: which one to resume from (rank 0 lists them,
+    every rank checks its share of the files against their digests), when to save, atomic
+    saves via :mod:`flexdemo.checkpoint`, pruning to the newest ``keep``, and messages in the
+    config's words. ``tell`` prints on every rank; ``echo`` on rank 0."""
+
+    def __init__(self, root: Path, every: int, keep: int, rank: int, world: int,
+                 meta: dict[str, Any], echo: Echo, tell: Echo | None = None,
+                 fallback: bool = True, save: Callable[..., Path] | None = None) -> None:
+        self.root, self.every, self.keep = root, every, keep
+        self.rank, self.world, self.meta, self.echo = rank, world, meta, echo
+        self.tell = tell or echo
+        self.fallback = fallback
+        self._save = save or save_checkpoint  # (flexdemo.checkpoint's, unless given)
+
+    def latest(self) -> Path | None:
+        """The newest complete checkpoint, or None."""
+        return latest_checkpoint(self.root)
+
+    def _find(self, resume: bool | str) -> tuple[list[str], bool]:
+        """Rank 0: the checkpoints to try, newest first, and whether falling back to an older
+        one is allowed (not for a checkpoint named explicitly)."""
+        if resume is True:
+            found = _candidates(self.root)
+            if not _existing_checkpoints(self.root):
+                self.echo(f"resume: no checkpoint in {self.root} yet; starting at step 0")
+            return [str(p) for p in found], True
+        path = Path(str(resume))
+        if not path.exists():
+            latest = self.latest()
+            hint = (f"; the newest checkpoint in {self.root} is {latest.name} (resume=true "
+                    "continues from it)" if latest is not None else "")
+            raise UsageError(f"resume: checkpoint {str(path)!r} does not exist; give true, "
+                             f"false or the path of a checkpoint (or of a folder of them){hint}")
+        if (path / MARKER_FILE).exists() or not _candidates(path):
+            return [str(path)], False
+        return [str(p) for p in _candidates(path)], True
+
+    def resume_path(self, resume: bool | str) -> Path | None:
+        """The checkpoint to resume from, the same on every rank: the newest whose files
+        match their digests. A damaged one is set aside with one line on every rank, or
+        refused (:class:`UsageError`) when ``train.resume_fallback`` is false, when it was
+        named explicitly, or when no intact one is left."""
+        if resume is False:
+            return None
+        found, may_fall_back = _rank0_decides(self.rank, self.world,
+                                              lambda: self._find(resume))
+        damaged: list[tuple[Path, str]] = []
+        chosen = None
+        for text in found:
+            path = Path(text)
+            status = verify_checkpoint(path)
+            if status.ok:
+                chosen = path
+                break
+            damaged.append((path, status.describe().split(": ", 1)[-1]))
+            if not (may_fall_back and self.fallback):
+                break
+        if not damaged:
+            return chosen
+        named = "; ".join(f"{p.name} is damaged ({why})" for p, why in damaged)
+        fresh = "start afresh with train.overwrite=true or another train.out"
+        if not may_fall_back:
+            state = "incomplete" if "no COMPLETE marker" in damaged[0][1] else "damaged"
+            raise UsageError(f"cannot resume from {damaged[0][0]}: it is {state} "
+                             f"({damaged[0][1]}); resume=true uses the newest intact "
+                             f"checkpoint, or {fresh}")
+        if not self.fallback:
+            raise UsageError(f"cannot resume: {named}; train.resume_fallback=true resumes from "
+                             f"the newest intact checkpoint instead, or {fresh}")
+
+        def set_aside() -> list[str]:
+            return [_set_aside(p).name for p, _ in damaged]
+
+        moved = _rank0_decides(self.rank, self.world, set_aside)
+        if chosen is None:
+            raise UsageError(f"cannot resume: no intact checkpoint in {self.root}: {named} (set "
+                             f"aside as {', '.join(moved)}); {fresh}")
+        self.tell(f"resume: {named}; set aside as {', '.join(moved)}; resuming from "
+                  f"{chosen.name} instead")
+        return chosen
+
+    def clear_earlier_run(self, overwrite: bool, resume: bool | str = False) -> None:
+        """A fresh run: refuse to mix with an earlier run's checkpoints unless ``overwrite``
+        (then delete them). Rank 0 looks; every rank takes the same branch."""
+        def check() -> bool:
+            existing = _existing_checkpoints(self.root)
+            if not existing:
+                return False
+            if not overwrite:
+                if resume is not False:  # only interrupted saves: nothing to continue
+                    raise UsageError(
+                        f"{self.root} holds no complete checkpoint, only interrupted saves "
+                        f"({', '.join(p.name for p in existing[-3:])}); start afresh with "
+                        "train.overwrite=true (deletes them) or another train.out")
+                raise UsageError(
+                    f"{self.root} holds checkpoints of an earlier run; continue it with "
+                    "resume=true, or start afresh with train.overwrite=true (deletes them) "
+                    "or another train.out")
+            shutil.rmtree(self.root)
+            return True
+
+        if _rank0_decides(self.rank, self.world, check) and self.world > 1:
+            dist.barrier()
+
+    def due(self, step: int, last: int) -> bool:
+        """Whether step ``step`` (1-based) ends with a checkpoint."""
+        return bool(self.every) and (step % self.every == 0 or step == last)
+
+    def save(self, step: int, model, opt, sampler: ShardSampler, state: TrainState) -> Path:
+        """Save after step ``step`` (collective), then prune. A storage fault stops every
+        rank with one line; the previous checkpoint stays usable."""
+        previous = self.latest()
+        extra = {"data": sampler.state_dict(), "rng": torch.get_rng_state(),
+                 **state.state_dict(), "meta": self.meta}
+        try:
+            path = self._save(self.root / f"step_{step:06d}", model, opt, step=step,
+                                   extra=extra, info={"settings": self.meta})
+        except OSError as e:
+            keep = (f"the previous checkpoint {previous} is intact (continue from it with "
+                    "resume=true)" if previous else "no earlier checkpoint was written")
+            raise TrainingError(f"step {step}: {' '.join(str(e).split())}; {keep}") from None
+        if self.rank == 0 and self.keep > 0:
+            for old in _existing_checkpoints(self.root)[:-self.keep]:
+                shutil.rmtree(old, ignore_errors=True)
+        return path
+
+    def _check_layout(self, path: Path) -> None:
+        """The mesh that wrote ``path`` against this job's, in config keys."""
+        try:
+            saved = json.loads((path / META_FILE).read_text())
+            world, (rep, shard) = int(saved["world_size"]), saved["mesh_shape"]
+        except (OSError, ValueError, KeyError, TypeError):
+            return  # load_checkpoint says what is wrong with it
+        want = (self.world, self.meta["replicate"], self.meta["shard"])
+        if (world, rep, shard) != want:
+            raise UsageError(
+                f"cannot resume from {path}: it was written by {world} rank(s) as mesh "
+                f"replicate {rep} x shard {shard}, this job runs {self.world} rank(s) as "
+                f"{want[1]} x {want[2]}; resume with {world} ranks and mesh.replicate={rep} "
+                f"mesh.shard={shard} (per-replica state cannot be redistributed), or start "
+                "afresh with train.overwrite=true or another train.out")
+
+    def _refuse_settings(self, path: Path, diff: list[str]) -> UsageError:
+        return UsageError(f"cannot resume from {path}: it was written with {', '.join(diff)}; "
+                          "resume with those settings, or start afresh with "
+                          "train.overwrite=true or another train.out")
+
+    def _check_settings(self, path: Path, saved: dict | None) -> None:
+        """The trainer settings that wrote ``path`` (task, model, replicator, optimizer)
+        against this job's, old value against new."""
+        if not isinstance(saved, dict):
+            return
+        diff = [f"{k} {saved[k]!r} (now {self.meta[k]!r})" for k in self.meta
+                if k in saved and saved[k] != self.meta[k]]
+        if diff:
+            raise self._refuse_settings(path, diff)
+
+    def load(self, path: Path, model, opt) -> tuple[TrainState, dict[str, Any]]:
+        """Restore a checkpoint (collective; its digests were checked by
+        :meth:`resume_path`); returns the train state and the saved extra."""
+        self._check_layout(path)
+        self._check_settings(path, (read_info(path) or {}).get("settings"))
+        try:
+            info = load_checkpoint(path, model, opt, verify=False)
+        except CheckpointMismatchError as e:
+            raise self._refuse_settings(path, [f"{what} {old} (now {new})"
+                                               for what, old, new in e.differences]) from None
+        except NotACheckpointError as e:  # the library's advice is for Python callers
+            raise UsageError(f"cannot resume: {e.reason}; resume=true continues from the "
+                             f"newest intact checkpoint (flexdemo checkpoint verify "
+                             f"{self.root.parent} lists them), or start afresh with "
+                             "train.overwrite=true or another train.out") from None
+        except Exception as e:  # noqa: BLE001 - any failure here is "cannot resume from it"
+            text = " ".join(str(e).split())[:400]
+            if not text.startswith(("loading checkpoint", "restoring checkpoint")):
+                text = f"cannot resume from {path}: {text}"
+            raise TrainingError(text) from None
+        extra = info.get("extra") or {}
+        self._check_settings(path, extra.get("meta"))
+        if "data" not in extra or "rng" not in extra:
+            raise TrainingError(f"cannot resume from {path}: it holds no data position or RNG "
+                                "state (not written by flexdemo train?)")
+        return TrainState.from_extra(int(info["step"]), extra), extra
+
+
+def _checkpoint_meta(cfg: Config, world: int, layout: dict[str, int]) -> dict[str, Any]:
+    return {"task": cfg.task.name, "model": cfg.task.model, "world": world,
+            "replicate": layout["replicate"], "shard": layout["shard"],
+            "replicator": cfg.strategy.replicator, "optimizer": cfg.strategy.optimizer}

@@ -1,0 +1,280 @@
+"""Joining a multi-rank job with a bounded wait: every rank registers in the rendezvous store
+and beats there while it waits for the others, so that a peer that never arrives, or dies
+before the job is assembled, is named by rank (and node) within seconds instead of after the
+whole collective timeout."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import socket
+import threading
+import time
+from datetime import timedelta
+
+import torch.distributed as dist
+
+__all__ = ["JOIN_TIMEOUT_ENV", "DEFAULT_JOIN_SECONDS", "JoinError", "join_store",
+           "join_timeout_from_env"]
+
+JOIN_TIMEOUT_ENV = "FLEXDEMO_JOIN_TIMEOUT"
+DEFAULT_JOIN_SECONDS = 30.0
+"""How long a rank waits for a peer that has not arrived at all (counted from the moment it
+started waiting itself), unless ``FLEXDEMO_JOIN_TIMEOUT`` says otherwise; never longer than
+the collective timeout."""
+BEAT_SECONDS = 1.0
+STALE_SECONDS = 10.0
+"""A peer that arrived and whose heartbeat has not moved for this long has died."""
+
+
+class JoinError(TimeoutError):
+    """Peers missing at start-up; ``missing`` lists their ranks, ``died`` those of them that
+    had arrived and then stopped beating."""
+
+    def __init__(self, message: str, missing: list[int], died: list[int]) -> None:
+        super().__init__(message)
+        self.missing, self.died = missing, died
+
+
+def join_timeout_from_env(limit: float) -> float:
+    """``FLEXDEMO_JOIN_TIMEOUT`` seconds (else :data:`DEFAULT_JOIN_SECONDS`), at most
+    ``limit``. Raises ``ValueError`` naming the variable when it is not a number > 0."""
+    raw = os.environ.get(JOIN_TIMEOUT_ENV, "").strip()
+    if not raw:
+        return min(DEFAULT_JOIN_SECONDS, limit)
+    try:
+        seconds = float(raw)
+    except ValueError:
+        seconds = float("nan")
+    if not (math.isfinite(seconds) and seconds > 0):
+        raise ValueError(f"{JOIN_TIMEOUT_ENV}={raw!r} is not a number of seconds > 0; set it "
+                         f"to e.g. {DEFAULT_JOIN_SECONDS:g}, or unset it for the default")
+    return min(seconds, limit)
+
+
+def _window_note(seconds: float, capped: bool) -> str:
+    """How long was waited for a peer that never arrived, and which setting says so."""
+    if capped:  # the collective timeout is shorter than the join window
+        raw = os.environ.get("FLEXDEMO_TIMEOUT", "").strip()
+        return f"{seconds:g} s (the collective timeout" + (f", FLEXDEMO_TIMEOUT={raw})"
+                                                           if raw else ")")
+    raw = os.environ.get(JOIN_TIMEOUT_ENV, "").strip()
+    source = f"{JOIN_TIMEOUT_ENV}={raw}" if raw else f"set {JOIN_TIMEOUT_ENV} for slower starts"
+    return f"{seconds:g} s ({source})"
+
+
+def _launch_layout() -> tuple[int, int] | None:
+    """``(node index, ranks per node)`` of this rank when the launcher says so (torchrun and
+    ``flexdemo cluster`` set ``GROUP_RANK``/``NODE_RANK`` and ``LOCAL_WORLD_SIZE``)."""
+    node = os.environ.get("GROUP_RANK", os.environ.get("NODE_RANK"))
+    per_node = os.environ.get("LOCAL_WORLD_SIZE")
+    try:
+        return (int(node), int(per_node)) if node is not None and per_node else None
+    except ValueError:
+        return None
+
+
+def _open_store(addr: str, port: int, rank: int, world: int, window: float,
+                note: str) -> dist.Store:
+    """The job's TCPStore: rank 0 hosts it (without waiting for the others), or the agent of
+    torchrun does; connecting gives up after ``window`` seconds, naming rank 0."""
+    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True)
+    host = rank == 0 and not agent
+    try:
+        if not host:  # wait for the port here: torch's own retries log C++ stacks and wait
+            _wait_for_port(addr, port, window)  # about twice the timeout
+        return dist.TCPStore(addr, port, world, is_master=host,
+                             timeout=timedelta(seconds=window), wait_for_workers=False,
+                             multi_tenant=True)
+    except (RuntimeError, TimeoutError) as e:
+        who = "the launcher's store" if agent else "rank 0, which hosts the job's store,"
+        if host:
+            raise RuntimeError(f"rank 0 cannot host the job's store at {addr}:{port}: "
+                               f"{' '.join(str(e).split())[:200]}") from None
+        raise JoinError(f"rank {rank}: start-up: {who} did not answer at {addr}:{port} within "
+                        f"{note}: rank 0 never arrived or died during "
+                        "start-up, or MASTER_ADDR/MASTER_PORT are wrong",
+                        [] if agent else [0], []) from None
+
+
+def _wait_for_port(addr: str, port: int, window: float) -> None:
+    """Return once ``addr:port`` accepts a connection; ``TimeoutError`` after ``window`` s."""
+    deadline = time.monotonic() + window
+    while True:
+        try:
+            with socket.create_connection((addr, port), timeout=1.0):
+                return
+        except OSError as e:
+            if time.monotonic() >= deadline:
+                raise TimeoutError(str(e)) from None
+            time.sleep(0.2)
+
+
+class _Beat:
+    """Bumps ``key`` in ``store`` every :data:`BEAT_SECONDS` from a daemon thread."""
+
+    def __init__(self, store: dist.Store, key: str) -> None:
+        self.store, self.key = store, key
+        self.stop = threading.Event()
+        store.add(key, 1)
+        self.thread = threading.Thread(target=self._run, name="flexdemo-join-beat",
+                                       daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while not self.stop.wait(BEAT_SECONDS):
+            try:
+                self.store.add(self.key, 1)
+            except Exception:  # noqa: BLE001 - the store is gone; the waiter will say so
+                return
+
+
+def _describe(ranks: list[int], info: dict[int, str], layout: dict[int, tuple[int, int]]
+              ) -> str:
+    """``rank 3 (node 1, host h)``: the node and host where they are known."""
+    per_node = {n for _, n in layout.values()}
+    consistent = (len(per_node) == 1
+                  and all(node == r // n for r, (node, n) in layout.items()))
+    hosts = {node: info[r] for r, (node, _) in layout.items() if r in info}
+    parts = []
+    for r in ranks:
+        where = []
+        if consistent:
+            node = r // next(iter(per_node))
+            where.append(f"node {node}")
+            host = info.get(r) or hosts.get(node)
+        else:
+            host = info.get(r)
+        if host:
+            where.append(f"host {host}")
+        parts.append(f"rank {r}" + (f" ({', '.join(where)})" if where else ""))
+    return ", ".join(parts)
+
+
+def join_store(rank: int, world: int, addr: str, port: int, timeout: timedelta,
+               window: float | None = None) -> dist.Store:
+    """Open the job's store and wait until all ``world`` ranks registered there. A peer that
+    registered and whose heartbeat stopped for :data:`STALE_SECONDS` died; one that did not
+    register within ``window`` seconds (default :func:`join_timeout_from_env`) never arrived:
+    both raise :class:`JoinError` naming them by rank (and node, where known), the same
+    verdict on every survivor. Returns the store (its timeout set to ``timeout``) for
+    ``init_process_group``."""
+    limit = timeout.total_seconds()
+    wanted = join_timeout_from_env(float("inf")) if window is None else window
+    window = min(wanted, limit)
+    note = _window_note(window, capped=wanted > limit)
+    store = _open_store(addr, port, rank, world, window, note)
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    prefix = f"flexdemo/join/{attempt}/"
+    layout = _launch_layout()
+    node = "" if layout is None else f"{layout[0]},{layout[1]}"
+    store.set(f"{prefix}info/{rank}", f"{socket.gethostname()}|{node}")
+    beat = _Beat(store, f"{prefix}hb/{rank}")
+    store.add(f"{prefix}arrived", 1)
+    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True)
+    try:
+        verdict = _wait_for_all(store, prefix, rank, world, window, note)
+        if verdict is not None:
+            raise _verdict_error(store, prefix, rank, world, verdict,
+                                 hosting=rank == 0 and not agent)
+    except (RuntimeError, TimeoutError) as e:  # the store went away: its host died
+        if agent or isinstance(e, JoinError):
+            raise
+        raise JoinError(f"rank {rank}: start-up: rank 0 (the host of the job's store at "
+                        f"{addr}:{port}) died during start-up", [0], [0]) from None
+    finally:
+        beat.stop.set()
+    store.set_timeout(timeout)
+    return store
+
+
+def _wait_for_all(store: dist.Store, prefix: str, rank: int, world: int,
+                  window: float, note: str) -> dict | None:
+    """None once every rank arrived; else the verdict (``died``, ``absent``, ``waited``).
+    One outcome for all: the first rank to decide sets it ("ok", or its verdict) and every
+    rank follows it, so that no rank goes on while another gives up."""
+    start = time.monotonic()
+    seen: dict[int, tuple[int, float]] = {}  # rank -> (heartbeat, when it last moved)
+    next_look = start
+    key = f"{prefix}outcome"
+
+    def settle(mine: str) -> dict | None:
+        outcome = store.compare_set(key, "", mine).decode()
+        return None if outcome == "ok" else json.loads(outcome)
+
+    while True:
+        if store.check([key]):
+            return settle("")  # (compare_set on an existing key returns its value)
+        if store.add(f"{prefix}arrived", 0) >= world:
+            return settle("ok")
+        now = time.monotonic()
+        if now < next_look:
+            time.sleep(0.2)
+            continue
+        next_look = now + BEAT_SECONDS
+        arrived = [r for r in range(world) if store.check([f"{prefix}info/{r}"])]
+        died = []
+        for r in arrived:
+            if r == rank:
+                continue
+            count = store.add(f"{prefix}hb/{r}", 0)
+            last = seen.get(r)
+            if last is None or last[0] != count:
+                seen[r] = (count, now)
+            elif now - last[1] > STALE_SECONDS:
+                died.append(r)
+        absent = [r for r in range(world) if r not in arrived]
+        if died or (absent and now - start > window):
+            return settle(json.dumps({"died": died, "absent": absent,
+                                      "waited": None if died else note}))
+
+
+def _verdict_error(store: dist.Store, prefix: str, rank: int, world: int, verdict: dict,
+                   hosting: bool, limit: float = 15.0) -> JoinError:
+    """The error for ``verdict``; the store's host first waits (at most ``limit`` s) until
+    every other survivor took it, since its exit takes the store down."""
+    error = _join_error(store, prefix, rank, world, verdict["died"], verdict["absent"],
+                        verdict["waited"])
+    try:
+        store.set(f"{prefix}taken/{rank}", "1")
+        others = [r for r in range(world) if r != rank and r not in error.missing]
+        deadline = time.monotonic() + limit
+        while hosting and time.monotonic() < deadline:
+            if all(store.check([f"{prefix}taken/{r}"]) for r in others):
+                break
+            time.sleep(0.1)
+    except Exception:  # noqa: BLE001 - best effort: the verdict stands
+        pass
+    return error
+
+
+def _join_error(store: dist.Store, prefix: str, rank: int, world: int, died: list[int],
+                absent: list[int], waited: str | None) -> JoinError:
+    """The one line naming the dead and absent ranks (``waited``: how long the wait for the
+    absent ones ran; None: they may still come, but a dead peer ends the start-up)."""
+    info: dict[int, str] = {}
+    layout: dict[int, tuple[int, int]] = {}
+    for r in range(world):
+        try:
+            if not store.check([f"{prefix}info/{r}"]):
+                continue
+            host, _, node = store.get(f"{prefix}info/{r}").decode().partition("|")
+        except Exception:  # noqa: BLE001 - best effort: the names without hosts
+            continue
+        info[r] = host
+        if node:
+            n, per_node = node.split(",")
+            layout[r] = (int(n), int(per_node))
+    said = []
+    if died:
+        said.append(f"{_describe(died, info, layout)} died during start-up (arrived, then its "
+                    f"heartbeat stopped for {STALE_SECONDS:g} s)")
+    if absent and waited is not None:
+        said.append(f"{_describe(absent, info, layout)} never arrived within {waited}")
+    elif absent:
+        said.append(f"{_describe(absent, info, layout)} had not arrived yet")
+    missing = sorted(died + absent)
+    return JoinError(f"rank {rank}: start-up: {'; '.join(said)}; {world - len(missing)} of "
+                     f"{world} ranks are here. Restart the job once every rank can start",
+                     missing, died)

@@ -1,0 +1,112 @@
+"""Start-up: a peer that never arrives, or dies while the job assembles, is named by rank by
+every survivor (exit code 2), long before the collective timeout (FLEXDEMO_TIMEOUT)."""
+
+from __future__ import annotations
+
+import signal
+import socket
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+from dist_util import free_port, reap, spawn_ranks
+
+ROOT = Path(__file__).parent.parent
+TRAIN = ["train", str(ROOT / "configs/gpt.toml"), "task.model=tiny", "task.corpus_bytes=200000",
+         "train.batch=2", "train.steps=20", "train.tensorboard=false", "train.progress=false"]
+# the collective timeout is far longer than any wait the test allows: only the start-up
+# check can end these runs in time (the communicate() timeouts below guard against a hang)
+LONG = 900
+
+
+def _client(port: int) -> dist.TCPStore:
+    """A client of the job's store, once rank 0 listens (torch's own connection retries back
+    off for seconds at a time)."""
+    for _ in range(1200):
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=1):
+                break
+        except OSError:
+            time.sleep(0.1)
+    return dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=120))
+
+
+def _errors(text: str) -> list[str]:
+    return [line for line in text.splitlines() if "flexdemo train: error" in line]
+
+
+@pytest.mark.parametrize("killed", [2, 0])
+def test_rank_killed_a_second_after_launch_is_named_by_every_survivor(tmp_path, killed):
+    """Four bare ranks; one is killed with SIGKILL a second after launch (before it reaches
+    the job). The three others exit 2 with one line naming it, not after FLEXDEMO_TIMEOUT."""
+    procs = spawn_ranks(4, [*TRAIN, f"train.out={tmp_path / 'run'}"], timeout=LONG)
+    try:
+        time.sleep(1)
+        procs[killed].send_signal(signal.SIGKILL)
+        survivors = [r for r in range(4) if r != killed]
+        outputs = {r: procs[r].communicate(timeout=240)[0] for r in survivors}
+    finally:
+        reap(procs)
+    for rank, text in outputs.items():
+        assert procs[rank].returncode == 2, (rank, text[-2000:])
+        errors = _errors(text)
+        assert len(errors) == 1, (rank, text[-2000:])
+        assert f"rank {rank}: start-up: " in errors[0], errors[0]
+        assert f"rank {killed}" in errors[0].split("start-up: ", 1)[1], errors[0]
+        others = [r for r in survivors if r != rank]
+        assert not any(f"rank {r} " in errors[0].split("start-up: ", 1)[1]
+                       or f"rank {r}," in errors[0] for r in others), errors[0]
+        assert "Traceback" not in text, (rank, text[-2000:])
+
+
+def test_rank_that_dies_after_arriving_is_named_as_dead(tmp_path):
+    """Ranks 0, 2 and 3 of four start (rank 1 never does, and the wait for it is long);
+    rank 3 is killed once it has registered in the job's store. Ranks 0 and 2 say that rank
+    3 died during start-up (rank 1 has not arrived yet) and exit 2, without waiting out
+    FLEXDEMO_JOIN_TIMEOUT or FLEXDEMO_TIMEOUT."""
+    port = free_port()
+    procs = spawn_ranks(4, [*TRAIN, f"train.out={tmp_path / 'run'}"], timeout=LONG,
+                        ranks=[0, 2, 3], port=port, env={"FLEXDEMO_JOIN_TIMEOUT": str(LONG)})
+    try:
+        store = _client(port)
+        store.wait(["flexdemo/join/0/info/3"], timedelta(seconds=120))
+        procs[2].send_signal(signal.SIGKILL)  # rank 3 (procs: ranks 0, 2, 3)
+        outputs = {r: procs[i].communicate(timeout=240)[0] for i, r in ((0, 0), (1, 2))}
+    finally:
+        reap(procs)
+    for i, (rank, text) in enumerate(outputs.items()):
+        assert procs[i].returncode == 2, (rank, text[-2000:])
+        errors = _errors(text)
+        assert len(errors) == 1, (rank, text[-2000:])
+        assert "rank 3 (host " in errors[0] and "died during start-up" in errors[0], errors[0]
+        assert "rank 1 had not arrived yet" in errors[0], errors[0]
+        assert "Traceback" not in text, (rank, text[-2000:])
+
+
+def test_rank_that_dies_while_the_job_is_set_up_is_named(tmp_path):
+    """Four ranks join; rank 2 is killed once its trainer heartbeat exists (it is building
+    the task or in prepare()'s collectives). The survivors, some of them blocked in
+    collectives that wait for rank 2, name it and exit 2, not after FLEXDEMO_TIMEOUT."""
+    port = free_port()
+    # a larger corpus: building the task (after the join) takes a while, long enough for the
+    # kill to land in the set-up
+    procs = spawn_ranks(4, [*TRAIN, "task.corpus_bytes=4000000", "train.steps=300",
+                            f"train.out={tmp_path / 'run'}"], timeout=LONG, port=port)
+    try:
+        # the trainer's heartbeats, in the default group's keys ("0/" under "default_pg")
+        store = dist.PrefixStore("0/", dist.PrefixStore("default_pg", _client(port)))
+        while not store.check(["flexdemo/liveness/hb/2"]):
+            assert all(p.poll() is None for p in procs), procs[0].communicate()[0]
+            time.sleep(0.05)
+        procs[2].send_signal(signal.SIGKILL)
+        outputs = {r: procs[r].communicate(timeout=240)[0] for r in (0, 1, 3)}
+    finally:
+        reap(procs)
+    for rank, text in outputs.items():
+        assert procs[rank].returncode == 2, (rank, text[-2000:])
+        errors = _errors(text)
+        assert len(errors) == 1, (rank, text[-2000:])
+        assert f"rank {rank}: start-up: lost rank 2 " in errors[0], errors[0]
+        assert "Traceback" not in text, (rank, text[-2000:])

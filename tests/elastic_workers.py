@@ -1,0 +1,105 @@
+"""Worker processes for tests/test_elastic.py: one process is one torchft replica group.
+
+``python -m elastic_workers --lighthouse URL --replica-id A --steps N --out DIR ...`` trains a
+small MLP on data fixed by (step, replica id) until the group has committed N steps, writing
+``progress`` (committed steps, one line per step: step replicas committed) and at the end
+``final.pt`` (parameters, DeMo momentum, step). Choreography options for the tests:
+``--die-at K`` kills this process (SIGKILL) before its step K; ``--hold-at M --hold-file F``
+waits (bounded) at step M until F exists; ``--fail-commit K`` makes step K's commit vote fail
+(a real Manager error) on its first attempt; ``--ready-file F`` is written once the Manager is
+up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+import flexdemo
+
+
+def model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(),
+                         nn.Linear(64, 4))
+
+
+def batch(step: int, replica: str) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 * step + sum(map(ord, replica)))
+    return torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--lighthouse", required=True)
+    ap.add_argument("--replica-id", required=True)
+    ap.add_argument("--replicator", default="demo")
+    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--min-replicas", type=int, default=1)
+    ap.add_argument("--timeout", type=float, default=30.0)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--die-at", type=int, default=-1)
+    ap.add_argument("--hold-at", type=int, default=-1)
+    ap.add_argument("--hold-file", default="")
+    ap.add_argument("--fail-commit", type=int, default=-1)
+    ap.add_argument("--ready-file", default="")
+    a = ap.parse_args(argv)
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    torch.set_num_threads(1)
+    kwargs = {"demo": {"topk": 4, "chunk": 16}, "full": {},
+              "diloco": {"inner_steps": 3}}[a.replicator]
+    ft = flexdemo.FaultTolerance(lighthouse=a.lighthouse, replica_id=a.replica_id,
+                                 min_replicas=a.min_replicas, timeout=a.timeout,
+                                 hostname="127.0.0.1")
+    net, opt = flexdemo.prepare(model(), replicator=a.replicator, replicator_kwargs=kwargs,
+                                lr=0.05, device="cpu", fault_tolerance=ft)
+    session = opt.fault_tolerance
+    if a.ready_file:
+        Path(a.ready_file).write_text("ready\n")
+    failed_once = False
+    progress = open(out / "progress", "a", buffering=1)
+    while opt.steps < a.steps:
+        if opt.steps == a.hold_at and a.hold_file:
+            deadline = time.monotonic() + 4 * a.timeout
+            while not os.path.exists(a.hold_file):
+                if time.monotonic() > deadline:
+                    print(f"gave up waiting for {a.hold_file}", file=sys.stderr)
+                    return 3
+                time.sleep(0.05)
+        opt.zero_grad()  # the quorum: a joiner heals here, before its forward pass
+        step = opt.steps
+        if step == a.die_at:
+            os.kill(os.getpid(), signal.SIGKILL)
+        x, y = batch(step, a.replica_id)
+        loss = nn.functional.mse_loss(net(x), y)
+        loss.backward()
+        if step == a.fail_commit and not failed_once:
+            failed_once = True
+            session._before_commit = lambda o: o.fault_tolerance.manager.report_error(
+                RuntimeError("injected failure"))
+        opt.step()
+        session._before_commit = None
+        s = opt.last_step_stats()
+        progress.write(f"{step} {s['replicas']} {int(s['committed'])}\n")
+    state = {"step": opt.steps,
+             "params": [p.detach().clone() for p in net.parameters()]}
+    rep = opt.replicators[0]
+    if hasattr(rep, "delta"):
+        state["delta"] = [d.clone() for d in rep.delta]
+    if hasattr(rep, "global_params"):
+        state["global"] = [g.clone() for g in rep.global_params]
+    torch.save(state, out / "final.pt")
+    session.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -4,10 +4,10 @@
 small MLP on data fixed by (step, replica id) until the group has committed N steps, writing
 ``progress`` (committed steps, one line per step: step replicas committed) and at the end
 ``final.pt`` (parameters, DeMo momentum, step). Choreography options for the tests:
-``--die-at K`` kills this process (SIGKILL) before its step K; ``--hold-at M --hold-file F``
-waits (bounded) at step M until F exists; ``--fail-commit K`` makes step K's commit vote fail
-(a real Manager error) on its first attempt; ``--ready-file F`` is written once the Manager is
-up.
+``--die-at K`` kills this process (SIGKILL) in its step K (after the quorum); ``--hold M:F``
+(repeatable) waits, bounded, before step M until file F exists; ``--fail-commit K`` makes
+step K's commit vote fail (a real Manager error) on its first attempt; ``--ready-file F`` is
+written once the Manager is up.
 """
 
 from __future__ import annotations
@@ -46,8 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timeout", type=float, default=30.0)
     ap.add_argument("--out", required=True)
     ap.add_argument("--die-at", type=int, default=-1)
-    ap.add_argument("--hold-at", type=int, default=-1)
-    ap.add_argument("--hold-file", default="")
+    ap.add_argument("--hold", action="append", default=[])
     ap.add_argument("--fail-commit", type=int, default=-1)
     ap.add_argument("--ready-file", default="")
     a = ap.parse_args(argv)
@@ -66,14 +65,17 @@ def main(argv: list[str] | None = None) -> int:
         Path(a.ready_file).write_text("ready\n")
     failed_once = False
     progress = open(out / "progress", "a", buffering=1)
+    holds = {int(h.split(":", 1)[0]): h.split(":", 1)[1] for h in a.hold}
     while opt.steps < a.steps:
-        if opt.steps == a.hold_at and a.hold_file:
-            deadline = time.monotonic() + 4 * a.timeout
-            while not os.path.exists(a.hold_file):
-                if time.monotonic() > deadline:
-                    print(f"gave up waiting for {a.hold_file}", file=sys.stderr)
-                    return 3
-                time.sleep(0.05)
+        hold = holds.pop(opt.steps, None)
+        deadline = time.monotonic() + 4 * a.timeout
+        while hold and not os.path.exists(hold):
+            if time.monotonic() > deadline:
+                print(f"gave up waiting for {hold}", file=sys.stderr)
+                return 3
+            time.sleep(0.05)
+        if hold:
+            time.sleep(0.5)  # the other group's heartbeats reach the lighthouse (every 0.1 s)
         opt.zero_grad()  # the quorum: a joiner heals here, before its forward pass
         step = opt.steps
         if step == a.die_at:
@@ -101,5 +103,17 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def entry() -> int:
+    """``main()``, with flexdemo's one-line errors printed as one line (exit status 2)."""
+    from flexdemo.ft import ElasticSession  # noqa: F401 - the session's errors below
+    from flexdemo.ft.session import LighthouseUnreachableError, QuorumTimeoutError
+
+    try:
+        return main()
+    except (LighthouseUnreachableError, QuorumTimeoutError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(entry())

@@ -1,0 +1,229 @@
+"""Elastic, fault-tolerant replication on torchft: real processes, a real lighthouse, real kills.
+
+Every replica group is one process (tests/elastic_workers.py) on CPU and gloo; the lighthouse
+is the ``torchft_lighthouse`` binary from the wheel on 127.0.0.1. Every wait is bounded.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("torchft")
+
+HERE = Path(__file__).parent
+WAIT = 180  # seconds any one process may run
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _lighthouse_binary() -> str:
+    local = Path(sys.executable).parent / "torchft_lighthouse"
+    found = str(local) if local.exists() else shutil.which("torchft_lighthouse")
+    if not found:
+        pytest.skip("the torchft_lighthouse binary is not installed")
+    return found
+
+
+class Lighthouse:
+    """``torchft_lighthouse`` on 127.0.0.1 and a free port (stopped by :meth:`stop`)."""
+
+    def __init__(self, min_replicas: int, log: Path) -> None:
+        port = _free_port()
+        self.url = f"http://127.0.0.1:{port}"
+        self._log = open(log, "w")
+        self.proc = subprocess.Popen(
+            [_lighthouse_binary(), "--bind", f"127.0.0.1:{port}", "--min_replicas",
+             str(min_replicas), "--join_timeout_ms", "2000", "--heartbeat_timeout_ms", "1000",
+             "--quorum_tick_ms", "50"], stdout=self._log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                if time.monotonic() > deadline or self.proc.poll() is not None:
+                    self.stop()
+                    raise RuntimeError(f"the lighthouse did not start; see {log}") from None
+                time.sleep(0.05)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(timeout=30)
+        self._log.close()
+
+
+@pytest.fixture
+def procs():
+    started: list[subprocess.Popen] = []
+    yield started
+    for p in started:
+        if p.poll() is None:
+            p.kill()
+            p.wait(timeout=30)
+
+
+def _worker(procs: list, tmp: Path, url: str, rid: str, out: str, *args: str,
+            log: str | None = None) -> subprocess.Popen:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(HERE))
+    logf = open(tmp / f"{log or out}.log", "w")
+    p = subprocess.Popen([sys.executable, "-m", "elastic_workers", "--lighthouse", url,
+                          "--replica-id", rid, "--out", str(tmp / out), *args], env=env,
+                         cwd=HERE, stdout=logf, stderr=subprocess.STDOUT)
+    procs.append(p)
+    return p
+
+
+def _wait(p: subprocess.Popen, tmp: Path, name: str) -> int:
+    try:
+        return p.wait(timeout=WAIT)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        p.wait(timeout=30)
+        raise AssertionError(f"{name} did not finish within {WAIT} s; log:\n"
+                             f"{(tmp / f'{name}.log').read_text()[-3000:]}") from None
+
+
+def _ok(p: subprocess.Popen, tmp: Path, name: str) -> None:
+    rc = _wait(p, tmp, name)
+    assert rc == 0, f"{name} exited with {rc}; log:\n{(tmp / f'{name}.log').read_text()[-3000:]}"
+
+
+def _progress(tmp: Path, out: str) -> list[tuple[int, int, int]]:
+    lines = (tmp / out / "progress").read_text().split()
+    return [tuple(map(int, lines[i: i + 3])) for i in range(0, len(lines), 3)]
+
+
+def _final(tmp: Path, out: str) -> dict:
+    return torch.load(tmp / out / "final.pt")
+
+
+def _same(a: list, b: list) -> bool:
+    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("replicator", ["full", "demo"])
+def test_killed_group_restarts_heals_and_ends_identical(tmp_path, procs, replicator):
+    """B is killed (SIGKILL) at step 4; A goes on alone; B restarts, heals from A, and at the
+    end both groups hold bitwise the same parameters."""
+    lh = Lighthouse(1, tmp_path / "lighthouse.log")
+    try:
+        ready_a = tmp_path / "a-ready"
+        ready1, ready2 = tmp_path / "b1-ready", tmp_path / "b2-ready"
+        common = ["--replicator", replicator, "--steps", "14", "--timeout", "30"]
+        # A and B1 start together; A waits at step 9 for B2 to be up (B2 joins before the end)
+        a = _worker(procs, tmp_path, lh.url, "A", "A", *common, "--hold", f"0:{ready1}",
+                    "--hold", f"9:{ready2}", "--ready-file", str(ready_a))
+        b1 = _worker(procs, tmp_path, lh.url, "B", "B1", *common, "--die-at", "4",
+                     "--ready-file", str(ready1), "--hold", f"0:{ready_a}")
+        assert _wait(b1, tmp_path, "B1") == -9  # killed by SIGKILL, mid-run
+        b2 = _worker(procs, tmp_path, lh.url, "B", "B2", *common, "--ready-file", str(ready2))
+        _ok(a, tmp_path, "A")
+        _ok(b2, tmp_path, "B2")
+    finally:
+        lh.stop()
+    pa, pb = _progress(tmp_path, "A"), _progress(tmp_path, "B2")
+    assert (4, 2, 0) in pa, f"A's step 4 with the dying B was not undone: {pa}"
+    assert any(n == 1 and c for _, n, c in pa), f"A never went on alone: {pa}"
+    assert pb[0][0] >= 9, f"B2 did not heal to A's step: {pb}"
+    assert all(n == 2 and c for _, n, c in pb), f"B2 did not train with A: {pb}"
+    fa, fb = _final(tmp_path, "A"), _final(tmp_path, "B2")
+    assert fa["step"] == fb["step"] == 14
+    assert _same(fa["params"], fb["params"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("replicator", ["full", "demo"])
+def test_failed_commit_is_undone_exactly(tmp_path, procs, replicator):
+    """Step 3's commit vote fails on both groups (a real Manager error after the exchange):
+    the run then is bitwise the run without that failure, DeMo's momentum included."""
+    for run, extra in (("fail", ["--fail-commit", "3"]), ("clean", [])):
+        lh = Lighthouse(2, tmp_path / f"lighthouse-{run}.log")
+        try:
+            common = ["--replicator", replicator, "--steps", "7", "--min-replicas", "2", *extra]
+            ws = [(_worker(procs, tmp_path, lh.url, r, f"{run}-{r}", *common), f"{run}-{r}")
+                  for r in ("A", "B")]
+            for p, name in ws:
+                _ok(p, tmp_path, name)
+        finally:
+            lh.stop()
+    for r in ("A", "B"):
+        fail, clean = _progress(tmp_path, f"fail-{r}"), _progress(tmp_path, f"clean-{r}")
+        assert (3, 2, 0) in fail and len(fail) == len(clean) + 1
+        f, c = _final(tmp_path, f"fail-{r}"), _final(tmp_path, f"clean-{r}")
+        assert f["step"] == c["step"] == 7
+        assert _same(f["params"], c["params"])
+        if replicator == "demo":
+            assert _same(f["delta"], c["delta"])
+    fa, fb = _final(tmp_path, "fail-A"), _final(tmp_path, "fail-B")
+    assert _same(fa["params"], fb["params"])
+
+
+def test_too_few_replicas_wait_bounded_and_say_so(tmp_path, procs):
+    """min_replicas=2 with one group: it says it waits, then exits naming what it waited for."""
+    lh = Lighthouse(1, tmp_path / "lighthouse.log")
+    try:
+        p = _worker(procs, tmp_path, lh.url, "A", "A", "--min-replicas", "2", "--timeout", "4")
+        rc = _wait(p, tmp_path, "A")
+    finally:
+        lh.stop()
+    log = (tmp_path / "A.log").read_text()
+    assert rc == 2, log[-3000:]
+    waiting = [x for x in log.splitlines() if "is waiting for a quorum" in x]
+    assert len(waiting) == 1 and "2 replica group(s)" in waiting[0]
+    last = log.strip().splitlines()[-1]
+    assert last.startswith("error: replica group 'A' waited 4 s for a quorum of 2"), last
+    assert lh.url in last
+
+
+def test_unreachable_lighthouse_is_one_line(tmp_path, procs):
+    url = f"http://127.0.0.1:{_free_port()}"  # nothing listens there
+    p = _worker(procs, tmp_path, url, "A", "A", "--timeout", "3")
+    rc = _wait(p, tmp_path, "A")
+    last = (tmp_path / "A.log").read_text().strip().splitlines()[-1]
+    assert rc == 2
+    assert last.startswith("error: replica group 'A' could not reach the torchft lighthouse "
+                           f"at {url} within 3 s"), last
+
+
+BLOCK_TORCHFT = "import sys; sys.modules['torchft'] = None\n"
+
+
+def _python(code: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", BLOCK_TORCHFT + code], capture_output=True,
+                          text=True, timeout=WAIT, env=dict(os.environ, OMP_NUM_THREADS="1"))
+
+
+def test_without_torchft_fault_tolerance_names_the_extra():
+    r = _python("import flexdemo\n"
+                "try:\n"
+                "    flexdemo.FaultTolerance(lighthouse='http://127.0.0.1:1', replica_id='A')\n"
+                "except ModuleNotFoundError as e:\n"
+                "    print(e)\n")
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.strip().splitlines()
+    assert lines == ['fault tolerance needs torchft, which is not installed: '
+                     'pip install "flexdemo[ft]"']
+
+
+def test_without_torchft_nothing_changes():
+    r = _python("import torch, flexdemo\n"
+                "m, opt = flexdemo.prepare(torch.nn.Linear(4, 4), replicator='demo')\n"
+                "m(torch.ones(2, 4)).sum().backward(); opt.step()\n"
+                "assert opt.fault_tolerance is None and 'replicas' not in opt.last_step_stats()\n"
+                "print('ok')\n")
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-3000:]

@@ -2,8 +2,9 @@
 
 ``python -m elastic_workers --lighthouse URL --replica-id A --steps N --out DIR ...`` trains a
 small MLP on data fixed by (step, replica id) until the group has committed N steps, writing
-``progress`` (committed steps, one line per step: step replicas committed) and at the end
-``final.pt`` (parameters, DeMo momentum, step). Choreography options for the tests:
+``progress`` (one line per attempted step: step, replica groups, committed, wall time) and at
+the end ``final.pt`` (parameters, DeMo momentum, DiLoCo's global copy, step). Choreography
+options for the tests:
 ``--die-at K`` kills this process (SIGKILL) in its step K (after the quorum); ``--hold M:F``
 (repeatable) waits, bounded, before step M until file F exists; ``--fail-commit K`` makes
 step K's commit vote fail (a real Manager error) on its first attempt; ``--ready-file F`` is
@@ -90,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
         opt.step()
         session._before_commit = None
         s = opt.last_step_stats()
-        progress.write(f"{step} {s['replicas']} {int(s['committed'])}\n")
+        progress.write(f"{step} {s['replicas']} {int(s['committed'])} {time.time():.3f}\n")
     state = {"step": opt.steps,
              "params": [p.detach().clone() for p in net.parameters()]}
     rep = opt.replicators[0]

@@ -103,8 +103,8 @@ def _ok(p: subprocess.Popen, tmp: Path, name: str) -> None:
 
 
 def _progress(tmp: Path, out: str) -> list[tuple[int, int, int]]:
-    lines = (tmp / out / "progress").read_text().split()
-    return [tuple(map(int, lines[i: i + 3])) for i in range(0, len(lines), 3)]
+    rows = [line.split() for line in (tmp / out / "progress").read_text().splitlines()]
+    return [tuple(map(int, row[:3])) for row in rows]
 
 
 def _final(tmp: Path, out: str) -> dict:
@@ -116,19 +116,20 @@ def _same(a: list, b: list) -> bool:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("replicator", ["full", "demo"])
+@pytest.mark.parametrize("replicator", ["full", "demo", "diloco"])
 def test_killed_group_restarts_heals_and_ends_identical(tmp_path, procs, replicator):
-    """B is killed (SIGKILL) at step 4; A goes on alone; B restarts, heals from A, and at the
-    end both groups hold bitwise the same parameters."""
+    """B is killed (SIGKILL) in step 5 (a DiLoCo sync: H=3); A's step 5 fails and is undone,
+    A goes on alone; B restarts, heals from A (under DiLoCo between two syncs), and at the
+    end both groups hold bitwise the same parameters (DiLoCo: its last step is a sync)."""
     lh = Lighthouse(1, tmp_path / "lighthouse.log")
     try:
         ready_a = tmp_path / "a-ready"
         ready1, ready2 = tmp_path / "b1-ready", tmp_path / "b2-ready"
-        common = ["--replicator", replicator, "--steps", "14", "--timeout", "30"]
+        common = ["--replicator", replicator, "--steps", "15", "--timeout", "30"]
         # A and B1 start together; A waits at step 9 for B2 to be up (B2 joins before the end)
         a = _worker(procs, tmp_path, lh.url, "A", "A", *common, "--hold", f"0:{ready1}",
                     "--hold", f"9:{ready2}", "--ready-file", str(ready_a))
-        b1 = _worker(procs, tmp_path, lh.url, "B", "B1", *common, "--die-at", "4",
+        b1 = _worker(procs, tmp_path, lh.url, "B", "B1", *common, "--die-at", "5",
                      "--ready-file", str(ready1), "--hold", f"0:{ready_a}")
         assert _wait(b1, tmp_path, "B1") == -9  # killed by SIGKILL, mid-run
         b2 = _worker(procs, tmp_path, lh.url, "B", "B2", *common, "--ready-file", str(ready2))
@@ -137,24 +138,29 @@ def test_killed_group_restarts_heals_and_ends_identical(tmp_path, procs, replica
     finally:
         lh.stop()
     pa, pb = _progress(tmp_path, "A"), _progress(tmp_path, "B2")
-    assert (4, 2, 0) in pa, f"A's step 4 with the dying B was not undone: {pa}"
+    assert (5, 2, 0) in pa, f"A's step 5 with the dying B was not undone: {pa}"
     assert any(n == 1 and c for _, n, c in pa), f"A never went on alone: {pa}"
     assert pb[0][0] >= 9, f"B2 did not heal to A's step: {pb}"
     assert all(n == 2 and c for _, n, c in pb), f"B2 did not train with A: {pb}"
     fa, fb = _final(tmp_path, "A"), _final(tmp_path, "B2")
-    assert fa["step"] == fb["step"] == 14
+    assert fa["step"] == fb["step"] == 15
     assert _same(fa["params"], fb["params"])
+    if replicator == "diloco":
+        assert _same(fa["global"], fb["global"])
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("replicator", ["full", "demo"])
-def test_failed_commit_is_undone_exactly(tmp_path, procs, replicator):
-    """Step 3's commit vote fails on both groups (a real Manager error after the exchange):
-    the run then is bitwise the run without that failure, DeMo's momentum included."""
-    for run, extra in (("fail", ["--fail-commit", "3"]), ("clean", [])):
+@pytest.mark.parametrize("replicator,fail,steps", [("full", 3, 7), ("demo", 3, 7),
+                                                    ("diloco", 5, 9)])
+def test_failed_commit_is_undone_exactly(tmp_path, procs, replicator, fail, steps):
+    """Step ``fail``'s commit vote fails on both groups (a real Manager error after the
+    exchange; under DiLoCo, H=3, a sync, retried at the next quorum): the run then is bitwise
+    the run without that failure, DeMo's momentum and DiLoCo's global copy included."""
+    for run, extra in (("fail", ["--fail-commit", str(fail)]), ("clean", [])):
         lh = Lighthouse(2, tmp_path / f"lighthouse-{run}.log")
         try:
-            common = ["--replicator", replicator, "--steps", "7", "--min-replicas", "2", *extra]
+            common = ["--replicator", replicator, "--steps", str(steps), "--min-replicas", "2",
+                      *extra]
             ws = [(_worker(procs, tmp_path, lh.url, r, f"{run}-{r}", *common), f"{run}-{r}")
                   for r in ("A", "B")]
             for p, name in ws:
@@ -162,13 +168,13 @@ def test_failed_commit_is_undone_exactly(tmp_path, procs, replicator):
         finally:
             lh.stop()
     for r in ("A", "B"):
-        fail, clean = _progress(tmp_path, f"fail-{r}"), _progress(tmp_path, f"clean-{r}")
-        assert (3, 2, 0) in fail and len(fail) == len(clean) + 1
+        failed, clean = _progress(tmp_path, f"fail-{r}"), _progress(tmp_path, f"clean-{r}")
+        assert (fail, 2, 0) in failed and len(failed) == len(clean) + 1
         f, c = _final(tmp_path, f"fail-{r}"), _final(tmp_path, f"clean-{r}")
-        assert f["step"] == c["step"] == 7
+        assert f["step"] == c["step"] == steps
         assert _same(f["params"], c["params"])
-        if replicator == "demo":
-            assert _same(f["delta"], c["delta"])
+        for key in ("delta", "global"):
+            assert _same(f.get(key, []), c.get(key, []))
     fa, fb = _final(tmp_path, "fail-A"), _final(tmp_path, "fail-B")
     assert _same(fa["params"], fb["params"])
 

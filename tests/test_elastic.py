@@ -40,13 +40,16 @@ def _lighthouse_binary() -> str:
 class Lighthouse:
     """``torchft_lighthouse`` on 127.0.0.1 and a free port (stopped by :meth:`stop`)."""
 
-    def __init__(self, min_replicas: int, log: Path) -> None:
+    def __init__(self, min_replicas: int, log: Path, cli: bool = False) -> None:
         port = _free_port()
         self.url = f"http://127.0.0.1:{port}"
         self._log = open(log, "w")
+        # the binary itself, or through `flexdemo lighthouse` (which becomes that binary)
+        head = [sys.executable, "-m", "flexdemo", "lighthouse"] if cli \
+            else [_lighthouse_binary()]
         self.proc = subprocess.Popen(
-            [_lighthouse_binary(), "--bind", f"127.0.0.1:{port}", "--min_replicas",
-             str(min_replicas), "--join_timeout_ms", "2000", "--heartbeat_timeout_ms", "1000",
+            [*head, "--bind", f"127.0.0.1:{port}", "--min_replicas", str(min_replicas),
+             "--join_timeout_ms", "2000", "--heartbeat_timeout_ms", "1000",
              "--quorum_tick_ms", "50"], stdout=self._log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 30
         while True:
@@ -180,8 +183,9 @@ def test_failed_commit_is_undone_exactly(tmp_path, procs, replicator, fail, step
 
 
 def test_too_few_replicas_wait_bounded_and_say_so(tmp_path, procs):
-    """min_replicas=2 with one group: it says it waits, then exits naming what it waited for."""
-    lh = Lighthouse(1, tmp_path / "lighthouse.log")
+    """min_replicas=2 with one group: it says it waits, then exits naming what it waited for
+    (the lighthouse started by `flexdemo lighthouse`)."""
+    lh = Lighthouse(1, tmp_path / "lighthouse.log", cli=True)
     try:
         p = _worker(procs, tmp_path, lh.url, "A", "A", "--min-replicas", "2", "--timeout", "4")
         rc = _wait(p, tmp_path, "A")

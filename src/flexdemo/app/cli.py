@@ -18,6 +18,7 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 
+from ..ft.lighthouse import add_parser as add_lighthouse_parser
 from ..mesh import timeout_from_env
 from ..tools.cluster import (
     DEFAULT_SUBNET,
@@ -146,6 +147,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_train_parser(sub)
     _add_bench_parser(sub)
     _add_simulate_parser(sub)
+    add_lighthouse_parser(sub)  # flexdemo.ft: torchft's lighthouse for elastic runs
     return parser
 
 

@@ -2,9 +2,11 @@
 
 ``python -m elastic_workers --lighthouse URL --replica-id A --steps N --out DIR ...`` trains a
 small MLP on data fixed by (step, replica id) until the group has committed N steps, writing
-``progress`` (one line per attempted step: step, replica groups, committed, wall time) and at
-the end ``final.pt`` (parameters, DeMo momentum, DiLoCo's global copy, step). Choreography
-options for the tests:
+``progress<rank>`` (one line per attempted step: step, replica groups, committed, wall time,
+quorum seconds, commit-vote seconds) and at the end ``final<rank>.pt`` (this rank's parameter
+shards, DeMo momentum, DiLoCo's global copy, step). Under torchrun's variables (RANK,
+WORLD_SIZE, MASTER_ADDR/PORT of the group) a group has several ranks, and FSDP2 shards the model
+over them. Choreography options for the tests:
 ``--die-at K`` kills this process (SIGKILL) in its step K (after the quorum); ``--hold M:F``
 (repeatable) waits, bounded, before step M until file F exists; ``--fail-commit K`` makes
 step K's commit vote fail (a real Manager error) on its first attempt; ``--ready-file F`` is
@@ -62,10 +64,11 @@ def main(argv: list[str] | None = None) -> int:
     net, opt = flexdemo.prepare(model(), replicator=a.replicator, replicator_kwargs=kwargs,
                                 lr=0.05, device="cpu", fault_tolerance=ft)
     session = opt.fault_tolerance
-    if a.ready_file:
+    if a.ready_file and int(os.environ.get("RANK", "0")) == 0:
         Path(a.ready_file).write_text("ready\n")
     failed_once = False
-    progress = open(out / "progress", "a", buffering=1)
+    rank = int(os.environ.get("RANK", "0"))  # several ranks per group: FSDP2 shards
+    progress = open(out / f"progress{rank}", "a", buffering=1)
     holds = {int(h.split(":", 1)[0]): h.split(":", 1)[1] for h in a.hold}
     while opt.steps < a.steps:
         hold = holds.pop(opt.steps, None)
@@ -91,15 +94,17 @@ def main(argv: list[str] | None = None) -> int:
         opt.step()
         session._before_commit = None
         s = opt.last_step_stats()
-        progress.write(f"{step} {s['replicas']} {int(s['committed'])} {time.time():.3f}\n")
-    state = {"step": opt.steps,
-             "params": [p.detach().clone() for p in net.parameters()]}
+        progress.write(f"{step} {s['replicas']} {int(s['committed'])} {time.time():.3f} "
+                       f"{s['quorum_seconds']:.4f} {s['commit_seconds']:.4f}\n")
+    state = {"step": opt.steps,  # this rank's shards
+             "params": [getattr(p, "_local_tensor", p).detach().clone()
+                        for p in net.parameters()]}
     rep = opt.replicators[0]
     if hasattr(rep, "delta"):
         state["delta"] = [d.clone() for d in rep.delta]
     if hasattr(rep, "global_params"):
         state["global"] = [g.clone() for g in rep.global_params]
-    torch.save(state, out / "final.pt")
+    torch.save(state, out / f"final{rank}.pt")
     session.shutdown()
     return 0
 

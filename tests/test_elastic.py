@@ -90,6 +90,24 @@ def _worker(procs: list, tmp: Path, url: str, rid: str, out: str, *args: str,
     return p
 
 
+def _group(procs: list, tmp: Path, url: str, rid: str, out: str, ranks: int,
+           *args: str) -> list[tuple[subprocess.Popen, str]]:
+    """One replica group of ``ranks`` processes (torchrun's variables, its own store port)."""
+    port, group = _free_port(), []
+    for r in range(ranks):
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(HERE), RANK=str(r),
+                   LOCAL_RANK=str(r), WORLD_SIZE=str(ranks), LOCAL_WORLD_SIZE=str(ranks),
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        name = f"{out}-r{r}"
+        logf = open(tmp / f"{name}.log", "w")
+        p = subprocess.Popen([sys.executable, "-m", "elastic_workers", "--lighthouse", url,
+                              "--replica-id", rid, "--out", str(tmp / out), *args], env=env,
+                             cwd=HERE, stdout=logf, stderr=subprocess.STDOUT)
+        procs.append(p)
+        group.append((p, name))
+    return group
+
+
 def _wait(p: subprocess.Popen, tmp: Path, name: str) -> int:
     try:
         return p.wait(timeout=WAIT)
@@ -105,13 +123,13 @@ def _ok(p: subprocess.Popen, tmp: Path, name: str) -> None:
     assert rc == 0, f"{name} exited with {rc}; log:\n{(tmp / f'{name}.log').read_text()[-3000:]}"
 
 
-def _progress(tmp: Path, out: str) -> list[tuple[int, int, int]]:
-    rows = [line.split() for line in (tmp / out / "progress").read_text().splitlines()]
+def _progress(tmp: Path, out: str, rank: int = 0) -> list[tuple[int, int, int]]:
+    rows = [line.split() for line in (tmp / out / f"progress{rank}").read_text().splitlines()]
     return [tuple(map(int, row[:3])) for row in rows]
 
 
-def _final(tmp: Path, out: str) -> dict:
-    return torch.load(tmp / out / "final.pt")
+def _final(tmp: Path, out: str, rank: int = 0) -> dict:
+    return torch.load(tmp / out / f"final{rank}.pt")
 
 
 def _same(a: list, b: list) -> bool:
@@ -182,6 +200,37 @@ def test_failed_commit_is_undone_exactly(tmp_path, procs, replicator, fail, step
     assert _same(fa["params"], fb["params"])
 
 
+@pytest.mark.slow
+def test_sharded_groups_rank_r_replicates_with_rank_r(tmp_path, procs):
+    """2 groups x 2 ranks (FSDP2 shards inside a group), DeMo: B is killed whole in step 5 and
+    restarts; rank r of B heals from rank r of A, and at the end each rank's shards are
+    bitwise those of the same rank of the other group."""
+    lh = Lighthouse(1, tmp_path / "lighthouse.log")
+    try:
+        ready_a = tmp_path / "a-ready"
+        ready1, ready2 = tmp_path / "b1-ready", tmp_path / "b2-ready"
+        common = ["--replicator", "demo", "--steps", "12", "--timeout", "30"]
+        a = _group(procs, tmp_path, lh.url, "A", "A", 2, *common, "--hold", f"0:{ready1}",
+                   "--hold", f"8:{ready2}", "--ready-file", str(ready_a))
+        b1 = _group(procs, tmp_path, lh.url, "B", "B1", 2, *common, "--die-at", "5",
+                    "--ready-file", str(ready1), "--hold", f"0:{ready_a}")
+        for p, name in b1:
+            assert _wait(p, tmp_path, name) == -9
+        b2 = _group(procs, tmp_path, lh.url, "B", "B2", 2, *common, "--ready-file",
+                    str(ready2))
+        for p, name in a + b2:
+            _ok(p, tmp_path, name)
+    finally:
+        lh.stop()
+    assert (5, 2, 0) in _progress(tmp_path, "A", 1)
+    finals = {(g, r): _final(tmp_path, g, r) for g in ("A", "B2") for r in (0, 1)}
+    for r in (0, 1):
+        assert _progress(tmp_path, "B2", r)[0][0] >= 8
+        assert finals["A", r]["step"] == finals["B2", r]["step"] == 12
+        assert _same(finals["A", r]["params"], finals["B2", r]["params"])
+    assert not _same(finals["A", 0]["params"], finals["A", 1]["params"])  # other shards
+
+
 def test_too_few_replicas_wait_bounded_and_say_so(tmp_path, procs):
     """min_replicas=2 with one group: it says it waits, then exits naming what it waited for
     (the lighthouse started by `flexdemo lighthouse`)."""
@@ -237,3 +286,15 @@ def test_without_torchft_nothing_changes():
                 "assert opt.fault_tolerance is None and 'replicas' not in opt.last_step_stats()\n"
                 "print('ok')\n")
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-3000:]
+
+
+def test_unsupported_replicators_are_refused_in_one_line():
+    from flexdemo import DeMoReplicator, DiLoCoReplicator, RandomReplicator
+    from flexdemo.ft.state import check_supported
+
+    for rep, words in ((RandomReplicator(), "'random' is not supported yet"),
+                       (DeMoReplicator(overlap="delayed"), "delayed mode"),
+                       (DiLoCoReplicator(inner_steps=4, tau=1), "tau=1")):
+        with pytest.raises(ValueError, match=words) as e:
+            check_supported(rep)
+        assert "\n" not in str(e.value)

@@ -74,6 +74,7 @@ class ElasticSession:
         self.opt = None
         self.stepping = False
         self._begun = False
+        self._started = False
         self._before_commit = None  # tests: called after a step, before its commit vote
         self.participants = 0
         self.committed = None
@@ -122,6 +123,11 @@ class ElasticSession:
         groups are there, at most ``quorum_timeout`` seconds."""
         if self._begun:
             return
+        if not self._started:  # a resumed optimizer: the lighthouse sees its committed steps
+            self._started = True
+            if self.manager.current_step() != self.opt.steps:
+                self.manager.load_state_dict({"step": self.opt.steps,
+                                              "batches_committed": 0})
         t0 = time.perf_counter()
         deadline = time.monotonic() + self.config.quorum_timeout
         told = threading.Event()

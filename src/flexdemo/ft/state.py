@@ -46,6 +46,10 @@ def check_supported(rep: Replicator) -> None:
     if isinstance(rep, DeMoReplicator) and rep.overlap == "delayed":
         raise ValueError("fault tolerance does not support DeMo's delayed mode "
                          "(overlap='delayed') yet; use the synchronous mode")
+    if isinstance(rep, DiLoCoReplicator) and rep.tau:
+        raise ValueError("fault tolerance does not support DiLoCo syncs that overlap later "
+                         f"steps (tau={rep.tau}) yet: a quorum change would meet a sync in "
+                         "flight; use tau=0")
     for ex in getattr(rep, "exchanges", ()):
         check_supported(ex)
 

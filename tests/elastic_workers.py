@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(1)
     kwargs = {"demo": {"topk": 4, "chunk": 16}, "full": {},
-              "diloco": {"inner_steps": 3}}[a.replicator]
+              "diloco": {"inner_steps": 3}, "random": {"rate": 1 / 8}}[a.replicator]
     ft = flexdemo.FaultTolerance(lighthouse=a.lighthouse, replica_id=a.replica_id,
                                  min_replicas=a.min_replicas, timeout=a.timeout,
                                  hostname="127.0.0.1")
@@ -102,6 +102,8 @@ def main(argv: list[str] | None = None) -> int:
     rep = opt.replicators[0]
     if hasattr(rep, "delta"):
         state["delta"] = [d.clone() for d in rep.delta]
+    if hasattr(rep, "buffers"):  # Random, Striding, Slicing: their momenta
+        state["buffers"] = [b.clone() for b in rep.buffers]
     if hasattr(rep, "global_params"):
         state["global"] = [g.clone() for g in rep.global_params]
     torch.save(state, out / f"final{rank}.pt")

@@ -137,7 +137,7 @@ def _same(a: list, b: list) -> bool:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("replicator", ["full", "demo", "diloco"])
+@pytest.mark.parametrize("replicator", ["full", "demo", "diloco", "random"])
 def test_killed_group_restarts_heals_and_ends_identical(tmp_path, procs, replicator):
     """B is killed (SIGKILL) in step 5 (a DiLoCo sync: H=3); A's step 5 fails and is undone,
     A goes on alone; B restarts, heals from A (under DiLoCo between two syncs), and at the
@@ -172,11 +172,11 @@ def test_killed_group_restarts_heals_and_ends_identical(tmp_path, procs, replica
 
 @pytest.mark.slow
 @pytest.mark.parametrize("replicator,fail,steps", [("full", 3, 7), ("demo", 3, 7),
-                                                    ("diloco", 5, 9)])
+                                                    ("diloco", 5, 9), ("random", 3, 7)])
 def test_failed_commit_is_undone_exactly(tmp_path, procs, replicator, fail, steps):
     """Step ``fail``'s commit vote fails on both groups (a real Manager error after the
     exchange; under DiLoCo, H=3, a sync, retried at the next quorum): the run then is bitwise
-    the run without that failure, DeMo's momentum and DiLoCo's global copy included."""
+    the run without that failure, the replicators' momenta and DiLoCo's global copy included."""
     for run, extra in (("fail", ["--fail-commit", str(fail)]), ("clean", [])):
         lh = Lighthouse(2, tmp_path / f"lighthouse-{run}.log")
         try:
@@ -194,7 +194,7 @@ def test_failed_commit_is_undone_exactly(tmp_path, procs, replicator, fail, step
         f, c = _final(tmp_path, f"fail-{r}"), _final(tmp_path, f"clean-{r}")
         assert f["step"] == c["step"] == steps
         assert _same(f["params"], c["params"])
-        for key in ("delta", "global"):
+        for key in ("delta", "global", "buffers"):
             assert _same(f.get(key, []), c.get(key, []))
     fa, fb = _final(tmp_path, "fail-A"), _final(tmp_path, "fail-B")
     assert _same(fa["params"], fb["params"])
@@ -289,10 +289,10 @@ def test_without_torchft_nothing_changes():
 
 
 def test_unsupported_replicators_are_refused_in_one_line():
-    from flexdemo import DeMoReplicator, DiLoCoReplicator, RandomReplicator
+    from flexdemo import DeMoReplicator, DiLoCoReplicator, FullReplicator, PhasedReplicator
     from flexdemo.ft.state import check_supported
 
-    for rep, words in ((RandomReplicator(), "'random' is not supported yet"),
+    for rep, words in ((PhasedReplicator(FullReplicator(), DeMoReplicator(), 2), "not supp"),
                        (DeMoReplicator(overlap="delayed"), "delayed mode"),
                        (DiLoCoReplicator(inner_steps=4, tau=1), "tau=1")):
         with pytest.raises(ValueError, match=words) as e:

@@ -8,8 +8,9 @@ quorum. The cost is one copy of that state per step.
 
 *Healing.* A joiner fetches :func:`heal_state` from a healthy peer (the same rank of another
 replica group): parameters, base optimizer state, step counters, and the replicators'
-*shared* state (DiLoCo's global copy, outer optimizer and syncs). Per-replica state (DeMo's
-momentum and error feedback, also inside a DiLoCo exchange) starts from zero on the joiner:
+*shared* state (DiLoCo's global copy, outer optimizer and syncs). Per-replica state (the
+momentum and error feedback of DeMo and of the Random, Striding and Slicing replicators, also
+inside a DiLoCo exchange) starts from zero on the joiner:
 it is the part of this replica's own gradients that it has not sent yet, and a copy of a
 peer's would send that peer's residual a second time.
 """
@@ -21,11 +22,20 @@ from dataclasses import dataclass
 
 import torch
 
-from ..replicate import DeMoReplicator, DiLoCoReplicator, FullReplicator, Replicator
+from ..replicate import (
+    DeMoReplicator,
+    DiLoCoReplicator,
+    FullReplicator,
+    RandomReplicator,
+    Replicator,
+    SlicingReplicator,
+    StridingReplicator,
+)
 from ..replicate.base import Agreement
 from ..transport import group_rank, group_size
 
-SUPPORTED = (FullReplicator, DeMoReplicator, DiLoCoReplicator)
+SUBSET = (RandomReplicator, StridingReplicator, SlicingReplicator)
+SUPPORTED = (FullReplicator, DeMoReplicator, DiLoCoReplicator, *SUBSET)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -63,6 +73,9 @@ def rebind(rep: Replicator) -> None:
         rep.agreement = Agreement(rep.name, rank, world, rep.device)
         if isinstance(rep, FullReplicator):
             rep._setup_state()  # the fp32 bucket's trailer holds 2 values per replica
+        elif isinstance(rep, SUBSET):  # the same trailer; the momenta stay
+            rep._bucket = torch.zeros(rep._total + Agreement.trailer_size(world),
+                                      dtype=torch.float32, device=rep.device)
     for ex in getattr(rep, "exchanges", ()):
         rebind(ex)
 
@@ -108,7 +121,7 @@ def shared_state(rep: Replicator) -> dict:
         sd.pop("stats", None)
         sd["exchanges"] = [shared_state(ex) for ex in rep.exchanges]
         return _clone(sd)
-    return {}  # Full: none; DeMo: its momentum is per replica
+    return {}  # Full: none; DeMo, Random, Striding, Slicing: their momenta are per replica
 
 
 def load_shared_state(rep: Replicator, state: dict) -> None:
@@ -124,6 +137,9 @@ def load_shared_state(rep: Replicator, state: dict) -> None:
             for d in rep.delta:
                 d.zero_()
         rep._inflight = rep._pending = None
+    elif isinstance(rep, SUBSET):  # their momenta (error feedback) are per replica too
+        with torch.no_grad():
+            torch._foreach_zero_(rep.buffers)
     rep._withheld = None
 
 

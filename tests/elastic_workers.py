@@ -7,8 +7,8 @@ quorum seconds, commit-vote seconds) and at the end ``final<rank>.pt`` (this ran
 shards, DeMo momentum, DiLoCo's global copy, step). Under torchrun's variables (RANK,
 WORLD_SIZE, MASTER_ADDR/PORT of the group) a group has several ranks, and FSDP2 shards the model
 over them. Choreography options for the tests:
-``--die-at K`` kills this process (SIGKILL) in its step K (after the quorum); ``--hold M:F``
-(repeatable) waits, bounded, before step M until file F exists; ``--fail-commit K`` makes
+``--die-at K`` kills this process (SIGKILL) in its step K (after the quorum); ``--hold M:F[,G...]``
+(repeatable) waits, bounded, before step M until the files exist; ``--fail-commit K`` makes
 step K's commit vote fail (a real Manager error) on its first attempt; ``--ready-file F`` is
 written once the Manager is up.
 """
@@ -69,11 +69,11 @@ def main(argv: list[str] | None = None) -> int:
     failed_once = False
     rank = int(os.environ.get("RANK", "0"))  # several ranks per group: FSDP2 shards
     progress = open(out / f"progress{rank}", "a", buffering=1)
-    holds = {int(h.split(":", 1)[0]): h.split(":", 1)[1] for h in a.hold}
+    holds = {int(h.split(":", 1)[0]): h.split(":", 1)[1].split(",") for h in a.hold}
     while opt.steps < a.steps:
-        hold = holds.pop(opt.steps, None)
+        hold = holds.pop(opt.steps, [])
         deadline = time.monotonic() + 4 * a.timeout
-        while hold and not os.path.exists(hold):
+        while not all(os.path.exists(f) for f in hold):
             if time.monotonic() > deadline:
                 print(f"gave up waiting for {hold}", file=sys.stderr)
                 return 3

@@ -201,6 +201,34 @@ def test_failed_commit_is_undone_exactly(tmp_path, procs, replicator, fail, step
 
 
 @pytest.mark.slow
+def test_three_groups_one_killed_and_restarted(tmp_path, procs):
+    """3 groups under DeMo: C is killed in step 5, A and B undo it and go on as 2; C restarts,
+    heals, and at the end all three hold bitwise the same parameters."""
+    lh = Lighthouse(1, tmp_path / "lighthouse.log")
+    r = {g: tmp_path / f"{g}-ready" for g in ("A", "B", "C1", "C2")}
+    common = ["--replicator", "demo", "--steps", "14", "--timeout", "30"]
+    try:
+        ab = [_worker(procs, tmp_path, lh.url, g, g, *common, "--ready-file", str(r[g]),
+                      "--hold", f"0:{r[other]},{r['C1']}", "--hold", f"9:{r['C2']}")
+              for g, other in (("A", "B"), ("B", "A"))]
+        c1 = _worker(procs, tmp_path, lh.url, "C", "C1", *common, "--die-at", "5",
+                     "--ready-file", str(r["C1"]), "--hold", f"0:{r['A']},{r['B']}")
+        assert _wait(c1, tmp_path, "C1") == -9
+        c2 = _worker(procs, tmp_path, lh.url, "C", "C2", *common, "--ready-file", str(r["C2"]))
+        for p, name in ((ab[0], "A"), (ab[1], "B"), (c2, "C2")):
+            _ok(p, tmp_path, name)
+    finally:
+        lh.stop()
+    for g in ("A", "B"):
+        prog = _progress(tmp_path, g)
+        assert (4, 3, 1) in prog and (5, 3, 0) in prog and (5, 2, 1) in prog, prog
+    assert _progress(tmp_path, "C2")[0][0] >= 9
+    fa, fb, fc = (_final(tmp_path, g) for g in ("A", "B", "C2"))
+    assert fa["step"] == fb["step"] == fc["step"] == 14
+    assert _same(fa["params"], fb["params"]) and _same(fa["params"], fc["params"])
+
+
+@pytest.mark.slow
 def test_sharded_groups_rank_r_replicates_with_rank_r(tmp_path, procs):
     """2 groups x 2 ranks (FSDP2 shards inside a group), DeMo: B is killed whole in step 5 and
     restarts; rank r of B heals from rank r of A, and at the end each rank's shards are

@@ -10,7 +10,8 @@ over them. Choreography options for the tests:
 ``--die-at K`` kills this process (SIGKILL) in its step K (after the quorum); ``--hold M:F[,G...]``
 (repeatable) waits, bounded, before step M until the files exist; ``--fail-commit K`` makes
 step K's commit vote fail (a real Manager error) on its first attempt; ``--ready-file F`` is
-written once the Manager is up.
+written once the Manager is up; ``--save D`` / ``--resume D``: a checkpoint at the end / to
+start from.
 """
 
 from __future__ import annotations
@@ -52,6 +53,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--hold", action="append", default=[])
     ap.add_argument("--fail-commit", type=int, default=-1)
     ap.add_argument("--ready-file", default="")
+    ap.add_argument("--save", default="", help="save a checkpoint here at the end")
+    ap.add_argument("--resume", default="", help="load this checkpoint first")
     a = ap.parse_args(argv)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -64,6 +67,8 @@ def main(argv: list[str] | None = None) -> int:
     net, opt = flexdemo.prepare(model(), replicator=a.replicator, replicator_kwargs=kwargs,
                                 lr=0.05, device="cpu", fault_tolerance=ft)
     session = opt.fault_tolerance
+    if a.resume:
+        flexdemo.load_checkpoint(a.resume, net, opt)
     if a.ready_file and int(os.environ.get("RANK", "0")) == 0:
         Path(a.ready_file).write_text("ready\n")
     failed_once = False
@@ -107,6 +112,8 @@ def main(argv: list[str] | None = None) -> int:
     if hasattr(rep, "global_params"):
         state["global"] = [g.clone() for g in rep.global_params]
     torch.save(state, out / f"final{rank}.pt")
+    if a.save:
+        flexdemo.save_checkpoint(a.save, net, opt, step=opt.steps)
     session.shutdown()
     return 0
 

@@ -259,6 +259,39 @@ def test_sharded_groups_rank_r_replicates_with_rank_r(tmp_path, procs):
     assert not _same(finals["A", 0]["params"], finals["A", 1]["params"])  # other shards
 
 
+@pytest.mark.slow
+def test_resume_on_other_groups(tmp_path, procs):
+    """A and B train 6 steps under DeMo and save their checkpoints. A resumes alone from its
+    own; a new group C joins and heals from A: A keeps its momentum, C starts from zero, and
+    they end bitwise identical (a checkpoint of 2 groups resumed on 2 other ones)."""
+    common = ["--replicator", "demo", "--timeout", "30"]
+    lh = Lighthouse(2, tmp_path / "lighthouse-1.log")
+    try:
+        ws = [(_worker(procs, tmp_path, lh.url, g, f"{g}1", *common, "--steps", "6",
+                       "--save", str(tmp_path / f"ckpt-{g}" / "step6")), f"{g}1")
+              for g in ("A", "B")]  # a parent folder each (a save clears scratch in its parent)
+        for p, name in ws:
+            _ok(p, tmp_path, name)
+    finally:
+        lh.stop()
+    lh = Lighthouse(2, tmp_path / "lighthouse-2.log")
+    try:
+        ws = [(_worker(procs, tmp_path, lh.url, g, f"{g}2", *common, "--steps", "10", *extra),
+               f"{g}2") for g, extra in (("A", ["--resume", str(tmp_path / "ckpt-A" / "step6")]),
+                                         ("C", []))]
+        for p, name in ws:
+            _ok(p, tmp_path, name)
+    finally:
+        lh.stop()
+    pa, pc = _progress(tmp_path, "A2"), _progress(tmp_path, "C2")
+    assert pa[0][0] == 6 and pc[0][0] == 6, (pa, pc)
+    assert all(n == 2 and c for _, n, c in pa + pc)
+    fa, fc = _final(tmp_path, "A2"), _final(tmp_path, "C2")
+    assert fa["step"] == fc["step"] == 10
+    assert _same(fa["params"], fc["params"])
+    assert not _same(fa["delta"], fc["delta"])  # A's own momentum went on; C's started at 0
+
+
 def test_too_few_replicas_wait_bounded_and_say_so(tmp_path, procs):
     """min_replicas=2 with one group: it says it waits, then exits naming what it waited for
     (the lighthouse started by `flexdemo lighthouse`)."""

@@ -198,7 +198,7 @@ class DeToNATION(torch.optim.Optimizer):
         self.fault_tolerance = None
         if fault_tolerance is not None:  # the replica groups of each quorum (flexdemo.ft)
             from .ft.session import ElasticSession
-            self.fault_tolerance = ElasticSession(fault_tolerance)
+            self.fault_tolerance = ElasticSession(fault_tolerance, self.replicators)
             group = self.fault_tolerance.transport
         self.default_group = group
         self._share_state()
@@ -354,7 +354,8 @@ class DeToNATION(torch.optim.Optimizer):
         """Bytes sent/received and communication seconds of the last step, all replicators
         (the replication link). A base optimizer that talks over the shard group (``"muon"``
         on sharded matrices) adds its intra-node figures as ``shard_bytes_sent``,
-        ``shard_bytes_received`` and ``shard_seconds``."""
+        ``shard_bytes_received`` and ``shard_seconds``. Under fault tolerance, ``replicas``
+        (replica groups in the step), ``committed`` and the quorum's and vote's seconds."""
         rs = self.replicators
         out = {
             "bytes_sent": sum(r.stats.last_bytes_sent for r in rs),

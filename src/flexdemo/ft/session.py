@@ -62,7 +62,12 @@ def _store(hostname: str) -> tuple[str, int, object]:
 class ElasticSession:
     """The fault-tolerance side of one :class:`~flexdemo.optim.DeToNATION` optimizer."""
 
-    def __init__(self, config: FaultTolerance) -> None:
+    def __init__(self, config: FaultTolerance, replicators: list | None = None) -> None:
+        if not isinstance(config, FaultTolerance):
+            raise TypeError(f"fault_tolerance must be a flexdemo.FaultTolerance, got "
+                            f"{type(config).__name__}")
+        for rep in replicators or ():  # before any connection (DiLoCo's exchanges: attach)
+            check_supported(rep)
         from torchft.manager import Manager
         from torchft.process_group import ProcessGroupGloo
 
@@ -102,14 +107,19 @@ class ElasticSession:
     # ------------------------------------------------------------------ set-up
     def attach(self, opt) -> None:
         """Bind to the optimizer: its state is what a joiner fetches."""
-        for rep in opt.replicators:
-            check_supported(rep)
-        mesh = getattr(opt, "mesh", None)
-        if mesh is not None and mesh["replicate"].size() > 1:
-            raise ValueError(
-                f"under fault tolerance each node is one replica group and its own job (its "
-                f"ranks shard the model), but this job's mesh has {mesh['replicate'].size()} "
-                "replicas: launch every node as a separate torchrun job")
+        try:
+            for rep in opt.replicators:
+                check_supported(rep)
+            mesh = getattr(opt, "mesh", None)
+            if mesh is not None and mesh["replicate"].size() > 1:
+                raise ValueError(
+                    f"under fault tolerance each node is one replica group and its own job "
+                    f"(its ranks shard the model), but this job's mesh has "
+                    f"{mesh['replicate'].size()} replicas: launch every node as a separate "
+                    "torchrun job")
+        except Exception:
+            self.shutdown()
+            raise
         self.opt = opt
         self.manager.register_state_dict_fn(
             "flexdemo", lambda s: load_heal_state(opt, s), lambda: heal_state(opt))
@@ -163,9 +173,12 @@ class ElasticSession:
             if "timeout" in text or "timed out" in text or "deadline" in text:
                 raise self._timeout_error(None) from None
             if "connect" in text or "unavailable" in text or "transport" in text:
+                rank = dist.get_rank() if dist.is_initialized() else 0
+                via = "" if rank == 0 else "its group's Manager server (on the group's rank 0) or "
                 raise LighthouseUnreachableError(
-                    f"replica group {self.config.replica_id!r} lost the torchft lighthouse at "
-                    f"{self.config.lighthouse} ({_first_line(e)})") from None
+                    f"rank {rank} of replica group {self.config.replica_id!r} lost {via}the "
+                    f"torchft lighthouse at {self.config.lighthouse} ({_first_line(e)})"
+                ) from None
             raise
 
     def _say_waiting(self, told: threading.Event) -> None:

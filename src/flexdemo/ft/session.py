@@ -16,6 +16,7 @@ import threading
 import time
 from datetime import timedelta
 
+import torch
 import torch.distributed as dist
 
 from .config import FaultTolerance
@@ -80,12 +81,14 @@ class ElasticSession:
         self.stepping = False
         self._begun = False
         self._started = False
+        self._quorum_id = None
         self._before_commit = None  # tests: called after a step, before its commit vote
         self.participants = 0
         self.committed = None
         self.failed_commits = 0
         self.quorum_seconds = 0.0
         self.commit_seconds = 0.0
+        self.snapshot_seconds = 0.0
         try:
             self.manager = Manager(
                 pg=ProcessGroupGloo(timeout=timeout), load_state_dict=None, state_dict=None,
@@ -162,8 +165,24 @@ class ElasticSession:
         self.transport.set_quorum(self.participants, 0 if rank is None else rank)
         for rep in self.opt.replicators:
             rebind(rep)
+        self._after_membership_change()
         self.quorum_seconds = time.perf_counter() - t0
         self._begun = True
+
+    def _after_membership_change(self) -> None:
+        """On a new membership (a first quorum, a group joined or left) every group meets in
+        one tiny all-reduce: a group that sends its state to a joiner then waits until the
+        joiner has it. Otherwise a group whose step has no exchange (DiLoCo's inner steps)
+        would close its checkpoint server at its commit vote before the joiner had read it."""
+        qid = self.manager._quorum_id
+        if qid == self._quorum_id:
+            return
+        self._quorum_id = qid
+        if self.participants > 1:
+            try:
+                self.transport.all_reduce_sum_(torch.zeros(1))
+            except PeerLostError:
+                pass  # recorded by the Manager: this step's vote says no, and it is undone
 
     def _quorum(self) -> None:
         try:
@@ -199,7 +218,9 @@ class ElasticSession:
     def step(self, opt, closure=None):
         """One fault-tolerant step of ``opt`` (see the module's docstring)."""
         self.begin()
+        t0 = time.perf_counter()
         snap = snapshot(opt)
+        self.snapshot_seconds = time.perf_counter() - t0
         self.stepping = True
         loss, error = None, None
         try:
@@ -226,10 +247,10 @@ class ElasticSession:
 
     def stats(self) -> dict:
         """The last step: replica groups that took part, whether it was committed, and the
-        seconds spent in the quorum and the commit vote."""
+        seconds spent in the quorum, the commit vote and the copy kept to undo the step."""
         return {"replicas": self.participants, "committed": self.committed,
                 "quorum_seconds": self.quorum_seconds, "commit_seconds": self.commit_seconds,
-                "failed_commits": self.failed_commits}
+                "snapshot_seconds": self.snapshot_seconds, "failed_commits": self.failed_commits}
 
     def shutdown(self) -> None:
         """Stop this group's Manager (its server and checkpoint transport)."""

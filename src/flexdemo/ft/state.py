@@ -92,12 +92,20 @@ class Snapshot:
     skipped_steps: int
 
 
+def _replicator_copy(rep: Replicator) -> dict:
+    """``rep``'s state, copied once: DeMo's and the subset replicators' ``state_dict()``
+    clones its tensors already; the others' may hold references (DiLoCo's outer optimizer)."""
+    if isinstance(rep, (DeMoReplicator, *SUBSET)):
+        return rep.state_dict()
+    return _clone(rep.state_dict())
+
+
 def snapshot(opt) -> Snapshot:
     """Copy what ``opt.step()`` may change on this rank."""
     with torch.no_grad():
         params = [_local(p).detach().clone() for p in opt._params]
     return Snapshot(params, _clone(opt.base.state_dict()),
-                    [_clone(r.state_dict()) for r in opt.replicators], opt.steps,
+                    [_replicator_copy(r) for r in opt.replicators], opt.steps,
                     opt.skipped_steps)
 
 

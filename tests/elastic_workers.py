@@ -121,11 +121,15 @@ def main(argv: list[str] | None = None) -> int:
 def entry() -> int:
     """``main()``, with flexdemo's one-line errors printed as one line (exit status 2)."""
     from flexdemo.ft import ElasticSession  # noqa: F401 - the session's errors below
-    from flexdemo.ft.session import LighthouseUnreachableError, QuorumTimeoutError
+    from flexdemo.ft.session import (
+        DuplicateReplicaIdError,
+        LighthouseUnreachableError,
+        QuorumTimeoutError,
+    )
 
     try:
         return main()
-    except (LighthouseUnreachableError, QuorumTimeoutError) as e:
+    except (LighthouseUnreachableError, QuorumTimeoutError, DuplicateReplicaIdError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
 

@@ -318,6 +318,22 @@ def test_too_few_replicas_wait_bounded_and_say_so(tmp_path, procs):
     assert lh.url in last
 
 
+def test_replica_id_used_twice_is_one_line(tmp_path, procs):
+    lh = Lighthouse(2, tmp_path / "lighthouse.log")
+    try:
+        ws = [_worker(procs, tmp_path, lh.url, "A", f"A{i}", "--timeout", "10") for i in (1, 2)]
+        codes = [_wait(p, tmp_path, f"A{i}") for p, i in zip(ws, (1, 2))]
+    finally:
+        lh.stop()
+    assert codes == [2, 2], codes
+    for i in (1, 2):  # (torchft's checkpoint server may log a request after it)
+        log = (tmp_path / f"A{i}.log").read_text()
+        errors = [x for x in log.splitlines() if x.startswith("error:")]
+        assert errors == ["error: replica id 'A' is used by 2 live replica groups of the "
+                          "quorum: give every node its own replica_id (FLEXDEMO_REPLICA_ID)"], \
+            log[-3000:]
+
+
 def test_unreachable_lighthouse_is_one_line(tmp_path, procs):
     url = f"http://127.0.0.1:{_free_port()}"  # nothing listens there
     p = _worker(procs, tmp_path, url, "A", "A", "--timeout", "3")

@@ -10,11 +10,13 @@ from .transport import ManagerTransport, PeerLostError
 
 
 def __getattr__(name: str):
-    if name in ("ElasticSession", "QuorumTimeoutError", "LighthouseUnreachableError"):
+    if name in ("ElasticSession", "QuorumTimeoutError", "LighthouseUnreachableError",
+                "DuplicateReplicaIdError"):
         from . import session
         return getattr(session, name)
     raise AttributeError(name)
 
 
-__all__ = ["ElasticSession", "FaultTolerance", "LighthouseUnreachableError", "ManagerTransport",
-           "PeerLostError", "QuorumTimeoutError", "TorchFTMissingError", "require_torchft"]
+__all__ = ["DuplicateReplicaIdError", "ElasticSession", "FaultTolerance",
+           "LighthouseUnreachableError", "ManagerTransport", "PeerLostError", "QuorumTimeoutError",
+           "TorchFTMissingError", "require_torchft"]

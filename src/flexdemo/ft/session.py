@@ -32,6 +32,24 @@ class LighthouseUnreachableError(ConnectionError):
     """The lighthouse did not answer."""
 
 
+class DuplicateReplicaIdError(ValueError):
+    """Two live replica groups of one quorum have the same replica id."""
+
+
+class _QuorumRecorder:
+    """The Manager's client, keeping the last quorum it returned (its replica ids)."""
+
+    def __init__(self, client) -> None:
+        self._client, self.last = client, None
+
+    def _quorum(self, *args, **kwargs):
+        self.last = self._client._quorum(*args, **kwargs)
+        return self.last
+
+    def __getattr__(self, name: str):
+        return getattr(self._client, name)
+
+
 def _checkpoint_transport(hostname: str, timeout: timedelta):
     """torchft's HTTP checkpoint transport, advertising ``hostname`` (torchft's own
     advertises the machine's host name, which peers may not resolve)."""
@@ -106,6 +124,7 @@ class ElasticSession:
                 "start one with `flexdemo lighthouse --min_replicas 1` or fix "
                 "TORCHFT_LIGHTHOUSE") from None
         self.transport = ManagerTransport(self.manager, config.timeout)
+        self._recorder = self.manager._client = _QuorumRecorder(self.manager._client)
 
     # ------------------------------------------------------------------ set-up
     def attach(self, opt) -> None:
@@ -161,6 +180,7 @@ class ElasticSession:
                 time.sleep(0.2)
         finally:
             timer.cancel()
+        self._check_unique_ids()
         rank = self.manager.participating_rank()
         self.transport.set_quorum(self.participants, 0 if rank is None else rank)
         for rep in self.opt.replicators:
@@ -168,6 +188,18 @@ class ElasticSession:
         self._after_membership_change()
         self.quorum_seconds = time.perf_counter() - t0
         self._begun = True
+
+    def _check_unique_ids(self) -> None:
+        """Raise :class:`DuplicateReplicaIdError` (one line) when another live group of this
+        quorum has this group's replica id (torchft tells them apart by a suffix)."""
+        quorum = self._recorder.last
+        ids = [r.split(":")[0] for r in getattr(quorum, "replica_ids", None) or []]
+        mine = self.config.replica_id
+        if ids.count(mine) > 1:
+            self.shutdown()
+            raise DuplicateReplicaIdError(
+                f"replica id {mine!r} is used by {ids.count(mine)} live replica groups of the "
+                "quorum: give every node its own replica_id (FLEXDEMO_REPLICA_ID)")
 
     def _after_membership_change(self) -> None:
         """On a new membership (a first quorum, a group joined or left) every group meets in

@@ -40,7 +40,8 @@ def _lighthouse_binary() -> str:
 
 
 class Lighthouse:
-    """``torchft_lighthouse`` on 127.0.0.1 and a free port (stopped by :meth:`stop`)."""
+    """``torchft_lighthouse`` on 127.0.0.1 and a free port (stopped by :meth:`stop`). A group
+    counts as dead after 3 s without a heartbeat: long enough for a loaded machine."""
 
     def __init__(self, min_replicas: int, log: Path, cli: bool = False) -> None:
         port = _free_port()
@@ -51,7 +52,7 @@ class Lighthouse:
             else [_lighthouse_binary()]
         self.proc = subprocess.Popen(
             [*head, "--bind", f"127.0.0.1:{port}", "--min_replicas", str(min_replicas),
-             "--join_timeout_ms", "2000", "--heartbeat_timeout_ms", "1000",
+             "--join_timeout_ms", "2000", "--heartbeat_timeout_ms", "3000",
              "--quorum_tick_ms", "50"], stdout=self._log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 30
         while True:
@@ -130,6 +131,16 @@ def _progress(tmp: Path, out: str, rank: int = 0) -> list[tuple[int, int, int]]:
     return [tuple(map(int, row[:3])) for row in rows]
 
 
+def _until_alone(tmp: Path, out: str, rank: int = 0, groups: int = 1) -> None:
+    """Wait (bounded) until ``out`` has committed a step with ``groups`` groups: the survivors
+    went on without the killed group (then it may restart)."""
+    deadline = time.monotonic() + WAIT
+    path = tmp / out / f"progress{rank}"
+    while not (path.exists() and any(n == groups and c for _, n, c in _progress(tmp, out, rank))):
+        assert time.monotonic() < deadline, f"{out} did not go on with {groups} group(s)"
+        time.sleep(0.1)
+
+
 def _final(tmp: Path, out: str, rank: int = 0) -> dict:
     return torch.load(tmp / out / f"final{rank}.pt")
 
@@ -155,6 +166,7 @@ def test_killed_group_restarts_heals_and_ends_identical(tmp_path, procs, replica
         b1 = _worker(procs, tmp_path, lh.url, "B", "B1", *common, "--die-at", "5",
                      "--ready-file", str(ready1), "--hold", f"0:{ready_a}")
         assert _wait(b1, tmp_path, "B1") == -9  # killed by SIGKILL, mid-run
+        _until_alone(tmp_path, "A")
         b2 = _worker(procs, tmp_path, lh.url, "B", "B2", *common, "--ready-file", str(ready2))
         _ok(a, tmp_path, "A")
         _ok(b2, tmp_path, "B2")
@@ -216,6 +228,7 @@ def test_three_groups_one_killed_and_restarted(tmp_path, procs):
         c1 = _worker(procs, tmp_path, lh.url, "C", "C1", *common, "--die-at", "5",
                      "--ready-file", str(r["C1"]), "--hold", f"0:{r['A']},{r['B']}")
         assert _wait(c1, tmp_path, "C1") == -9
+        _until_alone(tmp_path, "A", groups=2)
         c2 = _worker(procs, tmp_path, lh.url, "C", "C2", *common, "--ready-file", str(r["C2"]))
         for p, name in ((ab[0], "A"), (ab[1], "B"), (c2, "C2")):
             _ok(p, tmp_path, name)
@@ -249,9 +262,11 @@ def test_sharded_groups_rank_r_replicates_with_rank_r(tmp_path, procs):
         codes = [_wait(p, tmp_path, name) for p, name in b1]
         assert codes[0] == -9 and codes[1] != 0, codes
         if codes[1] == 2:
-            last = (tmp_path / "B1-r1.log").read_text().strip().splitlines()[-1]
-            assert last.startswith("error: rank 1 of replica group 'B' lost its group's "
-                                   "Manager server"), last
+            errors = [x for x in (tmp_path / "B1-r1.log").read_text().splitlines()
+                      if x.startswith("error:")]
+            assert len(errors) == 1 and errors[0].startswith(
+                "error: rank 1 of replica group 'B' lost its group's Manager server"), errors
+        _until_alone(tmp_path, "A", rank=1)
         b2 = _group(procs, tmp_path, lh.url, "B", "B2", 2, *common, "--ready-file",
                     str(ready2))
         for p, name in a + b2:

@@ -4,6 +4,7 @@ from . import compat
 from .buffers import BufferSync
 from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from .compress import BlockDCT, plan_chunks
+from .ft import FaultTolerance
 from .lion import Lion
 from .mesh import build_mesh, init_distributed, mesh_shape
 from .optim import DeMo, DeToNATION
@@ -30,7 +31,7 @@ __version__ = "0.1.0"
 __all__ = [
     "BlockDCT", "BufferSync", "CommStats", "CorruptPayloadError", "DeMo", "DeMoReplicator",
     "DeToNATION",
-    "DiLoCoReplicator", "FullReplicator", "InProcessHub", "Lion", "NoReplication",
+    "DiLoCoReplicator", "FaultTolerance", "FullReplicator", "InProcessHub", "Lion", "NoReplication",
     "NoReplicationWarning", "NonFiniteGradientError", "PhasedReplicator", "RandomReplicator",
     "Replicator",
     "SimulatedReplicas", "SlicingReplicator", "StridingReplicator", "build_mesh", "compat",

@@ -24,7 +24,7 @@ from .replicate import (
     make_replicator,
 )
 from .replicate.base import mark_nonfinite, nonfinite_flag
-from .transport import group_size, transport_for
+from .transport import Transport, group_size, transport_for
 
 BASE_OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {
     "sgd": torch.optim.SGD,
@@ -83,7 +83,7 @@ def make_base_optimizer(base, params, lr: float, **kwargs) -> torch.optim.Optimi
 
 def check_group_on_mesh(rep: Replicator, mesh) -> None:
     """A replicator's group must only join ranks that hold the same shard as this rank."""
-    if rep.group is None or not dist.is_initialized():
+    if rep.group is None or not dist.is_initialized() or isinstance(rep.group, Transport):
         return
     coords = {}
     for i, row in enumerate(mesh.mesh.tolist()):
@@ -141,12 +141,14 @@ class DeToNATION(torch.optim.Optimizer):
         base_kwargs: extra arguments for a base optimizer given by name.
         mesh: the ("replicate", "shard") mesh, if any: every replicator's group is checked to
             join only ranks holding this rank's shard.
+        fault_tolerance: a :class:`flexdemo.FaultTolerance`: replicate over the torchft
+            replica groups of the current quorum instead of ``group`` (:mod:`flexdemo.ft`).
     """
 
     def __init__(self, params: Iterable, replicators: Replicator | str | Sequence = "demo",
                  base: str | Callable = "sgd", lr: float = 1e-3, *, weight_decay: float = 0.0,
                  group: dist.ProcessGroup | None = None, nonfinite: str = "raise",
-                 base_kwargs: dict | None = None, mesh=None) -> None:
+                 base_kwargs: dict | None = None, mesh=None, fault_tolerance=None) -> None:
         if not isinstance(lr, (int, float)) or not lr >= 0.0:
             raise ValueError(f"lr must be a number >= 0, got {lr!r}")
         if not isinstance(weight_decay, (int, float)) or not weight_decay >= 0.0:
@@ -193,6 +195,11 @@ class DeToNATION(torch.optim.Optimizer):
         device = devices.pop()
         if group is None and dist.is_initialized():
             group = dist.group.WORLD
+        self.fault_tolerance = None
+        if fault_tolerance is not None:  # the replica groups of each quorum (flexdemo.ft)
+            from .ft.session import ElasticSession
+            self.fault_tolerance = ElasticSession(fault_tolerance, self.replicators)
+            group = self.fault_tolerance.transport
         self.default_group = group
         self._share_state()
         locals_ = [_local(p) for p in self._params]
@@ -205,10 +212,14 @@ class DeToNATION(torch.optim.Optimizer):
         self._shard_group = (mesh["shard"].get_group()
                              if mesh is not None and mesh["shard"].size() > 1 else None)
         check_same_settings(self, device)  # ranks built alike, or one error on every rank
+        if self.fault_tolerance is not None:
+            self.fault_tolerance.attach(self)
 
     # ------------------------------------------------------------------ stepping
     @torch.no_grad()
     def step(self, closure=None):
+        if self.fault_tolerance is not None and not self.fault_tolerance.stepping:
+            return self.fault_tolerance.step(self, closure)  # quorum, step, commit or undo
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -311,6 +322,8 @@ class DeToNATION(torch.optim.Optimizer):
         return True
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        if self.fault_tolerance is not None:
+            self.fault_tolerance.begin()  # the quorum before the forward pass: joiners heal
         self.base.zero_grad(set_to_none=set_to_none)
 
     # ------------------------------------------------------------------ accounting
@@ -341,7 +354,8 @@ class DeToNATION(torch.optim.Optimizer):
         """Bytes sent/received and communication seconds of the last step, all replicators
         (the replication link). A base optimizer that talks over the shard group (``"muon"``
         on sharded matrices) adds its intra-node figures as ``shard_bytes_sent``,
-        ``shard_bytes_received`` and ``shard_seconds``."""
+        ``shard_bytes_received`` and ``shard_seconds``. Under fault tolerance, ``replicas``
+        (replica groups in the step), ``committed`` and the quorum's and vote's seconds."""
         rs = self.replicators
         out = {
             "bytes_sent": sum(r.stats.last_bytes_sent for r in rs),
@@ -354,6 +368,8 @@ class DeToNATION(torch.optim.Optimizer):
             out.update(shard_bytes_sent=shard.last_bytes_sent,
                        shard_bytes_received=shard.last_bytes_received,
                        shard_seconds=shard.last_seconds)
+        if self.fault_tolerance is not None:  # replicas (groups) that took part, commit
+            out.update(self.fault_tolerance.stats())
         return out
 
     def comm_stats(self) -> list[dict]:

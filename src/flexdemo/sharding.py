@@ -239,7 +239,8 @@ def prepare(model: nn.Module, replicator: str | Replicator | Sequence = "demo",
             device: str | torch.device | None = None, fsdp_kwargs: dict | None = None,
             init_fn: Callable[[nn.Module], None] | None = None,
             precision: str | None = None, buffers: str = "mean",
-            timeout: timedelta | None = DEFAULT_TIMEOUT) -> tuple[nn.Module, DeToNATION]:
+            timeout: timedelta | None = DEFAULT_TIMEOUT,
+            fault_tolerance=None) -> tuple[nn.Module, DeToNATION]:
     """Shard ``model`` with FSDP2 inside each replica and return it with its optimizer.
 
     The world is arranged as a ``(replicate, shard)`` mesh (default: ``shard`` = ranks per node
@@ -263,6 +264,9 @@ def prepare(model: nn.Module, replicator: str | Replicator | Sequence = "demo",
         buffers: ``"mean"`` (default) averages floating-point buffers (BatchNorm statistics)
             over all ranks whenever the replicators exchange; ``"none"`` leaves them per rank.
             See :mod:`flexdemo.buffers`.
+        fault_tolerance: a :class:`flexdemo.FaultTolerance`: each node (this job's world) is
+            one torchft replica group, and the replicators exchange over the groups of each
+            step's quorum, which may come and go (:mod:`flexdemo.ft`, docs/elastic.md).
 
     Which strategy (measured in ``benchmarks/quality.py``; docs/optimizers.md): for the best
     validation loss at a few hundredths of a byte per parameter per step, MuLoCo,
@@ -306,7 +310,8 @@ def prepare(model: nn.Module, replicator: str | Replicator | Sequence = "demo",
             raise ValueError("give either mesh= or replicate=/shard=, not both")
     reps = [make_replicator(replicator, **(replicator_kwargs or {}))] \
         if isinstance(replicator, (str, Replicator)) else [make_replicator(r) for r in replicator]
-    _warn_single_replica(mesh, reps)
+    if fault_tolerance is None:  # under fault tolerance the replicas are the replica groups
+        _warn_single_replica(mesh, reps)
     if not on_meta:
         if current != target:
             model.to(target)
@@ -327,6 +332,6 @@ def prepare(model: nn.Module, replicator: str | Replicator | Sequence = "demo",
                      weight_decay=weight_decay, group=mesh["replicate"].get_group(),
                      nonfinite=nonfinite, base_kwargs=with_model_rule(model, optimizer,
                                                                       optimizer_kwargs),
-                     mesh=mesh)
+                     mesh=mesh, fault_tolerance=fault_tolerance)
     opt.sync_buffers(model, policy=buffers)
     return model, opt

@@ -19,6 +19,7 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 
+from ..ft.lighthouse import add_parser as add_lighthouse_parser
 from ..mesh import timeout_from_env
 from ..tools.cluster import (
     DEFAULT_SUBNET,
@@ -149,6 +150,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_bench_parser(sub)
     _add_simulate_parser(sub)
     add_checkpoint_parser(sub)
+    add_lighthouse_parser(sub)  # flexdemo.ft: torchft's lighthouse for elastic runs
     return parser
 
 

@@ -1,0 +1,22 @@
+"""Elastic, fault-tolerant replication on torchft (optional: ``pip install "flexdemo[ft]"``).
+
+``flexdemo.prepare(model, ..., fault_tolerance=FaultTolerance(lighthouse=..., replica_id=...))``
+makes every node a torchft replica group: the replicate dimension is the set of groups in the
+current quorum, which may change at every step (see docs/elastic.md).
+"""
+
+from .config import FaultTolerance, TorchFTMissingError, require_torchft
+from .transport import ManagerTransport, PeerLostError
+
+
+def __getattr__(name: str):
+    if name in ("ElasticSession", "QuorumTimeoutError", "LighthouseUnreachableError",
+                "DuplicateReplicaIdError"):
+        from . import session
+        return getattr(session, name)
+    raise AttributeError(name)
+
+
+__all__ = ["DuplicateReplicaIdError", "ElasticSession", "FaultTolerance",
+           "LighthouseUnreachableError", "ManagerTransport", "PeerLostError", "QuorumTimeoutError",
+           "TorchFTMissingError", "require_torchft"]

@@ -1,0 +1,69 @@
+"""``flexdemo lighthouse``: start torchft's lighthouse (the quorum server of elastic runs)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+from pathlib import Path
+
+from .config import TorchFTMissingError, require_torchft
+
+DESCRIPTION = """\
+Start torchft's lighthouse, the server that forms the quorum of replica groups at every step
+of an elastic run (flexdemo.FaultTolerance, docs/elastic.md). Its options are torchft's own,
+passed through to the torchft_lighthouse binary; it runs until interrupted."""
+EXAMPLES = """\
+examples:
+  flexdemo lighthouse --min_replicas 1
+  flexdemo lighthouse --min_replicas 2 --bind 10.0.0.1:29510 --join_timeout_ms 5000
+then on every node: TORCHFT_LIGHTHOUSE=http://10.0.0.1:29510 FLEXDEMO_REPLICA_ID=<node> ..."""
+OPTIONS = (("--bind", "[::]:29510", "address to listen on, host:port"),
+           ("--min_replicas", None, "the fewest replica groups that form a quorum"),
+           ("--join_timeout_ms", None, "how long to wait for heartbeating stragglers to join "
+                                       "before issuing a quorum (torchft: 60000)"),
+           ("--heartbeat_timeout_ms", None, "how long without a heartbeat before a replica "
+                                            "group counts as dead (torchft: 5000)"),
+           ("--quorum_tick_ms", None, "how often to check for a quorum (torchft: 100)"))
+
+
+def add_parser(sub) -> None:
+    """Add the ``lighthouse`` subcommand to ``flexdemo``'s subparsers ``sub``."""
+    p = sub.add_parser("lighthouse", help="start torchft's lighthouse for elastic runs",
+                       description=DESCRIPTION, epilog=EXAMPLES,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    for name, default, text in OPTIONS:
+        names = dict.fromkeys((name, name.replace("_", "-")))  # --min_replicas, --min-replicas
+        p.add_argument(*names, dest=name.lstrip("-"), default=default, metavar="VALUE",
+                       required=name == "--min_replicas", help=text)
+    p.set_defaults(func=run, subparser=p)
+
+
+def command(args: argparse.Namespace) -> list[str]:
+    """The torchft_lighthouse command line for ``args``."""
+    binary = Path(sys.executable).parent / "torchft_lighthouse"
+    found = str(binary) if binary.exists() else shutil.which("torchft_lighthouse")
+    if not found:
+        raise TorchFTMissingError('the torchft_lighthouse binary is not installed: '
+                                  'pip install "flexdemo[ft]"')
+    out = [found]
+    for name, _, _ in OPTIONS:
+        value = getattr(args, name.lstrip("-"))
+        if value is not None:
+            out += [name, str(value)]
+    return out
+
+
+def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    """Replace this process by the lighthouse (signals reach it directly)."""
+    try:
+        require_torchft()
+        cmd = command(args)
+    except TorchFTMissingError as e:
+        print(f"flexdemo lighthouse: error: {e}", file=sys.stderr, flush=True)
+        return 2
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execv(cmd[0], cmd)
+    return 0  # not reached

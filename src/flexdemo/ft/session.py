@@ -1,0 +1,294 @@
+"""One replica group's membership in a fault-tolerant run: a torchft Manager per rank.
+
+Each node is one torchft replica group (its ranks shard the model with FSDP2); the Manager of
+rank ``r`` joins rank ``r`` of the other groups in a process group that is reconfigured at
+every quorum. A step of the optimizer then runs as::
+
+    quorum (a joiner heals here) -> snapshot -> replicators exchange, base step
+    -> should_commit: yes: keep the step; no: restore the snapshot (the step never happened)
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from .config import FaultTolerance
+from .state import check_supported, heal_state, load_heal_state, rebind, restore, snapshot
+from .transport import ManagerTransport, PeerLostError
+
+
+class QuorumTimeoutError(TimeoutError):
+    """Fewer than ``min_replicas`` replica groups were there for longer than the timeout."""
+
+
+class LighthouseUnreachableError(ConnectionError):
+    """The lighthouse did not answer."""
+
+
+class DuplicateReplicaIdError(ValueError):
+    """Two live replica groups of one quorum have the same replica id."""
+
+
+class _QuorumRecorder:
+    """The Manager's client, keeping the last quorum it returned (its replica ids)."""
+
+    def __init__(self, client) -> None:
+        self._client, self.last = client, None
+
+    def _quorum(self, *args, **kwargs):
+        self.last = self._client._quorum(*args, **kwargs)
+        return self.last
+
+    def __getattr__(self, name: str):
+        return getattr(self._client, name)
+
+
+def _checkpoint_transport(hostname: str, timeout: timedelta):
+    """torchft's HTTP checkpoint transport, advertising ``hostname`` (torchft's own
+    advertises the machine's host name, which peers may not resolve)."""
+    from torchft.checkpointing import HTTPTransport
+
+    class _Transport(HTTPTransport):
+        def address(self) -> str:
+            port = self._server.socket.getsockname()[1]
+            host = f"[{hostname}]" if ":" in hostname else hostname
+            return f"http://{host}:{port}/checkpoint/"
+
+    return _Transport(timeout=timeout, num_chunks=0)
+
+
+def _store(hostname: str) -> tuple[str, int, object]:
+    """This replica group's TCPStore: torchrun's (MASTER_ADDR/MASTER_PORT) when the node has
+    several ranks, else one created here (a bare process has none)."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+        if not addr or not port:
+            raise ValueError("fault tolerance with several ranks per node needs the node's "
+                             "TCPStore: launch each node with torchrun (MASTER_ADDR/"
+                             "MASTER_PORT of the node)")
+        return addr, int(port), None
+    store = dist.TCPStore(hostname, 0, is_master=True, wait_for_workers=False)
+    return hostname, store.port, store
+
+
+class ElasticSession:
+    """The fault-tolerance side of one :class:`~flexdemo.optim.DeToNATION` optimizer."""
+
+    def __init__(self, config: FaultTolerance, replicators: list | None = None) -> None:
+        if not isinstance(config, FaultTolerance):
+            raise TypeError(f"fault_tolerance must be a flexdemo.FaultTolerance, got "
+                            f"{type(config).__name__}")
+        for rep in replicators or ():  # before any connection (DiLoCo's exchanges: attach)
+            check_supported(rep)
+        from torchft.manager import Manager
+        from torchft.process_group import ProcessGroupGloo
+
+        self.config = config
+        timeout = timedelta(seconds=config.timeout)
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        addr, port, self._own_store = _store(config.hostname)
+        self.opt = None
+        self.stepping = False
+        self._begun = False
+        self._started = False
+        self._quorum_id = None
+        self._before_commit = None  # tests: called after a step, before its commit vote
+        self.participants = 0
+        self.committed = None
+        self.failed_commits = 0
+        self.quorum_seconds = 0.0
+        self.commit_seconds = 0.0
+        self.snapshot_seconds = 0.0
+        try:
+            self.manager = Manager(
+                pg=ProcessGroupGloo(timeout=timeout), load_state_dict=None, state_dict=None,
+                min_replica_size=config.min_replicas, use_async_quorum=False,
+                timeout=timeout, quorum_timeout=timedelta(seconds=config.quorum_timeout),
+                connect_timeout=timeout, rank=rank, world_size=world, store_addr=addr,
+                store_port=port, lighthouse_addr=config.lighthouse,
+                replica_id=config.replica_id, hostname=config.hostname,
+                checkpoint_transport=_checkpoint_transport(config.hostname, timeout),
+                max_retries=config.max_failed_commits)
+        except Exception as e:  # noqa: BLE001 - one line naming the lighthouse
+            raise LighthouseUnreachableError(
+                f"replica group {config.replica_id!r} could not reach the torchft lighthouse "
+                f"at {config.lighthouse} within {config.timeout:g} s ({_first_line(e)}); "
+                "start one with `flexdemo lighthouse --min_replicas 1` or fix "
+                "TORCHFT_LIGHTHOUSE") from None
+        self.transport = ManagerTransport(self.manager, config.timeout)
+        self._recorder = self.manager._client = _QuorumRecorder(self.manager._client)
+
+    # ------------------------------------------------------------------ set-up
+    def attach(self, opt) -> None:
+        """Bind to the optimizer: its state is what a joiner fetches."""
+        try:
+            for rep in opt.replicators:
+                check_supported(rep)
+            mesh = getattr(opt, "mesh", None)
+            if mesh is not None and mesh["replicate"].size() > 1:
+                raise ValueError(
+                    f"under fault tolerance each node is one replica group and its own job "
+                    f"(its ranks shard the model), but this job's mesh has "
+                    f"{mesh['replicate'].size()} replicas: launch every node as a separate "
+                    "torchrun job")
+        except Exception:
+            self.shutdown()
+            raise
+        self.opt = opt
+        self.manager.register_state_dict_fn(
+            "flexdemo", lambda s: load_heal_state(opt, s), lambda: heal_state(opt))
+        for key, (load, save) in self.config.extra_state.items():
+            self.manager.register_state_dict_fn(key, load, save)
+
+    # ------------------------------------------------------------------ stepping
+    def begin(self) -> None:
+        """Form this step's quorum (a joiner heals here); called by ``zero_grad()`` before the
+        forward pass, or by ``step()`` if not yet. Waits while fewer than ``min_replicas``
+        groups are there, at most ``quorum_timeout`` seconds."""
+        if self._begun:
+            return
+        if not self._started:  # a resumed optimizer: the lighthouse sees its committed steps
+            self._started = True
+            if self.manager.current_step() != self.opt.steps:
+                self.manager.load_state_dict({"step": self.opt.steps,
+                                              "batches_committed": 0})
+        t0 = time.perf_counter()
+        deadline = time.monotonic() + self.config.quorum_timeout
+        told = threading.Event()
+        timer = threading.Timer(min(5.0, self.config.quorum_timeout / 4), self._say_waiting,
+                                args=(told,))
+        timer.daemon = True
+        timer.start()
+        try:
+            while True:
+                self._quorum()
+                self.participants = self.manager.num_participants()
+                if self.participants >= self.config.min_replicas:
+                    break
+                if time.monotonic() >= deadline:
+                    raise self._timeout_error(self.participants)
+                if not told.is_set():
+                    self._say_waiting(told)
+                time.sleep(0.2)
+        finally:
+            timer.cancel()
+        self._check_unique_ids()
+        rank = self.manager.participating_rank()
+        self.transport.set_quorum(self.participants, 0 if rank is None else rank)
+        for rep in self.opt.replicators:
+            rebind(rep)
+        self._after_membership_change()
+        self.quorum_seconds = time.perf_counter() - t0
+        self._begun = True
+
+    def _check_unique_ids(self) -> None:
+        """Raise :class:`DuplicateReplicaIdError` (one line) when another live group of this
+        quorum has this group's replica id (torchft tells them apart by a suffix)."""
+        quorum = self._recorder.last
+        ids = [r.split(":")[0] for r in getattr(quorum, "replica_ids", None) or []]
+        mine = self.config.replica_id
+        if ids.count(mine) > 1:
+            self.shutdown()
+            raise DuplicateReplicaIdError(
+                f"replica id {mine!r} is used by {ids.count(mine)} live replica groups of the "
+                "quorum: give every node its own replica_id (FLEXDEMO_REPLICA_ID)")
+
+    def _after_membership_change(self) -> None:
+        """On a new membership (a first quorum, a group joined or left) every group meets in
+        one tiny all-reduce: a group that sends its state to a joiner then waits until the
+        joiner has it. Otherwise a group whose step has no exchange (DiLoCo's inner steps)
+        would close its checkpoint server at its commit vote before the joiner had read it."""
+        qid = self.manager._quorum_id
+        if qid == self._quorum_id:
+            return
+        self._quorum_id = qid
+        if self.participants > 1:
+            try:
+                self.transport.all_reduce_sum_(torch.zeros(1))
+            except PeerLostError:
+                pass  # recorded by the Manager: this step's vote says no, and it is undone
+
+    def _quorum(self) -> None:
+        try:
+            self.manager.start_quorum()
+        except Exception as e:  # noqa: BLE001
+            text = str(e).lower()
+            if "timeout" in text or "timed out" in text or "deadline" in text:
+                raise self._timeout_error(None) from None
+            if "connect" in text or "unavailable" in text or "transport" in text:
+                rank = dist.get_rank() if dist.is_initialized() else 0
+                via = "" if rank == 0 else "its group's Manager server (on the group's rank 0) or "
+                raise LighthouseUnreachableError(
+                    f"rank {rank} of replica group {self.config.replica_id!r} lost {via}the "
+                    f"torchft lighthouse at {self.config.lighthouse} ({_first_line(e)})"
+                ) from None
+            raise
+
+    def _say_waiting(self, told: threading.Event) -> None:
+        if told.is_set():
+            return
+        told.set()
+        print(f"flexdemo: replica group {self.config.replica_id!r} is waiting for a quorum of "
+              f"{self.config.min_replicas} replica group(s) at {self.config.lighthouse} (at "
+              f"most {self.config.quorum_timeout:g} s)", file=sys.stderr, flush=True)
+
+    def _timeout_error(self, seen: int | None) -> QuorumTimeoutError:
+        got = "" if seen is None else f" (only {seen} took part)"
+        return QuorumTimeoutError(
+            f"replica group {self.config.replica_id!r} waited {self.config.quorum_timeout:g} s "
+            f"for a quorum of {self.config.min_replicas} replica group(s) at "
+            f"{self.config.lighthouse}{got}; start more replica groups or lower min_replicas")
+
+    def step(self, opt, closure=None):
+        """One fault-tolerant step of ``opt`` (see the module's docstring)."""
+        self.begin()
+        t0 = time.perf_counter()
+        snap = snapshot(opt)
+        self.snapshot_seconds = time.perf_counter() - t0
+        self.stepping = True
+        loss, error = None, None
+        try:
+            loss = opt.step(closure)
+        except PeerLostError as e:
+            error = e
+        except BaseException as e:
+            self.manager.report_error(e if isinstance(e, Exception) else RuntimeError(str(e)))
+            error = e
+        finally:
+            self.stepping = False
+            self._begun = False
+        if self._before_commit is not None:
+            self._before_commit(opt)
+        t0 = time.perf_counter()
+        self.committed = self.manager.should_commit()
+        self.commit_seconds = time.perf_counter() - t0
+        if not self.committed:
+            restore(opt, snap)
+            self.failed_commits += 1
+        if error is not None and not isinstance(error, PeerLostError):
+            raise error
+        return loss
+
+    def stats(self) -> dict:
+        """The last step: replica groups that took part, whether it was committed, and the
+        seconds spent in the quorum, the commit vote and the copy kept to undo the step."""
+        return {"replicas": self.participants, "committed": self.committed,
+                "quorum_seconds": self.quorum_seconds, "commit_seconds": self.commit_seconds,
+                "snapshot_seconds": self.snapshot_seconds, "failed_commits": self.failed_commits}
+
+    def shutdown(self) -> None:
+        """Stop this group's Manager (its server and checkpoint transport)."""
+        self.manager.shutdown(wait=False)
+
+
+def _first_line(e: BaseException) -> str:
+    lines = [x for x in str(e).strip().splitlines() if x.strip()]
+    return lines[0].strip() if lines else type(e).__name__

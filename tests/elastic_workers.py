@@ -1,0 +1,138 @@
+"""Worker processes for tests/test_elastic.py: one process is one torchft replica group.
+
+``python -m elastic_workers --lighthouse URL --replica-id A --steps N --out DIR ...`` trains a
+small MLP on data fixed by (step, replica id) until the group has committed N steps, writing
+``progress<rank>`` (one line per attempted step: step, replica groups, committed, wall time,
+quorum seconds, commit-vote seconds) and at the end ``final<rank>.pt`` (this rank's parameter
+shards, DeMo momentum, DiLoCo's global copy, step). Under torchrun's variables (RANK,
+WORLD_SIZE, MASTER_ADDR/PORT of the group) a group has several ranks, and FSDP2 shards the model
+over them. Choreography options for the tests:
+``--die-at K`` kills this process (SIGKILL) in its step K (after the quorum); ``--hold M:F[,G...]``
+(repeatable) waits, bounded, before step M until the files exist; ``--fail-commit K`` makes
+step K's commit vote fail (a real Manager error) on its first attempt; ``--ready-file F`` is
+written once the Manager is up; ``--save D`` / ``--resume D``: a checkpoint at the end / to
+start from.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+import flexdemo
+
+
+def model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(),
+                         nn.Linear(64, 4))
+
+
+def batch(step: int, replica: str) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 * step + sum(map(ord, replica)))
+    return torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--lighthouse", required=True)
+    ap.add_argument("--replica-id", required=True)
+    ap.add_argument("--replicator", default="demo")
+    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--min-replicas", type=int, default=1)
+    ap.add_argument("--timeout", type=float, default=30.0)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--die-at", type=int, default=-1)
+    ap.add_argument("--hold", action="append", default=[])
+    ap.add_argument("--fail-commit", type=int, default=-1)
+    ap.add_argument("--ready-file", default="")
+    ap.add_argument("--save", default="", help="save a checkpoint here at the end")
+    ap.add_argument("--resume", default="", help="load this checkpoint first")
+    a = ap.parse_args(argv)
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    torch.set_num_threads(1)
+    kwargs = {"demo": {"topk": 4, "chunk": 16}, "full": {},
+              "diloco": {"inner_steps": 3}, "random": {"rate": 1 / 8}}[a.replicator]
+    ft = flexdemo.FaultTolerance(lighthouse=a.lighthouse, replica_id=a.replica_id,
+                                 min_replicas=a.min_replicas, timeout=a.timeout,
+                                 hostname="127.0.0.1")
+    net, opt = flexdemo.prepare(model(), replicator=a.replicator, replicator_kwargs=kwargs,
+                                lr=0.05, device="cpu", fault_tolerance=ft)
+    session = opt.fault_tolerance
+    if a.resume:
+        flexdemo.load_checkpoint(a.resume, net, opt)
+    if a.ready_file and int(os.environ.get("RANK", "0")) == 0:
+        Path(a.ready_file).write_text("ready\n")
+    failed_once = False
+    rank = int(os.environ.get("RANK", "0"))  # several ranks per group: FSDP2 shards
+    progress = open(out / f"progress{rank}", "a", buffering=1)
+    holds = {int(h.split(":", 1)[0]): h.split(":", 1)[1].split(",") for h in a.hold}
+    while opt.steps < a.steps:
+        hold = holds.pop(opt.steps, [])
+        deadline = time.monotonic() + 4 * a.timeout
+        while not all(os.path.exists(f) for f in hold):
+            if time.monotonic() > deadline:
+                print(f"gave up waiting for {hold}", file=sys.stderr)
+                return 3
+            time.sleep(0.05)
+        if hold:
+            time.sleep(0.5)  # the other group's heartbeats reach the lighthouse (every 0.1 s)
+        opt.zero_grad()  # the quorum: a joiner heals here, before its forward pass
+        step = opt.steps
+        if step == a.die_at:
+            os.kill(os.getpid(), signal.SIGKILL)
+        x, y = batch(step, a.replica_id)
+        loss = nn.functional.mse_loss(net(x), y)
+        loss.backward()
+        if step == a.fail_commit and not failed_once:
+            failed_once = True
+            session._before_commit = lambda o: o.fault_tolerance.manager.report_error(
+                RuntimeError("injected failure"))
+        opt.step()
+        session._before_commit = None
+        s = opt.last_step_stats()
+        progress.write(f"{step} {s['replicas']} {int(s['committed'])} {time.time():.3f} "
+                       f"{s['quorum_seconds']:.4f} {s['commit_seconds']:.4f}\n")
+    state = {"step": opt.steps,  # this rank's shards
+             "params": [getattr(p, "_local_tensor", p).detach().clone()
+                        for p in net.parameters()]}
+    rep = opt.replicators[0]
+    if hasattr(rep, "delta"):
+        state["delta"] = [d.clone() for d in rep.delta]
+    if hasattr(rep, "buffers"):  # Random, Striding, Slicing: their momenta
+        state["buffers"] = [b.clone() for b in rep.buffers]
+    if hasattr(rep, "global_params"):
+        state["global"] = [g.clone() for g in rep.global_params]
+    torch.save(state, out / f"final{rank}.pt")
+    if a.save:
+        flexdemo.save_checkpoint(a.save, net, opt, step=opt.steps)
+    session.shutdown()
+    return 0
+
+
+def entry() -> int:
+    """``main()``, with flexdemo's one-line errors printed as one line (exit status 2)."""
+    from flexdemo.ft import ElasticSession  # noqa: F401 - the session's errors below
+    from flexdemo.ft.session import (
+        DuplicateReplicaIdError,
+        LighthouseUnreachableError,
+        QuorumTimeoutError,
+    )
+
+    try:
+        return main()
+    except (LighthouseUnreachableError, QuorumTimeoutError, DuplicateReplicaIdError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(entry())

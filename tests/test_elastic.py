@@ -1,0 +1,409 @@
+"""Elastic, fault-tolerant replication on torchft: real processes, a real lighthouse, real kills.
+
+Every replica group is one process (tests/elastic_workers.py) on CPU and gloo; the lighthouse
+is the ``torchft_lighthouse`` binary from the wheel on 127.0.0.1. Every wait is bounded.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import flexdemo
+
+pytest.importorskip("torchft")
+
+HERE = Path(__file__).parent
+WAIT = 180  # seconds any one process may run
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _lighthouse_binary() -> str:
+    local = Path(sys.executable).parent / "torchft_lighthouse"
+    found = str(local) if local.exists() else shutil.which("torchft_lighthouse")
+    if not found:
+        pytest.skip("the torchft_lighthouse binary is not installed")
+    return found
+
+
+class Lighthouse:
+    """``torchft_lighthouse`` on 127.0.0.1 and a free port (stopped by :meth:`stop`). A group
+    counts as dead after 3 s without a heartbeat: long enough for a loaded machine."""
+
+    def __init__(self, min_replicas: int, log: Path, cli: bool = False) -> None:
+        port = _free_port()
+        self.url = f"http://127.0.0.1:{port}"
+        self._log = open(log, "w")
+        # the binary itself, or through `flexdemo lighthouse` (which becomes that binary)
+        head = [sys.executable, "-m", "flexdemo", "lighthouse"] if cli \
+            else [_lighthouse_binary()]
+        self.proc = subprocess.Popen(
+            [*head, "--bind", f"127.0.0.1:{port}", "--min_replicas", str(min_replicas),
+             "--join_timeout_ms", "2000", "--heartbeat_timeout_ms", "3000",
+             "--quorum_tick_ms", "50"], stdout=self._log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                if time.monotonic() > deadline or self.proc.poll() is not None:
+                    self.stop()
+                    raise RuntimeError(f"the lighthouse did not start; see {log}") from None
+                time.sleep(0.05)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(timeout=30)
+        self._log.close()
+
+
+@pytest.fixture
+def procs():
+    started: list[subprocess.Popen] = []
+    yield started
+    for p in started:
+        if p.poll() is None:
+            p.kill()
+            p.wait(timeout=30)
+
+
+def _worker(procs: list, tmp: Path, url: str, rid: str, out: str, *args: str,
+            log: str | None = None) -> subprocess.Popen:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(HERE))
+    logf = open(tmp / f"{log or out}.log", "w")
+    p = subprocess.Popen([sys.executable, "-m", "elastic_workers", "--lighthouse", url,
+                          "--replica-id", rid, "--out", str(tmp / out), *args], env=env,
+                         cwd=HERE, stdout=logf, stderr=subprocess.STDOUT)
+    procs.append(p)
+    return p
+
+
+def _group(procs: list, tmp: Path, url: str, rid: str, out: str, ranks: int,
+           *args: str) -> list[tuple[subprocess.Popen, str]]:
+    """One replica group of ``ranks`` processes (torchrun's variables, its own store port)."""
+    port, group = _free_port(), []
+    for r in range(ranks):
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(HERE), RANK=str(r),
+                   LOCAL_RANK=str(r), WORLD_SIZE=str(ranks), LOCAL_WORLD_SIZE=str(ranks),
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        name = f"{out}-r{r}"
+        logf = open(tmp / f"{name}.log", "w")
+        p = subprocess.Popen([sys.executable, "-m", "elastic_workers", "--lighthouse", url,
+                              "--replica-id", rid, "--out", str(tmp / out), *args], env=env,
+                             cwd=HERE, stdout=logf, stderr=subprocess.STDOUT)
+        procs.append(p)
+        group.append((p, name))
+    return group
+
+
+def _wait(p: subprocess.Popen, tmp: Path, name: str) -> int:
+    try:
+        return p.wait(timeout=WAIT)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        p.wait(timeout=30)
+        raise AssertionError(f"{name} did not finish within {WAIT} s; log:\n"
+                             f"{(tmp / f'{name}.log').read_text()[-3000:]}") from None
+
+
+def _ok(p: subprocess.Popen, tmp: Path, name: str) -> None:
+    rc = _wait(p, tmp, name)
+    assert rc == 0, f"{name} exited with {rc}; log:\n{(tmp / f'{name}.log').read_text()[-3000:]}"
+
+
+def _progress(tmp: Path, out: str, rank: int = 0) -> list[tuple[int, int, int]]:
+    rows = [line.split() for line in (tmp / out / f"progress{rank}").read_text().splitlines()]
+    return [tuple(map(int, row[:3])) for row in rows]
+
+
+def _until_alone(tmp: Path, out: str, rank: int = 0, groups: int = 1) -> None:
+    """Wait (bounded) until ``out`` has committed a step with ``groups`` groups: the survivors
+    went on without the killed group (then it may restart)."""
+    deadline = time.monotonic() + WAIT
+    path = tmp / out / f"progress{rank}"
+    while not (path.exists() and any(n == groups and c for _, n, c in _progress(tmp, out, rank))):
+        assert time.monotonic() < deadline, f"{out} did not go on with {groups} group(s)"
+        time.sleep(0.1)
+
+
+def _final(tmp: Path, out: str, rank: int = 0) -> dict:
+    return torch.load(tmp / out / f"final{rank}.pt")
+
+
+def _same(a: list, b: list) -> bool:
+    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("replicator", ["full", "demo", "diloco", "random"])
+def test_killed_group_restarts_heals_and_ends_identical(tmp_path, procs, replicator):
+    """B is killed (SIGKILL) in step 5 (a DiLoCo sync: H=3); A's step 5 fails and is undone,
+    A goes on alone; B restarts, heals from A (under DiLoCo between two syncs), and at the
+    end both groups hold bitwise the same parameters (DiLoCo: its last step is a sync)."""
+    lh = Lighthouse(1, tmp_path / "lighthouse.log")
+    try:
+        ready_a = tmp_path / "a-ready"
+        ready1, ready2 = tmp_path / "b1-ready", tmp_path / "b2-ready"
+        common = ["--replicator", replicator, "--steps", "15", "--timeout", "30"]
+        # A and B1 start together; A waits at step 9 for B2 to be up (B2 joins before the end)
+        a = _worker(procs, tmp_path, lh.url, "A", "A", *common, "--hold", f"0:{ready1}",
+                    "--hold", f"9:{ready2}", "--ready-file", str(ready_a))
+        b1 = _worker(procs, tmp_path, lh.url, "B", "B1", *common, "--die-at", "5",
+                     "--ready-file", str(ready1), "--hold", f"0:{ready_a}")
+        assert _wait(b1, tmp_path, "B1") == -9  # killed by SIGKILL, mid-run
+        _until_alone(tmp_path, "A")
+        b2 = _worker(procs, tmp_path, lh.url, "B", "B2", *common, "--ready-file", str(ready2))
+        _ok(a, tmp_path, "A")
+        _ok(b2, tmp_path, "B2")
+    finally:
+        lh.stop()
+    pa, pb = _progress(tmp_path, "A"), _progress(tmp_path, "B2")
+    assert (5, 2, 0) in pa, f"A's step 5 with the dying B was not undone: {pa}"
+    assert any(n == 1 and c for _, n, c in pa), f"A never went on alone: {pa}"
+    assert pb[0][0] >= 9, f"B2 did not heal to A's step: {pb}"
+    assert all(n == 2 and c for _, n, c in pb), f"B2 did not train with A: {pb}"
+    fa, fb = _final(tmp_path, "A"), _final(tmp_path, "B2")
+    assert fa["step"] == fb["step"] == 15
+    assert _same(fa["params"], fb["params"])
+    if replicator == "diloco":
+        assert _same(fa["global"], fb["global"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("replicator,fail,steps", [("full", 3, 7), ("demo", 3, 7),
+                                                    ("diloco", 5, 9), ("random", 3, 7)])
+def test_failed_commit_is_undone_exactly(tmp_path, procs, replicator, fail, steps):
+    """Step ``fail``'s commit vote fails on both groups (a real Manager error after the
+    exchange; under DiLoCo, H=3, a sync, retried at the next quorum): the run then is bitwise
+    the run without that failure, the replicators' momenta and DiLoCo's global copy included."""
+    for run, extra in (("fail", ["--fail-commit", str(fail)]), ("clean", [])):
+        lh = Lighthouse(2, tmp_path / f"lighthouse-{run}.log")
+        try:
+            common = ["--replicator", replicator, "--steps", str(steps), "--min-replicas", "2",
+                      *extra]
+            ws = [(_worker(procs, tmp_path, lh.url, r, f"{run}-{r}", *common), f"{run}-{r}")
+                  for r in ("A", "B")]
+            for p, name in ws:
+                _ok(p, tmp_path, name)
+        finally:
+            lh.stop()
+    for r in ("A", "B"):
+        failed, clean = _progress(tmp_path, f"fail-{r}"), _progress(tmp_path, f"clean-{r}")
+        assert (fail, 2, 0) in failed and len(failed) == len(clean) + 1
+        f, c = _final(tmp_path, f"fail-{r}"), _final(tmp_path, f"clean-{r}")
+        assert f["step"] == c["step"] == steps
+        assert _same(f["params"], c["params"])
+        for key in ("delta", "global", "buffers"):
+            assert _same(f.get(key, []), c.get(key, []))
+    fa, fb = _final(tmp_path, "fail-A"), _final(tmp_path, "fail-B")
+    assert _same(fa["params"], fb["params"])
+
+
+@pytest.mark.slow
+def test_three_groups_one_killed_and_restarted(tmp_path, procs):
+    """3 groups under DeMo: C is killed in step 5, A and B undo it and go on as 2; C restarts,
+    heals, and at the end all three hold bitwise the same parameters."""
+    lh = Lighthouse(1, tmp_path / "lighthouse.log")
+    r = {g: tmp_path / f"{g}-ready" for g in ("A", "B", "C1", "C2")}
+    common = ["--replicator", "demo", "--steps", "14", "--timeout", "30"]
+    try:
+        ab = [_worker(procs, tmp_path, lh.url, g, g, *common, "--ready-file", str(r[g]),
+                      "--hold", f"0:{r[other]},{r['C1']}", "--hold", f"9:{r['C2']}")
+              for g, other in (("A", "B"), ("B", "A"))]
+        c1 = _worker(procs, tmp_path, lh.url, "C", "C1", *common, "--die-at", "5",
+                     "--ready-file", str(r["C1"]), "--hold", f"0:{r['A']},{r['B']}")
+        assert _wait(c1, tmp_path, "C1") == -9
+        _until_alone(tmp_path, "A", groups=2)
+        c2 = _worker(procs, tmp_path, lh.url, "C", "C2", *common, "--ready-file", str(r["C2"]))
+        for p, name in ((ab[0], "A"), (ab[1], "B"), (c2, "C2")):
+            _ok(p, tmp_path, name)
+    finally:
+        lh.stop()
+    for g in ("A", "B"):
+        prog = _progress(tmp_path, g)
+        assert (4, 3, 1) in prog and (5, 3, 0) in prog and (5, 2, 1) in prog, prog
+    assert _progress(tmp_path, "C2")[0][0] >= 9
+    fa, fb, fc = (_final(tmp_path, g) for g in ("A", "B", "C2"))
+    assert fa["step"] == fb["step"] == fc["step"] == 14
+    assert _same(fa["params"], fb["params"]) and _same(fa["params"], fc["params"])
+
+
+@pytest.mark.slow
+def test_sharded_groups_rank_r_replicates_with_rank_r(tmp_path, procs):
+    """2 groups x 2 ranks (FSDP2 shards inside a group), DeMo: B is killed whole in step 5 and
+    restarts; rank r of B heals from rank r of A, and at the end each rank's shards are
+    bitwise those of the same rank of the other group."""
+    lh = Lighthouse(1, tmp_path / "lighthouse.log")
+    try:
+        ready_a = tmp_path / "a-ready"
+        ready1, ready2 = tmp_path / "b1-ready", tmp_path / "b2-ready"
+        common = ["--replicator", "demo", "--steps", "12", "--timeout", "30"]
+        a = _group(procs, tmp_path, lh.url, "A", "A", 2, *common, "--hold", f"0:{ready1}",
+                   "--hold", f"8:{ready2}", "--ready-file", str(ready_a))
+        b1 = _group(procs, tmp_path, lh.url, "B", "B1", 2, *common, "--die-at", "5",
+                    "--ready-file", str(ready1), "--hold", f"0:{ready_a}")
+        # rank 0 hosts the group's Manager server: when it dies first, rank 1 may stop with
+        # an error (a one-line one when in its quorum) instead of reaching its own kill
+        codes = [_wait(p, tmp_path, name) for p, name in b1]
+        assert codes[0] == -9 and codes[1] != 0, codes
+        if codes[1] == 2:
+            errors = [x for x in (tmp_path / "B1-r1.log").read_text().splitlines()
+                      if x.startswith("error:")]
+            assert len(errors) == 1 and errors[0].startswith(
+                "error: rank 1 of replica group 'B' lost its group's Manager server"), errors
+        _until_alone(tmp_path, "A", rank=1)
+        b2 = _group(procs, tmp_path, lh.url, "B", "B2", 2, *common, "--ready-file",
+                    str(ready2))
+        for p, name in a + b2:
+            _ok(p, tmp_path, name)
+    finally:
+        lh.stop()
+    assert (5, 2, 0) in _progress(tmp_path, "A", 1)
+    finals = {(g, r): _final(tmp_path, g, r) for g in ("A", "B2") for r in (0, 1)}
+    for r in (0, 1):
+        assert _progress(tmp_path, "B2", r)[0][0] >= 8
+        assert finals["A", r]["step"] == finals["B2", r]["step"] == 12
+        assert _same(finals["A", r]["params"], finals["B2", r]["params"])
+    assert not _same(finals["A", 0]["params"], finals["A", 1]["params"])  # other shards
+
+
+@pytest.mark.slow
+def test_resume_on_other_groups(tmp_path, procs):
+    """A and B train 6 steps under DeMo and save their checkpoints. A resumes alone from its
+    own; a new group C joins and heals from A: A keeps its momentum, C starts from zero, and
+    they end bitwise identical (a checkpoint of 2 groups resumed on 2 other ones)."""
+    common = ["--replicator", "demo", "--timeout", "30"]
+    lh = Lighthouse(2, tmp_path / "lighthouse-1.log")
+    try:
+        ws = [(_worker(procs, tmp_path, lh.url, g, f"{g}1", *common, "--steps", "6",
+                       "--save", str(tmp_path / f"ckpt-{g}" / "step6")), f"{g}1")
+              for g in ("A", "B")]  # a parent folder each (a save clears scratch in its parent)
+        for p, name in ws:
+            _ok(p, tmp_path, name)
+    finally:
+        lh.stop()
+    lh = Lighthouse(2, tmp_path / "lighthouse-2.log")
+    try:
+        ws = [(_worker(procs, tmp_path, lh.url, g, f"{g}2", *common, "--steps", "10", *extra),
+               f"{g}2") for g, extra in (("A", ["--resume", str(tmp_path / "ckpt-A" / "step6")]),
+                                         ("C", []))]
+        for p, name in ws:
+            _ok(p, tmp_path, name)
+    finally:
+        lh.stop()
+    pa, pc = _progress(tmp_path, "A2"), _progress(tmp_path, "C2")
+    assert pa[0][0] == 6 and pc[0][0] == 6, (pa, pc)
+    assert all(n == 2 and c for _, n, c in pa + pc)
+    fa, fc = _final(tmp_path, "A2"), _final(tmp_path, "C2")
+    assert fa["step"] == fc["step"] == 10
+    assert _same(fa["params"], fc["params"])
+    assert not _same(fa["delta"], fc["delta"])  # A's own momentum went on; C's started at 0
+
+
+def test_too_few_replicas_wait_bounded_and_say_so(tmp_path, procs):
+    """min_replicas=2 with one group: it says it waits, then exits naming what it waited for
+    (the lighthouse started by `flexdemo lighthouse`)."""
+    lh = Lighthouse(1, tmp_path / "lighthouse.log", cli=True)
+    try:
+        p = _worker(procs, tmp_path, lh.url, "A", "A", "--min-replicas", "2", "--timeout", "4")
+        rc = _wait(p, tmp_path, "A")
+    finally:
+        lh.stop()
+    log = (tmp_path / "A.log").read_text()
+    assert rc == 2, log[-3000:]
+    waiting = [x for x in log.splitlines() if "is waiting for a quorum" in x]
+    assert len(waiting) == 1 and "2 replica group(s)" in waiting[0]
+    last = log.strip().splitlines()[-1]
+    assert last.startswith("error: replica group 'A' waited 4 s for a quorum of 2"), last
+    assert lh.url in last
+
+
+def test_replica_id_used_twice_is_one_line(tmp_path, procs):
+    lh = Lighthouse(2, tmp_path / "lighthouse.log")
+    try:
+        ws = [_worker(procs, tmp_path, lh.url, "A", f"A{i}", "--timeout", "10") for i in (1, 2)]
+        codes = [_wait(p, tmp_path, f"A{i}") for p, i in zip(ws, (1, 2))]
+    finally:
+        lh.stop()
+    assert codes == [2, 2], codes
+    for i in (1, 2):  # (torchft's checkpoint server may log a request after it)
+        log = (tmp_path / f"A{i}.log").read_text()
+        errors = [x for x in log.splitlines() if x.startswith("error:")]
+        assert errors == ["error: replica id 'A' is used by 2 live replica groups of the "
+                          "quorum: give every node its own replica_id (FLEXDEMO_REPLICA_ID)"], \
+            log[-3000:]
+
+
+def test_unreachable_lighthouse_is_one_line(tmp_path, procs):
+    url = f"http://127.0.0.1:{_free_port()}"  # nothing listens there
+    p = _worker(procs, tmp_path, url, "A", "A", "--timeout", "3")
+    rc = _wait(p, tmp_path, "A")
+    last = (tmp_path / "A.log").read_text().strip().splitlines()[-1]
+    assert rc == 2
+    assert last.startswith("error: replica group 'A' could not reach the torchft lighthouse "
+                           f"at {url} within 3 s"), last
+
+
+BLOCK_TORCHFT = "import sys; sys.modules['torchft'] = None\n"
+
+
+def _python(code: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", BLOCK_TORCHFT + code], capture_output=True,
+                          text=True, timeout=WAIT, env=dict(os.environ, OMP_NUM_THREADS="1"))
+
+
+def test_without_torchft_fault_tolerance_names_the_extra():
+    r = _python("import flexdemo\n"
+                "try:\n"
+                "    flexdemo.FaultTolerance(lighthouse='http://127.0.0.1:1', replica_id='A')\n"
+                "except ModuleNotFoundError as e:\n"
+                "    print(e)\n")
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.strip().splitlines()
+    assert lines == ['fault tolerance needs torchft, which is not installed: '
+                     'pip install "flexdemo[ft]"']
+
+
+def test_without_torchft_nothing_changes():
+    r = _python("import torch, flexdemo\n"
+                "m, opt = flexdemo.prepare(torch.nn.Linear(4, 4), replicator='demo')\n"
+                "m(torch.ones(2, 4)).sum().backward(); opt.step()\n"
+                "assert opt.fault_tolerance is None and 'replicas' not in opt.last_step_stats()\n"
+                "print('ok')\n")
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-3000:]
+
+
+def test_unsupported_replicators_are_refused_in_one_line():
+    from flexdemo import DeMoReplicator, DiLoCoReplicator, FullReplicator, PhasedReplicator
+    from flexdemo.ft.state import check_supported
+
+    for rep, words in ((PhasedReplicator(FullReplicator(), DeMoReplicator(), 2), "not supp"),
+                       (DeMoReplicator(overlap="delayed"), "delayed mode"),
+                       (DiLoCoReplicator(inner_steps=4, tau=1), "tau=1")):
+        with pytest.raises(ValueError, match=words) as e:
+            check_supported(rep)
+        assert "\n" not in str(e.value)
+    # refused before any connection (nothing listens at this lighthouse)
+    ft = flexdemo.FaultTolerance(lighthouse=f"http://127.0.0.1:{_free_port()}", replica_id="A")
+    with pytest.raises(ValueError, match="'phased' is not supported yet"):
+        flexdemo.DeToNATION(torch.nn.Linear(4, 4).parameters(),
+                            PhasedReplicator(FullReplicator(), DeMoReplicator(), 2),
+                            fault_tolerance=ft)
+    with pytest.raises(TypeError, match="must be a flexdemo.FaultTolerance"):
+        flexdemo.DeToNATION(torch.nn.Linear(4, 4).parameters(), "full",
+                            fault_tolerance={"lighthouse": "x"})

@@ -13,6 +13,8 @@ setup() {
   fi
   # The CPU build of torch, pinned (an unpinned torch pulls a multi-GB CUDA build).
   "$VENV/bin/pip" install -q --disable-pip-version-check "torch==2.13.0"
+  # torchft for elastic runs (the ft extra), pinned to a release that accepts this torch
+  "$VENV/bin/pip" install -q --disable-pip-version-check "torch==2.13.0" "torchft==0.2.0"
   "$VENV/bin/pip" install -q --disable-pip-version-check -e ".[test]"
 }
 

@@ -274,7 +274,7 @@ def prepare(model: nn.Module, replicator: str | Replicator | Sequence = "demo",
     "exchange_kwargs": {"values": "int4"}})``; for DeMo's byte budget, DeMo with an
     orthogonalised step, ``prepare(model, "demo", "muon", replicator_kwargs={"topk": 64,
     "decay": 0.9, "sign": False, "scale_by_lr": False}, optimizer_kwargs={"momentum": 0.0})``.
-    Muon's best lr was 3-30x AdamW's (match_rms_adamw scaling): sweep upwards from yours.
+    Muon's best lr was 10-30x AdamW's (match_rms_adamw scaling): sweep upwards from yours.
 
     Example: ``model, opt = flexdemo.prepare(model, replicator="demo", lr=1e-3)``.
     """

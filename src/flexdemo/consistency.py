@@ -45,10 +45,7 @@ def replicator_settings(rep: Replicator, prefix: str) -> list[tuple[str, Any]]:
             out += replicator_settings(value, f"{prefix} {name}")
         elif _simple(value):
             out.append((f"{prefix} {name}", value))
-    template = getattr(rep, "_template", None)  # DiLoCo's exchange
-    if isinstance(template, Replicator):
-        out += replicator_settings(template, f"{prefix} exchange")
-    if rep._shapes is not None:  # set up (a DiLoCo's template is not: its copies are)
+    if rep.shapes is not None:  # set up (a DiLoCo's exchange is not: its copies are)
         out.append((f"{prefix} payload bytes", rep.payload_bytes()))
     return out
 
@@ -67,7 +64,7 @@ def optimizer_settings(opt) -> list[tuple[str, Any]]:
     """What replicas of ``opt`` (a :class:`~flexdemo.optim.DeToNATION`) must share."""
     groups = [{k: _comparable(v) for k, v in sorted(g.items()) if k != "params"}
               for g in opt.base.param_groups]
-    shapes = [tuple(getattr(p, "_local_tensor", p).shape) for p in opt._params]
+    shapes = [tuple(getattr(p, "_local_tensor", p).shape) for p in opt.params]
     out: list[tuple[str, Any]] = [
         ("base optimizer", type(opt.base).__name__),
         ("base optimizer settings", groups),
@@ -101,15 +98,15 @@ def check_same_settings(opt, device: torch.device) -> None:
     seen: set[int] = set()
     for rep in opt.replicators:
         group = rep.group
-        tr = transport_for(group)
+        tr = rep.transport  # bound in setup
         if tr.size <= 1 or id(group) in seen:
             continue
         seen.add(id(group))
         shape = [len(fields), _digest([k for k, _ in fields]), _digest(fields)]
-        rows = _gather(shape, group, device)
+        rows = _gather(shape, tr, device)
         if all(r == rows[0] for r in rows):
             continue
-        ranks = group_ranks(group)
+        ranks = group_ranks(tr)
         if any(r[:2] != rows[0][:2] for r in rows):  # other kinds: not comparable per setting
             odd = [ranks[i] for i, r in enumerate(rows) if r[:2] != rows[tr.rank][:2]]
             kinds = [v for k, v in fields if k == "base optimizer"
@@ -117,7 +114,7 @@ def check_same_settings(opt, device: torch.device) -> None:
             raise ValueError(f"ranks {odd} built another optimizer than this rank (global rank "
                              f"{ranks[tr.rank]}: base optimizer and replicators {kinds}); every "
                              "rank that replicates with another must build it alike")
-        per = _gather([_digest(v) for _, v in fields], group, device)
+        per = _gather([_digest(v) for _, v in fields], tr, device)
         diff = [j for j in range(len(fields)) if any(r[j] != per[0][j] for r in per)]
         odd = sorted({ranks[i] for i, r in enumerate(per)
                       if any(r[j] != per[tr.rank][j] for j in diff)})

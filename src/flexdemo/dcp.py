@@ -13,7 +13,8 @@ an optimizer state dict shaped like torch's: ``{"state": {param: {...}}, "param_
     global copy, outer optimizer and syncs in flight), the step counters and, where needed,
     the module buffers live under the first parameter, keys ``flexdemo/chain/rank<global
     rank>``: one opaque object for what varies in structure (syncs in flight, counters), plus
-    the large fixed-shape buffers (:data:`STATIC`) as DCP tensors
+    the large fixed-shape buffers (the entries each replicator names in
+    :attr:`~flexdemo.replicate.Replicator.state_tensor_keys`) as DCP tensors
     ``flexdemo/chain/rank<g>/replicators/<i>/.../<name>/<j>``;
   - when the replicators do not keep replicas bitwise identical (DiLoCo's inner steps,
     ``"none"``, schedules that skip steps), the base state and a copy of every parameter's
@@ -22,9 +23,11 @@ an optimizer state dict shaped like torch's: ``{"state": {param: {...}}, "param_
     replica's own parameters back (``set_state_dict`` loads the model first, then the
     optimizer).
 
-Whether replicas are identical is decided from the replicator kinds and schedules
-(:meth:`DeToNATION.replicas_identical`), conservatively. A checkpoint loads into a job with
-the same world size and mesh; other layouts raise ``ValueError``.
+Whether replicas are identical is decided from what the replicators declare and their
+schedules (:meth:`DeToNATION.replicas_identical`,
+:meth:`~flexdemo.replicate.Replicator.keeps_replicas_identical`), conservatively. A
+checkpoint loads into a job with the same world size and mesh; other layouts raise
+``ValueError``.
 
 :func:`load` is ``dcp.load`` with flexdemo's checks first (:func:`check_load`): a checkpoint
 written on another mesh, for another model, base optimizer or replicators raises
@@ -50,10 +53,6 @@ from .transport import group_rank
 
 PREFIX = "flexdemo/"
 FORMAT = 1
-# replicator state entries that every replicator of a kind holds with fixed shapes (DeMo's
-# momentum, the subset replicators' buffers, DiLoCo's global copy): they travel as DCP tensors
-# (keyed per rank), everything else (syncs in flight, counters) inside the per-rank object
-STATIC = ("delta", "buffers", "global")
 MARK = "flexdemo-dcp-tensor:"
 
 
@@ -81,22 +80,30 @@ def _mesh_shape(opt: torch.optim.Optimizer) -> tuple[int, ...] | None:
     return None if mesh is None else tuple(int(n) for n in mesh.mesh.shape)
 
 
-def _extract(tree, path: str, out: dict[str, torch.Tensor]) -> None:
-    """Move the tensors of :data:`STATIC` lists in ``tree`` (nested dicts/lists) into ``out``,
-    leaving a marker with their key."""
+def tensor_keys(opt: torch.optim.Optimizer) -> set[str]:
+    """The replicator state entries that are lists of fixed-shape tensors (DeMo's momentum,
+    the subset replicators' buffers, DiLoCo's global copy, as each replicator declares): they
+    travel as DCP tensors (keyed per rank), everything else (syncs in flight, counters) inside
+    the per-rank object."""
+    return set().union(*(r.tensor_state_keys() for r in opt.replicators))
+
+
+def _extract(tree, path: str, out: dict[str, torch.Tensor], keys: set[str]) -> None:
+    """Move the tensors of the lists under ``keys`` in ``tree`` (nested dicts/lists) into
+    ``out``, leaving a marker with their key."""
     if isinstance(tree, dict):
         for k, v in tree.items():
-            if k in STATIC and isinstance(v, list):
+            if k in keys and isinstance(v, list):
                 for j, t in enumerate(v):
                     if isinstance(t, torch.Tensor):
                         key = f"{path}/{k}/{j}"
                         out[key] = t
                         v[j] = MARK + key
             else:
-                _extract(v, f"{path}/{k}", out)
+                _extract(v, f"{path}/{k}", out, keys)
     elif isinstance(tree, list):
         for j, v in enumerate(tree):
-            _extract(v, f"{path}/{j}", out)
+            _extract(v, f"{path}/{j}", out, keys)
 
 
 def _restore(tree, tensors: dict[str, torch.Tensor]):
@@ -130,7 +137,7 @@ def _init_base_state(opt: torch.optim.Optimizer) -> bool:
     (what torch's ``get_state_dict`` does for its own optimizers), so that a fresh optimizer's
     state dict has tensors for DCP to load into. Returns whether state was created. Parameters
     are bitwise unchanged; existing gradients are kept."""
-    base, params = opt.base, opt._params
+    base, params = opt.base, opt.params
     if any(base.state.get(p) for p in params):  # entries may be empty dicts
         return False
     grads = [p.grad for p in params]
@@ -155,10 +162,10 @@ def state_dict(opt: torch.optim.Optimizer) -> dict:
     sd = opt.base.state_dict()
     if created:  # keep the optimizer as fresh as it was; the dict holds the tensors
         opt.base.state.clear()
-        opt._share_state()
+        opt.share_state()
     identical = opt.replicas_identical()
     state: dict = {}
-    for i, p in enumerate(opt._params):
+    for i, p in enumerate(opt.params):
         entry = dict(sd["state"].get(i, {}))
         if not identical:
             tag = f"{PREFIX}{replica_tag(opt, p)}/"
@@ -168,7 +175,7 @@ def state_dict(opt: torch.optim.Optimizer) -> dict:
     keep_buffers = opt.buffer_sync is not None and (not identical or opt.buffer_policy == "none")
     reps = [r.state_dict() for r in opt.replicators]
     fixed: dict[str, torch.Tensor] = {}
-    _extract(reps, f"{blob_key()}/replicators", fixed)
+    _extract(reps, f"{blob_key()}/replicators", fixed, tensor_keys(opt))
     blob = {
         "format": FORMAT,
         "rank": _global_rank(),
@@ -178,7 +185,7 @@ def state_dict(opt: torch.optim.Optimizer) -> dict:
         "replicators": reps,
         "steps": opt.steps,
         "skipped_steps": opt.skipped_steps,
-        "params": [list(_local_shape(p)) for p in opt._params],
+        "params": [list(_local_shape(p)) for p in opt.params],
         "kinds": _kinds(opt),
         "reprs": [repr(r) for r in opt.replicators],
         "buffers": [b.detach().clone() for b in opt.buffer_sync.all_buffers]
@@ -194,13 +201,13 @@ def load_state_dict(opt: torch.optim.Optimizer, sd: dict) -> None:
     """Restore a state dict made by :func:`state_dict` (int or parameter-name keys)."""
     groups = sd["param_groups"]
     saved_ids = [i for g in groups for i in g["params"]]
-    if len(groups) != len(opt.param_groups) or len(saved_ids) != len(opt._params):
+    if len(groups) != len(opt.param_groups) or len(saved_ids) != len(opt.params):
         raise ValueError(f"the optimizer state is for another model: it holds {len(saved_ids)} "
                          f"parameters in {len(groups)} group(s), this optimizer "
-                         f"{len(opt._params)} in {len(opt.param_groups)}")
+                         f"{len(opt.params)} in {len(opt.param_groups)}")
     mine = blob_key()
     blob, base_state, copies, fixed = None, {}, [], {}
-    for sid, p in zip(saved_ids, opt._params):
+    for sid, p in zip(saved_ids, opt.params):
         tag = f"{PREFIX}{replica_tag(opt, p)}/"
         entry, param_copy = {}, None
         for k, v in sd["state"].get(sid, {}).items():
@@ -242,8 +249,8 @@ def load_state_dict(opt: torch.optim.Optimizer, sd: dict) -> None:
     opt.base.load_state_dict({"state": base_state, "param_groups": groups})
     if blob["base_state_created"]:  # the saving optimizer had no base state yet
         opt.base.state.clear()
-    opt._share_state()
-    for p, c in zip(opt._params, copies):
+    opt.share_state()
+    for p, c in zip(opt.params, copies):
         if c is not None:
             _copy_local(p, c)
     if blob["buffers"] is not None and opt.buffer_sync is not None:
@@ -274,7 +281,7 @@ def _check_same_job(opt: torch.optim.Optimizer, blob: dict) -> None:
     are not checked."""
     saved = blob.get("params")
     if saved is not None:
-        for i, (shape, p) in enumerate(zip(saved, opt._params)):
+        for i, (shape, p) in enumerate(zip(saved, opt.params)):
             if tuple(shape) != tuple(_local_shape(p)):
                 raise ValueError(f"the optimizer state is for another model: parameter {i} "
                                  f"has shape {tuple(shape)} there, {tuple(_local_shape(p))} "

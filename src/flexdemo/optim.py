@@ -13,16 +13,7 @@ from .buffers import BUFFER_POLICIES, BufferSync
 from .consistency import check_same_settings
 from .lion import Lion
 from .muon import MuonAdamW
-from .replicate import (
-    DeMoReplicator,
-    FullReplicator,
-    NonFiniteGradientError,
-    RandomReplicator,
-    Replicator,
-    SlicingReplicator,
-    StridingReplicator,
-    make_replicator,
-)
+from .replicate import DeMoReplicator, NonFiniteGradientError, Replicator, make_replicator
 from .replicate.base import mark_nonfinite, nonfinite_flag
 from .transport import Transport, group_size, transport_for
 
@@ -100,15 +91,11 @@ def check_group_on_mesh(rep: Replicator, mesh) -> None:
             "mesh['replicate'].get_group()")
 
 
-# replicators whose outputs are equal on every replica of their group when they run every step
-_SYNCING = (DeMoReplicator, FullReplicator, RandomReplicator, StridingReplicator,
-            SlicingReplicator)
-
-
 def share_nonfinite(grads: list, group, device: torch.device) -> None:
     """Mark every shard of a replica non-finite when one is: one tiny all-reduce over the
-    (fast, intra-node) shard group, marked in-band on the device without a host read, so that
-    each replication group's own agreement then reports it on every rank in this step."""
+    (fast, intra-node) shard group (a process group or its :class:`Transport`), marked in-band
+    on the device without a host read, so that each replication group's own agreement then
+    reports it on every rank in this step."""
     flag = nonfinite_flag(grads, device).to(torch.float32).reshape(1)
     transport_for(group).all_reduce_sum_(flag)  # > 0 when some shard's flag is set
     for g in grads:
@@ -201,7 +188,7 @@ class DeToNATION(torch.optim.Optimizer):
             self.fault_tolerance = ElasticSession(fault_tolerance, self.replicators)
             group = self.fault_tolerance.transport
         self.default_group = group
-        self._share_state()
+        self.share_state()
         locals_ = [_local(p) for p in self._params]
         shapes = [t.shape for t in locals_]
         for r in self.replicators:
@@ -209,8 +196,9 @@ class DeToNATION(torch.optim.Optimizer):
             if mesh is not None:
                 check_group_on_mesh(r, mesh)
         # the other shards of this replica must learn of a non-finite gradient too
-        self._shard_group = (mesh["shard"].get_group()
-                             if mesh is not None and mesh["shard"].size() > 1 else None)
+        shard_group = (mesh["shard"].get_group()
+                       if mesh is not None and mesh["shard"].size() > 1 else None)
+        self._shard_group = None if shard_group is None else transport_for(shard_group)
         check_same_settings(self, device)  # ranks built alike, or one error on every rank
         if self.fault_tolerance is not None:
             self.fault_tolerance.attach(self)
@@ -246,7 +234,7 @@ class DeToNATION(torch.optim.Optimizer):
         agreed = [e for e in errors if not e.local]
         if agreed:  # every rank of the chain's groups knows: nothing is left to report later
             for rep in self.replicators:
-                rep._withheld = None
+                rep.reset_withheld()
             if self.nonfinite == "raise":
                 raise agreed[0]
         # e.local alone: only this rank knows (a step without exchange): it skips alone, and
@@ -280,7 +268,12 @@ class DeToNATION(torch.optim.Optimizer):
         return loss
 
     # ------------------------------------------------------------------ buffers, replicas
-    def _share_state(self) -> None:
+    @property
+    def params(self) -> list:
+        """The parameters, in the order of the state's indices (all groups, flat)."""
+        return self._params
+
+    def share_state(self) -> None:
         """Share the base optimizer's ``param_groups`` and ``state`` (torch replaces them on
         load), with an entry (possibly empty) for every parameter. A non-empty ``state`` keeps
         torch's ``get_state_dict`` from running a zero-lr ``step()`` of its own, which would
@@ -312,14 +305,7 @@ class DeToNATION(torch.optim.Optimizer):
         n = group_size(self.default_group)
         if n <= 1:
             return True
-        for r in self.replicators:
-            claim = getattr(r, "keeps_replicas_identical", None)
-            if claim is None:
-                claim = (isinstance(r, _SYNCING) and r.replicate_every == 1
-                         and r.skip_every == 0 and r.world >= n)
-            if not claim:
-                return False
-        return True
+        return all(r.keeps_replicas_identical(n) for r in self.replicators)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         if self.fault_tolerance is not None:
@@ -394,7 +380,7 @@ class DeToNATION(torch.optim.Optimizer):
             raise ValueError("not an optimizer state of flexdemo: expected a dict with the keys "
                              f"'state' and 'param_groups' (what opt.state_dict() returns), got "
                              f"{got}")
-        self._share_state()  # torch replaced the base's containers
+        self.share_state()  # torch replaced the base's containers
 
     def _load_legacy(self, state_dict: dict) -> None:
         reps = state_dict["replicators"]

@@ -115,7 +115,7 @@ def _fresh_replicators(spec) -> list:
     out = []
     for s in specs:
         if isinstance(s, Replicator):
-            if s._shapes is not None:
+            if s.shapes is not None:
                 raise ValueError(f"{s.name}: the replicator is already in use; pass an unused "
                                  "instance (each replica gets its own copy) or a name")
             if s.group is not None:

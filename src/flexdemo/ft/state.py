@@ -22,20 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..replicate import (
-    DeMoReplicator,
-    DiLoCoReplicator,
-    FullReplicator,
-    RandomReplicator,
-    Replicator,
-    SlicingReplicator,
-    StridingReplicator,
-)
-from ..replicate.base import Agreement
-from ..transport import group_rank, group_size
-
-SUBSET = (RandomReplicator, StridingReplicator, SlicingReplicator)
-SUPPORTED = (FullReplicator, DeMoReplicator, DiLoCoReplicator, *SUBSET)
+from ..replicate import REPLICATORS, Replicator
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -47,37 +34,33 @@ def _clone(tree):
     return copy.deepcopy(tree)
 
 
+def _supported_names() -> str:
+    """The registered replicators that declare themselves fault tolerant."""
+    names = []
+    for factory in REPLICATORS.values():
+        cls = factory if isinstance(factory, type) else None
+        if cls is not None and cls.fault_tolerant and cls.name not in names:
+            names.append(cls.name)
+    return ", ".join(names)
+
+
 def check_supported(rep: Replicator) -> None:
-    """Refuse, in one line, replicators not (yet) made fault tolerant."""
-    if not isinstance(rep, SUPPORTED):
-        names = ", ".join(c.name for c in SUPPORTED)
-        raise ValueError(f"fault tolerance supports the replicators {names}; {rep.name!r} is "
-                         "not supported yet")
-    if isinstance(rep, DeMoReplicator) and rep.overlap == "delayed":
-        raise ValueError("fault tolerance does not support DeMo's delayed mode "
-                         "(overlap='delayed') yet; use the synchronous mode")
-    if isinstance(rep, DiLoCoReplicator) and rep.tau:
-        raise ValueError("fault tolerance does not support DiLoCo syncs that overlap later "
-                         f"steps (tau={rep.tau}) yet: a quorum change would meet a sync in "
-                         "flight; use tau=0")
-    for ex in getattr(rep, "exchanges", ()):
-        check_supported(ex)
+    """Refuse, in one line, replicators not (yet) made fault tolerant
+    (:meth:`~flexdemo.replicate.Replicator.fault_tolerance_problem`)."""
+    if not rep.fault_tolerant:
+        raise ValueError(f"fault tolerance supports the replicators {_supported_names()}; "
+                         f"{rep.name!r} is not supported yet")
+    problem = rep.fault_tolerance_problem()
+    if problem is not None:
+        raise ValueError(problem)
+    for part in rep.inner_replicators():
+        check_supported(part)
 
 
 def rebind(rep: Replicator) -> None:
     """Re-read the size of ``rep``'s group and its rank (a quorum may change both); buffers
     whose size depends on them are rebuilt, state is kept."""
-    world, rank = group_size(rep.group), group_rank(rep.group)
-    if (world, rank) != (rep.world, rep.rank):
-        rep.world, rep.rank = world, rank
-        rep.agreement = Agreement(rep.name, rank, world, rep.device)
-        if isinstance(rep, FullReplicator):
-            rep._setup_state()  # the fp32 bucket's trailer holds 2 values per replica
-        elif isinstance(rep, SUBSET):  # the same trailer; the momenta stay
-            rep._bucket = torch.zeros(rep._total + Agreement.trailer_size(world),
-                                      dtype=torch.float32, device=rep.device)
-    for ex in getattr(rep, "exchanges", ()):
-        rebind(ex)
+    rep.rebind()
 
 
 # ---------------------------------------------------------------------- undo
@@ -93,9 +76,10 @@ class Snapshot:
 
 
 def _replicator_copy(rep: Replicator) -> dict:
-    """``rep``'s state, copied once: DeMo's and the subset replicators' ``state_dict()``
-    clones its tensors already; the others' may hold references (DiLoCo's outer optimizer)."""
-    if isinstance(rep, (DeMoReplicator, *SUBSET)):
+    """``rep``'s state, copied once: a ``state_dict()`` that clones its tensors already
+    (:attr:`~flexdemo.replicate.Replicator.state_dict_copies`) is kept; the others' may hold
+    references (DiLoCo's outer optimizer)."""
+    if rep.state_dict_copies:
         return rep.state_dict()
     return _clone(rep.state_dict())
 
@@ -103,7 +87,7 @@ def _replicator_copy(rep: Replicator) -> dict:
 def snapshot(opt) -> Snapshot:
     """Copy what ``opt.step()`` may change on this rank."""
     with torch.no_grad():
-        params = [_local(p).detach().clone() for p in opt._params]
+        params = [_local(p).detach().clone() for p in opt.params]
     return Snapshot(params, _clone(opt.base.state_dict()),
                     [_replicator_copy(r) for r in opt.replicators], opt.steps,
                     opt.skipped_steps)
@@ -112,10 +96,10 @@ def snapshot(opt) -> Snapshot:
 def restore(opt, snap: Snapshot) -> None:
     """Put ``snap`` back: the step it was taken before never happened (bitwise)."""
     with torch.no_grad():
-        for p, v in zip(opt._params, snap.params):
+        for p, v in zip(opt.params, snap.params):
             _local(p).copy_(v)
     opt.base.load_state_dict(snap.base)
-    opt._share_state()
+    opt.share_state()
     for r, s in zip(opt.replicators, snap.replicators):
         r.load_state_dict(s)
     opt.steps, opt.skipped_steps = snap.steps, snap.skipped_steps
@@ -124,37 +108,18 @@ def restore(opt, snap: Snapshot) -> None:
 # ---------------------------------------------------------------------- healing
 def shared_state(rep: Replicator) -> dict:
     """The part of ``rep``'s state that is equal on every replica (cloned)."""
-    if isinstance(rep, DiLoCoReplicator):
-        sd = rep.state_dict()
-        sd.pop("stats", None)
-        sd["exchanges"] = [shared_state(ex) for ex in rep.exchanges]
-        return _clone(sd)
-    return {}  # Full: none; DeMo, Random, Striding, Slicing: their momenta are per replica
+    return rep.shared_state()
 
 
 def load_shared_state(rep: Replicator, state: dict) -> None:
     """Load a peer's :func:`shared_state`; per-replica state starts from zero."""
-    if isinstance(rep, DiLoCoReplicator):
-        own = rep.state_dict()
-        own.update({k: v for k, v in state.items() if k != "exchanges"})
-        rep.load_state_dict(own)
-        for ex, s in zip(rep.exchanges, state["exchanges"]):
-            load_shared_state(ex, s)
-    elif isinstance(rep, DeMoReplicator):
-        with torch.no_grad():
-            for d in rep.delta:
-                d.zero_()
-        rep._inflight = rep._pending = None
-    elif isinstance(rep, SUBSET):  # their momenta (error feedback) are per replica too
-        with torch.no_grad():
-            torch._foreach_zero_(rep.buffers)
-    rep._withheld = None
+    rep.load_shared_state(state)
 
 
 def heal_state(opt) -> dict:
     """What a joiner fetches from this rank (cloned: the peer may step on meanwhile)."""
     with torch.no_grad():
-        params = [_local(p).detach().clone() for p in opt._params]
+        params = [_local(p).detach().clone() for p in opt.params]
     return {"params": params, "base": _clone(opt.base.state_dict()), "steps": opt.steps,
             "skipped_steps": opt.skipped_steps,
             "replicators": [shared_state(r) for r in opt.replicators]}
@@ -162,11 +127,11 @@ def heal_state(opt) -> dict:
 
 def load_heal_state(opt, state: dict) -> None:
     """Become the peer whose :func:`heal_state` this is (per-replica state zeroed)."""
-    if len(state["params"]) != len(opt._params):
+    if len(state["params"]) != len(opt.params):
         raise ValueError(f"the peer has {len(state['params'])} parameters, this replica "
-                         f"{len(opt._params)}: replica groups must train the same model")
+                         f"{len(opt.params)}: replica groups must train the same model")
     with torch.no_grad():
-        for p, v in zip(opt._params, state["params"]):
+        for p, v in zip(opt.params, state["params"]):
             local = _local(p)
             if local.shape != v.shape:
                 raise ValueError(f"the peer's parameter shard has shape {tuple(v.shape)}, "
@@ -174,7 +139,7 @@ def load_heal_state(opt, state: dict) -> None:
                                  "ranks and the same model")
             local.copy_(v)
     opt.base.load_state_dict(state["base"])
-    opt._share_state()
+    opt.share_state()
     opt.steps, opt.skipped_steps = int(state["steps"]), int(state["skipped_steps"])
     for r, s in zip(opt.replicators, state["replicators"]):
         load_shared_state(r, s)

@@ -16,9 +16,10 @@ from .demo import DeMoReplicator
 from .diloco import DiLoCoReplicator
 from .full import FullReplicator, NoReplication
 from .phased import PhasedReplicator, demo_warmup
+from .registry import REPLICATORS
 from .subset import RandomReplicator, SlicingReplicator, StridingReplicator
 
-REPLICATORS: dict[str, Callable[..., Replicator]] = {
+REPLICATORS.update({
     "demo": DeMoReplicator,
     "diloco": DiLoCoReplicator,
     "full": FullReplicator,
@@ -27,7 +28,7 @@ REPLICATORS: dict[str, Callable[..., Replicator]] = {
     "random": RandomReplicator,
     "striding": StridingReplicator,
     "slicing": SlicingReplicator,
-}
+})
 for _preset in DEMO_PRESETS:
     if _preset != "default":
         REPLICATORS[f"demo-{_preset}"] = partial(DeMoReplicator.preset, _preset)

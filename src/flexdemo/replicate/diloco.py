@@ -50,27 +50,30 @@ from .base import (
     mark_nonfinite,
     nonfinite_flag,
 )
-from .demo import DeMoReplicator
-from .full import FullReplicator
+from .registry import REPLICATORS
+
+# exchanges that are a registered replicator with other settings: name -> (registry name, settings)
+EXCHANGE_ALIASES: dict[str, tuple[str, dict]] = {"topk": ("demo", {"transform": "none"})}
 
 
 def make_exchange(spec, **kwargs) -> Replicator:
-    """The exchange replicator of a pseudo-gradient: a name or an (unused) instance."""
+    """The exchange replicator of a pseudo-gradient: an (unused) instance, or a name resolved
+    through :data:`~flexdemo.replicate.REPLICATORS` (or :data:`EXCHANGE_ALIASES`), built with
+    the settings its class declares for use as an exchange (``exchange_settings``: DeMo's
+    plain error feedback), then ``kwargs``."""
     if isinstance(spec, Replicator):
         if kwargs:
             raise ValueError("exchange_kwargs go with an exchange given by name")
-        if spec._shapes is not None:
+        if spec.shapes is not None:
             raise ValueError("the exchange replicator is already in use; pass a fresh one")
         return spec
-    ef = {"decay": 1.0, "sign": False, "scale_by_lr": False}  # plain error feedback
-    if spec == "full":
-        return FullReplicator(**kwargs)
-    if spec == "demo":
-        return DeMoReplicator(**{**ef, **kwargs})
-    if spec == "topk":
-        return DeMoReplicator(**{**ef, "transform": "none", **kwargs})
-    raise ValueError(f"unknown exchange {spec!r}; choose 'full', 'demo', 'topk' or pass a "
-                     "Replicator instance")
+    name, alias = EXCHANGE_ALIASES.get(spec, (spec, {})) if isinstance(spec, str) else (spec, {})
+    factory = REPLICATORS.get(name) if isinstance(name, str) and name != "diloco" else None
+    if factory is None:
+        names = sorted(n for n in {*REPLICATORS, *EXCHANGE_ALIASES} if n != "diloco")
+        raise ValueError(f"unknown exchange {spec!r}; choose one of {names} or pass a "
+                         "Replicator instance")
+    return factory(**{**getattr(factory, "exchange_settings", {}), **alias, **kwargs})
 
 
 def balanced_fragments(sizes: list[int], fragments: int) -> list[list[int]]:
@@ -105,6 +108,8 @@ class DiLoCoReplicator(Replicator):
     """DiLoCo / Streaming DiLoCo: local inner steps, periodic outer steps on pseudo-gradients."""
 
     name = "diloco"
+    state_tensor_keys = ("global",)  # the global copy: equal on every replica
+    fault_tolerant = True
 
     def __init__(self, inner_steps: int = 100, *, outer_lr: float = 1.0,
                  outer_momentum: float = 0.0, nesterov: bool = True,
@@ -197,7 +202,7 @@ class DiLoCoReplicator(Replicator):
             local = self.world > 1  # only this replica knows: it skips this inner step alone
             if local and self.nonfinite == "raise" and self._bad_inner is None:
                 self._bad_inner = step  # reported to every replica by the next sync
-            raise NonFiniteGradientError(self.name, [global_rank_of(self.group, self.rank)],
+            raise NonFiniteGradientError(self.name, [global_rank_of(self.transport, self.rank)],
                                          step, local=local)
         return grads  # inner steps are local
 
@@ -290,6 +295,37 @@ class DiLoCoReplicator(Replicator):
         s = ex.stats
         self.stats.record(s.last_bytes_sent, s.last_bytes_received, s.last_seconds,
                           s.last_collectives)
+
+    # ------------------------------------------------------------------ contract
+    @property
+    def exchange(self) -> Replicator:
+        """The exchange as configured (each fragment runs a set-up copy of it)."""
+        return self._template
+
+    def inner_replicators(self) -> tuple[Replicator, ...]:
+        return tuple(getattr(self, "exchanges", ()))
+
+    def fault_tolerance_problem(self) -> str | None:
+        if self.tau:
+            return ("fault tolerance does not support DiLoCo syncs that overlap later "
+                    f"steps (tau={self.tau}) yet: a quorum change would meet a sync in "
+                    "flight; use tau=0")
+        return super().fault_tolerance_problem()
+
+    def shared_state(self) -> dict:
+        """The global copy, outer optimizer and syncs, and the exchanges' shared state."""
+        sd = self.state_dict()
+        sd.pop("stats", None)
+        sd["exchanges"] = [ex.shared_state() for ex in self.exchanges]
+        return copy.deepcopy(sd)
+
+    def load_shared_state(self, state: dict) -> None:
+        own = self.state_dict()
+        own.update({k: v for k, v in state.items() if k != "exchanges"})
+        self.load_state_dict(own)
+        for ex, s in zip(self.exchanges, state["exchanges"]):
+            ex.load_shared_state(s)
+        self.reset_withheld()
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict:

@@ -88,6 +88,8 @@ class FullReplicator(Replicator):
     """
 
     name = "full"
+    syncs_replicas = True
+    fault_tolerant = True
 
     def __init__(self, values: str = "fp32", block: int = 128, *, on_bad_peer: str = "raise",
                  **schedule) -> None:
@@ -100,6 +102,9 @@ class FullReplicator(Replicator):
 
     def extra_repr(self) -> str:
         return "" if self.values == "fp32" else f"values={self.values!r}"
+
+    def _group_resized(self) -> None:
+        self._setup_state()  # the fp32 bucket's trailer holds 2 values per replica
 
     def _setup_state(self) -> None:
         self._total = sum(s.numel() for s in self._shapes)
@@ -130,7 +135,7 @@ class FullReplicator(Replicator):
             return self._start(grads, step, comm)
         except NonFiniteGradientError as e:
             if self._withhold(step, comm):
-                raise NonFiniteGradientError(self.name, [global_rank_of(self.group, self.rank)],
+                raise NonFiniteGradientError(self.name, [global_rank_of(self.transport, self.rank)],
                                              step, local=True) from e
             raise
 
@@ -150,11 +155,11 @@ class FullReplicator(Replicator):
         flag, code = self.agreement.local([layout.flat], grads)
         if self.values == "fp32":
             self.agreement.write_trailer(self._bucket[self._total:], flag, code)
-            handle = all_reduce_sum(self._bucket, self.group, self.stats, async_op=True)
+            handle = all_reduce_sum(self._bucket, self.transport, self.stats, async_op=True)
         else:
             write_header(self._bucket, step, flag, code)
             self.codec.encode(layout.flat, self._bucket[HEADER_BYTES:])
-            handle = all_gather(self._bucket, self.group, self.stats, async_op=True)
+            handle = all_gather(self._bucket, self.transport, self.stats, async_op=True)
         return ("exchange", grads, handle, step, code)
 
     def _finish(self, pending):
@@ -196,16 +201,16 @@ class FullReplicator(Replicator):
         peers = [r for r in range(n) if problems[r] is None]
         for r in range(n):
             if problems[r] is not None:
-                self._bad_peer(r, step, problems[r])
+                self.bad_peer(r, step, problems[r])
         check_flags(self.name, [heads_l[r][2] if r in peers else 0 for r in range(n)],
                     [heads_l[r][3] if r in peers else code for r in range(n)], code, step,
-                    self.group)
+                    self.transport)
         good = [r for r in peers if read[4 * n + r]]
         for r in peers:
             if r not in good:
                 hint = " (fp16 overflows beyond 65504: use values='bf16')" \
                     if self.values == "fp16" else ""
-                self._bad_peer(r, step, f"non-finite value{hint}")
+                self.bad_peer(r, step, f"non-finite value{hint}")
         if len(good) < n:  # dropped peers: the sum again, of the good ones alone
             flat.zero_()
             for r in good:

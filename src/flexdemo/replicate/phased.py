@@ -123,6 +123,9 @@ class PhasedReplicator(Replicator):
         """The active phase's momentum buffers."""
         return self.active.delta
 
+    def inner_replicators(self) -> tuple[Replicator, ...]:
+        return tuple(r for r in (self.first, self.then) if r is not None)
+
     def state_dict(self) -> dict:
         sd = super().state_dict()
         sd["phase"] = self.phase

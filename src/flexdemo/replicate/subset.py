@@ -43,6 +43,19 @@ class _SubsetReplicator(Replicator):
     def extra_repr(self) -> str:
         return f"rate={self.rate}, decay={self.decay}, sign={self.sign}"
 
+    syncs_replicas = True
+    state_tensor_keys = ("buffers",)  # the momenta (error feedback): per replica
+    fault_tolerant = True
+    state_dict_copies = True
+
+    def _group_resized(self) -> None:  # the bucket's trailer; the momenta stay
+        self._bucket = torch.zeros(self._total + Agreement.trailer_size(self.world),
+                                   dtype=torch.float32, device=self.device)
+
+    def reset_replica_state(self) -> None:
+        with torch.no_grad():
+            torch._foreach_zero_(self.buffers)
+
     def _setup_state(self) -> None:
         numels = [s.numel() for s in self._shapes]
         self.counts = [0 if n == 0 else self._count(n) for n in numels]
@@ -146,7 +159,7 @@ class _SubsetReplicator(Replicator):
         if communicate:
             self.agreement.write_trailer(trailer, flag, code)
             sent = flat.clone() if sel is None else flat[sel]
-            all_reduce_sum(self._bucket, self.group, self.stats)
+            all_reduce_sum(self._bucket, self.transport, self.stats)
             try:
                 self.agreement.read_trailer(trailer, code, step)
             except Exception:

@@ -33,6 +33,11 @@ class DeMoReplicator(Replicator):
     """
 
     name = "demo"
+    syncs_replicas = True
+    state_tensor_keys = ("delta",)  # the momentum (error feedback): per replica
+    fault_tolerant = True
+    exchange_settings = {"decay": 1.0, "sign": False, "scale_by_lr": False}  # plain EF
+    state_dict_copies = True
 
     def __init__(self, topk: int = 16, chunk: int = 64, decay: float = 0.999, *,
                  sign: bool = True, scale_by_lr: bool = True, values: str = "int2",
@@ -348,12 +353,12 @@ class DeMoReplicator(Replicator):
     def _exchange(self, buf: torch.Tensor) -> torch.Tensor:
         """Every replica's payload, ``(peers, bytes)``."""
         if self.bucket:
-            return all_gather(buf, self.group, self.stats)
+            return all_gather(buf, self.transport, self.stats)
         n = self.world
         out = torch.empty(n, buf.numel(), dtype=buf.dtype, device=buf.device)
-        out[:, :HEADER_BYTES] = all_gather(buf[:HEADER_BYTES].clone(), self.group, self.stats)
+        out[:, :HEADER_BYTES] = all_gather(buf[:HEADER_BYTES].clone(), self.transport, self.stats)
         for g in self.groups:  # one per tensor (bucket=False makes a group of each unit)
-            out[:, g.idx_off: g.end] = all_gather(buf[g.idx_off: g.end].clone(), self.group,
+            out[:, g.idx_off: g.end] = all_gather(buf[g.idx_off: g.end].clone(), self.transport,
                                                   self.stats)
         return out
 
@@ -385,9 +390,9 @@ class DeMoReplicator(Replicator):
 
     def _good_peers(self, rows: list[list[int]], step: int, code: int) -> list[int]:
         """The good peers of a verdict's ``rows``; raises, or counts and warns, for every bad
-        payload (:meth:`_bad_peer`)."""
-        return good_peers(rows, step, code, name=self.name, group=self.group,
-                          groups=self.groups, bad_peer=self._bad_peer)
+        payload (:meth:`bad_peer`)."""
+        return good_peers(rows, step, code, name=self.name, group=self.transport,
+                          groups=self.groups, bad_peer=self.bad_peer)
 
     # ------------------------------------------------------------------ decode
     def _write_mean(self, decoded: list, good: list[int] | None, sent_plan: StepPlan,
@@ -463,7 +468,7 @@ class DeMoReplicator(Replicator):
         """Encode ``grads`` and start their exchange (applied next step)."""
         buf = self._buckets[step % 2]
         self._encode_payload(grads, lrs, step, buf)
-        self._inflight = (step, all_gather(buf, self.group, self.stats, async_op=True), plan)
+        self._inflight = (step, all_gather(buf, self.transport, self.stats, async_op=True), plan)
 
     def _apply_received(self, received, plan: StepPlan, grads) -> None:
         """The decoded mean of what :meth:`_receive_inflight` returned into ``grads`` (zeros
@@ -473,6 +478,17 @@ class DeMoReplicator(Replicator):
             return
         decoded, kept, sent_plan = received
         self._write_mean(decoded, None, sent_plan, plan, grads, kept)
+
+    # ------------------------------------------------------------------ contract
+    def fault_tolerance_problem(self) -> str | None:
+        return ("fault tolerance does not support DeMo's delayed mode (overlap='delayed') yet; "
+                "use the synchronous mode") if self.overlap == "delayed" else None
+
+    def reset_replica_state(self) -> None:
+        with torch.no_grad():
+            for d in self.delta:
+                d.zero_()
+        self._inflight = self._pending = None
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict:

@@ -37,20 +37,26 @@ class JoinError(TimeoutError):
         self.missing, self.died = missing, died
 
 
-def join_timeout_from_env(limit: float) -> float:
-    """``FLEXDEMO_JOIN_TIMEOUT`` seconds (else :data:`DEFAULT_JOIN_SECONDS`), at most
-    ``limit``. Raises ``ValueError`` naming the variable when it is not a number > 0."""
-    raw = os.environ.get(JOIN_TIMEOUT_ENV, "").strip()
+def env_seconds(name: str, default: float) -> float:
+    """The environment variable ``name`` as a number of seconds > 0, ``default`` when unset.
+    Raises ``ValueError`` naming the variable when it is something else."""
+    raw = os.environ.get(name, "").strip()
     if not raw:
-        return min(DEFAULT_JOIN_SECONDS, limit)
+        return default
     try:
         seconds = float(raw)
     except ValueError:
         seconds = float("nan")
     if not (math.isfinite(seconds) and seconds > 0):
-        raise ValueError(f"{JOIN_TIMEOUT_ENV}={raw!r} is not a number of seconds > 0; set it "
-                         f"to e.g. {DEFAULT_JOIN_SECONDS:g}, or unset it for the default")
-    return min(seconds, limit)
+        raise ValueError(f"{name}={raw!r} is not a number of seconds > 0; set it to e.g. "
+                         f"{default:g}, or unset it for the default ({default:g} s)")
+    return seconds
+
+
+def join_timeout_from_env(limit: float) -> float:
+    """``FLEXDEMO_JOIN_TIMEOUT`` seconds (else :data:`DEFAULT_JOIN_SECONDS`), at most
+    ``limit``. Raises ``ValueError`` naming the variable when it is not a number > 0."""
+    return min(env_seconds(JOIN_TIMEOUT_ENV, DEFAULT_JOIN_SECONDS), limit)
 
 
 def _window_note(seconds: float, capped: bool) -> str:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 import os
 from datetime import timedelta
 
@@ -10,7 +9,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from .join import JoinError, join_store
+from .join import JoinError, env_seconds, join_store
 
 TIMEOUT_ENV = "FLEXDEMO_TIMEOUT"
 DEFAULT_TIMEOUT_SECONDS = 300.0
@@ -25,18 +24,7 @@ def timeout_from_env() -> timedelta:
     """``FLEXDEMO_TIMEOUT`` seconds if the variable is set, else
     :data:`DEFAULT_TIMEOUT_SECONDS`; read when called, never at import. Raises ``ValueError``
     naming the variable when it is not a number of seconds > 0."""
-    raw = os.environ.get(TIMEOUT_ENV, "").strip()
-    if not raw:
-        return timedelta(seconds=DEFAULT_TIMEOUT_SECONDS)
-    try:
-        seconds = float(raw)
-    except ValueError:
-        seconds = float("nan")
-    if not (math.isfinite(seconds) and seconds > 0):
-        raise ValueError(f"{TIMEOUT_ENV}={raw!r} is not a number of seconds > 0; set it to e.g. "
-                         f"{DEFAULT_TIMEOUT_SECONDS:g}, or unset it for the default "
-                         f"({DEFAULT_TIMEOUT_SECONDS:g} s)")
-    return timedelta(seconds=seconds)
+    return timedelta(seconds=env_seconds(TIMEOUT_ENV, DEFAULT_TIMEOUT_SECONDS))
 
 
 def _check_timeout(timeout: timedelta | None) -> timedelta:

@@ -40,6 +40,7 @@ from .bench import (
 )
 from .checkpoints import add_checkpoint_parser
 from .config import MIN_CORPUS_BYTES, ConfigError, load_config, to_toml
+from .preempt import PREEMPTED_EXIT_CODE, Preempted
 from .simulate import SimulateOptions, run_simulation, write_summary
 from .strategies import STRATEGIES, check_strategy
 from .trainer import PeerLostError, StartupError, TrainingError, UsageError, train
@@ -330,7 +331,14 @@ def _leave_cleanly() -> None:
 def _run_training(cfg) -> int:
     rank = os.environ.get("RANK", "0")
     try:
-        train(cfg, exit_on_lost_peer=True)
+        train(cfg, exit_on_lost_peer=True, handle_signals=True)
+    except Preempted as e:  # every rank stopped after the same step and saved it
+        who = "" if rank == "0" else f"rank {rank}: "
+        print(f"flexdemo train: {who}preempted: {e.signal_name}: stopped after step {e.step} "
+              f"and saved {e.checkpoint}; continue with resume=true (exit code "
+              f"{PREEMPTED_EXIT_CODE})", flush=True)
+        _leave_cleanly()
+        return PREEMPTED_EXIT_CODE
     except StartupError as e:  # every survivor names the missing peers (rank 0 may be one)
         _train_error(str(e), rank0_only=False)
         # a process group with a dead peer: leave without tearing it down (that could block)

@@ -241,7 +241,8 @@ examples:
 exit codes: 0 done, 1 training failed (e.g. a rank was lost), 2 bad config or arguments
 (including a checkpoint that does not exist or lies past train.steps, and a train.out that
 cannot be a folder) or a job that could not assemble (a rank never arrived or died during
-start-up; every survivor names it).
+start-up; every survivor names it), 3 stopped by SIGTERM/SIGINT after finishing its step and
+saving it (every rank; continue with resume=true).
 environment: FLEXDEMO_TIMEOUT (seconds a collective waits for a dead peer; default 300,
 the library's; train.timeout overrides it); FLEXDEMO_JOIN_TIMEOUT (seconds a rank waits at
 start-up for a peer that has not arrived at all; default 30); FLEXDEMO_CUDA_BY_RANK=1

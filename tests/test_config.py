@@ -334,7 +334,7 @@ def test_the_executable_skips_finalisation_only_after_a_multi_rank_run(monkeypat
     import flexdemo.app.cli as cli
 
     monkeypatch.setattr(cli, "_LEAVE_AT_ONCE", cli.threading.Event())
-    monkeypatch.setattr(cli, "train", lambda cfg, exit_on_lost_peer: {})
+    monkeypatch.setattr(cli, "train", lambda cfg, exit_on_lost_peer, handle_signals: {})
     monkeypatch.setattr(cli.dist, "is_initialized", lambda: True)
     monkeypatch.setattr(cli.dist, "get_world_size", lambda: world)
     torn = []

@@ -73,7 +73,7 @@ from .checkpointer import (
     _rank0_decides,
     _sum_over_ranks,
 )
-from .config import Config, config_to_dict, to_toml
+from .config import Config, ConfigError, config_to_dict, fault_tolerance, to_toml
 from .device import resolve_device, to_device
 from .errors import PeerLostError, StartupError, TrainingError, UsageError, _nonfinite_message
 from .liveness import Heartbeat, is_comm_error, short_error
@@ -180,6 +180,9 @@ class Trainer:
         self.say: Echo = self.echo if self.rank == 0 else (lambda text: None)
         mesh = self.opt.mesh
         self.layout = {"replicate": mesh["replicate"].size(), "shard": mesh["shard"].size()}
+        if cfg.fault_tolerance.enabled:
+            self.say("note: [fault_tolerance] in flexdemo train is experimental: the loop counts "
+                     "its own steps, not opt.steps (docs/elastic.md)")
         if any(issubclass(w.category, NoReplicationWarning) for w in caught):
             self.say(self._single_replica_note())
         for w in caught:  # anything else prepare() warned about goes on as usual
@@ -226,6 +229,10 @@ class Trainer:
     def _prepare(self, model: torch.nn.Module):
         sc, tc = self.cfg.strategy, self.cfg.train
         try:
+            ft = fault_tolerance(self.cfg)
+        except ConfigError as e:
+            raise UsageError(str(e)) from None
+        try:
             return prepare(
                 model, replicator=sc.replicator, optimizer=sc.optimizer, lr=sc.lr,
                 replicate=self.cfg.mesh.replicate, shard=self.cfg.mesh.shard,
@@ -234,7 +241,7 @@ class Trainer:
                 optimizer_kwargs=dict(sc.optimizer_kwargs) or None,
                 shard_units=self.task.shard_units(), nonfinite=sc.nonfinite,
                 device=self.device, precision=tc.precision,
-                timeout=timedelta(seconds=self.timeout))
+                timeout=timedelta(seconds=self.timeout), fault_tolerance=ft)
         except TimeoutError as e:
             raise TrainingError(str(e)) from None
         except ValueError as e:

@@ -37,25 +37,31 @@ def _stopped(outputs: list[str], signame: str) -> int:
     return steps.pop()
 
 
-def _saved_only(run: Path, step: int) -> None:
-    """The run's one checkpoint is complete and at ``step``; no finished step was lost."""
+def _saved_only(run: Path, step: int, finished: int) -> None:
+    """The run's one checkpoint is complete and at ``step``, not before the ``finished`` steps
+    logged when the signal was sent: no finished step was lost."""
+    assert step >= finished >= 5
     ckpts = sorted((run / "checkpoints").iterdir())
     assert [p.name for p in ckpts] == [f"step_{step:06d}"]
     assert (ckpts[0] / MARKER_FILE).exists()
     assert [r["step"] for r in metrics(run)] == list(range(1, step + 1))
 
 
-def _signal_ranks(run: Path, common: list[str], targets: list[int], sig: int) -> list[str]:
+def _signal_ranks(run: Path, common: list[str], targets: list[int],
+                  sig: int) -> tuple[list[str], int]:
+    """Start 2 ranks, send ``sig`` to ``targets`` mid-run; their outputs and the number of
+    steps logged before the signal."""
     procs = spawn_ranks(2, ["train", CFG, *common, f"train.out={run}"])
     try:
         _wait_for_metrics(procs, run / "metrics.jsonl", 5)
+        finished = len(metrics(run))
         for r in targets:
             procs[r].send_signal(sig)
         outputs = [p.communicate(timeout=120)[0] for p in procs]
     finally:
         reap(procs)
     assert [p.returncode for p in procs] == [PREEMPTED_EXIT_CODE] * 2, outputs
-    return outputs
+    return outputs, finished
 
 
 COMMON = GPT_QUICK + ["train.steps=300", "train.checkpoint_every=100", "mesh.replicate=2",
@@ -67,9 +73,10 @@ def test_sigterm_to_every_rank_saves_the_step_and_resume_matches(tmp_path):
     checkpoint (not due by checkpoint_every) is complete; resuming gives the uninterrupted
     run's losses bit for bit (two replicas: DeMo's per-replica state is in the save)."""
     run, ref = tmp_path / "preempted", tmp_path / "reference"
-    step = _stopped(_signal_ranks(run, COMMON, [0, 1], signal.SIGTERM), "SIGTERM")
-    assert 5 <= step < 300
-    _saved_only(run, step)
+    outputs, finished = _signal_ranks(run, COMMON, [0, 1], signal.SIGTERM)
+    step = _stopped(outputs, "SIGTERM")
+    assert step < 300
+    _saved_only(run, step, finished)
 
     stop_at = [f"train.stop_at={step + 3}"]
     resumed = run_world(_train_worker, 2, CFG, [*COMMON, *stop_at, f"train.out={run}",
@@ -87,8 +94,8 @@ def test_signal_to_one_rank_stops_every_rank_at_the_same_step(tmp_path):
     """SIGINT to rank 1 only: rank 0 learns of it through the per-step agreement; both stop
     after the same step, save it together and exit 3."""
     run = tmp_path / "run"
-    step = _stopped(_signal_ranks(run, COMMON, [1], signal.SIGINT), "SIGINT")
-    _saved_only(run, step)
+    outputs, finished = _signal_ranks(run, COMMON, [1], signal.SIGINT)
+    _saved_only(run, _stopped(outputs, "SIGINT"), finished)
 
 
 def test_one_process_sigterm_saves_even_without_periodic_checkpoints(tmp_path,
@@ -104,13 +111,14 @@ def test_one_process_sigterm_saves_even_without_periodic_checkpoints(tmp_path,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         _wait_for_metrics([proc], run / "metrics.jsonl", 5)
+        finished = len(metrics(run))
         proc.send_signal(signal.SIGTERM)
         out = proc.communicate(timeout=120)[0]
     finally:
         reap([proc])
     assert proc.returncode == PREEMPTED_EXIT_CODE, out[-2000:]
     step = _stopped([out], "SIGTERM")
-    _saved_only(run, step)
+    _saved_only(run, step, finished)
 
     quiet = {"echo": lambda text: None}
     stop_at = [f"train.stop_at={step + 2}"]

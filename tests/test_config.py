@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -334,7 +337,7 @@ def test_the_executable_skips_finalisation_only_after_a_multi_rank_run(monkeypat
     import flexdemo.app.cli as cli
 
     monkeypatch.setattr(cli, "_LEAVE_AT_ONCE", cli.threading.Event())
-    monkeypatch.setattr(cli, "train", lambda cfg, exit_on_lost_peer: {})
+    monkeypatch.setattr(cli, "train", lambda cfg, exit_on_lost_peer, handle_signals: {})
     monkeypatch.setattr(cli.dist, "is_initialized", lambda: True)
     monkeypatch.setattr(cli.dist, "get_world_size", lambda: world)
     torn = []
@@ -354,3 +357,82 @@ def test_the_executable_skips_finalisation_only_after_a_multi_rank_run(monkeypat
             cli.entry()
         assert done.value.code == 0
     assert torn == [1]
+
+
+# ---------------------------------------------------------------------- [fault_tolerance]
+def test_fault_tolerance_section_maps_to_the_library(monkeypatch, tmp_path):
+    """[fault_tolerance]: off by default (prepare() gets None); its keys map to
+    flexdemo.FaultTolerance, empty values to the library's environment fallbacks; bad values
+    and missing settings are one line naming the key."""
+    pytest.importorskip("torchft")
+    from flexdemo import FaultTolerance
+    from flexdemo.app.config import fault_tolerance
+
+    for name in ("TORCHFT_LIGHTHOUSE", "FLEXDEMO_REPLICA_ID", "REPLICA_GROUP_ID",
+                 "FLEXDEMO_FT_HOSTNAME"):
+        monkeypatch.delenv(name, raising=False)
+    assert fault_tolerance(load_config()) is None
+    path = write(tmp_path, "[fault_tolerance]\nenabled = true\nlighthouse = '10.0.0.1:29510'\n"
+                           "replica_id = 'node3'\nmin_replicas = 2\ntimeout = 30\n"
+                           "hostname = '10.0.0.3'\nmax_failed_commits = 4\n")
+    cfg = load_config(path)
+    ft = fault_tolerance(cfg)
+    assert isinstance(ft, FaultTolerance)
+    assert (ft.lighthouse, ft.replica_id, ft.min_replicas, ft.timeout, ft.quorum_timeout,
+            ft.hostname, ft.max_failed_commits) == ("http://10.0.0.1:29510", "node3", 2, 30.0,
+                                                    30.0, "10.0.0.3", 4)
+    assert load_config(write(tmp_path, to_toml(cfg), "again.toml")) == cfg  # config.toml
+
+    # empty settings: the library's environment variables
+    monkeypatch.setenv("TORCHFT_LIGHTHOUSE", "http://10.0.0.9:1")
+    monkeypatch.setenv("FLEXDEMO_REPLICA_ID", "node7")
+    ft = fault_tolerance(load_config(None, ["fault_tolerance.enabled=true",
+                                            "fault_tolerance.quorum_timeout=90"]))
+    assert (ft.lighthouse, ft.replica_id, ft.quorum_timeout, ft.max_failed_commits) == \
+        ("http://10.0.0.9:1", "node7", 90.0, None)
+    monkeypatch.delenv("TORCHFT_LIGHTHOUSE")
+    with pytest.raises(ConfigError) as e:
+        fault_tolerance(load_config(None, ["fault_tolerance.enabled=true"]))
+    assert str(e.value).startswith("fault_tolerance: fault tolerance needs a lighthouse")
+    assert "\n" not in str(e.value)
+
+    for override, expected in [
+            ("fault_tolerance.min_replicas=0", "fault_tolerance.min_replicas: must be an "
+                                               "integer >= 1, got 0"),
+            ("fault_tolerance.timeout=0", "fault_tolerance.timeout: must be a number of "
+                                          "seconds > 0"),
+            ("fault_tolerance.quorum_timeout=-1", "fault_tolerance.quorum_timeout: must be"),
+            ("fault_tolerance.max_failed_commits=-2", "fault_tolerance.max_failed_commits: "
+                                                      "must be an integer >= 0"),
+            ("fault_tolerance.replica_id='a:b'", "fault_tolerance.replica_id: must be a name "
+                                                 "without ':'"),
+            ("fault_tolerance.enabled=1", "fault_tolerance.enabled: expected true or false"),
+            ("fault_tolerance.lighthose='x'", "unknown key 'fault_tolerance.lighthose' (did "
+                                              "you mean 'fault_tolerance.lighthouse'?)")]:
+        with pytest.raises(ConfigError) as e:
+            load_config(None, [override])
+        assert str(e.value).startswith(expected) and "\n" not in str(e.value), str(e.value)
+
+
+@pytest.mark.parametrize("torchft", ["blocked", "installed"])
+def test_train_passes_fault_tolerance_to_prepare_or_says_why_not(tmp_path, torchft):
+    """flexdemo train with fault_tolerance.enabled=true builds flexdemo.FaultTolerance for
+    prepare(): without torchft it stops in one line naming the extra, without a lighthouse in
+    one line saying how to give one (exit code 2 both)."""
+    if torchft == "installed":
+        pytest.importorskip("torchft")
+    block = "import sys; sys.modules['torchft'] = None\n" if torchft == "blocked" else ""
+    args = ["train", "task.model=tiny", "task.corpus_bytes=20000", "train.steps=1",
+            "train.progress=false", "train.tensorboard=false", f"train.out={tmp_path}",
+            "fault_tolerance.enabled=true", "fault_tolerance.replica_id=A"]
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("TORCHFT_LIGHTHOUSE", "RANK", "WORLD_SIZE", "MASTER_ADDR")}
+    r = subprocess.run([sys.executable, "-c", block + "from flexdemo.app.cli import main\n"
+                        f"raise SystemExit(main({args!r}))"], capture_output=True, text=True,
+                       timeout=120, env=dict(env, OMP_NUM_THREADS="1"))
+    errors = [line for line in r.stderr.splitlines() if "error" in line]
+    want = ('fault tolerance needs torchft, which is not installed: pip install "flexdemo[ft]"'
+            if torchft == "blocked" else "fault tolerance needs a lighthouse: pass lighthouse=")
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert errors == [errors[0]] and errors[0].startswith(
+        f"flexdemo train: error: fault_tolerance: {want}"), r.stderr[-2000:]

@@ -40,6 +40,7 @@ from .bench import (
 )
 from .checkpoints import add_checkpoint_parser
 from .config import MIN_CORPUS_BYTES, ConfigError, load_config, to_toml
+from .preempt import PREEMPTED_EXIT_CODE, Preempted
 from .simulate import SimulateOptions, run_simulation, write_summary
 from .strategies import STRATEGIES, check_strategy
 from .trainer import PeerLostError, StartupError, TrainingError, UsageError, train
@@ -240,7 +241,8 @@ examples:
 exit codes: 0 done, 1 training failed (e.g. a rank was lost), 2 bad config or arguments
 (including a checkpoint that does not exist or lies past train.steps, and a train.out that
 cannot be a folder) or a job that could not assemble (a rank never arrived or died during
-start-up; every survivor names it).
+start-up; every survivor names it), 3 stopped by SIGTERM/SIGINT after finishing its step and
+saving it (every rank; continue with resume=true).
 environment: FLEXDEMO_TIMEOUT (seconds a collective waits for a dead peer; default 300,
 the library's; train.timeout overrides it); FLEXDEMO_JOIN_TIMEOUT (seconds a rank waits at
 start-up for a peer that has not arrived at all; default 30); FLEXDEMO_CUDA_BY_RANK=1
@@ -330,7 +332,14 @@ def _leave_cleanly() -> None:
 def _run_training(cfg) -> int:
     rank = os.environ.get("RANK", "0")
     try:
-        train(cfg, exit_on_lost_peer=True)
+        train(cfg, exit_on_lost_peer=True, handle_signals=True)
+    except Preempted as e:  # every rank stopped after the same step and saved it
+        who = "" if rank == "0" else f"rank {rank}: "
+        print(f"flexdemo train: {who}preempted: {e.signal_name}: stopped after step {e.step} "
+              f"and saved {e.checkpoint}; continue with resume=true (exit code "
+              f"{PREEMPTED_EXIT_CODE})", flush=True)
+        _leave_cleanly()
+        return PREEMPTED_EXIT_CODE
     except StartupError as e:  # every survivor names the missing peers (rank 0 may be one)
         _train_error(str(e), rank0_only=False)
         # a process group with a dead peer: leave without tearing it down (that could block)

@@ -1,4 +1,5 @@
-"""Training configuration: sections ``task``, ``strategy``, ``mesh``, ``train`` and ``resume``.
+"""Training configuration: sections ``task``, ``strategy``, ``mesh``, ``train``,
+``fault_tolerance`` and ``resume``.
 
 A config is a TOML file (or YAML, with pyyaml installed, or JSON)::
 
@@ -50,6 +51,7 @@ from typing import Any
 
 import torch
 
+from ..ft.config import FaultTolerance
 from ..mesh import mesh_shape
 from ..optim import BASE_OPTIMIZERS, make_base_optimizer
 from ..replicate import REPLICATORS, make_replicator
@@ -57,10 +59,10 @@ from .device import DEVICES, PRECISIONS, check_device
 from .schedule import SCHEDULES
 from .tasks import TASKS, task_presets
 
-__all__ = ["MIN_CORPUS_BYTES", "Config", "ConfigError", "MeshConfig", "StrategyConfig",
-           "TaskConfig", "TrainConfig", "apply_overrides", "check_mesh", "choices",
-           "config_from_dict", "config_to_dict", "load_config", "parse_override",
-           "read_config_file", "to_toml", "validate"]
+__all__ = ["MIN_CORPUS_BYTES", "Config", "ConfigError", "FaultToleranceConfig", "MeshConfig",
+           "StrategyConfig", "TaskConfig", "TrainConfig", "apply_overrides", "check_mesh",
+           "choices", "config_from_dict", "config_to_dict", "fault_tolerance", "load_config",
+           "parse_override", "read_config_file", "to_toml", "validate"]
 
 
 class ConfigError(ValueError):
@@ -171,6 +173,33 @@ class TrainConfig:
 
 
 @dataclass
+class FaultToleranceConfig:
+    """Elastic replication on torchft (:class:`flexdemo.FaultTolerance`, docs/elastic.md):
+    each node is a replica group of its own. Empty strings and zeros take the library's
+    defaults (the environment variables it reads)."""
+
+    enabled: bool = False
+    """``true``: pass the settings below to :func:`flexdemo.prepare` as ``fault_tolerance``
+    (needs torchft: ``pip install "flexdemo[ft]"``)."""
+    lighthouse: str = ""
+    """``http://host:port`` of the lighthouse ("": ``$TORCHFT_LIGHTHOUSE``)."""
+    replica_id: str = ""
+    """This node's replica group, the same on all its ranks ("": ``$FLEXDEMO_REPLICA_ID``,
+    then ``$REPLICA_GROUP_ID``)."""
+    min_replicas: int = 1
+    """The fewest replica groups a step may commit with."""
+    timeout: float = 60.0
+    """Seconds a collective, the commit vote or a healing transfer may take."""
+    quorum_timeout: float = 0.0
+    """Seconds to wait for ``min_replicas`` groups (0: ``timeout``)."""
+    hostname: str = ""
+    """The address this group's peers reach it at ("": ``$FLEXDEMO_FT_HOSTNAME``, else the
+    host name)."""
+    max_failed_commits: int = 0
+    """Consecutive steps that may fail to commit before the run stops (0: no limit)."""
+
+
+@dataclass
 class Config:
     """A whole training configuration."""
 
@@ -178,6 +207,7 @@ class Config:
     strategy: StrategyConfig = field(default_factory=StrategyConfig)
     mesh: MeshConfig = field(default_factory=MeshConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    fault_tolerance: FaultToleranceConfig = field(default_factory=FaultToleranceConfig)
     resume: bool | str = False
     """``true``: continue from the newest checkpoint in ``train.out`` (fresh start if there is
     none); a path: that checkpoint (or the newest one under that folder)."""
@@ -188,7 +218,8 @@ MIN_CORPUS_BYTES = 10_000
 validation takes a tenth of them and needs windows of a sequence's length."""
 
 SECTIONS: dict[str, type] = {"task": TaskConfig, "strategy": StrategyConfig,
-                             "mesh": MeshConfig, "train": TrainConfig}
+                             "mesh": MeshConfig, "train": TrainConfig,
+                             "fault_tolerance": FaultToleranceConfig}
 TOP_LEVEL = ("resume",)
 def choices() -> dict[str, tuple[str, ...]]:
     """The valid values of the keys with a fixed set of them, read from the registries (tasks,
@@ -475,9 +506,41 @@ def validate(cfg: Config, world_size: int | None = None) -> Config:
     if isinstance(cfg.resume, str) and not cfg.resume.strip():
         raise ConfigError("resume: give true, false or a checkpoint path")
 
+    _check_fault_tolerance(cfg.fault_tolerance)
+
     world = world_size if world_size is not None else int(os.environ.get("WORLD_SIZE", "1"))
     check_mesh(m, world)
     return cfg
+
+
+def _check_fault_tolerance(ft: FaultToleranceConfig) -> None:
+    _check_range("fault_tolerance.min_replicas", ft.min_replicas >= 1, "an integer >= 1",
+                 ft.min_replicas)
+    _check_range("fault_tolerance.timeout", ft.timeout > 0, "a number of seconds > 0",
+                 ft.timeout)
+    _check_range("fault_tolerance.quorum_timeout", ft.quorum_timeout >= 0,
+                 "a number of seconds >= 0 (0: fault_tolerance.timeout)", ft.quorum_timeout)
+    _check_range("fault_tolerance.max_failed_commits", ft.max_failed_commits >= 0,
+                 "an integer >= 0 (0: no limit)", ft.max_failed_commits)
+    _check_range("fault_tolerance.replica_id", ":" not in ft.replica_id,
+                 "a name without ':' (torchft appends ':<uuid>' to it)", ft.replica_id)
+
+
+def fault_tolerance(cfg: Config) -> FaultTolerance | None:
+    """The :class:`flexdemo.FaultTolerance` that ``[fault_tolerance]`` asks for (None when not
+    enabled), its defaults read from the environment now; raises :class:`ConfigError` with
+    one line (torchft missing, no lighthouse or replica id given or set)."""
+    ft = cfg.fault_tolerance
+    if not ft.enabled:
+        return None
+    try:
+        return FaultTolerance(
+            lighthouse=ft.lighthouse or None, replica_id=ft.replica_id or None,
+            min_replicas=ft.min_replicas, timeout=ft.timeout,
+            quorum_timeout=ft.quorum_timeout or None, hostname=ft.hostname or None,
+            max_failed_commits=ft.max_failed_commits or None)
+    except (ValueError, ModuleNotFoundError) as e:  # TorchFTMissingError: the extra to install
+        raise ConfigError(f"fault_tolerance: {_one_line(e)}") from None
 
 
 def _one_line(e: BaseException) -> str:

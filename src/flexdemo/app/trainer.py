@@ -73,7 +73,7 @@ from .checkpointer import (
     _rank0_decides,
     _sum_over_ranks,
 )
-from .config import Config, config_to_dict, to_toml
+from .config import Config, ConfigError, config_to_dict, fault_tolerance, to_toml
 from .device import resolve_device, to_device
 from .errors import PeerLostError, StartupError, TrainingError, UsageError, _nonfinite_message
 from .liveness import Heartbeat, is_comm_error, short_error
@@ -85,11 +85,12 @@ from .outputs import (
     strict_json,
     write_atomic,
 )
+from .preempt import Preempted, StopRequest
 from .schedule import lr_at
 from .tasks import ShardSampler, Task, build_task
 
-__all__ = ["Checkpointer", "PeerLostError", "StartupError", "TrainState", "Trainer",
-           "TrainingError", "UsageError", "lr_at", "timeout_seconds", "train"]
+__all__ = ["Checkpointer", "PeerLostError", "Preempted", "StartupError", "TrainState",
+           "Trainer", "TrainingError", "UsageError", "lr_at", "timeout_seconds", "train"]
 
 STARTUP_STALE_SECONDS = 15.0
 """Until the loop starts, a peer whose heartbeat has not moved for this long has died."""
@@ -121,12 +122,16 @@ class Trainer:
     every rank). Both raise :class:`TrainingError` (or :class:`PeerLostError`) with a message
     for the user when training cannot go on. With ``exit_on_lost_peer`` (the command line), a
     rank blocked in a collective while its peers already named a lost rank prints that error
-    and leaves the process at once (exit code 1).
+    and leaves the process at once (exit code 1). With ``handle_signals`` (the command line),
+    SIGTERM and SIGINT stop the run after the step it is in, on every rank at the same step,
+    with a checkpoint of that step: :meth:`run` raises :class:`Preempted`.
     """
 
     def __init__(self, cfg: Config, *, echo: Echo | None = None,
-                 exit_on_lost_peer: bool = False) -> None:
+                 exit_on_lost_peer: bool = False, handle_signals: bool = False) -> None:
         self.cfg = cfg
+        self.handle_signals = handle_signals
+        self.stop: StopRequest | None = None
         self.echo = echo or (lambda text: print(text, flush=True))
         self.exit_on_lost_peer = exit_on_lost_peer
         tc = cfg.train
@@ -152,6 +157,8 @@ class Trainer:
             self._set_up()
         except BaseException:
             self.heartbeat.stop()
+            if self.stop is not None:
+                self.stop.restore()
             raise
 
     def _set_up(self) -> None:
@@ -173,6 +180,9 @@ class Trainer:
         self.say: Echo = self.echo if self.rank == 0 else (lambda text: None)
         mesh = self.opt.mesh
         self.layout = {"replicate": mesh["replicate"].size(), "shard": mesh["shard"].size()}
+        if cfg.fault_tolerance.enabled:
+            self.say("note: [fault_tolerance] in flexdemo train is experimental: the loop counts "
+                     "its own steps, not opt.steps (docs/elastic.md)")
         if any(issubclass(w.category, NoReplicationWarning) for w in caught):
             self.say(self._single_replica_note())
         for w in caught:  # anything else prepare() warned about goes on as usual
@@ -189,6 +199,8 @@ class Trainer:
         self.state = TrainState()
         self.metrics: MetricsLog | None = None
         self.progress: Progress | None = None
+        # from here on a signal asks for a clean stop (before, it ends the process as usual)
+        self.stop = StopRequest(self.world, self.device, self.timeout, self.handle_signals)
 
     def _single_replica_note(self) -> str:
         what = f"a single replica, so replicator {self.cfg.strategy.replicator!r} exchanges nothing"
@@ -217,6 +229,10 @@ class Trainer:
     def _prepare(self, model: torch.nn.Module):
         sc, tc = self.cfg.strategy, self.cfg.train
         try:
+            ft = fault_tolerance(self.cfg)
+        except ConfigError as e:
+            raise UsageError(str(e)) from None
+        try:
             return prepare(
                 model, replicator=sc.replicator, optimizer=sc.optimizer, lr=sc.lr,
                 replicate=self.cfg.mesh.replicate, shard=self.cfg.mesh.shard,
@@ -225,7 +241,7 @@ class Trainer:
                 optimizer_kwargs=dict(sc.optimizer_kwargs) or None,
                 shard_units=self.task.shard_units(), nonfinite=sc.nonfinite,
                 device=self.device, precision=tc.precision,
-                timeout=timedelta(seconds=self.timeout))
+                timeout=timedelta(seconds=self.timeout), fault_tolerance=ft)
         except TimeoutError as e:
             raise TrainingError(str(e)) from None
         except ValueError as e:
@@ -359,6 +375,8 @@ class Trainer:
             raise
         finally:
             self.heartbeat.stop()
+            if self.stop is not None:
+                self.stop.restore()
             if self.progress is not None:
                 self.progress.close()
             if self.metrics is not None:
@@ -388,8 +406,10 @@ class Trainer:
         self.heartbeat.watching.clear()  # from here on, failed collectives tell of lost peers
         for step in range(start + 1, last + 1):
             pending.append(self._step(step, sampler))
+            # every rank, every step: did any rank get SIGTERM/SIGINT? (then all stop here)
+            stop = self.stop.agreed() if step < last else None
             evaluate = bool(tc.eval_every and step % tc.eval_every == 0) or step == last
-            checkpoint = self.checkpointer.due(step, last)
+            checkpoint = self.checkpointer.due(step, last) or stop is not None
             if evaluate or checkpoint or step % self.read_every == 0:
                 self._read_losses(pending)  # first: the steps' GPU time is theirs, not eval's
                 val = self.evaluate() if evaluate else {}
@@ -406,7 +426,9 @@ class Trainer:
                                          record.get("val_loss"))
                 pending = []
             if checkpoint:
-                self.checkpointer.save(step, self.model, self.opt, sampler, self.state)
+                saved = self.checkpointer.save(step, self.model, self.opt, sampler, self.state)
+                if stop is not None:
+                    raise Preempted(step, saved, stop)
         loop_seconds = time.perf_counter() - t_loop
         self.progress.close()
         summary = self._summary(start, resume_from, losses, step_s, comm_s, val, loop_seconds)
@@ -515,11 +537,13 @@ class Trainer:
         os._exit(1 if self.started else 2)  # a job that never assembled: exit 2, as refused
 
 
-def train(cfg: Config, *, echo: Echo | None = None,
-          exit_on_lost_peer: bool = False) -> dict[str, Any]:
+def train(cfg: Config, *, echo: Echo | None = None, exit_on_lost_peer: bool = False,
+          handle_signals: bool = False) -> dict[str, Any]:
     """Train as ``cfg`` says; returns the summary (the same on every rank).
 
     Joins (or creates) the process group. Raises :class:`TrainingError` (or its subclass
-    :class:`PeerLostError`) with a user-facing message when training cannot go on.
+    :class:`PeerLostError`) with a user-facing message when training cannot go on, and
+    :class:`Preempted` when ``handle_signals`` and a signal stopped it (checkpoint saved).
     """
-    return Trainer(cfg, echo=echo, exit_on_lost_peer=exit_on_lost_peer).run()
+    return Trainer(cfg, echo=echo, exit_on_lost_peer=exit_on_lost_peer,
+                   handle_signals=handle_signals).run()

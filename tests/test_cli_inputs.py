@@ -109,6 +109,7 @@ def test_bench_train_steps_override_is_honoured_or_refused(capsys):
     # a warm-up longer than the run is cut to the run, with a note
     o = bench_options(strategies="flexdemo", overrides=["train.steps=4", "train.warmup=8"])
     assert validate(config_from_dict(run_config(o, "flexdemo", "x")), 4).train.warmup == 4
+    assert "the warm-up is cut to 4 steps" in capsys.readouterr().err
     for argv, needle in ((["train.steps=abc"], "got 'abc'"),
                          (["train.steps=0"], "got 0"),
                          (["--steps", "5", "train.steps=3"], "disagree")):

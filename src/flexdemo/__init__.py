@@ -7,6 +7,7 @@ from .compress import BlockDCT, plan_chunks
 from .ft import FaultTolerance
 from .lion import Lion
 from .mesh import build_mesh, init_distributed, mesh_shape
+from .muon import MuonAdamW
 from .optim import DeMo, DeToNATION
 from .replicate import (
     CorruptPayloadError,
@@ -31,7 +32,8 @@ __version__ = "0.1.0"
 __all__ = [
     "BlockDCT", "BufferSync", "CommStats", "CorruptPayloadError", "DeMo", "DeMoReplicator",
     "DeToNATION",
-    "DiLoCoReplicator", "FaultTolerance", "FullReplicator", "InProcessHub", "Lion", "NoReplication",
+    "DiLoCoReplicator", "FaultTolerance", "FullReplicator", "InProcessHub", "Lion", "MuonAdamW",
+    "NoReplication",
     "NoReplicationWarning", "NonFiniteGradientError", "PhasedReplicator", "RandomReplicator",
     "Replicator",
     "SimulatedReplicas", "SlicingReplicator", "StridingReplicator", "build_mesh", "compat",

@@ -177,6 +177,7 @@ SETTINGS: dict[str, Setting] = {
          **({"exchange_kwargs": {"values": v}} if v != "fp32" else {})})
        for h, f, v, tag, about in ((20, 1, "fp32", "", "fp32"), (20, 1, "int4", "-int4", "int4"),
                                    (50, 1, "int4", "-int4", "int4"),
+                                   (60, 1, "int4", "-int4", "int4"),
                                    (100, 1, "int4", "-int4", "int4"),
                                    (20, 4, "int4", "-f4-int4", "int4"))},
     "muloco-h20-int4-outer": Setting("MuLoCo H=20, int4 exchange, outer Nesterov lr 0.7 "

@@ -24,7 +24,7 @@ from collections.abc import Callable, Collection, Iterable
 import torch
 from torch import nn
 
-from .transport import CommStats, all_to_all
+from .transport import CommStats, all_to_all, group_rank, group_size
 
 # name components of parameters that stay on AdamW although they are 2-D
 HEAD_NAMES = frozenset({"head", "lm_head", "output", "classifier", "wte", "wpe", "tok", "pos"})
@@ -276,8 +276,6 @@ def orthogonalise_sharded(shapes: list[torch.Size], local: list[torch.Tensor], g
     owner the rows of its matrices (as bf16, the dtype the orthogonalisation computes in), the
     owner runs ``ns`` on each whole matrix, and a second all-to-all returns each rank its rows.
     """
-    from .transport import group_rank, group_size
-
     n, me = group_size(group), group_rank(group)
     rows = [chunk_rows(s[0], n) for s in shapes]
     for i, (t, s) in enumerate(zip(local, shapes)):

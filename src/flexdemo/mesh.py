@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import os
 from datetime import timedelta
 
@@ -59,6 +60,8 @@ def init_distributed(device: torch.device | str = "cpu",
     timeout = _check_timeout(timeout)
     device = torch.device(device)
     backend = backend_for(device)
+    if backend == "gloo":
+        atexit.register(_destroy_at_exit)
     if "WORLD_SIZE" not in os.environ:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
                                 timeout=timeout)
@@ -87,6 +90,17 @@ def init_distributed(device: torch.device | str = "cpu",
             f"rank {os.environ.get('RANK', '?')} could not join the job at {peer} within "
             f"{timeout_note(timeout.total_seconds())}: rank 0 or a peer is "
             "missing or unreachable, or MASTER_ADDR/MASTER_PORT are wrong") from None
+
+
+def _destroy_at_exit() -> None:
+    """Tear down a gloo group that flexdemo created and the script left alive, before the
+    interpreter finalises: finalising with the group alive can abort ("terminate called
+    without an active exception", exit 134) instead of giving the script's exit code."""
+    if dist.is_initialized():
+        try:
+            dist.destroy_process_group()
+        except Exception:  # noqa: BLE001 - leaving anyway
+            pass
 
 
 def timeout_note(seconds: float) -> str:

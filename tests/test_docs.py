@@ -155,9 +155,6 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.xfail(strict=False, reason="known bug: rank 0 sometimes aborts at exit under torchrun "
-                   "('terminate called without an active exception'), seen in 2 of 4 fresh CI "
-                   "runs; open, see the closing note")
 def test_readme_usage_exchanges_bytes_on_two_processes(tmp_path):
     """The README's usage example, as written, under torchrun with 2 processes on one machine:
     both ranks train and every step sends and receives bytes."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import time
 from datetime import timedelta
 
 import torch
@@ -60,8 +61,7 @@ def init_distributed(device: torch.device | str = "cpu",
     timeout = _check_timeout(timeout)
     device = torch.device(device)
     backend = backend_for(device)
-    if backend == "gloo":
-        atexit.register(_destroy_at_exit)
+    guard_exit(owned=backend == "gloo")
     if "WORLD_SIZE" not in os.environ:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
                                 timeout=timeout)
@@ -92,15 +92,32 @@ def init_distributed(device: torch.device | str = "cpu",
             "missing or unreachable, or MASTER_ADDR/MASTER_PORT are wrong") from None
 
 
-def _destroy_at_exit() -> None:
-    """Tear down a gloo group that flexdemo created and the script left alive, before the
-    interpreter finalises: finalising with the group alive can abort ("terminate called
-    without an active exception", exit 134) instead of giving the script's exit code."""
-    if dist.is_initialized():
+_EXIT = {"guarded": False, "owned": False}
+_DRAIN_SECONDS = 0.05
+
+
+def guard_exit(owned: bool = False) -> None:
+    """Make the interpreter's exit safe for process groups still alive (idempotent).
+
+    A gloo worker thread frees a finished collective's tensors after ``wait()`` has returned
+    to Python, and that needs the GIL. When the script ends right after its last collective,
+    the thread can ask for the GIL while the interpreter finalises, which aborts the process
+    ("terminate called without an active exception", exit 134) in place of the script's own
+    exit code. At exit this tears down the default group when flexdemo created it (``owned``)
+    and then yields the GIL for a moment so that those threads finish first."""
+    _EXIT["owned"] = _EXIT["owned"] or owned
+    if not _EXIT["guarded"]:
+        _EXIT["guarded"] = True
+        atexit.register(_release_at_exit)
+
+
+def _release_at_exit() -> None:
+    if _EXIT["owned"] and dist.is_initialized():
         try:
             dist.destroy_process_group()
         except Exception:  # noqa: BLE001 - leaving anyway
             pass
+    time.sleep(_DRAIN_SECONDS)  # the GIL goes to worker threads releasing finished work
 
 
 def timeout_note(seconds: float) -> str:
@@ -151,6 +168,7 @@ def build_mesh(device_type: str = "cpu", replicate: int | None = None,
     """The 2-D mesh ``("replicate", "shard")``; ranks of one shard group are consecutive."""
     world = dist.get_world_size()
     r, s = mesh_shape(world, replicate, shard)
+    guard_exit()
     return init_device_mesh(device_type, (r, s), mesh_dim_names=("replicate", "shard"))
 
 

@@ -12,6 +12,7 @@ from . import dcp as _dcp
 from .buffers import BUFFER_POLICIES, BufferSync
 from .consistency import check_same_settings
 from .lion import Lion
+from .mesh import guard_exit
 from .muon import MuonAdamW
 from .replicate import DeMoReplicator, NonFiniteGradientError, Replicator, make_replicator
 from .replicate.base import mark_nonfinite, nonfinite_flag
@@ -180,6 +181,8 @@ class DeToNATION(torch.optim.Optimizer):
         if len(devices) != 1:
             raise ValueError(f"parameters live on several devices {sorted(map(str, devices))}")
         device = devices.pop()
+        if dist.is_initialized():
+            guard_exit()
         if group is None and dist.is_initialized():
             group = dist.group.WORLD
         self.fault_tolerance = None

@@ -180,6 +180,14 @@ SETTINGS: dict[str, Setting] = {
                                    (60, 1, "int4", "-int4", "int4"),
                                    (100, 1, "int4", "-int4", "int4"),
                                    (20, 4, "int4", "-f4-int4", "int4"))},
+    # the int4 mean by reduce-scatter, re-quantisation and all-gather: bytes flat in the group
+    **{f"muloco-h{h}-int4-rs": Setting(
+        f"MuLoCo: DiLoCo H={h}, Muon inner steps, plain averaging, int4 exchange by "
+        "reduce-scatter (the mean re-quantised; bytes flat in the number of replicas)",
+        "diloco", "muon", 1e-2,
+        {"inner_steps": h, "outer_lr": 1.0, "outer_momentum": 0.0,
+         "exchange_kwargs": {"values": "int4", "reduce": "scatter"}})
+       for h in (20, 30, 40)},
     "muloco-h20-int4-outer": Setting("MuLoCo H=20, int4 exchange, outer Nesterov lr 0.7 "
                                      "momentum 0.9 (the DiLoCo paper's outer step)", "diloco",
                                      "muon", 1e-2, {"inner_steps": 20, "outer_lr": 0.7,

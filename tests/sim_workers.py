@@ -25,6 +25,11 @@ CASES = {
     "full-int8": (lambda: [FullReplicator(values="int8", block=32)], "sgd", 0.05),
     "striding": (lambda: [StridingReplicator(rate=0.25)], "sgd", 0.01),
     "diloco-full": (lambda: [DiLoCoReplicator(inner_steps=2)], "adamw", 0.01),
+    "diloco-int4-scatter": (lambda: [DiLoCoReplicator(
+        inner_steps=2, exchange_kwargs={"values": "int4", "block": 16, "reduce": "scatter"})],
+        "adamw", 0.01),
+    "full-int8-scatter": (lambda: [FullReplicator(values="int8", block=8, reduce="scatter")],
+                          "sgd", 0.05),
 }
 STEPS = 5
 

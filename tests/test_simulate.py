@@ -57,7 +57,8 @@ def test_two_replicas_bitwise_equal_to_two_gloo_processes(one_thread):
 
 def test_four_replicas_bitwise_equal_to_four_gloo_processes(one_thread):
     # all-reduce (full, striding) sums in gloo's ring order: bitwise equal on 4 ranks too
-    cases = ["demo", "full", "striding", "diloco-full"]
+    cases = ["demo", "full", "striding", "diloco-full", "diloco-int4-scatter",
+             "full-int8-scatter"]
     gloo = run_world(gloo_worker, 4, cases)
     assert_same_as_gloo(gloo, 4, cases)
 

@@ -14,6 +14,7 @@ for a group of ``n`` ranks and a buffer of ``B`` bytes (``E`` elements of ``s`` 
 * all-reduce: reduce-scatter then all-gather, each moving ``n - 1`` of ``n`` chunks:
   sent = received = ``2 * (n - 1) * ceil(E / n) * s`` (``2 (n-1)/n * B`` when ``n`` divides ``E``);
 * all-gather of ``B`` bytes from every rank: sent = received = ``(n - 1) * B``;
+* all-to-all of ``B`` bytes in ``n`` equal parts: sent = received = ``(n - 1) * B / n``;
 * a group of one rank moves nothing and calls no collective.
 
 Seconds are wall-clock time spent inside the (blocking) collective on this rank.
@@ -43,6 +44,13 @@ def all_reduce_bytes(numel: int, element_size: int, group_size: int) -> int:
 def all_gather_bytes(nbytes_per_rank: int, group_size: int) -> int:
     """Bytes one rank sends (and receives) in a ring all-gather of ``nbytes_per_rank`` each."""
     return max(group_size - 1, 0) * nbytes_per_rank
+
+
+def all_to_all_bytes(nbytes: int, group_size: int) -> int:
+    """Bytes one rank sends (and receives) in an all-to-all of ``nbytes`` split in equal parts
+    over ``group_size`` ranks: every part but its own."""
+    n = group_size
+    return 0 if n <= 1 else (n - 1) * (nbytes // n)
 
 
 @dataclass
@@ -109,6 +117,12 @@ class Transport(ABC):
     def all_gather_into(self, out: torch.Tensor, inp: torch.Tensor, async_op: bool = False):
         """Write every rank's ``inp`` (flattened) into ``out``, concatenated in rank order."""
 
+    def all_to_all_equal_(self, out: torch.Tensor, inp: torch.Tensor, async_op: bool = False):
+        """All-to-all of equal parts: ``inp`` (flat) is ``size`` equal parts, part ``r`` going
+        to rank ``r``; ``out`` receives rank ``r``'s part for this rank at part ``r``.
+        Optional: a transport without it raises ``NotImplementedError``."""
+        raise NotImplementedError(f"{type(self).__name__} has no all-to-all")
+
 
 # torch >= 2.12 names the single-tensor all-gather ``all_gather_single``
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -133,6 +147,10 @@ class ProcessGroupTransport(Transport):
 
     def all_gather_into(self, out, inp, async_op=False):
         return _all_gather_single(out, inp, group=self.group, async_op=async_op)
+
+    def all_to_all_equal_(self, out, inp, async_op=False):
+        return dist.all_to_all_single(out.view(-1), inp.view(-1), group=self.group,
+                                      async_op=async_op)
 
     def all_to_all_into(self, out: torch.Tensor, inp: torch.Tensor, out_splits: list[int],
                         in_splits: list[int]) -> None:
@@ -327,6 +345,15 @@ class InProcessTransport(Transport):
         out.view(-1).copy_(gathered)
         return _DONE if async_op else None
 
+    def all_to_all_equal_(self, out, inp, async_op=False):
+        gathered = self.hub.collective(self.rank, "all_to_all", inp, _concat)
+        n, part = self.size, inp.numel() // self.size
+        if part * n != inp.numel():
+            raise ValueError(f"all-to-all: {inp.numel()} elements are not {n} equal parts")
+        rows = gathered.view(n, n, part)[:, self.rank]  # each sender's part for this rank
+        out.view(n, part).copy_(rows)
+        return _DONE if async_op else None
+
     def __deepcopy__(self, memo) -> InProcessTransport:
         return self  # a group is shared, never copied (like a process group)
 
@@ -442,3 +469,22 @@ def all_gather(buf: torch.Tensor, group, stats: CommStats,
         return Pending(result, work, stats, nbytes, time.perf_counter() - t0)
     stats.record(nbytes, nbytes, time.perf_counter() - t0)
     return result
+
+
+def all_to_all_equal(out: torch.Tensor, inp: torch.Tensor, group, stats: CommStats,
+                     async_op: bool = False) -> torch.Tensor | Pending:
+    """All-to-all of equal parts over ``group`` (see :meth:`Transport.all_to_all_equal_`),
+    recording bytes (``(n - 1) / n`` of ``inp`` sent and received) and seconds. Returns
+    ``out`` (with ``async_op``, a :class:`Pending` whose ``wait()`` gives it)."""
+    tr = transport_for(group)
+    n = tr.size
+    if n <= 1:
+        out.copy_(inp)
+        return Pending(out) if async_op else out
+    nbytes = all_to_all_bytes(inp.numel() * inp.element_size(), n)
+    t0 = time.perf_counter()
+    work = tr.all_to_all_equal_(out, inp, async_op=async_op)
+    if async_op:
+        return Pending(out, work, stats, nbytes, time.perf_counter() - t0)
+    stats.record(nbytes, nbytes, time.perf_counter() - t0)
+    return out

@@ -12,7 +12,11 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-from torch.distributed.distributed_c10d import AllgatherOptions, AllreduceOptions
+from torch.distributed.distributed_c10d import (
+    AllgatherOptions,
+    AllreduceOptions,
+    AllToAllOptions,
+)
 
 from ..transport import Transport
 
@@ -85,6 +89,11 @@ class ManagerTransport(Transport):
         pg = self.manager._pg
         return self._run(lambda: pg.allgather([rows], [flat], AllgatherOptions()),
                          "all-gather", async_op)
+
+    def all_to_all_equal_(self, out: torch.Tensor, inp: torch.Tensor, async_op: bool = False):
+        pg = self.manager._pg
+        return self._run(lambda: pg.alltoall_base(out.view(-1), inp.view(-1), [], [],
+                                                  AllToAllOptions()), "all-to-all", async_op)
 
     def __deepcopy__(self, memo) -> ManagerTransport:
         return self

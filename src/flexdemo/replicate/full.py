@@ -17,6 +17,7 @@ from .base import (
     nonfinite_flag,
     write_header,
 )
+from .scatter import ScatterExchange
 
 
 class FlatLayout:
@@ -78,6 +79,12 @@ class FullReplicator(Replicator):
     round partial sums differently per algorithm). Steps that the schedule skips pass the
     input through unchanged.
 
+    ``reduce`` applies to the quantised formats: ``"gather"`` (default) as above, ``n - 1``
+    payloads sent per rank; ``"scatter"`` (:mod:`.scatter`): a reduce-scatter of the encoded
+    chunks, each chunk's mean encoded again by its owner, then an all-gather of those, at most
+    two payloads per rank whatever the group size, for a second rounding of the mean. It pays
+    from 3 replicas on (at 2 both send one payload); it needs a transport with an all-to-all.
+
     Received low-precision payloads are checked (header, finite values: an fp16 overflow or a
     corrupt peer): a bad one raises :class:`CorruptPayloadError` naming the sender on every
     replica, or with ``on_bad_peer="drop"`` is left out of the mean on every replica and
@@ -91,24 +98,42 @@ class FullReplicator(Replicator):
     syncs_replicas = True
     fault_tolerant = True
 
-    def __init__(self, values: str = "fp32", block: int = 128, *, on_bad_peer: str = "raise",
-                 **schedule) -> None:
+    def __init__(self, values: str = "fp32", block: int = 128, *, reduce: str = "gather",
+                 on_bad_peer: str = "raise", **schedule) -> None:
         super().__init__(**schedule)
         self.codec = ValueCodec(values, block)  # validates
         if on_bad_peer not in ("raise", "drop"):
             raise ValueError(f"on_bad_peer must be 'raise' or 'drop', got {on_bad_peer!r}")
-        self.values, self.on_bad_peer = values, on_bad_peer
+        if reduce not in ("gather", "scatter"):
+            raise ValueError(f"reduce must be 'gather' or 'scatter', got {reduce!r}")
+        if reduce == "scatter" and values == "fp32":
+            raise ValueError("reduce='scatter' is for quantised values (bf16, fp16, int8, "
+                             "int4); values='fp32' all-reduces, already flat in the group "
+                             "size: leave reduce out")
+        if reduce == "scatter" and on_bad_peer == "drop":
+            raise ValueError("on_bad_peer='drop' needs reduce='gather' (with reduce='scatter' "
+                             "a bad payload would be dropped from some chunks only)")
+        self.values, self.on_bad_peer, self.reduce = values, on_bad_peer, reduce
         self.dropped_payloads = 0
 
     def extra_repr(self) -> str:
-        return "" if self.values == "fp32" else f"values={self.values!r}"
+        parts = [] if self.values == "fp32" else [f"values={self.values!r}"]
+        if self.reduce != "gather":
+            parts.append(f"reduce={self.reduce!r}")
+        return ", ".join(parts)
 
     def _group_resized(self) -> None:
         self._setup_state()  # the fp32 bucket's trailer holds 2 values per replica
 
     def _setup_state(self) -> None:
         self._total = sum(s.numel() for s in self._shapes)
-        if self.values == "fp32":
+        self._scatter = None
+        if self.reduce == "scatter" and self.world > 1:
+            self._scatter = ScatterExchange(self.codec, self._total, self.world, self.rank,
+                                            self.device)
+            self._bucket = self._scatter.send
+            flat = self._scatter.flat
+        elif self.values == "fp32":
             self._bucket = torch.zeros(self._total + Agreement.trailer_size(self.world),
                                        dtype=torch.float32, device=self.device)
             flat = self._bucket[: self._total]  # the layout lives in the bucket's front
@@ -121,9 +146,13 @@ class FullReplicator(Replicator):
 
     def payload_bytes(self) -> int:
         """Bytes this rank contributes to one exchange (flags and headers included)."""
+        if self._scatter is not None:
+            return self._scatter.payload_bytes()
         return self._bucket.numel() * self._bucket.element_size()
 
     def exchange_bytes(self) -> int:
+        if self._scatter is not None:
+            return self._scatter.exchange_bytes()
         if self.values == "fp32":
             return all_reduce_bytes(self._bucket.numel(), 4, self.world)
         return super().exchange_bytes()
@@ -153,7 +182,9 @@ class FullReplicator(Replicator):
         layout = self.layout
         layout.fill(grads)
         flag, code = self.agreement.local([layout.flat], grads)
-        if self.values == "fp32":
+        if self._scatter is not None:
+            handle = self._scatter.start(step, flag, code, self.transport, self.stats)
+        elif self.values == "fp32":
             self.agreement.write_trailer(self._bucket[self._total:], flag, code)
             handle = all_reduce_sum(self._bucket, self.transport, self.stats, async_op=True)
         else:
@@ -167,7 +198,10 @@ class FullReplicator(Replicator):
             return pending[1]
         _, grads, handle, step, code = pending
         flat = self.layout.flat
-        if self.values == "fp32":
+        if self._scatter is not None:
+            self._scatter.finish(handle, step, code, self.name, self.transport, self.stats,
+                                 self.bad_peer)
+        elif self.values == "fp32":
             buf = handle.wait()
             self.agreement.read_trailer(buf[self._total:], code, step)
             flat.div_(self.world)

@@ -407,3 +407,69 @@ def test_unsupported_replicators_are_refused_in_one_line():
     with pytest.raises(TypeError, match="must be a flexdemo.FaultTolerance"):
         flexdemo.DeToNATION(torch.nn.Linear(4, 4).parameters(), "full",
                             fault_tolerance={"lighthouse": "x"})
+
+
+def _train(procs: list, tmp: Path, url: str, rid: str, out: str, steps: int
+           ) -> subprocess.Popen:
+    """``flexdemo train`` as replica group ``rid`` (one process), full sync, quorums of 2."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env.pop("WORLD_SIZE", None)
+    logf = open(tmp / f"{out}.log", "w")
+    p = subprocess.Popen(
+        [sys.executable, "-m", "flexdemo", "train", str(HERE.parent / "configs/gpt.toml"),
+         "task.model=tiny", "task.corpus_bytes=200000", "train.batch=4", "train.warmup=2",
+         "train.eval_every=10", "train.eval_batches=2", "train.log_every=5",
+         "train.tensorboard=false", "train.checkpoint_every=0", f"train.steps={steps}",
+         f"train.out={tmp / out}", "strategy.replicator=full", "strategy.optimizer=adamw",
+         "mesh.replicate=1", "mesh.shard=1", "fault_tolerance.enabled=true",
+         f"fault_tolerance.lighthouse={url}", f"fault_tolerance.replica_id={rid}",
+         "fault_tolerance.min_replicas=2", "fault_tolerance.timeout=20",
+         "fault_tolerance.quorum_timeout=120", "fault_tolerance.hostname=127.0.0.1"],
+        env=env, cwd=tmp, stdout=logf, stderr=subprocess.STDOUT)
+    procs.append(p)
+    return p
+
+
+def _metrics(tmp: Path, out: str) -> list[dict]:
+    path = tmp / out / "metrics.jsonl"
+    if not path.exists():
+        return []
+    import json
+
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+@pytest.mark.slow
+def test_flexdemo_train_follows_the_committed_steps(tmp_path, procs):
+    """`flexdemo train` with [fault_tolerance]: B is killed mid-run; A's step with the dying
+    B is undone and run again, A waits (min_replicas 2) until B restarts; the new B heals to
+    A's step and its loop goes on from there; both end at the last step with the same
+    parameters (the same validation loss to the bit)."""
+    steps = 30
+    lh = Lighthouse(2, tmp_path / "lighthouse.log")
+    try:
+        a = _train(procs, tmp_path, lh.url, "A", "A", steps)
+        b1 = _train(procs, tmp_path, lh.url, "B", "B1", steps)
+        deadline = time.monotonic() + WAIT
+        while len(_metrics(tmp_path, "B1")) < 8:
+            assert time.monotonic() < deadline and b1.poll() is None, \
+                (tmp_path / "B1.log").read_text()[-3000:]
+            time.sleep(0.05)
+        b1.kill()
+        assert _wait(b1, tmp_path, "B1") == -9
+        b2 = _train(procs, tmp_path, lh.url, "B", "B2", steps)
+        _ok(a, tmp_path, "A")
+        _ok(b2, tmp_path, "B2")
+    finally:
+        lh.stop()
+    ma, mb = _metrics(tmp_path, "A"), _metrics(tmp_path, "B2")
+    assert [r["step"] for r in ma] == list(range(1, steps + 1)), [r["step"] for r in ma]
+    assert all(r["replicas"] == 2 for r in ma + mb)
+    first = mb[0]["step"]
+    assert first > 8, f"B2 did not heal to A's step: it began at step {first}"
+    assert [r["step"] for r in mb] == list(range(first, steps + 1))
+    assert mb[0]["lr"] == ma[first - 1]["lr"]  # the schedule follows the healed step
+    import json
+
+    sa, sb = (json.loads((tmp_path / o / "summary.json").read_text()) for o in ("A", "B2"))
+    assert sa["val_loss"] == sb["val_loss"], (sa["val_loss"], sb["val_loss"])

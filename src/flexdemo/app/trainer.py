@@ -180,9 +180,6 @@ class Trainer:
         self.say: Echo = self.echo if self.rank == 0 else (lambda text: None)
         mesh = self.opt.mesh
         self.layout = {"replicate": mesh["replicate"].size(), "shard": mesh["shard"].size()}
-        if cfg.fault_tolerance.enabled:
-            self.say("note: [fault_tolerance] in flexdemo train is experimental: the loop counts "
-                     "its own steps, not opt.steps (docs/elastic.md)")
         if any(issubclass(w.category, NoReplicationWarning) for w in caught):
             self.say(self._single_replica_note())
         for w in caught:  # anything else prepare() warned about goes on as usual
@@ -295,9 +292,10 @@ class Trainer:
         return resume_from, sampler
 
     # ------------------------------------------------------------------ the loop
-    def _step(self, step: int, sampler: ShardSampler) -> dict[str, Any]:
+    def _step(self, step: int, sampler: ShardSampler) -> dict[str, Any] | None:
         """One optimizer step; returns its metrics record, whose ``loss`` is still a tensor
-        on the device (read in :meth:`_read_losses`, without a host read per step)."""
+        on the device (read in :meth:`_read_losses`, without a host read per step). None
+        when fault tolerance undid the step (its commit vote failed)."""
         tc, sc = self.cfg.train, self.cfg.strategy
         lr = lr_at(step - 1, tc.steps, sc.lr, min(tc.warmup, tc.steps), tc.schedule,
                    tc.min_lr)
@@ -313,6 +311,11 @@ class Trainer:
         except NonFiniteGradientError as e:
             raise TrainingError(_nonfinite_message(step, e)) from None
         self.opt.zero_grad()
+        stats = self.opt.last_step_stats()
+        if not stats.get("committed", True):  # undone (fault tolerance): the bytes were sent
+            self.state.bytes_sent += stats["bytes_sent"]
+            self.state.bytes_received += stats["bytes_received"]
+            return None
         skipped = self.opt.skipped_steps - skipped_before
         limit = tc.max_skipped * tc.steps
         if skipped and self.opt.skipped_steps > limit and tc.max_skipped < 1:
@@ -322,7 +325,6 @@ class Trainer:
                 f"{tc.max_skipped:g} of train.steps={tc.steps}; the run is not training: "
                 "lower strategy.lr or clip gradients (or raise train.max_skipped)")
         dt = time.perf_counter() - t0
-        stats = self.opt.last_step_stats()
         s = self.state
         s.step = step
         s.train_seconds += dt
@@ -333,7 +335,8 @@ class Trainer:
                 "bytes_sent": stats["bytes_sent"], "bytes_received": stats["bytes_received"],
                 "compute_seconds": dt - stats["comm_seconds"],
                 "comm_seconds": stats["comm_seconds"], "step_seconds": dt,
-                "train_seconds": s.train_seconds, "bytes_sent_total": s.bytes_sent}
+                "train_seconds": s.train_seconds, "bytes_sent_total": s.bytes_sent,
+                **{k: stats[k] for k in ("replicas", "failed_commits") if k in stats}}
 
     def _read_losses(self, records: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """The losses of ``records`` as floats, read in one host transfer. On CUDA the time
@@ -404,8 +407,18 @@ class Trainer:
         pending: list[dict[str, Any]] = []
         self.started = True
         self.heartbeat.watching.clear()  # from here on, failed collectives tell of lost peers
-        for step in range(start + 1, last + 1):
-            pending.append(self._step(step, sampler))
+        elastic = self.opt.fault_tolerance is not None
+        step = start
+        while step < last:
+            if elastic:  # the quorum first (a joiner heals here): the step is opt.steps + 1
+                self.opt.zero_grad()
+                if self.opt.steps >= last:
+                    break
+            record = self._step(self.opt.steps + 1 if elastic else step + 1, sampler)
+            if record is None:  # not committed under fault tolerance: undone, run again
+                continue
+            step = record["step"]
+            pending.append(record)
             # every rank, every step: did any rank get SIGTERM/SIGINT? (then all stop here)
             stop = self.stop.agreed() if step < last else None
             evaluate = bool(tc.eval_every and step % tc.eval_every == 0) or step == last

@@ -1,5 +1,6 @@
 """Core costs of DeMo replication on a byte-level GPT: bytes per step, and the replicator's own
-compute against forward+backward, an AdamW step and a one-pass floor.
+compute against forward+backward, an AdamW step and a one-pass floor. The GPT, its text and
+batches are those of ``examples/train_gpt.py``.
 
     python benchmarks/bench_core.py [--device cpu|cuda] [--preset small|124m|350m]
                                     [--batch B --seq T] [--out benchmarks/results/core.json]
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import importlib.util
 import json
 import math
 import platform
@@ -39,11 +41,12 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from flexdemo import DeMoReplicator
-from flexdemo.app.tasks import GPT, data_generator, get_batch, gpt_config, load_corpus
 from flexdemo.compress import dct_matrix
 from flexdemo.transport import all_gather_bytes, all_reduce_bytes
 
-# name: (gpt_config overrides); 124m/350m are GPT-2 small/medium shapes with a GPT-2 vocabulary
+ROOT = Path(__file__).resolve().parent.parent
+# name: (overrides of the preset "small" of examples/train_gpt.py's GPT); 124m/350m are GPT-2
+# small/medium shapes with a GPT-2 vocabulary
 PRESETS = {
     "small": {},
     "124m": {"n_layer": 12, "n_head": 12, "d_model": 768, "seq_len": 1024, "vocab": 50257},
@@ -52,6 +55,16 @@ PRESETS = {
 LAYOUTS = {"full": 1, "half": 2, "shard8": 8}
 VIEW_OPS = {"view", "slice", "select", "alias", "unsqueeze", "permute", "expand", "detach",
             "as_strided", "_reshape_alias", "t", "transpose", "squeeze", "split", "unbind"}
+
+
+def example_gpt():
+    """``examples/train_gpt.py`` as a module: the byte-level GPT (``GPT``, ``PRESETS``), its
+    text (``load_corpus``) and batches (``get_batch``), all in public code a user can copy."""
+    path = ROOT / "examples" / "train_gpt.py"
+    spec = importlib.util.spec_from_file_location("train_gpt", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def row_shard(shape: torch.Size, parts: int) -> torch.Size:
@@ -349,16 +362,17 @@ def main(argv: list[str] | None = None) -> dict:
         overrides["vocab"] = args.vocab
     if args.seq is not None:
         overrides["seq_len"] = args.seq
-    cfg = gpt_config("small", **overrides)
+    gpt = example_gpt()
+    cfg = gpt.PRESETS["small"]._replace(**overrides)
     batch = args.batch or (8 if device.type == "cuda" else 4)
-    model = GPT(cfg).to(device)
+    model = gpt.GPT(cfg).to(device)
     params = list(model.parameters())
     n_params = sum(q.numel() for q in params)
     shapes = {name: [row_shard(q.shape, LAYOUTS[name]) for q in params] for name in layouts}
 
     # compute (and the payload size for the traffic table) -----------------------------
-    train, _ = load_corpus(max(1_000_000, 4 * cfg.seq_len), val_bytes=1)
-    x, y = get_batch(train, batch, cfg.seq_len, data_generator(0, 0))
+    train, _ = gpt.load_corpus(max(1_000_000, 4 * cfg.seq_len))
+    x, y = gpt.get_batch(train, batch, cfg.seq_len, torch.Generator().manual_seed(0))
     x, y = x.to(device), y.to(device)
 
     def fwd_bwd() -> None:
@@ -429,7 +443,7 @@ def main(argv: list[str] | None = None) -> dict:
                 print(f"  {k['ms']:7.2f} ms {k['calls']:4d}x  {k['name']}")
 
     result = {
-        "preset": args.preset, "params": n_params, "config": cfg.__dict__,
+        "preset": args.preset, "params": n_params, "config": cfg._asdict(),
         "replicator": rep_kwargs(args), "device": device.type, "device_name": dev_name,
         "torch": torch.__version__, "threads": args.threads, "clock": clock,
         "python": platform.python_version(), "machine": platform.machine(), "reps": args.reps,

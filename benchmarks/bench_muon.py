@@ -1,11 +1,12 @@
 """What sharded Muon costs: the same FlexDeMo-style run with AdamW and with Muon on a mesh.
 
 Spawns ``--replicate x --shard`` gloo ranks on this machine (CPU, ``--threads`` each), builds
-the byte-level GPT with ``flexdemo.prepare()`` (FSDP2 over the shard dimension) and times
-``--steps`` steps of each optimizer under the same replicator, interleaved round by round so
-that both see the same machine. Reports per step: the whole step, the optimizer step, Muon's
-intra-node exchange (seconds and bytes from ``last_step_stats()``), and Muon's extra work (its
-optimizer step less AdamW's) as a share of its whole step. Usage::
+the byte-level GPT of ``examples/train_gpt.py`` with ``flexdemo.prepare()`` (FSDP2 over the
+shard dimension) and times ``--steps`` steps of each optimizer under the same replicator,
+interleaved round by round so that both see the same machine. Reports per step: the whole
+step, the optimizer step, Muon's intra-node exchange (seconds and bytes from
+``last_step_stats()``), and Muon's extra work (its optimizer step less AdamW's) as a share of
+its whole step. Usage::
 
     python benchmarks/bench_muon.py                       # mini GPT, 2 x 2 mesh, DeMo
     python benchmarks/bench_muon.py --model small --replicator full --out muon.json
@@ -16,6 +17,7 @@ Prints a table and writes JSON (default benchmarks/results/muon.json).
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import platform
@@ -25,14 +27,31 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import NoReturn
 
 import torch
 import torch.multiprocessing as mp
 
-from flexdemo.app.args import Parser
-
 ROOT = Path(__file__).resolve().parent.parent
 OPTIMIZERS = {"adamw": {}, "muon": {}}
+
+
+class Parser(argparse.ArgumentParser):
+    """Errors are one line (no usage block)."""
+
+    def error(self, message: str) -> NoReturn:
+        print(f"{self.prog}: error: {message} (see --help)", file=sys.stderr)
+        sys.exit(2)
+
+
+def example_gpt():
+    """``examples/train_gpt.py`` as a module: the byte-level GPT (``GPT``, ``PRESETS``), its
+    text (``load_corpus``) and batches (``get_batch``), all in public code a user can copy."""
+    path = ROOT / "examples" / "train_gpt.py"
+    spec = importlib.util.spec_from_file_location("train_gpt", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def _free_port() -> int:
@@ -49,14 +68,14 @@ def _rank(rank: int, args: argparse.Namespace, port: int, out: str) -> None:
     import torch.distributed as dist
 
     import flexdemo
-    from flexdemo.app.tasks.gpt import GPT, gpt_config
 
     dist.init_process_group("gloo")
-    cfg = gpt_config(args.model)
+    gpt = example_gpt()
+    cfg = gpt.PRESETS[args.model]
     runs = {}
     for name in OPTIMIZERS:
         torch.manual_seed(0)
-        model, opt = flexdemo.prepare(GPT(cfg), args.replicator, name, lr=1e-3,
+        model, opt = flexdemo.prepare(gpt.GPT(cfg), args.replicator, name, lr=1e-3,
                                       replicate=args.replicate, shard=args.shard)
         runs[name] = (model, opt, {"step": [], "opt": [], "shard_s": [], "shard_b": []})
     gen = torch.Generator().manual_seed(rank)

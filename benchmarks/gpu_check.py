@@ -27,6 +27,7 @@ os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuB
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from torch import nn  # noqa: E402
+from torch.distributed.tensor import DTensor  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -133,19 +134,22 @@ def check_meta(rank, steps):
         model = Net(width=1024, depth=8)
     model, opt = prepare(model, "demo", "sgd", 3e-3, precision="bf16")
     on = {str(p.device) for p in model.parameters()}
-    finite = all(bool(torch.isfinite(p.detach().to_local() if hasattr(p, "to_local") else p)
-                      .all()) for p in model.parameters())
+    finite = all(bool(torch.isfinite(_local(p.detach())).all()) for p in model.parameters())
     r = run(model, opt, steps, torch.device("cuda"), rank)
     ok = finite and all(d.startswith("cuda") for d in on) and r["last"] < r["first"]
     return ok, f"{sum(p.numel() for p in model.parameters()):,} params on {sorted(on)}; " \
         + summary(r)
 
 
-def _tensors(model, opt) -> list[torch.Tensor]:
-    from flexdemo.optim import _local
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of ``t``: a DTensor's local shard (FSDP2 parameters and their
+    optimizer state), or ``t`` itself."""
+    return t.to_local() if isinstance(t, DTensor) else t
 
+
+def _tensors(model, opt) -> list[torch.Tensor]:
     out = [_local(p).detach().clone() for p in model.parameters()]
-    for p in opt._params:
+    for p in opt.params:
         out += [_local(v).detach().clone() for _, v in sorted(opt.base.state.get(p, {}).items())
                 if isinstance(v, torch.Tensor)]
     for r in opt.replicators:

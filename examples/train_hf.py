@@ -9,6 +9,14 @@ directory holding a ``config.json`` (nothing is downloaded): the model is built 
 config, with its weights when ``--weights`` is given. The text is the Python standard library's
 own sources, as bytes (token ids 0-255, so any vocabulary of at least 256 fits).
 
+Needs torch, flexdemo and ``transformers`` (``pip install transformers``; without it the
+arguments are still checked, then it says what to install). ``--replicator`` takes a name of
+:data:`flexdemo.REPLICATORS` (default ``demo``), ``--optimizer`` one of
+:data:`flexdemo.BASE_OPTIMIZERS` (default ``sgd``: DeMo's sign-SGD); ``--lr`` is the peak of a
+linear warm-up over ``--warmup`` steps and a cosine decay; ``--replicate``/``--shard`` set the
+mesh as in ``prepare()`` and ``--device auto|cpu|cuda`` where each rank trains (``--help``
+lists every option). Bad arguments end in one line from rank 0 and exit code 2.
+
 Notes that hold for any model trained through flexdemo:
 
 * ``--precision bf16``: bf16 parameters for forward/backward, gradients reduced in fp32 and kept
@@ -36,16 +44,12 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
 
 import flexdemo
-from flexdemo.app.args import Parser, float_in, int_at_least, launch_world, usage_exit
-from flexdemo.app.device import DEVICES, PRECISIONS, check_device
-from flexdemo.mesh import mesh_shape
-from flexdemo.optim import BASE_OPTIMIZERS
-from flexdemo.replicate import REPLICATORS
 
 
 def _transformers():
@@ -59,6 +63,41 @@ def _transformers():
 
 PROG = Path(__file__).name
 PRESET_MODELS = ("gpt2", "llama")
+
+
+def usage_exit(message: str) -> NoReturn:
+    """``train_hf.py: error: message`` from rank 0 only, exit code 2 on every rank. The other
+    ranks wait a moment: torchrun stops them all once one exits, and rank 0 should say why."""
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(f"{PROG}: error: {message}", file=sys.stderr, flush=True)
+    else:
+        time.sleep(3)
+    sys.exit(2)
+
+
+class Parser(argparse.ArgumentParser):
+    """Errors are one line (no usage block), said once under torchrun."""
+
+    def error(self, message: str) -> NoReturn:
+        usage_exit(f"{message} (see --help)")
+
+
+def number(cast: type, low: float, high: float | None = None, above: bool = False):
+    """An ``argparse`` type: ``cast(text)`` at least ``low`` (more with ``above``), at most
+    ``high``."""
+    def parse(text: str):
+        try:
+            value = cast(text)
+        except ValueError:
+            kind = "an integer" if cast is int else "a number"
+            raise argparse.ArgumentTypeError(f"expected {kind}, got {text!r}") from None
+        if not math.isfinite(value) or value < low or (above and value == low) or (
+                high is not None and value > high):
+            bound = (f"from {low} to {high}" if high is not None else
+                     f"greater than {low}" if above else f"at least {low}")
+            raise argparse.ArgumentTypeError(f"must be {bound}, got {text}")
+        return value
+    return parse
 
 
 def preset_heads(hidden: int) -> tuple[int, int]:
@@ -130,61 +169,61 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model", default="llama",
                    help="gpt2, llama (tiny presets, random weights) or a local model directory "
                         "with a config.json (default %(default)s)")
-    p.add_argument("--hidden", type=int_at_least(1), default=64,
+    p.add_argument("--hidden", type=number(int, 1), default=64,
                    help="width of the gpt2/llama presets, hidden // 16 heads (hidden // 128 "
                         "from 1024 on): multiples of 32 fit, from 1024 on multiples of 256 "
                         "(default %(default)s)")
-    p.add_argument("--layers", type=int_at_least(1), default=2,
+    p.add_argument("--layers", type=number(int, 1), default=2,
                    help="depth of the gpt2/llama presets, >= 1 (default %(default)s)")
     p.add_argument("--weights", action="store_true",
                    help="load the weights from the local model directory")
     p.add_argument("--meta", action="store_true", help="build on the meta device first")
-    p.add_argument("--device", default="auto", choices=DEVICES,
+    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
                    help="auto (CUDA when available), cpu or cuda (cuda:LOCAL_RANK per rank)")
-    p.add_argument("--precision", default="fp32", choices=PRECISIONS,
+    p.add_argument("--precision", default="fp32", choices=("fp32", "bf16"),
                    help="bf16: bf16 compute with fp32 gradients and master weights")
-    p.add_argument("--replicator", default="demo", type=str.lower,
-                   choices=sorted(REPLICATORS), metavar="NAME",
-                   help="what crosses between replicas: " + ", ".join(sorted(REPLICATORS))
-                        + " (default %(default)s)")
-    p.add_argument("--optimizer", default="sgd", type=str.lower, choices=tuple(BASE_OPTIMIZERS),
+    replicators = sorted(flexdemo.REPLICATORS)  # names prepare() takes
+    p.add_argument("--replicator", default="demo", type=str.lower, choices=replicators,
+                   metavar="NAME", help="what crosses between replicas: "
+                   + ", ".join(replicators) + " (default %(default)s)")
+    p.add_argument("--optimizer", default="sgd", type=str.lower,
+                   choices=tuple(flexdemo.BASE_OPTIMIZERS),
                    help="base optimizer (default %(default)s)")
-    p.add_argument("--lr", type=float_in(0, open_low=True), default=3e-3,
+    p.add_argument("--lr", type=number(float, 0, above=True), default=3e-3,
                    help="peak learning rate, > 0 (default %(default)s)")
-    p.add_argument("--warmup", type=int_at_least(0), default=10,
+    p.add_argument("--warmup", type=number(int, 0), default=10,
                    help="linear warm-up as a NUMBER OF STEPS, >= 0 (default %(default)s), then "
                         "cosine decay; not a fraction, unlike train_gpt.py's --warmup")
-    p.add_argument("--steps", type=int_at_least(1), default=50,
+    p.add_argument("--steps", type=number(int, 1), default=50,
                    help="optimizer steps, >= 1 (default %(default)s)")
-    p.add_argument("--batch", type=int_at_least(1), default=4,
+    p.add_argument("--batch", type=number(int, 1), default=4,
                    help="sequences per micro-batch per rank, >= 1 (default %(default)s)")
-    p.add_argument("--seq", type=int_at_least(2, 1_000_001), default=128,
+    p.add_argument("--seq", type=number(int, 2, 1_000_000), default=128,
                    help="tokens per sequence, 2 to 1000000 (default %(default)s)")
-    p.add_argument("--accum", type=int_at_least(1), default=1,
+    p.add_argument("--accum", type=number(int, 1), default=1,
                    help="micro-batches per optimizer step, >= 1 (default %(default)s)")
-    p.add_argument("--clip", type=float_in(0), default=0.0,
+    p.add_argument("--clip", type=number(float, 0), default=0.0,
                    help="gradient-norm clip, >= 0 (default 0: off)")
     p.add_argument("--compile", action="store_true", help="model.compile() after prepare()")
-    p.add_argument("--replicate", type=int_at_least(1), default=None,
+    p.add_argument("--replicate", type=number(int, 1), default=None,
                    help="replicas, >= 1 (default: the number of nodes); replicate x shard = "
                         "the ranks launched")
-    p.add_argument("--shard", type=int_at_least(1), default=None,
+    p.add_argument("--shard", type=number(int, 1), default=None,
                    help="ranks per replica, >= 1 (default: the ranks per node)")
-    p.add_argument("--log-every", type=int_at_least(1), default=10,
+    p.add_argument("--log-every", type=number(int, 1), default=10,
                    help="steps between progress lines, >= 1 (default %(default)s)")
-    p.add_argument("--seed", type=int_at_least(0, 2**32), default=0,
+    p.add_argument("--seed", type=number(int, 0, 2**32 - 1), default=0,
                    help="random seed, 0 to 2**32 - 1 (default %(default)s)")
     args = p.parse_args(argv)
     check_model(p, args)
     try:
-        mesh_shape(launch_world(), args.replicate, args.shard)
+        flexdemo.mesh_shape(int(os.environ.get("WORLD_SIZE", "1")), args.replicate,
+                            args.shard)
     except ValueError as e:
         p.error(f"argument --replicate/--shard: {e}; launch replicate x shard ranks "
                 "(torchrun --nproc-per-node N) or change --replicate/--shard")
-    try:
-        check_device(args.device)
-    except ValueError as e:
-        p.error(f"argument --device: {e}")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        p.error("argument --device: CUDA is not available here; use --device cpu (or auto)")
     return args
 
 
@@ -192,7 +231,7 @@ def build_config(name: str, seq: int, hidden: int = 64, layers: int = 2):
     """A GPT-2 or Llama config (byte vocabulary; tiny by default), or the config of a local
     model directory."""
     tf = _transformers()
-    heads = max(1, hidden // 16) if hidden < 1024 else hidden // 128
+    heads, kv_heads = preset_heads(hidden)
     if name == "gpt2":
         return tf.GPT2Config(vocab_size=256, n_positions=seq, n_embd=hidden, n_layer=layers,
                              n_head=heads, bos_token_id=0, eos_token_id=0)
@@ -200,7 +239,7 @@ def build_config(name: str, seq: int, hidden: int = 64, layers: int = 2):
         return tf.LlamaConfig(vocab_size=256, hidden_size=hidden,
                               intermediate_size=(hidden * 11 // 4 + 15) // 16 * 16,
                               num_hidden_layers=layers, num_attention_heads=heads,
-                              num_key_value_heads=max(1, heads // 2),
+                              num_key_value_heads=kv_heads,
                               max_position_embeddings=seq)
     path = Path(name)
     if not (path / "config.json").is_file():
@@ -272,7 +311,7 @@ def main(argv: list[str] | None = None) -> dict:
     except ValueError as e:  # settings only the started process group can check
         if dist.is_initialized():
             dist.destroy_process_group()
-        usage_exit(PROG, " ".join(str(e).split()))
+        usage_exit(" ".join(str(e).split()))
     rank = dist.get_rank()
     device = next(p.device for p in model.parameters())
     if args.compile:

@@ -67,7 +67,7 @@ def test_simulate_suggested_streaming_fix_is_valid(capsys):
     line = one_error_line(capsys, "simulate")
     fix = re.search(r"--strategy (\S+?)\)", line).group(1)
     assert fix == "streaming-diloco:inner_steps=4:tau=0"
-    from flexdemo.app.strategies import check_strategy
+    from flexdemo import check_strategy
 
     assert check_strategy(fix).replicator_kwargs["tau"] == 0
 

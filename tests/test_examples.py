@@ -1,8 +1,10 @@
-"""examples/train_gpt.py and examples/train_hf.py as users run them: bad arguments end in one
-line on stderr and exit code 2 (on every rank), and tiny valid runs train."""
+"""examples/train_gpt.py and examples/train_hf.py as users run them: they import only the
+public API (what a user copies), bad arguments end in one line on stderr and exit code 2 (on
+every rank), and tiny valid runs train, alone in a folder of their own and under torchrun."""
 
 from __future__ import annotations
 
+import ast
 import importlib.util
 import json
 import math
@@ -14,10 +16,12 @@ import textwrap
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 GPT = ROOT / "examples" / "train_gpt.py"
 HF = ROOT / "examples" / "train_hf.py"
+EXAMPLES = sorted((ROOT / "examples").glob("*.py"))
 TINY_GPT = ["--model", "tiny", "--steps", "3", "--batch", "2", "--corpus-bytes", "20000",
             "--eval-batches", "1", "--log-every", "2"]
 TINY_HF = ["--steps", "3", "--batch", "2", "--seq", "16", "--log-every", "1"]
@@ -78,6 +82,71 @@ def _load(path: Path):
     return module
 
 
+# ------------------------------------------------------------------------------ public API
+def _flexdemo_uses(path: Path) -> tuple[list[str], set[str]]:
+    """An example's imports that are not ``import flexdemo`` / ``from flexdemo import NAME``
+    (as ``"line: text"``), and every name it reaches: ``flexdemo.NAME`` or imported NAME."""
+    tree = ast.parse(path.read_text())
+    bad, names = [], set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.partition(".")[0] == "flexdemo" and (
+                        alias.name != "flexdemo" or alias.asname):
+                    bad.append(f"{node.lineno}: import {alias.name}")
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("flexdemo"):
+            if node.module != "flexdemo" or node.level:
+                bad.append(f"{node.lineno}: from {node.module} import ...")
+            names.update(alias.name for alias in node.names)
+        elif (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
+              and node.value.id == "flexdemo"):
+            names.add(node.attr)
+    return bad, names
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
+def test_examples_use_only_the_public_api(path):
+    """What a user copies: ``import flexdemo`` and names of ``flexdemo.__all__``, each named in
+    the docs; besides that only torch, the standard library and transformers."""
+    import flexdemo
+
+    bad, names = _flexdemo_uses(path)
+    assert not bad, f"{path.name} imports flexdemo's internals: {bad}"
+    assert names and names <= set(flexdemo.__all__), sorted(names - set(flexdemo.__all__))
+    docs = " ".join(p.read_text() for p in [ROOT / "README.md", *(ROOT / "docs").glob("*.md")])
+    undocumented = sorted(n for n in names if f"flexdemo.{n}" not in docs and
+                          f"`{n}`" not in docs and f"`{n}(" not in docs)
+    assert not undocumented, f"{path.name} uses names no page documents: {undocumented}"
+    allowed = set(sys.stdlib_module_names) | {"torch", "transformers", "flexdemo", "__future__"}
+    for node in ast.walk(ast.parse(path.read_text())):
+        modules = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                   [node.module] if isinstance(node, ast.ImportFrom) else [])
+        for m in modules:
+            assert m.partition(".")[0] in allowed, f"{path.name}:{node.lineno} imports {m}"
+
+
+def test_example_gpt_is_the_task_the_bench_trains():
+    """train_gpt.py carries its own GPT, text and batches; they are the app's GPT task's (same
+    parameters at one seed, same bytes, same windows), so its numbers compare with the bench's."""
+    from flexdemo.app.tasks import GPT as AppGPT
+    from flexdemo.app.tasks import get_batch, gpt_config, load_corpus
+
+    example = _load(GPT)
+    for name, cfg in example.PRESETS.items():
+        assert tuple(cfg) == tuple(gpt_config(name).__dict__[k] for k in cfg._fields), name
+        torch.manual_seed(0)
+        mine = example.GPT(cfg).state_dict()
+        torch.manual_seed(0)
+        theirs = AppGPT(gpt_config(name)).state_dict()
+        assert list(mine) == list(theirs), name
+        assert all(torch.equal(mine[k], theirs[k]) for k in mine), name
+    mine, theirs = example.load_corpus(200_000), load_corpus(200_000)
+    assert all(torch.equal(a, b) for a, b in zip(mine, theirs))
+    gens = [torch.Generator().manual_seed(7) for _ in range(2)]
+    batches = [example.get_batch(mine[0], 4, 64, gens[0]), get_batch(theirs[0], 4, 64, gens[1])]
+    assert all(torch.equal(a, b) for a, b in zip(*batches))
+
+
 # ----------------------------------------------------------------------------- train_gpt.py
 @pytest.mark.parametrize("args, argument, says", [
     (["--steps", "0"], "--steps", "at least 1"),
@@ -128,10 +197,23 @@ def test_gpt_help_says_warmup_is_a_fraction(capsys):
     assert "{tiny,mini,small}" in text
 
 
+def _alone(script: Path, folder: Path) -> Path:
+    """A copy of ``script`` alone in ``folder``, as a user who copied it has it."""
+    folder.mkdir(exist_ok=True)
+    copy = folder / script.name
+    copy.write_text(script.read_text())
+    return copy
+
+
 def test_gpt_tiny_run_trains_and_writes_results(tmp_path):
+    """A copy of the example in a folder of its own, run from there: it needs no other file
+    of this repository."""
     out = tmp_path / "r.json"
-    r = _run([GPT, *TINY_GPT, "--corpus-bytes", "660", "--warmup", "1", "--lr", "0.01",
-              "--strategies", "flexdemo,hsdp-adamw", "--out", out])
+    script = _alone(GPT, tmp_path / "alone")
+    r = subprocess.run([sys.executable, script, *TINY_GPT, "--corpus-bytes", "660", "--warmup",
+                        "1", "--lr", "0.01", "--strategies", "flexdemo,hsdp-adamw", "--out",
+                        out], capture_output=True, text=True, timeout=120, env=_env(),
+                       cwd=script.parent)
     assert r.returncode == 0, r.stderr
     results = json.loads(out.read_text())["results"]
     assert [x["strategy"] for x in results] == ["flexdemo", "hsdp-adamw"]
@@ -238,7 +320,7 @@ def test_hf_parse_args_rejects(tmp_path, capsys, args, config, argument):
 
 
 def test_hf_help_lists_the_library_optimizers_and_says_warmup_is_steps(capsys):
-    from flexdemo.optim import BASE_OPTIMIZERS
+    from flexdemo import BASE_OPTIMIZERS
 
     with pytest.raises(SystemExit) as e:
         _load(HF).parse_args(["--help"])
@@ -295,14 +377,35 @@ class AutoModelForCausalLM:
 '''
 
 
+def _stub(tmp_path: Path) -> str:
+    """A folder holding the stand-in ``transformers`` (for PYTHONPATH)."""
+    (tmp_path / "stub" / "transformers").mkdir(parents=True)
+    (tmp_path / "stub" / "transformers" / "__init__.py").write_text(STUB)
+    return str(tmp_path / "stub")
+
+
 def test_hf_tiny_run_trains(tmp_path):
     """The training loop (prepare, accumulation, clipping, schedule) on a stand-in
-    ``transformers`` (the real one is optional and absent from the test environment)."""
-    (tmp_path / "transformers").mkdir()
-    (tmp_path / "transformers" / "__init__.py").write_text(STUB)
-    r = _run([HF, *TINY_HF, "--optimizer", "lion", "--lr", "1e-3", "--accum", "2",
-              "--clip", "1.0", "--warmup", "2"], PYTHONPATH=str(tmp_path))
+    ``transformers`` (the real one is optional and absent from the test environment), from a
+    copy of the example alone in a folder of its own."""
+    script = _alone(HF, tmp_path / "alone")
+    r = subprocess.run([sys.executable, script, *TINY_HF, "--optimizer", "lion", "--lr", "1e-3",
+                        "--accum", "2", "--clip", "1.0", "--warmup", "2"], capture_output=True,
+                       text=True, timeout=120, env=_env(PYTHONPATH=_stub(tmp_path)),
+                       cwd=script.parent)
     assert r.returncode == 0, r.stderr
     lines = r.stdout.splitlines()
     assert [line.split()[1] for line in lines if line.startswith("step")] == ["0", "1", "2"]
     assert lines[-1].startswith("done: loss") and "mesh (1, 1)" in lines[-1]
+
+
+def test_hf_two_ranks_under_torchrun_replicate(tmp_path):
+    r = _run(["-m", "torch.distributed.run", "--nproc-per-node", "2", HF, *TINY_HF,
+              "--replicate", "2"], timeout=240, PYTHONPATH=_stub(tmp_path))
+    assert r.returncode == 0, r.stdout + r.stderr
+    lines = r.stdout.splitlines()
+    assert [line.split()[1] for line in lines if line.startswith("step")] == ["0", "1", "2"]
+    assert lines[-1].startswith("done: loss") and "mesh (2, 1)" in lines[-1]
+    sent = [int(line.split("sent ")[1].split()[0].replace(",", "")) for line in lines
+            if line.startswith("step")]
+    assert all(b > 0 for b in sent), lines  # the replicas exchanged

@@ -8,8 +8,9 @@ from .ft import FaultTolerance
 from .lion import Lion
 from .mesh import build_mesh, init_distributed, mesh_shape
 from .muon import MuonAdamW
-from .optim import DeMo, DeToNATION
+from .optim import BASE_OPTIMIZERS, DeMo, DeToNATION
 from .replicate import (
+    REPLICATORS,
     CorruptPayloadError,
     DeMoReplicator,
     DiLoCoReplicator,
@@ -25,18 +26,18 @@ from .replicate import (
 )
 from .sharding import NoReplicationWarning, prepare
 from .simulate import SimulatedReplicas
+from .strategies import STRATEGIES, Strategy, check_strategy, parse_strategy
 from .transport import CommStats, InProcessHub
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "BlockDCT", "BufferSync", "CommStats", "CorruptPayloadError", "DeMo", "DeMoReplicator",
-    "DeToNATION",
-    "DiLoCoReplicator", "FaultTolerance", "FullReplicator", "InProcessHub", "Lion", "MuonAdamW",
-    "NoReplication",
-    "NoReplicationWarning", "NonFiniteGradientError", "PhasedReplicator", "RandomReplicator",
-    "Replicator",
-    "SimulatedReplicas", "SlicingReplicator", "StridingReplicator", "build_mesh", "compat",
-    "init_distributed", "latest_checkpoint", "load_checkpoint", "make_replicator", "mesh_shape",
+    "BASE_OPTIMIZERS", "BlockDCT", "BufferSync", "CommStats", "CorruptPayloadError", "DeMo",
+    "DeMoReplicator", "DeToNATION", "DiLoCoReplicator", "FaultTolerance", "FullReplicator",
+    "InProcessHub", "Lion", "MuonAdamW", "NoReplication", "NoReplicationWarning",
+    "NonFiniteGradientError", "PhasedReplicator", "REPLICATORS", "RandomReplicator",
+    "Replicator", "STRATEGIES", "SimulatedReplicas", "SlicingReplicator", "Strategy",
+    "StridingReplicator", "build_mesh", "check_strategy", "compat", "init_distributed",
+    "latest_checkpoint", "load_checkpoint", "make_replicator", "mesh_shape", "parse_strategy",
     "plan_chunks", "prepare", "save_checkpoint",
 ]

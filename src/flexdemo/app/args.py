@@ -1,4 +1,4 @@
-"""Argument checks for scripts launched by ``torchrun`` (the examples): one-line errors that
+"""Argument checks for scripts launched by ``torchrun`` (the benchmarks): one-line errors that
 rank 0 prints once, exit code 2 on every rank, and ``argparse`` types with ranges."""
 
 from __future__ import annotations

@@ -26,6 +26,7 @@ from typing import IO, Any
 
 import torch
 
+from ..strategies import STRATEGIES, parse_strategy
 from ..tools.cluster import (
     ClusterError,
     EmulatedCluster,
@@ -45,7 +46,6 @@ from .config import (
 from .device import BY_RANK_ENV, DEVICES
 from .outputs import strict_json
 from .plots import plot_all, smooth
-from .strategies import STRATEGIES, parse_strategy
 
 __all__ = ["DEFAULT_BANDWIDTHS", "DEFAULT_STRATEGIES", "PRESETS", "STRATEGIES", "BenchError",
            "BenchOptions", "bench_options", "equal_time_losses", "equal_time_val_losses",
@@ -133,7 +133,7 @@ def bench_options(*, preset: str | None = None, strategies: str | list[str] | No
             except ValueError as e:
                 raise BenchError(str(e)) from None
             raise BenchError(f"strategy {s!r}: the bench takes names only; add a strategy to "
-                             "flexdemo.app.strategies.STRATEGIES for other settings")
+                             "flexdemo.STRATEGIES for other settings")
     if len(set(o.strategies)) != len(o.strategies):
         raise BenchError(f"a strategy is listed twice: {','.join(o.strategies)}")
     for bw in o.bandwidths:

@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from ..ft.lighthouse import add_parser as add_lighthouse_parser
 from ..mesh import timeout_from_env
+from ..strategies import STRATEGIES, check_strategy
 from ..tools.cluster import (
     DEFAULT_SUBNET,
     ClusterError,
@@ -42,7 +43,6 @@ from .checkpoints import add_checkpoint_parser
 from .config import MIN_CORPUS_BYTES, ConfigError, load_config, to_toml
 from .preempt import PREEMPTED_EXIT_CODE, Preempted
 from .simulate import SimulateOptions, run_simulation, write_summary
-from .strategies import STRATEGIES, check_strategy
 from .trainer import PeerLostError, StartupError, TrainingError, UsageError, train
 
 CLUSTER_DESCRIPTION = """\

@@ -17,10 +17,10 @@ from typing import Any
 import torch
 
 from ..simulate import SimulatedReplicas
+from ..strategies import check_strategy
 from .config import MIN_CORPUS_BYTES
 from .outputs import strict_json
 from .schedule import lr_at
-from .strategies import check_strategy
 from .tasks.gpt import GPT, data_generator, get_batch, gpt_config, load_corpus
 
 

@@ -107,7 +107,7 @@ def _dcp_call(fn, state: dict, action: str, directory: Path, **kwargs) -> None:
         try:
             fn(state, no_dist=not (dist.is_available() and dist.is_initialized()), **kwargs)
         except CheckpointException as e:
-            cause = _storage_cause(e)
+            cause = _storage_cause(e) or e  # DCP may have collected no failure
             kind, text = storage_cause(cause, directory if fn is dcp.save else None)
             if kind == DAMAGED:  # e.g. EOFError or an unpickling error from a cut file
                 what = text.rstrip(": ")

@@ -135,7 +135,8 @@ def storage_cause(error: BaseException, directory: Path | None = None) -> tuple[
                             f"{usage.f_blocks * usage.f_frsize} bytes free")
                 except OSError:
                     pass
-            return cause, f"{probed.strerror[0].lower()}{probed.strerror[1:]} ({directory}{free})"
+            reason = probed.strerror or str(probed)  # an OSError may come without strerror
+            return cause, f"{reason[:1].lower()}{reason[1:]} ({directory}{free})"
         if "unexpected pos" in what or "enforce fail" in what:
             return IO, f"a write came out short ({what[:200]})"
     return DAMAGED, what[:300]

@@ -317,7 +317,7 @@ class Replicator(ABC):
         world, rank = group_size(self.transport), group_rank(self.transport)
         if (world, rank) != (self.world, self.rank):
             self.world, self.rank = world, rank
-            self.agreement = Agreement(self.name, rank, world, self.device)
+            self.agreement = Agreement(self.name, rank, world, self.device, self.transport)
             self._group_resized()
         for p in self.inner_replicators():
             p.rebind()

@@ -370,6 +370,7 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer, *,
     except Exception as e:
         error = e
     _agree(error, f"restoring checkpoint {path}")
+    assert result is not None  # _agree raised otherwise
     return result
 
 

@@ -75,7 +75,8 @@ def _agree(error: BaseException | None, action: str, payload: Any = None) -> lis
         if error is not None:
             raise error
         return [payload]
-    note = None if error is None else ("error", f"{type(error).__name__}: {error}")
+    note: tuple[str, Any] | None = (None if error is None
+                                    else ("error", f"{type(error).__name__}: {error}"))
     if storage is not None:
         note = ("storage", storage)
     gathered: list = [None] * world

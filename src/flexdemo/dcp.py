@@ -40,6 +40,7 @@ from __future__ import annotations
 import io
 import os
 import re
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -50,6 +51,36 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from .mismatch import check_base, check_mesh, check_model, check_replicators
 from .transport import group_rank
+
+if TYPE_CHECKING:
+    from .buffers import BufferSync
+    from .replicate.base import Replicator
+
+
+class FlexOptimizer(Protocol):
+    """What this module reads and sets of :class:`~flexdemo.optim.DeToNATION` (a protocol:
+    the optimizer imports this module)."""
+
+    steps: int
+    skipped_steps: int
+
+    @property
+    def base(self) -> torch.optim.Optimizer: ...
+    @property
+    def replicators(self) -> list[Replicator]: ...
+    @property
+    def param_groups(self) -> list[dict[str, Any]]: ...
+    @property
+    def params(self) -> list: ...
+    @property
+    def default_group(self) -> object: ...
+    @property
+    def buffer_sync(self) -> BufferSync | None: ...
+    @property
+    def buffer_policy(self) -> str: ...
+    def share_state(self) -> None: ...
+    def replicas_identical(self) -> bool: ...
+
 
 PREFIX = "flexdemo/"
 FORMAT = 1
@@ -65,7 +96,7 @@ def blob_key() -> str:
     return f"{PREFIX}chain/rank{_global_rank()}"
 
 
-def replica_tag(opt: torch.optim.Optimizer, t: torch.Tensor) -> str:
+def replica_tag(opt: FlexOptimizer, t: torch.Tensor) -> str:
     """The per-replica key part for ``t``: ``replica<r>`` for DTensor shards (the chunk's
     offsets tell shards apart), ``rank<g>`` for whole tensors."""
     if hasattr(t, "_local_tensor"):
@@ -75,12 +106,12 @@ def replica_tag(opt: torch.optim.Optimizer, t: torch.Tensor) -> str:
     return f"rank{_global_rank()}"
 
 
-def _mesh_shape(opt: torch.optim.Optimizer) -> tuple[int, ...] | None:
+def _mesh_shape(opt: FlexOptimizer) -> tuple[int, ...] | None:
     mesh = getattr(opt, "mesh", None)
     return None if mesh is None else tuple(int(n) for n in mesh.mesh.shape)
 
 
-def tensor_keys(opt: torch.optim.Optimizer) -> set[str]:
+def tensor_keys(opt: FlexOptimizer) -> set[str]:
     """The replicator state entries that are lists of fixed-shape tensors (DeMo's momentum,
     the subset replicators' buffers, DiLoCo's global copy, as each replicator declares): they
     travel as DCP tensors (keyed per rank), everything else (syncs in flight, counters) inside
@@ -127,12 +158,12 @@ def _pack(obj) -> bytes:
     return buf.getvalue()
 
 
-def _unpack(data: bytes):
+def _unpack(data: bytes | bytearray):
     return torch.load(io.BytesIO(data), map_location="cpu", weights_only=False)
 
 
 @torch.no_grad()
-def _init_base_state(opt: torch.optim.Optimizer) -> bool:
+def _init_base_state(opt: FlexOptimizer) -> bool:
     """Create the base optimizer's state by a zero-lr step on zero gradients if it has none
     (what torch's ``get_state_dict`` does for its own optimizers), so that a fresh optimizer's
     state dict has tensors for DCP to load into. Returns whether state was created. Parameters
@@ -156,7 +187,7 @@ def _init_base_state(opt: torch.optim.Optimizer) -> bool:
     return any(base.state.get(p) for p in params)
 
 
-def state_dict(opt: torch.optim.Optimizer) -> dict:
+def state_dict(opt: FlexOptimizer) -> dict:
     """``opt``'s state in torch's layout (see the module docstring)."""
     created = _init_base_state(opt)
     sd = opt.base.state_dict()
@@ -189,7 +220,7 @@ def state_dict(opt: torch.optim.Optimizer) -> dict:
         "kinds": _kinds(opt),
         "reprs": [repr(r) for r in opt.replicators],
         "buffers": [b.detach().clone() for b in opt.buffer_sync.all_buffers]
-        if keep_buffers else None,
+        if keep_buffers and opt.buffer_sync is not None else None,
     }
     state[0][blob_key()] = _pack(blob)
     state[0].update(fixed)
@@ -197,7 +228,7 @@ def state_dict(opt: torch.optim.Optimizer) -> dict:
 
 
 @torch.no_grad()
-def load_state_dict(opt: torch.optim.Optimizer, sd: dict) -> None:
+def load_state_dict(opt: FlexOptimizer, sd: dict) -> None:
     """Restore a state dict made by :func:`state_dict` (int or parameter-name keys)."""
     groups = sd["param_groups"]
     saved_ids = [i for g in groups for i in g["params"]]
@@ -268,13 +299,13 @@ def _local_shape(p: torch.Tensor) -> torch.Size:
     return (p._local_tensor if hasattr(p, "_local_tensor") else p).shape
 
 
-def _kinds(opt: torch.optim.Optimizer) -> dict:
+def _kinds(opt: FlexOptimizer) -> dict:
     """The classes of the base optimizer and of the replicators, by name."""
     return {"base": type(opt.base).__name__,
             "replicators": [type(r).__name__ for r in opt.replicators]}
 
 
-def _check_same_job(opt: torch.optim.Optimizer, blob: dict) -> None:
+def _check_same_job(opt: FlexOptimizer, blob: dict) -> None:
     """Refuse a state written for other parameter shapes, another base optimizer or other
     replicators before anything is loaded (torch's optimizers load such state silently and
     fail, or compute nonsense, at a later step). States written before these were recorded

@@ -149,6 +149,7 @@ def mesh_shape(world: int, replicate: int | None = None, shard: int | None = Non
             raise ValueError(f"LOCAL_WORLD_SIZE={shard} does not divide the world size {world}; "
                              "pass replicate= and shard= explicitly")
     if shard is None:
+        assert replicate is not None  # both None was handled above
         if world % replicate:
             raise ValueError(f"replicate={replicate} does not divide the world size {world}")
         shard = world // replicate

@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Collection, Iterable
+from collections.abc import Callable, Collection, Iterable, Sequence
+from typing import cast
 
 import torch
 from torch import nn
@@ -97,7 +98,8 @@ def _split(params: list, muon_params) -> tuple[list, list]:
     else:
         raise TypeError(f"muon_params must be None, a rule(name, param) -> bool or a list of "
                         f"parameter names, got {type(muon_params).__name__}")
-    muon, other = [], []
+    muon: list[tuple[str | None, torch.Tensor]] = []
+    other: list[tuple[str | None, torch.Tensor]] = []
     for n, p in pairs:
         (muon if rule(n, p) else other).append((n, p))
     bad = [n or f"#{i}" for i, (n, p) in enumerate(muon) if p.ndim != 2]
@@ -205,7 +207,7 @@ class MuonAdamW(torch.optim.Optimizer):
         for p, t, o in zip(params, locals_, ortho):
             t.add_(o, alpha=-_adjust_lr(lr, group["adjust_lr_fn"], p.shape))
 
-    def _orthogonalise(self, params: list, updates: list, group: dict) -> list:
+    def _orthogonalise(self, params: list, updates: Sequence[torch.Tensor], group: dict) -> list:
         """Torch's Newton-Schulz of every whole matrix; each rank gets its rows back."""
         from torch.optim._muon import _zeropower_via_newtonschulz
 
@@ -236,9 +238,9 @@ def row_sharding(p: torch.Tensor):
     mesh = getattr(p, "device_mesh", None)
     if mesh is None or mesh.size() == 1:
         return None
-    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor import DTensor, Replicate, Shard
 
-    placements = tuple(p.placements)
+    placements = tuple(cast(DTensor, p).placements)  # a DTensor: it has a device mesh
     if all(isinstance(pl, Replicate) for pl in placements):
         return None
     if mesh.ndim != 1 or placements != (Shard(0),):
@@ -300,7 +302,7 @@ def orthogonalise_sharded(shapes: list[torch.Size], local: list[torch.Tensor], g
     seconds = time.perf_counter() - t0
     # recv: for each source rank, its rows of each of my matrices, in matrix order
     pieces = list(recv.split(from_ranks))
-    whole = {}
+    whole: dict[int, list[torch.Tensor]] = {}
     for r in range(n):
         parts = pieces[r].split([rows[i][r] * shapes[i][1] for i in mine])
         for i, part in zip(mine, parts):

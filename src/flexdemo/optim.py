@@ -58,7 +58,8 @@ def make_base_optimizer(base, params, lr: float, **kwargs) -> torch.optim.Optimi
                              f"{base!r}; use optimizer='muon' or drop it")
         kwargs.setdefault("weight_decay", 0.0)
         try:
-            return cls(params, lr=lr, **kwargs)
+            factory: Callable[..., torch.optim.Optimizer] = cls  # (Optimizer itself takes no lr)
+            return factory(params, lr=lr, **kwargs)
         except TypeError as e:
             if "keyword argument" not in str(e):
                 raise
@@ -135,7 +136,7 @@ class DeToNATION(torch.optim.Optimizer):
 
     def __init__(self, params: Iterable, replicators: Replicator | str | Sequence = "demo",
                  base: str | Callable = "sgd", lr: float = 1e-3, *, weight_decay: float = 0.0,
-                 group: dist.ProcessGroup | None = None, nonfinite: str = "raise",
+                 group: dist.ProcessGroup | Transport | None = None, nonfinite: str = "raise",
                  base_kwargs: dict | None = None, mesh=None, fault_tolerance=None) -> None:
         if not isinstance(lr, (int, float)) or not lr >= 0.0:
             raise ValueError(f"lr must be a number >= 0, got {lr!r}")
@@ -216,10 +217,10 @@ class DeToNATION(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         grads, lrs = [], []
-        for g in self.param_groups:
-            for p in g["params"]:
+        for pg in self.param_groups:
+            for p in pg["params"]:
                 grads.append(None if p.grad is None else _local(p.grad))
-                lrs.append(float(g["lr"]))
+                lrs.append(float(pg["lr"]))
         if len(grads) != len(self._params):
             raise RuntimeError("parameters were added after construction; build a new optimizer")
         data = list(grads)
@@ -246,6 +247,7 @@ class DeToNATION(torch.optim.Optimizer):
         if not skipped:
             for g, out in zip(grads, data):
                 if g is not None and out is not g:
+                    assert out is not None, "a replicator dropped a gradient"
                     g.copy_(out)
             for group in self.param_groups:
                 wd = group.get("flexdemo_weight_decay", 0.0)
@@ -264,8 +266,9 @@ class DeToNATION(torch.optim.Optimizer):
             skipped = True
         self.skipped_steps += skipped
         # on every rank alike (a skipped step too), so the buffers' collective always pairs up
-        if self.buffer_policy == "mean" and (self._buffers_every_step or any(
-                r.stats.last_collectives for r in self.replicators)):
+        if self.buffer_sync is not None and self.buffer_policy == "mean" and (
+                self._buffers_every_step
+                or any(r.stats.last_collectives for r in self.replicators)):
             self.buffer_sync()
         self.steps += 1
         return loss

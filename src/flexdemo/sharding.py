@@ -61,6 +61,7 @@ def broadcast_tensors(tensors: Sequence[torch.Tensor], group: dist.ProcessGroup 
     group = group or dist.group.WORLD
     if dist.get_world_size(group) == 1:
         return
+    assert group is not None  # the default group exists: torch.distributed is initialised
     locals_ = [_local(t) for t in tensors if t.numel()]
     if not locals_:
         return
@@ -327,7 +328,7 @@ def prepare(model: nn.Module, replicator: str | Replicator | Sequence = "demo",
         _materialise(model, target, init_fn)
         if sync_init:  # shards initialise independently; replicas take the first one's
             broadcast_module(model, group=mesh["replicate"].get_group())
-    model._flexdemo_prepared = True
+    model._flexdemo_prepared = True  # type: ignore[assignment]  # a marker, not a submodule
     opt = DeToNATION(list(model.named_parameters()), reps, base=optimizer, lr=lr,
                      weight_decay=weight_decay, group=mesh["replicate"].get_group(),
                      nonfinite=nonfinite, base_kwargs=with_model_rule(model, optimizer,

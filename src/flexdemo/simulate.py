@@ -78,6 +78,7 @@ def run_replicas(hub: InProcessHub, fn: Callable[[int], object]) -> list:
               and not isinstance(e, ReplicaAbortedError)]
     if failed:
         err = errors[failed[0]]
+        assert err is not None
         others = f"; replicas {failed} raised" if len(failed) > 1 else ""
         if hasattr(err, "add_note"):
             err.add_note(f"raised by simulated replica {failed[0]} of {n}{others}")
@@ -97,7 +98,7 @@ def _without_graphs(reps, device: torch.device) -> None:
         rep = todo.pop()
         graphs = getattr(rep, "graphs", None)
         if graphs == "auto":
-            rep.graphs = False
+            rep.graphs = False  # type: ignore[attr-defined]  # replicators that have graphs
         elif graphs is True and device.type == "cuda":
             raise ValueError(f"{rep.name}: graphs=True cannot run under SimulatedReplicas (its "
                              "replicas share one CUDA stream from several threads); leave "
@@ -301,7 +302,8 @@ class SimulatedReplicas:
 
     def last_step_stats(self) -> list[dict]:
         """Each replica's ``last_step_stats()`` (bytes and collectives of the last step)."""
-        return [o.last_step_stats() for o in self.optimizers]
+        # flexdemo's optimizers (an optimizer_fn's optimizer may lack it: AttributeError)
+        return [o.last_step_stats() for o in self.optimizers]  # type: ignore[attr-defined]
 
     def __repr__(self) -> str:
         return (f"SimulatedReplicas(replicas={self.n}, device={self.device}, "

@@ -28,6 +28,7 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from typing import Literal, overload
 
 import torch
 import torch.distributed as dist
@@ -189,7 +190,7 @@ class InProcessHub:
         """Start a fresh run: no deposits, no failures (call between runs, never during)."""
         with self._cond:
             self._deposits: list = [None] * self.world
-            self._result = None
+            self._result: torch.Tensor | str | None = None
             self._round = 0
             self._arrived = 0
             self._left: set[int] = set()
@@ -270,6 +271,7 @@ class InProcessHub:
             result = self._result
         if isinstance(result, str):
             raise ReplicaAbortedError(result)
+        assert result is not None  # set by _complete before the round advanced
         return result
 
 
@@ -420,17 +422,28 @@ class Pending:
                  nbytes: int = 0, launch_seconds: float = 0.0) -> None:
         self.result, self._work, self._stats = result, work, stats
         if work is not None:
+            assert stats is not None, "an asynchronous collective records into stats"
             stats.record(nbytes, nbytes, launch_seconds)
 
     def wait(self) -> torch.Tensor:
         if self._work is not None:
             t0 = time.perf_counter()
             self._work.wait()
+            assert self._stats is not None
             self._stats.record(0, 0, time.perf_counter() - t0, collectives=0)
             self._work = None
         return self.result
 
 
+@overload
+def all_reduce_sum(buf: torch.Tensor, group, stats: CommStats,
+                   async_op: Literal[False] = False) -> torch.Tensor: ...
+@overload
+def all_reduce_sum(buf: torch.Tensor, group, stats: CommStats,
+                   async_op: Literal[True]) -> Pending: ...
+@overload
+def all_reduce_sum(buf: torch.Tensor, group, stats: CommStats,
+                   async_op: bool = False) -> torch.Tensor | Pending: ...
 def all_reduce_sum(buf: torch.Tensor, group, stats: CommStats,
                    async_op: bool = False) -> torch.Tensor | Pending:
     """Sum ``buf`` in place over ``group``, recording bytes and seconds.
@@ -450,6 +463,15 @@ def all_reduce_sum(buf: torch.Tensor, group, stats: CommStats,
     return buf
 
 
+@overload
+def all_gather(buf: torch.Tensor, group, stats: CommStats,
+               async_op: Literal[False] = False) -> torch.Tensor: ...
+@overload
+def all_gather(buf: torch.Tensor, group, stats: CommStats,
+               async_op: Literal[True]) -> Pending: ...
+@overload
+def all_gather(buf: torch.Tensor, group, stats: CommStats,
+               async_op: bool = False) -> torch.Tensor | Pending: ...
 def all_gather(buf: torch.Tensor, group, stats: CommStats,
                async_op: bool = False) -> torch.Tensor | Pending:
     """Gather the 1-D ``buf`` of every rank of ``group``: returns ``(group_size, len(buf))``.

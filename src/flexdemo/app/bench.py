@@ -156,7 +156,8 @@ def bench_options(*, preset: str | None = None, strategies: str | list[str] | No
         raise ConfigError(f"[train] must be a table of keys, got {base['train']!r}")
     # what the user set: the --config file's [train], then the overrides' train keys
     given = apply_overrides({}, [x for x in overrides or [] if x.startswith("train.")])
-    given_file = file.get("train") if isinstance(file.get("train"), dict) else {}
+    file_train = file.get("train")
+    given_file = file_train if isinstance(file_train, dict) else {}
     o.steps = _bench_steps(steps, given.get("train", {}).get("steps"), given_file.get("steps"),
                            p.get("steps", 100))
     train = base.setdefault("train", {})

@@ -99,8 +99,9 @@ class TrainState:
 def _existing_checkpoints(root: Path) -> list[Path]:
     if not root.is_dir():
         return []
-    found = [p for p in root.iterdir() if p.is_dir() and CHECKPOINT_RE.match(p.name)]
-    return sorted(found, key=lambda p: int(CHECKPOINT_RE.match(p.name).group(1)))
+    found = [(int(m.group(1)), p) for p in root.iterdir()
+             if p.is_dir() and (m := CHECKPOINT_RE.match(p.name))]
+    return [p for _, p in sorted(found, key=lambda sp: sp[0])]
 
 
 def _candidates(root: Path) -> list[Path]:

@@ -59,9 +59,14 @@ class Heartbeat:
     def _key(self, what: str, rank: int | None = None) -> str:
         return f"{self.PREFIX}{what}" + ("" if rank is None else f"/{rank}")
 
-    def _beat(self) -> None:
+    @property
+    def _store(self) -> dist.Store:
+        """The store, for the heartbeat thread and the diagnosis (they run only with one)."""
         assert self.store is not None
-        self.store.add(self._key("hb", self.rank), 1)
+        return self.store
+
+    def _beat(self) -> None:
+        self._store.add(self._key("hb", self.rank), 1)
 
     def _run(self) -> None:
         waited = 0
@@ -72,7 +77,7 @@ class Heartbeat:
                     continue
                 if self.watching.is_set() and self._watch():
                     return
-                if self.store.check([self._key("verdict")]):
+                if self._store.check([self._key("verdict")]):
                     waited += 1  # give the main thread two beats to notice on its own
                     if waited > 2 and not self.noticed.is_set():
                         self.noticed.set()
@@ -87,20 +92,22 @@ class Heartbeat:
         waiting for it in a group's creation): a peer whose heartbeat has not moved for
         ``stale`` seconds died; publish that verdict (or take an earlier one) and hand it to
         ``on_verdict``. Returns whether it did."""
+        stale, on_verdict = self.stale, self.on_verdict
+        assert stale is not None and on_verdict is not None  # watching needs both
         now = time.monotonic()
         stalled = []
         for r, count in enumerate(self._counters()):
             last = self._moved.get(r)
             if last is None or last[0] != count:
                 self._moved[r] = (count, now)
-            elif r != self.rank and now - last[1] > self.stale:
+            elif r != self.rank and now - last[1] > stale:
                 stalled.append(r)
         if not stalled or not self.watching.is_set():
             return False
         self.noticed.set()
-        self.store.set(self._key("noticed", self.rank), "1")
-        self.store.compare_set(self._key("verdict"), "", json.dumps(stalled))
-        self.on_verdict(self._take_verdict())
+        self._store.set(self._key("noticed", self.rank), "1")
+        self._store.compare_set(self._key("verdict"), "", json.dumps(stalled))
+        on_verdict(self._take_verdict())
         return True
 
     def stop(self) -> None:
@@ -110,14 +117,14 @@ class Heartbeat:
             self._thread.join(timeout=2 * self.interval + 1)
 
     def _counters(self) -> list[int]:
-        return [self.store.add(self._key("hb", r), 0) for r in range(self.world)]
+        return [self._store.add(self._key("hb", r), 0) for r in range(self.world)]
 
     def _noticed(self) -> set[int]:
-        return {r for r in range(self.world) if self.store.check([self._key("noticed", r)])}
+        return {r for r in range(self.world) if self._store.check([self._key("noticed", r)])}
 
     def _take_verdict(self) -> list[int]:
-        text = self.store.get(self._key("verdict")).decode()
-        self.store.set(self._key("taken", self.rank), "1")
+        text = self._store.get(self._key("verdict")).decode()
+        self._store.set(self._key("taken", self.rank), "1")
         return json.loads(text)
 
     def lost_ranks(self) -> tuple[list[int], str]:

@@ -277,6 +277,7 @@ class Trainer:
 
     def _resume(self) -> tuple[Path | None, ShardSampler]:
         tc = self.cfg.train
+        assert self.checkpointer is not None  # built by _set_up
         resume_from = self.checkpointer.resume_path(self.cfg.resume)
         if resume_from is None:
             self.checkpointer.clear_earlier_run(tc.overwrite, self.cfg.resume)
@@ -387,6 +388,7 @@ class Trainer:
 
     def _run(self) -> dict[str, Any]:
         tc, sc, say = self.cfg.train, self.cfg.strategy, self.say
+        assert self.checkpointer is not None and self.stop is not None  # built by _set_up
         resume_from, sampler = self._resume()
         start = self.state.step
         last = tc.stop_at or tc.steps

@@ -175,18 +175,19 @@ class BlockDCT:
         cr, cc = p.chunk
         nbr = p.grid[0]
         pr, pc = p.padded
-        direct = (out is not None and not p.needs_padding and out.dtype == self.dtype
-                  and out.is_contiguous())
+        direct = (out if out is not None and not p.needs_padding and out.dtype == self.dtype
+                  and out.is_contiguous() else None)  # the result is written there
         z = self.scratch.get(1, p.padded_numel, self.dtype, self.device)
         if cr == 1:
-            target = out.view(-1, cc) if direct else z.view(-1, cc)
+            target = direct.view(-1, cc) if direct is not None else z.view(-1, cc)
             torch.mm(image.reshape(-1, cc), self.dc, out=target)
         else:
             torch.mm(image.reshape(-1, cc), self.dc, out=z.view(-1, cc))
-            target = out.view(nbr, cr, pc) if direct else image.reshape(nbr, cr, pc)
+            target = (direct.view(nbr, cr, pc) if direct is not None
+                      else image.reshape(nbr, cr, pc))
             torch.matmul(self.dr_t, z.view(nbr, cr, pc), out=target)
-        if direct:
-            return out
+        if direct is not None:
+            return direct
         res = target.view(pr, pc)[: p.shape2d[0], : p.shape2d[1]]
         if out is None:
             return res.reshape(p.shape).clone()
@@ -366,6 +367,7 @@ class BatchedDCT:
                 coef[:, blocks] = part
             return
         part = y[:, blocks]
+        assert scratch is not None, "a low-precision product needs scratch"
         z = scratch[: part.numel()].view(part.shape)
         torch.matmul(part, dc_t_fwd, out=z)
         if wide is not None:

@@ -15,6 +15,7 @@ import sys
 import threading
 import time
 from datetime import timedelta
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -22,6 +23,9 @@ import torch.distributed as dist
 from .config import FaultTolerance
 from .state import check_supported, heal_state, load_heal_state, rebind, restore, snapshot
 from .transport import ManagerTransport, PeerLostError
+
+if TYPE_CHECKING:
+    from ..dcp import FlexOptimizer
 
 
 class QuorumTimeoutError(TimeoutError):
@@ -94,8 +98,10 @@ class ElasticSession:
         timeout = timedelta(seconds=config.timeout)
         rank = dist.get_rank() if dist.is_initialized() else 0
         world = dist.get_world_size() if dist.is_initialized() else 1
-        addr, port, self._own_store = _store(config.hostname)
-        self.opt = None
+        hostname, quorum_timeout = config.hostname, config.quorum_timeout
+        assert hostname is not None and quorum_timeout is not None  # filled in by the config
+        addr, port, self._own_store = _store(hostname)
+        self.opt: FlexOptimizer | None = None
         self.stepping = False
         self._begun = False
         self._started = False
@@ -111,11 +117,11 @@ class ElasticSession:
             self.manager = Manager(
                 pg=ProcessGroupGloo(timeout=timeout), load_state_dict=None, state_dict=None,
                 min_replica_size=config.min_replicas, use_async_quorum=False,
-                timeout=timeout, quorum_timeout=timedelta(seconds=config.quorum_timeout),
+                timeout=timeout, quorum_timeout=timedelta(seconds=quorum_timeout),
                 connect_timeout=timeout, rank=rank, world_size=world, store_addr=addr,
                 store_port=port, lighthouse_addr=config.lighthouse,
                 replica_id=config.replica_id, hostname=config.hostname,
-                checkpoint_transport=_checkpoint_transport(config.hostname, timeout),
+                checkpoint_transport=_checkpoint_transport(hostname, timeout),
                 max_retries=config.max_failed_commits)
         except Exception as e:  # noqa: BLE001 - one line naming the lighthouse
             raise LighthouseUnreachableError(
@@ -127,7 +133,7 @@ class ElasticSession:
         self._recorder = self.manager._client = _QuorumRecorder(self.manager._client)
 
     # ------------------------------------------------------------------ set-up
-    def attach(self, opt) -> None:
+    def attach(self, opt: FlexOptimizer) -> None:
         """Bind to the optimizer: its state is what a joiner fetches."""
         try:
             for rep in opt.replicators:
@@ -155,15 +161,18 @@ class ElasticSession:
         groups are there, at most ``quorum_timeout`` seconds."""
         if self._begun:
             return
+        assert self.opt is not None, "attach() the optimizer first"
+        quorum_timeout = self.config.quorum_timeout
+        assert quorum_timeout is not None  # filled in by the config
         if not self._started:  # a resumed optimizer: the lighthouse sees its committed steps
             self._started = True
             if self.manager.current_step() != self.opt.steps:
                 self.manager.load_state_dict({"step": self.opt.steps,
                                               "batches_committed": 0})
         t0 = time.perf_counter()
-        deadline = time.monotonic() + self.config.quorum_timeout
+        deadline = time.monotonic() + quorum_timeout
         told = threading.Event()
-        timer = threading.Timer(min(5.0, self.config.quorum_timeout / 4), self._say_waiting,
+        timer = threading.Timer(min(5.0, quorum_timeout / 4), self._say_waiting,
                                 args=(told,))
         timer.daemon = True
         timer.start()
@@ -254,7 +263,8 @@ class ElasticSession:
         snap = snapshot(opt)
         self.snapshot_seconds = time.perf_counter() - t0
         self.stepping = True
-        loss, error = None, None
+        loss = None
+        error: BaseException | None = None
         try:
             loss = opt.step(closure)
         except PeerLostError as e:

@@ -38,7 +38,7 @@ def _supported_names() -> str:
     """The registered replicators that declare themselves fault tolerant."""
     names = []
     for factory in REPLICATORS.values():
-        cls = factory if isinstance(factory, type) else None
+        cls = factory if isinstance(factory, type) and issubclass(factory, Replicator) else None
         if cls is not None and cls.fault_tolerant and cls.name not in names:
             names.append(cls.name)
     return ", ".join(names)

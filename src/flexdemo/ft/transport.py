@@ -79,7 +79,7 @@ class ManagerTransport(Transport):
 
     def all_reduce_sum_(self, buf: torch.Tensor, async_op: bool = False):
         opts = AllreduceOptions()
-        opts.reduceOp = dist.ReduceOp.SUM
+        opts.reduceOp = dist.ReduceOp.SUM  # type: ignore[assignment]  # stubs: RedOpType
         pg = self.manager._pg
         return self._run(lambda: pg.allreduce([buf], opts), "all-reduce", async_op)
 

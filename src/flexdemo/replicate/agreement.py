@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 import zlib
+from collections.abc import Sequence
 
 import torch
 
@@ -65,7 +66,7 @@ class CorruptPayloadError(RuntimeError):
 
 
 
-def nonfinite_flag(tensors: list[torch.Tensor | None],
+def nonfinite_flag(tensors: Sequence[torch.Tensor | None],
                    device: torch.device | None = None) -> torch.Tensor:
     """A 0-d bool tensor, True when some value of ``tensors`` is NaN or Inf.
 
@@ -108,13 +109,13 @@ def all_finite(tensors: list[torch.Tensor]) -> bool:
     return not bool(nonfinite_flag(tensors))
 
 
-def presence_code(grads: list) -> int:
+def presence_code(grads: Sequence) -> int:
     """A 16-bit code of which parameters have a gradient (equal on replicas that agree)."""
     bits = bytes(0 if g is None else 1 for g in grads)
     return zlib.crc32(bits) & 0xFFFF
 
 
-def mark_nonfinite(tensors: list[torch.Tensor | None]) -> None:
+def mark_nonfinite(tensors: Sequence[torch.Tensor | None]) -> None:
     """Write a NaN into the first non-empty tensor: the in-band non-finite flag of an input
     whose own values are finite (a step withheld earlier must be reported)."""
     for t in tensors:
@@ -148,15 +149,15 @@ class Agreement:
         self.group = group
         self._codes: dict[tuple, int] = {}
 
-    def local(self, tensors: list[torch.Tensor | None],
-              grads: list | None = None) -> tuple[torch.Tensor, int]:
+    def local(self, tensors: Sequence[torch.Tensor | None],
+              grads: Sequence | None = None) -> tuple[torch.Tensor, int]:
         """This rank's flag (0-d bool device tensor) for ``tensors`` and the presence code
         of ``grads`` (default: ``tensors``)."""
-        grads = tensors if grads is None else grads
-        key = tuple(g is None for g in grads)
+        which = tensors if grads is None else grads
+        key = tuple(g is None for g in which)
         code = self._codes.get(key)
         if code is None:
-            code = self._codes[key] = presence_code(grads)
+            code = self._codes[key] = presence_code(which)
         return nonfinite_flag(tensors, self.device), code
 
     @staticmethod

@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 from ..transport import (
     CommStats,
+    Transport,
     all_gather_bytes,
     gather_into,
     group_rank,
@@ -71,7 +72,7 @@ def setting_names(*chain) -> list[str]:
                                              else (link,))):
         if f is object or (isinstance(f, type) and "__init__" not in f.__dict__):
             continue
-        params = inspect.signature(f.__init__ if isinstance(f, type) else f).parameters
+        params = inspect.signature(f.__dict__["__init__"] if isinstance(f, type) else f).parameters
         names += [n for n, p in params.items() if n not in ("self", "cls") and n not in names
                   and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
         if not any(p.kind is p.VAR_KEYWORD for p in params.values()):
@@ -119,8 +120,8 @@ class Replicator(ABC):
     #: need not copy it again
     state_dict_copies: bool = False
 
-    def __init__(self, *, group: dist.ProcessGroup | None = None, replicate_every: int = 1,
-                 skip_every: int = 0) -> None:
+    def __init__(self, *, group: dist.ProcessGroup | Transport | None = None,
+                 replicate_every: int = 1, skip_every: int = 0) -> None:
         _check_schedule(replicate_every, skip_every)
         self.group = group
         self.replicate_every = replicate_every
@@ -130,7 +131,7 @@ class Replicator(ABC):
 
     # ------------------------------------------------------------------ setup
     def setup(self, shapes: list[torch.Size], device: torch.device,
-              default_group: dist.ProcessGroup | None,
+              default_group: dist.ProcessGroup | Transport | None,
               params: list[torch.Tensor] | None = None, nonfinite: str = "raise") -> None:
         """Bind to the local parameter shapes; allocate state. Called once by the optimizer.
 
@@ -160,7 +161,7 @@ class Replicator(ABC):
         """All ranks of the group must hold the same local shapes (one tiny collective)."""
         if self.world <= 1:
             return
-        code = zlib.crc32(repr([tuple(s) for s in self._shapes]).encode())
+        code = zlib.crc32(repr([tuple(s) for s in self._local_shapes]).encode())
         mine = torch.tensor([code], dtype=torch.int64, device=self.device)
         out = torch.empty(self.world, dtype=torch.int64, device=self.device)
         gather_into(out, mine, self.transport)
@@ -196,10 +197,9 @@ class Replicator(ABC):
 
     def _begin(self, grads: list[torch.Tensor | None], step: int) -> bool:
         """Checks and accounting at the start of a step; returns whether it exchanges."""
-        if self._shapes is None:
-            raise RuntimeError(f"{self.name} is not set up; use it through flexdemo's optimizer")
-        if len(grads) != len(self._shapes):
-            raise ValueError(f"{self.name}: expected {len(self._shapes)} gradients, "
+        shapes = self._local_shapes
+        if len(grads) != len(shapes):
+            raise ValueError(f"{self.name}: expected {len(shapes)} gradients, "
                              f"got {len(grads)}")
         self.stats.begin_step()
         comm = self.communicates(step) and self.world > 1
@@ -265,6 +265,13 @@ class Replicator(ABC):
     @property
     def shapes(self) -> list[torch.Size] | None:
         """The rank-local parameter shapes it was set up for (None before :meth:`setup`)."""
+        return self._shapes
+
+    @property
+    def _local_shapes(self) -> list[torch.Size]:
+        """:attr:`shapes`, for code that runs after :meth:`setup` (raises before it)."""
+        if self._shapes is None:
+            raise RuntimeError(f"{self.name} is not set up; use it through flexdemo's optimizer")
         return self._shapes
 
     def inner_replicators(self) -> tuple[Replicator, ...]:

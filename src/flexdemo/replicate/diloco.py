@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable
+from typing import NoReturn, cast
 
 import torch
 
@@ -173,7 +174,7 @@ class DiLoCoReplicator(Replicator):
         self._template.group = group
         for ex, part in zip(self.exchanges, self.parts):
             ex.group = group
-            ex.setup([self._shapes[i] for i in part], self.device, self.group,
+            ex.setup([self._local_shapes[i] for i in part], self.device, self.group,
                      nonfinite=self.nonfinite)
         self.syncs = [0] * self.fragments
         self.pending: dict[int, _Sync] = {}
@@ -225,7 +226,9 @@ class DiLoCoReplicator(Replicator):
             self._bad_inner = None
         ex = self.exchanges[p]
         try:
-            handle = ex.start(pseudo, [1.0] * len(part), self.syncs[p])
+            # start() reads the list and writes into its tensors; it never stores None in it
+            handle = ex.start(cast("list[torch.Tensor | None]", pseudo), [1.0] * len(part),
+                              self.syncs[p])
         except NonFiniteGradientError as e:
             self.syncs[p] += 1
             self._drop(p, e, step)
@@ -280,7 +283,7 @@ class DiLoCoReplicator(Replicator):
             torch._foreach_mul_(local, alpha)
             torch._foreach_add_(local, glob, alpha=1.0 - alpha)
 
-    def _drop(self, p: int, e: NonFiniteGradientError, step: int) -> None:
+    def _drop(self, p: int, e: NonFiniteGradientError, step: int) -> NoReturn:
         """A sync of fragment ``p`` failed on every replica alike: restart the fragment from
         the global parameters (no outer step) and raise."""
         self.pending.pop(p, None)

@@ -126,7 +126,7 @@ class FullReplicator(Replicator):
         self._setup_state()  # the fp32 bucket's trailer holds 2 values per replica
 
     def _setup_state(self) -> None:
-        self._total = sum(s.numel() for s in self._shapes)
+        self._total = sum(s.numel() for s in self._local_shapes)
         self._scatter = None
         if self.reduce == "scatter" and self.world > 1:
             self._scatter = ScatterExchange(self.codec, self._total, self.world, self.rank,
@@ -142,7 +142,7 @@ class FullReplicator(Replicator):
             nbytes = HEADER_BYTES + self.codec.nbytes(self._total)
             nbytes += -nbytes % 8  # rows of the gathered tensor stay 8-byte aligned
             self._bucket = torch.zeros(nbytes, dtype=torch.uint8, device=self.device)
-        self.layout = FlatLayout(self._shapes, self.device, flat)
+        self.layout = FlatLayout(self._local_shapes, self.device, flat)
 
     def payload_bytes(self) -> int:
         """Bytes this rank contributes to one exchange (flags and headers included)."""
@@ -222,7 +222,7 @@ class FullReplicator(Replicator):
         n = gathered.shape[0]
         heads = gathered[:, :HEADER_BYTES].view(torch.int64)  # (n, 4)
         scratch = self.codec.workspace(self.codec.room(self._total), flat.device)  # (encoded)
-        ends = []
+        ends: list[torch.Tensor] = []
         flat.zero_()
         for r in range(n):  # rank order: every replica sums alike
             values = self.codec.decode_into(gathered[r, HEADER_BYTES:], self._total, scratch)
@@ -233,9 +233,9 @@ class FullReplicator(Replicator):
         heads_l = [read[4 * r: 4 * r + 4] for r in range(n)]
         problems = header_problems(heads_l, step)
         peers = [r for r in range(n) if problems[r] is None]
-        for r in range(n):
-            if problems[r] is not None:
-                self.bad_peer(r, step, problems[r])
+        for r, problem in enumerate(problems):
+            if problem is not None:
+                self.bad_peer(r, step, problem)
         check_flags(self.name, [heads_l[r][2] if r in peers else 0 for r in range(n)],
                     [heads_l[r][3] if r in peers else code for r in range(n)], code, step,
                     self.transport)

@@ -61,7 +61,7 @@ class PhasedReplicator(Replicator):
 
     def setup(self, shapes, device, default_group, params=None, nonfinite="raise") -> None:
         super().setup(shapes, device, default_group, params, nonfinite)
-        for rep in (self.first, self.then):
+        for rep in self.inner_replicators():  # both phases: first is cleared only below
             rep.setup(shapes, device, self.group, params, nonfinite)
             rep.stats = self.stats  # one account of bytes and time for both phases
         self._handoff = self._momentum_pairs()
@@ -80,11 +80,14 @@ class PhasedReplicator(Replicator):
 
     @property
     def active(self) -> Replicator:
-        return self.then if self.phase else self.first
+        active = self.then if self.phase else self.first
+        assert active is not None  # first is cleared only when the phase turns to 1
+        return active
 
     def _switch(self) -> None:
         if self._handoff and self.first is not None:
-            torch._foreach_copy_(self.then.delta, self.first.delta)
+            # duck-typed: _handoff holds when both phases have momentum buffers (.delta)
+            torch._foreach_copy_(self.then.delta, self.first.delta)  # type: ignore[attr-defined]
         self.first = None  # its buffers are no longer needed
         self.phase = 1
 
@@ -121,7 +124,7 @@ class PhasedReplicator(Replicator):
     @property
     def delta(self) -> list[torch.Tensor]:
         """The active phase's momentum buffers."""
-        return self.active.delta
+        return self.active.delta  # type: ignore[attr-defined]  # DeMo or phased phases
 
     def inner_replicators(self) -> tuple[Replicator, ...]:
         return tuple(r for r in (self.first, self.then) if r is not None)

@@ -57,12 +57,12 @@ class _SubsetReplicator(Replicator):
             torch._foreach_zero_(self.buffers)
 
     def _setup_state(self) -> None:
-        numels = [s.numel() for s in self._shapes]
+        numels = [s.numel() for s in self._local_shapes]
         self.counts = [0 if n == 0 else self._count(n) for n in numels]
         flat_shapes = [torch.Size([n]) for n in numels]
         self.momentum = FlatLayout(flat_shapes, self.device)  # the momenta, end to end
         self.buffers = self.momentum.views  # one 1-D view per parameter
-        self.work = FlatLayout(self._shapes, self.device)  # gradients in, outputs out
+        self.work = FlatLayout(self._local_shapes, self.device)  # gradients in, outputs out
         self._work_1d = [v.view(-1) for v in self.work.views]
         self._total = sum(self.counts)
         self._bucket = torch.zeros(self._total + Agreement.trailer_size(self.world),
@@ -136,6 +136,7 @@ class _SubsetReplicator(Replicator):
             return grads
         self.work.fill(grads)
         flag, code = self.agreement.local([self.work.flat], grads)
+        decay: torch.Tensor | float
         if communicate:
             # a rank with a non-finite input leaves its momentum as it was: decay by one, add
             # zeros (decided on the device; every rank raises after the exchange)

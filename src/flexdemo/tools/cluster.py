@@ -45,7 +45,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import IO, Any
+from typing import IO, Any, Protocol
 
 __all__ = [
     "NAME_PREFIX", "ClusterError", "EmulatedCluster", "LatencyUnavailableError", "NodeInfo",
@@ -314,16 +314,24 @@ class RunResult:
         return self.failed_rank is None and not self.timed_out
 
 
+class TextSink(Protocol):
+    """Where the ranks' output lines go: a text file, or anything that writes and flushes."""
+
+    def write(self, text: str, /) -> object: ...
+
+    def flush(self) -> None: ...
+
+
 class _Output:
     """Forwards a rank's pipe line by line with a prefix, under a shared lock."""
 
-    def __init__(self, pipe: IO[bytes], prefix: str, sink: IO[str], lock: threading.Lock):
+    def __init__(self, pipe: IO[bytes], prefix: str, sink: TextSink, lock: threading.Lock):
         self.thread = threading.Thread(target=self._pump, args=(pipe, prefix, sink, lock),
                                        daemon=True)
         self.thread.start()
 
     @staticmethod
-    def _pump(pipe: IO[bytes], prefix: str, sink: IO[str], lock: threading.Lock) -> None:
+    def _pump(pipe: IO[bytes], prefix: str, sink: TextSink, lock: threading.Lock) -> None:
         broken = False
         with pipe:
             for raw in iter(pipe.readline, b""):
@@ -587,7 +595,7 @@ class EmulatedCluster:
         }
 
     def run(self, cmd: Sequence[str], *, env: Mapping[str, str] | None = None,
-            stdout: IO[str] | None = None, stderr: IO[str] | None = None,
+            stdout: TextSink | None = None, stderr: TextSink | None = None,
             timeout: float | None = None, cwd: str | None = None) -> RunResult:
         """Run ``cmd`` once per rank, each in its node's namespace, and supervise them.
 
@@ -650,10 +658,10 @@ class EmulatedCluster:
         seconds = time.monotonic() - t0
         codes = [p.poll() for p in procs]
         assert failed is not None
-        rank, exit_code, message, timed_out = failed
+        failed_rank, exit_code, message, timed_out = failed
         stopped = (f"; stopped rank{'s' if len(terminated) > 1 else ''} "
                    f"{', '.join(map(str, terminated))}" if terminated else "")
-        result = RunResult(codes, rank, exit_code, f"{message}{stopped} ({seconds:.1f}s)",
+        result = RunResult(codes, failed_rank, exit_code, f"{message}{stopped} ({seconds:.1f}s)",
                            seconds, timed_out, terminated)
         if result.ok:  # a failure is the caller's to report, once (flexdemo cluster: error:)
             self._log(result.message)

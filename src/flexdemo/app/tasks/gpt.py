@@ -15,6 +15,7 @@ import math
 import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -205,7 +206,7 @@ def evaluate(model: nn.Module, data: torch.Tensor, batches: int, batch: int = 8,
 
     Under FSDP every rank of a shard group must call this the same number of times.
     """
-    seq_len = seq_len or model.cfg.seq_len
+    seq_len = seq_len or cast(GPT, model).cfg.seq_len  # the default needs a GPT
     gen = torch.Generator().manual_seed(seed)
     was_training = model.training
     model.eval()

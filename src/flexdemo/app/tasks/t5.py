@@ -18,6 +18,7 @@ import importlib.util
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -183,7 +184,11 @@ class T5Task(Task):
 
     def shard_units(self) -> Callable[[nn.Module], list[nn.Module]]:
         """The encoder's and decoder's ``T5Block``s (not the layers nested inside them)."""
-        return lambda model: [*model.encoder.block, *model.decoder.block]
+        def blocks(model: nn.Module) -> list[nn.Module]:
+            t5: Any = model  # a T5ForConditionalGeneration
+            return [*t5.encoder.block, *t5.decoder.block]
+
+        return blocks
 
     def describe(self) -> str:
         c = self.config

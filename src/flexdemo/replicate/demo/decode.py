@@ -32,7 +32,7 @@ def blocks_into_image(lay: BlockLayout, g: Group, s: Segment, blocks: torch.Tens
     if s.inv is not None:
         cc = g.chunk[1]
         torch.index_select(blocks.view(-1, cc), 0, s.inv,
-                           out=lay.out_image(g, s.image, s.padded).view(-1, cc))
+                           out=lay.out_image(g, s.image_part, s.padded).view(-1, cc))
 
 
 def decode_mean(lay: BlockLayout, g: Group, idx: torch.Tensor, vals: torch.Tensor, *,

@@ -69,7 +69,7 @@ class CompiledSelection:
 
     def __init__(self, name: str, on_failure: Callable[[], None]) -> None:
         self.name, self.on_failure = name, on_failure
-        self.fn = None
+        self.fn: Callable[[torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]] | None = None
 
     def __call__(self, g: Group):
         """``(indices, positions)`` of the top-k of every block of ``g``, or None: a block

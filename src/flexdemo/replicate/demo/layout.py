@@ -45,6 +45,24 @@ class Unit:
         return self.plan.needs_padding
 
     @property
+    def image_part(self) -> slice:
+        """:attr:`image` of an image-staged unit (set when its group is built)."""
+        assert self.image is not None, "not an image-staged unit"
+        return self.image
+
+    @property
+    def xpad_part(self) -> slice:
+        """:attr:`xpad` of a padded unit (set when its group is built)."""
+        assert self.xpad is not None, "not a padded unit"
+        return self.xpad
+
+    @property
+    def momentum(self) -> torch.Tensor:
+        """:attr:`delta`, once the unit's group is built."""
+        assert self.delta is not None, "the unit's group is not built"
+        return self.delta
+
+    @property
     def direct(self) -> bool:
         """Staged straight into block rows (a tiling tensor); else through an image."""
         return self.image is None
@@ -63,6 +81,12 @@ class Segment:
     inv: torch.Tensor | None = None  # image row -> block row within the segment
     deltas: list[torch.Tensor] = field(default_factory=list)  # padded: momentum views
     outs: list[torch.Tensor] = field(default_factory=list)  # padded: same in the output image
+
+    @property
+    def image_part(self) -> slice:
+        """:attr:`image` of an image-staged segment."""
+        assert self.image is not None, "not an image-staged segment"
+        return self.image
 
 
 @dataclass
@@ -95,6 +119,24 @@ class Group:
     @property
     def blocks(self) -> int:
         return self.coef.shape[1]
+
+    @property
+    def image_buf(self) -> torch.Tensor:
+        """:attr:`img` of a group with image-staged units."""
+        assert self.img is not None, "the group has no image-staged units"
+        return self.img
+
+    @property
+    def img_rows(self) -> torch.Tensor:
+        """:attr:`img_src` of a group with image-staged units."""
+        assert self.img_src is not None, "the group has no image-staged units"
+        return self.img_src
+
+    @property
+    def xpad_buf(self) -> torch.Tensor:
+        """:attr:`xpad` of a group with padded units."""
+        assert self.xpad is not None, "the group has no padded units"
+        return self.xpad
 
     @property
     def block_numel(self) -> int:
@@ -268,7 +310,8 @@ class BlockLayout:
                   BatchedDCT((cr, cc), dev, self.basis, self.compute_dtype),
                   torch.zeros(cr, blocks, cc, dtype=f32, device=dev))
         row = img = pad = 0
-        src, dst = [], []
+        src: list[torch.Tensor] = []
+        dst: list[torch.Tensor] = []
         for u in units:
             u.group, u.rows = gi, slice(row, row + u.plan.num_blocks)
             if u.padded or u.flat or self.images:  # staged through an image
@@ -281,18 +324,18 @@ class BlockLayout:
                 img += u.plan.padded_numel
             if u.padded:
                 if not pad:
-                    g.pad0 = u.image.start
+                    g.pad0 = u.image_part.start
                 u.xpad = slice(pad, pad + u.plan.padded_numel)
                 pad += u.plan.padded_numel
             row += u.plan.num_blocks
         if img:
             g.img = torch.zeros(img, dtype=f32, device=dev)
-            src, dst = torch.cat(src), torch.cat(dst)
-            if dst.numel() == cr * blocks:  # every block row comes from the image: one gather
-                src = torch.empty_like(src).index_copy_(0, dst, src)
-                g.img_src = src.to(dev)
+            src_rows, dst_rows = torch.cat(src), torch.cat(dst)
+            if dst_rows.numel() == cr * blocks:  # every block row comes from the image: a gather
+                src_rows = torch.empty_like(src_rows).index_copy_(0, dst_rows, src_rows)
+                g.img_src = src_rows.to(dev)
             else:
-                g.img_src, g.img_dst = src.to(dev), dst.to(dev)
+                g.img_src, g.img_dst = src_rows.to(dev), dst_rows.to(dev)
         if pad:
             g.xpad = torch.zeros(pad, dtype=f32, device=dev)
         for u in units:
@@ -300,7 +343,7 @@ class BlockLayout:
             # the group's matrix (a (blocks, cr, cc) view); padded ones in their own domain, in
             # their image (the padding stays zero), and use their blocks of the matrix for
             # fresh coefficients
-            u.delta = (interior(g.img[u.image], u) if u.padded
+            u.delta = (interior(g.image_buf[u.image_part], u) if u.padded
                        else coef[:, u.rows].permute(1, 0, 2))
         for u in units:  # segments: runs of units of one kind
             last = g.segments[-1] if g.segments else None
@@ -308,13 +351,13 @@ class BlockLayout:
                 last.units.append(u)
                 last.rows = slice(last.rows.start, u.rows.stop)
                 if u.image is not None:
-                    last.image = slice(last.image.start, u.image.stop)
+                    last.image = slice(last.image_part.start, u.image.stop)
             else:
                 g.segments.append(Segment(u.padded, u.direct, [u], u.rows, u.image))
         for s in g.segments:
             if s.direct:
                 continue
-            local = torch.cat([block_rows(u.plan) + (u.image.start - s.image.start) // cc
+            local = torch.cat([block_rows(u.plan) + (u.image_part.start - s.image_part.start) // cc
                                for u in s.units])
             if not torch.equal(local, torch.arange(local.numel())):
                 s.inv = torch.argsort(local).to(dev)
@@ -326,7 +369,7 @@ class BlockLayout:
         momentum, so theirs goes to the workspace's ``out``."""
         if padded:
             return self.work.out[part.start - g.pad0: part.stop - g.pad0]
-        return g.img[part]
+        return g.image_buf[part]
 
     def blocks_out(self, g: Group, s: Segment) -> torch.Tensor:
         """Where segment ``s``'s decoded blocks go: ``(blocks, cr, cc)`` in the group's staging
@@ -335,7 +378,7 @@ class BlockLayout:
         cr, cc = g.chunk
         nb = s.rows.stop - s.rows.start
         if not s.direct and s.inv is None:
-            return self.out_image(g, s.image, s.padded).view(nb, cr, cc)
+            return self.out_image(g, s.image_part, s.padded).view(nb, cr, cc)
         bn = g.block_numel
         return g.xh.view(-1)[s.rows.start * bn: s.rows.stop * bn].view(nb, cr, cc)
 
@@ -356,12 +399,12 @@ class BlockLayout:
             for u in g.units:
                 pieces = u.pieces
                 if not u.direct:
-                    staging = g.xpad[u.xpad] if u.padded else g.img[u.image]
+                    staging = g.xpad_buf[u.xpad_part] if u.padded else g.image_buf[u.image_part]
                     for j, i in enumerate(pieces):
                         shape = self.pieces[i][2]
                         self.stage_at[i] = member_view(staging, u, j, shape)
-                        self.out_at[i] = member_view(self.out_image(g, u.image, u.padded), u,
-                                                     j, shape)
+                        self.out_at[i] = member_view(self.out_image(g, u.image_part, u.padded),
+                                                     u, j, shape)
                         self.grad_shape4[i] = None
                     continue
                 i = pieces[0]
@@ -380,5 +423,6 @@ class BlockLayout:
                     self.grad_shape4[i] = (nbr, cr, nbc, cc)
             for s in g.segments:
                 if s.padded:
-                    s.deltas = [u.delta for u in s.units]
-                    s.outs = [interior(self.out_image(g, u.image, True), u) for u in s.units]
+                    s.deltas = [u.momentum for u in s.units]
+                    s.outs = [interior(self.out_image(g, u.image_part, True), u)
+                              for u in s.units]

@@ -17,7 +17,7 @@ from .decode import blocks_into_image, decode_mean, dense_inverse
 from .graphs import CompiledSelection, StepGraphs
 from .layout import BlockLayout, Group
 from .settings import PRESETS, TRANSFORM_DTYPES, check_settings
-from .staging import MomentumRun, Staging, StepPlan
+from .staging import MomentumRun, Sent, Staging, StepPlan
 
 # staging="auto" stages through images under CUDA graphs below this many entries per tensor
 # (on one H100 a graphed direct step is then bound by its per-tensor copies, not the GPU)
@@ -110,14 +110,14 @@ class DeMoReplicator(Replicator):
         GPU time than the strided copies (a gather and a second pass), so it pays where the
         host's launches bound the step: shards."""
         if self.staging == "auto":  # where a graphed step is bound by the host's launches
-            numel = sum(s.numel() for s in self._shapes)
-            return self._graphed and numel < IMAGE_NUMEL * len(self._shapes)
+            numel = sum(s.numel() for s in self._local_shapes)
+            return self._graphed and numel < IMAGE_NUMEL * len(self._local_shapes)
         return self.staging == "image"
 
     def _setup_state(self) -> None:
         basis, compute_dtype = self._transform_basis()
         self.layout = BlockLayout(
-            self._shapes, topk=self.topk, chunk=self.chunk,
+            self._local_shapes, topk=self.topk, chunk=self.chunk,
             small_numel=self.small_numel if self.small == "batch" else None, basis=basis,
             compute_dtype=compute_dtype, bucket=self.bucket,
             images=self._stages_through_images, codec=self.codec, device=self.device)
@@ -129,7 +129,7 @@ class DeMoReplicator(Replicator):
         nbuf = 2 if self.overlap == "delayed" else 1
         self._buckets = [torch.zeros(self.bucket_bytes, dtype=torch.uint8, device=self.device)
                          for _ in range(nbuf)]
-        self._inflight = None  # delayed mode: (step, handle or gathered, plan)
+        self._inflight: tuple[int, torch.Tensor | Pending, StepPlan] | None = None  # delayed
         # the momentum's decay factor, and 1 for a step whose input is not finite
         self._decay_factor = torch.tensor(self.decay, dtype=torch.float32, device=self.device)
         self._one = torch.ones((), dtype=torch.float32, device=self.device)
@@ -142,7 +142,7 @@ class DeMoReplicator(Replicator):
         # delayed mode: the step a landing payload must carry, and the deferred verdict
         self._expected_step = torch.zeros((), dtype=torch.int64, device=self.device)
         self._verdict_to_host = VerdictToHost()
-        self._pending = None  # (step, presence code, host rows, CUDA event or None)
+        self._pending: tuple | None = None  # (step, presence code, host rows, CUDA event)
 
     @property
     def _graphs(self) -> dict:
@@ -154,7 +154,7 @@ class DeMoReplicator(Replicator):
         """The momentum buffers, one per unit (large tensor, or the small-tensor batch):
         views of the DCT coefficients ``(blocks, cr, cc)`` of tensors that tile into blocks,
         the tensor as a matrix for padded ones."""
-        return [u.delta for u in self.units]
+        return [u.momentum for u in self.units]
 
     def payload_bytes(self) -> int:
         """Bytes this rank contributes to one exchange (header and alignment included)."""
@@ -247,7 +247,7 @@ class DeMoReplicator(Replicator):
         bad = self.staging_plans.nonfinite_input_flag(plan)
         self.staging_plans.zero_inputs_where(bad, plan)
         decay = torch.where(bad, self._one, self._decay_factor)
-        sent: list = []
+        sent: list[Sent | None] = []
         for gi, g in enumerate(self.groups):
             if not plan.group_on[gi]:
                 buf[g.idx_off: g.end].zero_()
@@ -268,6 +268,7 @@ class DeMoReplicator(Replicator):
         if not self.scale_by_lr or lrs is None:
             return 1.0
         if self._graphed:
+            assert classes is not None  # graphed steps group the step sizes in classes
             return self._lrs_on_device[classes[r.unit]]
         return float(lrs[self.units[r.unit].members[0]])
 
@@ -282,16 +283,14 @@ class DeMoReplicator(Replicator):
         w, cc, n = self._work, g.chunk[1], g.coef.numel()
         scale = {id(r): self._step_size(r, lrs, classes) for r in runs}
         for r in runs:
-            if r.padded and isinstance(scale[id(r)], torch.Tensor):
-                g.img[r.image].mul_(decay).addcmul_(g.xpad[r.xpad], scale[id(r)])
-            elif r.padded:
-                g.img[r.image].mul_(decay).add_(g.xpad[r.xpad], alpha=scale[id(r)])
+            if r.padded:
+                r.update_padded(g, decay, scale[id(r)])
         if g.img is not None:  # image-staged units: their rows into the block rows
             if g.img_dst is None:  # all of them, straight into the block rows
-                torch.index_select(g.img.view(-1, cc), 0, g.img_src, out=g.xh.view(-1, cc))
+                torch.index_select(g.img.view(-1, cc), 0, g.img_rows, out=g.xh.view(-1, cc))
             else:
-                rows = torch.index_select(g.img.view(-1, cc), 0, g.img_src,
-                                          out=w.x[: g.img_src.numel() * cc].view(-1, cc))
+                rows = torch.index_select(g.img.view(-1, cc), 0, g.img_rows,
+                                          out=w.x[: g.img_rows.numel() * cc].view(-1, cc))
                 g.xh.view(-1, cc).index_copy_(0, g.img_dst, rows)
         x = g.xh
         if w.xc is not None:  # a non-finite input is zeroed in the compute dtype's copy
@@ -341,7 +340,7 @@ class DeMoReplicator(Replicator):
                 blocks_into_image(self.layout, g, s, blocks)
                 torch._foreach_add_(s.deltas, s.outs, alpha=sign)
 
-    def _undo_error_feedback(self, sent: list) -> None:
+    def _undo_error_feedback(self, sent: list[Sent | None]) -> None:
         """After a failed exchange every rank adds back what it sent (a rank whose input was
         not finite sent zeros and changed nothing): its momentum is then as after the
         momentum update alone (no extra read of the device)."""
@@ -417,6 +416,7 @@ class DeMoReplicator(Replicator):
                                        lay, g, idx, vals, sign=sign, kept=kept))
                 self.staging_plans.write_back(grads, pieces, views)
                 continue
+            assert good is not None  # given unless the peers were kept on the device
             if len(good) < n:  # dropped peers (the rare path)
                 keep = torch.tensor(good, dtype=torch.int64, device=idx.device)
                 idx, vals = idx.index_select(0, keep), vals.index_select(0, keep)

@@ -10,9 +10,11 @@ from dataclasses import dataclass
 import torch
 
 from ..base import presence_code, zero_where
-from .layout import BlockLayout, grad_as
+from .layout import BlockLayout, Group, grad_as
 
 MAX_PLANS = 64  # cached step plans (a training run has few)
+#: what one group sent in a step: block-local indices, positions in its matrix, values
+Sent = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
 
 @dataclass
@@ -25,6 +27,27 @@ class MomentumRun:
     image: slice | None
     xpad: slice | None
     unit: int  # a unit of the run: its step size (and class of step size) is the run's
+
+    @property
+    def image_part(self) -> slice:
+        """:attr:`image` of a run of padded units."""
+        assert self.image is not None, "not a run of padded units"
+        return self.image
+
+    @property
+    def xpad_part(self) -> slice:
+        """:attr:`xpad` of a run of padded units."""
+        assert self.xpad is not None, "not a run of padded units"
+        return self.xpad
+
+    def update_padded(self, g: Group, decay: torch.Tensor, scale: float | torch.Tensor) -> None:
+        """A run of padded units of ``g``: ``delta = decay * delta + scale * grad`` in the
+        group's image (``scale``: a float, or a 0-d device tensor under CUDA graphs)."""
+        momentum = g.image_buf[self.image_part].mul_(decay)
+        if isinstance(scale, torch.Tensor):
+            momentum.addcmul_(g.xpad_buf[self.xpad_part], scale)
+        else:
+            momentum.add_(g.xpad_buf[self.xpad_part], alpha=scale)
 
 
 @dataclass
@@ -85,17 +108,18 @@ class Staging:
                         pieces.append(p)
                     else:
                         plan.zero.append(lay.stage_at[p])
-                if u.flat and u.image.stop - u.image.start > sum(u.sizes):
+                if u.flat and u.image_part.stop - u.image_part.start > sum(u.sizes):
                     # the small batch's padding: its image also receives decoded output
-                    plan.zero.append(g.img[u.image.start + sum(u.sizes): u.image.stop])
+                    plan.zero.append(g.image_buf[u.image_part.start + sum(u.sizes):
+                                             u.image_part.stop])
                 last = runs[-1] if runs else None
                 if (last is not None and last.padded == u.padded
                         and cls[id(units[last.unit])] == cls[id(u)]
                         and last.rows.stop == u.rows.start):
                     last.rows = slice(last.rows.start, u.rows.stop)
                     if u.padded:
-                        last.image = slice(last.image.start, u.image.stop)
-                        last.xpad = slice(last.xpad.start, u.xpad.stop)
+                        last.image = slice(last.image_part.start, u.image_part.stop)
+                        last.xpad = slice(last.xpad_part.start, u.xpad_part.stop)
                 else:
                     runs.append(MomentumRun(u.padded, u.rows, u.image, u.xpad, u.index))
             plan.runs.append(runs)
@@ -140,7 +164,7 @@ class Staging:
         g = self.layout.groups[gi]
         direct = [g.xh] if any(s.direct for s in g.segments) else []
         return direct + ([g.xpad] if g.xpad is not None else []) + [
-            g.img[s.image] for s in g.segments if not s.padded and not s.direct]
+            g.image_buf[s.image_part] for s in g.segments if not s.padded and not s.direct]
 
     def nonfinite_input_flag(self, plan: StepPlan) -> torch.Tensor:
         """A 0-d device flag, set when a staged input holds a NaN or Inf: the least and

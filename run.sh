@@ -2,6 +2,7 @@
 # Set up flexdemo in a virtual environment (.venv) and run the main job or the tests.
 #   bash run.sh demo    # the main job: FlexDeMo vs full-sync AdamW, 2 emulated nodes x 2 ranks
 #   bash run.sh test    # the test suite
+#   bash run.sh setup   # only the set-up (then e.g. .venv/bin/ruff, .venv/bin/mypy)
 set -euo pipefail
 cd "$(dirname "$0")"
 VENV="${FLEXDEMO_VENV:-.venv}"
@@ -19,6 +20,9 @@ setup() {
 }
 
 case "${1:-}" in
+  setup)
+    setup
+    ;;
   demo)
     setup
     shift
@@ -30,7 +34,7 @@ case "${1:-}" in
     "$VENV/bin/python" -m pytest -q "$@"
     ;;
   *)
-    echo "usage: bash run.sh demo|test [extra arguments]" >&2
+    echo "usage: bash run.sh demo|test [extra arguments] | bash run.sh setup" >&2
     exit 2
     ;;
 esac

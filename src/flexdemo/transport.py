@@ -493,6 +493,15 @@ def all_gather(buf: torch.Tensor, group, stats: CommStats,
     return result
 
 
+@overload
+def all_to_all_equal(out: torch.Tensor, inp: torch.Tensor, group, stats: CommStats,
+                     async_op: Literal[False] = False) -> torch.Tensor: ...
+@overload
+def all_to_all_equal(out: torch.Tensor, inp: torch.Tensor, group, stats: CommStats,
+                     async_op: Literal[True]) -> Pending: ...
+@overload
+def all_to_all_equal(out: torch.Tensor, inp: torch.Tensor, group, stats: CommStats,
+                     async_op: bool = False) -> torch.Tensor | Pending: ...
 def all_to_all_equal(out: torch.Tensor, inp: torch.Tensor, group, stats: CommStats,
                      async_op: bool = False) -> torch.Tensor | Pending:
     """All-to-all of equal parts over ``group`` (see :meth:`Transport.all_to_all_equal_`),

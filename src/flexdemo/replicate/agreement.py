@@ -234,7 +234,7 @@ def check_headers(name: str, gathered: torch.Tensor, step: int, code: int) -> No
     check_flags(name, [h[2] for h in headers], [h[3] for h in headers], code, step)
 
 
-def check_flags(name: str, flags: list[float], present: list[float], code: int,
+def check_flags(name: str, flags: Sequence[float], present: Sequence[float], code: int,
                 step: int, group=None) -> None:
     """Raise if any replica flagged a non-finite input or disagrees on parameter presence
     (naming global ranks: the group ranks of ``group`` translated)."""

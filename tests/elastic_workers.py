@@ -60,11 +60,15 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(1)
     kwargs = {"demo": {"topk": 4, "chunk": 16}, "full": {},
-              "diloco": {"inner_steps": 3}, "random": {"rate": 1 / 8}}[a.replicator]
+              "diloco": {"inner_steps": 3}, "random": {"rate": 1 / 8},
+              # the int4 mean by reduce-scatter: an all-to-all over the Manager's group
+              "diloco-int4-rs": {"inner_steps": 3, "exchange_kwargs": {
+                  "values": "int4", "block": 16, "reduce": "scatter"}}}[a.replicator]
     ft = flexdemo.FaultTolerance(lighthouse=a.lighthouse, replica_id=a.replica_id,
                                  min_replicas=a.min_replicas, timeout=a.timeout,
                                  hostname="127.0.0.1")
-    net, opt = flexdemo.prepare(model(), replicator=a.replicator, replicator_kwargs=kwargs,
+    name = "diloco" if a.replicator.startswith("diloco") else a.replicator
+    net, opt = flexdemo.prepare(model(), replicator=name, replicator_kwargs=kwargs,
                                 lr=0.05, device="cpu", fault_tolerance=ft)
     session = opt.fault_tolerance
     if a.resume:

@@ -291,6 +291,11 @@ def test_cli_simulate_trains_replicas_of_the_gpt(capsys, tmp_path):
     assert len(set(summary["val_loss_per_replica"])) == 1
     assert summary["bytes_sent_per_replica"][0] > 0
     assert summary["strategy"]["replicator"] == "demo"
+    # --seed fixes the initial weights too: the same command gives the same run
+    again = tmp_path / "again.json"
+    assert main(["simulate", "--replicas", "2", "--steps", "3", "--log-every", "3", "--batch",
+                 "2", "--corpus-bytes", "40000", "--out", str(again)]) == 0
+    assert json.loads(again.read_text())["val_loss"] == summary["val_loss"]
 
 
 def test_cli_simulate_rejects_bad_input_in_one_line(capsys):

@@ -73,6 +73,7 @@ def run_simulation(opts: SimulateOptions, echo=print) -> dict[str, Any]:
         x, y = batch
         return model(x.to(device), y.to(device))
 
+    torch.manual_seed(opts.seed)  # the initial weights (the replicas then share them)
     sim = SimulatedReplicas(lambda: GPT(cfg), loss_fn, replicas=opts.replicas,
                             replicator=strategy.replicator, optimizer=strategy.optimizer,
                             lr=base_lr, replicator_kwargs=strategy.replicator_kwargs or None,

@@ -436,22 +436,23 @@ def run_one(cfg: dict) -> dict:
     warmup = int(cfg["warmup"] * steps)
     curve: list[list[float]] = []
     t0 = time.perf_counter()
-    diverged = False
-    for step in range(steps):
-        lr = lr_at(step, steps, cfg["lr"], warmup, cfg["schedule"], cfg["min_lr"])
-        for opt in sim.optimizers:
-            for g in opt.param_groups:
-                g["lr"] = lr
-        sim.step([src(cfg["batch"]) for src in sources])
-        done = step + 1
-        if done % cfg["eval_every"] == 0 or done == steps:
-            # replicas that differ (no sync, DiLoCo between syncs) are each evaluated
-            models = sim.models[:1] if sim.identical() else sim.models
-            v = statistics.fmean(evaluate(m, val_x, val_y, cfg["batch"]) for m in models)
-            curve.append([done, v])
-            if not math.isfinite(v):
-                diverged = True
-                break
+
+    def lr_of(step: int) -> float:
+        return lr_at(step, steps, cfg["lr"], warmup, cfg["schedule"], cfg["min_lr"])
+
+    def evaluate_every(done: int, losses) -> bool:
+        """The validation curve; a non-finite loss ends the run (diverged)."""
+        if done % cfg["eval_every"] and done != steps:
+            return False
+        # replicas that differ (no sync, DiLoCo between syncs) are each evaluated
+        models = sim.models[:1] if sim.identical() else sim.models
+        v = statistics.fmean(evaluate(m, val_x, val_y, cfg["batch"]) for m in models)
+        curve.append([done, v])
+        return not math.isfinite(v)
+
+    sim.train(steps, lambda step: [src(cfg["batch"]) for src in sources], lr_of,
+              evaluate_every)
+    diverged = not math.isfinite(curve[-1][1])
     seconds = time.perf_counter() - t0
     sent = sim.bytes_sent[0]
     return {**cfg, "params": nparams, "curve": curve, "final_val": curve[-1][1],

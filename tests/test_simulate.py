@@ -308,3 +308,19 @@ def test_cli_simulate_rejects_bad_input_in_one_line(capsys):
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and "Traceback" not in err, err
         assert err.startswith("flexdemo simulate: error: ") and needle in err, err
+
+
+def test_train_loop_sets_the_lr_calls_back_and_stops():
+    """SimulatedReplicas.train: the loop of `flexdemo simulate` and the quality benchmark."""
+    sim = tiny_sim(replicas=2)
+    seen = []
+
+    def on_step(done, losses):
+        seen.append((done, len(losses), sim.optimizers[1].param_groups[0]["lr"]))
+        return done == 3
+
+    taken = sim.train(5, lambda step: [batch(r, step) for r in range(2)],
+                      lambda step: 0.1 * (step + 1), on_step)
+    assert taken == 3 and [(d, n) for d, n, _ in seen] == [(1, 2), (2, 2), (3, 2)]
+    assert [lr for *_, lr in seen] == pytest.approx([0.1, 0.2, 0.3])
+    assert sim.identical() and sim.bytes_sent[0] > 0

@@ -267,6 +267,28 @@ class SimulatedReplicas:
         self.optimizer_step()
         return losses
 
+    def train(self, steps: int, batches: Callable[[int], Sequence],
+              lr: Callable[[int], float] | None = None,
+              on_step: Callable[[int, list[torch.Tensor]], bool | None] | None = None
+              ) -> int:
+        """The training loop: for ``step`` in ``0 .. steps - 1`` set every optimizer's lr to
+        ``lr(step)`` (when given), take :meth:`step` on ``batches(step)`` (one batch per
+        replica), then call ``on_step(step + 1, losses)``; a true result stops the loop.
+        Returns the steps taken. ``flexdemo simulate`` and ``benchmarks/quality.py`` both
+        train through it."""
+        done = 0
+        for step in range(steps):
+            if lr is not None:
+                value = lr(step)
+                for opt in self.optimizers:
+                    for group in opt.param_groups:
+                        group["lr"] = value
+            losses = self.step(batches(step))
+            done = step + 1
+            if on_step is not None and on_step(done, losses):
+                break
+        return done
+
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict:
         """Every replica's model, optimizer and random-number state (references, not copies)."""

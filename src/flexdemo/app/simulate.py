@@ -84,24 +84,27 @@ def run_simulation(opts: SimulateOptions, echo=print) -> dict[str, Any]:
          f"{sim.optimizers[0]!r}")
     history: list[dict[str, float]] = []
     t0, start, window = time.perf_counter(), time.perf_counter(), []
-    for step in range(opts.steps):
-        lr = lr_at(step, opts.steps, base_lr, opts.warmup, opts.schedule)
-        for opt in sim.optimizers:
-            for group in opt.param_groups:
-                group["lr"] = lr
-        batches = [get_batch(train, opts.batch, cfg.seq_len, g) for g in gens]
-        window.append(torch.stack(sim.step(batches)).mean())
-        if (step + 1) % opts.log_every == 0 or step + 1 == opts.steps:
+
+    def lr_of(step: int) -> float:
+        return lr_at(step, opts.steps, base_lr, opts.warmup, opts.schedule)
+
+    def log(done: int, losses: list[torch.Tensor]) -> None:
+        nonlocal t0, window
+        window.append(torch.stack(losses).mean())
+        if done % opts.log_every == 0 or done == opts.steps:
             sent = sim.last_step_stats()[0]["bytes_sent"]
             loss = float(torch.stack(window).mean())  # one read per log line
             ms = (time.perf_counter() - t0) / len(window) * 1e3
-            history.append({"step": step + 1, "train_loss": loss, "lr": lr})
-            done = step + 1
+            lr = lr_of(done - 1)
+            history.append({"step": done, "train_loss": loss, "lr": lr})
             eta = (time.perf_counter() - start) / done * (opts.steps - done)
             echo(f"step {done:5d}/{opts.steps} ({done / opts.steps:4.0%})  loss {loss:.4f}  "
                  f"lr {lr:.2e}  sent/replica/step {sent:,} B ({sent / nparams:.4f} B/param)  "
                  f"{ms:.1f} ms/step  eta {eta:.0f}s")
             t0, window = time.perf_counter(), []
+
+    sim.train(opts.steps, lambda step: [get_batch(train, opts.batch, cfg.seq_len, g)
+                                        for g in gens], lr_of, log)
     seconds = time.perf_counter() - start
     vals = [val_loss(m, val, opts.batch, cfg.seq_len, device, opts.eval_batches)
             for m in sim.models]

@@ -26,7 +26,9 @@ from pathlib import Path
 from flexdemo.app.args import Parser, int_at_least
 from flexdemo.app.strategies import check_strategy
 from flexdemo.app.tasks import PRESETS
-from flexdemo.tools.cluster import EmulatedCluster, ShapingUnavailableError, parse_bandwidth
+from flexdemo.tools.cluster import EmulatedCluster
+from flexdemo.tools.netns import ShapingUnavailableError
+from flexdemo.tools.rates import parse_bandwidth
 
 ROOT = Path(__file__).resolve().parent.parent
 # DeMo at the library's defaults: a strategy of flexdemo.app.strategies.STRATEGIES (the table

@@ -242,7 +242,7 @@ def check_app(precision: str, device: str = "cuda"):
     def check(rank, steps):
         import json
 
-        from flexdemo.app.config import load_config
+        from flexdemo.app.config_files import load_config
         from flexdemo.app.trainer import Trainer
 
         with tempfile.TemporaryDirectory() as tmp:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-import flexdemo.tools.cluster as cluster
+import flexdemo.tools.netns as netns
 from flexdemo.app.bench import (
     PRESETS,
     STRATEGIES,
@@ -20,7 +20,8 @@ from flexdemo.app.bench import (
     run_bench,
     run_config,
 )
-from flexdemo.app.config import ConfigError, config_from_dict, validate
+from flexdemo.app.config import ConfigError
+from flexdemo.app.config_checks import config_from_dict, validate
 
 pytest.importorskip("matplotlib", reason="the bench's plots need matplotlib")
 
@@ -171,7 +172,7 @@ def test_plots_from_results(tmp_path):
 def test_tiny_sweep_without_root_falls_back_to_loopback(tmp_path, monkeypatch, capsys):
     """Not root: the bench says shaping needs root and runs unshaped; it writes JSON, CSV and
     three PNGs and prints a table."""
-    monkeypatch.setattr(cluster.os, "geteuid", lambda: 1000)
+    monkeypatch.setattr(netns.os, "geteuid", lambda: 1000)
     o = bench_options(strategies="flexdemo,hsdp-adamw", bandwidths="100mbit", nodes=2,
                       ranks_per_node=1, out=str(tmp_path), timeout=240,
                       overrides=["train.steps=4", "task.model=tiny", "task.corpus_bytes=100000",
@@ -206,14 +207,14 @@ def test_root_without_network_namespaces_falls_back(tmp_path, monkeypatch, capsy
 
     def no_netns(self):
         if not self.unshaped:
-            raise cluster.ClusterError("`ip netns add x` failed (exit 1): Operation not "
+            raise netns.ClusterError("`ip netns add x` failed (exit 1): Operation not "
                                        "permitted")
         return enter(self)
 
-    monkeypatch.setattr(cluster.os, "geteuid", lambda: 0)
+    monkeypatch.setattr(netns.os, "geteuid", lambda: 0)
     monkeypatch.setattr(bench, "cleanup_stale", lambda: [])
     monkeypatch.setattr(bench.EmulatedCluster, "__enter__", no_netns)
-    monkeypatch.setattr(cluster, "_find_tool", lambda name: f"/usr/sbin/{name}")
+    monkeypatch.setattr(netns, "_find_tool", lambda name: f"/usr/sbin/{name}")
     o = bench_options(strategies="no-sync", bandwidths="10mbit", nodes=2, ranks_per_node=1,
                       steps=2, out=str(tmp_path), quiet=True, timeout=240,
                       overrides=["task.model=tiny", "task.corpus_bytes=100000",

@@ -13,7 +13,9 @@ import pytest
 
 from flexdemo.app.bench import BenchError, bench_options, run_config
 from flexdemo.app.cli import main
-from flexdemo.app.config import ConfigError, config_from_dict, load_config, validate
+from flexdemo.app.config import ConfigError
+from flexdemo.app.config_checks import config_from_dict, validate
+from flexdemo.app.config_files import load_config
 from flexdemo.app.outputs import strict_json
 from flexdemo.replicate import DeMoReplicator
 

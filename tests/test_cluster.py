@@ -19,15 +19,10 @@ import time
 import pytest
 
 from flexdemo.app.cli import main
-from flexdemo.tools import cluster as cl
-from flexdemo.tools.cluster import (
-    EmulatedCluster,
-    LatencyUnavailableError,
-    ShapingUnavailableError,
-    cleanup_stale,
-    parse_bandwidth,
-    parse_latency,
-)
+from flexdemo.tools import netns as nt
+from flexdemo.tools.cluster import EmulatedCluster
+from flexdemo.tools.netns import LatencyUnavailableError, ShapingUnavailableError, cleanup_stale
+from flexdemo.tools.rates import parse_bandwidth, parse_latency
 
 PY = sys.executable
 ENV_KEYS = ["RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "NODE_RANK", "GROUP_RANK",
@@ -43,7 +38,7 @@ def _netns_names() -> list[str]:
 
 
 def _ours(pid: int) -> list[str]:
-    return [n for n in _netns_names() if n.startswith(f"{cl.NAME_PREFIX}{pid}-")]
+    return [n for n in _netns_names() if n.startswith(f"{nt.NAME_PREFIX}{pid}-")]
 
 
 def _probe_netns() -> str | None:
@@ -52,11 +47,11 @@ def _probe_netns() -> str | None:
     other failure of the emulator is a bug for the tests to report, never a skip."""
     if os.geteuid() != 0:
         return "needs root (network namespaces and tc)"
-    missing = [t for t in ("ip", "tc") if cl._find_tool(t) is None]
+    missing = [t for t in ("ip", "tc") if nt._find_tool(t) is None]
     if missing:
         return f"needs iproute2 ({' and '.join(missing)} not found)"
-    ip = cl._find_tool("ip")
-    name = f"{cl.NAME_PREFIX}probe-{os.getpid()}"
+    ip = nt._find_tool("ip")
+    name = f"{nt.NAME_PREFIX}probe-{os.getpid()}"
     added = subprocess.run([ip, "netns", "add", name], capture_output=True, text=True)
     if added.returncode != 0:
         return f"no network-namespace support here: {added.stderr.strip()}"
@@ -73,16 +68,16 @@ def _netns_problem() -> str | None:
 def test_capability_probe_does_not_hide_emulator_failures(monkeypatch):
     """A broken emulator must fail the namespace tests, not turn them into skips."""
     def broken(self):
-        raise cl.ClusterError("the emulator is broken")
+        raise nt.ClusterError("the emulator is broken")
 
     monkeypatch.setattr(EmulatedCluster, "_build", broken)
     problem = _probe_netns()
     assert problem is None or "broken" not in problem
     if problem is None:  # namespaces work here, so the fixture does not skip and the bug shows
-        with pytest.raises(cl.ClusterError, match="broken"):
+        with pytest.raises(nt.ClusterError, match="broken"):
             with EmulatedCluster(1, 1, "100mbit", log=lambda s: None):
                 pass
-    assert not [n for n in _netns_names() if n.startswith(f"{cl.NAME_PREFIX}probe-")]
+    assert not [n for n in _netns_names() if n.startswith(f"{nt.NAME_PREFIX}probe-")]
 
 
 @pytest.fixture
@@ -93,7 +88,7 @@ def netns():
     yield
     left = _ours(os.getpid())
     if left:
-        cl._delete_netns(left)
+        nt._delete_netns(left)
     assert not left, f"namespaces left behind: {left}"
 
 
@@ -166,7 +161,7 @@ def test_shaping_without_root_says_so(monkeypatch):
 
 def test_shaping_without_iproute2_says_so(monkeypatch):
     monkeypatch.setattr(os, "geteuid", lambda: 0)
-    monkeypatch.setattr(cl, "_find_tool", lambda name: None)
+    monkeypatch.setattr(nt, "_find_tool", lambda name: None)
     with pytest.raises(ShapingUnavailableError, match="install iproute2.*--unshaped"):
         EmulatedCluster(2, 1, "100mbit")
 
@@ -283,8 +278,8 @@ def test_latency_without_netem_is_a_clear_error(netns):
 def test_cleanup_stale_removes_only_dead_runs(netns):
     p = subprocess.Popen(["true"])
     p.wait()
-    dead = f"{cl.NAME_PREFIX}{p.pid}-0-n0"
-    live = f"{cl.NAME_PREFIX}{os.getpid()}-99999-n0"
+    dead = f"{nt.NAME_PREFIX}{p.pid}-0-n0"
+    live = f"{nt.NAME_PREFIX}{os.getpid()}-99999-n0"
     subprocess.run(["ip", "netns", "add", dead], check=True)
     subprocess.run(["ip", "netns", "add", live], check=True)
     try:
@@ -293,7 +288,7 @@ def test_cleanup_stale_removes_only_dead_runs(netns):
         names = _netns_names()
         assert dead not in names and live in names
     finally:
-        cl._delete_netns([n for n in (dead, live) if n in _netns_names()])
+        nt._delete_netns([n for n in (dead, live) if n in _netns_names()])
 
 
 THROUGHPUT = r"""
@@ -428,7 +423,7 @@ def test_cli_signal_stops_ranks_and_removes_namespaces(sig, code, default_sigint
             proc.kill()
             proc.wait()
         if shaped:
-            cl._delete_netns(_ours(proc.pid))
+            nt._delete_netns(_ours(proc.pid))
     deadline = time.monotonic() + 5
     while not all(_gone(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.05)

@@ -11,16 +11,9 @@ from pathlib import Path
 import pytest
 
 from flexdemo.app.cli import main
-from flexdemo.app.config import (
-    Config,
-    ConfigError,
-    apply_overrides,
-    config_from_dict,
-    load_config,
-    parse_override,
-    to_toml,
-    validate,
-)
+from flexdemo.app.config import Config, ConfigError
+from flexdemo.app.config_checks import config_from_dict, validate
+from flexdemo.app.config_files import apply_overrides, load_config, parse_override, to_toml
 
 CONFIGS = sorted((Path(__file__).parent.parent / "configs").glob("*.toml"))
 
@@ -366,7 +359,7 @@ def test_fault_tolerance_section_maps_to_the_library(monkeypatch, tmp_path):
     and missing settings are one line naming the key."""
     pytest.importorskip("torchft")
     from flexdemo import FaultTolerance
-    from flexdemo.app.config import fault_tolerance
+    from flexdemo.app.config_checks import fault_tolerance
 
     for name in ("TORCHFT_LIGHTHOUSE", "FLEXDEMO_REPLICA_ID", "REPLICA_GROUP_ID",
                  "FLEXDEMO_FT_HOSTNAME"):

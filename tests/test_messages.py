@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from flexdemo.app.config import load_config
+from flexdemo.app.config_files import load_config
 from flexdemo.app.trainer import TrainingError, UsageError, train
 
 ROOT = Path(__file__).parent.parent

@@ -14,7 +14,7 @@ from pathlib import Path
 from dist_util import reap, run_world, spawn_ranks
 from test_train import GPT_QUICK, _train_worker, _wait_for_metrics, metrics
 
-from flexdemo.app.config import load_config
+from flexdemo.app.config_files import load_config
 from flexdemo.app.preempt import PREEMPTED_EXIT_CODE
 from flexdemo.app.trainer import train
 from flexdemo.checkpoint import MARKER_FILE

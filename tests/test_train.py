@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from dist_util import free_port, reap, run_world, spawn_ranks
 
-from flexdemo.app.config import load_config
+from flexdemo.app.config_files import load_config
 from flexdemo.app.tasks import have_transformers
 from flexdemo.app.trainer import TrainingError, UsageError, lr_at, timeout_seconds, train
 

@@ -27,22 +27,12 @@ from typing import IO, Any
 import torch
 
 from ..strategies import STRATEGIES, parse_strategy
-from ..tools.cluster import (
-    ClusterError,
-    EmulatedCluster,
-    ShapingUnavailableError,
-    cleanup_stale,
-    format_rate,
-    parse_bandwidth,
-)
-from .config import (
-    ConfigError,
-    apply_overrides,
-    config_from_dict,
-    read_config_file,
-    to_toml,
-    validate,
-)
+from ..tools.cluster import EmulatedCluster
+from ..tools.netns import ClusterError, ShapingUnavailableError, cleanup_stale
+from ..tools.rates import format_rate, parse_bandwidth
+from .config import ConfigError
+from .config_checks import config_from_dict, validate
+from .config_files import apply_overrides, read_config_file, to_toml
 from .device import BY_RANK_ENV, DEVICES
 from .outputs import strict_json
 from .plots import plot_all, smooth

@@ -22,15 +22,9 @@ import torch.distributed as dist
 from ..ft.lighthouse import add_parser as add_lighthouse_parser
 from ..mesh import timeout_from_env
 from ..strategies import STRATEGIES, check_strategy
-from ..tools.cluster import (
-    DEFAULT_SUBNET,
-    ClusterError,
-    EmulatedCluster,
-    ShapingUnavailableError,
-    cleanup_stale,
-    parse_bandwidth,
-    parse_latency,
-)
+from ..tools.cluster import DEFAULT_SUBNET, EmulatedCluster
+from ..tools.netns import ClusterError, ShapingUnavailableError, cleanup_stale
+from ..tools.rates import parse_bandwidth, parse_latency
 from .bench import (
     DEFAULT_BANDWIDTHS,
     DEFAULT_STRATEGIES,
@@ -40,7 +34,8 @@ from .bench import (
     run_bench,
 )
 from .checkpoints import add_checkpoint_parser
-from .config import MIN_CORPUS_BYTES, ConfigError, load_config, to_toml
+from .config import MIN_CORPUS_BYTES, ConfigError
+from .config_files import load_config, to_toml
 from .preempt import PREEMPTED_EXIT_CODE, Preempted
 from .simulate import SimulateOptions, run_simulation, write_summary
 from .trainer import PeerLostError, StartupError, TrainingError, UsageError, train

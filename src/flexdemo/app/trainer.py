@@ -73,7 +73,9 @@ from .checkpointer import (
     _rank0_decides,
     _sum_over_ranks,
 )
-from .config import Config, ConfigError, config_to_dict, fault_tolerance, to_toml
+from .config import Config, ConfigError
+from .config_checks import fault_tolerance
+from .config_files import config_to_dict, to_toml
 from .device import resolve_device, to_device
 from .errors import PeerLostError, StartupError, TrainingError, UsageError, _nonfinite_message
 from .liveness import Heartbeat, is_comm_error, short_error

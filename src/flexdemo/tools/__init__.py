@@ -1,2 +1,3 @@
-"""Tools around the library: the emulated multi-node cluster (:mod:`flexdemo.tools.cluster`).
+"""Tools around the library: the emulated multi-node cluster (:mod:`flexdemo.tools.cluster`,
+with :mod:`~flexdemo.tools.netns`, :mod:`~flexdemo.tools.ranks` and :mod:`~flexdemo.tools.rates`).
 Standard library only; the library never imports them."""

@@ -15,10 +15,10 @@ crosses two links of rate ``R`` (the sender's uplink, the receiver's downlink). 
 node reach each other through the node's own address, which the kernel delivers locally,
 unshaped. Nothing is created in, or changed on, the host's own network namespace.
 
-Names: namespaces are ``flexdemo-<pid>-<k>-sw`` and ``flexdemo-<pid>-<k>-n<i>`` (``pid`` of
-the creating process, ``k`` a per-process counter), so parallel runs never collide and
-:func:`cleanup_stale` can tell leftovers of dead runs apart. Interface names are fixed, since
-they live inside those namespaces.
+Names: one namespace per node and one for the switch, named by :mod:`flexdemo.tools.netns`
+(which also removes them). Interface names are fixed, since they live inside those
+namespaces. Rates and times are parsed by :mod:`flexdemo.tools.rates`; the ranks' output and
+signals are handled by :mod:`flexdemo.tools.ranks`.
 
 Supervision (:meth:`EmulatedCluster.run`): one process per rank, started in its node's
 namespace with ``ip netns exec`` in a session of its own (Ctrl-C reaches only the
@@ -35,7 +35,6 @@ import ipaddress
 import logging
 import math
 import os
-import re
 import shutil
 import signal
 import socket
@@ -45,17 +44,17 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import IO, Any, Protocol
+from typing import Any
 
-__all__ = [
-    "NAME_PREFIX", "ClusterError", "EmulatedCluster", "LatencyUnavailableError", "NodeInfo",
-    "RunResult", "ShapingUnavailableError", "cleanup_stale", "format_rate", "parse_bandwidth",
-    "parse_latency",
-]
+from . import netns
+from .netns import NAME_PREFIX, ClusterError, LatencyUnavailableError, ShapingUnavailableError
+from .ranks import TextSink, _DeferSignals, _describe_exit, _Output, _raise_exit, _signal_group
+from .rates import format_rate, parse_bandwidth, parse_latency
+
+__all__ = ["EmulatedCluster", "NodeInfo", "RunResult"]
 
 log = logging.getLogger(__name__)
 
-NAME_PREFIX = "flexdemo-"
 DEFAULT_SUBNET = "10.213.0.0/24"
 BRIDGE = "fdbr0"
 NODE_IF = "fdlink{}"
@@ -63,221 +62,16 @@ SWITCH_IF = "fdport{}"
 QUEUE_LATENCY = "50ms"        # tbf: longest a packet may wait in the shaper's queue
 BURST_MIN_BYTES = 10 * 1514   # ten full Ethernet frames
 BURST_SECONDS = 0.002         # or 2 ms worth of the rate, whichever is larger
-MIN_RATE_BPS = 10_000
 
-_RATE_UNITS = {
-    "bit": 1, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "tbit": 1e12,
-    "kibit": 2**10, "mibit": 2**20, "gibit": 2**30, "tibit": 2**40,
-    "bps": 8, "kbps": 8e3, "mbps": 8e6, "gbps": 8e9, "tbps": 8e12,
-    "kibps": 8 * 2**10, "mibps": 8 * 2**20, "gibps": 8 * 2**30, "tibps": 8 * 2**40,
-}
-_TIME_UNITS = {
-    "s": 1.0, "sec": 1.0, "secs": 1.0,
-    "ms": 1e-3, "msec": 1e-3, "msecs": 1e-3,
-    "us": 1e-6, "usec": 1e-6, "usecs": 1e-6,
-}
-_NUMBER_UNIT = re.compile(r"\s*([+-]?(?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d+)?)\s*([A-Za-z]*)\s*")
 
 _counter_lock = threading.Lock()
 _counter = 0
-
-
-class ClusterError(RuntimeError):
-    """The emulated cluster could not be set up or torn down."""
-
-
-class ShapingUnavailableError(ClusterError):
-    """Shaping needs root and iproute2 (``ip``, ``tc``); run unshaped instead."""
-
-
-class LatencyUnavailableError(ClusterError):
-    """Latency emulation needs tc's netem qdisc (kernel module ``sch_netem``)."""
-
-
-def parse_bandwidth(text: str | int | float) -> int:
-    """Parse a tc-style rate (``"100mbit"``, ``"1gbit"``, ``"500kbit"``, ``"10mbps"``).
-
-    Returns bits per second. ``bit`` units are bits per second, ``bps`` units are *bytes* per
-    second (as in tc); ``k``/``m``/``g``/``t`` are powers of 1000, ``ki``/``mi``/... powers
-    of 1024. An ``int`` or ``float`` is taken as bits per second. Raises ``ValueError``.
-    """
-    example = "write it like '100mbit', '1gbit', '500kbit' or '10mbps' (bytes/s)"
-    if isinstance(text, bool):
-        raise ValueError(f"bandwidth must be a rate string, got {text!r}; {example}")
-    if isinstance(text, (int, float)):
-        bps = float(text)
-    elif isinstance(text, str):
-        m = _NUMBER_UNIT.fullmatch(text)
-        if not m:
-            raise ValueError(f"bandwidth {text!r} is not a number followed by a unit; {example}")
-        number, unit = m.group(1), m.group(2).lower()
-        if not unit:
-            raise ValueError(f"bandwidth {text!r} has no unit (bits or bytes per second?); "
-                             f"{example}")
-        if unit not in _RATE_UNITS:
-            raise ValueError(f"bandwidth {text!r} has an unknown unit {m.group(2)!r} (known: "
-                             f"{', '.join(_RATE_UNITS)}); {example}")
-        bps = float(number) * _RATE_UNITS[unit]
-    else:
-        raise ValueError(f"bandwidth must be a rate string, got {type(text).__name__}; "
-                         f"{example}")
-    if not math.isfinite(bps) or bps <= 0:
-        raise ValueError(f"bandwidth {text!r} must be a positive rate; {example}")
-    if bps < MIN_RATE_BPS:
-        raise ValueError(f"bandwidth {text!r} is below the minimum of 10kbit (one full packet "
-                         f"would take over a second); {example}")
-    return int(round(bps))
-
-
-def parse_latency(text: str | float) -> float:
-    """Parse a tc-style time (``"10ms"``, ``"500us"``, ``"0.1s"``); returns seconds.
-
-    A ``float`` is taken as seconds. Must lie in (0, 10] seconds. Raises ``ValueError``.
-    """
-    example = "write it like '10ms', '500us' or '0.1s'"
-    if isinstance(text, bool):
-        raise ValueError(f"latency must be a time string, got {text!r}; {example}")
-    if isinstance(text, (int, float)):
-        seconds = float(text)
-    elif isinstance(text, str):
-        m = _NUMBER_UNIT.fullmatch(text)
-        if not m:
-            raise ValueError(f"latency {text!r} is not a number followed by a unit; {example}")
-        unit = m.group(2).lower()
-        if unit not in _TIME_UNITS:
-            what = "has no unit" if not unit else f"has an unknown unit {m.group(2)!r}"
-            raise ValueError(f"latency {text!r} {what}; {example}")
-        seconds = float(m.group(1)) * _TIME_UNITS[unit]
-    else:
-        raise ValueError(f"latency must be a time string, got {type(text).__name__}; {example}")
-    if not math.isfinite(seconds) or seconds <= 0 or seconds > 10:
-        raise ValueError(f"latency {text!r} must be positive and at most 10s; {example}")
-    return seconds
-
-
-def format_rate(bps: float) -> str:
-    """Human-readable rate: ``100 Mbit/s (12.5 MB/s)``."""
-    for unit, scale in (("Gbit/s", 1e9), ("Mbit/s", 1e6), ("kbit/s", 1e3)):
-        if bps >= scale:
-            return f"{bps / scale:.4g} {unit} ({bps / 8e6:.4g} MB/s)"
-    return f"{bps:.4g} bit/s ({bps / 8e6:.4g} MB/s)"
-
-
-def _find_tool(name: str) -> str | None:
-    found = shutil.which(name)
-    if found:
-        return found
-    for d in ("/usr/sbin", "/sbin", "/usr/bin", "/bin"):
-        p = os.path.join(d, name)
-        if os.access(p, os.X_OK):
-            return p
-    return None
-
-
-def _shaping_problem() -> str | None:
-    """Why shaping cannot work here, or None."""
-    problems = []
-    if os.geteuid() != 0:
-        problems.append("this process is not root")
-    missing = [t for t in ("ip", "tc") if _find_tool(t) is None]
-    if missing:
-        problems.append(f"{' and '.join(missing)} not found (install iproute2)")
-    return "; ".join(problems) or None
-
-
-def _run_tool(args: Sequence[str], check: bool = True) -> subprocess.CompletedProcess[str]:
-    # a session of its own: a Ctrl-C at the terminal must not kill `ip netns del` half-way
-    proc = subprocess.run(list(args), capture_output=True, text=True, stdin=subprocess.DEVNULL,
-                          start_new_session=True)
-    if check and proc.returncode != 0:
-        raise ClusterError(f"`{' '.join(args)}` failed (exit {proc.returncode}): "
-                           f"{(proc.stderr or proc.stdout).strip()}")
-    return proc
-
-
-def _list_netns() -> list[str]:
-    ip = _find_tool("ip") or "ip"
-    proc = _run_tool([ip, "netns", "list"], check=False)
-    if proc.returncode != 0:
-        return []
-    return [line.split()[0] for line in proc.stdout.splitlines() if line.strip()]
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def _kill_netns_pids(ns: str) -> list[int]:
-    """SIGKILL every process still inside namespace ``ns``; returns their pids."""
-    ip = _find_tool("ip") or "ip"
-    proc = _run_tool([ip, "netns", "pids", ns], check=False)
-    pids = [int(p) for p in proc.stdout.split() if p.isdigit()] if proc.returncode == 0 else []
-    for pid in pids:
-        if pid == os.getpid():
-            continue
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    return pids
-
-
-def _delete_netns(names: Sequence[str]) -> list[str]:
-    """Kill what runs inside, then delete the namespaces; returns problems (empty if none)."""
-    ip = _find_tool("ip") or "ip"
-    problems = []
-    for ns in names:
-        if _kill_netns_pids(ns):
-            time.sleep(0.05)
-        proc = _run_tool([ip, "netns", "del", ns], check=False)
-        if proc.returncode != 0 and ns in _list_netns():
-            problems.append(f"{ns}: {proc.stderr.strip()}")
-    return problems
-
-
-def cleanup_stale(prefix: str = NAME_PREFIX) -> list[str]:
-    """Remove namespaces (and their links) left behind by dead flexdemo runs.
-
-    Only names of the form ``<prefix><pid>-<k>-sw|n<i>`` whose creating ``pid`` is no longer
-    alive are touched; processes still inside them are killed first. Returns the removed
-    names. Without root (or without ``ip``), nothing can be listed and ``[]`` is returned.
-    """
-    if os.geteuid() != 0 or _find_tool("ip") is None:
-        return []
-    pattern = re.compile(re.escape(prefix) + r"(\d+)-(\d+)-(sw|n\d+)$")
-    stale = []
-    for ns in _list_netns():
-        m = pattern.match(ns)
-        if m and not _pid_alive(int(m.group(1))):
-            stale.append(ns)
-    # node namespaces first, then switches (the order does not matter to the kernel)
-    stale.sort(key=lambda n: n.endswith("-sw"))
-    problems = _delete_netns(stale)
-    if problems:
-        raise ClusterError("could not remove stale namespaces: " + "; ".join(problems))
-    return stale
 
 
 def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def _describe_exit(code: int) -> str:
-    if code < 0:
-        try:
-            name = signal.Signals(-code).name
-        except ValueError:
-            name = f"signal {-code}"
-        return f"was killed by {name} ({-code})"
-    return f"exited with code {code}"
 
 
 @dataclass(frozen=True)
@@ -312,40 +106,6 @@ class RunResult:
     def ok(self) -> bool:
         """True when every rank exited with code 0."""
         return self.failed_rank is None and not self.timed_out
-
-
-class TextSink(Protocol):
-    """Where the ranks' output lines go: a text file, or anything that writes and flushes."""
-
-    def write(self, text: str, /) -> object: ...
-
-    def flush(self) -> None: ...
-
-
-class _Output:
-    """Forwards a rank's pipe line by line with a prefix, under a shared lock."""
-
-    def __init__(self, pipe: IO[bytes], prefix: str, sink: TextSink, lock: threading.Lock):
-        self.thread = threading.Thread(target=self._pump, args=(pipe, prefix, sink, lock),
-                                       daemon=True)
-        self.thread.start()
-
-    @staticmethod
-    def _pump(pipe: IO[bytes], prefix: str, sink: TextSink, lock: threading.Lock) -> None:
-        broken = False
-        with pipe:
-            for raw in iter(pipe.readline, b""):
-                if broken:
-                    continue  # keep draining so the rank never blocks on a full pipe
-                line = raw.decode("utf-8", errors="replace")
-                if not line.endswith("\n"):
-                    line += "\n"
-                try:
-                    with lock:
-                        sink.write(prefix + line)
-                        sink.flush()
-                except (OSError, ValueError):
-                    broken = True
 
 
 class EmulatedCluster:
@@ -410,14 +170,14 @@ class EmulatedCluster:
                              f"{nodes} nodes; use a larger one, e.g. '10.213.0.0/16'")
         self.subnet = net
         if not self.unshaped:
-            problem = _shaping_problem()
+            problem = netns._shaping_problem()
             if problem:
                 raise ShapingUnavailableError(
                     f"shaping the emulated network needs root and iproute2 (ip, tc): {problem}."
                     " Run as root, or use --unshaped (unshaped=True) to run the same ranks on "
                     "loopback without shaping.")
-            self._ip = _find_tool("ip") or "ip"
-            self._tc = _find_tool("tc") or "tc"
+            self._ip = netns._find_tool("ip") or "ip"
+            self._tc = netns._find_tool("tc") or "tc"
         self.port = port if port is not None else (None if self.unshaped else 29500)
         global _counter
         with _counter_lock:
@@ -481,7 +241,7 @@ class EmulatedCluster:
             self._restore_signal_handlers()
 
     def _ipn(self, ns: str, *args: str) -> None:
-        _run_tool([self._ip, "-n", ns, *args])
+        netns._run_tool([self._ip, "-n", ns, *args])
 
     def _tbf_args(self) -> list[str]:
         assert self.rate_bps is not None
@@ -492,24 +252,24 @@ class EmulatedCluster:
     def _shape(self, ns: str, dev: str, what: str) -> None:
         tbf = self._tbf_args()
         if self.latency_s is None:
-            _run_tool([self._tc, "-n", ns, "qdisc", "add", "dev", dev, "root", *tbf])
+            netns._run_tool([self._tc, "-n", ns, "qdisc", "add", "dev", dev, "root", *tbf])
             self._fact(f"shaped {what}: {dev} in {ns}: tc qdisc {' '.join(tbf)}")
             return
         delay_us = max(1, round(self.latency_s / 2 * 1e6))
-        proc = _run_tool([self._tc, "-n", ns, "qdisc", "add", "dev", dev, "root", "handle", "1:",
-                          "netem", "delay", f"{delay_us}us"], check=False)
+        proc = netns._run_tool([self._tc, "-n", ns, "qdisc", "add", "dev", dev, "root",
+                                "handle", "1:", "netem", "delay", f"{delay_us}us"], check=False)
         if proc.returncode != 0:
             raise LatencyUnavailableError(
                 "latency emulation needs tc's netem qdisc (kernel module sch_netem), which is "
                 f"not available here (tc said: {proc.stderr.strip() or proc.returncode}). "
                 "Run without --latency (bandwidth shaping with tbf still works).")
-        _run_tool([self._tc, "-n", ns, "qdisc", "add", "dev", dev, "parent", "1:1", "handle",
-                   "10:", *tbf])
+        netns._run_tool([self._tc, "-n", ns, "qdisc", "add", "dev", dev, "parent", "1:1",
+                         "handle", "10:", *tbf])
         self._fact(f"shaped {what}: {dev} in {ns}: tc qdisc netem delay {delay_us}us + "
                    f"{' '.join(tbf)}")
 
     def _add_netns(self, ns: str) -> None:
-        _run_tool([self._ip, "netns", "add", ns])
+        netns._run_tool([self._ip, "netns", "add", ns])
         self._created.append(ns)
 
     def _build(self) -> None:
@@ -552,8 +312,8 @@ class EmulatedCluster:
             return
         with _DeferSignals():
             names = sorted(self._created, key=lambda n: n.endswith("-sw"))
-            problems = _delete_netns(names)
-            left = [n for n in _list_netns() if n in set(names)]
+            problems = netns._delete_netns(names)
+            left = [n for n in netns._list_netns() if n in set(names)]
             self._created = left
             if problems or left:
                 raise ClusterError(f"could not remove namespaces {left}: {'; '.join(problems)}"
@@ -704,44 +464,6 @@ class EmulatedCluster:
             except subprocess.TimeoutExpired:
                 pass
         return [r for r, _ in alive]
-
-
-def _signal_group(p: subprocess.Popen[bytes], sig: int) -> None:
-    try:
-        os.killpg(p.pid, sig)  # start_new_session: the rank leads its own group
-    except (ProcessLookupError, PermissionError):
-        try:
-            p.send_signal(sig)
-        except ProcessLookupError:
-            pass
-
-
-def _raise_exit(signum: int, frame: object) -> None:
-    raise SystemExit(128 + signum)
-
-
-class _DeferSignals:
-    """Hold SIGINT/SIGTERM while cleaning up; re-deliver the first one afterwards."""
-
-    def __init__(self) -> None:
-        self.pending: int | None = None
-        self.old: dict[int, Any] = {}
-
-    def _record(self, signum: int, frame: object) -> None:
-        if self.pending is None:
-            self.pending = signum
-
-    def __enter__(self) -> _DeferSignals:
-        if threading.current_thread() is threading.main_thread():
-            for sig in (signal.SIGINT, signal.SIGTERM):
-                self.old[sig] = signal.signal(sig, self._record)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        for sig, old in self.old.items():
-            signal.signal(sig, old)
-        if self.pending is not None:
-            signal.raise_signal(self.pending)
 
 
 def _log_info(text: str) -> None:

@@ -1,0 +1,283 @@
+"""Checking a configuration: building the sections from raw data (names and types), the
+ranges and choices of their keys, and one-line :class:`~flexdemo.app.config.ConfigError`
+messages that name the key and, for a misspelt key, the closest valid one."""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+import os
+import sys
+import types
+import typing
+from typing import Any
+
+import torch
+
+from ..ft.config import FaultTolerance
+from ..mesh import mesh_shape
+from ..optim import make_base_optimizer
+from ..replicate import make_replicator
+from .config import (
+    MIN_CORPUS_BYTES,
+    SECTIONS,
+    TOP_LEVEL,
+    Config,
+    ConfigError,
+    FaultToleranceConfig,
+    MeshConfig,
+    StrategyConfig,
+    choices,
+)
+from .device import check_device
+from .tasks import task_presets
+
+__all__ = ["check_mesh", "config_from_dict", "fault_tolerance", "validate"]
+
+
+def _suggest(key: str, valid: list[str], prefix: str = "") -> str:
+    close = difflib.get_close_matches(key, valid, n=1, cutoff=0.6)
+    if close:
+        return f" (did you mean '{prefix}{close[0]}'?)"
+    return f"; valid keys: {', '.join(valid)}"
+
+
+def _describe(value: Any) -> str:
+    names = {bool: "a boolean", int: "an integer", float: "a number", str: "a string",
+             dict: "a table", list: "an array"}
+    return f"{value!r} ({names.get(type(value), type(value).__name__)})"
+
+
+def _coerce(value: Any, annotation: Any, where: str) -> Any:
+    """Check ``value`` against a field's annotation (int, float, str, bool, dict, unions)."""
+    origin = typing.get_origin(annotation)
+    if origin in (typing.Union, types.UnionType):
+        options = typing.get_args(annotation)
+        if type(None) in options and (value is None or
+                                      (isinstance(value, str) and value.lower() == "auto")):
+            return None
+        errors = []
+        for opt in options:
+            if opt is type(None):
+                continue
+            try:
+                return _coerce(value, opt, where)
+            except ConfigError as e:
+                errors.append(e)
+        wanted = " or ".join("'auto'" if o is type(None) else _type_name(o) for o in options)
+        raise ConfigError(f"{where}: expected {wanted}, got {_describe(value)}")
+    if annotation is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"{where}: expected true or false, got {_describe(value)}")
+    if annotation is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, float) and value.is_integer() and abs(value) < 2**53:
+            return int(value)
+        raise ConfigError(f"{where}: expected an integer, got {_describe(value)}")
+    if annotation is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            if not math.isfinite(value):
+                raise ConfigError(f"{where}: expected a finite number, got {value!r}")
+            return float(value)
+        raise ConfigError(f"{where}: expected a number, got {_describe(value)}")
+    if annotation is str:
+        if isinstance(value, str):
+            return value
+        raise ConfigError(f"{where}: expected a string, got {_describe(value)}")
+    if annotation is dict:
+        if isinstance(value, dict):
+            return dict(value)
+        raise ConfigError(f"{where}: expected a table (e.g. {{ topk = 16 }}), got "
+                          f"{_describe(value)}")
+    raise TypeError(f"unsupported config annotation {annotation!r}")  # a bug, not user input
+
+
+def _type_name(t: Any) -> str:
+    return {bool: "true or false", int: "an integer", float: "a number", str: "a string",
+            dict: "a table"}.get(t, getattr(t, "__name__", str(t)))
+
+
+def _build_section(cls: type, raw: Any, name: str) -> Any:
+    if not isinstance(raw, dict):
+        raise ConfigError(f"[{name}] must be a table of keys, got {_describe(raw)}")
+    hints = typing.get_type_hints(cls)
+    valid = [f.name for f in dataclasses.fields(cls)]
+    kwargs = {}
+    for key, value in raw.items():
+        if key not in hints:
+            raise ConfigError(f"unknown key '{name}.{key}'{_suggest(key, valid, name + '.')}")
+        kwargs[key] = _coerce(value, hints[key], f"{name}.{key}")
+    return cls(**kwargs)
+
+
+def config_from_dict(data: dict) -> Config:
+    """A :class:`Config` from a raw mapping: names and types are checked, ranges are not
+    (see :func:`validate`)."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"the config must be a mapping of sections, got {_describe(data)}")
+    kwargs: dict[str, Any] = {}
+    valid = list(SECTIONS) + list(TOP_LEVEL)
+    for key, value in data.items():
+        if key in SECTIONS:
+            kwargs[key] = _build_section(SECTIONS[key], value, key)
+        elif key == "resume":
+            if not isinstance(value, (bool, str)):
+                raise ConfigError(f"resume: expected true, false or a checkpoint path, got "
+                                  f"{_describe(value)}")
+            kwargs[key] = value
+        else:
+            what = "section" if isinstance(value, dict) else "key"
+            raise ConfigError(f"unknown {what} '{key}'{_suggest(key, valid)}")
+    cfg = Config(**kwargs)
+    if "warmup" not in data.get("train", {}):  # the default warm-up never exceeds the run
+        cfg.train.warmup = min(cfg.train.warmup, max(cfg.train.steps, 0))
+    return cfg
+
+
+def _check_choice(where: str, value: str, choices: tuple[str, ...] | list[str]) -> None:
+    if value not in choices:
+        hint = difflib.get_close_matches(value, list(choices), n=1, cutoff=0.5)
+        extra = f" (did you mean {hint[0]!r}?)" if hint else ""
+        raise ConfigError(f"{where}: unknown value {value!r}{extra}; choose one of "
+                          f"{', '.join(choices)}")
+
+
+def _check_range(where: str, ok: bool, need: str, value: Any) -> None:
+    if not ok:
+        raise ConfigError(f"{where}: must be {need}, got {value!r}")
+
+
+def validate(cfg: Config, world_size: int | None = None) -> Config:
+    """Check values and their combinations; ``world_size`` (default ``WORLD_SIZE`` or 1)
+    checks the mesh shape. Returns ``cfg``; raises :class:`ConfigError`."""
+    t, s, m, tr = cfg.task, cfg.strategy, cfg.mesh, cfg.train
+    for where, valid in choices().items():
+        section, key = where.split(".")
+        _check_choice(where, getattr(getattr(cfg, section), key), valid)
+    _check_choice("task.model", t.model, task_presets(t.name))
+    _check_range("task.corpus_bytes", t.corpus_bytes >= MIN_CORPUS_BYTES,
+                 f"at least {MIN_CORPUS_BYTES}", t.corpus_bytes)
+    _check_range("task.seq_len", 0 <= t.seq_len <= 4096, "0 (preset) or 1..4096", t.seq_len)
+    if t.name == "t5" and t.seq_len:
+        _check_range("task.seq_len", t.seq_len >= 8, "at least 8 for t5", t.seq_len)
+    _check_range("task.patch", t.patch in (1, 2, 4, 8), "a divisor of 8 (2 or 4)", t.patch)
+    _check_range("task.val_fraction", 0.0 < t.val_fraction < 1.0, "between 0 and 1",
+                 t.val_fraction)
+    _check_range("task.noise_density", 0.0 < t.noise_density < 1.0, "between 0 and 1",
+                 t.noise_density)
+    _check_range("task.mean_span", t.mean_span >= 1.0, "at least 1", t.mean_span)
+
+    _check_range("strategy.lr", s.lr > 0, "a number > 0", s.lr)
+    _check_range("strategy.weight_decay", s.weight_decay >= 0, "a number >= 0",
+                 s.weight_decay)
+    try:
+        make_replicator(s.replicator, **s.replicator_kwargs)
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"strategy.replicator_kwargs for {s.replicator!r}: {_one_line(e)} "
+                          "(to drop kwargs meant for another replicator: "
+                          "strategy.replicator_kwargs={})") from None
+    _check_optimizer_kwargs(s)
+
+    for name in ("steps", "batch"):
+        _check_range(f"train.{name}", getattr(tr, name) >= 1, "an integer >= 1",
+                     getattr(tr, name))
+    for name in ("warmup", "eval_every", "eval_batches", "checkpoint_every",
+                 "keep_checkpoints", "stop_at", "threads", "seed"):
+        _check_range(f"train.{name}", getattr(tr, name) >= 0, "an integer >= 0",
+                     getattr(tr, name))
+    if tr.warmup > tr.steps >= 1:  # a config's warm-up meant for longer runs: cut, with a note
+        if os.environ.get("RANK", "0") == "0":
+            print(f"flexdemo: note: train.warmup={tr.warmup} is longer than train.steps="
+                  f"{tr.steps}; the warm-up is cut to {tr.steps} steps (set train.warmup to "
+                  "choose another)", file=sys.stderr, flush=True)
+        tr.warmup = tr.steps
+    _check_range("train.log_every", tr.log_every >= 1, "an integer >= 1", tr.log_every)
+    _check_range("train.stop_at", tr.stop_at <= tr.steps,
+                 f"0 or at most train.steps={tr.steps}", tr.stop_at)
+    _check_range("train.min_lr", 0.0 <= tr.min_lr <= 1.0, "between 0 and 1", tr.min_lr)
+    _check_range("train.max_skipped", 0.0 <= tr.max_skipped <= 1.0, "between 0 and 1",
+                 tr.max_skipped)
+    _check_range("train.timeout", tr.timeout >= 0, "a number of seconds >= 0", tr.timeout)
+    try:
+        check_device(tr.device)
+    except ValueError as e:
+        raise ConfigError(f"train.device: {e}") from None
+    if not tr.out.strip():
+        raise ConfigError("train.out: must name an output folder, e.g. \"runs/gpt\"")
+    if isinstance(cfg.resume, str) and not cfg.resume.strip():
+        raise ConfigError("resume: give true, false or a checkpoint path")
+
+    _check_fault_tolerance(cfg.fault_tolerance)
+
+    world = world_size if world_size is not None else int(os.environ.get("WORLD_SIZE", "1"))
+    check_mesh(m, world)
+    return cfg
+
+
+def _check_fault_tolerance(ft: FaultToleranceConfig) -> None:
+    _check_range("fault_tolerance.min_replicas", ft.min_replicas >= 1, "an integer >= 1",
+                 ft.min_replicas)
+    _check_range("fault_tolerance.timeout", ft.timeout > 0, "a number of seconds > 0",
+                 ft.timeout)
+    _check_range("fault_tolerance.quorum_timeout", ft.quorum_timeout >= 0,
+                 "a number of seconds >= 0 (0: fault_tolerance.timeout)", ft.quorum_timeout)
+    _check_range("fault_tolerance.max_failed_commits", ft.max_failed_commits >= 0,
+                 "an integer >= 0 (0: no limit)", ft.max_failed_commits)
+    _check_range("fault_tolerance.replica_id", ":" not in ft.replica_id,
+                 "a name without ':' (torchft appends ':<uuid>' to it)", ft.replica_id)
+
+
+def fault_tolerance(cfg: Config) -> FaultTolerance | None:
+    """The :class:`flexdemo.FaultTolerance` that ``[fault_tolerance]`` asks for (None when not
+    enabled), its defaults read from the environment now; raises :class:`ConfigError` with
+    one line (torchft missing, no lighthouse or replica id given or set)."""
+    ft = cfg.fault_tolerance
+    if not ft.enabled:
+        return None
+    try:
+        return FaultTolerance(
+            lighthouse=ft.lighthouse or None, replica_id=ft.replica_id or None,
+            min_replicas=ft.min_replicas, timeout=ft.timeout,
+            quorum_timeout=ft.quorum_timeout or None, hostname=ft.hostname or None,
+            max_failed_commits=ft.max_failed_commits or None)
+    except (ValueError, ModuleNotFoundError) as e:  # TorchFTMissingError: the extra to install
+        raise ConfigError(f"fault_tolerance: {_one_line(e)}") from None
+
+
+def _one_line(e: BaseException) -> str:
+    return " ".join(str(e).split())
+
+
+def _check_optimizer_kwargs(s: StrategyConfig) -> None:
+    if "lr" in s.optimizer_kwargs:
+        raise ConfigError("strategy.optimizer_kwargs: give the learning rate as strategy.lr")
+    if "weight_decay" in s.optimizer_kwargs and s.weight_decay:
+        raise ConfigError("strategy: weight decay is given twice (strategy.weight_decay and "
+                          "strategy.optimizer_kwargs.weight_decay); keep one")
+    probe = torch.nn.Parameter(torch.zeros(1))
+    kw = dict(s.optimizer_kwargs)
+    if s.optimizer == "muon":  # names of the model's parameters: checked by prepare()
+        kw.pop("muon_params", None)
+    try:
+        make_base_optimizer(s.optimizer, [probe], 1e-3, **kw)
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"strategy.optimizer_kwargs for {s.optimizer!r}: {_one_line(e)}") \
+            from None
+
+
+def check_mesh(mesh: MeshConfig, world: int) -> tuple[int, int]:
+    """Resolve the mesh for ``world`` ranks; raises :class:`ConfigError` when impossible."""
+    for name in ("replicate", "shard"):
+        v = getattr(mesh, name)
+        if v is not None and v < 1:
+            raise ConfigError(f"mesh.{name}: must be an integer >= 1 or \"auto\", got {v!r}")
+    try:
+        return mesh_shape(world, mesh.replicate, mesh.shard)
+    except ValueError as e:
+        hint = (" (this is a single process; launch more ranks with torchrun or flexdemo "
+                "cluster, or leave mesh.replicate and mesh.shard at \"auto\")"
+                if world == 1 else "")
+        raise ConfigError(f"mesh: {_one_line(e)}{hint}") from None

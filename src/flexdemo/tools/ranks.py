@@ -1,0 +1,94 @@
+"""The ranks' processes: forwarding their output line by line, signalling their process
+groups, and holding signals while the supervisor cleans up."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import threading
+from typing import IO, Any, Protocol
+
+__all__ = ["TextSink"]
+
+
+def _describe_exit(code: int) -> str:
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        return f"was killed by {name} ({-code})"
+    return f"exited with code {code}"
+
+
+class TextSink(Protocol):
+    """Where the ranks' output lines go: a text file, or anything that writes and flushes."""
+
+    def write(self, text: str, /) -> object: ...
+
+    def flush(self) -> None: ...
+
+
+class _Output:
+    """Forwards a rank's pipe line by line with a prefix, under a shared lock."""
+
+    def __init__(self, pipe: IO[bytes], prefix: str, sink: TextSink, lock: threading.Lock):
+        self.thread = threading.Thread(target=self._pump, args=(pipe, prefix, sink, lock),
+                                       daemon=True)
+        self.thread.start()
+
+    @staticmethod
+    def _pump(pipe: IO[bytes], prefix: str, sink: TextSink, lock: threading.Lock) -> None:
+        broken = False
+        with pipe:
+            for raw in iter(pipe.readline, b""):
+                if broken:
+                    continue  # keep draining so the rank never blocks on a full pipe
+                line = raw.decode("utf-8", errors="replace")
+                if not line.endswith("\n"):
+                    line += "\n"
+                try:
+                    with lock:
+                        sink.write(prefix + line)
+                        sink.flush()
+                except (OSError, ValueError):
+                    broken = True
+
+
+def _signal_group(p: subprocess.Popen[bytes], sig: int) -> None:
+    try:
+        os.killpg(p.pid, sig)  # start_new_session: the rank leads its own group
+    except (ProcessLookupError, PermissionError):
+        try:
+            p.send_signal(sig)
+        except ProcessLookupError:
+            pass
+
+
+def _raise_exit(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
+class _DeferSignals:
+    """Hold SIGINT/SIGTERM while cleaning up; re-deliver the first one afterwards."""
+
+    def __init__(self) -> None:
+        self.pending: int | None = None
+        self.old: dict[int, Any] = {}
+
+    def _record(self, signum: int, frame: object) -> None:
+        if self.pending is None:
+            self.pending = signum
+
+    def __enter__(self) -> _DeferSignals:
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self.old[sig] = signal.signal(sig, self._record)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for sig, old in self.old.items():
+            signal.signal(sig, old)
+        if self.pending is not None:
+            signal.raise_signal(self.pending)

@@ -328,14 +328,15 @@ def test_the_executable_skips_finalisation_only_after_a_multi_rank_run(monkeypat
     """After a finished multi-rank ``train`` the executable leaves through ``os._exit`` with the
     run's code (no interpreter finalisation to abort in); a one-process run exits normally."""
     import flexdemo.app.cli as cli
+    import flexdemo.app.cli_train as cli_train
 
-    monkeypatch.setattr(cli, "_LEAVE_AT_ONCE", cli.threading.Event())
-    monkeypatch.setattr(cli, "train", lambda cfg, exit_on_lost_peer, handle_signals: {})
-    monkeypatch.setattr(cli.dist, "is_initialized", lambda: True)
-    monkeypatch.setattr(cli.dist, "get_world_size", lambda: world)
+    monkeypatch.setattr(cli_train, "_LEAVE_AT_ONCE", cli_train.threading.Event())
+    monkeypatch.setattr(cli_train, "train", lambda cfg, exit_on_lost_peer, handle_signals: {})
+    monkeypatch.setattr(cli_train.dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(cli_train.dist, "get_world_size", lambda: world)
     torn = []
-    monkeypatch.setattr(cli.dist, "destroy_process_group", lambda: torn.append(1))
-    monkeypatch.setattr(cli, "main", lambda: cli._run_training(None))
+    monkeypatch.setattr(cli_train.dist, "destroy_process_group", lambda: torn.append(1))
+    monkeypatch.setattr(cli, "main", lambda: cli_train._run_training(None))
 
     def fake_exit(code):
         raise _Left(code)

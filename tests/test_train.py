@@ -20,7 +20,8 @@ from dist_util import free_port, reap, run_world, spawn_ranks
 
 from flexdemo.app.config_files import load_config
 from flexdemo.app.tasks import have_transformers
-from flexdemo.app.trainer import TrainingError, UsageError, lr_at, timeout_seconds, train
+from flexdemo.app.trainer import TrainingError, UsageError, lr_at, train
+from flexdemo.app.trainer_setup import timeout_seconds
 
 ROOT = Path(__file__).parent.parent
 PY = sys.executable
@@ -252,7 +253,7 @@ class _FakeEvents:
 def test_a_crash_right_after_a_checkpoint_loses_no_metrics_line(tmp_path, single_process,
                                                                  monkeypatch):
     import flexdemo.app.outputs as outputs
-    import flexdemo.app.trainer as trainer
+    import flexdemo.app.trainer_setup as trainer
 
     monkeypatch.setattr(outputs, "summary_writer", lambda: _FakeEvents)
     real_save = trainer.save_checkpoint
@@ -294,7 +295,7 @@ def test_full_disk_during_a_save_then_resume_from_the_previous_checkpoint(
         tmp_path, single_process, monkeypatch):
     import torch.distributed.checkpoint.filesystem as dcp_filesystem
 
-    import flexdemo.app.trainer as trainer
+    import flexdemo.app.trainer_setup as trainer
 
     out = tmp_path / "run"
     base = GPT_QUICK + ["train.steps=6", "train.checkpoint_every=2", "train.progress=false",

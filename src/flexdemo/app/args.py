@@ -1,5 +1,6 @@
 """Argument checks for scripts launched by ``torchrun`` (the benchmarks): one-line errors that
-rank 0 prints once, exit code 2 on every rank, and ``argparse`` types with ranges."""
+rank 0 prints once, exit code 2 on every rank, and ``argparse`` types with ranges; also the
+``argparse`` types of the ``flexdemo`` command's options."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import math
 import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import NoReturn
 
@@ -102,3 +104,35 @@ def check_out_file(parser: argparse.ArgumentParser, out: str, option: str = "--o
     if not os.access(path.parent, os.W_OK | os.X_OK):
         parser.error(f"argument {option}: {str(path.parent)!r} is not a writable directory; "
                      "choose another path")
+
+
+def _checked(parse: Callable[[str], object]) -> Callable[[str], str]:
+    """An argparse type that keeps the text once ``parse`` accepts it (its error otherwise)."""
+    def check(text: str) -> str:
+        try:
+            parse(text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+        return text
+
+    return check
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r} (e.g. 2)")
+    return value
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be a number of seconds >= 0, got {text!r}")
+    return value

@@ -1,0 +1,93 @@
+"""``flexdemo bench``: sweep strategies x bandwidths (:func:`flexdemo.app.bench.run_bench`)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from ..strategies import STRATEGIES
+from .args import _positive_int, _seconds
+from .bench import (
+    DEFAULT_BANDWIDTHS,
+    DEFAULT_STRATEGIES,
+    PRESETS,
+    BenchError,
+    bench_options,
+    run_bench,
+)
+from .config import ConfigError
+
+BENCH_DESCRIPTION = """\
+Sweep strategies x bandwidths on an emulated cluster (flexdemo cluster): for every pair, run
+`flexdemo train` on --nodes x --ranks-per-node ranks whose nodes are joined by links of that
+rate, then write results.json, results.csv and plots (loss vs wall-clock time, loss vs bytes
+sent, step time split into compute and communication) to --out and print a table.
+
+Shaping needs root and iproute2; without them (or with --unshaped) the ranks run on loopback
+with no bandwidth limit, and the bench says so.
+"""
+
+
+def _add_bench_parser(sub) -> None:
+    width = max(map(len, STRATEGIES)) + 1
+    strategies = "\n".join(f"  {name:<{width}} {spec.about}" for name, spec in STRATEGIES.items())
+    presets = "\n".join(f"  {name:<12} {spec['about']}" for name, spec in PRESETS.items())
+    b = sub.add_parser(
+        "bench", help="sweep strategies x bandwidths on an emulated cluster; table + plots",
+        description=BENCH_DESCRIPTION,
+        epilog=f"strategies:\n{strategies}\n\npresets:\n{presets}\n\nexamples:\n"
+               "  flexdemo bench --preset main\n"
+               "  flexdemo bench --strategies flexdemo,hsdp-adamw --bandwidths 10mbit,1gbit "
+               "--steps 100\n"
+               "  flexdemo bench --unshaped --steps 20 task.model=tiny\n",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    b.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
+                   help="config overrides for every run, e.g. task.model=tiny")
+    b.add_argument("--preset", choices=sorted(PRESETS),
+                   help="a ready-made sweep (its settings apply first; other options refine)")
+    b.add_argument("--strategies", metavar="LIST",
+                   help=f"comma-separated (default {','.join(DEFAULT_STRATEGIES)})")
+    b.add_argument("--bandwidths", metavar="LIST",
+                   help=f"comma-separated rates (default {','.join(DEFAULT_BANDWIDTHS)})")
+    b.add_argument("--nodes", type=_positive_int, metavar="N", help="emulated nodes (default 2)")
+    b.add_argument("--ranks-per-node", type=_positive_int, metavar="M",
+                   help="ranks per node (default 2)")
+    b.add_argument("--steps", type=_positive_int, metavar="N",
+                   help="training steps per run (default: a train.steps=N override, else "
+                        "train.steps of --config, else the preset's, else 100; an override "
+                        "that differs from --steps is an error)")
+    b.add_argument("--config", metavar="FILE",
+                   help="base training config for every run (default: the GPT task)")
+    b.add_argument("--out", metavar="DIR", help="output folder (default runs/bench)")
+    b.add_argument("--unshaped", action="store_true",
+                   help="no shaping, no root needed: all ranks on loopback")
+    b.add_argument("--timeout", type=_seconds, metavar="S",
+                   help="stop a run that takes longer than S seconds")
+    b.add_argument("--device", choices=("auto", "cpu", "cuda"),
+                   help="where every rank trains (default: train.device of --config, else "
+                        "auto: CUDA when this machine has a GPU per rank, else CPU)")
+    b.add_argument("-q", "--quiet", action="store_true",
+                   help="do not echo the ranks' progress (it still goes to each run's log.txt)")
+    b.set_defaults(func=_cmd_bench, subparser=b)
+
+
+def _cmd_bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    try:
+        options = bench_options(
+            preset=args.preset, strategies=args.strategies, bandwidths=args.bandwidths,
+            nodes=args.nodes, ranks_per_node=args.ranks_per_node, steps=args.steps,
+            config=args.config, out=args.out, unshaped=args.unshaped,
+            overrides=args.overrides, timeout=args.timeout, quiet=args.quiet,
+            device=args.device)
+    except (BenchError, ConfigError) as e:
+        print(f"flexdemo bench: error: {e}", file=sys.stderr, flush=True)
+        return 2
+    try:
+        results = run_bench(options)
+    except BenchError as e:
+        print(f"flexdemo bench: error: {e}", file=sys.stderr, flush=True)
+        return 1
+    except KeyboardInterrupt:
+        print("flexdemo bench: interrupted; runs stopped", file=sys.stderr, flush=True)
+        return 130
+    return 0 if all(r["status"] == "ok" for r in results) else 1

@@ -15,11 +15,10 @@ from flexdemo.app.bench import (
     STRATEGIES,
     BenchError,
     bench_options,
-    comparison_lines,
-    format_table,
     run_bench,
     run_config,
 )
+from flexdemo.app.bench_report import comparison_lines, format_table
 from flexdemo.app.config import ConfigError
 from flexdemo.app.config_checks import config_from_dict, validate
 

@@ -1,0 +1,159 @@
+"""What a sweep of ``flexdemo bench`` found, in words: the table of runs, and each strategy
+against the reference at equal steps and at equal wall-clock time (per bandwidth)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+from ..strategies import STRATEGIES
+from .plots import smooth
+
+__all__ = ["comparison_lines", "equal_time_losses", "equal_time_val_losses", "format_table",
+           "never_synced_note"]
+
+
+def _fmt(v: Any, spec: str) -> str:
+    if v is None or (isinstance(v, float) and math.isnan(v)) or v == "":
+        width = int(spec.split(".")[0] or 0)
+        return "-".rjust(width)
+    return format(v, spec)
+
+
+def format_table(results: list[dict]) -> str:
+    """The printed table: one row per run."""
+    head = (f"{'strategy':<12} {'link':>9} {'val loss':>9} {'train':>7} {'time s':>7} "
+            f"{'step ms':>8} {'compute':>8} {'comm':>7} {'MB/step':>9} {'status':>7}")
+    lines = [head, "-" * len(head)]
+    def ms(r: dict, key: str) -> float | None:
+        return r[key] * 1e3 if isinstance(r.get(key), (int, float)) else None
+
+    for r in results:
+        mb = r.get("bytes_sent_per_step")
+        lines.append(
+            f"{r['strategy']:<12} {r['bandwidth']:>9} {_fmt(r.get('val_loss'), '9.4f')} "
+            f"{_fmt(r.get('train_loss'), '7.4f')} {_fmt(r.get('train_seconds'), '7.1f')} "
+            f"{_fmt(ms(r, 'step_seconds'), '8.0f')} {_fmt(ms(r, 'compute_seconds'), '8.0f')} "
+            f"{_fmt(ms(r, 'comm_seconds'), '7.0f')} "
+            f"{_fmt(mb / 1e6 if mb is not None else None, '9.4f')} {r['status']:>7}")
+    lines.append("val loss: mean over all ranks after the last step; time s: training time "
+                 "(evaluation excluded)\nstep ms = compute + comm (per rank, mean); MB/step: "
+                 "what a rank sends across nodes per step")
+    lines += [note for note in map(never_synced_note, results) if note]
+    return "\n".join(lines)
+
+
+def _interp(x: list[float], y: list[float], at: float) -> float:
+    if not x:
+        return float("nan")
+    if at <= x[0]:
+        return y[0]
+    for i in range(1, len(x)):
+        if x[i] >= at:
+            f = (at - x[i - 1]) / max(x[i] - x[i - 1], 1e-12)
+            return y[i - 1] + f * (y[i] - y[i - 1])
+    return y[-1]
+
+
+def _at_equal_time(results: list[dict], bandwidth: str, times: str,
+                   values: Callable[[dict], list[float]],
+                   unseen: float | None = None) -> tuple[float, dict[str, float]]:
+    """At one bandwidth: the time every run's curve ``times`` reached (the shortest run's last
+    point) and each strategy's ``values(curve)`` then, interpolated linearly; ``unseen`` (when
+    given) for a run whose first point comes later."""
+    runs = [r for r in results if r["bandwidth"] == bandwidth and r["status"] == "ok"
+            and r["curve"].get(times)]
+    if not runs:
+        return float("nan"), {}
+    t = min(r["curve"][times][-1] for r in runs)
+    out = {}
+    for r in runs:
+        c = r["curve"]
+        out[r["strategy"]] = (unseen if unseen is not None and c[times][0] > t
+                              else _interp(c[times], values(c), t))
+    return t, out
+
+
+def equal_time_losses(results: list[dict], bandwidth: str) -> tuple[float, dict[str, float]]:
+    """At one bandwidth: the time all runs reached (the shortest run's training seconds) and
+    each strategy's smoothed training loss at that time."""
+    return _at_equal_time(results, bandwidth, "train_seconds",
+                          lambda c: smooth(c["loss"], max(1, len(c["loss"]) // 10)))
+
+
+def equal_time_val_losses(results: list[dict], bandwidth: str) -> tuple[float, dict[str, float]]:
+    """At one bandwidth: the training time every run's evaluations reached (the shortest run's
+    last evaluation) and each strategy's validation loss then, interpolated linearly between
+    its evaluations; NaN for a run not evaluated by then."""
+    return _at_equal_time(results, bandwidth, "val_seconds", lambda c: c["val_loss"],
+                          unseen=float("nan"))
+
+
+def _finite(v: Any) -> bool:
+    """Whether ``v`` is a finite number (a summary's loss may be null: not finite)."""
+    return isinstance(v, (int, float)) and math.isfinite(v)
+
+
+def _loss(v: float | None) -> str:
+    """A loss for the comparison lines; '-' for a run not evaluated by then."""
+    return f"{v:.4f}" if v is not None and math.isfinite(v) else "- (no evaluation yet)"
+
+
+def never_synced_note(r: dict) -> str | None:
+    """A note for a run whose strategy synchronises across nodes but sent nothing: a run
+    shorter than DiLoCo's ``inner_steps``. Its replicas trained apart, and its step time holds
+    no communication, so neither its loss nor its speed compares with a synced run."""
+    spec = STRATEGIES.get(r.get("strategy", ""))
+    if (spec is None or r.get("status") != "ok" or spec.replicator == "none"
+            or r.get("mb_sent_total", 1.0) != 0):
+        return None
+    every = spec.replicator_kwargs.get("inner_steps")
+    why = (f" (it syncs every {every} steps; give train.steps > {every})" if every else "")
+    return (f"note: {r['strategy']} @ {r['bandwidth']} never synchronised across nodes in its "
+            f"{r.get('steps', '?')} steps{why}: its replicas trained apart and its step time "
+            "includes no communication, so its speed and loss do not compare with synced runs")
+
+
+def _speed(seconds: float | None, reference: float | None) -> str:
+    """`` (1.43x faster)``, `` (1.43x slower)``, `` (the same)``, or nothing when a time is
+    missing."""
+    if not seconds or not reference:
+        return ""
+    ratio = reference / seconds
+    if f"{max(ratio, 1 / ratio):.2f}" == "1.00":
+        return " (the same)"
+    return f" ({ratio:.2f}x faster)" if ratio > 1 else f" ({1 / ratio:.2f}x slower)"
+
+
+def comparison_lines(results: list[dict], reference: str = "hsdp-adamw") -> list[str]:
+    """FlexDeMo (and the others) against ``reference``: validation loss at equal steps and
+    training loss at equal wall-clock time, per bandwidth."""
+    lines = []
+    for bw in dict.fromkeys(r["bandwidth"] for r in results):
+        ref = next((r for r in results if r["bandwidth"] == bw and r["strategy"] == reference
+                    and r["status"] == "ok"), None)
+        if ref is None or not _finite(ref.get("val_loss")):
+            continue
+        t, at_t = equal_time_losses(results, bw)
+        tv, val_t = equal_time_val_losses(results, bw)
+        for r in results:
+            if (r["bandwidth"] != bw or r is ref or r["status"] != "ok"
+                    or not _finite(r.get("val_loss"))):
+                continue
+            rel = 100 * (r["val_loss"] - ref["val_loss"]) / ref["val_loss"]
+            speed = _speed(r.get("step_seconds"), ref.get("step_seconds"))
+            note = never_synced_note(r)
+            lines.append(f"{r['strategy']} vs {reference} @ {bw}:")
+            if note:
+                lines.append(f"  {note}")
+            lines += [
+                f"  at equal steps: val loss {r['val_loss']:.4f} vs {ref['val_loss']:.4f} "
+                f"({rel:+.1f}%)",
+                f"  step time:      {r['step_seconds'] * 1e3:.0f} ms vs "
+                f"{ref['step_seconds'] * 1e3:.0f} ms{speed}",
+                f"  at equal time:  train loss {at_t.get(r['strategy'], float('nan')):.4f} vs "
+                f"{at_t.get(reference, float('nan')):.4f} after {t:.0f} s (smoothed)",
+                f"                  val loss {_loss(val_t.get(r['strategy']))} vs "
+                f"{_loss(val_t.get(reference))} after {tv:.0f} s (between evaluations)"]
+    return lines

@@ -5,6 +5,7 @@ from .buffers import BufferSync
 from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from .compress import BlockDCT, plan_chunks
 from .ft import FaultTolerance
+from .inprocess import InProcessHub
 from .lion import Lion
 from .mesh import build_mesh, init_distributed, mesh_shape
 from .muon import MuonAdamW
@@ -27,7 +28,7 @@ from .replicate import (
 from .sharding import NoReplicationWarning, prepare
 from .simulate import SimulatedReplicas
 from .strategies import STRATEGIES, Strategy, check_strategy, parse_strategy
-from .transport import CommStats, InProcessHub
+from .transport import CommStats
 
 __version__ = "0.1.0"
 

@@ -1,5 +1,5 @@
 """The package's three parts: the library imports nothing from the application or the tools,
-and no module imports itself through a circle."""
+no module imports itself through a circle, and no module is over about 500 lines."""
 
 from __future__ import annotations
 
@@ -91,6 +91,18 @@ def test_no_import_circles():
             visit(m, [m])
 
 
+MAX_LINES = 500
+
+
+def test_every_module_is_small():
+    """Modules of one job each: none under src/flexdemo over about 500 lines."""
+    sizes = {str(p.relative_to(SRC)): len(p.read_text().splitlines())
+             for p in sorted(PKG.rglob("*.py"))}
+    assert len(sizes) > 50, sorted(sizes)  # the walk found the package
+    over = {name: n for name, n in sizes.items() if n > MAX_LINES}
+    assert not over, (f"modules over {MAX_LINES} lines (split them by job): "
+                      + ", ".join(f"{name} ({n})" for name, n in sorted(over.items())))
+
 
 def test_demo_is_a_package_of_small_modules():
     """DeMo is a package of modules of one job each, none over about 500 lines."""
@@ -98,4 +110,4 @@ def test_demo_is_a_package_of_small_modules():
     assert not (PKG / "replicate" / "demo.py").exists()
     sizes = {p.name: len(p.read_text().splitlines()) for p in demo.glob("*.py")}
     assert {"layout.py", "staging.py", "graphs.py", "checks.py", "replicator.py"} <= set(sizes)
-    assert max(sizes.values()) <= 500, sizes
+    assert max(sizes.values()) <= MAX_LINES, sizes

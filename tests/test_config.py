@@ -128,7 +128,7 @@ def test_names_and_types_are_checked(data, expected):
     ({"train": {"warmup": -1}}, "train.warmup: must be an integer >= 0"),
     ({"train": {"steps": 10, "stop_at": 20}}, "train.stop_at"),
     ({"strategy": {"lr": 0}}, "strategy.lr: must be a number > 0"),
-    ({"task": {"patch": 3}}, "task.patch: must be a divisor of 8"),
+    ({"task": {"name": "vit", "patch": 3}}, "task.patch: must be a divisor of 8"),
     ({"strategy": {"replicator": "full", "replicator_kwargs": {"topk": 8}}},
      "strategy.replicator_kwargs for 'full'"),
     ({"strategy": {"replicator_kwargs": {"topk": 0}}}, "topk must be an integer >= 1"),
@@ -430,3 +430,25 @@ def test_train_passes_fault_tolerance_to_prepare_or_says_why_not(tmp_path, torch
     assert r.returncode == 2, r.stderr[-2000:]
     assert errors == [errors[0]] and errors[0].startswith(
         f"flexdemo train: error: fault_tolerance: {want}"), r.stderr[-2000:]
+
+
+def test_each_task_owns_its_keys(tmp_path):
+    """A [task] key that only another task reads is one line naming this task's keys; an
+    override that switches the task drops the file's keys of the old one; the resolved
+    config writes the task's own keys only (and reads back equal)."""
+    from flexdemo.app.config_files import config_to_dict
+
+    root = Path(__file__).parent.parent
+    text = error_of({"task": {"name": "gpt", "patch": 2}})
+    assert "task.patch" in text and "vit's" in text and "model, corpus_bytes, seq_len" in text
+    text = error_of({"task": {"name": "vit", "noise_density": 0.2}})
+    assert "t5's" in text and "model, patch, val_fraction" in text
+    vit = write(tmp_path, "[task]\nname = 'vit'\npatch = 2\nval_fraction = 0.3\n")
+    cfg = load_config(vit, ["task.name=gpt", "task.model=mini"])
+    assert (cfg.task.name, cfg.task.patch, cfg.task.val_fraction) == ("gpt", 4, 0.2)  # dropped
+    cfg = load_config(root / "configs/t5.toml", ["task.name=gpt", "task.model=mini"])
+    assert cfg.task.seq_len == 128  # gpt reads seq_len too: kept
+    cfg = load_config(root / "configs/gpt.toml", ["task.name=t5", "task.model=tiny"])
+    assert cfg.task.corpus_bytes == 2000000  # t5 reads corpus_bytes too: kept
+    written = config_to_dict(load_config(root / "configs/vit.toml"))["task"]
+    assert set(written) == {"name", "model", "patch", "val_fraction"}

@@ -31,7 +31,7 @@ from .config import (
     choices,
 )
 from .device import check_device
-from .tasks import task_presets
+from .tasks import TASKS, task_options, task_presets
 
 __all__ = ["check_mesh", "config_from_dict", "fault_tolerance", "validate"]
 
@@ -132,9 +132,25 @@ def config_from_dict(data: dict) -> Config:
             what = "section" if isinstance(value, dict) else "key"
             raise ConfigError(f"unknown {what} '{key}'{_suggest(key, valid)}")
     cfg = Config(**kwargs)
+    _check_task_keys(cfg.task.name, data.get("task", {}))
     if "warmup" not in data.get("train", {}):  # the default warm-up never exceeds the run
         cfg.train.warmup = min(cfg.train.warmup, max(cfg.train.steps, 0))
     return cfg
+
+
+def _check_task_keys(name: str, given: dict) -> None:
+    """Each task owns its ``[task]`` keys: a key that only other tasks read is refused, naming
+    the keys this task takes."""
+    if name not in TASKS:
+        return  # validate() names the tasks
+    own = task_options(name)
+    for key in given:
+        if key != "name" and key not in own:
+            owners = [t for t in TASKS if key in task_options(t)]
+            raise ConfigError(
+                f"task.{key}: the {name} task has no such setting (it is "
+                f"{' and '.join(owners)}'s); the {name} task takes {', '.join(own)}: remove "
+                f"task.{key}")
 
 
 def _check_choice(where: str, value: str, choices: tuple[str, ...] | list[str]) -> None:

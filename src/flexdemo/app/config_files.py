@@ -11,6 +11,7 @@ from typing import Any
 
 from .config import Config, ConfigError
 from .config_checks import _describe, config_from_dict, validate
+from .tasks import task_options
 
 __all__ = ["apply_overrides", "config_to_dict", "load_config", "parse_override",
            "read_config_file", "to_toml"]
@@ -131,6 +132,13 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] | No
         if (f"strategy.{name}" in keys and f"strategy.{name}_kwargs" not in keys
                 and old_value != new_value and isinstance(new["strategy"], dict)):
             new["strategy"].pop(f"{name}_kwargs", None)
+    # likewise an override that switches the task drops the file's keys of the old task
+    old_task = (data.get("task") or {}).get("name") if isinstance(data, dict) else None
+    task = new.get("task")
+    if "task.name" in keys and isinstance(task, dict) and task.get("name") != old_task:
+        own = task_options(str(task.get("name")))
+        for key in [k for k in task if k != "name" and k not in own and f"task.{k}" not in keys]:
+            task.pop(key)
     return validate(config_from_dict(new), world_size)
 
 
@@ -138,6 +146,8 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] | No
 def config_to_dict(cfg: Config) -> dict:
     """The config as plain data (``None`` sizes become ``"auto"``)."""
     data = dataclasses.asdict(cfg)
+    own = task_options(cfg.task.name)  # the task's own keys only
+    data["task"] = {k: v for k, v in data["task"].items() if k == "name" or k in own}
     for key in ("replicate", "shard"):
         if data["mesh"][key] is None:
             data["mesh"][key] = "auto"

@@ -73,6 +73,12 @@ def task_presets(name: str) -> tuple[str, ...]:
     return _spec(name).presets
 
 
+def task_options(name: str) -> tuple[str, ...]:
+    """The ``[task]`` keys task ``name`` reads (besides ``name``); an unknown task has none
+    (its name is refused elsewhere, naming the tasks)."""
+    return TASKS[name].options if name in TASKS else ()
+
+
 def build_task(cfg: Any, seed: int = 0) -> Task:
     """The task a ``[task]`` config describes (data loaded, model not built yet)."""
     return _spec(cfg.name).build(cfg, seed)
@@ -81,4 +87,5 @@ def build_task(cfg: Any, seed: int = 0) -> Task:
 __all__ = ["GPT", "PRESETS", "TASKS", "TASK_NAMES", "GPTConfig", "GPTTask", "ShardSampler",
            "T5Task", "Task", "TaskSpec", "ViT", "ViTConfig", "ViTTask", "build_task",
            "data_generator", "evaluate", "get_batch", "gpt_config", "have_transformers",
-           "load_corpus", "num_params", "stdlib_files", "task_presets", "vit_config"]
+           "load_corpus", "num_params", "stdlib_files", "task_options", "task_presets",
+           "vit_config"]

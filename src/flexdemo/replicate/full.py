@@ -129,9 +129,7 @@ class FullReplicator(Replicator):
         self._total = sum(s.numel() for s in self._local_shapes)
         self._scatter = None
         if self.reduce == "scatter" and self.world > 1:
-            self._scatter = ScatterExchange(self.codec, self._total, self.world, self.rank,
-                                            self.device)
-            self._bucket = self._scatter.send
+            self._scatter = ScatterExchange(self.codec, self._total, self.world, self.device)
             flat = self._scatter.flat
         elif self.values == "fp32":
             self._bucket = torch.zeros(self._total + Agreement.trailer_size(self.world),

@@ -43,11 +43,12 @@ def _aligned(nbytes: int) -> int:
 
 class ScatterExchange:
     """The buffers and steps of one replicator's reduce-scatter exchange of ``total`` values
-    over ``world`` ranks (this one is ``rank``), encoded with ``codec``."""
+    over ``world`` ranks, encoded with ``codec`` (the all-to-all puts this rank's own chunk in
+    place: no rank is needed)."""
 
-    def __init__(self, codec: ValueCodec, total: int, world: int, rank: int,
+    def __init__(self, codec: ValueCodec, total: int, world: int,
                  device: torch.device) -> None:
-        self.codec, self.total, self.world, self.rank = codec, total, world, rank
+        self.codec, self.total, self.world = codec, total, world
         blocks = math.ceil(math.ceil(total / world) / codec.block)
         self.chunk = blocks * codec.block  # values per chunk: whole blocks
         # the flat values, padded to n whole chunks (the layout lives in its front)

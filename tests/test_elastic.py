@@ -464,6 +464,8 @@ def test_flexdemo_train_follows_the_committed_steps(tmp_path, procs):
         lh.stop()
     ma, mb = _metrics(tmp_path, "A"), _metrics(tmp_path, "B2")
     assert [r["step"] for r in ma] == list(range(1, steps + 1)), [r["step"] for r in ma]
+    # the same initial weights, but each replica group draws its own batches
+    assert ma[0]["loss"] != _metrics(tmp_path, "B1")[0]["loss"]
     assert all(r["replicas"] == 2 for r in ma + mb)
     first = mb[0]["step"]
     assert first > 8, f"B2 did not heal to A's step: it began at step {first}"

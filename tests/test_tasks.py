@@ -68,6 +68,16 @@ def test_shard_sampler_gives_disjoint_shards_and_resumes():
         ShardSampler(10, 0, 4).next(5)
 
 
+def test_shard_sampler_streams_order_the_same_items_apart():
+    """Elastic replica groups are numbered alike (rank 0 of 1): each stream draws its own
+    order of the same items; stream 0 is the plain sampler."""
+    plain, zero = ShardSampler(50, 0, 1, seed=3), ShardSampler(50, 0, 1, seed=3, stream=0)
+    a, b = ShardSampler(50, 0, 1, seed=3, stream=11), ShardSampler(50, 0, 1, seed=3, stream=12)
+    assert torch.equal(plain.next(50), zero.next(50))
+    xa, xb = a.next(50), b.next(50)
+    assert not torch.equal(xa, xb) and sorted(xa.tolist()) == sorted(xb.tolist())
+
+
 def test_t5_span_corruption_examples():
     from flexdemo.app.tasks.t5 import EOS, SENTINEL0, corrupt, noise_mask, span_counts
 

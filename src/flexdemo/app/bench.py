@@ -31,6 +31,7 @@ from ..strategies import STRATEGIES, parse_strategy
 from ..tools.cluster import EmulatedCluster
 from ..tools.netns import ClusterError, ShapingUnavailableError, cleanup_stale
 from ..tools.rates import format_rate, parse_bandwidth
+from .bench_elastic import elastic_problem, run_elastic
 from .bench_report import _finite, comparison_lines, format_table
 from .config import ConfigError
 from .config_checks import config_from_dict, validate
@@ -61,6 +62,15 @@ PRESETS: dict[str, dict[str, Any]] = {
         "nodes": 2, "ranks_per_node": 2, "steps": 150, "out": "runs/main",
         "overrides": ["task.model=mini", "train.batch=8", "train.warmup=15",
                       "train.eval_every=25", "train.eval_batches=8"]},
+    "elastic": {
+        "about": "fault tolerance on torchft: FlexDeMo as one job, then with every node its "
+                 "own replica group, the last node killed at --kill-at and restarted at "
+                 "--restart-at; step cost, recovery times, a plot of loss and replicas",
+        "strategies": ("flexdemo",), "bandwidths": ("100mbit",), "nodes": 2,
+        "ranks_per_node": 2, "steps": 120, "kill_at": 40, "restart_at": 70,
+        "out": "runs/elastic",
+        "overrides": ["task.model=mini", "train.batch=8", "train.warmup=12",
+                      "train.eval_every=20", "train.eval_batches=8", "train.log_every=10"]},
 }
 
 
@@ -86,6 +96,10 @@ class BenchOptions:
     device: str = "cpu"
     """Where every run trains (``cpu`` or ``cuda``; ``auto`` is resolved by
     :func:`bench_options`)."""
+    kill_at: int = 0
+    """Elastic preset: the step of node 0 at which the last node is killed."""
+    restart_at: int = 0
+    """Elastic preset: the step of node 0 at which the killed node starts again."""
 
 
 def _split(text: str | None) -> list[str] | None:
@@ -100,7 +114,8 @@ def bench_options(*, preset: str | None = None, strategies: str | list[str] | No
                   ranks_per_node: int | None = None, steps: int | None = None,
                   config: str | None = None, out: str | None = None, unshaped: bool = False,
                   overrides: list[str] | None = None, timeout: float | None = None,
-                  quiet: bool = False, device: str | None = None) -> BenchOptions:
+                  quiet: bool = False, device: str | None = None,
+                  kill_at: int | None = None, restart_at: int | None = None) -> BenchOptions:
     """Resolve and check a sweep's options; raises :class:`BenchError` or
     :class:`~flexdemo.app.config.ConfigError` with a one-line message."""
     p = PRESETS.get(preset or "", {})
@@ -166,6 +181,15 @@ def bench_options(*, preset: str | None = None, strategies: str | list[str] | No
     o.base = base
     for name in o.strategies:  # every run's config must be valid before anything starts
         validate(config_from_dict(run_config(o, name, "check")), o.nodes * o.ranks_per_node)
+    if (kill_at or restart_at) and preset != "elastic":
+        raise BenchError("--kill-at and --restart-at belong to the elastic preset: add "
+                         "--preset elastic")
+    if preset == "elastic":
+        o.kill_at = kill_at or min(p["kill_at"], o.steps // 3)
+        o.restart_at = restart_at or min(p["restart_at"], (o.steps * 7) // 12)
+        problem = elastic_problem(o)
+        if problem:
+            raise BenchError(problem)
     return o
 
 
@@ -262,6 +286,11 @@ def _label(bw: str) -> str:
 def run_bench(o: BenchOptions, echo: Callable[[str], None] | None = None) -> list[dict]:
     """Run the sweep; returns one result per run (``status`` ``"ok"`` or ``"failed"``)."""
     echo = echo or (lambda text: print(text, flush=True))
+    if o.preset == "elastic":
+        try:
+            return run_elastic(o, _one_run, echo)
+        except ClusterError as e:
+            raise BenchError(f"the emulated cluster failed: {e}") from None
     out = Path(o.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     shaped = not o.unshaped

@@ -37,6 +37,7 @@ def _add_bench_parser(sub) -> None:
         description=BENCH_DESCRIPTION,
         epilog=f"strategies:\n{strategies}\n\npresets:\n{presets}\n\nexamples:\n"
                "  flexdemo bench --preset main\n"
+               "  flexdemo bench --preset elastic --kill-at 30 --restart-at 50\n"
                "  flexdemo bench --strategies flexdemo,hsdp-adamw --bandwidths 10mbit,1gbit "
                "--steps 100\n"
                "  flexdemo bench --unshaped --steps 20 task.model=tiny\n",
@@ -66,6 +67,12 @@ def _add_bench_parser(sub) -> None:
     b.add_argument("--device", choices=("auto", "cpu", "cuda"),
                    help="where every rank trains (default: train.device of --config, else "
                         "auto: CUDA when this machine has a GPU per rank, else CPU)")
+    b.add_argument("--kill-at", type=_positive_int, metavar="K",
+                   help="elastic preset: kill the last node when node 0 reaches step K "
+                        "(default: the preset's 40, at most a third of the steps)")
+    b.add_argument("--restart-at", type=_positive_int, metavar="M",
+                   help="elastic preset: start the killed node again at node 0's step M "
+                        "(default 70, at most 7/12 of the steps)")
     b.add_argument("-q", "--quiet", action="store_true",
                    help="do not echo the ranks' progress (it still goes to each run's log.txt)")
     b.set_defaults(func=_cmd_bench, subparser=b)
@@ -78,7 +85,7 @@ def _cmd_bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
             nodes=args.nodes, ranks_per_node=args.ranks_per_node, steps=args.steps,
             config=args.config, out=args.out, unshaped=args.unshaped,
             overrides=args.overrides, timeout=args.timeout, quiet=args.quiet,
-            device=args.device)
+            device=args.device, kill_at=args.kill_at, restart_at=args.restart_at)
     except (BenchError, ConfigError) as e:
         print(f"flexdemo bench: error: {e}", file=sys.stderr, flush=True)
         return 2

@@ -102,7 +102,7 @@ class MetricsLog:
             if self.writer is not None:
                 step = record["step"]
                 for key, value in record.items():
-                    if key != "step" and isinstance(value, (int, float)):
+                    if key not in ("step", "time") and isinstance(value, (int, float)):
                         group = "val" if key.startswith("val_") else "train"
                         self.writer.add_scalar(f"{group}/{key}", value, step)
                 self.writer.flush()

@@ -83,6 +83,11 @@ from .trainer_setup import Echo, TrainerSetUp, timeout_seconds
 __all__ = ["Checkpointer", "PeerLostError", "Preempted", "StartupError", "TrainState",
            "Trainer", "TrainingError", "UsageError", "lr_at", "timeout_seconds", "train"]
 
+ELASTIC_WAITS = ("quorum_seconds", "commit_seconds")
+"""Under fault tolerance: the seconds a step waits for its quorum and its commit vote."""
+ELASTIC_METRICS = ("replicas", "failed_commits", *ELASTIC_WAITS, "snapshot_seconds")
+"""The fault-tolerance figures each ``metrics.jsonl`` line carries in an elastic run."""
+
 
 # ---------------------------------------------------------------------- the trainer
 def _local_numel(model: torch.nn.Module) -> int:
@@ -104,16 +109,19 @@ class Trainer(TrainerSetUp):
     """
 
     # ------------------------------------------------------------------ the loop
-    def _step(self, step: int, sampler: ShardSampler) -> dict[str, Any] | None:
+    def _step(self, step: int, sampler: ShardSampler,
+              t0: float | None = None) -> dict[str, Any] | None:
         """One optimizer step; returns its metrics record, whose ``loss`` is still a tensor
         on the device (read in :meth:`_read_losses`, without a host read per step). None
-        when fault tolerance undid the step (its commit vote failed)."""
+        when fault tolerance undid the step (its commit vote failed). ``t0``: when the step
+        began, if before this call (the quorum under fault tolerance is part of the step)."""
         tc, sc = self.cfg.train, self.cfg.strategy
         lr = lr_at(step - 1, tc.steps, sc.lr, min(tc.warmup, tc.steps), tc.schedule,
                    tc.min_lr)
         for g in self.opt.param_groups:
             g["lr"] = lr
-        t0 = time.perf_counter()
+        if t0 is None:
+            t0 = time.perf_counter()
         batch = to_device(self.task.train_batch(sampler.next(tc.batch)), self.device)
         skipped_before = self.opt.skipped_steps
         try:
@@ -142,13 +150,15 @@ class Trainer(TrainerSetUp):
         s.train_seconds += dt
         s.bytes_sent += stats["bytes_sent"]
         s.bytes_received += stats["bytes_received"]
+        # under fault tolerance the quorum and the commit vote are communication too
+        comm = stats["comm_seconds"] + sum(stats.get(k, 0.0) for k in ELASTIC_WAITS)
         return {"step": step, "loss": loss.detach(), "lr": lr, "skipped": bool(skipped),
                 "skipped_steps_total": self.opt.skipped_steps,
                 "bytes_sent": stats["bytes_sent"], "bytes_received": stats["bytes_received"],
-                "compute_seconds": dt - stats["comm_seconds"],
-                "comm_seconds": stats["comm_seconds"], "step_seconds": dt,
+                "compute_seconds": dt - comm, "comm_seconds": comm, "step_seconds": dt,
                 "train_seconds": s.train_seconds, "bytes_sent_total": s.bytes_sent,
-                **{k: stats[k] for k in ("replicas", "failed_commits") if k in stats}}
+                "time": time.time(),
+                **{k: stats[k] for k in ELASTIC_METRICS if k in stats}}
 
     def _read_losses(self, records: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """The losses of ``records`` as floats, read in one host transfer. On CUDA the time
@@ -223,11 +233,13 @@ class Trainer(TrainerSetUp):
         elastic = self.opt.fault_tolerance is not None
         step = start
         while step < last:
+            t_step = None
             if elastic:  # the quorum first (a joiner heals here): the step is opt.steps + 1
+                t_step = time.perf_counter()
                 self.opt.zero_grad()
                 if self.opt.steps >= last:
                     break
-            record = self._step(self.opt.steps + 1 if elastic else step + 1, sampler)
+            record = self._step(self.opt.steps + 1 if elastic else step + 1, sampler, t_step)
             if record is None:  # not committed under fault tolerance: undone, run again
                 continue
             step = record["step"]

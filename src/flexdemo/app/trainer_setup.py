@@ -9,6 +9,7 @@ import os
 import sys
 import time
 import warnings
+import zlib
 from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
@@ -226,7 +227,11 @@ class TrainerSetUp:
         if resume_from is not None:
             self.state, extra = self.checkpointer.load(resume_from, self.model, self.opt)
             self.say(f"resumed from {resume_from} at step {self.state.step}")
-        sampler = ShardSampler(self.task.num_train_items, self.rank, self.world, tc.seed)
+        session = self.opt.fault_tolerance
+        # elastic: every replica group (each numbered from rank 0) its own order of the data
+        stream = 0 if session is None else zlib.crc32(session.config.replica_id.encode())
+        sampler = ShardSampler(self.task.num_train_items, self.rank, self.world, tc.seed,
+                               stream)
         if resume_from is not None:
             sampler.load_state_dict(extra["data"])
             torch.set_rng_state(extra["rng"])

@@ -354,6 +354,14 @@ class EmulatedCluster:
             "NCCL_SOCKET_IFNAME": node.interface,  # NCCL's sockets use the emulated link too
         }
 
+    def node_command(self, node: int, cmd: Sequence[str]) -> list[str]:
+        """``cmd`` as run inside node ``node``'s namespace (``cmd`` itself when unshaped),
+        for callers that start a node's processes themselves (``bench --preset elastic``)."""
+        info = self.node_info[node]
+        cmd = [str(c) for c in cmd]
+        return cmd if info.namespace is None else [self._ip, "netns", "exec", info.namespace,
+                                                   *cmd]
+
     def run(self, cmd: Sequence[str], *, env: Mapping[str, str] | None = None,
             stdout: TextSink | None = None, stderr: TextSink | None = None,
             timeout: float | None = None, cwd: str | None = None) -> RunResult:

@@ -54,18 +54,21 @@ class ShardSampler:
     """Indices of this rank's share of ``num_items`` training items, ``batch`` at a time.
 
     Rank ``rank`` of ``world`` owns items ``rank::world``; each epoch visits them in an order
-    drawn from ``(seed, rank, epoch)``. A batch never spans two epochs (the tail of an epoch
-    that is shorter than a batch is skipped).
+    drawn from ``(seed, stream, rank, epoch)``. A batch never spans two epochs (the tail of an
+    epoch that is shorter than a batch is skipped). ``stream`` tells apart jobs whose ranks
+    are numbered alike: the replica groups of an elastic run, which come and go, each draw
+    their own order of the same items.
     """
 
-    def __init__(self, num_items: int, rank: int, world: int, seed: int = 0) -> None:
+    def __init__(self, num_items: int, rank: int, world: int, seed: int = 0,
+                 stream: int = 0) -> None:
         if not 0 <= rank < world:
             raise ValueError(f"rank must be in 0..{world - 1}, got {rank}")
         self.owned = torch.arange(rank, num_items, world)
         if self.owned.numel() == 0:
             raise ValueError(f"{num_items} training items cannot be shared by {world} ranks; "
                              "use more data")
-        self.rank, self.world, self.seed = rank, world, seed
+        self.rank, self.world, self.seed, self.stream = rank, world, seed, stream
         self.epoch = 0
         self.index = 0
         self._order: torch.Tensor | None = None
@@ -73,7 +76,8 @@ class ShardSampler:
     def _epoch_order(self) -> torch.Tensor:
         if self._order is None:
             gen = torch.Generator().manual_seed(
-                (self.seed * 1_000_003 + self.rank * 7_919 + self.epoch * 104_729) % 2**63)
+                (self.seed * 1_000_003 + self.rank * 7_919 + self.epoch * 104_729
+                 + self.stream * 15_485_863) % 2**63)
             self._order = self.owned[torch.randperm(self.owned.numel(), generator=gen)]
         return self._order
 

@@ -208,14 +208,23 @@ def write_header(buf: torch.Tensor, step: int | torch.Tensor, bad: bool | torch.
         head[2].fill_(int(bad))
 
 
+def header_fault(head: Sequence[int], step: int) -> str | None:
+    """What is wrong with one header ``(magic, step, flag, code)``: ``"magic"`` (another
+    format or version), ``"step"`` (a payload for another step) or None."""
+    if head[0] != MAGIC:
+        return "magic"
+    return "step" if head[1] != step else None
+
+
 def header_problems(heads: list[list[int]], step: int) -> list[str | None]:
     """Per rank: why its header ``(magic, step, flag, code)`` is malformed, or None."""
     out: list[str | None] = []
-    for magic, st, _, _ in heads:
-        if magic != MAGIC:
-            out.append(f"bad magic/version {magic:#x} (expected {MAGIC:#x})")
-        elif st != step:
-            out.append(f"payload for step {st}")
+    for head in heads:
+        fault = header_fault(head, step)
+        if fault == "magic":
+            out.append(f"bad magic/version {head[0]:#x} (expected {MAGIC:#x})")
+        elif fault == "step":
+            out.append(f"payload for step {head[1]}")
         else:
             out.append(None)
     return out

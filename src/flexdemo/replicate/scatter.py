@@ -31,7 +31,13 @@ import torch
 
 from ..compress.quant import ValueCodec
 from ..transport import CommStats, Pending, all_gather, all_to_all_equal
-from .agreement import HEADER_BYTES, check_flags, header_problems, write_header
+from .agreement import (
+    HEADER_BYTES,
+    check_flags,
+    header_fault,
+    header_problems,
+    write_header,
+)
 
 # an owner's verdict on one sender's chunk
 OK, FLAGGED, OTHER_PARAMS, BAD_MAGIC, WRONG_STEP, NONFINITE = range(6)
@@ -118,9 +124,10 @@ class ScatterExchange:
                code: int) -> list[int]:
         """An owner's verdict on each sender's chunk."""
         out = []
-        for r, (problem, head) in enumerate(zip(header_problems(heads, step), heads)):
-            if problem is not None:
-                out.append(BAD_MAGIC if problem.startswith("bad magic") else WRONG_STEP)
+        for r, head in enumerate(heads):
+            fault = header_fault(head, step)
+            if fault is not None:
+                out.append(BAD_MAGIC if fault == "magic" else WRONG_STEP)
             elif head[2]:
                 out.append(FLAGGED)
             elif head[3] != code:

@@ -113,3 +113,29 @@ def _same(a, b) -> bool:
         return (type(a) is type(b) and len(a) == len(b)
                 and all(_same(x, y) for x, y in zip(a, b)))
     return a == b
+
+
+def fewer_replicas_worker(rank: int, world: int, root: str) -> dict:
+    """1 x 2 mesh: load the 2 x 2 checkpoints (only replica 0 goes on), then save them."""
+    out: dict = {}
+    for kind, k in (("demo", 3), ("diloco", 4)):
+        model, opt = _prepare(kind, 100, replicate=1, shard=2)
+        res = load_checkpoint(Path(root) / kind / f"step_{k:06d}", model, opt)
+        out[kind] = {"delta": _delta(opt) if kind == "demo" else None, "steps": opt.steps,
+                     "extra_ok": _same(res["extra"], extra_for(rank)), "shards": shards(model)}
+        save_checkpoint(Path(root) / f"{kind}-1x2" / f"step_{k:06d}", model, opt, step=k,
+                        extra=extra_for(rank))
+    return out
+
+
+def more_replicas_worker(rank: int, world: int, root: str) -> dict:
+    """2 x 2 mesh: load the 1 x 2 checkpoints; replica 1 is new. Then two more steps."""
+    out: dict = {}
+    for kind, k in (("demo", 3), ("diloco", 4)):
+        model, opt = _prepare(kind, 100)
+        res = load_checkpoint(Path(root) / f"{kind}-1x2" / f"step_{k:06d}", model, opt)
+        out[kind] = {"delta": _delta(opt) if kind == "demo" else None, "steps": opt.steps,
+                     "extra": res["extra"], "shards": shards(model)}
+        run_steps(model, opt, 2, k, rank)
+        out[kind]["after"] = shards(model)
+    return out

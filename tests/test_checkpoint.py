@@ -12,7 +12,14 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint.filesystem as dcp_filesystem
-from ckpt_workers import extra_for, make_single, resume_worker, run_steps
+from ckpt_workers import (
+    extra_for,
+    fewer_replicas_worker,
+    make_single,
+    more_replicas_worker,
+    resume_worker,
+    run_steps,
+)
 from dist_util import run_world
 
 import flexdemo
@@ -412,3 +419,37 @@ def test_verify_command_lists_each_checkpoint(tmp_path, capsys):
     assert "1 of 3 checkpoint(s) damaged" in out.err
     assert main(["checkpoint", "verify", str(root / "step_000002")]) == 0
     assert main(["checkpoint", "verify", str(tmp_path / "nothing")]) == 2
+
+
+@pytest.fixture(scope="module")
+def regrouped(world4):
+    """The 2 x 2 checkpoints resumed by 1 replica (1 x 2), saved, and resumed by 2 (2 x 2)."""
+    root, _ = world4
+    return run_world(fewer_replicas_worker, 2, str(root)), \
+        run_world(more_replicas_worker, 4, str(root))
+
+
+def test_resume_on_fewer_replicas_keeps_the_continuing_replicas_state(world4, regrouped):
+    _, saved = world4
+    fewer, _ = regrouped
+    for rank, res in enumerate(fewer):  # ranks 0, 1: replica 0 of the saved 2 x 2 job
+        assert equal(res["demo"]["delta"], saved[rank]["demo"]["saved_delta"]), rank
+        assert res["demo"]["steps"] == 3 and res["diloco"]["steps"] == 4
+        assert res["demo"]["extra_ok"] and res["diloco"]["extra_ok"], rank
+
+
+@pytest.mark.parametrize("kind", ["demo", "diloco"])
+def test_resume_on_more_replicas_starts_new_ones_from_replica_0(regrouped, kind):
+    """A new replica takes replica 0's shards, counters and extra and zero per-replica state;
+    the continuing replica keeps its own; DeMo keeps the replicas identical afterwards."""
+    fewer, more = regrouped
+    for rank in (2, 3):  # replica 1 (new) of shard rank - 2
+        peer = rank - 2
+        assert equal(more[rank][kind]["shards"], more[peer][kind]["shards"]), rank
+        assert more[rank][kind]["steps"] == fewer[peer][kind]["steps"]
+        assert more[rank][kind]["extra"]["rank"] == peer  # replica 0's data position
+        if kind == "demo":
+            assert equal(more[peer]["demo"]["delta"], fewer[peer]["demo"]["delta"])
+            assert any(d.abs().sum() > 0 for d in more[peer]["demo"]["delta"])
+            assert all(torch.count_nonzero(d) == 0 for d in more[rank]["demo"]["delta"])
+            assert equal(more[rank]["demo"]["after"], more[peer]["demo"]["after"])

@@ -707,3 +707,31 @@ def test_skipped_steps_are_counted_and_a_run_that_skips_most_stops(tmp_path, sin
     assert [r["skipped"] for r in rows][:1] == [False] and all(r["skipped"] for r in rows[1:])
     assert rows[-1]["skipped_steps_total"] == 7 and summary["skipped_steps"] == 7
     assert any("7 skipped for NaN/Inf gradients" in line for line in said), said
+
+
+def test_resume_on_fewer_and_on_more_replicas(tmp_path):
+    """`flexdemo train` saved by 2 replicas resumes on 1, and that on 2 again: each says how
+    the replicas were regrouped, and the step count goes on from the checkpoint."""
+    out = tmp_path / "run"
+    args = ["train", *SMALLEST, "train.checkpoint_every=2", "mesh.shard=1",
+            "train.eval_every=2", f"train.out={out}"]
+
+    def run(world: int, steps: int, *more: str) -> list[str]:
+        procs = spawn_ranks(world, [*args, f"train.steps={steps}",
+                                    f"mesh.replicate={world}", *more])
+        try:
+            outputs = [p.communicate(timeout=120)[0] for p in procs]
+        finally:
+            reap(procs)
+        assert [p.returncode for p in procs] == [0] * world, outputs
+        return outputs
+
+    run(2, 4)
+    fewer = run(1, 6, "--resume")[0]
+    assert "written by 2 replica(s), this job has 1" in fewer, fewer[-2000:]
+    more = run(2, 8, "--resume")[0]
+    assert "written by 1 replica(s), this job has 2" in more, more[-2000:]
+    assert "replicas 1..1 start from replica 0's state" in more, more[-2000:]
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, 9))
+    assert json.loads((out / "summary.json").read_text())["steps"] == 8

@@ -4,7 +4,8 @@ A checkpoint holds the model (FSDP2 shards as DTensors, or plain tensors), the b
 state, every replicator's state (DeMo's ``delta``, subset buffers, DiLoCo's global copy, outer
 optimizer and syncs in flight), ``optimizer.steps`` / ``skipped_steps``, the trainer's ``extra``
 (per rank: data position, RNG states, ...) and ``step``. Resuming with the same world size and
-mesh continues the run bitwise.
+mesh continues the run bitwise; another number of replicas with the same shard size regroups
+them (:func:`load_checkpoint`).
 
 Directory layout of one checkpoint (e.g. ``runs/x/checkpoints/step_000100/``)::
 
@@ -39,6 +40,7 @@ import pickle
 import shutil
 import time
 import warnings
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -125,7 +127,8 @@ def _check_compatible(path: Path, meta: dict, world: int, mesh_shape: tuple[int,
                       msd: dict, base: torch.optim.Optimizer, reps: list) -> None:
     """Raise :class:`CheckpointMismatchError` if the checkpoint at ``path`` cannot be resumed
     by this job."""
-    check_mesh(path, meta["world_size"], meta["mesh_shape"], world, mesh_shape)
+    check_mesh(path, meta["world_size"], meta["mesh_shape"], world, mesh_shape,
+               replicas_may_change=True)
     check_model(path, {k: v["shape"] for k, v in meta["tensors"].items()},
                 {k: v["shape"] for k, v in _tensor_table(msd).items()})
     check_base(path, meta["base_optimizer"], type(base).__name__)
@@ -298,10 +301,15 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer, *,
 
     Collective. With ``verify`` (the default) every file is first checked against its
     recorded digest; a damaged checkpoint raises :class:`CheckpointError` (cause
-    ``"damaged"``) naming what is wrong. The job must have the world size and mesh that
-    wrote it, and the same model, base optimizer and replicators; otherwise
-    :class:`CheckpointMismatchError` (a ``ValueError``) says what differs. Each rank gets its
-    own replicator state and ``extra`` back. Returns ``{"step": int, "extra": dict}``.
+    ``"damaged"``) naming what is wrong. The job must have the shard size that wrote it
+    (the number of replicas may differ), and the same model, base optimizer and replicators;
+    otherwise :class:`CheckpointMismatchError` (a ``ValueError``) says what differs. Each
+    rank gets its own replicator state and ``extra`` back. On more replicas than were saved,
+    a new replica loads replica 0's state of its shard (parameters, base optimizer state,
+    counters, ``extra``) and the replicators' shared state, and its per-replica state (DeMo's
+    momentum, error feedback) starts from zero, as when a replica joins an elastic run; on
+    fewer, the replicas beyond the new count are dropped. Returns ``{"step": int, "extra":
+    dict}``.
     """
     path = Path(path)
     rank, world = _rank_world()
@@ -318,13 +326,14 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer, *,
         mesh_shape = _mesh_shape(model, optimizer)
         msd = get_model_state_dict(model)
         _check_compatible(path, meta, world, mesh_shape, msd, base, reps)
-        rank_file = _rank_file(path, rank)
+        source = source_rank(rank, meta["world_size"], meta["mesh_shape"])
+        rank_file = _rank_file(path, source)
         if not rank_file.is_file():
-            raise ValueError(f"checkpoint {path} lacks {rank_file.name} (rank {rank}'s state); "
-                             "the directory is incomplete")
+            raise ValueError(f"checkpoint {path} lacks {rank_file.name} (rank {source}'s "
+                             "state); the directory is incomplete")
         saved = pickle.loads(rank_file.read_bytes())
         per_rank = meta["layout"] == "per_rank"
-        prefix = f"rank{rank}/" if per_rank else ""
+        prefix = f"rank{source}/" if per_rank else ""
         for k, v in msd.items():
             if isinstance(v, torch.Tensor):
                 flat[f"{prefix}model/{k}"] = _local(v) if per_rank else v
@@ -362,6 +371,9 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer, *,
         state = _join(saved["state"], loaded)
         for r, s in zip(reps, state["replicators"]):
             r.load_state_dict(s)
+        if source != rank:  # a new replica: its peer's shared state, its own from zero
+            for r in reps:
+                r.load_shared_state(r.shared_state())
         if state["steps"] is not None and hasattr(optimizer, "steps"):
             optimizer.steps = int(state["steps"])
         if state["skipped_steps"] is not None and hasattr(optimizer, "skipped_steps"):
@@ -372,6 +384,13 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer, *,
     _agree(error, f"restoring checkpoint {path}")
     assert result is not None  # _agree raised otherwise
     return result
+
+
+def source_rank(rank: int, saved_world: int, saved_mesh: Sequence[int]) -> int:
+    """The rank whose saved state rank ``rank`` loads: its own where it was in the saved job;
+    on more replicas than were saved, a new rank loads replica 0's rank of its shard (global
+    ranks run replica-major: ``rank = replica * shard + shard index``)."""
+    return rank if rank < saved_world else rank % int(saved_mesh[1])
 
 
 def _load_base(base: torch.optim.Optimizer, names: list[str], saved: dict) -> None:

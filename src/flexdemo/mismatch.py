@@ -46,18 +46,31 @@ def setting_differences(saved: str, now: str) -> list[tuple[str, str, str]]:
 
 
 def check_mesh(path: object, saved_world: int, saved_mesh: Sequence[int], world: int,
-               mesh: Sequence[int]) -> None:
-    """The world size and ``(replicate, shard)`` mesh that wrote ``path`` against this job's."""
+               mesh: Sequence[int], *, replicas_may_change: bool = False) -> None:
+    """The world size and ``(replicate, shard)`` mesh that wrote ``path`` against this job's.
+    With ``replicas_may_change``, another number of replicas of the same shard size passes
+    (:func:`flexdemo.load_checkpoint` regroups them)."""
     saved_mesh, mesh = tuple(saved_mesh), tuple(mesh)
     if saved_world == world and saved_mesh == mesh:
         return
+    if (replicas_may_change and saved_mesh[1] == mesh[1]
+            and saved_world == saved_mesh[0] * saved_mesh[1] and world == mesh[0] * mesh[1]):
+        return
+    if saved_mesh[1] != mesh[1]:
+        what = ("Each rank's shards and per-replica state (DeMo momentum, replicator buffers, "
+                "DiLoCo copies, the data position in `extra`) cannot be regrouped into another "
+                f"shard size: resume with shard={saved_mesh[1]}, e.g. flexdemo.prepare(..., "
+                f"replicate={saved_mesh[0]}, shard={saved_mesh[1]})")
+    else:
+        what = ("Per-replica state (DeMo momentum, replicator buffers, DiLoCo copies, the data "
+                "position in `extra`) is not redistributed on this path: resume with the same "
+                f"mesh, e.g. flexdemo.prepare(..., replicate={saved_mesh[0]}, "
+                f"shard={saved_mesh[1]}), or save with flexdemo.save_checkpoint, whose "
+                "load_checkpoint resumes on another number of replicas")
     raise CheckpointMismatchError(
         f"checkpoint {path} was written by {saved_world} rank(s) as a replicate x "
         f"shard = {saved_mesh[0]} x {saved_mesh[1]} mesh, but this job runs {world} rank(s) "
-        f"as {mesh[0]} x {mesh[1]}. Per-replica state (DeMo momentum, "
-        "replicator buffers, DiLoCo copies, the data position in `extra`) cannot be "
-        "redistributed: resume with the same world size and mesh, e.g. "
-        f"flexdemo.prepare(..., replicate={saved_mesh[0]}, shard={saved_mesh[1]})",
+        f"as {mesh[0]} x {mesh[1]}. {what}",
         [("world size", str(saved_world), str(world)),
          ("mesh", f"{saved_mesh[0]} x {saved_mesh[1]}", f"{mesh[0]} x {mesh[1]}")])
 

@@ -38,6 +38,8 @@ __all__ = ["Checkpointer", "TrainState"]
 Echo = Callable[[str], None]
 
 CHECKPOINT_RE = re.compile(r"step_(\d+)$")
+LAYOUT_KEYS = ("world", "replicate")
+"""Settings a resume may change: the number of replicas (:meth:`Checkpointer._check_layout`)."""
 
 
 # ---------------------------------------------------------------------- agreement
@@ -256,13 +258,22 @@ class Checkpointer:
         except (OSError, ValueError, KeyError, TypeError):
             return  # load_checkpoint says what is wrong with it
         want = (self.world, self.meta["replicate"], self.meta["shard"])
-        if (world, rep, shard) != want:
-            raise UsageError(
-                f"cannot resume from {path}: it was written by {world} rank(s) as mesh "
-                f"replicate {rep} x shard {shard}, this job runs {self.world} rank(s) as "
-                f"{want[1]} x {want[2]}; resume with {world} ranks and mesh.replicate={rep} "
-                f"mesh.shard={shard} (per-replica state cannot be redistributed), or start "
-                "afresh with train.overwrite=true or another train.out")
+        if (world, rep, shard) == want:
+            return
+        if shard == want[2]:  # other replicas of the same shards: load_checkpoint regroups
+            self.echo(f"note: {path} was written by {rep} replica(s), this job has {want[1]}: "
+                      + (f"replicas {rep}..{want[1] - 1} start from replica 0's state, their "
+                         "per-replica state (DeMo momentum, error feedback) from zero"
+                         if want[1] > rep else
+                         f"the state of replicas {want[1]}..{rep - 1} is dropped"))
+            return
+        raise UsageError(
+            f"cannot resume from {path}: it was written by {world} rank(s) as mesh "
+            f"replicate {rep} x shard {shard}, this job runs {self.world} rank(s) as "
+            f"{want[1]} x {want[2]}; resume with mesh.shard={shard} (any mesh.replicate, "
+            f"e.g. {world} ranks and mesh.replicate={rep} mesh.shard={shard}: each rank's "
+            "shards cannot be regrouped into another shard size), or start afresh with "
+            "train.overwrite=true or another train.out")
 
     def _refuse_settings(self, path: Path, diff: list[str]) -> UsageError:
         return UsageError(f"cannot resume from {path}: it was written with {', '.join(diff)}; "
@@ -275,7 +286,7 @@ class Checkpointer:
         if not isinstance(saved, dict):
             return
         diff = [f"{k} {saved[k]!r} (now {self.meta[k]!r})" for k in self.meta
-                if k in saved and saved[k] != self.meta[k]]
+                if k in saved and saved[k] != self.meta[k] and k not in LAYOUT_KEYS]
         if diff:
             raise self._refuse_settings(path, diff)
 

@@ -37,7 +37,7 @@ from .config import ConfigError
 from .config_checks import config_from_dict, validate
 from .config_files import apply_overrides, read_config_file, to_toml
 from .device import BY_RANK_ENV, DEVICES
-from .outputs import strict_json
+from .outputs import read_metrics, strict_json
 from .plots import plot_all
 
 __all__ = ["DEFAULT_BANDWIDTHS", "DEFAULT_STRATEGIES", "PRESETS", "STRATEGIES", "BenchError",
@@ -263,18 +263,6 @@ class _Tee:
         self.log.flush()
 
 
-def _read_metrics(path: Path) -> list[dict]:
-    if not path.exists():
-        return []
-    rows = []
-    for line in path.read_text().splitlines():
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
-            break
-    return rows
-
-
 def _count(items: list, one: str, many: str) -> str:
     return f"{len(items)} {one if len(items) == 1 else many}"
 
@@ -388,7 +376,7 @@ def _one_run(o: BenchOptions, cluster: EmulatedCluster, name: str, bw: str, out:
         record.update({k: v for k, v in summary.items() if k not in record})
     elif result.ok:
         record.update(status="failed", message="the run wrote no summary.json")
-    rows = _read_metrics(run_dir / "metrics.jsonl")
+    rows = read_metrics(run_dir / "metrics.jsonl")
     record["curve"] = {
         "step": [r["step"] for r in rows], "loss": [r["loss"] for r in rows],
         "train_seconds": [r["train_seconds"] for r in rows],

@@ -38,7 +38,7 @@ from ..tools.netns import ClusterError, ShapingUnavailableError
 from ..tools.ranks import _Output
 from ..tools.rates import format_rate, parse_bandwidth
 from .config_files import to_toml
-from .outputs import strict_json
+from .outputs import read_metrics, strict_json
 
 __all__ = ["LIGHTHOUSE_FLAGS", "elastic_problem", "run_elastic"]
 
@@ -155,17 +155,6 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _rows(path: Path) -> list[dict]:
-    rows = []
-    if path.exists():
-        for line in path.read_text().splitlines():
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError:
-                break
-    return rows
-
-
 def _lighthouse(cluster: EmulatedCluster, out: Path) -> tuple[subprocess.Popen[bytes], str]:
     """torchft's lighthouse in node 0's namespace, on node 0's address; waits until it
     listens (at most 30 s)."""
@@ -230,7 +219,7 @@ def _elastic_run(o: Any, cluster: EmulatedCluster, base: dict, out: Path,
             start(f"node{i}", i)
         while True:
             time.sleep(0.05)
-            rows = _rows(out / "node0" / "metrics.jsonl")
+            rows = read_metrics(out / "node0" / "metrics.jsonl")
             step = rows[-1]["step"] if rows else 0
             if "kill" not in events and step >= o.kill_at:
                 events["kill"] = {"time": time.time(), "survivor_step": step}
@@ -255,7 +244,7 @@ def _elastic_run(o: Any, cluster: EmulatedCluster, base: dict, out: Path,
                 n.kill(signal.SIGTERM if failure is None else signal.SIGKILL)
         lighthouse.kill()
         lighthouse.wait(timeout=10)
-    metrics = {name: _rows(out / name / "metrics.jsonl") for name in nodes}
+    metrics = {name: read_metrics(out / name / "metrics.jsonl") for name in nodes}
     summaries = {}
     for name in nodes:
         p = out / name / "summary.json"
@@ -435,7 +424,7 @@ def run_elastic(o: Any, one_run: Callable[..., dict],
     record: dict[str, Any] = {"strategy": f"{name} (elastic)", "bandwidth": bw,
                               "status": "failed" if run["failure"] else "ok",
                               "message": run["failure"] or "", "run_dir": run["out"]}
-    plain_rows = _rows(Path(plain["run_dir"]) / "metrics.jsonl")
+    plain_rows = read_metrics(Path(plain["run_dir"]) / "metrics.jsonl")
     figures = analyse(o, plain_rows, run) if not run["failure"] else {}
     record["figures"] = figures
     (out / "elastic.json").write_text(strict_json(

@@ -16,8 +16,8 @@ from typing import Any
 from ..checkpoint import describe_os_error
 from .errors import TrainingError, UsageError
 
-__all__ = ["MetricsLog", "Progress", "format_summary", "strict_json", "summary_writer",
-           "write_atomic"]
+__all__ = ["MetricsLog", "Progress", "format_summary", "read_metrics", "strict_json",
+           "summary_writer", "write_atomic"]
 
 Echo = Callable[[str], None]
 
@@ -56,6 +56,18 @@ def summary_writer() -> type | None:
     except ImportError:
         return None
     return SummaryWriter
+
+
+def read_metrics(path: Path) -> list[dict]:
+    """The lines of a ``metrics.jsonl`` up to the first cut one ([] when there is none)."""
+    rows: list[dict] = []
+    if path.exists():
+        for line in path.read_text().splitlines():
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:
+                break
+    return rows
 
 
 class MetricsLog:

@@ -62,6 +62,9 @@ def test_killed_node_leaves_and_heals_back(tmp_path):
     node0 = data["elastic"]["metrics"]["node0"]
     steps = [r["step"] for r in node0]  # a node that starts late heals to its peer's step
     assert steps == list(range(steps[0], 101)) and steps[0] < f["kill_survivor_step"], steps
+    # each line's replicas are its own step's: DeMo sends bytes exactly when a peer is there
+    assert all((r["bytes_sent"] > 0) == (r["replicas"] > 1) for r in node0), \
+        [(r["step"], r["replicas"], r["bytes_sent"]) for r in node0]
     by_step = {r["step"]: r["replicas"] for r in node0}
     assert by_step[f["kill_survivor_step"]] == 2  # both, until the kill
     after = [by_step[s] for s in steps if s > f["kill_survivor_step"]]

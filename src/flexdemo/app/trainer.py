@@ -130,8 +130,9 @@ class Trainer(TrainerSetUp):
             self.opt.step()
         except NonFiniteGradientError as e:
             raise TrainingError(_nonfinite_message(step, e)) from None
-        self.opt.zero_grad()
-        stats = self.opt.last_step_stats()
+        stats = self.opt.last_step_stats()  # before zero_grad, which may form the next quorum
+        if self.opt.fault_tolerance is None:  # else the loop's zero_grad, on the next step
+            self.opt.zero_grad()
         if not stats.get("committed", True):  # undone (fault tolerance): the bytes were sent
             self.state.bytes_sent += stats["bytes_sent"]
             self.state.bytes_received += stats["bytes_received"]

@@ -7,7 +7,6 @@ is the ``torchft_lighthouse`` binary from the wheel on 127.0.0.1. Every wait is 
 from __future__ import annotations
 
 import os
-import shutil
 import socket
 import subprocess
 import sys
@@ -18,6 +17,8 @@ import pytest
 import torch
 
 import flexdemo
+from flexdemo.ft import lighthouse
+from flexdemo.ft.config import TorchFTMissingError
 
 pytest.importorskip("torchft")
 
@@ -32,11 +33,10 @@ def _free_port() -> int:
 
 
 def _lighthouse_binary() -> str:
-    local = Path(sys.executable).parent / "torchft_lighthouse"
-    found = str(local) if local.exists() else shutil.which("torchft_lighthouse")
-    if not found:
+    try:
+        return lighthouse.binary()
+    except TorchFTMissingError:
         pytest.skip("the torchft_lighthouse binary is not installed")
-    return found
 
 
 class Lighthouse:

@@ -22,7 +22,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -32,10 +31,11 @@ from pathlib import Path
 from typing import Any
 
 from ..ft.config import TorchFTMissingError, require_torchft
+from ..ft.lighthouse import binary as lighthouse_binary
 from ..strategies import STRATEGIES
-from ..tools.cluster import EmulatedCluster
+from ..tools.cluster import EmulatedCluster, _free_port
 from ..tools.netns import ClusterError, ShapingUnavailableError
-from ..tools.ranks import _Output
+from ..tools.ranks import _Output, _signal_group
 from ..tools.rates import format_rate, parse_bandwidth
 from .config_files import to_toml
 from .outputs import read_metrics, strict_json
@@ -135,10 +135,7 @@ class _Node:
     def kill(self, sig: int = signal.SIGKILL) -> None:
         for p in self.procs:
             if p.poll() is None:
-                try:
-                    os.killpg(p.pid, sig)
-                except ProcessLookupError:
-                    pass
+                _signal_group(p, sig)
         for p in self.procs:
             try:
                 p.wait(timeout=10)
@@ -149,27 +146,20 @@ class _Node:
         self.sink.file.close()
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _lighthouse(cluster: EmulatedCluster, out: Path) -> tuple[subprocess.Popen[bytes], str]:
     """torchft's lighthouse in node 0's namespace, on node 0's address; waits until it
     listens (at most 30 s)."""
-    binary = Path(sys.executable).parent / "torchft_lighthouse"
-    found = str(binary) if binary.exists() else shutil.which("torchft_lighthouse")
-    if not found:
-        raise ClusterError('the torchft_lighthouse binary is not installed: '
-                           'pip install "flexdemo[ft]"')
+    try:
+        found = lighthouse_binary()
+    except TorchFTMissingError as e:
+        raise ClusterError(str(e)) from None
     addr, port = cluster.node_info[0].address, _free_port()
-    log = (out / "lighthouse.log").open("w")
-    proc = subprocess.Popen(
-        cluster.node_command(0, [found, "--bind", f"{addr}:{port}", "--min_replicas", "1",
-                                 *LIGHTHOUSE_FLAGS]),
-        stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-        start_new_session=True)
+    with (out / "lighthouse.log").open("w") as log:  # the lighthouse keeps its own copy
+        proc = subprocess.Popen(
+            cluster.node_command(0, [found, "--bind", f"{addr}:{port}", "--min_replicas", "1",
+                                     *LIGHTHOUSE_FLAGS]),
+            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            start_new_session=True)
     probe = ("import socket,sys,time\nt=time.monotonic()+30\nwhile True:\n try:\n"
              f"  socket.create_connection(({addr!r},{port}),1).close();break\n"
              " except OSError:\n  time.sleep(0.05)\n  if time.monotonic()>t: sys.exit(1)\n")

@@ -40,14 +40,20 @@ def add_parser(sub) -> None:
     p.set_defaults(func=run, subparser=p)
 
 
-def command(args: argparse.Namespace) -> list[str]:
-    """The torchft_lighthouse command line for ``args``."""
-    binary = Path(sys.executable).parent / "torchft_lighthouse"
-    found = str(binary) if binary.exists() else shutil.which("torchft_lighthouse")
+def binary() -> str:
+    """The path of torchft's ``torchft_lighthouse`` binary (beside this Python, else on the
+    PATH); :class:`TorchFTMissingError` (one line naming the extra) without it."""
+    beside = Path(sys.executable).parent / "torchft_lighthouse"
+    found = str(beside) if beside.exists() else shutil.which("torchft_lighthouse")
     if not found:
         raise TorchFTMissingError('the torchft_lighthouse binary is not installed: '
                                   'pip install "flexdemo[ft]"')
-    out = [found]
+    return found
+
+
+def command(args: argparse.Namespace) -> list[str]:
+    """The torchft_lighthouse command line for ``args``."""
+    out = [binary()]
     for name, _, _ in OPTIONS:
         value = getattr(args, name.lstrip("-"))
         if value is not None:

@@ -400,8 +400,7 @@ class EmulatedCluster:
         try:
             for rank in range(self.world_size):
                 node = self.node_info[rank // self.ranks_per_node]
-                argv = cmd if node.namespace is None else [self._ip, "netns", "exec",
-                                                           node.namespace, *cmd]
+                argv = self.node_command(node.index, cmd)
                 renv = dict(base_env)
                 renv.update(self.rank_env(rank))
                 try:

@@ -443,6 +443,10 @@ def test_each_task_owns_its_keys(tmp_path):
     assert "task.patch" in text and "vit's" in text and "model, corpus_bytes, seq_len" in text
     text = error_of({"task": {"name": "vit", "noise_density": 0.2}})
     assert "t5's" in text and "model, patch, val_fraction" in text
+    text = error_of({"task": {"name": "vit", "bogus": 1}})  # a key no task reads
+    assert text.endswith("valid keys: name, model, patch, val_fraction"), text
+    text = error_of({"task": {"name": "vit", "patchh": 2}})
+    assert "did you mean 'task.patch'?" in text, text
     vit = write(tmp_path, "[task]\nname = 'vit'\npatch = 2\nval_fraction = 0.3\n")
     cfg = load_config(vit, ["task.name=gpt", "task.model=mini"])
     assert (cfg.task.name, cfg.task.patch, cfg.task.val_fraction) == ("gpt", 4, 0.2)  # dropped

@@ -28,6 +28,7 @@ from .config import (
     FaultToleranceConfig,
     MeshConfig,
     StrategyConfig,
+    TaskConfig,
     choices,
 )
 from .device import check_device
@@ -105,6 +106,9 @@ def _build_section(cls: type, raw: Any, name: str) -> Any:
         raise ConfigError(f"[{name}] must be a table of keys, got {_describe(raw)}")
     hints = typing.get_type_hints(cls)
     valid = [f.name for f in dataclasses.fields(cls)]
+    task = raw.get("name", TaskConfig.name) if name == "task" else None
+    if isinstance(task, str) and task in TASKS:  # each task owns its keys
+        valid = ["name", *task_options(task)]
     kwargs = {}
     for key, value in raw.items():
         if key not in hints:

@@ -25,11 +25,9 @@ from pathlib import Path
 
 import torch
 
+from flexdemo import REPLICATORS
 from flexdemo.app.args import Parser, check_out_file, int_at_least
-from flexdemo.replicate import REPLICATORS
-from flexdemo.replicate import full as full_mod
-from flexdemo.replicate import subset as subset_mod
-from flexdemo.transport import Pending
+from flexdemo.transport import Transport
 
 ROOT = Path(__file__).resolve().parent.parent
 MODELS = {"small": (4, 256, 256), "124m": (12, 768, 50257), "350m": (24, 1024, 50257)}
@@ -54,36 +52,43 @@ def gpt_shapes(layers: int, d: int, vocab: int) -> list[torch.Size]:
     return shapes + [torch.Size([d]), torch.Size([d])]
 
 
-def simulate_peers(peers: int) -> None:
-    """Collectives that behave as if ``peers`` ranks had sent this rank's payload."""
+class Done:
+    """The handle of a collective that completed when launched."""
 
-    def all_reduce_sum(buf, group, stats, async_op=False):
-        n = peers
-        trailer = buf[-2 * n:]
-        trailer[1:n].copy_(trailer[0].expand(n - 1))  # every peer's flag and code
+    def wait(self) -> bool:
+        return True
+
+
+class MirrorTransport(Transport):
+    """A group of ``peers`` ranks in which every peer sent this rank's payload (so every
+    check passes): this process is rank 0, and nothing crosses a network."""
+
+    def __init__(self, peers: int) -> None:
+        self.size, self.rank = peers, 0
+
+    def global_rank(self, r: int) -> int:
+        return r
+
+    def all_reduce_sum_(self, buf, async_op=False):
+        n = self.size
+        trailer = buf[-2 * n:]  # every peer's flag and code, as this rank's
+        trailer[1:n].copy_(trailer[0].expand(n - 1))
         trailer[n + 1:].copy_(trailer[n].expand(n - 1))
         buf[: -2 * n].mul_(n)
-        return Pending(buf) if async_op else buf
+        return Done() if async_op else None
 
-    def all_gather(buf, group, stats, async_op=False):
-        out = buf.unsqueeze(0).expand(peers, -1)
-        return Pending(out) if async_op else out
-
-    full_mod.all_reduce_sum = subset_mod.all_reduce_sum = all_reduce_sum
-    full_mod.all_gather = all_gather
+    def all_gather_into(self, out, inp, async_op=False):
+        out.view(self.size, -1).copy_(inp.reshape(1, -1).expand(self.size, -1))
+        return Done() if async_op else None
 
 
 def bench(name: str, shapes, device, peers: int, steps: int) -> dict:
     kind, kw = CASES[name]
     rep = REPLICATORS[kind](**kw)
     params = [torch.randn(s, device=device) * 0.02 for s in shapes]
-    rep.setup(shapes, device, None, params=params)
-    if peers > 1 and kind != "diloco":  # DiLoCo's exchanges see a group of one
-        rep.world = peers
-        if hasattr(rep, "agreement"):  # (older versions had none)
-            rep.agreement.world = peers
-        rep.communicates = lambda step: True
-        rep._setup_state()
+    # DiLoCo's exchanges see a group of one
+    group = MirrorTransport(peers) if peers > 1 and kind != "diloco" else None
+    rep.setup(shapes, device, group, params=params)
     grads = [torch.randn(s, device=device) for s in shapes]
     lrs = [1e-3] * len(shapes)
     times, syncs = [], []
@@ -106,6 +111,7 @@ def bench(name: str, shapes, device, peers: int, steps: int) -> dict:
             syncs.append(sum("synchroniz" in str(w.message) for w in caught))
     return {"case": name, "ms_median": round(statistics.median(times), 3),
             "ms_min": round(min(times), 3), "syncs_per_step": max(syncs) if cuda else None,
+            "bytes_sent_per_step": rep.stats.bytes_sent // (steps + 3),
             "params": sum(s.numel() for s in shapes), "tensors": len(shapes)}
 
 
@@ -138,7 +144,6 @@ def main(argv: list[str] | None = None) -> dict:
     """Time the cases, print a table, write JSON."""
     args = parse_args(argv)
     device = torch.device(args.device)
-    simulate_peers(args.peers)
     shapes = gpt_shapes(*MODELS[args.model])
     dev_name = torch.cuda.get_device_name() if device.type == "cuda" else platform.processor()
     print(f"{args.model}: {sum(s.numel() for s in shapes) / 1e6:.1f}M parameters in "

@@ -23,15 +23,15 @@ import sys
 import tempfile
 from pathlib import Path
 
+from flexdemo import check_strategy
 from flexdemo.app.args import Parser, int_at_least
-from flexdemo.app.strategies import check_strategy
 from flexdemo.app.tasks import PRESETS
 from flexdemo.tools.cluster import EmulatedCluster
 from flexdemo.tools.netns import ShapingUnavailableError
 from flexdemo.tools.rates import parse_bandwidth
 
 ROOT = Path(__file__).resolve().parent.parent
-# DeMo at the library's defaults: a strategy of flexdemo.app.strategies.STRATEGIES (the table
+# DeMo at the library's defaults: a strategy of flexdemo.STRATEGIES (the table
 # that examples/train_gpt.py and flexdemo bench share), with codec settings after the name
 DEMO = "demo-defaults"
 CODECS = [DEMO] + [f"{DEMO}:{s}" for s in (

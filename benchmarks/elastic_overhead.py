@@ -96,7 +96,7 @@ def main() -> None:
     ap.add_argument("--replicator", default="demo", choices=("demo", "full"))
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds per run at most")
     args = ap.parse_args()
-    from torchft._torchft import LighthouseServer
+    from torchft.coordination import LighthouseServer
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -33,13 +33,23 @@ from typing import Any, NoReturn
 
 import torch
 
+from flexdemo import SimulatedReplicas
 from flexdemo.app.args import Parser, usage_exit
 from flexdemo.app.schedule import SCHEDULES, lr_at
-from flexdemo.app.tasks.base import ShardSampler, eval_indices
-from flexdemo.app.tasks.gpt import GPT, PRESETS, get_batch, gpt_config, load_corpus
-from flexdemo.app.tasks.text import ByteWindows
-from flexdemo.replicate import REPLICATORS, DeMoReplicator, DiLoCoReplicator
-from flexdemo.simulate import SimulatedReplicas
+from flexdemo.app.tasks import (
+    GPT,
+    PRESETS,
+    ByteWindows,
+    ShardSampler,
+    eval_indices,
+    get_batch,
+    gpt_config,
+    load_corpus,
+)
+
+if str(Path(__file__).resolve().parent) not in sys.path:  # the prototypes beside this script
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+from prototypes import KeepDiLoCo, LookaheadDeMo  # noqa: E402,F401 - registers them
 
 
 @dataclass(frozen=True)
@@ -212,73 +222,6 @@ SETTINGS: dict[str, Setting] = {
                          (64, 0.9, "-k64-d0.9"))},
 }
 
-
-class LookaheadDeMo(DeMoReplicator):
-    """A prototype of Nesterov-style DeMo, kept here for the benchmark only (it did not help):
-    each replica selects the top-k of the look-ahead ``decay * m_t + gain * s * DCT(g_t)``
-    (Nesterov's ``beta * m_t + g_t``; ``m_t`` the momentum after this step's update) instead of
-    ``m_t``, sends its values and subtracts them from ``m_t``. It hooks two private stages of
-    :class:`DeMoReplicator` (no CUDA graphs, no compiled selection); ``gain=None`` selects
-    from ``m_t`` itself, bitwise the plain replicator (a test holds it to that)."""
-
-    def __init__(self, gain: float | None = 1.0, **kwargs) -> None:
-        super().__init__(**{"graphs": False, **kwargs})
-        if self.graphs or self.compile:
-            raise ValueError("the look-ahead prototype runs eagerly: graphs=False, compile=False")
-        self.gain = gain
-
-    def _update_momentum(self, g, runs, lrs, decay, bad, classes=None) -> None:
-        before = None if self.gain is None else g.coef.clone()
-        super()._update_momentum(g, runs, lrs, decay, bad, classes)
-        if before is None:
-            g.look = g.coef.clone()
-            return
-        fresh = g.coef - decay * before  # s * DCT(g_t): linear, so padded units too
-        g.look = decay * g.coef + self.gain * fresh
-
-    def _select_topk(self, g, off_rows, bad):
-        coef, g.coef = g.coef, g.look
-        try:
-            return super()._select_topk(g, off_rows, bad)
-        finally:
-            g.coef = coef
-            del g.look
-
-
-REPLICATORS.setdefault("demo-lookahead", LookaheadDeMo)  # this script's runs (and workers)
-
-
-class KeepDiLoCo(DiLoCoReplicator):
-    """A prototype of an eager-style overlapped sync, kept here for the benchmark only: when a
-    fragment's sync lands ``tau`` steps after its launch, the replica takes the new global
-    parameters plus its own progress since the launch (``local - local_at_launch``), instead
-    of dropping those steps (``alpha = 0``) or mixing whole parameters (``alpha > 0``). The
-    next pseudo-gradient counts that progress once, against the new global parameters.
-    Replicas differ after a sync by their own ``tau`` steps. With ``tau = 0`` it is plain
-    DiLoCo. No checkpoints (the launch copies are not saved)."""
-
-    def _setup_state(self) -> None:
-        super()._setup_state()
-        if self.alpha != 0.0:
-            raise ValueError("the keep prototype replaces the alpha mix: alpha=0")
-        self._at_launch: dict[int, list[torch.Tensor]] = {}
-
-    def _launch(self, p: int, step: int) -> None:
-        if self.tau:
-            self._at_launch[p] = [self._locals[i].clone() for i in self.parts[p]]
-        super()._launch(p, step)
-
-    def _apply(self, p: int, step: int) -> None:
-        start = self._at_launch.pop(p, None)
-        if start is None:
-            return super()._apply(p, step)
-        local = [self._locals[i] for i in self.parts[p]]
-        moved = torch._foreach_sub(local, start)
-        super()._apply(p, step)
-        torch._foreach_add_(local, moved)
-
-
-REPLICATORS.setdefault("diloco-keep", KeepDiLoCo)
 
 MAIN = ["adamw", "no-sync", "demo", "demo-d0.9-k64", "diloco", "diloco-avg"]
 

@@ -48,19 +48,20 @@ def test_replicators_cuda_without_gpu(capsys, monkeypatch):
 
 
 def test_replicators_table_and_json(capsys, monkeypatch, tmp_path):
+    """Two simulated peers: the replicators exchange (bytes counted, checks passed) through
+    the bench's mirror transport; DiLoCo between syncs sends nothing."""
     rep = _load("bench_replicators")
-    for mod, name in [(rep.full_mod, "all_reduce_sum"), (rep.full_mod, "all_gather"),
-                      (rep.subset_mod, "all_reduce_sum")]:  # its simulated collectives: undone
-        monkeypatch.setattr(mod, name, getattr(mod, name))
     out = tmp_path / "sub" / "r.json"
-    rep.main(["--device", "cpu", "--steps", "1", "--cases", "full-fp32", "diloco-inner",
-              "--out", str(out)])
+    rep.main(["--device", "cpu", "--steps", "1", "--cases", "full-fp32", "random",
+              "diloco-inner", "--out", str(out)])
     text = capsys.readouterr().out
     assert "ms median" in text and "host syncs" in text and f"wrote {out}" in text
     data = json.loads(out.read_text())
     assert (data["model"], data["device"], data["steps"], data["peers"]) == ("small", "cpu", 1, 2)
-    assert [r["case"] for r in data["cases"]] == ["full-fp32", "diloco-inner"]
+    assert [r["case"] for r in data["cases"]] == ["full-fp32", "random", "diloco-inner"]
     assert all(r["ms_median"] > 0 and r["syncs_per_step"] is None for r in data["cases"])
+    sent = [r["bytes_sent_per_step"] for r in data["cases"]]
+    assert sent[0] >= 4 * data["params"] and 0 < sent[1] < sent[0] and sent[2] == 0, sent
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -124,3 +125,59 @@ def test_muon_table_and_json(capsys, tmp_path, monkeypatch):
     assert "Muon's extra work" in text and "adamw" in text
     assert json.loads(out.read_text())["shard_bytes_per_step"] == res["shard_bytes_per_step"] > 0
     assert res["per_optimizer"]["adamw"]["shard_b"] == 0
+
+
+# ------------------------------------------------------------------- documented modules only
+def _documented_script_modules() -> set[str]:
+    """The modules docs/extending.md lets the benchmarks import (its table's first column)."""
+    text = (ROOT / "docs" / "extending.md").read_text()
+    section = text.split("## Scripts and benchmarks: the modules they may import", 1)[1]
+    return {line.split("`")[1] for line in section.splitlines()
+            if line.startswith("| `flexdemo")}
+
+
+def _flexdemo_imports(path: Path) -> list[tuple[int, str, str]]:
+    """Every ``(line, module, name)`` that ``path`` imports from flexdemo (``name`` empty for
+    ``import flexdemo.x``)."""
+    import ast
+
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, a.name, "") for a in node.names
+                      if a.name.partition(".")[0] == "flexdemo"]
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("flexdemo"):
+            found += [(node.lineno, node.module, a.name) for a in node.names]
+    return found
+
+
+@pytest.mark.parametrize("path", sorted(p for p in BENCH.glob("*.py") if p.name != "prototypes.py"),
+                         ids=lambda p: p.name)
+def test_benchmarks_import_documented_modules_only(path):
+    """A benchmark imports ``flexdemo`` or a module of docs/extending.md's table, and from it
+    only names of its ``__all__`` (benchmarks/prototypes.py alone hooks private stages; the
+    docs say why)."""
+    import importlib
+
+    allowed = _documented_script_modules()
+    assert {"flexdemo.app.args", "flexdemo.app.tasks", "flexdemo.transport"} <= allowed
+    for line, module, name in _flexdemo_imports(path):
+        assert module == "flexdemo" or module in allowed, \
+            f"{path.name}:{line} imports {module}, which docs/extending.md does not list"
+        if name:
+            public = importlib.import_module(module).__all__
+            assert name in public, f"{path.name}:{line} imports {module}.{name}, not public"
+
+
+def test_the_checker_sees_a_private_import(tmp_path):
+    """The import check reads what a file imports: a private module and a private name show."""
+    bad = tmp_path / "bad.py"
+    bad.write_text("import flexdemo.optim\nfrom flexdemo.app.tasks.gpt import GPT\n"
+                   "from flexdemo.transport import _all_gather_single\n")
+    found = _flexdemo_imports(bad)
+    assert (1, "flexdemo.optim", "") in found and (2, "flexdemo.app.tasks.gpt", "GPT") in found
+    allowed = _documented_script_modules()
+    assert "flexdemo.optim" not in allowed and "flexdemo.app.tasks.gpt" not in allowed
+    import flexdemo.transport
+
+    assert "_all_gather_single" not in flexdemo.transport.__all__

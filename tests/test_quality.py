@@ -249,7 +249,7 @@ def test_lookahead_prototype_without_look_ahead_is_plain_demo(quality, monkeypat
     assert nesterov["identical"] and nesterov["curve"] != plain["curve"]
     assert nesterov["bytes_per_param_step"] == plain["bytes_per_param_step"]
     with pytest.raises(ValueError, match="runs eagerly"):
-        quality.LookaheadDeMo(graphs=True)
+        quality.LookaheadDeMo(graphs=True)  # from benchmarks/prototypes.py
 
 
 def test_overlapped_diloco_settings_run(quality):

@@ -31,6 +31,11 @@ from typing import Literal, overload
 import torch
 import torch.distributed as dist
 
+__all__ = ["CommStats", "Pending", "ProcessGroupTransport", "Transport", "all_gather",
+           "all_gather_bytes", "all_reduce_bytes", "all_reduce_sum", "all_to_all",
+           "all_to_all_bytes", "all_to_all_equal", "gather_into", "global_rank", "group_rank",
+           "group_ranks", "group_size", "transport_for"]
+
 
 def all_reduce_bytes(numel: int, element_size: int, group_size: int) -> int:
     """Bytes one rank sends (and receives) in a ring all-reduce of ``numel`` elements."""

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from .base import ShardSampler, Task
+from .base import ShardSampler, Task, eval_indices
 from .gpt import (
     GPT,
     PRESETS,
@@ -26,7 +26,7 @@ from .gpt import (
 )
 from .t5 import PRESETS as T5_PRESETS
 from .t5 import T5Task, have_transformers
-from .text import GPTTask
+from .text import ByteWindows, GPTTask
 from .vit import PRESETS as VIT_PRESETS
 from .vit import ViT, ViTConfig, ViTTask, vit_config
 
@@ -84,8 +84,8 @@ def build_task(cfg: Any, seed: int = 0) -> Task:
     return _spec(cfg.name).build(cfg, seed)
 
 
-__all__ = ["GPT", "PRESETS", "TASKS", "TASK_NAMES", "GPTConfig", "GPTTask", "ShardSampler",
-           "T5Task", "Task", "TaskSpec", "ViT", "ViTConfig", "ViTTask", "build_task",
-           "data_generator", "evaluate", "get_batch", "gpt_config", "have_transformers",
-           "load_corpus", "num_params", "stdlib_files", "task_options", "task_presets",
-           "vit_config"]
+__all__ = ["GPT", "PRESETS", "TASKS", "TASK_NAMES", "ByteWindows", "GPTConfig", "GPTTask",
+           "ShardSampler", "T5Task", "Task", "TaskSpec", "ViT", "ViTConfig", "ViTTask",
+           "build_task", "data_generator", "eval_indices", "evaluate", "get_batch", "gpt_config",
+           "have_transformers", "load_corpus", "num_params", "stdlib_files", "task_options",
+           "task_presets", "vit_config"]

@@ -60,6 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(1)
     kwargs = {"demo": {"topk": 4, "chunk": 16}, "full": {},
+              "demo-delayed": {"topk": 4, "chunk": 16, "overlap": "delayed"},
               "diloco": {"inner_steps": 3}, "random": {"rate": 1 / 8},
               # the int4 mean by reduce-scatter: an all-to-all over the Manager's group
               "diloco-int4-rs": {"inner_steps": 3, "exchange_kwargs": {
@@ -67,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     ft = flexdemo.FaultTolerance(lighthouse=a.lighthouse, replica_id=a.replica_id,
                                  min_replicas=a.min_replicas, timeout=a.timeout,
                                  hostname="127.0.0.1")
-    name = "diloco" if a.replicator.startswith("diloco") else a.replicator
+    name = a.replicator.split("-")[0]  # demo-delayed: demo; diloco-int4-rs: diloco
     net, opt = flexdemo.prepare(model(), replicator=name, replicator_kwargs=kwargs,
                                 lr=0.05, device="cpu", fault_tolerance=ft)
     session = opt.fault_tolerance

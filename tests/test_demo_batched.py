@@ -158,7 +158,7 @@ def test_corrupt_payload_in_delayed_mode_is_named():
     rep(grads, [1.0, 1.0], 0)
     step1 = [torch.randn(8, 12), torch.randn(12)]
     rep(step1, [1.0, 1.0], 1)
-    _, handle, _ = rep._inflight
+    _, handle, _, _ = rep._inflight
     g = rep.groups[0]
     handle.wait()[0, g.idx_off: g.val_off] = 0  # repeated indices in what rank 0 sent
     # step 2 applies it without reading the device: the only peer is left out (zeros)

@@ -19,6 +19,7 @@ import torch
 import flexdemo
 from flexdemo.ft import lighthouse
 from flexdemo.ft.config import TorchFTMissingError
+from flexdemo.transport import Transport
 
 pytest.importorskip("torchft")
 
@@ -150,10 +151,12 @@ def _same(a: list, b: list) -> bool:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("replicator", ["full", "demo", "diloco", "random", "diloco-int4-rs"])
+@pytest.mark.parametrize("replicator", ["full", "demo", "diloco", "random", "diloco-int4-rs",
+                                        "demo-delayed"])
 def test_killed_group_restarts_heals_and_ends_identical(tmp_path, procs, replicator):
-    """B is killed (SIGKILL) in step 5 (a DiLoCo sync: H=3); A's step 5 fails and is undone,
-    A goes on alone; B restarts, heals from A (under DiLoCo between two syncs), and at the
+    """B is killed (SIGKILL) in step 5 (a DiLoCo sync: H=3); A's step 5 fails and is undone
+    (DeMo's delayed mode: step 6, in which step 5's exchange fails), A goes on alone; B
+    restarts, heals from A (under DiLoCo between two syncs), and at the
     end both groups hold bitwise the same parameters (DiLoCo: its last step is a sync)."""
     lh = Lighthouse(1, tmp_path / "lighthouse.log")
     try:
@@ -173,7 +176,10 @@ def test_killed_group_restarts_heals_and_ends_identical(tmp_path, procs, replica
     finally:
         lh.stop()
     pa, pb = _progress(tmp_path, "A"), _progress(tmp_path, "B2")
-    assert (5, 2, 0) in pa, f"A's step 5 with the dying B was not undone: {pa}"
+    if replicator == "demo-delayed":  # step 5's exchange fails while step 6 runs: undone
+        assert (6, 1, 0) in pa or (5, 2, 0) in pa, f"no step with the dying B undone: {pa}"
+    else:
+        assert (5, 2, 0) in pa, f"A's step 5 with the dying B was not undone: {pa}"
     assert any(n == 1 and c for _, n, c in pa), f"A never went on alone: {pa}"
     assert pb[0][0] >= 9, f"B2 did not heal to A's step: {pb}"
     assert all(n == 2 and c for _, n, c in pb), f"B2 did not train with A: {pb}"
@@ -186,11 +192,15 @@ def test_killed_group_restarts_heals_and_ends_identical(tmp_path, procs, replica
 
 @pytest.mark.slow
 @pytest.mark.parametrize("replicator,fail,steps", [("full", 3, 7), ("demo", 3, 7),
-                                                    ("diloco", 5, 9), ("random", 3, 7)])
+                                                    ("diloco", 5, 9), ("random", 3, 7),
+                                                    ("demo-delayed", 3, 7)])
 def test_failed_commit_is_undone_exactly(tmp_path, procs, replicator, fail, steps):
     """Step ``fail``'s commit vote fails on both groups (a real Manager error after the
     exchange; under DiLoCo, H=3, a sync, retried at the next quorum): the run then is bitwise
-    the run without that failure, the replicators' momenta and DiLoCo's global copy included."""
+    the run without that failure, the replicators' momenta and DiLoCo's global copy included.
+    DeMo's delayed mode is the exception: torchft forms a new quorum after a failed vote, so
+    the exchange in flight into the failed step is dropped, each replica's own part returned
+    to its momentum (``quorum_changed``); the groups stay bitwise identical."""
     for run, extra in (("fail", ["--fail-commit", str(fail)]), ("clean", [])):
         lh = Lighthouse(2, tmp_path / f"lighthouse-{run}.log")
         try:
@@ -207,6 +217,9 @@ def test_failed_commit_is_undone_exactly(tmp_path, procs, replicator, fail, step
         assert (fail, 2, 0) in failed and len(failed) == len(clean) + 1
         f, c = _final(tmp_path, f"fail-{r}"), _final(tmp_path, f"clean-{r}")
         assert f["step"] == c["step"] == steps
+        if replicator == "demo-delayed":  # the exchange in flight into the failed step went
+            assert not _same(f["params"], c["params"])  # back to the momenta: another run
+            continue
         assert _same(f["params"], c["params"])
         for key in ("delta", "global", "buffers"):
             assert _same(f.get(key, []), c.get(key, []))
@@ -393,7 +406,6 @@ def test_unsupported_replicators_are_refused_in_one_line():
     from flexdemo.ft.state import check_supported
 
     for rep, words in ((PhasedReplicator(FullReplicator(), DeMoReplicator(), 2), "not supp"),
-                       (DeMoReplicator(overlap="delayed"), "delayed mode"),
                        (DiLoCoReplicator(inner_steps=4, tau=1), "tau=1")):
         with pytest.raises(ValueError, match=words) as e:
             check_supported(rep)
@@ -407,6 +419,63 @@ def test_unsupported_replicators_are_refused_in_one_line():
     with pytest.raises(TypeError, match="must be a flexdemo.FaultTolerance"):
         flexdemo.DeToNATION(torch.nn.Linear(4, 4).parameters(), "full",
                             fault_tolerance={"lighthouse": "x"})
+
+
+class _TwoPeers(Transport):
+    """A group of two in which the peer sent this rank's payload; ``corrupt``: the peer's
+    payload arrives as zeros (a bad header)."""
+
+    def __init__(self) -> None:
+        self.size, self.rank, self.corrupt = 2, 0, False
+
+    def global_rank(self, r: int) -> int:
+        return r
+
+    def all_reduce_sum_(self, buf, async_op=False):
+        raise NotImplementedError
+
+    def all_gather_into(self, out, inp, async_op=False):
+        out.view(2, -1).copy_(inp.reshape(1, -1).expand(2, -1))
+        if self.corrupt:
+            out.view(2, -1)[1].zero_()
+        return _Done() if async_op else None
+
+
+class _Done:
+    def wait(self) -> bool:
+        return True
+
+
+@pytest.mark.parametrize("arrived", [False, True])
+def test_delayed_demo_returns_its_exchange_in_flight(arrived):
+    """DeMo's delayed mode under a quorum change: the exchange in flight is dropped and this
+    replica's own payload goes back into its momentum, bitwise the momentum that the
+    synchronous mode restores when a bad payload stops its step (from the send buffer, or
+    from its row of the payloads once they arrived, as after a snapshot or a checkpoint)."""
+    from flexdemo import DeMoReplicator
+    from flexdemo.replicate import CorruptPayloadError
+
+    shapes = [torch.Size([24, 40]), torch.Size([40]), torch.Size([7, 5])]
+    torch.manual_seed(0)
+    grads = [torch.randn(s) for s in shapes]
+    lrs = [0.1] * len(shapes)
+    kw = {"topk": 3, "chunk": 8, "values": "int8"}
+    sync, bad = DeMoReplicator(**kw), _TwoPeers()
+    sync.setup(shapes, torch.device("cpu"), bad)
+    bad.corrupt = True  # after the set-up's shape check
+    with pytest.raises(CorruptPayloadError):
+        sync([g.clone() for g in grads], lrs, 0)  # its error feedback undone
+    delayed = DeMoReplicator(overlap="delayed", **kw)
+    delayed.setup(shapes, torch.device("cpu"), _TwoPeers())
+    delayed([g.clone() for g in grads], lrs, 0)
+    sent = [d.clone() for d in delayed.delta]
+    if arrived:
+        delayed.load_state_dict(delayed.state_dict())  # the payloads, no send buffer needed
+        delayed._buckets[0].zero_()
+    delayed.quorum_changed()
+    assert delayed._inflight is None
+    assert any(not torch.equal(a, b) for a, b in zip(sent, delayed.delta))  # it sent something
+    assert _same(list(delayed.delta), list(sync.delta))
 
 
 def _train(procs: list, tmp: Path, url: str, rid: str, out: str, steps: int

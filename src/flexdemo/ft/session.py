@@ -192,8 +192,11 @@ class ElasticSession:
         self._check_unique_ids()
         rank = self.manager.participating_rank()
         self.transport.set_quorum(self.participants, 0 if rank is None else rank)
+        moved = self._replicas_moved()
         for rep in self.opt.replicators:
             rebind(rep)
+            if moved:  # an exchange in flight went to other replicas: dropped everywhere
+                rep.quorum_changed()
         self._after_membership_change()
         self.quorum_seconds = time.perf_counter() - t0
         self._begun = True
@@ -209,6 +212,15 @@ class ElasticSession:
             raise DuplicateReplicaIdError(
                 f"replica id {mine!r} is used by {ids.count(mine)} live replica groups of the "
                 "quorum: give every node its own replica_id (FLEXDEMO_REPLICA_ID)")
+
+    def _replicas_moved(self) -> bool:
+        """Whether this step's replicas may differ from those of the step before: a new
+        quorum (a group left or joined; also the first), or a group of it heals (it is behind
+        the others). Every member of the quorum reads the same answer from it."""
+        quorum = self._recorder.last
+        if quorum is None or quorum.quorum_id != self._quorum_id:
+            return True
+        return quorum.max_world_size < quorum.replica_world_size
 
     def _after_membership_change(self) -> None:
         """On a new membership (a first quorum, a group joined or left) every group meets in
@@ -260,7 +272,12 @@ class ElasticSession:
         """One fault-tolerant step of ``opt`` (see the module's docstring)."""
         self.begin()
         t0 = time.perf_counter()
-        snap = snapshot(opt)
+        try:
+            snap = snapshot(opt)
+        except PeerLostError:  # the step before's exchange in flight failed (recorded: this
+            for rep in opt.replicators:  # step's vote says no); drop it, as a new quorum would
+                rep.quorum_changed()
+            snap = snapshot(opt)
         self.snapshot_seconds = time.perf_counter() - t0
         self.stepping = True
         loss = None

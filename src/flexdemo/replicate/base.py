@@ -313,6 +313,16 @@ class Replicator(ABC):
         """Zero the per-replica state (e.g. error feedback: the part of this replica's own
         gradients not yet sent). Nothing by default."""
 
+    def quorum_changed(self) -> None:
+        """Under fault tolerance, before a step whose replicas are not those the last exchange
+        went to (a replica left, joined or heals; also the first quorum): an exchange still in
+        flight is dropped, never applied, and this replica's own part goes back into its
+        per-replica state, so nothing is lost or counted twice. Every replica of the quorum
+        does the same, so they stay identical. The :meth:`inner_replicators` are told; nothing
+        else by default."""
+        for p in self.inner_replicators():
+            p.quorum_changed()
+
     def fault_tolerance_problem(self) -> str | None:
         """For a :attr:`fault_tolerant` replicator: why these settings cannot run under
         :mod:`flexdemo.ft` (one line), or None. Its :meth:`inner_replicators` are checked apart."""

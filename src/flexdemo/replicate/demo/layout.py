@@ -152,6 +152,15 @@ class Group:
         return self.blocks * self.k
 
 
+def block_positions(coef_shape: torch.Size, idx: torch.Tensor) -> torch.Tensor:
+    """The flat positions in a group's ``coef`` (``(cr, blocks, cc)``) of the block-local
+    indices ``idx`` (``(blocks, k)``): block ``b``'s coefficient ``l`` sits at
+    ``(l // cc, b, l % cc)``."""
+    _, blocks, cc = coef_shape
+    block = torch.arange(blocks, device=idx.device).unsqueeze(1)
+    return (idx // cc) * (blocks * cc) + block * cc + idx % cc
+
+
 class Workspace:
     """Scratch buffers shared by the groups, sized for the largest one at set-up (so views of
     them can be built once). The first product of the transform goes to ``z``; the decoded

@@ -15,7 +15,7 @@ from . import state
 from .checks import VerdictToHost, arrived, check_payloads, good_peers, kept_peers
 from .decode import blocks_into_image, decode_mean, dense_inverse
 from .graphs import CompiledSelection, StepGraphs
-from .layout import BlockLayout, Group
+from .layout import BlockLayout, Group, block_positions
 from .settings import PRESETS, TRANSFORM_DTYPES, check_settings
 from .staging import MomentumRun, Sent, Staging, StepPlan
 
@@ -129,7 +129,8 @@ class DeMoReplicator(Replicator):
         nbuf = 2 if self.overlap == "delayed" else 1
         self._buckets = [torch.zeros(self.bucket_bytes, dtype=torch.uint8, device=self.device)
                          for _ in range(nbuf)]
-        self._inflight: tuple[int, torch.Tensor | Pending, StepPlan] | None = None  # delayed
+        # delayed mode: (step, payloads or their exchange, plan, this replica's row in them)
+        self._inflight: tuple[int, torch.Tensor | Pending, StepPlan, int] | None = None
         # the momentum's decay factor, and 1 for a step whose input is not finite
         self._decay_factor = torch.tensor(self.decay, dtype=torch.float32, device=self.device)
         self._one = torch.ones((), dtype=torch.float32, device=self.device)
@@ -455,7 +456,7 @@ class DeMoReplicator(Replicator):
         previous, self._inflight = self._inflight, None
         if previous is None:
             return None
-        prev_step, handle, prev_plan = previous
+        prev_step, handle, prev_plan, _ = previous
         gathered = handle.wait() if isinstance(handle, Pending) else handle
         self._expected_step.fill_(prev_step)
         verdict, decoded, keep, count = self._on_payloads(
@@ -468,7 +469,8 @@ class DeMoReplicator(Replicator):
         """Encode ``grads`` and start their exchange (applied next step)."""
         buf = self._buckets[step % 2]
         self._encode_payload(grads, lrs, step, buf)
-        self._inflight = (step, all_gather(buf, self.transport, self.stats, async_op=True), plan)
+        self._inflight = (step, all_gather(buf, self.transport, self.stats, async_op=True), plan,
+                          self.rank)
 
     def _apply_received(self, received, plan: StepPlan, grads) -> None:
         """The decoded mean of what :meth:`_receive_inflight` returned into ``grads`` (zeros
@@ -479,10 +481,28 @@ class DeMoReplicator(Replicator):
         decoded, kept, sent_plan = received
         self._write_mean(decoded, None, sent_plan, plan, grads, kept)
 
+    def _return_inflight(self) -> None:
+        """Delayed mode: drop the exchange in flight, never applied, and add this replica's
+        own payload back to its momentum (what error feedback subtracted), as if it had not
+        been sent. Its own payload is its row of the payloads if they arrived, else its send
+        buffer (not touched until the step after next). The peers' exchange is not waited
+        for: a peer may be gone."""
+        if self._inflight is None:
+            return
+        step, handle, plan, row = self._inflight
+        self._inflight = None
+        own = handle[row] if isinstance(handle, torch.Tensor) else self._buckets[step % 2]
+        _, decoded = self._check_on_device(own.unsqueeze(0), plan)
+        for g, sent in zip(self.groups, decoded):
+            if sent is not None:
+                idx, vals = sent[0][0], sent[1][0]
+                self._add_to_momentum(g, idx, block_positions(g.coef.shape, idx), vals,
+                                      sign=1.0)
+
     # ------------------------------------------------------------------ contract
-    def fault_tolerance_problem(self) -> str | None:
-        return ("fault tolerance does not support DeMo's delayed mode (overlap='delayed') yet; "
-                "use the synchronous mode") if self.overlap == "delayed" else None
+    def quorum_changed(self) -> None:
+        self._return_inflight()
+        super().quorum_changed()
 
     def reset_replica_state(self) -> None:
         with torch.no_grad():

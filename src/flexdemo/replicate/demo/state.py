@@ -21,12 +21,12 @@ def save(rep: DeMo, sd: dict) -> dict:
     sd["delta"] = [d.reshape(d.shape[0], -1).clone() for d in rep.delta]
     sd["dropped_payloads"] = rep.dropped_payloads
     if rep._inflight is not None:
-        step, handle, plan = rep._inflight
+        step, handle, plan, row = rep._inflight
         gathered = handle.wait() if isinstance(handle, Pending) else handle
-        rep._inflight = (step, gathered, plan)
+        rep._inflight = (step, gathered, plan, row)
         present = plan.key[0]
         sd["inflight"] = {"step": step, "gathered": gathered.clone(), "code": plan.code,
-                          "present": list(present)}
+                          "present": list(present), "row": row}
     if rep._pending is not None:  # a verdict not yet judged: judged after a resume
         step, code, host = arrived(rep._pending)
         sd["verdict"] = {"step": step, "code": code, "rows": host.clone()}
@@ -94,4 +94,5 @@ def load(rep: DeMo, sd: dict, deltas: list) -> None:
     if inflight is not None:
         present = tuple(bool(p) for p in inflight.get("present", [True] * len(rep._shapes)))
         rep._inflight = (int(inflight["step"]), inflight["gathered"].to(rep.device),
-                         rep.staging_plans.plan(present, None))
+                         rep.staging_plans.plan(present, None),
+                         int(inflight.get("row", rep.rank)))

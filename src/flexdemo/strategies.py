@@ -62,6 +62,10 @@ STRATEGIES: dict[str, Strategy] = {
     "flexdemo": Strategy(
         "FlexDeMo: FSDP2 in a node, DeMo (top-64 DCT per block) across nodes, sign-SGD",
         "demo", "sgd", 1e-3, _SHORT_RUN_DEMO, color="#1f77b4"),
+    "flexdemo-delayed": Strategy(
+        "FlexDeMo whose exchange runs behind the next step's compute: each step applies the "
+        "replicas' mean of the step before (overlap='delayed')",
+        "demo", "sgd", 1e-3, {**_SHORT_RUN_DEMO, "overlap": "delayed"}, color="#aec7e8"),
     "demo-dp": Strategy(
         "DeMo on plain data parallelism (shard 1), sign-SGD",
         "demo", "sgd", 1e-3, _SHORT_RUN_DEMO, layout="dp", color="#2ca02c"),

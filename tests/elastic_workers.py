@@ -62,6 +62,8 @@ def main(argv: list[str] | None = None) -> int:
     kwargs = {"demo": {"topk": 4, "chunk": 16}, "full": {},
               "demo-delayed": {"topk": 4, "chunk": 16, "overlap": "delayed"},
               "diloco": {"inner_steps": 3}, "random": {"rate": 1 / 8},
+              # streaming: 2 fragments, each sync applied one step after its launch
+              "diloco-streaming": {"inner_steps": 4, "fragments": 2, "tau": 1},
               # the int4 mean by reduce-scatter: an all-to-all over the Manager's group
               "diloco-int4-rs": {"inner_steps": 3, "exchange_kwargs": {
                   "values": "int4", "block": 16, "reduce": "scatter"}}}[a.replicator]

@@ -114,6 +114,8 @@ class Replicator(ABC):
     dropped_payloads: int = 0
     #: whether :mod:`flexdemo.ft` may run it (see :meth:`fault_tolerance_problem`)
     fault_tolerant: bool = False
+    #: it keeps per-replica state, such as error feedback (:meth:`reset_replica_state`)
+    keeps_replica_state: bool = False
     #: settings it takes by default as DiLoCo's exchange (given by name)
     exchange_settings: dict = {}
     #: :meth:`state_dict` returns fresh tensors (no references into live state): a snapshot

@@ -309,15 +309,24 @@ class DiLoCoReplicator(Replicator):
         return tuple(getattr(self, "exchanges", ()))
 
     def fault_tolerance_problem(self) -> str | None:
-        if self.tau:
-            return ("fault tolerance does not support DiLoCo syncs that overlap later "
-                    f"steps (tau={self.tau}) yet: a quorum change would meet a sync in "
-                    "flight; use tau=0")
+        if self.tau and self._template.keeps_replica_state:
+            return (f"fault tolerance does not support DiLoCo syncs that overlap later steps "
+                    f"(tau={self.tau}) with an exchange that keeps per-replica state "
+                    f"({self._template.name!r}); use tau=0 or a full exchange")
         return super().fault_tolerance_problem()
 
+    def quorum_changed(self) -> None:
+        """Syncs in flight (``tau > 0``) are dropped unapplied on every replica: the global
+        copy and the outer optimizer stay as they were, and what the dropped syncs carried
+        stays in each replica's parameters, so the fragment's next sync carries it."""
+        self.pending.clear()
+        super().quorum_changed()
+
     def shared_state(self) -> dict:
-        """The global copy, outer optimizer and syncs, and the exchanges' shared state."""
-        sd = self.state_dict()
+        """The global copy, outer optimizer and syncs, and the exchanges' shared state.
+        Syncs still in flight are left out (never waited for here: a joiner's peer serves
+        this while its exchange may be on its way; the new quorum drops them anyway)."""
+        sd = self.state_dict(wait=False)
         sd.pop("stats", None)
         sd["exchanges"] = [ex.shared_state() for ex in self.exchanges]
         return copy.deepcopy(sd)
@@ -331,11 +340,15 @@ class DiLoCoReplicator(Replicator):
         self.reset_withheld()
 
     # ------------------------------------------------------------------ state
-    def state_dict(self) -> dict:
+    def state_dict(self, wait: bool = True) -> dict:
+        """The state; a sync in flight is completed and stored, or left out when not
+        ``wait``."""
         sd = super().state_dict()
         pending = {}
         for p in sorted(self.pending):
             sync = self.pending[p]
+            if not wait and sync.result is None and sync.failed is None:
+                continue
             try:  # a sync in flight is completed and stored (or stored as failed)
                 pending[p] = {"apply_at": sync.apply_at,
                               "result": [t.clone() for t in self._result(p)]}

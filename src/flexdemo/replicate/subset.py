@@ -30,6 +30,8 @@ class _SubsetReplicator(Replicator):
     step are computed for all parameters at once from per-entry tables built at setup, so a
     step runs a fixed number of ops whatever the number of parameters."""
 
+    keeps_replica_state = True  # its momenta
+
     def __init__(self, rate: float = 1 / 64, decay: float = 0.999, *, sign: bool = True,
                  scale_by_lr: bool = True, **schedule) -> None:
         super().__init__(**schedule)

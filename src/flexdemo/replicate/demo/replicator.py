@@ -33,6 +33,7 @@ class DeMoReplicator(Replicator):
     """
 
     name = "demo"
+    keeps_replica_state = True  # momentum and error feedback
     syncs_replicas = True
     state_tensor_keys = ("delta",)  # the momentum (error feedback): per replica
     fault_tolerant = True

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from .base import Replicator
-from .demo import DeMoReplicator
+from .demo import DeMoReplicator, delayed
 
 _SCHEDULE = ("replicate_every", "skip_every")
 
@@ -105,11 +105,11 @@ class PhasedReplicator(Replicator):
         first, then = self.first, self.then
         assert isinstance(first, DeMoReplicator) and isinstance(then, DeMoReplicator)
         plan = first._plan_step(grads, lrs)
-        received = first._receive_inflight()
+        received = delayed.receive_inflight(first)
         then._pending, first._pending = first._pending, None  # its verdict, judged next step
         self._switch()
-        then._encode_and_send(grads, lrs, step, then._plan_step(grads, lrs))
-        first._apply_received(received, plan, grads)
+        delayed.encode_and_send(then, grads, lrs, step, then._plan_step(grads, lrs))
+        delayed.apply_received(first, received, plan, grads)
         return grads
 
     def after_step(self, step: int) -> None:

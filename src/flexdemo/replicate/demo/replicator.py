@@ -11,11 +11,11 @@ from ...compress.quant import BlockValueCodec
 from ...compress.select import topk_blocks_rowmajor
 from ...transport import Pending, all_gather
 from ..base import HEADER_BYTES, Replicator, write_header, zero_where
-from . import state
-from .checks import VerdictToHost, arrived, check_payloads, good_peers, kept_peers
+from . import delayed, state
+from .checks import VerdictToHost, check_payloads, good_peers, kept_peers
 from .decode import blocks_into_image, decode_mean, dense_inverse
 from .graphs import CompiledSelection, StepGraphs
-from .layout import BlockLayout, Group, block_positions
+from .layout import BlockLayout, Group
 from .settings import PRESETS, TRANSFORM_DTYPES, check_settings
 from .staging import MomentumRun, Sent, Staging, StepPlan
 
@@ -215,9 +215,9 @@ class DeMoReplicator(Replicator):
         """One step of ``overlap="delayed"``: check what was sent last step, encode and send
         this step's, and apply last step's mean."""
         plan = self._plan_step(grads, lrs)
-        received = self._receive_inflight()  # check last step's payloads before encoding
-        self._encode_and_send(grads, lrs, step, plan)
-        self._apply_received(received, plan, grads)
+        received = delayed.receive_inflight(self)  # last step's payloads, before encoding
+        delayed.encode_and_send(self, grads, lrs, step, plan)
+        delayed.apply_received(self, received, plan, grads)
         return grads
 
     # ------------------------------------------------------------------ encode
@@ -439,70 +439,9 @@ class DeMoReplicator(Replicator):
         good, decoded = self._check_now(gathered, step, plan)
         self._write_mean(decoded, good, plan, plan, grads)
 
-    # ------------------------------------------------------------------ delayed mode
-    def _judge_deferred_verdict(self) -> None:
-        """Judge the verdict deferred by the step before (its payloads' update was already
-        applied, bad ones left out on the device): raise, or count and warn."""
-        pending, self._pending = self._pending, None
-        if pending is not None:
-            step, code, host = arrived(pending)
-            self._good_peers(host.tolist(), step, code)
-
-    def _receive_inflight(self):
-        """Judge the verdict deferred by the step before, then wait for the exchange in
-        flight (launched the step before) and check it on the device, deferring its verdict;
-        ``(decoded, (keep, count), plan it was encoded with)``, or None when there is none.
-        No read of the device."""
-        self._judge_deferred_verdict()
-        previous, self._inflight = self._inflight, None
-        if previous is None:
-            return None
-        prev_step, handle, prev_plan, _ = previous
-        gathered = handle.wait() if isinstance(handle, Pending) else handle
-        self._expected_step.fill_(prev_step)
-        verdict, decoded, keep, count = self._on_payloads(
-            ("check-kept", prev_plan.key), lambda x: self._check_and_keep(x, prev_plan),
-            gathered)
-        self._pending = self._verdict_to_host.start(verdict, prev_step, prev_plan.code)
-        return decoded, (keep, count), prev_plan
-
-    def _encode_and_send(self, grads, lrs, step: int, plan: StepPlan) -> None:
-        """Encode ``grads`` and start their exchange (applied next step)."""
-        buf = self._buckets[step % 2]
-        self._encode_payload(grads, lrs, step, buf)
-        self._inflight = (step, all_gather(buf, self.transport, self.stats, async_op=True), plan,
-                          self.rank)
-
-    def _apply_received(self, received, plan: StepPlan, grads) -> None:
-        """The decoded mean of what :meth:`_receive_inflight` returned into ``grads`` (zeros
-        when nothing was in flight)."""
-        if received is None:
-            torch._foreach_zero_([g for g in grads if g is not None])
-            return
-        decoded, kept, sent_plan = received
-        self._write_mean(decoded, None, sent_plan, plan, grads, kept)
-
-    def _return_inflight(self) -> None:
-        """Delayed mode: drop the exchange in flight, never applied, and add this replica's
-        own payload back to its momentum (what error feedback subtracted), as if it had not
-        been sent. Its own payload is its row of the payloads if they arrived, else its send
-        buffer (not touched until the step after next). The peers' exchange is not waited
-        for: a peer may be gone."""
-        if self._inflight is None:
-            return
-        step, handle, plan, row = self._inflight
-        self._inflight = None
-        own = handle[row] if isinstance(handle, torch.Tensor) else self._buckets[step % 2]
-        _, decoded = self._check_on_device(own.unsqueeze(0), plan)
-        for g, sent in zip(self.groups, decoded):
-            if sent is not None:
-                idx, vals = sent[0][0], sent[1][0]
-                self._add_to_momentum(g, idx, block_positions(g.coef.shape, idx), vals,
-                                      sign=1.0)
-
     # ------------------------------------------------------------------ contract
     def quorum_changed(self) -> None:
-        self._return_inflight()
+        delayed.return_inflight(self)
         super().quorum_changed()
 
     def reset_replica_state(self) -> None:

@@ -57,6 +57,10 @@ def test_killed_node_leaves_and_heals_back(tmp_path):
     data = json.loads((out / "elastic.json").read_text())
     f = data["elastic"]["figures"]
     assert f["healed"] and f["replicas_identical"], f
+    own = f["quorum_seconds"] + f["commit_seconds"] + f["snapshot_seconds"]
+    assert f["ft_share_of_step"] == pytest.approx(own / f["elastic_step_seconds"])
+    assert 0 < f["ft_share_of_step"] < 1
+    assert "the quorum, the vote and the undo copy take" in p.stdout
     assert f["survivors_resume_step"] > f["kill_survivor_step"] >= 10
     assert f["joiner_first_step"] > f["restart_survivor_step"] >= 18
     node0 = data["elastic"]["metrics"]["node0"]

@@ -264,6 +264,10 @@ def analyse(o: Any, plain: list[dict], run: dict) -> dict:
         "snapshot_seconds": _mean([r.get("snapshot_seconds", 0.0) for r in before]),
         "steps_window": [window.start, window.stop - 1],
     }
+    # what fault tolerance adds inside the elastic step itself (an upper bound: a quorum also
+    # absorbs the skew between nodes that a plain step waits out in its collectives)
+    own = out["quorum_seconds"] + out["commit_seconds"] + out["snapshot_seconds"]
+    out["ft_share_of_step"] = own / ft_s if ft_s == ft_s and ft_s > 0 else None
     kill, restart = run["events"].get("kill"), run["events"].get("restart")
     if kill:
         after = [r for r in m0 if r["time"] > kill["time"]]
@@ -308,6 +312,11 @@ def report_lines(o: Any, plain_summary: dict, figures: dict) -> list[str]:
         f"{f['steps_window'][0]}-{f['steps_window'][1]}, before the kill)" if over is not None
         else "- no step-time comparison (a run has too few steps)",
     ]
+    share = f.get("ft_share_of_step")
+    if share is not None:
+        lines.append(f"- the quorum, the vote and the undo copy take {share * 100:.1f}% of the "
+                     "elastic step (at most what fault tolerance adds: a quorum also waits out "
+                     "the skew between nodes that a plain step waits out in its collectives)")
     if "survivors_resume_seconds" in f:
         lines.append(
             f"- node {last} killed at node 0's step {f['kill_survivor_step']}: the survivors "

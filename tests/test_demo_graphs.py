@@ -136,7 +136,7 @@ def test_graphs_name_a_corrupt_peer_on_cuda():
 def _delayed_corrupt_run(device, graphs, monkeypatch, corrupt=True):
     """Delayed mode, two peers (this rank's payload twice), the second sending NaN at step 5:
     the outputs of steps 0-6 and the error at step 7 (None when ``corrupt`` is False)."""
-    import flexdemo.replicate.demo.replicator as demo_module
+    import flexdemo.replicate.demo.delayed as delayed_module
 
     rep = DeMoReplicator(graphs=graphs, values="fp32", overlap="delayed")
     shapes = [torch.Size(s) for s in SHAPES]
@@ -149,7 +149,7 @@ def _delayed_corrupt_run(device, graphs, monkeypatch, corrupt=True):
             out[1, g.val_off: g.val_off + 8].view(torch.float32).fill_(float("nan"))
         return out
 
-    monkeypatch.setattr(demo_module, "all_gather", gather)
+    monkeypatch.setattr(delayed_module, "all_gather", gather)  # the delayed mode's exchange
     torch.manual_seed(0)
     lrs = [2.0 ** -10] * len(shapes)
     outs = [[g.cpu().clone() for g in rep.replicate(

@@ -7,7 +7,7 @@ quorum seconds, commit-vote seconds) and at the end ``final<rank>.pt`` (this ran
 shards, DeMo momentum, DiLoCo's global copy, step). Under torchrun's variables (RANK,
 WORLD_SIZE, MASTER_ADDR/PORT of the group) a group has several ranks, and FSDP2 shards the model
 over them. Choreography options for the tests:
-``--die-at K`` kills this process (SIGKILL) in its step K (after the quorum); ``--hold M:F[,G...]``
+``--die-at K`` kills this process (SIGKILL) in its step K, once in its quorum;``--hold M:F[,G...]``
 (repeatable) waits, bounded, before step M until the files exist; ``--fail-commit K`` makes
 step K's commit vote fail (a real Manager error) on its first attempt; ``--ready-file F`` is
 written once the Manager is up; ``--save D`` / ``--resume D``: a checkpoint at the end / to
@@ -95,6 +95,7 @@ def main(argv: list[str] | None = None) -> int:
         opt.zero_grad()  # the quorum: a joiner heals here, before its forward pass
         step = opt.steps
         if step == a.die_at:
+            session.join_quorum()  # in step K's quorum: the others' step K meets it dying
             os.kill(os.getpid(), signal.SIGKILL)
         x, y = batch(step, a.replica_id)
         loss = nn.functional.mse_loss(net(x), y)

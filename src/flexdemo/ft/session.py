@@ -15,7 +15,7 @@ import sys
 import threading
 import time
 from datetime import timedelta
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -44,7 +44,8 @@ class _QuorumRecorder:
     """The Manager's client, keeping the last quorum it returned (its replica ids)."""
 
     def __init__(self, client) -> None:
-        self._client, self.last = client, None
+        self._client = client
+        self.last: Any = None  # torchft's QuorumResult
 
     def _quorum(self, *args, **kwargs):
         self.last = self._client._quorum(*args, **kwargs)
@@ -104,6 +105,9 @@ class ElasticSession:
         self.opt: FlexOptimizer | None = None
         self.stepping = False
         self._begun = False
+        self._launched = False  # this step's quorum started (it may run behind the forward pass)
+        self._launch_seconds = 0.0
+        self._stale = False  # healed after its forward pass (see join_quorum)
         self._started = False
         self._quorum_id = None
         self._before_commit = None  # tests: called after a step, before its commit vote
@@ -156,19 +160,40 @@ class ElasticSession:
 
     # ------------------------------------------------------------------ stepping
     def begin(self) -> None:
-        """Form this step's quorum (a joiner heals here); called by ``zero_grad()`` before the
-        forward pass, or by ``step()`` if not yet. Waits while fewer than ``min_replicas``
-        groups are there, at most ``quorum_timeout`` seconds."""
-        if self._begun:
+        """Start this step's quorum; called by ``zero_grad()`` before the forward pass, or by
+        ``step()`` if not yet. Where this group may have to heal (its first quorum, or the one
+        after its own commit vote failed) the quorum is formed here, so that a joiner heals
+        before its forward pass; otherwise torchft forms it behind the forward and backward
+        passes and :meth:`step` waits for it (:meth:`join_quorum`)."""
+        if self._launched or self._begun:
             return
         assert self.opt is not None, "attach() the optimizer first"
-        quorum_timeout = self.config.quorum_timeout
-        assert quorum_timeout is not None  # filled in by the config
+        may_heal = not self._started or self.committed is False
         if not self._started:  # a resumed optimizer: the lighthouse sees its committed steps
             self._started = True
             if self.manager.current_step() != self.opt.steps:
                 self.manager.load_state_dict({"step": self.opt.steps,
                                               "batches_committed": 0})
+        t0 = time.perf_counter()
+        self.manager._use_async_quorum = not may_heal  # (a Manager setting read per quorum)
+        self._quorum()
+        self._launched, self._launch_seconds = True, time.perf_counter() - t0
+        if may_heal:
+            self.join_quorum()
+
+    def join_quorum(self) -> None:
+        """Wait for this step's quorum and bind the replicators to it (``step()`` does; a loop
+        may call it earlier). Waits while fewer than ``min_replicas`` groups are there, at
+        most ``quorum_timeout`` seconds."""
+        if self._begun:
+            return
+        if not self._launched:
+            self.begin()
+            if self._begun:
+                return
+        assert self.opt is not None, "attach() the optimizer first"
+        quorum_timeout = self.config.quorum_timeout
+        assert quorum_timeout is not None  # filled in by the config
         t0 = time.perf_counter()
         deadline = time.monotonic() + quorum_timeout
         told = threading.Event()
@@ -178,8 +203,11 @@ class ElasticSession:
         timer.start()
         try:
             while True:
-                self._quorum()
-                self.participants = self.manager.num_participants()
+                self._wait_quorum()
+                quorum = self._recorder.last
+                # every group of the quorum, a healing one too (the Manager's participants
+                # leave a healing group out when the quorum ran behind the forward pass)
+                self.participants = quorum.replica_world_size
                 if self.participants >= self.config.min_replicas:
                     break
                 if time.monotonic() >= deadline:
@@ -187,18 +215,23 @@ class ElasticSession:
                 if not told.is_set():
                     self._say_waiting(told)
                 time.sleep(0.2)
+                self.manager._use_async_quorum = False
+                self._quorum()
         finally:
             timer.cancel()
+        self._stale = bool(self.manager._healing)
+        if self._stale:  # healed after its forward pass: its gradients are not the peers'
+            self.manager._apply_pending_state_dict()
+            self.manager._healing = False
         self._check_unique_ids()
-        rank = self.manager.participating_rank()
-        self.transport.set_quorum(self.participants, 0 if rank is None else rank)
+        self.transport.set_quorum(self.participants, quorum.replica_rank)
         moved = self._replicas_moved()
         for rep in self.opt.replicators:
             rebind(rep)
             if moved:  # an exchange in flight went to other replicas: dropped everywhere
                 rep.quorum_changed()
         self._after_membership_change()
-        self.quorum_seconds = time.perf_counter() - t0
+        self.quorum_seconds = self._launch_seconds + time.perf_counter() - t0
         self._begun = True
 
     def _check_unique_ids(self) -> None:
@@ -241,17 +274,26 @@ class ElasticSession:
         try:
             self.manager.start_quorum()
         except Exception as e:  # noqa: BLE001
-            text = str(e).lower()
-            if "timeout" in text or "timed out" in text or "deadline" in text:
-                raise self._timeout_error(None) from None
-            if "connect" in text or "unavailable" in text or "transport" in text:
-                rank = dist.get_rank() if dist.is_initialized() else 0
-                via = "" if rank == 0 else "its group's Manager server (on the group's rank 0) or "
-                raise LighthouseUnreachableError(
-                    f"rank {rank} of replica group {self.config.replica_id!r} lost {via}the "
-                    f"torchft lighthouse at {self.config.lighthouse} ({_first_line(e)})"
-                ) from None
-            raise
+            raise self._quorum_error(e) from None
+
+    def _wait_quorum(self) -> None:
+        try:
+            self.manager.wait_quorum()
+        except Exception as e:  # noqa: BLE001
+            raise self._quorum_error(e) from None
+
+    def _quorum_error(self, e: Exception) -> Exception:
+        """A quorum's failure as one line: a timeout, a lost lighthouse, or ``e`` itself."""
+        text = str(e).lower()
+        if "timeout" in text or "timed out" in text or "deadline" in text:
+            return self._timeout_error(None)
+        if "connect" in text or "unavailable" in text or "transport" in text:
+            rank = dist.get_rank() if dist.is_initialized() else 0
+            via = "" if rank == 0 else "its group's Manager server (on the group's rank 0) or "
+            return LighthouseUnreachableError(
+                f"rank {rank} of replica group {self.config.replica_id!r} lost {via}the "
+                f"torchft lighthouse at {self.config.lighthouse} ({_first_line(e)})")
+        return e
 
     def _say_waiting(self, told: threading.Event) -> None:
         if told.is_set():
@@ -270,7 +312,14 @@ class ElasticSession:
 
     def step(self, opt, closure=None):
         """One fault-tolerant step of ``opt`` (see the module's docstring)."""
-        self.begin()
+        self.join_quorum()
+        if self._stale:  # its gradients came from the state before its heal: it sends zeros,
+            with torch.no_grad():  # and its vote says no, so the step is undone here
+                for p in opt.params:
+                    if p.grad is not None:
+                        p.grad.zero_()
+            self.manager.report_error(RuntimeError("this replica group healed after its "
+                                                   "forward pass"))
         t0 = time.perf_counter()
         try:
             snap = snapshot(opt)
@@ -291,7 +340,7 @@ class ElasticSession:
             error = e
         finally:
             self.stepping = False
-            self._begun = False
+            self._begun = self._launched = self._stale = False
         if self._before_commit is not None:
             self._before_commit(opt)
         t0 = time.perf_counter()

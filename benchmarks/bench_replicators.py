@@ -27,7 +27,7 @@ import torch
 
 from flexdemo import REPLICATORS
 from flexdemo.app.args import Parser, check_out_file, int_at_least
-from flexdemo.transport import Transport
+from flexdemo.transport import Pending, Transport
 
 ROOT = Path(__file__).resolve().parent.parent
 MODELS = {"small": (4, 256, 256), "124m": (12, 768, 50257), "350m": (24, 1024, 50257)}
@@ -52,13 +52,6 @@ def gpt_shapes(layers: int, d: int, vocab: int) -> list[torch.Size]:
     return shapes + [torch.Size([d]), torch.Size([d])]
 
 
-class Done:
-    """The handle of a collective that completed when launched."""
-
-    def wait(self) -> bool:
-        return True
-
-
 class MirrorTransport(Transport):
     """A group of ``peers`` ranks in which every peer sent this rank's payload (so every
     check passes): this process is rank 0, and nothing crosses a network."""
@@ -75,11 +68,11 @@ class MirrorTransport(Transport):
         trailer[1:n].copy_(trailer[0].expand(n - 1))
         trailer[n + 1:].copy_(trailer[n].expand(n - 1))
         buf[: -2 * n].mul_(n)
-        return Done() if async_op else None
+        return Pending(buf) if async_op else None
 
     def all_gather_into(self, out, inp, async_op=False):
         out.view(self.size, -1).copy_(inp.reshape(1, -1).expand(self.size, -1))
-        return Done() if async_op else None
+        return Pending(out) if async_op else None
 
 
 def bench(name: str, shapes, device, peers: int, steps: int) -> dict:

@@ -19,7 +19,7 @@ import torch
 import flexdemo
 from flexdemo.ft import lighthouse
 from flexdemo.ft.config import TorchFTMissingError
-from flexdemo.transport import Transport
+from flexdemo.transport import Pending, Transport
 
 pytest.importorskip("torchft")
 
@@ -450,12 +450,7 @@ class _TwoPeers(Transport):
         out.view(2, -1).copy_(inp.reshape(1, -1).expand(2, -1))
         if self.corrupt:
             out.view(2, -1)[1].zero_()
-        return _Done() if async_op else None
-
-
-class _Done:
-    def wait(self) -> bool:
-        return True
+        return Pending(out) if async_op else None  # (a handle already complete)
 
 
 @pytest.mark.parametrize("arrived", [False, True])

@@ -101,14 +101,13 @@ def _type_name(t: Any) -> str:
             dict: "a table"}.get(t, getattr(t, "__name__", str(t)))
 
 
-def _build_section(cls: type, raw: Any, name: str) -> Any:
+def _build_section(cls: type, raw: Any, name: str, valid: list[str] | None = None) -> Any:
+    """``cls`` from the ``[name]`` table ``raw``; an unknown key names ``valid`` (default: the
+    fields of ``cls``)."""
     if not isinstance(raw, dict):
         raise ConfigError(f"[{name}] must be a table of keys, got {_describe(raw)}")
     hints = typing.get_type_hints(cls)
-    valid = [f.name for f in dataclasses.fields(cls)]
-    task = raw.get("name", TaskConfig.name) if name == "task" else None
-    if isinstance(task, str) and task in TASKS:  # each task owns its keys
-        valid = ["name", *task_options(task)]
+    valid = valid or [f.name for f in dataclasses.fields(cls)]
     kwargs = {}
     for key, value in raw.items():
         if key not in hints:
@@ -126,7 +125,8 @@ def config_from_dict(data: dict) -> Config:
     valid = list(SECTIONS) + list(TOP_LEVEL)
     for key, value in data.items():
         if key in SECTIONS:
-            kwargs[key] = _build_section(SECTIONS[key], value, key)
+            own = _task_keys(value) if key == "task" else None  # each task owns its keys
+            kwargs[key] = _build_section(SECTIONS[key], value, key, own)
         elif key == "resume":
             if not isinstance(value, (bool, str)):
                 raise ConfigError(f"resume: expected true, false or a checkpoint path, got "
@@ -140,6 +140,12 @@ def config_from_dict(data: dict) -> Config:
     if "warmup" not in data.get("train", {}):  # the default warm-up never exceeds the run
         cfg.train.warmup = min(cfg.train.warmup, max(cfg.train.steps, 0))
     return cfg
+
+
+def _task_keys(raw: Any) -> list[str] | None:
+    """The keys the ``[task]`` table ``raw`` may hold: its task's (None for no known task)."""
+    task = raw.get("name", TaskConfig.name) if isinstance(raw, dict) else None
+    return ["name", *task_options(task)] if isinstance(task, str) and task in TASKS else None
 
 
 def _check_task_keys(name: str, given: dict) -> None:

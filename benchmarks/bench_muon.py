@@ -21,7 +21,6 @@ import importlib.util
 import json
 import os
 import platform
-import socket
 import statistics
 import sys
 import tempfile
@@ -31,6 +30,8 @@ from typing import NoReturn
 
 import torch
 import torch.multiprocessing as mp
+
+from flexdemo.tools.ranks import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 OPTIMIZERS = {"adamw": {}, "muon": {}}
@@ -52,12 +53,6 @@ def example_gpt():
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _rank(rank: int, args: argparse.Namespace, port: int, out: str) -> None:
@@ -128,7 +123,7 @@ def main(argv=None) -> dict:
     args = parse_args(argv)
     world = args.replicate * args.shard
     with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(_rank, args=(args, _free_port(), tmp), nprocs=world)
+        mp.spawn(_rank, args=(args, free_port(), tmp), nprocs=world)
         ranks = [torch.load(os.path.join(tmp, f"{r}.pt")) for r in range(world)]
     # the slowest rank sets the pace of a synchronous step
     agg = {name: {k: max(r[name][k] for r in ranks) for k in ranks[0][name]}

@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -14,6 +15,8 @@ from flexdemo.app.cli import main
 from flexdemo.app.config import Config, ConfigError
 from flexdemo.app.config_checks import config_from_dict, validate
 from flexdemo.app.config_files import apply_overrides, load_config, parse_override, to_toml
+from flexdemo.app.tasks import GPTTaskConfig, TaskConfig
+from flexdemo.app.tasks.base import must
 
 CONFIGS = sorted((Path(__file__).parent.parent / "configs").glob("*.toml"))
 
@@ -259,12 +262,47 @@ def test_task_choices_come_from_the_task_registry(monkeypatch):
     assert "choose one of gpt, vit, t5" in error_of({"task": {"name": "bert"}})
     # one entry in the table makes a task valid in configs and buildable
     built = []
-    spec = tasks.TaskSpec("a test task", ("one",), ("model",),
+    spec = tasks.TaskSpec("a test task", ("one",), tasks.TaskConfig,
                           lambda c, seed: built.append((c.model, seed)) or "task")
     monkeypatch.setitem(tasks.TASKS, "toy", spec)
     cfg = load_config(None, ["task.name=toy", "task.model=one"])
     assert tasks.build_task(cfg.task, seed=3) == "task" and built == [("one", 3)]
     assert "choose one of one" in error_of({"task": {"name": "toy", "model": "two"}})
+
+
+@dataclass
+class _ToyTaskConfig(TaskConfig):
+    """A task's own section with a key no other task has, declared here alone."""
+
+    name: str = "toy"
+    depth: int = 2
+
+    def check(self) -> None:
+        must("depth", self.depth >= 1, "at least 1", self.depth)
+
+
+def test_a_task_declares_its_own_keys_beside_it(monkeypatch, tmp_path):
+    from flexdemo.app import tasks
+
+    spec = tasks.TaskSpec("a test task", ("one",), _ToyTaskConfig, lambda c, seed: c.depth)
+    monkeypatch.setitem(tasks.TASKS, "toy", spec)
+    cfg = load_config(None, ["task.name=toy", "task.model=one", "task.depth=3"])
+    assert cfg.task == _ToyTaskConfig(model="one", depth=3)
+    assert tasks.build_task(cfg.task) == 3 and tasks.task_options("toy") == ("model", "depth")
+    again = load_config(write(tmp_path, to_toml(cfg)))  # written and read back
+    assert again == cfg
+    assert error_of({"task": {"name": "toy", "model": "one", "depth": 0}}) == (
+        "task.depth: must be at least 1, got 0")
+    assert "did you mean 'task.depth'?" in error_of({"task": {"name": "toy", "dpeth": 1}})
+    text = error_of({"task": {"name": "toy", "seq_len": 8}})
+    assert "gpt and t5's" in text and "the toy task takes model, depth" in text
+    text = error_of({"task": {"name": "gpt", "depth": 4}})  # the new key is the toy task's
+    assert "task.depth: the gpt task has no such setting (it is toy's)" in text
+    switched = load_config(write(tmp_path, to_toml(cfg)), ["task.name=gpt", "task.model=mini"])
+    assert switched.task == GPTTaskConfig(model="mini")  # the toy task's depth dropped
+    wrong = Config(task=_ToyTaskConfig(name="gpt", model="mini"))  # built by hand, mismatched
+    with pytest.raises(ConfigError, match="the gpt task's section is GPTTaskConfig"):
+        validate(wrong)
 
 
 # ---------------------------------------------------------------------- device, precision
@@ -449,7 +487,7 @@ def test_each_task_owns_its_keys(tmp_path):
     assert "did you mean 'task.patch'?" in text, text
     vit = write(tmp_path, "[task]\nname = 'vit'\npatch = 2\nval_fraction = 0.3\n")
     cfg = load_config(vit, ["task.name=gpt", "task.model=mini"])
-    assert (cfg.task.name, cfg.task.patch, cfg.task.val_fraction) == ("gpt", 4, 0.2)  # dropped
+    assert cfg.task == GPTTaskConfig(model="mini")  # vit's keys dropped
     cfg = load_config(root / "configs/t5.toml", ["task.name=gpt", "task.model=mini"])
     assert cfg.task.seq_len == 128  # gpt reads seq_len too: kept
     cfg = load_config(root / "configs/gpt.toml", ["task.name=t5", "task.model=tiny"])

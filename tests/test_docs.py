@@ -27,6 +27,8 @@ from pathlib import Path
 
 import pytest
 
+from flexdemo.tools.ranks import free_port
+
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 LINKED = [*DOCS, ROOT / "benchmarks" / "RESULTS.md"]
@@ -147,14 +149,6 @@ def test_most_snippets_run():
     assert len(skipped) * 3 <= len(ALL), [f"{s.where}: {s.reason}" for s in skipped]
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_readme_usage_exchanges_bytes_on_two_processes(tmp_path):
     """The README's usage example, as written, under torchrun with 2 processes on one machine:
     both ranks train and every step sends and receives bytes."""
@@ -164,7 +158,7 @@ def test_readme_usage_exchanges_bytes_on_two_processes(tmp_path):
     script.write_text(usage[0].code)
     logs = tmp_path / "logs"
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                        "--master-addr", "127.0.0.1", "--master-port", str(_free_port()),
+                        "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
                         "--log-dir", str(logs), "--redirects", "1", str(script)],
                        capture_output=True, text=True, cwd=tmp_path, env=_env(), timeout=300)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]

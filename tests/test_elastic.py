@@ -19,18 +19,13 @@ import torch
 import flexdemo
 from flexdemo.ft import lighthouse
 from flexdemo.ft.config import TorchFTMissingError
+from flexdemo.tools.ranks import free_port
 from flexdemo.transport import Pending, Transport
 
 pytest.importorskip("torchft")
 
 HERE = Path(__file__).parent
 WAIT = 180  # seconds any one process may run
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _lighthouse_binary() -> str:
@@ -45,7 +40,7 @@ class Lighthouse:
     counts as dead after 3 s without a heartbeat: long enough for a loaded machine."""
 
     def __init__(self, min_replicas: int, log: Path, cli: bool = False) -> None:
-        port = _free_port()
+        port = free_port()
         self.url = f"http://127.0.0.1:{port}"
         self._log = open(log, "w")
         # the binary itself, or through `flexdemo lighthouse` (which becomes that binary)
@@ -97,7 +92,7 @@ def _worker(procs: list, tmp: Path, url: str, rid: str, out: str, *args: str,
 def _group(procs: list, tmp: Path, url: str, rid: str, out: str, ranks: int,
            *args: str) -> list[tuple[subprocess.Popen, str]]:
     """One replica group of ``ranks`` processes (torchrun's variables, its own store port)."""
-    port, group = _free_port(), []
+    port, group = free_port(), []
     for r in range(ranks):
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(HERE), RANK=str(r),
                    LOCAL_RANK=str(r), WORLD_SIZE=str(ranks), LOCAL_WORLD_SIZE=str(ranks),
@@ -374,7 +369,7 @@ def test_replica_id_used_twice_is_one_line(tmp_path, procs):
 
 
 def test_unreachable_lighthouse_is_one_line(tmp_path, procs):
-    url = f"http://127.0.0.1:{_free_port()}"  # nothing listens there
+    url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
     p = _worker(procs, tmp_path, url, "A", "A", "--timeout", "3")
     rc = _wait(p, tmp_path, "A")
     last = (tmp_path / "A.log").read_text().strip().splitlines()[-1]
@@ -412,6 +407,26 @@ def test_without_torchft_nothing_changes():
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-3000:]
 
 
+def test_a_torchft_without_the_internals_we_drive_is_one_line():
+    """Every elastic test builds a real torchft Manager and passes this check; a Manager that
+    lacks one of the internals (as a later torchft might) is refused naming it."""
+    import importlib.metadata
+
+    from torchft.manager import Manager
+
+    from flexdemo.ft.session import MANAGER_INTERNALS, TorchFTVersionError, check_manager
+
+    assert callable(Manager._apply_pending_state_dict)  # the rest are set by its __init__
+    older = type("Older", (), dict.fromkeys(MANAGER_INTERNALS[:4]))()  # no _healing, no ...
+    version = importlib.metadata.version("torchft")
+    with pytest.raises(TorchFTVersionError) as e:
+        check_manager(older)
+    assert str(e.value) == (
+        f"torchft {version}'s Manager lacks _healing, _apply_pending_state_dict, which "
+        "flexdemo's fault tolerance drives (it is built on torchft 0.2); install it: "
+        "pip install 'torchft>=0.2,<0.3'")
+
+
 def test_unsupported_replicators_are_refused_in_one_line():
     from flexdemo import DeMoReplicator, DiLoCoReplicator, FullReplicator, PhasedReplicator
     from flexdemo.ft.state import check_supported
@@ -423,7 +438,7 @@ def test_unsupported_replicators_are_refused_in_one_line():
             check_supported(rep)
         assert "\n" not in str(e.value)
     # refused before any connection (nothing listens at this lighthouse)
-    ft = flexdemo.FaultTolerance(lighthouse=f"http://127.0.0.1:{_free_port()}", replica_id="A")
+    ft = flexdemo.FaultTolerance(lighthouse=f"http://127.0.0.1:{free_port()}", replica_id="A")
     with pytest.raises(ValueError, match="'phased' is not supported yet"):
         flexdemo.DeToNATION(torch.nn.Linear(4, 4).parameters(),
                             PhasedReplicator(FullReplicator(), DeMoReplicator(), 2),

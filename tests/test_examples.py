@@ -9,7 +9,6 @@ import importlib.util
 import json
 import math
 import os
-import socket
 import subprocess
 import sys
 import textwrap
@@ -17,6 +16,8 @@ from pathlib import Path
 
 import pytest
 import torch
+
+from flexdemo.tools.ranks import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 GPT = ROOT / "examples" / "train_gpt.py"
@@ -40,16 +41,11 @@ def _run(args: list[str], timeout: float = 120, **extra: str) -> subprocess.Comp
                           timeout=timeout, env=_env(**extra), cwd=ROOT)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def _ranks(args: list[str], world: int = 2, timeout: float = 120) -> list[tuple[int, str]]:
     """``world`` bare ranks of ``python ARGS`` with torchrun's variables, started together;
     each one's exit code and stderr."""
-    port = str(_free_port())
+    port = str(free_port())
     procs = [subprocess.Popen([sys.executable, *map(str, args)], cwd=ROOT, text=True,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                               env=_env(RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(world),

@@ -33,9 +33,9 @@ from typing import Any
 from ..ft.config import TorchFTMissingError, require_torchft
 from ..ft.lighthouse import binary as lighthouse_binary
 from ..strategies import STRATEGIES
-from ..tools.cluster import EmulatedCluster, _free_port
+from ..tools.cluster import EmulatedCluster
 from ..tools.netns import ClusterError, ShapingUnavailableError
-from ..tools.ranks import _Output, _signal_group
+from ..tools.ranks import OutputPump, free_port, signal_group
 from ..tools.rates import format_rate, parse_bandwidth
 from .config_files import to_toml
 from .outputs import read_metrics, strict_json
@@ -101,11 +101,11 @@ class _Node:
                  echo: Callable[[str], None] | None) -> None:
         self.index, self.out = index, out
         info = cluster.node_info[index]
-        port = _free_port()
+        port = free_port()
         self.sink = _Sink(out / "log.txt", echo)
         lock = threading.Lock()
         self.procs: list[subprocess.Popen[bytes]] = []
-        self.pumps: list[_Output] = []
+        self.pumps: list[OutputPump] = []
         n = cluster.ranks_per_node
         for local in range(n):
             env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
@@ -119,7 +119,7 @@ class _Node:
                                  start_new_session=True)
             self.procs.append(p)
             assert p.stdout is not None
-            self.pumps.append(_Output(p.stdout, f"[node {index} rank {local}] ", self.sink,
+            self.pumps.append(OutputPump(p.stdout, f"[node {index} rank {local}] ", self.sink,
                                       lock))
 
     def failed(self) -> str | None:
@@ -135,7 +135,7 @@ class _Node:
     def kill(self, sig: int = signal.SIGKILL) -> None:
         for p in self.procs:
             if p.poll() is None:
-                _signal_group(p, sig)
+                signal_group(p, sig)
         for p in self.procs:
             try:
                 p.wait(timeout=10)
@@ -153,7 +153,7 @@ def _lighthouse(cluster: EmulatedCluster, out: Path) -> tuple[subprocess.Popen[b
         found = lighthouse_binary()
     except TorchFTMissingError as e:
         raise ClusterError(str(e)) from None
-    addr, port = cluster.node_info[0].address, _free_port()
+    addr, port = cluster.node_info[0].address, free_port()
     with (out / "lighthouse.log").open("w") as log:  # the lighthouse keeps its own copy
         proc = subprocess.Popen(
             cluster.node_command(0, [found, "--bind", f"{addr}:{port}", "--min_replicas", "1",

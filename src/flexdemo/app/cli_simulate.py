@@ -10,8 +10,8 @@ import torch
 
 from ..strategies import check_strategy
 from .args import _positive_int
-from .config import MIN_CORPUS_BYTES
 from .simulate import SimulateOptions, run_simulation, write_summary
+from .tasks.gpt import MIN_CORPUS_BYTES
 
 
 def _add_simulate_parser(sub) -> None:

@@ -34,6 +34,9 @@ set them too. :func:`~flexdemo.app.config_files.load_config` checks names, types
 and ranges and raises :class:`ConfigError` with a one-line message that names the key and, for
 a misspelt key, the closest valid one.
 
+Each task owns its ``[task]`` keys: a :class:`~flexdemo.app.tasks.TaskConfig` subclass in the
+task's module, named in its :data:`~flexdemo.app.tasks.TASKS` entry.
+
 This module holds the sections (dataclasses with the defaults); reading, overrides and
 writing are in :mod:`~flexdemo.app.config_files`, the checks in
 :mod:`~flexdemo.app.config_checks`.
@@ -47,38 +50,14 @@ from ..optim import BASE_OPTIMIZERS
 from ..replicate import REPLICATORS
 from .device import DEVICES, PRECISIONS
 from .schedule import SCHEDULES
-from .tasks import TASKS
+from .tasks import TASKS, GPTTaskConfig, TaskConfig
 
-__all__ = ["MIN_CORPUS_BYTES", "Config", "ConfigError", "FaultToleranceConfig", "MeshConfig",
-           "StrategyConfig", "TaskConfig", "TrainConfig", "choices"]
+__all__ = ["Config", "ConfigError", "FaultToleranceConfig", "MeshConfig", "StrategyConfig",
+           "TrainConfig", "choices"]
 
 
 class ConfigError(ValueError):
     """An invalid configuration; the message is one line meant for the user."""
-
-
-@dataclass
-class TaskConfig:
-    """What to train: the task, its model preset and data options."""
-
-    name: str = "gpt"
-    """``gpt`` (byte-level LM on the stdlib sources), ``vit`` (scikit-learn digits) or ``t5``
-    (span corruption on the stdlib sources; needs transformers)."""
-    model: str = "tiny"
-    """Size preset of the task's model (gpt: tiny, mini, small; vit: tiny, small;
-    t5: tiny, mini)."""
-    corpus_bytes: int = 2_000_000
-    """gpt, t5: bytes of training text read from the standard library's sources."""
-    seq_len: int = 0
-    """gpt, t5: tokens (bytes) per example; 0 keeps the preset's."""
-    patch: int = 4
-    """vit: patch edge in pixels (the images are 8x8: 4 gives 4 patches, 2 gives 16)."""
-    val_fraction: float = 0.2
-    """vit: fraction of the digits held out for validation (a fixed split)."""
-    noise_density: float = 0.15
-    """t5: fraction of each example's bytes masked out."""
-    mean_span: float = 3.0
-    """t5: mean length of a masked span."""
 
 
 @dataclass
@@ -112,8 +91,8 @@ class TrainConfig:
     batch: int = 8
     """Examples per rank per step."""
     warmup: int = 10
-    """Steps of linear learning-rate warm-up, at most ``steps`` (a larger value is refused;
-    left at its default, it is cut to ``steps``)."""
+    """Steps of linear learning-rate warm-up; one longer than the run is cut to ``steps``
+    (with a note when the config set it)."""
     schedule: str = "cosine"
     """``cosine`` (decays to ``min_lr`` x lr at the last step) or ``constant``."""
     min_lr: float = 0.1
@@ -191,7 +170,9 @@ class FaultToleranceConfig:
 class Config:
     """A whole training configuration."""
 
-    task: TaskConfig = field(default_factory=TaskConfig)
+    task: TaskConfig = field(default_factory=GPTTaskConfig)
+    """The task's own section (:attr:`flexdemo.app.tasks.TaskSpec.config`), picked by its
+    ``name``."""
     strategy: StrategyConfig = field(default_factory=StrategyConfig)
     mesh: MeshConfig = field(default_factory=MeshConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
@@ -200,10 +181,6 @@ class Config:
     """``true``: continue from the newest checkpoint in ``train.out`` (fresh start if there is
     none); a path: that checkpoint (or the newest one under that folder)."""
 
-
-MIN_CORPUS_BYTES = 10_000
-"""The fewest bytes ``task.corpus_bytes`` (and ``flexdemo simulate --corpus-bytes``) may read:
-validation takes a tenth of them and needs windows of a sequence's length."""
 
 SECTIONS: dict[str, type] = {"task": TaskConfig, "strategy": StrategyConfig,
                              "mesh": MeshConfig, "train": TrainConfig,

@@ -20,7 +20,6 @@ from ..mesh import mesh_shape
 from ..optim import make_base_optimizer
 from ..replicate import make_replicator
 from .config import (
-    MIN_CORPUS_BYTES,
     SECTIONS,
     TOP_LEVEL,
     Config,
@@ -28,11 +27,10 @@ from .config import (
     FaultToleranceConfig,
     MeshConfig,
     StrategyConfig,
-    TaskConfig,
     choices,
 )
 from .device import check_device
-from .tasks import TASKS, task_options, task_presets
+from .tasks import TASKS, TaskConfig, task_options, task_presets
 
 __all__ = ["check_mesh", "config_from_dict", "fault_tolerance", "validate"]
 
@@ -101,13 +99,12 @@ def _type_name(t: Any) -> str:
             dict: "a table"}.get(t, getattr(t, "__name__", str(t)))
 
 
-def _build_section(cls: type, raw: Any, name: str, valid: list[str] | None = None) -> Any:
-    """``cls`` from the ``[name]`` table ``raw``; an unknown key names ``valid`` (default: the
-    fields of ``cls``)."""
+def _build_section(cls: type, raw: Any, name: str) -> Any:
+    """``cls`` from the ``[name]`` table ``raw``; an unknown key names the fields of ``cls``."""
     if not isinstance(raw, dict):
         raise ConfigError(f"[{name}] must be a table of keys, got {_describe(raw)}")
     hints = typing.get_type_hints(cls)
-    valid = valid or [f.name for f in dataclasses.fields(cls)]
+    valid = [f.name for f in dataclasses.fields(cls)]
     kwargs = {}
     for key, value in raw.items():
         if key not in hints:
@@ -124,9 +121,10 @@ def config_from_dict(data: dict) -> Config:
     kwargs: dict[str, Any] = {}
     valid = list(SECTIONS) + list(TOP_LEVEL)
     for key, value in data.items():
-        if key in SECTIONS:
-            own = _task_keys(value) if key == "task" else None  # each task owns its keys
-            kwargs[key] = _build_section(SECTIONS[key], value, key, own)
+        if key == "task":
+            kwargs[key] = _task_section(value)
+        elif key in SECTIONS:
+            kwargs[key] = _build_section(SECTIONS[key], value, key)
         elif key == "resume":
             if not isinstance(value, (bool, str)):
                 raise ConfigError(f"resume: expected true, false or a checkpoint path, got "
@@ -136,31 +134,28 @@ def config_from_dict(data: dict) -> Config:
             what = "section" if isinstance(value, dict) else "key"
             raise ConfigError(f"unknown {what} '{key}'{_suggest(key, valid)}")
     cfg = Config(**kwargs)
-    _check_task_keys(cfg.task.name, data.get("task", {}))
     if "warmup" not in data.get("train", {}):  # the default warm-up never exceeds the run
         cfg.train.warmup = min(cfg.train.warmup, max(cfg.train.steps, 0))
     return cfg
 
 
-def _task_keys(raw: Any) -> list[str] | None:
-    """The keys the ``[task]`` table ``raw`` may hold: its task's (None for no known task)."""
-    task = raw.get("name", TaskConfig.name) if isinstance(raw, dict) else None
-    return ["name", *task_options(task)] if isinstance(task, str) and task in TASKS else None
-
-
-def _check_task_keys(name: str, given: dict) -> None:
-    """Each task owns its ``[task]`` keys: a key that only other tasks read is refused, naming
-    the keys this task takes."""
-    if name not in TASKS:
-        return  # validate() names the tasks
+def _task_section(raw: Any) -> TaskConfig:
+    """The ``[task]`` table ``raw`` as its task's own section (the task's
+    :attr:`~flexdemo.app.tasks.TaskSpec.config`); a key that only other tasks read is refused
+    naming the keys this task takes."""
+    if not isinstance(raw, dict):
+        raise ConfigError(f"[task] must be a table of keys, got {_describe(raw)}")
+    name = _coerce(raw.get("name", TaskConfig.name), str, "task.name")
+    _check_choice("task.name", name, tuple(TASKS))
     own = task_options(name)
-    for key in given:
-        if key != "name" and key not in own:
-            owners = [t for t in TASKS if key in task_options(t)]
+    for key in raw:
+        owners = [t for t in TASKS if key in task_options(t)]
+        if key != "name" and key not in own and owners:
             raise ConfigError(
                 f"task.{key}: the {name} task has no such setting (it is "
                 f"{' and '.join(owners)}'s); the {name} task takes {', '.join(own)}: remove "
                 f"task.{key}")
+    return _build_section(TASKS[name].config, {**raw, "name": name}, "task")
 
 
 def _check_choice(where: str, value: str, choices: tuple[str, ...] | list[str]) -> None:
@@ -184,17 +179,15 @@ def validate(cfg: Config, world_size: int | None = None) -> Config:
         section, key = where.split(".")
         _check_choice(where, getattr(getattr(cfg, section), key), valid)
     _check_choice("task.model", t.model, task_presets(t.name))
-    _check_range("task.corpus_bytes", t.corpus_bytes >= MIN_CORPUS_BYTES,
-                 f"at least {MIN_CORPUS_BYTES}", t.corpus_bytes)
-    _check_range("task.seq_len", 0 <= t.seq_len <= 4096, "0 (preset) or 1..4096", t.seq_len)
-    if t.name == "t5" and t.seq_len:
-        _check_range("task.seq_len", t.seq_len >= 8, "at least 8 for t5", t.seq_len)
-    _check_range("task.patch", t.patch in (1, 2, 4, 8), "a divisor of 8 (2 or 4)", t.patch)
-    _check_range("task.val_fraction", 0.0 < t.val_fraction < 1.0, "between 0 and 1",
-                 t.val_fraction)
-    _check_range("task.noise_density", 0.0 < t.noise_density < 1.0, "between 0 and 1",
-                 t.noise_density)
-    _check_range("task.mean_span", t.mean_span >= 1.0, "at least 1", t.mean_span)
+    wanted = TASKS[t.name].config
+    if type(t) is not wanted:
+        raise ConfigError(f"task: the {t.name} task's section is {wanted.__name__}, got "
+                          f"{type(t).__name__}; build it with "
+                          f"flexdemo.app.tasks.task_config({t.name!r}, ...)")
+    try:
+        t.check()
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
     _check_range("strategy.lr", s.lr > 0, "a number > 0", s.lr)
     _check_range("strategy.weight_decay", s.weight_decay >= 0, "a number >= 0",

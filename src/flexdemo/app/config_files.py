@@ -145,9 +145,7 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] | No
 # ---------------------------------------------------------------------- writing
 def config_to_dict(cfg: Config) -> dict:
     """The config as plain data (``None`` sizes become ``"auto"``)."""
-    data = dataclasses.asdict(cfg)
-    own = task_options(cfg.task.name)  # the task's own keys only
-    data["task"] = {k: v for k, v in data["task"].items() if k == "name" or k in own}
+    data = dataclasses.asdict(cfg)  # [task]: the fields of the task's own section
     for key in ("replicate", "shard"):
         if data["mesh"][key] is None:
             data["mesh"][key] = "auto"

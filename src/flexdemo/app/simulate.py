@@ -18,10 +18,16 @@ import torch
 
 from ..simulate import SimulatedReplicas
 from ..strategies import check_strategy
-from .config import MIN_CORPUS_BYTES
 from .outputs import strict_json
 from .schedule import lr_at
-from .tasks.gpt import GPT, data_generator, get_batch, gpt_config, load_corpus
+from .tasks.gpt import (
+    GPT,
+    MIN_CORPUS_BYTES,
+    data_generator,
+    get_batch,
+    gpt_config,
+    load_corpus,
+)
 
 
 @dataclass

@@ -11,7 +11,7 @@ from .transport import ManagerTransport, PeerLostError
 
 def __getattr__(name: str):
     if name in ("ElasticSession", "QuorumTimeoutError", "LighthouseUnreachableError",
-                "DuplicateReplicaIdError"):
+                "DuplicateReplicaIdError", "TorchFTVersionError"):
         from . import session
         return getattr(session, name)
     raise AttributeError(name)
@@ -19,4 +19,4 @@ def __getattr__(name: str):
 
 __all__ = ["DuplicateReplicaIdError", "ElasticSession", "FaultTolerance",
            "LighthouseUnreachableError", "ManagerTransport", "PeerLostError", "QuorumTimeoutError",
-           "TorchFTMissingError", "require_torchft"]
+           "TorchFTMissingError", "TorchFTVersionError", "require_torchft"]

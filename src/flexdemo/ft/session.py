@@ -10,6 +10,7 @@ every quorum. A step of the optimizer then runs as::
 
 from __future__ import annotations
 
+import importlib.metadata
 import os
 import sys
 import threading
@@ -38,6 +39,31 @@ class LighthouseUnreachableError(ConnectionError):
 
 class DuplicateReplicaIdError(ValueError):
     """Two live replica groups of one quorum have the same replica id."""
+
+
+class TorchFTVersionError(RuntimeError):
+    """The installed torchft's Manager lacks an internal this session drives."""
+
+
+MANAGER_INTERNALS = ("_pg", "_client", "_quorum_id", "_use_async_quorum", "_healing",
+                     "_apply_pending_state_dict")
+"""The private attributes of torchft's ``Manager`` the session reads or sets (the quorum behind
+the forward pass, healing, the replica group's process group), as torchft 0.2 has them."""
+
+
+def check_manager(manager: Any) -> None:
+    """Raise :class:`TorchFTVersionError` (one line naming the missing attributes and the
+    torchft to install) unless ``manager`` has every name of :data:`MANAGER_INTERNALS`."""
+    missing = [name for name in MANAGER_INTERNALS if not hasattr(manager, name)]
+    if missing:
+        try:
+            version = importlib.metadata.version("torchft")
+        except importlib.metadata.PackageNotFoundError:
+            version = "unknown"
+        raise TorchFTVersionError(
+            f"torchft {version}'s Manager lacks {', '.join(missing)}, which flexdemo's fault "
+            "tolerance drives (it is built on torchft 0.2); install it: "
+            "pip install 'torchft>=0.2,<0.3'")
 
 
 class _QuorumRecorder:
@@ -133,6 +159,11 @@ class ElasticSession:
                 f"at {config.lighthouse} within {config.timeout:g} s ({_first_line(e)}); "
                 "start one with `flexdemo lighthouse --min_replicas 1` or fix "
                 "TORCHFT_LIGHTHOUSE") from None
+        try:
+            check_manager(self.manager)
+        except TorchFTVersionError:
+            self.manager.shutdown(wait=False)
+            raise
         self.transport = ManagerTransport(self.manager, config.timeout)
         self._recorder = self.manager._client = _QuorumRecorder(self.manager._client)
 

@@ -37,7 +37,6 @@ import math
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -48,7 +47,15 @@ from typing import Any
 
 from . import netns
 from .netns import NAME_PREFIX, ClusterError, LatencyUnavailableError, ShapingUnavailableError
-from .ranks import TextSink, _DeferSignals, _describe_exit, _Output, _raise_exit, _signal_group
+from .ranks import (
+    OutputPump,
+    TextSink,
+    _DeferSignals,
+    _describe_exit,
+    _raise_exit,
+    free_port,
+    signal_group,
+)
 from .rates import format_rate, parse_bandwidth, parse_latency
 
 __all__ = ["EmulatedCluster", "NodeInfo", "RunResult"]
@@ -66,12 +73,6 @@ BURST_SECONDS = 0.002         # or 2 ms worth of the rate, whichever is larger
 
 _counter_lock = threading.Lock()
 _counter = 0
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass(frozen=True)
@@ -220,7 +221,7 @@ class EmulatedCluster:
         self._install_signal_handlers()
         try:
             if self.port is None:
-                self.port = _free_port()
+                self.port = free_port()
             if not self.unshaped:
                 self._build()
             else:
@@ -394,7 +395,7 @@ class EmulatedCluster:
             raise ClusterError(f"command not found: {cmd[0]!r}")
         lock = threading.Lock()
         procs: list[subprocess.Popen[bytes]] = []
-        pumps: list[_Output] = []
+        pumps: list[OutputPump] = []
         t0 = time.monotonic()
         failed: tuple[int | None, int, str, bool] | None = None
         try:
@@ -411,8 +412,8 @@ class EmulatedCluster:
                     raise ClusterError(f"could not start rank {rank} ({cmd[0]!r}): {e}") from e
                 procs.append(p)
                 assert p.stdout is not None and p.stderr is not None
-                pumps.append(_Output(p.stdout, f"[rank {rank}] ", out, lock))
-                pumps.append(_Output(p.stderr, f"[rank {rank}] ", err, lock))
+                pumps.append(OutputPump(p.stdout, f"[rank {rank}] ", out, lock))
+                pumps.append(OutputPump(p.stderr, f"[rank {rank}] ", err, lock))
             where = ("on loopback" if self.unshaped
                      else f"in namespaces {self.base}-n0..n{self.nodes - 1}")
             self._fact(f"started {self.world_size} ranks {where}: {' '.join(cmd)}")
@@ -458,13 +459,13 @@ class EmulatedCluster:
         """SIGTERM the ranks still running (their whole process group), SIGKILL after grace."""
         alive = [(r, p) for r, p in enumerate(procs) if p.poll() is None]
         for _, p in alive:
-            _signal_group(p, signal.SIGTERM)
+            signal_group(p, signal.SIGTERM)
         deadline = time.monotonic() + self.grace
         while any(p.poll() is None for _, p in alive) and time.monotonic() < deadline:
             time.sleep(0.02)
         for _, p in alive:
             if p.poll() is None:
-                _signal_group(p, signal.SIGKILL)
+                signal_group(p, signal.SIGKILL)
         for _, p in alive:
             try:
                 p.wait(timeout=5)

@@ -1,15 +1,23 @@
-"""The ranks' processes: forwarding their output line by line, signalling their process
-groups, and holding signals while the supervisor cleans up."""
+"""The ranks' processes: a free port for their rendezvous, forwarding their output line by
+line, signalling their process groups, and holding signals while the supervisor cleans up."""
 
 from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import threading
 from typing import IO, Any, Protocol
 
-__all__ = ["TextSink"]
+__all__ = ["OutputPump", "TextSink", "free_port", "signal_group"]
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (for a rendezvous or a server)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def _describe_exit(code: int) -> str:
@@ -30,7 +38,7 @@ class TextSink(Protocol):
     def flush(self) -> None: ...
 
 
-class _Output:
+class OutputPump:
     """Forwards a rank's pipe line by line with a prefix, under a shared lock."""
 
     def __init__(self, pipe: IO[bytes], prefix: str, sink: TextSink, lock: threading.Lock):
@@ -56,7 +64,8 @@ class _Output:
                     broken = True
 
 
-def _signal_group(p: subprocess.Popen[bytes], sig: int) -> None:
+def signal_group(p: subprocess.Popen[bytes], sig: int) -> None:
+    """Send ``sig`` to the process group ``p`` leads (to ``p`` alone if it leads none)."""
     try:
         os.killpg(p.pid, sig)  # start_new_session: the rank leads its own group
     except (ProcessLookupError, PermissionError):

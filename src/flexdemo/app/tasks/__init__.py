@@ -8,12 +8,13 @@ extra ``t5``). Nothing is downloaded. :func:`build_task` makes one from a ``[tas
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
-from .base import ShardSampler, Task, eval_indices
+from .base import ShardSampler, Task, TaskConfig, eval_indices, must
 from .gpt import (
     GPT,
+    MIN_CORPUS_BYTES,
     PRESETS,
     GPTConfig,
     data_generator,
@@ -25,37 +26,41 @@ from .gpt import (
     stdlib_files,
 )
 from .t5 import PRESETS as T5_PRESETS
-from .t5 import T5Task, have_transformers
-from .text import ByteWindows, GPTTask
+from .t5 import T5Task, T5TaskConfig, have_transformers
+from .text import ByteWindows, GPTTask, GPTTaskConfig
 from .vit import PRESETS as VIT_PRESETS
-from .vit import ViT, ViTConfig, ViTTask, vit_config
+from .vit import ViT, ViTConfig, ViTTask, ViTTaskConfig, vit_config
 
 
 @dataclass(frozen=True)
 class TaskSpec:
-    """One entry of :data:`TASKS`: what the task is, its model presets, the ``[task]`` keys
-    it reads, and how to build it from a ``[task]`` config."""
+    """One entry of :data:`TASKS`: what the task is, its model presets, its ``[task]``
+    section (a :class:`TaskConfig` subclass: the keys it reads, their defaults and ranges),
+    and how to build it from that section."""
 
     about: str
     presets: tuple[str, ...]
-    options: tuple[str, ...]
+    config: type[TaskConfig]
     build: Callable[[Any, int], Task]
     """``build(task_config, seed)``: the task, data loaded, model not built yet."""
 
+    @property
+    def options(self) -> tuple[str, ...]:
+        """The ``[task]`` keys the task reads, besides ``name``."""
+        return tuple(f.name for f in fields(self.config) if f.name != "name")
 
-# the tasks: adding one is one entry here (plus its module, and its new [task] keys, if any)
+
+# the tasks: adding one is one entry here, beside its module (which holds its [task] section)
 TASKS: dict[str, TaskSpec] = {
     "gpt": TaskSpec(
-        "byte-level GPT on the standard library's sources", tuple(PRESETS),
-        ("model", "corpus_bytes", "seq_len"),
+        "byte-level GPT on the standard library's sources", tuple(PRESETS), GPTTaskConfig,
         lambda c, seed: GPTTask(c.model, c.corpus_bytes, c.seq_len)),
     "vit": TaskSpec(
-        "a small ViT on scikit-learn's digits", tuple(VIT_PRESETS),
-        ("model", "patch", "val_fraction"),
+        "a small ViT on scikit-learn's digits", tuple(VIT_PRESETS), ViTTaskConfig,
         lambda c, seed: ViTTask(c.model, c.patch, c.val_fraction)),
     "t5": TaskSpec(
         "span corruption with a tiny transformers T5 (needs the t5 extra)", tuple(T5_PRESETS),
-        ("model", "corpus_bytes", "seq_len", "noise_density", "mean_span"),
+        T5TaskConfig,
         lambda c, seed: T5Task(c.model, c.corpus_bytes, c.seq_len, c.noise_density,
                                c.mean_span, seed)),
 }
@@ -79,13 +84,19 @@ def task_options(name: str) -> tuple[str, ...]:
     return TASKS[name].options if name in TASKS else ()
 
 
-def build_task(cfg: Any, seed: int = 0) -> Task:
-    """The task a ``[task]`` config describes (data loaded, model not built yet)."""
+def task_config(name: str, **values: Any) -> TaskConfig:
+    """The ``[task]`` section of task ``name``: its defaults, with ``values`` set."""
+    return _spec(name).config(name=name, **values)
+
+
+def build_task(cfg: TaskConfig, seed: int = 0) -> Task:
+    """The task a ``[task]`` section describes (data loaded, model not built yet)."""
     return _spec(cfg.name).build(cfg, seed)
 
 
-__all__ = ["GPT", "PRESETS", "TASKS", "TASK_NAMES", "ByteWindows", "GPTConfig", "GPTTask",
-           "ShardSampler", "T5Task", "Task", "TaskSpec", "ViT", "ViTConfig", "ViTTask",
+__all__ = ["GPT", "MIN_CORPUS_BYTES", "PRESETS", "TASKS", "TASK_NAMES", "ByteWindows",
+           "GPTConfig", "GPTTask", "GPTTaskConfig", "ShardSampler", "T5Task", "T5TaskConfig",
+           "Task", "TaskConfig", "TaskSpec", "ViT", "ViTConfig", "ViTTask", "ViTTaskConfig",
            "build_task", "data_generator", "eval_indices", "evaluate", "get_batch", "gpt_config",
-           "have_transformers", "load_corpus", "num_params", "stdlib_files", "task_options",
-           "task_presets", "vit_config"]
+           "have_transformers", "load_corpus", "must", "num_params", "stdlib_files", "task_config",
+           "task_options", "task_presets", "vit_config"]

@@ -11,10 +11,35 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
+
+
+@dataclass
+class TaskConfig:
+    """The ``[task]`` section: which task and its model size preset. Each task subclasses it
+    in its own module with the keys it reads (and ``name`` defaulting to its own name), and
+    names the subclass in its :data:`~flexdemo.app.tasks.TASKS` entry."""
+
+    name: str = "gpt"
+    """The task: a key of :data:`~flexdemo.app.tasks.TASKS` (gpt, vit, t5)."""
+    model: str = "tiny"
+    """The task's model size preset (gpt: tiny, mini, small; vit: tiny, small; t5: tiny,
+    mini)."""
+
+    def check(self) -> None:
+        """Raise ``ValueError("task.KEY: must be ..., got ...")`` for a value out of range
+        (the preset and the name are checked against the registry elsewhere)."""
+
+
+def must(key: str, ok: bool, need: str, value: Any) -> None:
+    """The range check of :meth:`TaskConfig.check`: ``ValueError`` naming ``task.key`` unless
+    ``ok``."""
+    if not ok:
+        raise ValueError(f"task.{key}: must be {need}, got {value!r}")
 
 
 def eval_indices(n: int, rank: int, world: int, count: int, seed: int = 0) -> torch.Tensor:

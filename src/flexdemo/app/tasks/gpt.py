@@ -142,6 +142,12 @@ def stdlib_files() -> list[Path]:
     return sorted(files, key=lambda p: p.relative_to(root).as_posix())
 
 
+MIN_CORPUS_BYTES = 10_000
+"""The fewest training bytes a task (``task.corpus_bytes``, ``flexdemo simulate
+--corpus-bytes``) may read: validation takes a tenth of them and needs windows of a sequence's
+length."""
+
+
 def load_corpus(max_bytes: int = 4_000_000, val_bytes: int | None = None,
                 val_every: int = 10) -> tuple[torch.Tensor, torch.Tensor]:
     """``(train, val)`` uint8 tensors of stdlib source bytes.

@@ -23,9 +23,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from .base import Task, summed_eval_loss
+from .base import Task, must, summed_eval_loss
 from .gpt import load_corpus
-from .text import ByteWindows
+from .text import ByteWindows, GPTTaskConfig
 
 PAD, EOS, UNK = 0, 1, 2
 BYTE_OFFSET = 3
@@ -38,6 +38,25 @@ MISSING_TRANSFORMERS = ("the t5 task needs the optional extra 't5' (transformers
 def have_transformers() -> bool:
     """True when ``transformers`` can be imported."""
     return importlib.util.find_spec("transformers") is not None
+
+
+@dataclass
+class T5TaskConfig(GPTTaskConfig):
+    """The t5 task's ``[task]`` keys: the gpt task's text keys and the masking."""
+
+    name: str = "t5"
+    noise_density: float = 0.15
+    """Fraction of each example's bytes masked out."""
+    mean_span: float = 3.0
+    """Mean length of a masked span."""
+
+    def check(self) -> None:
+        super().check()
+        if self.seq_len:
+            must("seq_len", self.seq_len >= 8, "at least 8 for t5", self.seq_len)
+        must("noise_density", 0.0 < self.noise_density < 1.0, "between 0 and 1",
+             self.noise_density)
+        must("mean_span", self.mean_span >= 1.0, "at least 1", self.mean_span)
 
 
 @dataclass(frozen=True)

@@ -8,11 +8,29 @@ trains on its own share of them.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
-from .base import Task, summed_eval_loss
-from .gpt import GPT, gpt_config, load_corpus
+from .base import Task, TaskConfig, must, summed_eval_loss
+from .gpt import GPT, MIN_CORPUS_BYTES, gpt_config, load_corpus
+
+
+@dataclass
+class GPTTaskConfig(TaskConfig):
+    """The gpt task's ``[task]`` keys."""
+
+    name: str = "gpt"
+    corpus_bytes: int = 2_000_000
+    """Bytes of training text read from the standard library's sources."""
+    seq_len: int = 0
+    """Tokens (bytes) per example; 0 keeps the preset's."""
+
+    def check(self) -> None:
+        must("corpus_bytes", self.corpus_bytes >= MIN_CORPUS_BYTES,
+             f"at least {MIN_CORPUS_BYTES}", self.corpus_bytes)
+        must("seq_len", 0 <= self.seq_len <= 4096, "0 (preset) or 1..4096", self.seq_len)
 
 
 class ByteWindows:

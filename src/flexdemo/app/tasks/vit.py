@@ -18,10 +18,26 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .base import Task, eval_indices
+from .base import Task, TaskConfig, eval_indices, must
 
 IMAGE = 8
 CLASSES = 10
+
+
+@dataclass
+class ViTTaskConfig(TaskConfig):
+    """The vit task's ``[task]`` keys."""
+
+    name: str = "vit"
+    patch: int = 4
+    """Patch edge in pixels (the images are 8x8: 4 gives 4 patches, 2 gives 16)."""
+    val_fraction: float = 0.2
+    """Fraction of the digits held out for validation (a fixed split)."""
+
+    def check(self) -> None:
+        must("patch", self.patch in (1, 2, 4, 8), "a divisor of 8 (2 or 4)", self.patch)
+        must("val_fraction", 0.0 < self.val_fraction < 1.0, "between 0 and 1",
+             self.val_fraction)
 
 
 @dataclass(frozen=True)

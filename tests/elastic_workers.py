@@ -7,10 +7,12 @@ quorum seconds, commit-vote seconds) and at the end ``final<rank>.pt`` (this ran
 shards, DeMo momentum, DiLoCo's global copy, step). Under torchrun's variables (RANK,
 WORLD_SIZE, MASTER_ADDR/PORT of the group) a group has several ranks, and FSDP2 shards the model
 over them. Choreography options for the tests:
-``--die-at K`` kills this process (SIGKILL) in its step K, once in its quorum;``--hold M:F[,G...]``
-(repeatable) waits, bounded, before step M until the files exist; ``--fail-commit K`` makes
-step K's commit vote fail (a real Manager error) on its first attempt; ``--ready-file F`` is
-written once the Manager is up; ``--save D`` / ``--resume D``: a checkpoint at the end / to
+``--die-at K`` kills this process (SIGKILL) in its step K, once in its quorum;
+``--hold M:F[,G...]`` (repeatable) waits, bounded, before step M until the files exist;
+``--fail-commit K`` makes step K's commit vote fail (a real Manager error) on its first attempt;
+``--heal-late`` forms this group's first quorum behind its forward pass (the fallback a group
+that torchft heals late takes: it sends zeros and votes no); ``--ready-file F`` is written once
+the Manager is up; ``--save D`` / ``--resume D``: a checkpoint at the end / to
 start from.
 """
 
@@ -52,6 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--die-at", type=int, default=-1)
     ap.add_argument("--hold", action="append", default=[])
     ap.add_argument("--fail-commit", type=int, default=-1)
+    ap.add_argument("--heal-late", action="store_true")
     ap.add_argument("--ready-file", default="")
     ap.add_argument("--save", default="", help="save a checkpoint here at the end")
     ap.add_argument("--resume", default="", help="load this checkpoint first")
@@ -76,6 +79,8 @@ def main(argv: list[str] | None = None) -> int:
     session = opt.fault_tolerance
     if a.resume:
         flexdemo.load_checkpoint(a.resume, net, opt)
+    if a.heal_late:  # as if this group had started before: its first quorum runs behind the
+        session._started = True  # forward pass, so torchft heals it after that pass
     if a.ready_file and int(os.environ.get("RANK", "0")) == 0:
         Path(a.ready_file).write_text("ready\n")
     failed_once = False

@@ -192,6 +192,38 @@ def test_killed_group_restarts_heals_and_ends_identical(tmp_path, procs, replica
 
 
 @pytest.mark.slow
+def test_a_group_healed_after_its_forward_pass_votes_no(tmp_path, procs):
+    """B joins A's run with its first quorum behind its forward pass (``--heal-late``), so
+    torchft heals it after that pass and B's gradients come from its state before the heal. It
+    takes part in the exchange with zero gradients and votes no: its step is undone, A's step
+    commits, B heals again in its next quorum (formed before the forward pass), and both groups
+    end bitwise equal. (Reporting the error before the exchange made torchft skip B's
+    collectives, and A waited for them until its timeout.)"""
+    lh = Lighthouse(1, tmp_path / "lighthouse.log")
+    try:
+        ready_b = tmp_path / "b-ready"
+        common = ["--replicator", "demo", "--steps", "10", "--timeout", "30"]
+        a = _worker(procs, tmp_path, lh.url, "A", "A", *common, "--hold", f"5:{ready_b}")
+        _until_alone(tmp_path, "A")  # A trains alone first: B has to heal from it
+        b = _worker(procs, tmp_path, lh.url, "B", "B", *common, "--heal-late",
+                    "--ready-file", str(ready_b))
+        _ok(a, tmp_path, "A")
+        _ok(b, tmp_path, "B")
+    finally:
+        lh.stop()
+    pa, pb = _progress(tmp_path, "A"), _progress(tmp_path, "B")
+    joined = next(step for step, n, _ in pa if n == 2)  # A's first step with B
+    assert joined >= 1 and all(c for _, _, c in pa), f"A did not train alone, then with B: {pa}"
+    # B's first step (numbered before its heal) was undone; then it trains on from A's next
+    assert pb[0] == (0, 2, 0), f"B's late-healed step was not undone: {pb}"
+    assert pb[1][0] == joined + 1, f"B did not heal to A's next step: {pb}"
+    assert all(n == 2 and c for _, n, c in pb[1:]), f"B did not go on with A: {pb}"
+    fa, fb = _final(tmp_path, "A"), _final(tmp_path, "B")
+    assert fa["step"] == fb["step"] == 10
+    assert _same(fa["params"], fb["params"])  # (DeMo's momenta are each replica's own)
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("replicator,fail,steps", [("full", 3, 7), ("demo", 3, 7),
                                                     ("diloco", 5, 9), ("random", 3, 7),
                                                     ("demo-delayed", 3, 7),

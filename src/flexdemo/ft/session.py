@@ -344,13 +344,12 @@ class ElasticSession:
     def step(self, opt, closure=None):
         """One fault-tolerant step of ``opt`` (see the module's docstring)."""
         self.join_quorum()
-        if self._stale:  # its gradients came from the state before its heal: it sends zeros,
-            with torch.no_grad():  # and its vote says no, so the step is undone here
-                for p in opt.params:
-                    if p.grad is not None:
-                        p.grad.zero_()
-            self.manager.report_error(RuntimeError("this replica group healed after its "
-                                                   "forward pass"))
+        stale = self._stale
+        if stale:  # its gradients came from the state before its heal: it takes part in the
+            with torch.no_grad():  # exchange with zero gradients and votes no after it, so the
+                for p in opt.params:  # step is undone everywhere (an error reported before
+                    if p.grad is not None:  # the exchange would make torchft skip its
+                        p.grad.zero_()  # collectives, and the peers would wait for them)
         t0 = time.perf_counter()
         try:
             snap = snapshot(opt)
@@ -372,6 +371,9 @@ class ElasticSession:
         finally:
             self.stepping = False
             self._begun = self._launched = self._stale = False
+        if stale:
+            self.manager.report_error(RuntimeError("this replica group healed after its "
+                                                   "forward pass"))
         if self._before_commit is not None:
             self._before_commit(opt)
         t0 = time.perf_counter()

@@ -300,6 +300,7 @@ def test_a_task_declares_its_own_keys_beside_it(monkeypatch, tmp_path):
     assert "task.depth: the gpt task has no such setting (it is toy's)" in text
     switched = load_config(write(tmp_path, to_toml(cfg)), ["task.name=gpt", "task.model=mini"])
     assert switched.task == GPTTaskConfig(model="mini")  # the toy task's depth dropped
+    assert tasks.task_config("toy", depth=5) == _ToyTaskConfig(depth=5)  # built in code
     wrong = Config(task=_ToyTaskConfig(name="gpt", model="mini"))  # built by hand, mismatched
     with pytest.raises(ConfigError, match="the gpt task's section is GPTTaskConfig"):
         validate(wrong)

@@ -192,6 +192,32 @@ def test_killed_group_restarts_heals_and_ends_identical(tmp_path, procs, replica
 
 
 @pytest.mark.slow
+def test_the_group_a_joiner_heals_from_commits_under_min_replicas(tmp_path, procs):
+    """min_replicas 2: B1 leaves cleanly after step 4, so A's next quorum runs behind its
+    forward pass (its last step committed) and waits for B2, which heals from A. A's step must
+    count B2 and commit: torchft's own count of that quorum's participants (the groups at the
+    newest step) is 1, and A used to vote no, heal from B2 in turn, and the two groups took
+    turns failing until one of them finished."""
+    lh = Lighthouse(2, tmp_path / "lighthouse.log")
+    try:
+        common = ["--replicator", "demo", "--min-replicas", "2", "--timeout", "30"]
+        a = _worker(procs, tmp_path, lh.url, "A", "A", *common, "--steps", "10")
+        b1 = _worker(procs, tmp_path, lh.url, "B", "B1", *common, "--steps", "4")
+        _ok(b1, tmp_path, "B1")
+        b2 = _worker(procs, tmp_path, lh.url, "B", "B2", *common, "--steps", "10")
+        _ok(a, tmp_path, "A")
+        _ok(b2, tmp_path, "B2")
+    finally:
+        lh.stop()
+    pa, pb = _progress(tmp_path, "A"), _progress(tmp_path, "B2")
+    assert [s for s, _, _ in pa] == list(range(10)), f"A undid a step: {pa}"
+    assert all(n == 2 and c for _, n, c in pa), f"A's steps did not all commit with 2: {pa}"
+    assert pb[0][0] == 4 and all(n == 2 and c for _, n, c in pb), f"B2 did not heal: {pb}"
+    fa, fb = _final(tmp_path, "A"), _final(tmp_path, "B2")
+    assert fa["step"] == fb["step"] == 10 and _same(fa["params"], fb["params"])
+
+
+@pytest.mark.slow
 def test_a_group_healed_after_its_forward_pass_votes_no(tmp_path, procs):
     """B joins A's run with its first quorum behind its forward pass (``--heal-late``), so
     torchft heals it after that pass and B's gradients come from its state before the heal. It
@@ -449,7 +475,8 @@ def test_a_torchft_without_the_internals_we_drive_is_one_line():
     from flexdemo.ft.session import MANAGER_INTERNALS, TorchFTVersionError, check_manager
 
     assert callable(Manager._apply_pending_state_dict)  # the rest are set by its __init__
-    older = type("Older", (), dict.fromkeys(MANAGER_INTERNALS[:4]))()  # no _healing, no ...
+    missing = ("_healing", "_apply_pending_state_dict")
+    older = type("Older", (), dict.fromkeys(n for n in MANAGER_INTERNALS if n not in missing))()
     version = importlib.metadata.version("torchft")
     with pytest.raises(TorchFTVersionError) as e:
         check_manager(older)

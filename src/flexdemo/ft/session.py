@@ -46,7 +46,8 @@ class TorchFTVersionError(RuntimeError):
 
 
 MANAGER_INTERNALS = ("_pg", "_client", "_quorum_id", "_use_async_quorum", "_healing",
-                     "_apply_pending_state_dict")
+                     "_apply_pending_state_dict", "_participating_replica_rank",
+                     "_participating_replica_world_size")
 """The private attributes of torchft's ``Manager`` the session reads or sets (the quorum behind
 the forward pass, healing, the replica group's process group), as torchft 0.2 has them."""
 
@@ -255,6 +256,13 @@ class ElasticSession:
             self.manager._apply_pending_state_dict()
             self.manager._healing = False
         self._check_unique_ids()
+        # torchft counts only the groups at the newest step as this step's participants when
+        # the quorum ran behind the forward pass, and its commit vote needs min_replicas of
+        # them: a group that a joiner heals from would vote no, then heal from the joiner in
+        # turn, and so on. Here a joiner heals before its forward pass and takes part in the
+        # step, so every group of the quorum counts, as in the transport.
+        self.manager._participating_replica_rank = quorum.replica_rank
+        self.manager._participating_replica_world_size = self.participants
         self.transport.set_quorum(self.participants, quorum.replica_rank)
         moved = self._replicas_moved()
         for rep in self.opt.replicators:

@@ -559,8 +559,8 @@ def test_delayed_demo_returns_its_exchange_in_flight(arrived):
     assert _same(list(delayed.delta), list(sync.delta))
 
 
-def _train(procs: list, tmp: Path, url: str, rid: str, out: str, steps: int
-           ) -> subprocess.Popen:
+def _train(procs: list, tmp: Path, url: str, rid: str, out: str, steps: int,
+           quorum_timeout: int = 120) -> subprocess.Popen:
     """``flexdemo train`` as replica group ``rid`` (one process), full sync, quorums of 2."""
     env = dict(os.environ, OMP_NUM_THREADS="1")
     env.pop("WORLD_SIZE", None)
@@ -574,7 +574,8 @@ def _train(procs: list, tmp: Path, url: str, rid: str, out: str, steps: int
          "mesh.replicate=1", "mesh.shard=1", "fault_tolerance.enabled=true",
          f"fault_tolerance.lighthouse={url}", f"fault_tolerance.replica_id={rid}",
          "fault_tolerance.min_replicas=2", "fault_tolerance.timeout=20",
-         "fault_tolerance.quorum_timeout=120", "fault_tolerance.hostname=127.0.0.1"],
+         f"fault_tolerance.quorum_timeout={quorum_timeout}",
+         "fault_tolerance.hostname=127.0.0.1"],
         env=env, cwd=tmp, stdout=logf, stderr=subprocess.STDOUT)
     procs.append(p)
     return p
@@ -625,3 +626,33 @@ def test_flexdemo_train_follows_the_committed_steps(tmp_path, procs):
 
     sa, sb = (json.loads((tmp_path / o / "summary.json").read_text()) for o in ("A", "B2"))
     assert sa["val_loss"] == sb["val_loss"], (sa["val_loss"], sb["val_loss"])
+
+
+@pytest.mark.slow
+def test_flexdemo_train_waiting_too_long_for_a_quorum_is_one_line(tmp_path, procs):
+    """`flexdemo train` under min_replicas 2: B is killed (SIGKILL) mid-run and never comes
+    back; A waits quorum_timeout (8 s) for a second group, then exits with code 1 and one line
+    naming the wait and the lighthouse, no traceback."""
+    lh = Lighthouse(2, tmp_path / "lighthouse.log")
+    try:
+        a = _train(procs, tmp_path, lh.url, "A", "A", 200, quorum_timeout=8)
+        b = _train(procs, tmp_path, lh.url, "B", "B", 200, quorum_timeout=8)
+        deadline = time.monotonic() + WAIT
+        while len(_metrics(tmp_path, "B")) < 5:
+            assert time.monotonic() < deadline and b.poll() is None, \
+                (tmp_path / "B.log").read_text()[-3000:]
+            time.sleep(0.05)
+        b.kill()
+        assert _wait(b, tmp_path, "B") == -9
+        assert _wait(a, tmp_path, "A") == 1
+    finally:
+        lh.stop()
+    log = (tmp_path / "A.log").read_text()
+    assert "QuorumTimeoutError" not in log, log[-3000:]  # (torchft logs the dead peer's)
+    lines = [line for line in log.splitlines() if line.strip()]
+    assert lines[-1].startswith("flexdemo train: error: "), log[-3000:]
+    errors = [line for line in lines if line.startswith("flexdemo train: ")]
+    assert len(errors) == 1, errors
+    assert errors[0].startswith(f"flexdemo train: error: replica group 'A' waited 8 s for a "
+                                f"quorum of 2 replica group(s) at {lh.url}"), errors
+    assert errors[0].endswith("; start more replica groups or lower min_replicas"), errors

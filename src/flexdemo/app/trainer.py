@@ -57,6 +57,7 @@ from typing import Any
 import torch
 
 from ..checkpoint import describe_os_error
+from ..ft.session import DuplicateReplicaIdError, QuorumTimeoutError
 from ..replicate import NonFiniteGradientError
 from .checkpointer import (
     Checkpointer,
@@ -195,6 +196,8 @@ class Trainer(TrainerSetUp):
             return self._run()
         except TrainingError:
             raise
+        except (QuorumTimeoutError, DuplicateReplicaIdError) as e:  # a fault-tolerant run's
+            raise TrainingError(str(e)) from None  # quorum: one line naming the lighthouse
         except Exception as e:
             if self.world > 1 and is_comm_error(e):
                 raise self._peer_error(e) from e

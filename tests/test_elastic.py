@@ -581,6 +581,17 @@ def _train(procs: list, tmp: Path, url: str, rid: str, out: str, steps: int,
     return p
 
 
+def _kill_after(p: subprocess.Popen, tmp: Path, out: str, steps: int) -> None:
+    """SIGKILL the `flexdemo train` process ``p`` once it has logged ``steps`` steps."""
+    deadline = time.monotonic() + WAIT
+    while len(_metrics(tmp, out)) < steps:
+        assert time.monotonic() < deadline and p.poll() is None, \
+            (tmp / f"{out}.log").read_text()[-3000:]
+        time.sleep(0.05)
+    p.kill()
+    assert _wait(p, tmp, out) == -9
+
+
 def _metrics(tmp: Path, out: str) -> list[dict]:
     path = tmp / out / "metrics.jsonl"
     if not path.exists():
@@ -601,13 +612,7 @@ def test_flexdemo_train_follows_the_committed_steps(tmp_path, procs):
     try:
         a = _train(procs, tmp_path, lh.url, "A", "A", steps)
         b1 = _train(procs, tmp_path, lh.url, "B", "B1", steps)
-        deadline = time.monotonic() + WAIT
-        while len(_metrics(tmp_path, "B1")) < 8:
-            assert time.monotonic() < deadline and b1.poll() is None, \
-                (tmp_path / "B1.log").read_text()[-3000:]
-            time.sleep(0.05)
-        b1.kill()
-        assert _wait(b1, tmp_path, "B1") == -9
+        _kill_after(b1, tmp_path, "B1", 8)
         b2 = _train(procs, tmp_path, lh.url, "B", "B2", steps)
         _ok(a, tmp_path, "A")
         _ok(b2, tmp_path, "B2")
@@ -637,13 +642,7 @@ def test_flexdemo_train_waiting_too_long_for_a_quorum_is_one_line(tmp_path, proc
     try:
         a = _train(procs, tmp_path, lh.url, "A", "A", 200, quorum_timeout=8)
         b = _train(procs, tmp_path, lh.url, "B", "B", 200, quorum_timeout=8)
-        deadline = time.monotonic() + WAIT
-        while len(_metrics(tmp_path, "B")) < 5:
-            assert time.monotonic() < deadline and b.poll() is None, \
-                (tmp_path / "B.log").read_text()[-3000:]
-            time.sleep(0.05)
-        b.kill()
-        assert _wait(b, tmp_path, "B") == -9
+        _kill_after(b, tmp_path, "B", 5)
         assert _wait(a, tmp_path, "A") == 1
     finally:
         lh.stop()

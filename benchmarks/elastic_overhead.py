@@ -14,12 +14,13 @@ import argparse
 import json
 import multiprocessing as mp
 import os
-import socket
 import statistics
 import time
 
 import torch
 from torch import nn
+
+from flexdemo.tools.ranks import free_port
 
 
 def _model(width: int) -> nn.Module:
@@ -98,10 +99,7 @@ def main() -> None:
     args = ap.parse_args()
     from torchft.coordination import LighthouseServer
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    plain = _run(_plain, port, args)
+    plain = _run(_plain, free_port(), args)
     lh = LighthouseServer(bind="127.0.0.1:0", min_replicas=2, join_timeout_ms=2000)
     try:
         url = f"http://127.0.0.1:{lh.address().rsplit(':', 1)[1]}"  # it names the host

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -13,14 +12,10 @@ from datetime import timedelta
 
 import torch
 
+from flexdemo.tools.ranks import free_port
+
 _CTX = mp.get_context("forkserver")
 _CTX.set_forkserver_preload(["torch", "torch.distributed"])
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def spawn_ranks(world: int, args: list[str], timeout: float = 30,

@@ -16,12 +16,13 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from dist_util import free_port, reap, run_world, spawn_ranks
+from dist_util import reap, run_world, spawn_ranks
 
 from flexdemo.app.config_files import load_config
 from flexdemo.app.tasks import have_transformers
 from flexdemo.app.trainer import TrainingError, UsageError, lr_at, train
 from flexdemo.app.trainer_setup import timeout_seconds
+from flexdemo.tools.ranks import free_port
 
 ROOT = Path(__file__).parent.parent
 PY = sys.executable

@@ -6,6 +6,7 @@ is the ``torchft_lighthouse`` binary from the wheel on 127.0.0.1. Every wait is 
 
 from __future__ import annotations
 
+import importlib.metadata
 import os
 import socket
 import subprocess
@@ -468,8 +469,6 @@ def test_without_torchft_nothing_changes():
 def test_a_torchft_without_the_internals_we_drive_is_one_line():
     """Every elastic test builds a real torchft Manager and passes this check; a Manager that
     lacks one of the internals (as a later torchft might) is refused naming it."""
-    import importlib.metadata
-
     from torchft.manager import Manager
 
     from flexdemo.ft.session import MANAGER_INTERNALS, TorchFTVersionError, check_manager
@@ -655,3 +654,30 @@ def test_flexdemo_train_waiting_too_long_for_a_quorum_is_one_line(tmp_path, proc
     assert errors[0].startswith(f"flexdemo train: error: replica group 'A' waited 8 s for a "
                                 f"quorum of 2 replica group(s) at {lh.url}"), errors
     assert errors[0].endswith("; start more replica groups or lower min_replicas"), errors
+
+
+def test_flexdemo_train_with_a_torchft_lacking_an_internal_is_one_line(tmp_path, procs):
+    """A real lighthouse and a real Manager, which the check is told to find lacking one more
+    internal (as a later torchft's might): `flexdemo train` exits with code 2 and one line."""
+    lh = Lighthouse(1, tmp_path / "lighthouse.log")
+    code = ("import sys, flexdemo.ft.session as s\n"
+            "s.MANAGER_INTERNALS += ('_gone_in_a_later_torchft',)\n"
+            "from flexdemo.app.cli import entry\n"
+            "sys.argv = ['flexdemo', 'train', 'task.corpus_bytes=20000', 'train.steps=2',\n"
+            f"            'train.out={tmp_path / 'run'}', 'fault_tolerance.enabled=true',\n"
+            f"            'fault_tolerance.lighthouse={lh.url}', 'fault_tolerance.replica_id=A',\n"
+            "            'fault_tolerance.hostname=127.0.0.1']\n"
+            "entry()\n")
+    try:
+        env = dict(os.environ, OMP_NUM_THREADS="1")
+        env.pop("WORLD_SIZE", None)
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                           timeout=WAIT, env=env, cwd=tmp_path)
+    finally:
+        lh.stop()
+    lines = [line for line in r.stderr.splitlines() if line.startswith("flexdemo train: ")]
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-3000:]
+    version = importlib.metadata.version("torchft")
+    assert lines == [f"flexdemo train: error: torchft {version}'s Manager lacks "
+                     "_gone_in_a_later_torchft, which flexdemo's fault tolerance drives (it is "
+                     "built on torchft 0.2); install it: pip install 'torchft>=0.2,<0.3'"], lines

@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from .. import NoReplicationWarning, prepare
 from ..checkpoint import describe_os_error, save_checkpoint
+from ..ft.session import TorchFTVersionError
 from ..join import JoinError
 from ..mesh import init_distributed, is_timeout, timeout_from_env, timeout_note
 from .checkpointer import (
@@ -180,6 +181,8 @@ class TrainerSetUp:
                 shard_units=self.task.shard_units(), nonfinite=sc.nonfinite,
                 device=self.device, precision=tc.precision,
                 timeout=timedelta(seconds=self.timeout), fault_tolerance=ft)
+        except TorchFTVersionError as e:  # an install to change, as for a missing extra
+            raise UsageError(str(e)) from None
         except TimeoutError as e:
             raise TrainingError(str(e)) from None
         except ValueError as e:

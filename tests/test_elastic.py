@@ -681,3 +681,21 @@ def test_flexdemo_train_with_a_torchft_lacking_an_internal_is_one_line(tmp_path,
     assert lines == [f"flexdemo train: error: torchft {version}'s Manager lacks "
                      "_gone_in_a_later_torchft, which flexdemo's fault tolerance drives (it is "
                      "built on torchft 0.2); install it: pip install 'torchft>=0.2,<0.3'"], lines
+
+
+def test_flexdemo_train_without_its_lighthouse_is_one_line(tmp_path):
+    """Nothing listens at the lighthouse's address: `flexdemo train` exits with code 1 and one
+    line naming the lighthouse (not the job's rendezvous, which it did not use)."""
+    url = f"http://127.0.0.1:{free_port()}"
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env.pop("WORLD_SIZE", None)
+    r = subprocess.run([sys.executable, "-m", "flexdemo", "train", "task.corpus_bytes=20000",
+                        "train.steps=2", f"train.out={tmp_path / 'run'}",
+                        "fault_tolerance.enabled=true", f"fault_tolerance.lighthouse={url}",
+                        "fault_tolerance.replica_id=A", "fault_tolerance.hostname=127.0.0.1",
+                        "fault_tolerance.timeout=3"],
+                       capture_output=True, text=True, timeout=WAIT, env=env, cwd=tmp_path)
+    lines = [line for line in r.stderr.splitlines() if line.startswith("flexdemo train: ")]
+    assert r.returncode == 1 and len(lines) == 1, r.stderr[-3000:]
+    assert lines[0].startswith(f"flexdemo train: error: replica group 'A' could not reach the "
+                               f"torchft lighthouse at {url} within 3 s"), lines

@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from .. import NoReplicationWarning, prepare
 from ..checkpoint import describe_os_error, save_checkpoint
-from ..ft.session import TorchFTVersionError
+from ..ft.session import LighthouseUnreachableError, TorchFTVersionError
 from ..join import JoinError
 from ..mesh import init_distributed, is_timeout, timeout_from_env, timeout_note
 from .checkpointer import (
@@ -183,6 +183,8 @@ class TrainerSetUp:
                 timeout=timedelta(seconds=self.timeout), fault_tolerance=ft)
         except TorchFTVersionError as e:  # an install to change, as for a missing extra
             raise UsageError(str(e)) from None
+        except LighthouseUnreachableError as e:  # it names the lighthouse, not a rendezvous
+            raise TrainingError(str(e)) from None
         except TimeoutError as e:
             raise TrainingError(str(e)) from None
         except ValueError as e:

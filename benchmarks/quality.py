@@ -220,6 +220,51 @@ SETTINGS: dict[str, Setting] = {
        for kind in ("ortho", "muon")
        for k, d, tag in ((16, 0.999, ""), (16, 0.9, "-d0.9"), (64, 0.999, "-k64"),
                          (64, 0.9, "-k64-d0.9"))},
+    # full-sync baselines tuned as the field tunes them: AdamW betas (0.9, 0.95) or
+    # (0.9, 0.999), decoupled weight decay 0 or 0.1; Muon with weight decay 0.1
+    **{f"adamw{tag}": Setting(f"AdamW betas (0.9, {b2}), weight decay {wd}, full fp32 gradient "
+                              "all-reduce every step", "full", "adamw", 1e-3, {},
+                              {"weight_decay": wd, "base_kwargs": {"betas": (0.9, b2)}})
+       for tag, b2, wd in (("-b95", 0.95, 0.0), ("-b95-wd", 0.95, 0.1), ("-wd", 0.999, 0.1))},
+    "muon-wd": Setting("Muon + AdamW, weight decay 0.1, full fp32 gradient all-reduce every "
+                       "step", "full", "muon", 1e-2, {}, {"weight_decay": 0.1}),
+    "no-sync-b95": Setting("AdamW betas (0.9, 0.95), no replication", "none", "adamw", 1e-3,
+                           {}, {"base_kwargs": {"betas": (0.9, 0.95)}}),
+    # the frontier presets (flexdemo.replicate.frontier) with Muon or AdamW inner steps, and
+    # their variants: one setting changed at a time
+    **{f"{preset}{tag}": Setting(f"the {preset!r} preset, {inner} inner steps{about}", preset,
+                                 inner, 1e-2 if inner == "muon" else 1e-3, kw)
+       for inner, tag0 in (("muon", ""), ("adamw", "-adamw"))
+       for preset, tag1, about, kw in (
+           ("muloco", "", "", {}),
+           ("muloco", "-avg", ", outer lr 1.0 without momentum", {"outer_lr": 1.0,
+                                                                  "outer_momentum": 0.0}),
+           ("muloco", "-h20", ", H=20", {"inner_steps": 20}),
+           ("muloco", "-h50", ", H=50", {"inner_steps": 50}),
+           ("muloco", "-int2", ", int2 values", {"exchange_kwargs": {"values": "int2"}}),
+           ("muloco", "-stat2", ", 2-bit codebook values",
+            {"exchange_kwargs": {"values": "stat2"}}),
+           ("muloco", "-stat3", ", 3-bit codebook values",
+            {"exchange_kwargs": {"values": "stat3"}}),
+           ("sparseloco", "", "", {}),
+           ("sparseloco", "-int2", ", int2 values (lo/hi per block)",
+            {"exchange_kwargs": {"values": "int2"}}),
+           ("sparseloco", "-nmean", ", the sum divided by the number of replicas",
+            {"exchange_kwargs": {"mean": "replicas"}}),
+           ("sparseloco", "-clip", ", peers clipped to the median norm",
+            {"exchange_kwargs": {"clip": "median"}}),
+           ("sparseloco", "-dct", ", DCT blocks", {"exchange": "demo", "exchange_kwargs": {
+               "topk": 64, "values": "stat2", "decay": 0.95, "mean": "senders"}}),
+           ("sparseloco", "-h20", ", H=20", {"inner_steps": 20}),
+           ("sparseloco", "-k128", ", top-128", {"exchange_kwargs": {"topk": 128}}),
+           ("sparseloco", "-k256", ", top-256", {"exchange_kwargs": {"topk": 256}}),
+           ("sparseloco", "-d0.9", ", error-feedback decay 0.9",
+            {"exchange_kwargs": {"decay": 0.9}}),
+           ("sparseloco", "-d1", ", error-feedback decay 1.0", {"exchange_kwargs": {"decay": 1.0}}),
+           ("sparseloco", "-nest", ", outer Nesterov 0.7 / 0.6 over error feedback 0.95",
+            {"outer_lr": 0.7, "outer_momentum": 0.6}),
+       )
+       for tag in (tag1 + tag0,)},
 }
 
 
@@ -229,6 +274,11 @@ QUICK = {"model": "tiny", "steps": 300, "batch": 8, "replicas": "2", "seeds": 2,
          "lr_grid": "0.3,1,3,10", "eval_every": 20, "eval_batches": 8,
          "corpus_bytes": 2_000_000}
 # evaluations fall on multiples of DiLoCo's H=20, where its replicas are identical
+# the field's horizon on the mini GPT: 5,000 steps (about 12 tokens per parameter at 2
+# replicas), 2, 4 and 8 replicas
+LONG = {"model": "mini", "steps": 5000, "batch": 8, "replicas": "2,4,8", "seeds": 2,
+        "lr_grid": "0.3,1,3", "eval_every": 250, "eval_batches": 16,
+        "corpus_bytes": 8_000_000}
 FULL = {"model": "small", "steps": 1000, "batch": 8, "replicas": "2,4", "seeds": 2,
         "lr_grid": "0.1,0.3,1,3", "eval_every": 40, "eval_batches": 16,
         "corpus_bytes": 8_000_000}
@@ -247,6 +297,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = Parser(prog=PROG, description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true",
                    help="tiny GPT, 300 steps, 2 replicas (defaults of the options below)")
+    p.add_argument("--long", action="store_true",
+                   help="mini GPT, 5,000 steps, 2, 4 and 8 replicas (the field's horizon)")
     p.add_argument("--strategies", default=",".join(MAIN),
                    help=f"comma list from: {', '.join(SETTINGS)}")
     p.add_argument("--model", choices=sorted(PRESETS), help="GPT preset")
@@ -280,7 +332,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="add the runs of an earlier quality.json with the same settings "
                         "(extends a grid without running it again)")
     args = p.parse_args(argv)
-    for key, value in (QUICK if args.quick else FULL).items():
+    if args.quick and args.long:
+        p.error("--quick and --long are two modes: choose one")
+    for key, value in (QUICK if args.quick else LONG if args.long else FULL).items():
         if getattr(args, key) is None:
             setattr(args, key, value)
     names = [s for s in args.strategies.split(",") if s]
@@ -397,11 +451,13 @@ def run_one(cfg: dict) -> dict:
               evaluate_every)
     diverged = not math.isfinite(curve[-1][1])
     seconds = time.perf_counter() - t0
-    sent = sim.bytes_sent[0]
+    sent, received = max(sim.bytes_sent), max(sim.bytes_received)  # the busiest rank
+    tokens = steps * cfg["batch"] * gcfg.seq_len
     return {**cfg, "params": nparams, "curve": curve, "final_val": curve[-1][1],
             "diverged": diverged, "identical": sim.identical(), "seconds": seconds,
-            "tokens_per_replica": steps * cfg["batch"] * gcfg.seq_len,
-            "bytes_per_param_step": sent / nparams / steps}
+            "tokens_per_replica": tokens, "tokens_per_param": tokens * n / nparams,
+            "bytes_per_param_step": sent / nparams / steps,
+            "received_per_param_step": received / nparams / steps}
 
 
 # ---------------------------------------------------------------------- summary
@@ -449,6 +505,9 @@ def summarize(runs: list[dict]) -> list[dict]:
                      "val_min": min(finals), "val_max": max(finals),
                      "bytes_per_param_step": statistics.fmean(r["bytes_per_param_step"]
                                                               for r in rs),
+                     "received_per_param_step": statistics.fmean(
+                         r.get("received_per_param_step", math.nan) for r in rs),
+                     "tokens_per_param": rs[0].get("tokens_per_param", math.nan),
                      "tokens_per_replica": rs[0]["tokens_per_replica"],
                      "seconds": statistics.fmean(r["seconds"] for r in rs)})
     best: dict[tuple, dict] = {}
@@ -466,7 +525,28 @@ def summarize(runs: list[dict]) -> list[dict]:
             b = best.get((row["replicas"], ref))
             row[col] = row["val_mean"] / b["val_mean"] if b and math.isfinite(
                 b["val_mean"]) else None
+        # against the best full sync with the same inner optimizer, and the best of all
+        fulls = [b for (m, name), b in best.items() if m == row["replicas"]
+                 and _full_sync(name) and math.isfinite(b["val_mean"])]
+        same = [b for b in fulls if _inner(b["strategy"]) == _inner(row["strategy"])]
+        for col, pool in (("vs_same", same), ("vs_best_full", fulls)):
+            ref_row = min(pool, key=lambda b: b["val_mean"]) if pool else None
+            row[col] = row["val_mean"] / ref_row["val_mean"] if ref_row else None
+            row[col.replace("vs_", "ref_")] = ref_row["strategy"] if ref_row else None
     return rows
+
+
+def _full_sync(name: str) -> bool:
+    """A full-sync baseline: the full fp32 gradient every step (unknown names: by name)."""
+    s = SETTINGS.get(name)
+    return s.replicator == "full" and not s.replicator_kwargs if s else name in ("adamw",
+                                                                                 "muon")
+
+
+def _inner(name: str) -> str:
+    """A strategy's inner (base) optimizer."""
+    s = SETTINGS.get(name)
+    return s.optimizer if s else ("muon" if "muon" in name else "adamw")
 
 
 def best_curves(runs: list[dict], rows: list[dict]) -> dict[tuple, list[list[float]]]:
@@ -519,19 +599,24 @@ def _ratio(x: float | None) -> str:
 
 def table(rows: list[dict]) -> str:
     """The summary rows as a printable table."""
-    head = (f"{'N':>2} {'strategy':<19} {'lr':>8} {'val (mean±std)':>16} {'vs adamw':>9} "
-            f"{'vs muon':>9} {'vs nosync':>9} {'B/param/step':>12} {'s/run':>6}")
+    head = (f"{'N':>2} {'strategy':<24} {'lr':>8} {'val (mean±std)':>16} {'vs same':>9} "
+            f"{'vs best':>9} {'vs adamw':>9} {'vs nosync':>9} {'sent B/p/s':>10} "
+            f"{'recv B/p/s':>10} {'tok/p':>6} {'s/run':>6}")
     lines = [head, "-" * len(head)]
     for r in rows:
         mark = "*" if r["best_lr"] else " "
         edge = "!" if r["lr_at_grid_edge"] else " "
-        lines.append(f"{r['replicas']:>2} {r['strategy']:<19} {r['lr']:>8.2g}{mark}{edge}"
-                     f"{r['val_mean']:>8.4f}±{r['val_std']:.4f} {_ratio(r['vs_adamw'])} "
-                     f"{_ratio(r['vs_muon'])} {_ratio(r['vs_no_sync'])} "
-                     f"{r['bytes_per_param_step']:>12.4f} "
-                     f"{r['seconds']:>6.0f}")
+        lines.append(f"{r['replicas']:>2} {r['strategy']:<24} {r['lr']:>8.2g}{mark}{edge}"
+                     f"{r['val_mean']:>8.4f}±{r['val_std']:.4f} {_ratio(r.get('vs_same'))} "
+                     f"{_ratio(r.get('vs_best_full'))} {_ratio(r['vs_adamw'])} "
+                     f"{_ratio(r['vs_no_sync'])} {r['bytes_per_param_step']:>10.5f} "
+                     f"{r.get('received_per_param_step', math.nan):>10.5f} "
+                     f"{r.get('tokens_per_param', math.nan):>6.1f} {r['seconds']:>6.0f}")
     lines.append("* best lr of the strategy (lowest mean final val loss); ! best lr at the "
-                 "edge of the grid; ratios: mean / best-lr mean of adamw, muon or no-sync")
+                 "edge of the grid; ratios: mean / best-lr mean of the best full sync with the "
+                 "same inner optimizer (vs same), of the best full sync (vs best), of adamw, of "
+                 "no-sync; bytes per parameter per step sent and received by the busiest rank; "
+                 "tok/p: tokens per parameter over all replicas")
     return "\n".join(lines)
 
 

@@ -47,7 +47,7 @@ def test_codec_sizes():
     assert ValueCodec("int8", 64).nbytes(100) == 100 + 2 * 4
     assert ValueCodec("int4", 64).nbytes(101) == 51 + 2 * 4
     with pytest.raises(ValueError, match="unknown value format"):
-        ValueCodec("int3")
+        ValueCodec("int5")
 
 
 @pytest.mark.parametrize("fmt", ["bf16", "int8", "int4"])

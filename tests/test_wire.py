@@ -42,9 +42,12 @@ def test_block_codecs(fmt):
     buf = torch.zeros(codec.nbytes(40, 32), dtype=torch.uint8)
     sent = codec.encode(vals, buf)
     assert torch.equal(sent, codec.decode(buf, 40, 32))  # what we subtract is what peers see
-    assert bool(((torch.sign(sent) == torch.sign(vals)) | (sent == 0)).all())  # no sign flips
     err = (sent - vals).abs()
     mx = vals.abs().amax(1, keepdim=True)
+    if fmt.startswith("stat"):  # bin means (tests/test_codebook.py): a bin may straddle zero
+        assert bool((sent.abs() <= mx * (1 + 2 ** -7)).all())
+        return
+    assert bool(((torch.sign(sent) == torch.sign(vals)) | (sent == 0)).all())  # no sign flips
     if fmt == "fp32":
         assert torch.equal(sent, vals)
     elif fmt in ("bf16", "fp16"):

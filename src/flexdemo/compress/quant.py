@@ -1,15 +1,26 @@
-"""Value codecs for dense exchanges: fp32, bf16, fp16, int8 and int4 with a scale per block.
+"""Value codecs for dense exchanges: fp32, bf16, fp16, int8, int4, int3 and int2 with a scale
+per block, and stat3 / stat2 with a statistical codebook per block.
 
 Integer formats are symmetric: each block of ``block`` values (the last one may be shorter)
-is scaled by ``s = max|x| / q`` (``q`` = 127 for int8, 7 for int4), rounded to the nearest
-integer (ties to even) and stored; the scale travels as fp32. Round-trip error per value is
-at most ``s / 2``, i.e. ``max|x| / 254`` (int8) or ``max|x| / 14`` (int4) of its block. bf16
-and fp16 round each value (relative error at most 2^-8 and 2^-11; fp16 overflows beyond
-65504). int4 codes are packed two per byte. Layout: the scales first (fp32, so a segment that
-starts 4-byte aligned stays aligned), then the codes.
+is scaled by ``s = max|x| / q`` (``q`` = 127 for int8, 7 for int4, 3 for int3, 1 for int2),
+rounded to the nearest integer (ties to even) and stored; the scale travels as fp32. Round-trip
+error per value is at most ``s / 2``, i.e. ``max|x| / 254`` (int8), ``max|x| / 14`` (int4),
+``max|x| / 6`` (int3) or ``max|x| / 2`` (int2) of its block. bf16 and fp16 round each value
+(relative error at most 2^-8 and 2^-11; fp16 overflows beyond 65504). int4 codes are packed two
+per byte; int3 and int2 codes, offset by ``q``, are packed at 3 and 2 bits with
+:func:`~.bits.pack_bits`. Layout: the scales first (fp32, so a segment that starts 4-byte
+aligned stays aligned), then the codes.
+
+Statistical codebooks (stat2, stat3: ``B`` = 2 or 3 bits, ``L = 2**B`` bins): per block of
+values with mean ``mu`` and population standard deviation ``sd``, the ``L - 1`` bin edges are
+``mu + Z sd (2j / L - 1)``, ``j = 1 .. L-1`` (``Z`` = ``spread`` = 2; values beyond fall in the
+end bins); each value's code is its bin, and a bin decodes to the mean of the block's values in
+it (an empty one to its centre). The codebooks (bf16, ``L`` per block) come first, then the
+codes packed at ``B`` bits.
 
 Payload size in bytes for ``n`` values: fp32 ``4n``, bf16/fp16 ``2n``, int8 ``n + 4b``,
-int4 ``ceil(n/2) + 4b`` with ``b = ceil(n / block)`` blocks.
+int4 ``ceil(n/2) + 4b``, int3 ``ceil(3n/8) + 4b``, int2 ``ceil(2n/8) + 4b``, stat3
+``16b + ceil(3n/8)``, stat2 ``8b + ceil(2n/8)`` with ``b = ceil(n / block)`` blocks.
 
 Each format is one class registered in :data:`VALUE_CODECS` (dense) or :data:`BLOCK_CODECS`
 (sparse blocks); ``ValueCodec(fmt)`` / ``BlockValueCodec(fmt)`` build the registered one, so
@@ -22,7 +33,7 @@ import math
 
 import torch
 
-from .bits import pack_bits, unpack_bits
+from .bits import pack_bits, packed_nbytes, unpack_bits
 
 
 # ---------------------------------------------------------------------- dense values
@@ -117,7 +128,23 @@ class _Fp16Values(_FloatValues):
     dtype, rel_error = torch.float16, 2.0 ** -11
 
 
-class _IntValues(ValueCodec):
+class _BlockedValues(ValueCodec):
+    """A format coded per block of :attr:`block` values (the last one may be shorter)."""
+
+    def room(self, n: int) -> int:
+        return math.ceil(n / self.block) * self.block
+
+    def _padded(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` (flat) copied into the :meth:`workspace` as whole blocks, zero padded: the
+        codes are computed in place there."""
+        n = x.numel()
+        buf = self.workspace(self.room(n), x.device)
+        buf[:n].copy_(x)
+        buf[n:].zero_()
+        return buf.view(-1, self.block)
+
+
+class _IntValues(_BlockedValues):
     """Symmetric integer codes with an fp32 scale per block (scales first, then codes)."""
 
     qmax = 127
@@ -139,9 +166,6 @@ class _IntValues(ValueCodec):
         """The codes of one payload as fp32 into ``out`` (``n`` entries)."""
         out.copy_(body.view(torch.int8))
 
-    def room(self, n: int) -> int:
-        return math.ceil(n / self.block) * self.block
-
     def decode_into(self, data: torch.Tensor, n: int, out: torch.Tensor) -> torch.Tensor:
         blocks = math.ceil(n / self.block)
         scale = data[: 4 * blocks].view(torch.float32)
@@ -149,15 +173,6 @@ class _IntValues(ValueCodec):
         # the whole blocks scaled in place (the tail past ``n`` is scratch, never read)
         out[: blocks * self.block].view(blocks, self.block).mul_(scale[:, None])
         return out[:n]
-
-    def _padded(self, x: torch.Tensor) -> torch.Tensor:
-        """``x`` (flat) copied into the :meth:`workspace` as whole blocks, zero padded: the
-        codes are computed in place there."""
-        n = x.numel()
-        buf = self.workspace(self.room(n), x.device)
-        buf[:n].copy_(x)
-        buf[n:].zero_()
-        return buf.view(-1, self.block)
 
     def encode(self, x: torch.Tensor, out: torch.Tensor) -> None:
         n = x.numel()
@@ -225,9 +240,113 @@ class _Int4Values(_IntValues):
         out.sub_(8.0)
 
 
+class _PackedIntValues(_IntValues):
+    """Codes offset by ``qmax`` and packed at :attr:`bits` bits each (:func:`pack_bits`)."""
+
+    bits = 2
+
+    def _codes_bytes(self, n: int) -> int:
+        return packed_nbytes(n, self.bits)
+
+    def _write_codes(self, codes: torch.Tensor, body: torch.Tensor) -> None:
+        pack_bits(codes.add_(self.qmax), self.bits, body)  # codes: the workspace, in place
+
+    def _read_codes(self, body: torch.Tensor, n: int) -> torch.Tensor:
+        return unpack_bits(body, self.bits, n).float() - self.qmax
+
+    def _codes_into(self, body: torch.Tensor, n: int, out: torch.Tensor) -> None:
+        _unpack_into(body, self.bits, n, out)
+        out.sub_(self.qmax)
+
+
+class _Int3Values(_PackedIntValues):
+    qmax, bits = 3, 3
+
+
+class _Int2Values(_PackedIntValues):
+    qmax, bits = 1, 2
+
+
+class _StatValues(_BlockedValues):
+    """A statistical codebook per block (:func:`_stat_codebook`): ``L`` bf16 bin means per
+    block first, then the codes packed at :attr:`bits` bits."""
+
+    bits = 2
+    spread = 2.0
+
+    def _book_bytes(self, n: int) -> int:
+        return 2 * (1 << self.bits) * math.ceil(n / self.block)
+
+    def nbytes(self, n: int) -> int:
+        return self._book_bytes(n) + packed_nbytes(n, self.bits)
+
+    def _codebook(self, padded: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Codes and fp32 bin means of the zero-padded blocks ``padded`` (its tail is
+        overwritten) holding ``n`` values."""
+        count = padded.new_full((padded.shape[0],), float(self.block))
+        if count.numel():
+            count[-1] = n - (padded.shape[0] - 1) * self.block
+        return _stat_codebook(padded, count, n, self.bits, self.spread)
+
+    def encode(self, x: torch.Tensor, out: torch.Tensor) -> None:
+        n = x.numel()
+        book = self._book_bytes(n)
+        codes, means = self._codebook(self._padded(x), n)
+        out[:book].view(torch.bfloat16).copy_(means.view(-1))
+        pack_bits(codes.view(-1)[:n], self.bits, out[book: self.nbytes(n)])
+
+    def decode(self, data: torch.Tensor, n: int) -> torch.Tensor:
+        lead, blocks, book = data.shape[:-1], math.ceil(n / self.block), self._book_bytes(n)
+        means = data[..., :book].view(torch.bfloat16).float().view(*lead, blocks, -1)
+        codes = unpack_bits(data[..., book: self.nbytes(n)], self.bits, n)
+        full = codes.new_zeros(*lead, blocks * self.block)
+        full[..., :n] = codes
+        out = torch.gather(means, -1, full.view(*lead, blocks, self.block))
+        return out.view(*lead, blocks * self.block)[..., :n]
+
+    def decode_into(self, data: torch.Tensor, n: int, out: torch.Tensor) -> torch.Tensor:
+        blocks, book = math.ceil(n / self.block), self._book_bytes(n)
+        means = data[:book].view(torch.bfloat16).float().view(blocks, -1)
+        # uint8 codes (a quarter of the values' memory), then one pass per bin
+        codes = torch.zeros(blocks * self.block, dtype=torch.uint8, device=data.device)
+        _unpack_into(data[book: self.nbytes(n)], self.bits, n, codes[:n])
+        codes = codes.view(blocks, self.block)
+        vals = out[: blocks * self.block].view(blocks, self.block)  # the tail is scratch
+        vals.copy_(means[:, :1].expand(blocks, self.block))
+        for j in range(1, means.shape[1]):
+            torch.where(codes == j, means[:, j: j + 1], vals, out=vals)
+        return out[:n]
+
+    def max_error(self, x: torch.Tensor) -> torch.Tensor:
+        """Per block: the largest ``|x - m|`` over its values (``m``: the fp32 mean of the
+        value's bin, as :meth:`encode` computes it) plus ``2^-7 max|x|`` of the block (the bf16
+        rounding of ``m`` is at most ``2^-8 |m| <= 2^-8 max|x|``; doubled as room for fp32
+        bin sums added in another order). A bound, not the exact error."""
+        n = x.numel()
+        blocks = math.ceil(n / self.block)
+        padded = torch.zeros(blocks * self.block, dtype=torch.float32, device=x.device)
+        padded[:n] = x
+        codes, means = self._codebook(padded.view(blocks, self.block), n)
+        err = torch.zeros_like(padded)
+        err[:n] = (x - torch.gather(means, 1, codes).view(-1)[:n]).abs()
+        mag = torch.zeros_like(padded)
+        mag[:n] = x.abs()
+        bound = err.view(blocks, -1).amax(1) + mag.view(blocks, -1).amax(1) * 2.0 ** -7
+        return bound.repeat_interleave(self.block)[:n]
+
+
+class _Stat3Values(_StatValues):
+    bits = 3
+
+
+class _Stat2Values(_StatValues):
+    bits = 2
+
+
 VALUE_CODECS: dict[str, type[ValueCodec]] = {
     "fp32": _Fp32Values, "bf16": _Bf16Values, "fp16": _Fp16Values,
-    "int8": _Int8Values, "int4": _Int4Values,
+    "int8": _Int8Values, "int4": _Int4Values, "int3": _Int3Values, "int2": _Int2Values,
+    "stat3": _Stat3Values, "stat2": _Stat2Values,
 }
 FORMATS = tuple(VALUE_CODECS)
 
@@ -242,12 +361,16 @@ class BlockValueCodec:
     * ``int8``: a bf16 scale ``s = max|v| / 127`` per block, codes ``round(v / s)``;
     * ``int2``: per block bf16 ``lo = min|v|`` and ``hi = max|v|``; each value is its sign and
       one magnitude bit, decoded as ``lo + (hi - lo) / 4`` or ``lo + 3 (hi - lo) / 4``;
-    * ``sign``: one bit per value and a bf16 magnitude per block, the mean ``|v|``.
+    * ``sign``: one bit per value and a bf16 magnitude per block, the mean ``|v|``;
+    * ``stat3`` / ``stat2``: a statistical codebook per block (see the module): ``L`` = 8 / 4
+      bf16 bin means, the mean of the block's values in each bin of ``mu +- 2 sd``, and a
+      3 / 2-bit bin code per value.
 
     Bytes for ``b`` blocks of ``k`` values: fp32 ``4bk``, bf16/fp16 ``2bk``, int8 ``bk + 2b``,
-    int2 ``ceil(2bk/8) + 4b``, sign ``ceil(bk/8) + 2b``. Scales come first. Decoding is
-    elementwise arithmetic, identical on every replica; ``encode`` returns the values the
-    peers will decode, built from the codes with the same arithmetic as ``decode``.
+    int2 ``ceil(2bk/8) + 4b``, sign ``ceil(bk/8) + 2b``, stat3 ``16b + ceil(3bk/8)``, stat2
+    ``8b + ceil(2bk/8)``. Scales (codebooks) come first. Decoding is elementwise arithmetic or
+    a codebook look-up, identical on every replica; ``encode`` returns the values the peers
+    will decode, built from the codes with the same arithmetic as ``decode``.
     """
 
     fmt = ""
@@ -367,9 +490,46 @@ class _SignBlocks(BlockValueCodec):
         return torch.where(neg, -m, m)
 
 
+class _StatBlocks(BlockValueCodec):
+    """A statistical codebook per block (:func:`_stat_codebook`): ``L`` bf16 bin means per
+    block first, then the codes packed at :attr:`bits` bits."""
+
+    bits = 2
+    spread = 2.0
+
+    def nbytes(self, blocks: int, k: int) -> int:
+        return 2 * (1 << self.bits) * blocks + packed_nbytes(blocks * k, self.bits)
+
+    def encode(self, vals: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        b, k = vals.shape
+        book = 2 * (1 << self.bits) * b
+        v = vals.float().contiguous()
+        codes, means = _stat_codebook(v, v.new_full((b,), float(k)), b * k, self.bits,
+                                      self.spread)
+        means = means.to(torch.bfloat16)
+        out[:book].view(torch.bfloat16).copy_(means.view(-1))
+        pack_bits(codes, self.bits, out[book:])
+        return torch.gather(means.float(), 1, codes)
+
+    def decode(self, data: torch.Tensor, b: int, k: int) -> torch.Tensor:
+        lead, book = data.shape[:-1], 2 * (1 << self.bits) * b
+        means = data[..., :book].view(torch.bfloat16).float().view(*lead, b, -1)
+        codes = unpack_bits(data[..., book:], self.bits, b * k).view(*lead, b, k)
+        return torch.gather(means, -1, codes)
+
+
+class _Stat3Blocks(_StatBlocks):
+    bits = 3
+
+
+class _Stat2Blocks(_StatBlocks):
+    bits = 2
+
+
 BLOCK_CODECS: dict[str, type[BlockValueCodec]] = {
     "fp32": _Fp32Blocks, "bf16": _Bf16Blocks, "fp16": _Fp16Blocks,
     "int8": _Int8Blocks, "int2": _Int2Blocks, "sign": _SignBlocks,
+    "stat3": _Stat3Blocks, "stat2": _Stat2Blocks,
 }
 BLOCK_FORMATS = tuple(BLOCK_CODECS)
 
@@ -379,3 +539,49 @@ def _int2_values(lh: torch.Tensor, big: torch.Tensor, neg: torch.Tensor) -> torc
     frac = torch.where(big, 0.75, 0.25)
     mag = lh[..., :1] + (lh[..., 1:] - lh[..., :1]) * frac
     return torch.where(neg, -mag, mag)
+
+
+def _stat_codebook(v: torch.Tensor, count: torch.Tensor, n: int, bits: int,
+                   spread: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The statistical codebook of the rows of ``v`` (fp32 ``(b, w)``, contiguous): its first
+    ``n`` entries (row-major) are values, ``count`` per row, and the rest zero padding (then
+    overwritten). Returns the codes (int64 ``(b, w)``: each value's bin) and the fp32 bin means
+    ``(b, L)`` (an empty bin: its centre); the padding takes no part in either."""
+    b, w = v.shape
+    levels = 1 << bits
+    flat = v.view(-1)
+    mu = v.sum(1) / count
+    if n < b * w:  # padding at the mean: no weight in the deviations
+        flat[n:].copy_(mu[-1:].expand(b * w - n))
+    half = (v.var(1, correction=0) * (w / count)).sqrt_() * spread  # Z * sd
+    codes = torch.zeros(b, w, dtype=torch.int64, device=v.device)
+    for j in range(1, levels):  # the L - 1 edges
+        codes += v >= (mu + half * (2 * j / levels - 1))[:, None]
+    offset = torch.arange(b, device=v.device)[:, None] * levels
+    index = codes.add_(offset).view(-1)[:n]  # (block, bin), undone below
+    sums = v.new_zeros(b * levels).scatter_add_(0, index, flat[:n])
+    hits = v.new_zeros(b * levels).scatter_add_(0, index, v.new_ones(1).expand(n))
+    codes.sub_(offset)
+    centre = (torch.arange(levels, device=v.device) * 2 + 1) / levels - 1
+    centre = mu[:, None] + half[:, None] * centre
+    means = torch.where(hits > 0, sums / hits.clamp_min(1), centre.view(-1))
+    return codes, means.view(b, levels)
+
+
+def _unpack_into(body: torch.Tensor, bits: int, n: int, out: torch.Tensor) -> None:
+    """The ``n`` codes of ``bits`` bits packed in the 1-D ``body`` (:func:`pack_bits`' layout)
+    into ``out`` (any dtype), with temporaries smaller than ``out``: each word of
+    ``lcm(bits, 8)`` bits is assembled as int32 and split into its codes."""
+    span = math.lcm(bits, 8)
+    per, nb = span // bits, span // 8  # codes and bytes per word
+    m = n // per
+    if m:
+        raw = body[: m * nb].view(m, nb)
+        word = raw[:, 0].to(torch.int32)
+        for i in range(1, nb):
+            word |= raw[:, i].to(torch.int32) << (8 * i)
+        cols = out[: m * per].view(m, per)
+        for j in range(per):
+            cols[:, j].copy_((word >> (bits * j)) & ((1 << bits) - 1))
+    if n > m * per:  # the last, partial word
+        out[m * per: n].copy_(unpack_bits(body[m * nb:], bits, n - m * per))

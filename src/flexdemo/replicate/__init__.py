@@ -14,6 +14,7 @@ from .base import (
 from .demo import PRESETS as DEMO_PRESETS
 from .demo import DeMoReplicator
 from .diloco import DiLoCoReplicator
+from .frontier import FRONTIER, muloco, sparseloco
 from .full import FullReplicator, NoReplication
 from .phased import PhasedReplicator, demo_warmup
 from .registry import REPLICATORS
@@ -28,6 +29,8 @@ REPLICATORS.update({
     "random": RandomReplicator,
     "striding": StridingReplicator,
     "slicing": SlicingReplicator,
+    "muloco": muloco,
+    "sparseloco": sparseloco,
 })
 for _preset in DEMO_PRESETS:
     if _preset != "default":
@@ -38,7 +41,8 @@ def _settings(fn: Callable) -> list[str]:
     """The keyword settings ``fn`` accepts (the DeMo presets and the warm-up forward the rest
     to DeMo)."""
     fn = fn.func if isinstance(fn, partial) else fn
-    chain = (fn,) if isinstance(fn, type) else (fn, DeMoReplicator)
+    forwards_to = DiLoCoReplicator if fn in (muloco, sparseloco) else DeMoReplicator
+    chain = (fn,) if isinstance(fn, type) else (fn, forwards_to)
     return [n for n in setting_names(*chain) if n != "name"]
 
 
@@ -65,8 +69,7 @@ def make_replicator(spec, **kwargs) -> Replicator:
     raise TypeError(f"a replicator is a name or a Replicator instance, got {type(spec).__name__}")
 
 
-__all__ = ["DEMO_PRESETS", "REPLICATORS", "Agreement", "CorruptPayloadError", "DeMoReplicator",
-           "DiLoCoReplicator", "FullReplicator", "NoReplication",
+__all__ = ["DEMO_PRESETS", "FRONTIER", "REPLICATORS", "Agreement", "CorruptPayloadError",
+           "DeMoReplicator", "DiLoCoReplicator", "FullReplicator", "NoReplication",
            "NonFiniteGradientError", "PhasedReplicator", "RandomReplicator", "Replicator",
-           "SlicingReplicator",
-           "StridingReplicator", "make_replicator"]
+           "SlicingReplicator", "StridingReplicator", "make_replicator"]

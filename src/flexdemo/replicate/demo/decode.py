@@ -7,11 +7,14 @@ import torch
 
 from .layout import BlockLayout, Group, Segment
 
+SENDERS_SLOT = 11  # the scratch slot of the per-coefficient count of senders
+
 
 def dense_inverse(lay: BlockLayout, g: Group, s: Segment, parts: list, n: int,
-                  div: int | torch.Tensor | None = None) -> torch.Tensor:
+                  div: int | torch.Tensor | None = None, senders: bool = False) -> torch.Tensor:
     """Inverse DCT of the blocks of segment ``s`` from sparse ``(idx, values)`` parts
-    (summed in order, divided by ``div``, default ``n``, when ``n > 1``), as
+    (summed in order, divided by ``div``, default ``n``, when ``n > 1``; ``senders``: each
+    coefficient divided by the number of parts that sent it a non-zero value instead), as
     ``(blocks, cr, cc)``."""
     w = lay.work
     nb = s.rows.stop - s.rows.start
@@ -19,7 +22,13 @@ def dense_inverse(lay: BlockLayout, g: Group, s: Segment, parts: list, n: int,
     coef = w.x[:numel].view(nb, g.block_numel).zero_()
     for idx, vals in parts:  # rank order: every replica sums alike
         coef.scatter_add_(1, idx, vals)
-    if n > 1:
+    if senders:  # the count is exact in fp32, so every replica divides alike
+        count = lay.scratch.get(SENDERS_SLOT, numel, torch.float32, lay.device)
+        count = count.view(nb, g.block_numel).zero_()
+        for idx, vals in parts:
+            count.scatter_add_(1, idx, (vals != 0).to(torch.float32))
+        coef.div_(count.clamp_(min=1.0))
+    elif n > 1:
         coef.div_(n if div is None else div)
     out = lay.blocks_out(g, s)
     g.dct.inverse(coef, out, w.z[:numel])
@@ -36,12 +45,14 @@ def blocks_into_image(lay: BlockLayout, g: Group, s: Segment, blocks: torch.Tens
 
 
 def decode_mean(lay: BlockLayout, g: Group, idx: torch.Tensor, vals: torch.Tensor, *,
-                sign: bool, kept: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+                sign: bool, kept: tuple[torch.Tensor, torch.Tensor] | None = None,
+                senders: bool = False) -> None:
     """The mean over the peers of their ``(peers, blocks, k)`` coefficients, through the
     inverse DCT and (``sign``) ``sign()``, into the layout's output views. ``kept``:
     ``(keep, count)`` from :func:`~.checks.kept_peers`, the peers left out are zeroed on the
     device and the sum is divided by ``count`` (the same bits as the mean of the kept peers
-    alone: zeros add exactly).
+    alone: zeros add exactly). ``senders``: each coefficient is the mean over the peers that
+    sent it a non-zero value (the sum divided by their count; always the dense path).
 
     A few coefficients per block (``m <= (cr + cc) / 4`` over all peers) are decoded
     sparsely; more go through a dense coefficient matrix. The choice depends only on
@@ -57,7 +68,7 @@ def decode_mean(lay: BlockLayout, g: Group, idx: torch.Tensor, vals: torch.Tenso
         idx, vals = torch.where(keep, idx, 0), torch.where(keep, vals, 0.0)
         div = count.clamp(min=1)
     for s in g.segments:
-        if n and not s.padded and 4 * m <= cr + cc:
+        if n and not s.padded and not senders and 4 * m <= cr + cc:
             nb = s.rows.stop - s.rows.start
             i, v = idx[:, s.rows], vals[:, s.rows]
             if n > 1:  # (blocks, peers * k) in rank order
@@ -71,8 +82,37 @@ def decode_mean(lay: BlockLayout, g: Group, idx: torch.Tensor, vals: torch.Tenso
             g.dct.inverse_sparse(i, v, out, left, right)
         else:
             out = dense_inverse(lay, g, s, [(idx[r, s.rows], vals[r, s.rows])
-                                            for r in range(n)], n, div)
+                                            for r in range(n)], n, div, senders)
         if sign:
             out.sign_()
         if not s.direct:
             blocks_into_image(lay, g, s, out)
+
+
+def clip_to_median_norm(decoded: list, good: list[int] | None,
+                        kept: tuple[torch.Tensor, torch.Tensor] | None = None) -> list:
+    """The decoded ``(idx, vals)`` of every group with each peer's values scaled down to the
+    median of the peers' norms where its own norm is larger (one norm per peer over all its
+    groups, taken on the coefficients: the transform is orthonormal, so it is the norm in the
+    parameters' domain). The median is over the peers that enter the mean (``good``, or
+    ``kept`` decided on the device), the mean of the two middle norms for an even count;
+    computed on the device, the same bits on every replica."""
+    parts = [d for d in decoded if d is not None]
+    if not parts:
+        return decoded
+    norms = torch.stack([v.square().flatten(1).sum(1) for _, v in parts]).sum(0).sqrt()
+    n = norms.shape[0]
+    keep = kept[0] if kept is not None else None
+    if keep is None and good is not None and len(good) < n:
+        keep = torch.zeros(n, dtype=torch.bool, device=norms.device)
+        keep[good] = True
+    if keep is None:
+        srt = norms.sort().values
+        median = (srt[(n - 1) // 2] + srt[n // 2]) / 2
+    else:
+        srt = torch.where(keep, norms, torch.inf).sort().values
+        count = keep.sum().clamp(min=1)
+        middle = torch.stack([(count - 1) // 2, count // 2])
+        median = srt.gather(0, middle).mean()
+    factor = torch.where(norms > median, median / norms, torch.ones_like(norms))
+    return [None if d is None else (d[0], d[1] * factor.view(-1, 1, 1)) for d in decoded]

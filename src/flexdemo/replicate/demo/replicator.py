@@ -13,7 +13,7 @@ from ...transport import Pending, all_gather
 from ..base import HEADER_BYTES, Replicator, write_header, zero_where
 from . import delayed, state
 from .checks import VerdictToHost, check_payloads, good_peers, kept_peers
-from .decode import blocks_into_image, decode_mean, dense_inverse
+from .decode import blocks_into_image, clip_to_median_norm, decode_mean, dense_inverse
 from .graphs import CompiledSelection, StepGraphs
 from .layout import BlockLayout, Group
 from .settings import PRESETS, TRANSFORM_DTYPES, check_settings
@@ -46,14 +46,15 @@ class DeMoReplicator(Replicator):
                  small_numel: int | None = None,
                  bucket: bool = True, overlap: str = "none", on_bad_peer: str = "raise",
                  compile: bool = False, graphs: bool | str = "auto", staging: str = "auto",
-                 **schedule) -> None:
+                 mean: str = "replicas", clip: str = "none", **schedule) -> None:
         super().__init__(**schedule)
         graphs = check_settings(
             topk=topk, chunk=chunk, decay=decay, values=values, transform=transform,
             transform_dtype=transform_dtype, small=small, small_numel=small_numel,
             bucket=bucket, overlap=overlap, on_bad_peer=on_bad_peer, compile=compile,
-            graphs=graphs, staging=staging,
+            graphs=graphs, staging=staging, mean=mean, clip=clip,
             every_step=self.replicate_every == 1 and not self.skip_every)
+        self.mean, self.clip = mean, clip
         self.topk, self.chunk, self.decay = topk, chunk, float(decay)
         self.sign, self.scale_by_lr, self.values = sign, scale_by_lr, values
         self.transform, self.transform_dtype, self.small = transform, transform_dtype, small
@@ -87,7 +88,8 @@ class DeMoReplicator(Replicator):
             ("transform_dtype", self.transform_dtype, "fp32"),
             ("small", self.small, "batch"), ("bucket", self.bucket, True),
             ("overlap", self.overlap, "none"), ("compile", self.compile, False),
-            ("graphs", self.graphs, "auto"), ("staging", self.staging, "auto")) if v != d)
+            ("graphs", self.graphs, "auto"), ("staging", self.staging, "auto"),
+            ("mean", self.mean, "replicas"), ("clip", self.clip, "none")) if v != d)
         return (f"topk={self.topk}, chunk={self.chunk}, decay={self.decay}, "
                 f"values={self.values!r}, sign={self.sign}{extra}")
 
@@ -402,7 +404,9 @@ class DeMoReplicator(Replicator):
         """The decoded mean of the good peers' payloads (encoded with ``sent_plan``) into the
         gradients present now (``plan``): one multi-tensor copy per group. The good peers are
         ``good``, or (delayed mode) ``kept``, decided on the device."""
-        lay, sign = self.layout, self.sign
+        lay, sign, senders = self.layout, self.sign, self.mean == "senders"
+        if self.clip == "median":
+            decoded = clip_to_median_norm(decoded, good, kept)
         for gi, g in enumerate(self.groups):
             pieces, views = plan.write[gi]
             if not pieces:
@@ -415,7 +419,8 @@ class DeMoReplicator(Replicator):
             if kept is not None:  # masked on the device, whichever peers are left out
                 self._graph_or_run(("decode-kept", sent_plan.key, n, gi),
                                    lambda g=g, idx=idx, vals=vals: decode_mean(
-                                       lay, g, idx, vals, sign=sign, kept=kept))
+                                       lay, g, idx, vals, sign=sign, kept=kept,
+                                       senders=senders))
                 self.staging_plans.write_back(grads, pieces, views)
                 continue
             assert good is not None  # given unless the peers were kept on the device
@@ -425,9 +430,9 @@ class DeMoReplicator(Replicator):
             if self._graphed and len(good) == n:  # the workspace is shared: a graph per group
                 self.step_graphs.run(("decode", sent_plan.key, n, gi),
                                      lambda g=g, idx=idx, vals=vals: decode_mean(
-                                         lay, g, idx, vals, sign=sign))
-            else:
-                decode_mean(lay, g, idx, vals, sign=sign)  # mean, inverse DCT, sign
+                                         lay, g, idx, vals, sign=sign, senders=senders))
+            else:  # mean, inverse DCT, sign
+                decode_mean(lay, g, idx, vals, sign=sign, senders=senders)
             self.staging_plans.write_back(grads, pieces, views)  # into the gradients
 
     def _decode(self, gathered: torch.Tensor, grads, step: int, code: int) -> None:

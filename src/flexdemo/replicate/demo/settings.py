@@ -17,7 +17,7 @@ TRANSFORM_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 def check_settings(*, topk, chunk, decay, values, transform, transform_dtype, small,
                    small_numel, bucket, overlap, on_bad_peer, compile, graphs, staging,
-                   every_step: bool) -> bool | str:
+                   mean="replicas", clip="none", every_step: bool) -> bool | str:
     """Raise ValueError for a bad setting (``every_step``: the schedule communicates every
     step); returns ``graphs`` resolved (``"auto"`` is off when the selection is compiled)."""
     if not isinstance(topk, int) or isinstance(topk, bool) or topk < 1:
@@ -52,6 +52,13 @@ def check_settings(*, topk, chunk, decay, values, transform, transform_dtype, sm
         raise ValueError(f"graphs must be True, False or 'auto', got {graphs!r}")
     if staging not in ("auto", "direct", "image"):
         raise ValueError(f"staging must be 'auto', 'direct' or 'image', got {staging!r}")
+    if mean not in ("replicas", "senders"):
+        raise ValueError(f"mean must be 'replicas' (the sum over the peers divided by their "
+                         f"number) or 'senders' (each coefficient over the peers that sent "
+                         f"it), got {mean!r}")
+    if clip not in ("none", "median"):
+        raise ValueError(f"clip must be 'none' or 'median' (each peer's contribution clipped "
+                         f"to the median of the peers' norms), got {clip!r}")
     if graphs == "auto":  # on CUDA, unless the selection is compiled
         graphs = "auto" if not compile else False
     if graphs is True and compile:

@@ -1,0 +1,209 @@
+"""The byte frontier's pieces: the mean of each coordinate over the replicas that sent it,
+peers clipped to the median norm, error feedback, and the "muloco" and "sparseloco" presets
+(identical replicas, bitwise resume, exact bytes sent and received at 2, 4 and 8 replicas)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from flexdemo import SimulatedReplicas
+from flexdemo.inprocess import InProcessHub
+from flexdemo.replicate import FRONTIER, DeMoReplicator, DiLoCoReplicator, make_replicator
+from flexdemo.simulate import run_replicas
+
+CHUNK, K = 8, 5
+SHAPES = [torch.Size([16, 16]), torch.Size([8, 24])]  # 4 and 3 blocks of 8 x 8, no padding
+
+
+def grads_of(r: int, scale: float = 1.0) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(7 + r)
+    return [torch.randn(s, generator=g) * scale for s in SHAPES]
+
+
+def blocks(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as its 8 x 8 blocks, ``(blocks, 64)``, row-major over the block grid."""
+    r, c = t.shape
+    return t.reshape(r // CHUNK, CHUNK, c // CHUNK, CHUNK).permute(0, 2, 1, 3).reshape(-1, 64)
+
+
+def unblocks(b: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    r, c = shape
+    return b.reshape(r // CHUNK, c // CHUNK, CHUNK, CHUNK).permute(0, 2, 1, 3).reshape(r, c)
+
+
+def sparse_topk(t: torch.Tensor) -> torch.Tensor:
+    """The top-K entries of every block of ``t`` by magnitude, the rest zero."""
+    b = blocks(t)
+    keep = torch.zeros_like(b).scatter_(1, b.abs().topk(K, dim=1).indices, 1.0)
+    return unblocks(b * keep, t.shape)
+
+
+def exchange(world: int, scale=lambda r: 1.0, **kw) -> list[list[torch.Tensor]]:
+    """One DeMo exchange (plain top-K per block, fp32 values, momentum decay 0: the input
+    itself is selected) of ``grads_of(r)`` over ``world`` in-process replicas."""
+    hub = InProcessHub(world, timeout=30)
+
+    def work(r):
+        rep = DeMoReplicator(topk=K, chunk=CHUNK, decay=0.0, sign=False, scale_by_lr=False,
+                             values="fp32", transform="none", **kw)
+        rep.setup(SHAPES, torch.device("cpu"), hub.transport(r))
+        return rep(grads_of(r, scale(r)), [1.0] * len(SHAPES), 0)
+
+    return run_replicas(hub, work)
+
+
+@pytest.mark.parametrize("mean", ["senders", "replicas"])
+def test_the_mean_is_exact_against_a_dense_reference(mean):
+    world = 3
+    out = exchange(world, mean=mean)
+    for i in range(len(SHAPES)):
+        sent = [sparse_topk(grads_of(r)[i]) for r in range(world)]
+        total = sent[0] + sent[1] + sent[2]  # rank order, as every replica sums
+        if mean == "senders":
+            count = sum((s != 0).float() for s in sent)
+            want = total / count.clamp(min=1.0)
+            assert (count == 2).any() and (count == 1).any()  # overlapping and lone senders
+        else:
+            want = total / world
+        for r in range(world):
+            assert torch.equal(out[r][i], want), (mean, i, r)
+
+
+def test_peers_above_the_median_norm_are_clipped_to_it():
+    world, big = 3, 2  # replica 2 sends ten times the others' norm
+    out = exchange(world, scale=lambda r: 10.0 if r == big else 1.0, mean="senders",
+                   clip="median")
+    sent = [[sparse_topk(g) for g in grads_of(r, 10.0 if r == big else 1.0)]
+            for r in range(world)]
+    norms = torch.stack([torch.cat([s.reshape(-1) for s in peer]).norm() for peer in sent])
+    median = norms.sort().values[1]
+    for i in range(len(SHAPES)):
+        clipped = [sent[r][i] * (median / norms[r] if norms[r] > median else 1.0)
+                   for r in range(world)]
+        count = sum((s != 0).float() for s in clipped)
+        want = (clipped[0] + clipped[1] + clipped[2]) / count.clamp(min=1.0)
+        for r in range(world):
+            torch.testing.assert_close(out[r][i], want, rtol=1e-5, atol=1e-6)
+        assert torch.equal(out[0][i], out[1][i]) and torch.equal(out[0][i], out[2][i])
+    unclipped = exchange(world, scale=lambda r: 10.0 if r == big else 1.0, mean="senders")
+    assert unclipped[0][0].abs().max() > 2 * out[0][0].abs().max()
+
+
+@pytest.mark.parametrize("values", ["fp32", "int2", "stat2", "stat3"])
+def test_error_feedback_keeps_what_was_not_sent(values):
+    """A group of one decodes its own payload: the update plus the error-feedback buffer
+    is the input, and everything not selected stays in the buffer exactly."""
+    rep = DeMoReplicator(topk=K, chunk=CHUNK, decay=1.0, sign=False, scale_by_lr=False,
+                         values=values, transform="none", mean="senders")
+    rep.setup(SHAPES, torch.device("cpu"), None)
+    g = grads_of(0)
+    out = rep([t.clone() for t in g], [1.0] * len(SHAPES), 0)
+    residual = [unblocks(d.reshape(-1, 64), s) for d, s in zip(rep.delta, SHAPES)]
+    for i in range(len(SHAPES)):
+        picked = sparse_topk(g[i]) != 0
+        assert torch.equal(residual[i][~picked], g[i][~picked])  # not sent: kept exactly
+        assert torch.equal(out[i][~picked], torch.zeros_like(out[i][~picked]))
+        torch.testing.assert_close(out[i] + residual[i], g[i], rtol=0, atol=1e-6)
+        if values != "fp32":  # lossy values: the rounding error stays in the buffer
+            assert residual[i][picked].abs().max() > 0
+
+
+def tiny_model() -> nn.Module:
+    return nn.Sequential(nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 64))
+
+
+def loss_fn(model, batch):
+    x, y = batch
+    return nn.functional.mse_loss(model(x), y)
+
+
+def batch(r: int, step: int):
+    g = torch.Generator().manual_seed(1000 * r + step)
+    return torch.randn(8, 64, generator=g), torch.randn(8, 64, generator=g)
+
+
+def sim_of(preset: str, replicas: int, seed: int = 0, **kw) -> SimulatedReplicas:
+    torch.manual_seed(seed)
+    return SimulatedReplicas(tiny_model, loss_fn, replicas=replicas, replicator=preset,
+                             optimizer="adamw", lr=1e-2, seed=seed,
+                             replicator_kwargs={"inner_steps": 3, **kw})
+
+
+def test_presets_are_diloco_with_their_documented_settings():
+    muloco, sparse = make_replicator("muloco"), make_replicator("sparseloco")
+    assert isinstance(muloco, DiLoCoReplicator) and isinstance(sparse, DiLoCoReplicator)
+    assert (muloco.inner_steps, muloco.outer_lr, muloco.outer_momentum) == (30, 0.7, 0.6)
+    assert muloco.exchange.values == "int4" and muloco.exchange.reduce == "scatter"
+    ex = sparse.exchange
+    assert (sparse.inner_steps, sparse.outer_lr, sparse.outer_momentum) == (30, 1.0, 0.0)
+    assert (ex.topk, ex.chunk, ex.values, ex.decay, ex.transform, ex.mean) == (
+        64, 64, "stat2", 0.95, "none", "senders")
+    # settings given with the name override, exchange settings merge into the preset's
+    other = make_replicator("sparseloco", inner_steps=10, exchange_kwargs={"topk": 128})
+    assert other.inner_steps == 10 and other.exchange.topk == 128
+    assert other.exchange.values == "stat2"
+    assert FRONTIER["sparseloco"]["exchange_kwargs"]["topk"] == 64  # the table is unchanged
+    with pytest.raises(ValueError, match="no setting 'topk'"):
+        make_replicator("sparseloco", topk=3)
+
+
+@pytest.mark.parametrize("preset", ["muloco", "sparseloco"])
+def test_presets_keep_replicas_identical_and_resume_bitwise(preset, tmp_path):
+    def run(sim, steps):
+        for s in steps:
+            sim.step([batch(r, s) for r in range(3)])
+
+    a = sim_of(preset, 3)
+    run(a, range(3))
+    assert a.identical()  # every replica restarts from the same global parameters
+    run(a, range(3, 4))
+    assert not a.identical()  # inner steps are local
+    torch.save(a.state_dict(), tmp_path / "sim.pt")
+    run(a, range(4, 9))
+    assert a.identical()
+    b = sim_of(preset, 3, seed=5)
+    b.load_state_dict(torch.load(tmp_path / "sim.pt", weights_only=False))
+    run(b, range(4, 9))
+    for ma, mb in zip(a.models, b.models):
+        assert all(torch.equal(p, q) for p, q in zip(ma.parameters(), mb.parameters()))
+    assert a.bytes_sent == b.bytes_sent and a.bytes_received == b.bytes_received
+
+
+@pytest.mark.parametrize("preset", ["muloco", "sparseloco"])
+def test_bytes_sent_and_received_are_exact_at_2_4_and_8_replicas(preset):
+    per_sync = {}
+    for n in (2, 4, 8):
+        sim = sim_of(preset, n)
+        for s in range(6):  # two syncs
+            sim.step([batch(r, s) for r in range(n)])
+        reps = [o.replicators[0] for o in sim.optimizers]
+        one = reps[0].exchange_bytes()  # one period: every fragment synced once
+        assert all(r.exchange_bytes() == one for r in reps)
+        assert sim.bytes_sent == [2 * one] * n and sim.bytes_received == [2 * one] * n
+        ex = reps[0].exchanges[0]
+        if preset == "sparseloco":  # an all-gather: n - 1 payloads of the exact size
+            assert one == (n - 1) * ex.payload_bytes()
+            assert ex.payload_bytes() == sparse_payload_bytes(ex)
+        per_sync[n] = one
+    if preset == "muloco":  # reduce-scatter: at most two payloads whatever the group size
+        assert per_sync[8] <= 2 * per_sync[2] * 1.1
+    else:  # a gather grows as n - 1 (issue: a flat path for sparse exchanges)
+        assert per_sync[8] == 7 * per_sync[2]
+
+
+def sparse_payload_bytes(ex: DeMoReplicator) -> int:
+    """The sparseloco wire format by hand: a 32-byte header, then per group of blocks
+    12-bit indices (64 x 64 blocks; fewer bits for smaller ones) and 2-bit codes of its values
+    with a bf16 codebook of 4 bin means per block, each segment 8-byte aligned."""
+    def aligned(x):
+        return x + -x % 8
+
+    body = 0
+    for g in ex.groups:
+        bits = (g.block_numel - 1).bit_length()
+        assert bits == (12 if g.block_numel == 4096 else bits)
+        body += aligned(-(-g.blocks * g.k * bits // 8))
+        body += aligned(2 * 4 * g.blocks + -(-g.blocks * g.k * 2 // 8))
+    return 32 + body

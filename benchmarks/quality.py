@@ -11,9 +11,12 @@ gradient all-reduce and against no synchronisation at all. Usage::
     python benchmarks/quality.py --quick --strategies adamw,demo --schedule constant --warmup 0
 
 Writes ``quality.json`` (every run with its validation curve, and the summary), ``quality.csv``
-(one row per replicas x strategy x lr) and ``quality.png`` (validation loss against steps of
-every strategy at its best lr, mean over seeds with the min-max band) to ``--out``, and prints
-the table. All strategies use the same batch per replica, so equal steps are equal tokens.
+(one row per replicas x strategy x lr), ``quality.png`` (validation loss against steps of
+every strategy at its best lr, mean over seeds with the min-max band) and ``frontier.png``
+(each strategy's loss against full sync with its own inner optimizer, against bytes per
+parameter per step, log scale) to ``--out``, and prints the table. ``--long`` is the field's
+horizon: the mini GPT at 5,000 steps on 2, 4 and 8 replicas. All strategies use the same
+batch per replica, so equal steps are equal tokens.
 """
 
 from __future__ import annotations
@@ -232,8 +235,9 @@ SETTINGS: dict[str, Setting] = {
                            {}, {"base_kwargs": {"betas": (0.9, 0.95)}}),
     # the frontier presets (flexdemo.replicate.frontier) with Muon or AdamW inner steps, and
     # their variants: one setting changed at a time
-    **{f"{preset}{tag}": Setting(f"the {preset!r} preset, {inner} inner steps{about}", preset,
-                                 inner, 1e-2 if inner == "muon" else 1e-3, kw)
+    **{f"{preset}{tag}": Setting(f"the {preset.split('-')[0]!r} preset, {inner} inner steps"
+                                 f"{about}", preset.split("-")[0], inner,
+                                 1e-2 if inner == "muon" else 1e-3, kw)
        for inner, tag0 in (("muon", ""), ("adamw", "-adamw"))
        for preset, tag1, about, kw in (
            ("muloco", "", "", {}),
@@ -246,6 +250,11 @@ SETTINGS: dict[str, Setting] = {
             {"exchange_kwargs": {"values": "stat2"}}),
            ("muloco", "-stat3", ", 3-bit codebook values",
             {"exchange_kwargs": {"values": "stat3"}}),
+           *((f"muloco{h}", f"-{v}-ef", f"{', H=' + h[2:] if h else ''}, {v} values with error "
+              "feedback (decay 0.9)",
+              {**({"inner_steps": int(h[2:])} if h else {}),
+               "exchange_kwargs": {"values": v, "error_feedback": 0.9}})
+             for h in ("", "-h60") for v in ("int2", "stat2", "int3")),
            ("sparseloco", "", "", {}),
            ("sparseloco", "-int2", ", int2 values (lo/hi per block)",
             {"exchange_kwargs": {"values": "int2"}}),
@@ -593,6 +602,45 @@ def plot(curves: dict, lrs: dict, path: Path, title: str) -> None:
     plt.close(fig)
 
 
+def frontier_plot(rows: list[dict], path: Path, title: str) -> None:
+    """Validation loss relative to full sync with the same inner optimizer against bytes per
+    parameter per step sent (log scale): every strategy at its best lr, one panel per replica
+    count; no-sync rows (nothing sent) as dotted lines."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    best = [r for r in rows if r["best_lr"] and r.get("vs_same") is not None
+            and math.isfinite(r["val_mean"])]
+    counts = sorted({r["replicas"] for r in best})
+    if not counts:
+        return
+    fig, axes = plt.subplots(1, len(counts), figsize=(6.5 * len(counts), 4.8), squeeze=False)
+    for ax, n in zip(axes[0], counts):
+        here = [r for r in best if r["replicas"] == n]
+        for r in here:
+            gap = 100 * (r["vs_same"] - 1)
+            if r["bytes_per_param_step"] <= 0:
+                ax.axhline(gap, linestyle=":", color="grey")
+                ax.annotate(r["strategy"], (1e-4, gap), fontsize=7, color="grey")
+                continue
+            inner = _inner(r["strategy"])
+            ax.scatter(r["bytes_per_param_step"], gap, marker="o" if inner == "muon" else "s",
+                       color="#31a354" if inner == "muon" else "#d62728")
+            ax.annotate(r["strategy"], (r["bytes_per_param_step"], gap), fontsize=7,
+                        xytext=(3, 3), textcoords="offset points")
+        ax.axhline(0, color="black", linewidth=0.8)
+        ax.set_xscale("log")
+        ax.set_xlabel("bytes per parameter per step sent (busiest rank)")
+        ax.set_ylabel("val loss vs full sync, same inner optimizer (%)")
+        ax.set_title(f"{n} replicas, best lr of each (circles: Muon inner, squares: AdamW)")
+        ax.grid(alpha=0.3, which="both")
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def _ratio(x: float | None) -> str:
     return f"{x:9.3f}" if x is not None else f"{'-':>9}"
 
@@ -600,7 +648,7 @@ def _ratio(x: float | None) -> str:
 def table(rows: list[dict]) -> str:
     """The summary rows as a printable table."""
     head = (f"{'N':>2} {'strategy':<24} {'lr':>8} {'val (mean±std)':>16} {'vs same':>9} "
-            f"{'vs best':>9} {'vs adamw':>9} {'vs nosync':>9} {'sent B/p/s':>10} "
+            f"{'vs best':>9} {'vs adamw':>9} {'vs muon':>9} {'vs nosync':>9} {'sent B/p/s':>10} "
             f"{'recv B/p/s':>10} {'tok/p':>6} {'s/run':>6}")
     lines = [head, "-" * len(head)]
     for r in rows:
@@ -609,13 +657,14 @@ def table(rows: list[dict]) -> str:
         lines.append(f"{r['replicas']:>2} {r['strategy']:<24} {r['lr']:>8.2g}{mark}{edge}"
                      f"{r['val_mean']:>8.4f}±{r['val_std']:.4f} {_ratio(r.get('vs_same'))} "
                      f"{_ratio(r.get('vs_best_full'))} {_ratio(r['vs_adamw'])} "
-                     f"{_ratio(r['vs_no_sync'])} {r['bytes_per_param_step']:>10.5f} "
+                     f"{_ratio(r['vs_muon'])} {_ratio(r['vs_no_sync'])} "
+                     f"{r['bytes_per_param_step']:>10.5f} "
                      f"{r.get('received_per_param_step', math.nan):>10.5f} "
                      f"{r.get('tokens_per_param', math.nan):>6.1f} {r['seconds']:>6.0f}")
     lines.append("* best lr of the strategy (lowest mean final val loss); ! best lr at the "
                  "edge of the grid; ratios: mean / best-lr mean of the best full sync with the "
-                 "same inner optimizer (vs same), of the best full sync (vs best), of adamw, of "
-                 "no-sync; bytes per parameter per step sent and received by the busiest rank; "
+                 "same inner optimizer (vs same), of the best full sync (vs best), of adamw, muon "
+                 "and no-sync; bytes per parameter per step sent and received by the busiest rank; "
                  "tok/p: tokens per parameter over all replicas")
     return "\n".join(lines)
 
@@ -778,8 +827,12 @@ def main(argv=None) -> dict:
     plot(curves, best_lrs, out / "quality.png",
          f"{args.model} GPT, {args.steps} steps, batch {args.batch}/replica, {args.schedule} "
          f"lr, warm-up {args.warmup:.0%}, data {args.data}, {args.seeds} seed(s)")
+    frontier_plot(rows, out / "frontier.png",
+                  f"{args.model} GPT, {args.steps} steps, batch {args.batch}/replica, "
+                  f"{args.seeds} seed(s): the byte frontier")
     print(table(rows))
-    print(f"wrote {out / 'quality.json'}, {out / 'quality.csv'}, {out / 'quality.png'}")
+    print(f"wrote {out / 'quality.json'}, {out / 'quality.csv'}, {out / 'quality.png'}, "
+          f"{out / 'frontier.png'}")
     return result
 
 

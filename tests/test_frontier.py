@@ -4,13 +4,23 @@ peers clipped to the median norm, error feedback, and the "muloco" and "sparselo
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from torch import nn
 
 from flexdemo import SimulatedReplicas
+from flexdemo.compress.quant import ValueCodec
 from flexdemo.inprocess import InProcessHub
-from flexdemo.replicate import FRONTIER, DeMoReplicator, DiLoCoReplicator, make_replicator
+from flexdemo.replicate import (
+    FRONTIER,
+    DeMoReplicator,
+    DiLoCoReplicator,
+    FullReplicator,
+    NonFiniteGradientError,
+    make_replicator,
+)
 from flexdemo.simulate import run_replicas
 
 CHUNK, K = 8, 5
@@ -207,3 +217,92 @@ def sparse_payload_bytes(ex: DeMoReplicator) -> int:
         body += aligned(-(-g.blocks * g.k * bits // 8))
         body += aligned(2 * 4 * g.blocks + -(-g.blocks * g.k * 2 // 8))
     return 32 + body
+
+
+def full_exchange(world: int, before=None, **kw) -> list:
+    """Two exchanges of ``grads_of(r)`` (the second scaled by 0.5) on ``world`` in-process
+    replicas with a quantised FullReplicator; per replica its outputs (or the error it
+    raised) and the replicator."""
+    hub = InProcessHub(world, timeout=30)
+
+    def work(r):
+        rep = FullReplicator(**kw)
+        rep.setup(SHAPES, torch.device("cpu"), hub.transport(r))
+        outs = []
+        for step in range(2):
+            grads = [g * (1.0 - 0.5 * step) for g in grads_of(r)]
+            if before is not None:
+                before(r, step, grads)
+            try:
+                outs.append(rep(grads, [1.0] * len(SHAPES), step))
+            except NonFiniteGradientError as e:
+                outs.append(e)
+        return outs, rep
+
+    return run_replicas(hub, work)
+
+
+@pytest.mark.parametrize("reduce", ["gather", "scatter"])
+def test_dense_error_feedback_sends_the_residual_and_keeps_the_rest(reduce):
+    decay, world = 0.9, 3
+    hub_out = full_exchange(world, values="int2", block=16, reduce=reduce,
+                            error_feedback=decay)
+    plain = full_exchange(world, values="int2", block=16, reduce=reduce)
+    flat = [[torch.cat([t.reshape(-1) for t in o]) for o in outs] for outs, _ in hub_out]
+    for r in range(1, world):  # bitwise one mean on every replica, at every step
+        assert all(torch.equal(a, b) for a, b in zip(flat[0], flat[r]))
+    x = [torch.cat([g.reshape(-1) for g in grads_of(r)]) for r in range(world)]
+    codec = ValueCodec("int2", 16)
+    for r, (_, rep) in enumerate(hub_out):
+        # step 0 sends Q(x); step 1 sends Q(decay * (x - Q(x)) + x / 2): the residual is what
+        # the encoding lost, carried over
+        e0 = x[r] - codec_round(codec, x[r], reduce, world)
+        acc = decay * e0 + 0.5 * x[r]
+        want = acc - codec_round(codec, acc, reduce, world)
+        torch.testing.assert_close(rep.residual, want, rtol=0, atol=1e-5)
+    # the second step's mean differs from the one without error feedback: the residual went in
+    plain_flat = torch.cat([t.reshape(-1) for t in plain[0][0][1]])
+    assert not torch.equal(flat[0][1], plain_flat)
+    err_ef = (flat[0][0] + flat[0][1] - 1.5 * torch.stack(x).mean(0)).norm()
+    err_plain = (torch.cat([t.reshape(-1) for t in plain[0][0][0]]) + plain_flat
+                 - 1.5 * torch.stack(x).mean(0)).norm()
+    assert err_ef < err_plain  # over two steps, error feedback tracks the sum better
+
+
+def codec_round(codec, values: torch.Tensor, reduce: str, world: int) -> torch.Tensor:
+    """``values`` through the first encoding of the exchange (chunked as the owners cut it
+    under reduce-scatter)."""
+    if reduce == "gather":
+        buf = torch.zeros(codec.nbytes(values.numel()), dtype=torch.uint8)
+        codec.encode(values, buf)
+        return codec.decode(buf, values.numel())
+    chunk = math.ceil(math.ceil(values.numel() / world) / codec.block) * codec.block
+    padded = torch.zeros(world * chunk)
+    padded[: values.numel()] = values
+    out = []
+    for c in range(world):
+        buf = torch.zeros(codec.nbytes(chunk), dtype=torch.uint8)
+        codec.encode(padded[c * chunk:(c + 1) * chunk], buf)
+        out.append(codec.decode(buf, chunk))
+    return torch.cat(out)[: values.numel()]
+
+
+def test_a_failed_step_leaves_the_residual_holding_its_input():
+    """Step 1 fails on every replica (a NaN on rank 1): each adds back what it sent, so a
+    good rank's residual holds its step's input on top of the decayed residual, and the bad
+    rank's residual is as before the step (its input is not taken in)."""
+    decay, world = 0.5, 2
+
+    def nan_at_step_1_on_rank_1(r, step, grads):
+        if r == 1 and step == 1:
+            grads[0][0, 0] = float("nan")
+
+    out = full_exchange(world, before=nan_at_step_1_on_rank_1, values="int4", block=16,
+                        error_feedback=decay)
+    codec = ValueCodec("int4", 16)
+    for r, (outs, rep) in enumerate(out):
+        assert isinstance(outs[1], NonFiniteGradientError) and outs[1].ranks == [1]
+        x = torch.cat([g.reshape(-1) for g in grads_of(r)])
+        e0 = x - codec_round(codec, x, "gather", world)
+        want = decay * e0 + 0.5 * x if r == 0 else e0
+        torch.testing.assert_close(rep.residual, want, rtol=0, atol=1e-6)

@@ -311,3 +311,31 @@ def test_muon_family_settings_run(quality, strategy):
     if setting.replicator == "demo":
         assert run["identical"]  # the decoded mean is the same on every replica
         assert 0 < run["bytes_per_param_step"] < 0.05
+
+
+def test_each_row_against_full_sync_with_its_own_inner_optimizer_and_the_best(quality,
+                                                                              tmp_path):
+    runs = [_run("adamw", 1e-3, 0, 2.0), _run("adamw-b95-wd", 1e-3, 0, 1.9),
+            _run("muon", 1e-2, 0, 1.6), _run("muon-wd", 1e-2, 0, 1.5),
+            _run("sparseloco", 1e-2, 0, 1.65), _run("muloco-adamw", 1e-3, 0, 2.09)]
+    runs[4]["received_per_param_step"] = 0.001
+    rows = {r["strategy"]: r for r in quality.summarize(runs)}
+    # Muon inner steps: against the best full-sync Muon (muon-wd); AdamW's against AdamW's
+    assert rows["sparseloco"]["vs_same"] == pytest.approx(1.65 / 1.5)
+    assert rows["sparseloco"]["ref_same"] == "muon-wd"
+    assert rows["muloco-adamw"]["vs_same"] == pytest.approx(2.09 / 1.9)
+    assert rows["muloco-adamw"]["ref_same"] == "adamw-b95-wd"
+    assert rows["muloco-adamw"]["vs_best_full"] == pytest.approx(2.09 / 1.5)
+    assert rows["sparseloco"]["received_per_param_step"] == pytest.approx(0.001)
+    printed = quality.table(list(rows.values()))
+    assert "vs same" in printed and "recv B/p/s" in printed
+    quality.frontier_plot(list(rows.values()), tmp_path / "f.png", "t")
+    assert (tmp_path / "f.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_long_mode_is_the_mini_gpt_at_5000_steps_on_2_4_and_8_replicas(quality, capsys):
+    args = quality.parse_args(["--long", "--strategies", "muon,sparseloco"])
+    assert (args.model, args.steps, args.replicas) == ("mini", 5000, [2, 4, 8])
+    with pytest.raises(SystemExit):
+        quality.parse_args(["--long", "--quick"])
+    assert "choose one" in capsys.readouterr().err

@@ -85,6 +85,15 @@ class FullReplicator(Replicator):
     two payloads per rank whatever the group size, for a second rounding of the mean. It pays
     from 3 replicas on (at 2 both send one payload); it needs a transport with an all-to-all.
 
+    ``error_feedback`` (quantised formats; default None: off) keeps on each replica what its
+    quantisation lost: ``residual = error_feedback * residual + input``, the residual is
+    encoded and sent, and what the peers will decode of it is subtracted (its first encoding:
+    under ``reduce="scatter"`` the owner's second rounding of the mean is not fed back). A
+    decay of 1.0 is classic error feedback; a lower one forgets old residuals. The residual is
+    per-replica state (checkpointed per rank, zeroed for a joiner); a step that fails on every
+    replica adds back what it sent, so the residual then holds the input as if it had not
+    been sent.
+
     Received low-precision payloads are checked (header, finite values: an fp16 overflow or a
     corrupt peer): a bad one raises :class:`CorruptPayloadError` naming the sender on every
     replica, or with ``on_bad_peer="drop"`` is left out of the mean on every replica and
@@ -99,9 +108,22 @@ class FullReplicator(Replicator):
     fault_tolerant = True
 
     def __init__(self, values: str = "fp32", block: int = 128, *, reduce: str = "gather",
-                 on_bad_peer: str = "raise", **schedule) -> None:
+                 error_feedback: float | None = None, on_bad_peer: str = "raise",
+                 **schedule) -> None:
         super().__init__(**schedule)
         self.codec = ValueCodec(values, block)  # validates
+        if error_feedback is not None and (
+                isinstance(error_feedback, bool) or not isinstance(error_feedback, (int, float))
+                or not 0.0 < error_feedback <= 1.0):
+            raise ValueError(f"error_feedback must be None (off) or a decay in (0, 1], got "
+                             f"{error_feedback!r}")
+        if error_feedback is not None and values == "fp32":
+            raise ValueError("error_feedback is for quantised values (bf16, fp16, int8, int4, "
+                             "int3, int2, stat3, stat2): fp32 loses nothing; leave it out")
+        self.error_feedback = None if error_feedback is None else float(error_feedback)
+        if self.error_feedback is not None:  # per-replica state: the residual
+            self.keeps_replica_state = True
+            self.state_tensor_keys = ("residual",)
         if on_bad_peer not in ("raise", "drop"):
             raise ValueError(f"on_bad_peer must be 'raise' or 'drop', got {on_bad_peer!r}")
         if reduce not in ("gather", "scatter"):
@@ -120,6 +142,8 @@ class FullReplicator(Replicator):
         parts = [] if self.values == "fp32" else [f"values={self.values!r}"]
         if self.reduce != "gather":
             parts.append(f"reduce={self.reduce!r}")
+        if self.error_feedback is not None:
+            parts.append(f"error_feedback={self.error_feedback}")
         return ", ".join(parts)
 
     def _group_resized(self) -> None:
@@ -141,6 +165,9 @@ class FullReplicator(Replicator):
             nbytes += -nbytes % 8  # rows of the gathered tensor stay 8-byte aligned
             self._bucket = torch.zeros(nbytes, dtype=torch.uint8, device=self.device)
         self.layout = FlatLayout(self._local_shapes, self.device, flat)
+        self.residual = None if self.error_feedback is None else torch.zeros(
+            self._total, dtype=torch.float32, device=self.device)
+        self._decay = torch.tensor(self.error_feedback or 1.0, device=self.device)
 
     def payload_bytes(self) -> int:
         """Bytes this rank contributes to one exchange (flags and headers included)."""
@@ -180,6 +207,10 @@ class FullReplicator(Replicator):
         layout = self.layout
         layout.fill(grads)
         flag, code = self.agreement.local([layout.flat], grads)
+        if self.residual is not None:  # the residual plus the input is what is sent
+            self.residual.mul_(torch.where(flag, 1.0, self._decay))
+            self.residual.add_(torch.where(flag, 0.0, layout.flat))
+            layout.flat.copy_(self.residual)
         if self._scatter is not None:
             handle = self._scatter.start(step, flag, code, self.transport, self.stats)
         elif self.values == "fp32":
@@ -189,11 +220,33 @@ class FullReplicator(Replicator):
             write_header(self._bucket, step, flag, code)
             self.codec.encode(layout.flat, self._bucket[HEADER_BYTES:])
             handle = all_gather(self._bucket, self.transport, self.stats, async_op=True)
+        self._feed_back(-1.0)  # residual -= what the peers will decode of it
         return ("exchange", grads, handle, step, code)
+
+    def _sent(self) -> torch.Tensor:
+        """This rank's encoded payload as the peers decode it (``total`` values)."""
+        if self._scatter is not None:
+            sx = self._scatter
+            return sx.codec.decode(sx.send[:, HEADER_BYTES:], sx.chunk).reshape(-1)[
+                : self._total]
+        return self.codec.decode(self._bucket[HEADER_BYTES:], self._total)
+
+    def _feed_back(self, sign: float) -> None:
+        """Error feedback: add ``sign`` times what this rank sent to its residual (-1 after
+        encoding; +1 undoes it after a step that failed on every replica)."""
+        if self.residual is not None:
+            self.residual.add_(self._sent(), alpha=sign)
 
     def _finish(self, pending):
         if pending[0] == "local":
             return pending[1]
+        try:
+            return self._finish_exchange(pending)
+        except BaseException:
+            self._feed_back(1.0)  # nothing was applied: the residual keeps what was sent
+            raise
+
+    def _finish_exchange(self, pending):
         _, grads, handle, step, code = pending
         flat = self.layout.flat
         if self._scatter is not None:
@@ -252,12 +305,25 @@ class FullReplicator(Replicator):
             flat.div_(len(good))
 
     # ------------------------------------------------------------------ state
+    def reset_replica_state(self) -> None:
+        if self.residual is not None:
+            self.residual.zero_()
+
     def state_dict(self) -> dict:
         sd = super().state_dict()
         sd["dropped_payloads"] = self.dropped_payloads
+        if self.residual is not None:
+            sd["residual"] = [self.residual.clone()]
         return sd
 
     def load_state_dict(self, state: dict) -> None:
+        if self.residual is not None:
+            theirs = state.get("residual")
+            if not theirs or theirs[0].shape != self.residual.shape:
+                raise ValueError(f"{self.name}: the state has no error-feedback residual of "
+                                 f"{self._total} values (saved without error_feedback, or "
+                                 "for another model?)")
+            self.residual.copy_(theirs[0])
         super().load_state_dict(state)
         self.dropped_payloads = int(state.get("dropped_payloads", 0))
 

@@ -159,13 +159,16 @@ def test_presets_are_diloco_with_their_documented_settings():
         make_replicator("sparseloco", topk=3)
 
 
-@pytest.mark.parametrize("preset", ["muloco", "sparseloco"])
-def test_presets_keep_replicas_identical_and_resume_bitwise(preset, tmp_path):
+EF2 = {"exchange_kwargs": {"values": "int2", "error_feedback": 0.9}}
+
+
+@pytest.mark.parametrize("preset,kw", [("muloco", {}), ("sparseloco", {}), ("muloco", EF2)])
+def test_presets_keep_replicas_identical_and_resume_bitwise(preset, kw, tmp_path):
     def run(sim, steps):
         for s in steps:
             sim.step([batch(r, s) for r in range(3)])
 
-    a = sim_of(preset, 3)
+    a = sim_of(preset, 3, **kw)
     run(a, range(3))
     assert a.identical()  # every replica restarts from the same global parameters
     run(a, range(3, 4))
@@ -173,7 +176,7 @@ def test_presets_keep_replicas_identical_and_resume_bitwise(preset, tmp_path):
     torch.save(a.state_dict(), tmp_path / "sim.pt")
     run(a, range(4, 9))
     assert a.identical()
-    b = sim_of(preset, 3, seed=5)
+    b = sim_of(preset, 3, seed=5, **kw)
     b.load_state_dict(torch.load(tmp_path / "sim.pt", weights_only=False))
     run(b, range(4, 9))
     for ma, mb in zip(a.models, b.models):

@@ -122,7 +122,7 @@ def check_train(precision: str, replicator: str, optimizer: str, lr: float, **kw
         demos = [x for x in [rep, getattr(rep, "then", None), *getattr(rep, "exchanges", [])]
                  if hasattr(x, "_graphs")]
         if demos and (kw.get("replicator_kwargs") or {}).get("graphs", "auto"):
-            captured = sum(len(x._graphs) for x in demos)
+            captured = sum(len(x.step_graphs.captured) for x in demos)
             ok = ok and captured > 0
             note += f"; {captured} CUDA graphs captured"
         return ok, summary(r) + note

@@ -272,6 +272,11 @@ SETTINGS: dict[str, Setting] = {
            ("sparseloco", "-d1", ", error-feedback decay 1.0", {"exchange_kwargs": {"decay": 1.0}}),
            ("sparseloco", "-nest", ", outer Nesterov 0.7 / 0.6 over error feedback 0.95",
             {"outer_lr": 0.7, "outer_momentum": 0.6}),
+           # the same bytes split differently: sparser and more often
+           *(("sparseloco", f"-h{h}-k{k}", f", H={h}, top-{k}",
+              {"inner_steps": h, "exchange_kwargs": {"topk": k}})
+             for h, k in ((5, 8), (10, 16), (15, 32), (5, 32), (10, 64), (15, 128),
+                          (10, 128), (5, 64))),
        )
        for tag in (tag1 + tag0,)},
 }

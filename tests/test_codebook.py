@@ -1,5 +1,5 @@
 """The int3 / int2 dense codecs and the statistical codebooks (stat3 / stat2, dense and sparse
-blocks) of flexdemo.compress.quant."""
+blocks) of flexdemo.compress.quant and flexdemo.compress.blocks."""
 
 import math
 
@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from flexdemo.compress.bits import pack_bits, unpack_bits
-from flexdemo.compress.quant import BlockValueCodec, ValueCodec
+from flexdemo.compress.blocks import BlockValueCodec
+from flexdemo.compress.quant import ValueCodec
 
 SENTINEL = 0xA5
 DENSE = ["int2", "int3", "stat2", "stat3"]

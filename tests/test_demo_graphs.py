@@ -37,7 +37,7 @@ def _same(a, b):
 def test_graphs_have_no_effect_off_cuda():
     graphed, a = _run("cpu", graphs=True)
     eager, b = _run("cpu", graphs=False)
-    assert not graphed._graphs
+    assert not graphed.step_graphs.captured
     # staging="auto" stays direct where there are no graphs
     assert any(s.direct for g in graphed.groups for s in g.segments)
     assert all(_same(x, y) for x, y in zip(a, b))
@@ -80,7 +80,7 @@ def test_graphs_equal_eager_on_cuda(kw):
     # 12 steps: the delayed mode alternates two payload buffers, a graph each
     graphed, a = _run("cuda", steps=12, graphs=True, **kw)
     eager, b = _run("cuda", steps=12, graphs=False, **kw)
-    kinds = {key[0] for key in graphed._graphs}
+    kinds = {key[0] for key in graphed.step_graphs.captured}
     # captured, and replayed from step 3 on (the delayed mode's check and decode leave bad
     # peers out on the device)
     want = {"fill", "check-kept", "decode-kept"} if kw.get("overlap") else {
@@ -119,7 +119,7 @@ def _corrupt_run(device, graphs):
 
 def test_corrupt_peer_named_with_graphs_off_cuda():
     rep, msg, _ = _corrupt_run("cpu", True)
-    assert "non-finite" in msg and not rep._graphs
+    assert "non-finite" in msg and not rep.step_graphs.captured
 
 
 @pytest.mark.skipif(not CUDA, reason="CUDA graphs need a CUDA device (torch.cuda.is_available)")
@@ -127,7 +127,7 @@ def test_graphs_name_a_corrupt_peer_on_cuda():
     """After the check's graph is captured: the same error and the same rolled-back momentum
     as eager CUDA."""
     rep, msg, delta = _corrupt_run("cuda", True)
-    assert any(key[0] == "check" for key in rep._graphs)
+    assert any(key[0] == "check" for key in rep.step_graphs.captured)
     _, eager_msg, eager_delta = _corrupt_run("cuda", False)
     assert msg == eager_msg
     assert all(torch.equal(x, y) for x, y in zip(delta, eager_delta))
@@ -173,7 +173,7 @@ def test_delayed_mode_leaves_a_corrupt_peer_out_then_names_it(device, monkeypatc
     assert none is None and "rank 1" in err and "step 5" in err and "non-finite" in err
     assert all(_same(a, b) for a, b in zip(outs, clean))
     if device == "cuda":
-        assert {"check-kept", "decode-kept"} <= {key[0] for key in rep._graphs}
+        assert {"check-kept", "decode-kept"} <= {key[0] for key in rep.step_graphs.captured}
         _, eager, eager_err = _delayed_corrupt_run(device, False, monkeypatch)
         assert eager_err == err and all(_same(a, b) for a, b in zip(outs, eager))
 
@@ -200,4 +200,4 @@ def test_delayed_optimizer_step_does_not_synchronise():
         finally:
             torch.cuda.set_sync_debug_mode("default")
         opt.zero_grad()
-    assert any(key[0] == "check-kept" for key in opt.replicators[0]._graphs)
+    assert any(key[0] == "check-kept" for key in opt.replicators[0].step_graphs.captured)

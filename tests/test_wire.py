@@ -9,7 +9,7 @@ from torch import nn
 
 from flexdemo import DeToNATION
 from flexdemo.compress.bits import pack_bits, packed_nbytes, unpack_bits
-from flexdemo.compress.quant import BLOCK_FORMATS, BlockValueCodec
+from flexdemo.compress.blocks import BLOCK_FORMATS, BlockValueCodec
 from flexdemo.replicate import CorruptPayloadError, DeMoReplicator
 
 
@@ -287,12 +287,12 @@ def test_block_codec_decodes_rows_at_once(fmt):
 
 def test_a_value_format_is_one_registry_entry(monkeypatch):
     """A format registered in BLOCK_CODECS is usable by DeMo with no other edit."""
-    from flexdemo.compress import quant
+    from flexdemo.compress import blocks
 
-    class Halves(quant._FloatBlocks):  # fp16 under another name
+    class Halves(blocks._FloatBlocks):  # fp16 under another name
         dtype = torch.float16
 
-    monkeypatch.setitem(quant.BLOCK_CODECS, "halves", Halves)
+    monkeypatch.setitem(blocks.BLOCK_CODECS, "halves", Halves)
     codec = BlockValueCodec("halves")
     assert isinstance(codec, Halves) and codec.fmt == "halves"
     torch.manual_seed(0)

@@ -6,6 +6,11 @@ largest-magnitude coefficients of every block; subtract what is sent (as the pee
 it) from ``delta`` (error feedback); all-gather the (index, value) pairs of all tensors in one
 bucket; decode the true mean over the replicas (sum in replica order, divided by the number of
 contributions: every replica computes the same bits); optionally apply ``sign()``.
+``mean="senders"`` divides each coefficient by the number of replicas that sent it a non-zero
+value rather than by all of them (what one replica alone sends is then not diluted), and
+``clip="median"`` first scales every replica's payload down to the median of the replicas'
+norms (an outsized update weighs no more than a typical one); both are decided on the device,
+the same bits on every replica.
 ``transform="none"`` keeps the blocks but skips the DCT: plain per-block top-k.
 ``transform_dtype="bf16"`` runs the forward transform's products in bf16 (about 2^-8 relative
 error per coefficient, several times faster where the hardware has bf16 products); the
@@ -66,12 +71,18 @@ replicas share one stream from several threads, which a capture cannot).
 **Wire format** (one bucket per step): a 32-byte header (magic and version, step, non-finite
 flag, presence code); then per group the block-local indices of all its blocks packed at
 ``ceil(log2(block entries))`` bits (12 for 64 x 64 blocks) and their values in the ``values``
-format of :class:`~flexdemo.compress.quant.BlockValueCodec` (``fp32``, ``bf16``, ``fp16``,
+format of :class:`~flexdemo.compress.blocks.BlockValueCodec` (``fp32``, ``bf16``, ``fp16``,
 ``int8`` with a scale per block, ``int2``, or ``sign`` with a magnitude per block), each
 segment 8-byte aligned. :meth:`payload_bytes` is the exact size.
 
 **Collectives.** ``bucket=True``: one all-gather per step; ``False``: every tensor is its own
 group and has its own all-gather, plus one for the header (for comparison).
+``reduce="scatter"`` replaces the all-gather, whose bytes per rank grow as ``n - 1``
+payloads, by a reduce-scatter over block owners (:mod:`.scatter`): each rank sends the part of
+its selection in the blocks that rank ``c`` owns to ``c`` (one all-to-all), each owner takes
+the mean of its blocks (as ``mean`` says), keeps its top ``topk`` per block and codes it
+again, and the owners' parts are all-gathered: about two payloads per rank whatever the group
+size, for a second selection whose drop is not fed back (no owner-side state).
 ``overlap="delayed"`` launches each step's all-gather asynchronously and applies it one step
 later, so the exchange runs behind the next forward and backward: the update applied at step
 ``t`` is the replicas' mean of what they sent at step ``t - 1`` (zero at step 0). Default
@@ -88,7 +99,8 @@ step after the payload is applied without it).
 :mod:`.layout` units, groups of blocks, staging and output views, payload offsets;
 :mod:`.staging` the step's plan and the copies in and out; :mod:`.graphs` CUDA graphs and the
 compiled selection; :mod:`.checks` the checks of received payloads and the delayed verdict;
-:mod:`.decode` the inverse transform and the peers' mean; :mod:`.state` checkpoints;
+:mod:`.decode` the inverse transform and the peers' mean; :mod:`.scatter` the
+reduce-scatter by block owners; :mod:`.state` checkpoints;
 :mod:`.replicator` :class:`DeMoReplicator`, whose :meth:`~DeMoReplicator.replicate` is the
 algorithm.
 """

@@ -11,7 +11,7 @@ from collections.abc import Callable
 import torch
 
 from ...compress.bits import unpack_bits
-from ...compress.quant import BlockValueCodec
+from ...compress.blocks import BlockValueCodec
 from ..base import HEADER_BYTES, MAGIC, check_flags, header_problems
 from .layout import Group
 from .staging import StepPlan

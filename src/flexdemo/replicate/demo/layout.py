@@ -11,8 +11,8 @@ import torch
 
 from ...compress import BlockDCT, ChunkPlan, Scratch, plan_chunks
 from ...compress.bits import packed_nbytes
+from ...compress.blocks import BlockValueCodec
 from ...compress.dct import BatchedDCT, block_rows
-from ...compress.quant import BlockValueCodec
 from ..base import HEADER_BYTES
 
 

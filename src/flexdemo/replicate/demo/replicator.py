@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from ...compress.bits import pack_bits
-from ...compress.quant import BlockValueCodec
+from ...compress.blocks import BlockValueCodec
 from ...compress.select import topk_blocks_rowmajor
 from ...transport import Pending, all_gather
 from ..base import HEADER_BYTES, Replicator, write_header, zero_where
@@ -16,6 +16,7 @@ from .checks import VerdictToHost, check_payloads, good_peers, kept_peers
 from .decode import blocks_into_image, clip_to_median_norm, decode_mean, dense_inverse
 from .graphs import CompiledSelection, StepGraphs
 from .layout import BlockLayout, Group
+from .scatter import SparseScatter
 from .settings import PRESETS, TRANSFORM_DTYPES, check_settings
 from .staging import MomentumRun, Sent, Staging, StepPlan
 
@@ -43,18 +44,19 @@ class DeMoReplicator(Replicator):
     def __init__(self, topk: int = 16, chunk: int = 64, decay: float = 0.999, *,
                  sign: bool = True, scale_by_lr: bool = True, values: str = "int2",
                  transform: str = "dct", transform_dtype: str = "fp32", small: str = "batch",
-                 small_numel: int | None = None,
-                 bucket: bool = True, overlap: str = "none", on_bad_peer: str = "raise",
+                 small_numel: int | None = None, bucket: bool = True, overlap: str = "none",
+                 on_bad_peer: str = "raise",
                  compile: bool = False, graphs: bool | str = "auto", staging: str = "auto",
-                 mean: str = "replicas", clip: str = "none", **schedule) -> None:
+                 mean: str = "replicas", clip: str = "none", reduce: str = "gather",
+                 **schedule) -> None:
         super().__init__(**schedule)
         graphs = check_settings(
             topk=topk, chunk=chunk, decay=decay, values=values, transform=transform,
             transform_dtype=transform_dtype, small=small, small_numel=small_numel,
             bucket=bucket, overlap=overlap, on_bad_peer=on_bad_peer, compile=compile,
-            graphs=graphs, staging=staging, mean=mean, clip=clip,
+            graphs=graphs, staging=staging, mean=mean, clip=clip, reduce=reduce,
             every_step=self.replicate_every == 1 and not self.skip_every)
-        self.mean, self.clip = mean, clip
+        self.mean, self.clip, self.reduce = mean, clip, reduce
         self.topk, self.chunk, self.decay = topk, chunk, float(decay)
         self.sign, self.scale_by_lr, self.values = sign, scale_by_lr, values
         self.transform, self.transform_dtype, self.small = transform, transform_dtype, small
@@ -89,7 +91,8 @@ class DeMoReplicator(Replicator):
             ("small", self.small, "batch"), ("bucket", self.bucket, True),
             ("overlap", self.overlap, "none"), ("compile", self.compile, False),
             ("graphs", self.graphs, "auto"), ("staging", self.staging, "auto"),
-            ("mean", self.mean, "replicas"), ("clip", self.clip, "none")) if v != d)
+            ("mean", self.mean, "replicas"), ("clip", self.clip, "none"),
+            ("reduce", self.reduce, "gather")) if v != d)
         return (f"topk={self.topk}, chunk={self.chunk}, decay={self.decay}, "
                 f"values={self.values!r}, sign={self.sign}{extra}")
 
@@ -107,11 +110,9 @@ class DeMoReplicator(Replicator):
     @property
     def _stages_through_images(self) -> bool:
         """Every unit staged through its image (``staging="image"``; ``"auto"``: under CUDA
-        graphs, below 500k entries per tensor): the gradients' copies in and out are
-        contiguous (a few multi-tensor launches instead of a strided copy per tensor), and the
-        permutation into block rows is one gather per group, inside the graphs. It costs more
-        GPU time than the strided copies (a gather and a second pass), so it pays where the
-        host's launches bound the step: shards."""
+        graphs, below 500k entries per tensor): contiguous copies in and out and one gather
+        per group into block rows, inside the graphs; more GPU time than strided copies, so
+        it pays where the host's launches bound the step (shards)."""
         if self.staging == "auto":  # where a graphed step is bound by the host's launches
             numel = sum(s.numel() for s in self._local_shapes)
             return self._graphed and numel < IMAGE_NUMEL * len(self._local_shapes)
@@ -147,11 +148,9 @@ class DeMoReplicator(Replicator):
         self._expected_step = torch.zeros((), dtype=torch.int64, device=self.device)
         self._verdict_to_host = VerdictToHost()
         self._pending: tuple | None = None  # (step, presence code, host rows, CUDA event)
-
-    @property
-    def _graphs(self) -> dict:
-        """The captured CUDA graphs by key (the key's first entry names the stage)."""
-        return self.step_graphs.captured
+        # reduce="scatter": its buffers per group size, and those the encode packs into
+        self._scatters: dict[int, SparseScatter] = {}
+        self._parts: SparseScatter | None = None
 
     @property
     def delta(self) -> list[torch.Tensor]:
@@ -161,8 +160,22 @@ class DeMoReplicator(Replicator):
         return [u.momentum for u in self.units]
 
     def payload_bytes(self) -> int:
-        """Bytes this rank contributes to one exchange (header and alignment included)."""
-        return self.bucket_bytes
+        """Bytes this rank contributes to one exchange (header and alignment included;
+        ``reduce="scatter"``: its ``n`` parts and its owner part)."""
+        sx = self._scattered()
+        return self.bucket_bytes if sx is None else sx.payload_bytes()
+
+    def exchange_bytes(self) -> int:
+        sx = self._scattered()  # reduce="scatter": an all-to-all, then an all-gather
+        return super().exchange_bytes() if sx is None else sx.exchange_bytes()
+
+    def _scattered(self) -> SparseScatter | None:
+        """``reduce="scatter"`` over several ranks: its buffers for the group's size."""
+        if self.reduce == "scatter" and self.world > 1 and self.world not in self._scatters:
+            self._scatters[self.world] = SparseScatter(
+                self.layout, self.codec, self.world, senders=self.mean == "senders",
+                name=self.name)
+        return self._scatters.get(self.world)  # filled under reduce="scatter" only
 
     def _graph_or_run(self, key: tuple, fn):
         """``fn()`` through a CUDA graph for ``key`` when graphed, else eagerly."""
@@ -198,6 +211,8 @@ class DeMoReplicator(Replicator):
         payloads of the step before (:meth:`_replicate_delayed`)."""
         if self.overlap == "delayed":
             return self._replicate_delayed(grads, lrs, step)
+        if self.reduce == "scatter" and communicate:  # block owners reduce (.scatter)
+            return self._replicate_scattered(grads, lrs, step)
         plan = self._plan_step(grads, lrs)
         buf = self._buckets[0]
         # decay + encode, select, code, error feedback: this rank's payload
@@ -211,6 +226,23 @@ class DeMoReplicator(Replicator):
             raise
         # decode the mean of the good payloads, inverse DCT, sign, write into the gradients
         self._write_mean(decoded, good, plan, plan, grads)
+        return grads
+
+    def _replicate_scattered(self, grads, lrs, step):
+        """A communicating step of ``reduce="scatter"`` (:class:`~.scatter.SparseScatter`)."""
+        plan, ex = self._plan_step(grads, lrs), self._scattered()
+        assert ex is not None, "reduce='scatter' communicates over several ranks"
+        self._parts = ex  # the encode packs into the owners' parts
+        try:  # decay + encode, select, error feedback
+            sent = self._encode_payload(grads, lrs, step, ex.bucket)
+        finally:
+            self._parts = None
+        try:
+            mean = ex.exchange(plan, step, self.transport, self.stats, self.bad_peer)
+        except Exception:
+            self._undo_error_feedback(sent)
+            raise
+        ex.write_mean(mean, plan, grads, self.staging_plans, sign=self.sign)
         return grads
 
     def _replicate_delayed(self, grads, lrs, step):
@@ -329,6 +361,8 @@ class DeMoReplicator(Replicator):
                       buf: torch.Tensor) -> torch.Tensor:
         """Pack the indices and code the values into the group's segments of ``buf``;
         returns the values as the peers will decode them."""
+        if self._parts is not None:  # reduce="scatter": into the owners' parts instead
+            return self._parts.pack(g, idx, vals)
         pack_bits(idx, g.bits, buf[g.idx_off: g.val_off])
         return self.codec.encode(vals, buf[g.val_off: g.end])
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ...compress.quant import BLOCK_CODECS
+from ...compress.blocks import BLOCK_CODECS
 
 PRESETS: dict[str, dict] = {
     "default": {},
@@ -17,7 +17,8 @@ TRANSFORM_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 def check_settings(*, topk, chunk, decay, values, transform, transform_dtype, small,
                    small_numel, bucket, overlap, on_bad_peer, compile, graphs, staging,
-                   mean="replicas", clip="none", every_step: bool) -> bool | str:
+                   mean="replicas", clip="none", reduce="gather",
+                   every_step: bool) -> bool | str:
     """Raise ValueError for a bad setting (``every_step``: the schedule communicates every
     step); returns ``graphs`` resolved (``"auto"`` is off when the selection is compiled)."""
     if not isinstance(topk, int) or isinstance(topk, bool) or topk < 1:
@@ -59,9 +60,31 @@ def check_settings(*, topk, chunk, decay, values, transform, transform_dtype, sm
     if clip not in ("none", "median"):
         raise ValueError(f"clip must be 'none' or 'median' (each peer's contribution clipped "
                          f"to the median of the peers' norms), got {clip!r}")
+    _check_reduce(reduce, bucket=bucket, overlap=overlap, on_bad_peer=on_bad_peer, clip=clip)
     if graphs == "auto":  # on CUDA, unless the selection is compiled
         graphs = "auto" if not compile else False
     if graphs is True and compile:
         raise ValueError("graphs=True and compile=True do not combine: the CUDA graphs "
                          "replay the eager selection; choose one")
     return graphs
+
+
+def _check_reduce(reduce, *, bucket, overlap, on_bad_peer, clip) -> None:
+    """``reduce``: ``"gather"``, or ``"scatter"`` where the other settings allow it."""
+    if reduce not in ("gather", "scatter"):
+        raise ValueError(f"reduce must be 'gather' (all-gather of the payloads) or 'scatter' "
+                         f"(reduce-scatter by block owners), got {reduce!r}")
+    if reduce != "scatter":
+        return
+    if overlap == "delayed":
+        raise ValueError("reduce='scatter' does not run with overlap='delayed'; use "
+                         "overlap='none' or reduce='gather'")
+    if not bucket:
+        raise ValueError("reduce='scatter' needs bucket=True (one exchange of all groups)")
+    if on_bad_peer == "drop":
+        raise ValueError("on_bad_peer='drop' needs reduce='gather' (with reduce='scatter' "
+                         "an owner could drop a peer from its blocks only); use "
+                         "on_bad_peer='raise'")
+    if clip != "none":
+        raise ValueError("clip='median' needs reduce='gather' (an owner sees only its blocks "
+                         "of each peer, not the peer's norm); use clip='none'")

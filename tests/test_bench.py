@@ -33,7 +33,7 @@ def test_options_defaults_and_preset():
     assert o.strategies == ["flexdemo", "demo-dp", "hsdp-adamw", "no-sync"]
     assert o.bandwidths == ["10mbit", "100mbit", "1gbit"] and o.nodes * o.ranks_per_node == 4
     main = bench_options(preset="main")
-    assert main.strategies == ["flexdemo", "muloco", "hsdp-adamw"]
+    assert main.strategies == ["flexdemo", "muloco", "hsdp-muon", "hsdp-adamw"]
     assert main.bandwidths == ["100mbit"]
     assert main.base["task"]["name"] == "gpt" and main.out == "runs/main"
     assert bench_options(preset="main", steps=7).steps == 7
@@ -264,3 +264,14 @@ def test_one_strategy_table_for_bench_example_and_wire_benchmark():
     # the bench's configs follow the table
     o = bench_options(strategies="flexdemo,diloco")
     assert run_config(o, "diloco", "x")["strategy"] == TABLE["diloco"].settings()
+
+
+def test_comparisons_of_the_muon_family_against_full_sync_muon():
+    rows = [_fake("hsdp-adamw", "100mbit", 3.0, 0.5, 0.2, 1e6),
+            _fake("hsdp-muon", "100mbit", 2.5, 0.5, 0.2, 1e6),
+            _fake("muloco", "100mbit", 2.6, 0.3, 0.01, 1e4),
+            _fake("flexdemo", "100mbit", 2.9, 0.3, 0.01, 1e4)]
+    lines = comparison_lines(rows, "hsdp-muon", {"muloco"})
+    assert lines[0] == "muloco vs hsdp-muon @ 100mbit:"
+    assert not any(line.startswith("flexdemo vs") for line in lines)
+    assert "(+4.0%)" in lines[1]

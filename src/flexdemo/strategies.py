@@ -106,6 +106,14 @@ STRATEGIES: dict[str, Strategy] = {
         "MuLoCo: DiLoCo with Muon inner steps, plain averaging every 20 steps, int4 exchange",
         "diloco", "muon", 1e-2, {"inner_steps": 20, "exchange_kwargs": {"values": "int4"}},
         color="#31a354"),
+    # the byte frontier's presets (flexdemo.replicate.frontier) with Muon inner steps
+    "muloco-preset": Strategy(
+        "the 'muloco' preset: DiLoCo with Muon inner steps, int4 mean by reduce-scatter every "
+        "30 steps, outer Nesterov 0.7 / 0.6", "muloco", "muon", 1e-2, color="#74c476"),
+    "sparseloco": Strategy(
+        "the 'sparseloco' preset: DiLoCo with Muon inner steps, the top 64 of each 64x64 block "
+        "of the pseudo-gradient with error feedback, 2-bit codebook values, every 30 steps",
+        "sparseloco", "muon", 1e-2, color="#006d2c"),
     "flexdemo-muon": Strategy(
         "FlexDeMo with an orthogonalised step: DeMo top-64 DCT per block (decay 0.9) across "
         "nodes, the decoded mean orthogonalised (Muon without momentum) instead of sign()",

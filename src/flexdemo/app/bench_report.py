@@ -126,9 +126,10 @@ def _speed(seconds: float | None, reference: float | None) -> str:
     return f" ({ratio:.2f}x faster)" if ratio > 1 else f" ({1 / ratio:.2f}x slower)"
 
 
-def comparison_lines(results: list[dict], reference: str = "hsdp-adamw") -> list[str]:
-    """FlexDeMo (and the others) against ``reference``: validation loss at equal steps and
-    training loss at equal wall-clock time, per bandwidth."""
+def comparison_lines(results: list[dict], reference: str = "hsdp-adamw",
+                     only: set[str] | None = None) -> list[str]:
+    """FlexDeMo (and the others, or those in ``only``) against ``reference``: validation
+    loss at equal steps and training loss at equal wall-clock time, per bandwidth."""
     lines = []
     for bw in dict.fromkeys(r["bandwidth"] for r in results):
         ref = next((r for r in results if r["bandwidth"] == bw and r["strategy"] == reference
@@ -139,7 +140,8 @@ def comparison_lines(results: list[dict], reference: str = "hsdp-adamw") -> list
         tv, val_t = equal_time_val_losses(results, bw)
         for r in results:
             if (r["bandwidth"] != bw or r is ref or r["status"] != "ok"
-                    or not _finite(r.get("val_loss"))):
+                    or not _finite(r.get("val_loss"))
+                    or (only is not None and r["strategy"] not in only)):
                 continue
             rel = 100 * (r["val_loss"] - ref["val_loss"]) / ref["val_loss"]
             speed = _speed(r.get("step_seconds"), ref.get("step_seconds"))

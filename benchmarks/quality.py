@@ -258,12 +258,16 @@ SETTINGS: dict[str, Setting] = {
            ("sparseloco", "", "", {}),
            ("sparseloco", "-int2", ", int2 values (lo/hi per block)",
             {"exchange_kwargs": {"values": "int2"}}),
-           ("sparseloco", "-nmean", ", the sum divided by the number of replicas",
-            {"exchange_kwargs": {"mean": "replicas"}}),
+           ("sparseloco", "-senders", ", each coordinate over the replicas that sent it",
+            {"exchange_kwargs": {"mean": "senders"}}),
            ("sparseloco", "-clip", ", peers clipped to the median norm",
             {"exchange_kwargs": {"clip": "median"}}),
-           ("sparseloco", "-dct", ", DCT blocks", {"exchange": "demo", "exchange_kwargs": {
-               "topk": 64, "values": "stat2", "decay": 0.95, "mean": "senders"}}),
+           ("sparseloco", "-nodct", ", plain blocks (no DCT)", {"exchange": "topk",
+                                                                  "exchange_kwargs": {
+               "topk": 64, "values": "stat2", "decay": 0.95}}),
+           ("sparseloco", "-templar", ", SparseLoCo's own: plain blocks, each coordinate "
+            "over its senders", {"exchange": "topk", "exchange_kwargs": {
+                "topk": 64, "values": "stat2", "decay": 0.95, "mean": "senders"}}),
            ("sparseloco", "-h20", ", H=20", {"inner_steps": 20}),
            ("sparseloco", "-k128", ", top-128", {"exchange_kwargs": {"topk": 128}}),
            ("sparseloco", "-k256", ", top-256", {"exchange_kwargs": {"topk": 256}}),

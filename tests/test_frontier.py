@@ -149,7 +149,7 @@ def test_presets_are_diloco_with_their_documented_settings():
     ex = sparse.exchange
     assert (sparse.inner_steps, sparse.outer_lr, sparse.outer_momentum) == (30, 1.0, 0.0)
     assert (ex.topk, ex.chunk, ex.values, ex.decay, ex.transform, ex.mean) == (
-        64, 64, "stat2", 0.95, "none", "senders")
+        64, 64, "stat2", 0.95, "dct", "replicas")
     # settings given with the name override, exchange settings merge into the preset's
     other = make_replicator("sparseloco", inner_steps=10, exchange_kwargs={"topk": 128})
     assert other.inner_steps == 10 and other.exchange.topk == 128

@@ -81,6 +81,8 @@ from .integrity import (
     DAMAGED,
     DIGEST,
     MARKER_FILE,
+    PERMISSION,
+    UNREADABLE,
     CheckpointStatus,
     check_checkpoint,
     describe_os_error,
@@ -287,11 +289,20 @@ def verify_checkpoint(path: str | os.PathLike) -> CheckpointStatus:
         return status
     gathered: list = [None] * world
     dist.all_gather_object(gathered, status)
-    problems = [p for st in gathered for p in st.problems]
-    merged = gathered[0]
-    if any(st.state == "damaged" for st in gathered):
-        merged.state = "damaged"
-    merged.problems = problems
+    return _merge_statuses(gathered)
+
+
+def _merge_statuses(statuses: list[CheckpointStatus]) -> CheckpointStatus:
+    """One status from every rank's: unreadable (permission) before damaged before the rest,
+    each problem named once (every rank reads the marker, so each finds a bad one)."""
+    merged = statuses[0]
+    for state in (UNREADABLE, "damaged"):
+        if any(st.state == state for st in statuses):
+            merged.state = state
+            merged.problems = list(dict.fromkeys(
+                p for st in statuses if st.state == state for p in st.problems))
+            return merged
+    merged.problems = list(dict.fromkeys(p for st in statuses for p in st.problems))
     return merged
 
 
@@ -318,9 +329,11 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer, *,
     flat: dict[str, torch.Tensor] = {}
     if verify and path.is_dir() and (path / MARKER_FILE).exists():
         status = verify_checkpoint(path)
+        if status.state == UNREADABLE:
+            raise CheckpointError(f"loading checkpoint {path}: {status.reason}", PERMISSION)
         if status.state == "damaged":
             raise CheckpointError(f"loading checkpoint {path}: it is damaged: "
-                                  f"{status.describe().split(': ', 1)[1]}", DAMAGED)
+                                  f"{status.reason}", DAMAGED)
     try:
         meta = _require_complete(path)
         mesh_shape = _mesh_shape(model, optimizer)

@@ -5,18 +5,16 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 from pathlib import Path
 
-from .integrity import MARKER_FILE
+from .integrity import MARKER_FILE, META_FILE, SCRATCH
 
 __all__ = ["FORMAT_VERSION", "META_FILE", "RANKS_DIR", "NotACheckpointError", "latest_checkpoint"]
 
 FORMAT_VERSION = 1
-META_FILE = "flexdemo.json"
 RANKS_DIR = "ranks"
-_SCRATCH = re.compile(r"\.(tmp|old)-\d+$")  # temporary / replaced directories, never loaded
+_SCRATCH = SCRATCH  # temporary / replaced directories, never loaded
 
 
 # ---------------------------------------------------------------------------- files

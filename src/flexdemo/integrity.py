@@ -6,10 +6,11 @@ A checkpoint written by :func:`flexdemo.checkpoint.save_checkpoint` records, in 
 Checking a checkpoint reads each file once, streaming (``sha256sum`` gives the same digests).
 
 :func:`check_checkpoint` says whether one checkpoint directory is intact, damaged (with what
-is wrong, file by file), incomplete (an interrupted save) or unverified (written before
-digests were recorded). :func:`storage_cause` turns the exceptions that torch and the
-operating system raise while writing or reading into one of a few causes (no space,
-permission, missing, damaged, I/O) with a one-line description.
+is wrong, file by file), unreadable (permission denied: nothing is wrong with it that a
+``chmod`` cannot fix), incomplete (the temporary folder of an interrupted save) or unverified
+(written before digests were recorded). :func:`storage_cause` turns the exceptions that
+torch and the operating system raise while writing or reading into one of a few causes (no
+space, permission, missing, damaged, I/O) with a one-line description.
 """
 
 from __future__ import annotations
@@ -18,17 +19,23 @@ import errno
 import hashlib
 import json
 import os
+import re
 import uuid
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-__all__ = ["DIGEST", "CheckpointStatus", "check_checkpoint", "check_files", "file_digest",
-           "record_files", "storage_cause"]
+__all__ = ["DIGEST", "UNREADABLE", "CheckpointStatus", "check_checkpoint", "check_files",
+           "file_digest", "record_files", "storage_cause"]
 
 DIGEST = "sha256"
 MARKER_FILE = "COMPLETE"
+META_FILE = "flexdemo.json"
+SCRATCH = re.compile(r"\.(tmp|old)-\d+$")
+"""Names of the temporary / replaced folders of a save, never loaded."""
 _CHUNK = 1 << 20
+UNREADABLE = "unreadable"
+"""The state of a checkpoint whose files this process may not read (permission)."""
 
 NO_SPACE, PERMISSION, MISSING, DAMAGED, IO = ("no space", "permission", "missing", "damaged",
                                               "I/O")
@@ -58,15 +65,21 @@ def record_files(root: Path, names: Iterable[str]) -> dict[str, dict]:
 
 def check_files(root: Path, table: dict[str, dict]) -> list[str]:
     """What is wrong with the files of ``table`` (name -> recorded size and digest) under
-    ``root``: one short phrase per damaged file; empty if every file matches."""
+    ``root``: one short phrase per damaged file; empty if every file matches. A file this
+    process may not read raises ``PermissionError`` (that is no damage)."""
     problems = []
     for name in sorted(table):
         want = table[name]
+        if not isinstance(want, dict):
+            problems.append(f"{name}'s entry in the {MARKER_FILE} marker is not a table")
+            continue
         try:
             got = file_digest(root / name)
         except FileNotFoundError:
             problems.append(f"{name} is missing")
             continue
+        except PermissionError:
+            raise  # not damage: check_checkpoint reports it as unreadable
         except OSError as e:
             problems.append(f"{name} cannot be read ({describe_os_error(e)})")
             continue
@@ -145,7 +158,8 @@ def storage_cause(error: BaseException, directory: Path | None = None) -> tuple[
 @dataclass
 class CheckpointStatus:
     """What :func:`check_checkpoint` found: ``state`` is ``"intact"``, ``"damaged"``,
-    ``"incomplete"`` (no marker: an interrupted save) or ``"unverified"`` (no digests)."""
+    ``"unreadable"`` (permission denied; not damaged), ``"incomplete"`` (the temporary folder
+    of an interrupted save) or ``"unverified"`` (no digests)."""
 
     path: Path
     state: str
@@ -169,14 +183,25 @@ class CheckpointStatus:
         more = (f"; and {len(self.problems) - 3} more" if len(self.problems) > 3 else "")
         return f"{self.state}: {'; '.join(self.problems[:3])}{more}"
 
+    @property
+    def reason(self) -> str:
+        """What is wrong, without the state (the part of :meth:`describe` after it)."""
+        return self.describe().split(": ", 1)[-1]
+
 
 def read_marker(path: Path) -> tuple[dict | None, str | None]:
-    """``(the marker's content, None)``, or ``(None, what is wrong with it)``."""
+    """``(the marker's content, None)``, or ``(None, what is wrong with it)``. A marker this
+    process may not read raises ``PermissionError``."""
     marker = path / MARKER_FILE
     if not marker.is_file():
-        return None, f"no {MARKER_FILE} marker (an interrupted save)"
+        if SCRATCH.search(path.name):
+            return None, f"no {MARKER_FILE} marker (an interrupted save)"
+        return None, (f"no {MARKER_FILE} marker, which every save writes before the folder "
+                      "gets its name (copied in part, or the marker was removed?)")
     try:
         data = json.loads(marker.read_text())
+    except PermissionError:
+        raise
     except (OSError, ValueError) as e:
         return None, f"its {MARKER_FILE} marker is unreadable ({type(e).__name__})"
     if not isinstance(data, dict):
@@ -197,15 +222,28 @@ def share(names: Iterable[str], rank: int, world: int) -> list[str]:
 
 def check_checkpoint(path: str | os.PathLike, rank: int = 0, world: int = 1) -> CheckpointStatus:
     """Check the checkpoint at ``path`` against its recorded digests (this rank's share of
-    the files when ``world`` ranks share the work; all of them by default)."""
+    the files when ``world`` ranks share the work; all of them by default). A folder without
+    its marker is incomplete when it is a save's temporary folder, else damaged; a file this
+    process may not read makes it unreadable (permission), not damaged."""
     path = Path(path)
+    try:
+        return _check(path, rank, world)
+    except PermissionError as e:
+        return CheckpointStatus(path, UNREADABLE,
+                                [f"permission denied ({e.filename or path})"])
+
+
+def _check(path: Path, rank: int, world: int) -> CheckpointStatus:
     marker, wrong = read_marker(path)
     if marker is None:
-        state = "incomplete" if not (path / MARKER_FILE).exists() else "damaged"
+        state = "incomplete" if SCRATCH.search(path.name) else "damaged"
         return CheckpointStatus(path, state, [wrong or "unreadable"])
     step = marker.get("step") if isinstance(marker.get("step"), int) else None
     table = marker_files(marker)
     if table is None:
+        problem = _meta_problem(path)
+        if problem is not None:
+            return CheckpointStatus(path, "damaged", [problem], step)
         return CheckpointStatus(path, "unverified", step=step)
     mine = {name: table[name] for name in share(table, rank, world)}
     problems = check_files(path, mine)
@@ -214,6 +252,24 @@ def check_checkpoint(path: str | os.PathLike, rank: int = 0, world: int = 1) -> 
         for f in sorted(path.glob("*.distcp")):
             if f.name not in recorded:
                 problems.append(f"{f.name} was not written by this save")
-    size = sum(int(v.get("size", 0)) for v in table.values())
+    size = sum(int(v.get("size", 0)) for v in table.values() if isinstance(v, dict))
     return CheckpointStatus(path, "damaged" if problems else "intact", problems, step,
                             len(table), size)
+
+
+def _meta_problem(path: Path) -> str | None:
+    """What is wrong with the metadata of a checkpoint without digests (its
+    ``flexdemo.json`` and DCP's ``.metadata``), or None. ``PermissionError`` passes."""
+    try:
+        meta = json.loads((path / META_FILE).read_text())
+    except FileNotFoundError:
+        return f"{META_FILE} is missing"
+    except PermissionError:
+        raise
+    except (OSError, ValueError) as e:
+        return f"{META_FILE} is unreadable ({type(e).__name__})"
+    if not isinstance(meta, dict) or not isinstance(meta.get("step"), int):
+        return f"{META_FILE} is not a flexdemo checkpoint's metadata"
+    if not (path / ".metadata").is_file():
+        return ".metadata is missing"
+    return None

@@ -10,7 +10,7 @@ import os
 import re
 import shutil
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +29,7 @@ from ..checkpoint import (
     save_checkpoint,
     verify_checkpoint,
 )
+from ..integrity import UNREADABLE
 from .config import Config
 from .errors import TrainingError, UsageError
 from .tasks import ShardSampler
@@ -38,8 +39,12 @@ __all__ = ["Checkpointer", "TrainState"]
 Echo = Callable[[str], None]
 
 CHECKPOINT_RE = re.compile(r"step_(\d+)$")
+DAMAGED_RE = re.compile(r"step_(\d+)\.damaged(-\d+)?$")
 LAYOUT_KEYS = ("world", "replicate")
 """Settings a resume may change: the number of replicas (:meth:`Checkpointer._check_layout`)."""
+DATA_KEY = "data"
+"""The settings of the data (seed, batch, corpus) in a checkpoint's meta: a resume may change
+them, and says so in one line (:meth:`Checkpointer._note_data_changes`)."""
 
 
 # ---------------------------------------------------------------------- agreement
@@ -107,9 +112,41 @@ def _existing_checkpoints(root: Path) -> list[Path]:
 
 
 def _candidates(root: Path) -> list[Path]:
-    """Checkpoints under ``root`` that claim to be complete (a marker, readable or not),
-    newest step first."""
-    return [p for p in reversed(_existing_checkpoints(root)) if (p / MARKER_FILE).exists()]
+    """The checkpoints under ``root`` (folders named ``step_NNNNNN``), newest step first. A
+    save only gives a folder that name once it is complete, so one without its marker is
+    damaged, not an interrupted save."""
+    return list(reversed(_existing_checkpoints(root)))
+
+
+def _set_aside_ones(root: Path) -> list[Path]:
+    """The checkpoints a resume set aside as damaged (``step_NNNNNN.damaged``...)."""
+    if not root.is_dir():
+        return []
+    return sorted(p for p in root.iterdir() if DAMAGED_RE.match(p.name) and p.is_dir())
+
+
+def _last_logged_step(metrics: Path) -> int:
+    """The highest step in a ``metrics.jsonl`` (0 if none, or if it cannot be read)."""
+    try:
+        lines = metrics.read_text().splitlines()
+    except (OSError, UnicodeDecodeError):
+        return 0
+    last = 0
+    for line in lines:
+        try:
+            step = json.loads(line).get("step")
+        except (ValueError, AttributeError):
+            continue
+        if isinstance(step, int) and not isinstance(step, bool):
+            last = max(last, step)
+    return last
+
+
+def _permission_refusal(what: str, why: str, root: Path) -> UsageError:
+    """The one line for checkpoints this process may not read: no damage, nothing renamed."""
+    return UsageError(f"cannot resume: {what}: {why}; that is no damage and nothing was "
+                      f"renamed: make {root} readable by this user (e.g. chmod -R a+rX {root}) "
+                      "or run as the user that wrote it, then resume again")
 
 
 def _set_aside(path: Path) -> Path:
@@ -145,11 +182,15 @@ class Checkpointer:
     def _find(self, resume: bool | str) -> tuple[list[str], bool]:
         """Rank 0: the checkpoints to try, newest first, and whether falling back to an older
         one is allowed (not for a checkpoint named explicitly)."""
+        try:
+            return self._find_paths(resume)
+        except PermissionError as e:
+            raise _permission_refusal(f"cannot list {e.filename or self.root}",
+                                      "permission denied", self.root) from None
+
+    def _find_paths(self, resume: bool | str) -> tuple[list[str], bool]:
         if resume is True:
-            found = _candidates(self.root)
-            if not _existing_checkpoints(self.root):
-                self.echo(f"resume: no checkpoint in {self.root} yet; starting at step 0")
-            return [str(p) for p in found], True
+            return [str(p) for p in _candidates(self.root)], True
         path = Path(str(resume))
         if not path.exists():
             latest = self.latest()
@@ -161,11 +202,32 @@ class Checkpointer:
             return [str(path)], False
         return [str(p) for p in _candidates(path)], True
 
-    def resume_path(self, resume: bool | str) -> Path | None:
+    def _nothing_to_resume(self, overwrite: bool) -> None:
+        """Rank 0, when ``resume=true`` finds no checkpoint: start at step 0, unless the run
+        got further (checkpoints set aside as damaged, steps in ``metrics.jsonl``) and
+        ``overwrite`` does not say to start afresh."""
+        aside = [p.name for p in _set_aside_ones(self.root)]
+        last = _last_logged_step(self.root.parent / "metrics.jsonl")
+        found = ([f"{', '.join(aside)} set aside as damaged"] if aside else []) + (
+            [f"{self.root.parent / 'metrics.jsonl'} records steps up to {last}"] if last else [])
+        if not found:
+            self.echo(f"resume: no checkpoint in {self.root} yet; starting at step 0")
+            return
+        if overwrite:
+            self.echo(f"resume: no intact checkpoint in {self.root} ({'; '.join(found)}); "
+                      "train.overwrite=true: starting afresh at step 0")
+            return
+        raise UsageError(f"cannot resume: no intact checkpoint in {self.root}, but the run got "
+                         f"further ({'; '.join(found)}); starting at step 0 would lose that: "
+                         "start afresh with train.overwrite=true or another train.out "
+                         f"(flexdemo checkpoint verify {self.root.parent} lists what is left)")
+
+    def resume_path(self, resume: bool | str, overwrite: bool = False) -> Path | None:
         """The checkpoint to resume from, the same on every rank: the newest whose files
         match their digests. A damaged one is set aside with one line on every rank, or
         refused (:class:`UsageError`) when ``train.resume_fallback`` is false, when it was
-        named explicitly, or when no intact one is left."""
+        named explicitly, or when no intact one is left (``overwrite``: start afresh then).
+        One this process may not read is refused, nothing renamed."""
         if resume is False:
             return None
         found, may_fall_back = _rank0_decides(self.rank, self.world,
@@ -175,24 +237,45 @@ class Checkpointer:
         for text in found:
             path = Path(text)
             status = verify_checkpoint(path)
+            if status.state == UNREADABLE:
+                raise _permission_refusal(f"cannot read {path}", status.reason, self.root)
             if status.ok:
                 chosen = path
+                if status.state == "unverified":
+                    self.echo(f"warning: {path} records no digests (written by an older "
+                              "flexdemo), so its files cannot be checked; loading it as it is")
                 break
-            damaged.append((path, status.describe().split(": ", 1)[-1]))
+            if status.state == "incomplete" and not may_fall_back:
+                raise UsageError(f"cannot resume from {path}: it is incomplete "
+                                 f"({status.reason}); resume=true uses the newest intact "
+                                 "checkpoint, or start afresh with train.overwrite=true or "
+                                 "another train.out")
+            damaged.append((path, status.reason))
             if not (may_fall_back and self.fallback):
                 break
         if not damaged:
+            if chosen is None and resume is True:
+                _rank0_decides(self.rank, self.world, lambda: self._nothing_to_resume(overwrite))
             return chosen
+        return self._after_damage(damaged, chosen, may_fall_back, overwrite)
+
+    def _after_damage(self, damaged: list[tuple[Path, str]], chosen: Path | None,
+                      may_fall_back: bool, overwrite: bool) -> Path | None:
+        """Refuse, start afresh (``overwrite``) or set the damaged checkpoints aside and
+        resume from ``chosen``; one line either way."""
         named = "; ".join(f"{p.name} is damaged ({why})" for p, why in damaged)
         fresh = "start afresh with train.overwrite=true or another train.out"
         if not may_fall_back:
-            state = "incomplete" if "no COMPLETE marker" in damaged[0][1] else "damaged"
-            raise UsageError(f"cannot resume from {damaged[0][0]}: it is {state} "
+            raise UsageError(f"cannot resume from {damaged[0][0]}: it is damaged "
                              f"({damaged[0][1]}); resume=true uses the newest intact "
                              f"checkpoint, or {fresh}")
         if not self.fallback:
             raise UsageError(f"cannot resume: {named}; train.resume_fallback=true resumes from "
                              f"the newest intact checkpoint instead, or {fresh}")
+        if chosen is None and overwrite:
+            self.echo(f"resume: no intact checkpoint in {self.root}: {named}; "
+                      "train.overwrite=true: starting afresh at step 0")
+            return None
 
         def set_aside() -> list[str]:
             return [_set_aside(p).name for p, _ in damaged]
@@ -211,6 +294,9 @@ class Checkpointer:
         def check() -> bool:
             existing = _existing_checkpoints(self.root)
             if not existing:
+                if overwrite and _set_aside_ones(self.root):
+                    shutil.rmtree(self.root)  # the damaged ones of the run started afresh
+                    return True
                 return False
             if not overwrite:
                 if resume is not False:  # only interrupted saves: nothing to continue
@@ -286,9 +372,24 @@ class Checkpointer:
         if not isinstance(saved, dict):
             return
         diff = [f"{k} {saved[k]!r} (now {self.meta[k]!r})" for k in self.meta
-                if k in saved and saved[k] != self.meta[k] and k not in LAYOUT_KEYS]
+                if k in saved and saved[k] != self.meta[k]
+                and k not in (*LAYOUT_KEYS, DATA_KEY)]
         if diff:
             raise self._refuse_settings(path, diff)
+
+    def _note_data_changes(self, path: Path, saved: dict | None) -> None:
+        """One line when the resume reads other data than the run that wrote ``path`` (seed,
+        batch, corpus): allowed, but the batches from here on differ from the
+        uninterrupted run's."""
+        old = saved.get(DATA_KEY) if isinstance(saved, dict) else None
+        new = self.meta.get(DATA_KEY)
+        if not isinstance(old, dict) or not isinstance(new, dict):
+            return  # written before flexdemo recorded them
+        diff = [f"{k} {old[k]!r} (now {new[k]!r})" for k in new
+                if k in old and old[k] != new[k]]
+        if diff:
+            self.echo(f"note: resuming from {path.name} with other data: {', '.join(diff)}; "
+                      "the batches from here on differ from those the run would have read")
 
     def load(self, path: Path, model, opt) -> tuple[TrainState, dict[str, Any]]:
         """Restore a checkpoint (collective; its digests were checked by
@@ -312,13 +413,29 @@ class Checkpointer:
             raise TrainingError(text) from None
         extra = info.get("extra") or {}
         self._check_settings(path, extra.get("meta"))
+        self._note_data_changes(path, extra.get("meta"))
         if "data" not in extra or "rng" not in extra:
             raise TrainingError(f"cannot resume from {path}: it holds no data position or RNG "
                                 "state (not written by flexdemo train?)")
         return TrainState.from_extra(int(info["step"]), extra), extra
 
 
-def _checkpoint_meta(cfg: Config, world: int, layout: dict[str, int]) -> dict[str, Any]:
+def _checkpoint_meta(cfg: Config, world: int, layout: dict[str, int],
+                     train_items: int | None = None) -> dict[str, Any]:
+    """What a checkpoint records of the settings: those a resume must keep, the layout
+    (:data:`LAYOUT_KEYS`) and the data (:data:`DATA_KEY`), which a resume may change."""
     return {"task": cfg.task.name, "model": cfg.task.model, "world": world,
             "replicate": layout["replicate"], "shard": layout["shard"],
-            "replicator": cfg.strategy.replicator, "optimizer": cfg.strategy.optimizer}
+            "replicator": cfg.strategy.replicator, "optimizer": cfg.strategy.optimizer,
+            DATA_KEY: _data_settings(cfg, train_items)}
+
+
+def _data_settings(cfg: Config, train_items: int | None) -> dict[str, Any]:
+    """The settings that choose the batches, by config key: the seed, the batch, the
+    ``[task]`` keys besides the name and model (the corpus), and the training items."""
+    task = {f"task.{f.name}": getattr(cfg.task, f.name) for f in fields(cfg.task)
+            if f.name not in ("name", "model")}
+    out: dict[str, Any] = {"train.seed": cfg.train.seed, "train.batch": cfg.train.batch, **task}
+    if train_items is not None:
+        out["training items"] = train_items
+    return out

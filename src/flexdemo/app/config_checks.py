@@ -12,10 +12,11 @@ import sys
 import types
 import typing
 from typing import Any
+from urllib.parse import urlsplit
 
 import torch
 
-from ..ft.config import FaultTolerance
+from ..ft.config import LIGHTHOUSE_ENV, FaultTolerance
 from ..mesh import mesh_shape
 from ..optim import make_base_optimizer
 from ..replicate import make_replicator
@@ -247,6 +248,33 @@ def _check_fault_tolerance(ft: FaultToleranceConfig) -> None:
                  "an integer >= 0 (0: no limit)", ft.max_failed_commits)
     _check_range("fault_tolerance.replica_id", ":" not in ft.replica_id,
                  "a name without ':' (torchft appends ':<uuid>' to it)", ft.replica_id)
+    if ft.lighthouse:
+        _check_lighthouse("fault_tolerance.lighthouse", ft.lighthouse)
+
+
+def lighthouse_problem(address: str) -> str | None:
+    """What is wrong with a lighthouse address (``http://host:port``, or ``host:port``, to
+    which :class:`flexdemo.FaultTolerance` adds ``http://``), or None."""
+    url = address.strip() if "://" in address else f"http://{address.strip()}"
+    try:
+        parts = urlsplit(url)
+        port = parts.port  # ValueError: not a number, or out of range
+    except ValueError:
+        return "its port must be a number from 1 to 65535"
+    if parts.scheme not in ("http", "https"):
+        return "it must start with http:// or https://"
+    if not parts.hostname:
+        return "it names no host"
+    if port == 0:
+        return "its port must be a number from 1 to 65535"
+    return None
+
+
+def _check_lighthouse(where: str, address: str) -> None:
+    problem = lighthouse_problem(address)
+    if problem is not None:
+        raise ConfigError(f"{where}: {address!r} is not a lighthouse address: {problem}; give "
+                          "http://host:port, where torchft_lighthouse listens")
 
 
 def fault_tolerance(cfg: Config) -> FaultTolerance | None:
@@ -256,6 +284,8 @@ def fault_tolerance(cfg: Config) -> FaultTolerance | None:
     ft = cfg.fault_tolerance
     if not ft.enabled:
         return None
+    if not ft.lighthouse and os.environ.get(LIGHTHOUSE_ENV, "").strip():
+        _check_lighthouse(f"${LIGHTHOUSE_ENV}", os.environ[LIGHTHOUSE_ENV].strip())
     try:
         return FaultTolerance(
             lighthouse=ft.lighthouse or None, replica_id=ft.replica_id or None,

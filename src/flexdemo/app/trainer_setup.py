@@ -42,7 +42,7 @@ from .outputs import (
     write_atomic,
 )
 from .preempt import StopRequest
-from .tasks import ShardSampler, Task, build_task
+from .tasks import ShardSampler, Task, build_task, task_options
 
 __all__ = ["STARTUP_STALE_SECONDS", "TrainerSetUp", "timeout_seconds"]
 
@@ -113,6 +113,7 @@ class TrainerSetUp:
         except RuntimeError as e:
             raise TrainingError(f"task {cfg.task.name!r}: {e}") from None
         self.task.device = self.device
+        self._check_batch()  # before prepare()'s collectives: the same verdict on every rank
         torch.manual_seed(tc.seed)
         model = self.task.build_model()
         self.n_params = sum(p.numel() for p in model.parameters())
@@ -132,7 +133,8 @@ class TrainerSetUp:
         self.out = Path(tc.out)
         self.checkpointer = Checkpointer(self.out / "checkpoints", tc.checkpoint_every,
                                          tc.keep_checkpoints, self.rank, self.world,
-                                         _checkpoint_meta(cfg, self.world, self.layout),
+                                         _checkpoint_meta(cfg, self.world, self.layout,
+                                                          self.task.num_train_items),
                                          self.say, self.echo, tc.resume_fallback,
                                          save=lambda *a, **k: save_checkpoint(*a, **k))
         self.state = TrainState()
@@ -140,6 +142,23 @@ class TrainerSetUp:
         self.progress: Progress | None = None
         # from here on a signal asks for a clean stop (before, it ends the process as usual)
         self.stop = StopRequest(self.world, self.device, self.timeout, self.handle_signals)
+
+    def _check_batch(self) -> None:
+        """Refuse a ``train.batch`` larger than the smallest rank's share of the training
+        data (as :class:`ShardSampler` shares it); every rank computes the same verdict."""
+        items, batch = self.task.num_train_items, self.cfg.train.batch
+        share = ShardSampler.smallest_share(items, self.world)
+        if batch <= share:
+            return
+        ranks = f" over {self.world} ranks" if self.world > 1 else ""
+        more = " (task.corpus_bytes)" if "corpus_bytes" in task_options(self.cfg.task.name) else ""
+        if share == 0:
+            raise UsageError(f"task {self.cfg.task.name!r}: its {items} training items cannot "
+                             f"be shared{ranks}: every rank needs at least one; use more "
+                             f"data{more} or fewer ranks")
+        raise UsageError(f"train.batch={batch} is larger than a rank's share of the training "
+                         f"data ({share} of {items} items{ranks}); set train.batch to at most "
+                         f"{share}, or use more data{more}")
 
     def _single_replica_note(self) -> str:
         what = f"a single replica, so replicator {self.cfg.strategy.replicator!r} exchanges nothing"
@@ -224,7 +243,7 @@ class TrainerSetUp:
     def _resume(self) -> tuple[Path | None, ShardSampler]:
         tc = self.cfg.train
         assert self.checkpointer is not None  # built by _set_up
-        resume_from = self.checkpointer.resume_path(self.cfg.resume)
+        resume_from = self.checkpointer.resume_path(self.cfg.resume, tc.overwrite)
         if resume_from is None:
             self.checkpointer.clear_earlier_run(tc.overwrite, self.cfg.resume)
         self._check_output_folder()

@@ -98,6 +98,12 @@ class ShardSampler:
         self.index = 0
         self._order: torch.Tensor | None = None
 
+    @staticmethod
+    def smallest_share(num_items: int, world: int) -> int:
+        """The fewest items any rank of ``world`` owns (rank ``r`` owns ``r::world``): the
+        largest batch every rank can draw, known on each rank without asking the others."""
+        return min(len(range(rank, num_items, world)) for rank in range(world))
+
     def _epoch_order(self) -> torch.Tensor:
         if self._order is None:
             gen = torch.Generator().manual_seed(

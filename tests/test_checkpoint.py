@@ -408,15 +408,17 @@ def test_verify_command_lists_each_checkpoint(tmp_path, capsys):
     assert len(lines) == 2 and all("intact (step" in line for line in lines), lines
     (data,) = (root / "step_000004").glob("*.distcp")
     _write_inside(data, bytes(4096))
-    (root / "step_000006").mkdir()  # an interrupted save: not damaged
+    (root / "step_000006.tmp-123").mkdir()  # an interrupted save: not damaged
+    (root / "step_000008").mkdir()  # final-named without its marker: no save leaves that
     assert main(["checkpoint", "verify", str(root)]) == 1
     out = capsys.readouterr()
     lines = out.out.splitlines()
-    assert len(lines) == 3, lines
+    assert len(lines) == 4, lines
     assert "step_000002" in lines[0] and "intact" in lines[0]
     assert "step_000004" in lines[1] and "damaged" in lines[1] and data.name in lines[1]
-    assert "step_000006" in lines[2] and "incomplete" in lines[2]
-    assert "1 of 3 checkpoint(s) damaged" in out.err
+    assert "step_000006.tmp-123" in lines[2] and "incomplete" in lines[2]
+    assert "step_000008" in lines[3] and "damaged: no COMPLETE marker" in lines[3]
+    assert "2 of 4 checkpoint(s) damaged" in out.err
     assert main(["checkpoint", "verify", str(root / "step_000002")]) == 0
     assert main(["checkpoint", "verify", str(tmp_path / "nothing")]) == 2
 

@@ -36,11 +36,12 @@ def test_a_nan_step_is_named_in_one_step_count(tmp_path, single_process):
     assert "strategy.lr" in text, text
 
 
-def test_an_unreadable_unverified_checkpoint_gets_advice_a_cli_user_can_follow(
+def test_an_unreadable_unverified_checkpoint_is_damaged_not_a_resume_to_retry(
         tmp_path, single_process):
     """A checkpoint written before digests were recorded (no file table in its marker) whose
     flexdemo.json is garbage: the refusal used to tell the user to call
-    flexdemo.checkpoint.latest_checkpoint(root)."""
+    flexdemo.checkpoint.latest_checkpoint(root), then to run resume=true, which is what had
+    been run. It is damaged: set aside, and with nothing intact left, refused."""
     out = tmp_path / "run"
     _run(["train.steps=2", "train.checkpoint_every=2", f"train.out={out}"])
     ckpt = out / "checkpoints" / "step_000002"
@@ -52,5 +53,5 @@ def test_an_unreadable_unverified_checkpoint_gets_advice_a_cli_user_can_follow(
         _run(["train.steps=4", "train.checkpoint_every=2", f"train.out={out}", "resume=true"])
     text = str(info.value)
     assert "\n" not in text and "latest_checkpoint(" not in text, text
-    assert "not a complete flexdemo checkpoint" in text, text
-    assert "resume=true" in text and "train.overwrite=true" in text, text
+    assert "step_000002 is damaged (flexdemo.json is unreadable" in text, text
+    assert "resume=true" not in text and "train.overwrite=true" in text, text

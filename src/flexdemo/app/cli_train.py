@@ -36,8 +36,10 @@ strings. Switching strategy.replicator (or .optimizer) drops the file's replicat
 
 Outputs in train.out: config.toml (resolved), metrics.jsonl (one line per step: loss, lr,
 bytes sent/received, compute and communication seconds), summary.json, tensorboard/ and
-checkpoints/step_NNNNNN. --resume (or resume=true) continues from the newest checkpoint;
-one already at train.steps leaves the outputs as they are (nothing to train).
+checkpoints/step_NNNNNN. --resume (or resume=true) continues from the newest intact
+checkpoint (a damaged one is set aside as step_NNNNNN.damaged); one already at train.steps
+leaves the outputs as they are (nothing to train). A resume that finds no intact checkpoint
+although the run got further is refused; train.overwrite=true starts afresh.
 """
 
 
@@ -51,10 +53,10 @@ examples:
       train.device=cuda train.precision=bf16         # 4 GPUs as 2 replicas x 2 shards
 
 exit codes: 0 done, 1 training failed (e.g. a rank was lost), 2 bad config or arguments
-(including a checkpoint that does not exist or lies past train.steps, and a train.out that
-cannot be a folder) or a job that could not assemble (a rank never arrived or died during
-start-up; every survivor names it), 3 stopped by SIGTERM/SIGINT after finishing its step and
-saving it (every rank; continue with resume=true).
+(including a checkpoint that does not exist, is damaged, may not be read or lies past
+train.steps, and a train.out that cannot be a folder) or a job that could not assemble (a
+rank never arrived or died during start-up; every survivor names it), 3 stopped by
+SIGTERM/SIGINT after finishing its step and saving it (every rank; continue with resume=true).
 environment: FLEXDEMO_TIMEOUT (seconds a collective waits for a dead peer; default 300,
 the library's; train.timeout overrides it); FLEXDEMO_JOIN_TIMEOUT (seconds a rank waits at
 start-up for a peer that has not arrived at all; default 30); FLEXDEMO_CUDA_BY_RANK=1

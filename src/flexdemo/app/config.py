@@ -3,7 +3,7 @@
 
 A config is a TOML file (or YAML, with pyyaml installed, or JSON)::
 
-    resume = false                 # true: continue from the latest checkpoint in train.out
+    resume = false                 # true: continue from the newest intact checkpoint
 
     [task]
     name = "gpt"                   # gpt | vit | t5
@@ -89,7 +89,8 @@ class TrainConfig:
 
     steps: int = 100
     batch: int = 8
-    """Examples per rank per step."""
+    """Examples per rank per step; at most each rank's share of the training items (refused
+    at start-up otherwise)."""
     warmup: int = 10
     """Steps of linear learning-rate warm-up; one longer than the run is cut to ``steps``
     (with a note when the config set it)."""
@@ -113,15 +114,20 @@ class TrainConfig:
     seed: int = 0
     out: str = "runs/train"
     overwrite: bool = False
-    """Allow a fresh run to replace the checkpoints of an earlier run in ``out``."""
+    """Start afresh: a fresh run deletes the checkpoints of an earlier run in ``out`` (those
+    set aside as damaged too), and a resume that finds no intact checkpoint although the run
+    got further (checkpoints set aside as damaged, steps in ``metrics.jsonl``) starts at step 0
+    instead of refusing (exit code 2)."""
     max_skipped: float = 0.25
     """With ``strategy.nonfinite = "skip"``: stop (one line, exit code 1) once more than this
     fraction of ``steps`` was skipped for NaN/Inf gradients, instead of finishing as if the
     run trained; 1 never stops."""
     resume_fallback: bool = True
-    """On resume, a checkpoint whose files do not match their recorded digests is set aside
-    (renamed ``<name>.damaged``) and the newest intact one is used, with one line saying so;
-    ``false``: refuse to start instead (exit code 2)."""
+    """On resume, a damaged checkpoint (files that do not match their recorded digests, no
+    ``COMPLETE`` marker, an unreadable ``flexdemo.json``) is set aside (renamed
+    ``<name>.damaged``) and the newest intact one is used, with one line saying so; ``false``:
+    refuse to start instead (exit code 2). Files this user may not read are no damage: always
+    refused, nothing renamed."""
     threads: int = 0
     """torch threads per rank (0: torch's default, which follows OMP_NUM_THREADS; torchrun and
     flexdemo cluster set that to 1)."""
@@ -149,7 +155,8 @@ class FaultToleranceConfig:
     """``true``: pass the settings below to :func:`flexdemo.prepare` as ``fault_tolerance``
     (needs torchft: ``pip install "flexdemo[ft]"``)."""
     lighthouse: str = ""
-    """``http://host:port`` of the lighthouse ("": ``$TORCHFT_LIGHTHOUSE``)."""
+    """``http://host:port`` of the lighthouse ("": ``$TORCHFT_LIGHTHOUSE``); a malformed one
+    (no host, a port that is not 1..65535) is refused at start-up."""
     replica_id: str = ""
     """This node's replica group, the same on all its ranks ("": ``$FLEXDEMO_REPLICA_ID``,
     then ``$REPLICA_GROUP_ID``)."""
@@ -178,8 +185,9 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     fault_tolerance: FaultToleranceConfig = field(default_factory=FaultToleranceConfig)
     resume: bool | str = False
-    """``true``: continue from the newest checkpoint in ``train.out`` (fresh start if there is
-    none); a path: that checkpoint (or the newest one under that folder)."""
+    """``true``: continue from the newest intact checkpoint in ``train.out`` (step 0 if the run
+    has none yet; refused if it got further, unless ``train.overwrite``); a path: that
+    checkpoint (or the newest one under that folder)."""
 
 
 SECTIONS: dict[str, type] = {"task": TaskConfig, "strategy": StrategyConfig,

@@ -52,7 +52,7 @@ from flexdemo.app.tasks import (
 
 if str(Path(__file__).resolve().parent) not in sys.path:  # the prototypes beside this script
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-from prototypes import KeepDiLoCo, LookaheadDeMo  # noqa: E402,F401 - registers them
+from prototypes import KeepDiLoCo, LookaheadDeMo, ResidualDiLoCo  # noqa: E402,F401
 
 
 @dataclass(frozen=True)
@@ -223,6 +223,18 @@ SETTINGS: dict[str, Setting] = {
        for kind in ("ortho", "muon")
        for k, d, tag in ((16, 0.999, ""), (16, 0.9, "-d0.9"), (64, 0.999, "-k64"),
                          (64, 0.9, "-k64-d0.9"))},
+    # the residual prototype (benchmarks/prototypes.py): SparseLoCo's compression in the
+    # parameters' layout, replicas restarting from the global parameters (keep=False) or
+    # keeping their own unsent progress (keep=True)
+    **{f"residual{tag}": Setting(f"prototype: sparse DiLoCo H={h}, top-{k} of 4096 stat2, error "
+                                 f"feedback {d}, {'keeping' if keep else 'dropping'} the unsent "
+                                 "progress", "diloco-residual", "muon", 1e-2,
+                                 {"inner_steps": h, "outer_lr": 1.0, "outer_momentum": 0.0,
+                                  "topk": k, "decay": d, "keep": keep})
+       for tag, h, k, d, keep in (("-drop", 30, 64, 0.95, False), ("-keep", 30, 64, 0.95, True),
+                                  ("-keep-d1", 30, 64, 1.0, True),
+                                  ("-keep-h10-k16", 10, 16, 1.0, True),
+                                  ("-keep-k256", 30, 256, 1.0, True))},
     # full-sync baselines tuned as the field tunes them: AdamW betas (0.9, 0.95) or
     # (0.9, 0.999), decoupled weight decay 0 or 0.1; Muon with weight decay 0.1
     **{f"adamw{tag}": Setting(f"AdamW betas (0.9, {b2}), weight decay {wd}, full fp32 gradient "
@@ -276,6 +288,18 @@ SETTINGS: dict[str, Setting] = {
            ("sparseloco", "-d1", ", error-feedback decay 1.0", {"exchange_kwargs": {"decay": 1.0}}),
            ("sparseloco", "-nest", ", outer Nesterov 0.7 / 0.6 over error feedback 0.95",
             {"outer_lr": 0.7, "outer_momentum": 0.6}),
+           # replicas that keep their own unsent progress (keep_unsent)
+           ("sparseloco", "-keep", ", replicas keep their unsent progress",
+            {"keep_unsent": True}),
+           ("sparseloco", "-keep-d1", ", replicas keep their unsent progress, error feedback 1.0",
+            {"keep_unsent": True, "exchange_kwargs": {"decay": 1.0}}),
+           ("sparseloco", "-keep-k256", ", replicas keep their unsent progress, top-256",
+            {"keep_unsent": True, "exchange_kwargs": {"topk": 256}}),
+           ("sparseloco", "-keep-h10-k16", ", replicas keep their unsent progress, H=10, top-16",
+            {"keep_unsent": True, "inner_steps": 10, "exchange_kwargs": {"topk": 16}}),
+           ("muloco", "-stat2-ef-keep", ", stat2 values with error feedback (decay 0.9), replicas "
+            "keep their unsent progress", {"keep_unsent": True, "exchange_kwargs": {
+                "values": "stat2", "error_feedback": 0.9}}),
            # the same bytes split differently: sparser and more often
            *(("sparseloco", f"-h{h}-k{k}", f", H={h}, top-{k}",
               {"inner_steps": h, "exchange_kwargs": {"topk": k}})

@@ -309,3 +309,67 @@ def test_a_failed_step_leaves_the_residual_holding_its_input():
         e0 = x - codec_round(codec, x, "gather", world)
         want = decay * e0 + 0.5 * x if r == 0 else e0
         torch.testing.assert_close(rep.residual, want, rtol=0, atol=1e-6)
+
+
+KEEP_FULL = {"exchange": "full", "keep_unsent": True,
+             "exchange_kwargs": {"values": "int4", "block": 16, "error_feedback": 0.9}}
+KEEP_SPARSE = {"exchange": "topk", "keep_unsent": True,
+               "exchange_kwargs": {"topk": 8, "chunk": 8, "values": "stat2", "decay": 0.95}}
+
+
+def keep_sim(replicas: int, kw: dict, seed: int = 0) -> SimulatedReplicas:
+    torch.manual_seed(seed)
+    return SimulatedReplicas(tiny_model, loss_fn, replicas=replicas, replicator="diloco",
+                             optimizer="adamw", lr=1e-2, seed=seed,
+                             replicator_kwargs={"inner_steps": 3, **kw})
+
+
+@pytest.mark.parametrize("kw", [KEEP_FULL, KEEP_SPARSE], ids=["int4-ef", "topk-stat2"])
+def test_kept_progress_is_the_residual_the_exchange_has_not_sent(kw):
+    sim = keep_sim(3, kw)
+    plain = keep_sim(3, {**kw, "keep_unsent": False})
+    for s in range(6):  # two syncs
+        sim.step([batch(r, s) for r in range(3)])
+        plain.step([batch(r, s) for r in range(3)])
+    assert plain.identical() and not sim.identical()  # replicas differ by their residuals
+    for model, opt in zip(sim.models, sim.optimizers):
+        rep = opt.replicators[0]
+        for p, g, e in zip(model.parameters(), rep.global_params, rep.residual):
+            assert torch.equal(p.detach(), g - e)  # the global parameters minus its residual
+            assert e.abs().max() > 0
+        if kw is KEEP_FULL:  # the same residual as the exchange's own error feedback
+            flat = torch.cat([e.reshape(-1) for e in rep.residual])
+            torch.testing.assert_close(flat, rep.exchanges[0].residual, rtol=0, atol=1e-6)
+    # the global parameters are the same on every replica, and what plain DiLoCo reaches
+    # differs (the kept progress changes what the replicas send next)
+    globals_ = [o.replicators[0].global_params for o in sim.optimizers]
+    assert all(torch.equal(a, b) for g in globals_[1:] for a, b in zip(globals_[0], g))
+
+
+def test_kept_progress_resumes_bitwise(tmp_path):
+    kw = {**KEEP_SPARSE, "exchange": "demo"}
+    a = keep_sim(2, kw)
+    for s in range(4):
+        a.step([batch(r, s) for r in range(2)])
+    torch.save(a.state_dict(), tmp_path / "sim.pt")
+    for s in range(4, 9):
+        a.step([batch(r, s) for r in range(2)])
+    b = keep_sim(2, kw, seed=3)
+    b.load_state_dict(torch.load(tmp_path / "sim.pt", weights_only=False))
+    for s in range(4, 9):
+        b.step([batch(r, s) for r in range(2)])
+    for ma, mb in zip(a.models, b.models):
+        assert all(torch.equal(p, q) for p, q in zip(ma.parameters(), mb.parameters()))
+
+
+@pytest.mark.parametrize("kw,says", [
+    ({"tau": 1}, "tau=0 and alpha=0"),
+    ({"alpha": 0.5}, "tau=0 and alpha=0"),
+    ({"exchange": "full"}, "can tell what it sent"),
+    ({"exchange": "demo", "exchange_kwargs": {"overlap": "delayed"}}, "can tell what it sent"),
+])
+def test_keep_unsent_refuses_what_it_cannot_keep(kw, says):
+    with pytest.raises(ValueError, match=says):
+        DiLoCoReplicator(inner_steps=4, keep_unsent=True, **kw)
+    rep = DiLoCoReplicator(inner_steps=4, **KEEP_SPARSE)
+    assert "keep_unsent" in rep.fault_tolerance_problem()

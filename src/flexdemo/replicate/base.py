@@ -121,6 +121,11 @@ class Replicator(ABC):
     #: :meth:`state_dict` returns fresh tensors (no references into live state): a snapshot
     #: need not copy it again
     state_dict_copies: bool = False
+    #: it can tell what it sent in its last exchange (:meth:`sent_into`)
+    reports_sent: bool = False
+    #: the decay of its error feedback (``residual = decay * residual + input - sent``;
+    #: 0: none, what it does not send is dropped)
+    feedback_decay: float = 0.0
 
     def __init__(self, *, group: dist.ProcessGroup | Transport | None = None,
                  replicate_every: int = 1, skip_every: int = 0) -> None:
@@ -310,6 +315,12 @@ class Replicator(ABC):
         (:meth:`reset_replica_state`), and nothing is withheld."""
         self.reset_replica_state()
         self.reset_withheld()
+
+    def sent_into(self, outs: list[torch.Tensor]) -> None:
+        """What this rank sent in its last exchange, as its peers decode it, written into
+        ``outs`` (tensors of its input shapes); replicators that can tell set
+        :attr:`reports_sent` (DiLoCo's ``keep_unsent`` reads it)."""
+        raise NotImplementedError(f"{self.name} cannot tell what it sent")
 
     def reset_replica_state(self) -> None:  # noqa: B027 - optional hook
         """Zero the per-replica state (e.g. error feedback: the part of this replica's own

@@ -23,6 +23,16 @@ asynchronously after step ``t`` and applied after step ``t + tau``, overlapping 
 communication with ``tau`` inner steps (the pseudo-gradient is the one taken at launch; the
 result is mixed into the parameters as they are at apply time).
 
+``keep_unsent=True`` (with an exchange that keeps error feedback and can tell what it sent:
+``"demo"``, ``"topk"``, or a quantised ``"full"``) lets every replica keep its own progress
+that the exchange has not sent yet: after a sync a replica restarts from the global
+parameters minus its residual (``residual = decay * residual + progress - sent``, mirroring
+the exchange's error feedback in the parameters' layout; ``progress`` is how far it moved
+since its last restart), instead of dropping that progress until the residual is sent.
+Replicas then differ by their residuals. It costs two more copies of the parameters per
+replica (the residual and the restart point) and needs ``tau=0``, ``alpha=0``, more than one
+replica to differ from plain DiLoCo, and no fault tolerance.
+
 Steps count from 0; fragment ``p`` is launched after step ``t`` when
 ``(t + 1) % H == ((p + 1) * H / F) % H``. The global copy and the outer optimizer state can live
 on the CPU (``offload=True``).
@@ -109,7 +119,7 @@ class DiLoCoReplicator(Replicator):
     """DiLoCo / Streaming DiLoCo: local inner steps, periodic outer steps on pseudo-gradients."""
 
     name = "diloco"
-    state_tensor_keys = ("global",)  # the global copy: equal on every replica
+    state_tensor_keys: tuple[str, ...] = ("global",)  # the global copy: equal on every replica
     fault_tolerant = True
 
     def __init__(self, inner_steps: int = 100, *, outer_lr: float = 1.0,
@@ -117,7 +127,8 @@ class DiLoCoReplicator(Replicator):
                  outer_optimizer: Callable[[list[torch.Tensor]], torch.optim.Optimizer]
                  | None = None, exchange: str | Replicator = "full",
                  exchange_kwargs: dict | None = None, fragments: int = 1, tau: int = 0,
-                 alpha: float = 0.0, offload: bool = False, group=None) -> None:
+                 alpha: float = 0.0, offload: bool = False, keep_unsent: bool = False,
+                 group=None) -> None:
         super().__init__(group=group)
         H = inner_steps
         if not isinstance(H, int) or isinstance(H, bool) or H < 1:
@@ -145,10 +156,22 @@ class DiLoCoReplicator(Replicator):
         self.outer_factory = outer_optimizer
         self.offload = offload
         self._template = make_exchange(exchange, **(exchange_kwargs or {}))
+        self.keep_unsent = bool(keep_unsent)
+        if self.keep_unsent:
+            if tau or alpha:
+                raise ValueError("keep_unsent=True needs tau=0 and alpha=0 (a replica restarts "
+                                 "from the global parameters minus its own residual)")
+            if not self._template.reports_sent:
+                raise ValueError(f"keep_unsent=True needs an exchange that can tell what it "
+                                 f"sent (\"demo\", \"topk\" or a quantised \"full\"), not "
+                                 f"{self._template!r}")
+            self.keeps_replica_state = True
+            self.state_tensor_keys = ("global", "residual", "start")
 
     def extra_repr(self) -> str:
+        keep = ", keep_unsent=True" if self.keep_unsent else ""
         return (f"H={self.inner_steps}, fragments={self.fragments}, tau={self.tau}, "
-                f"alpha={self.alpha}, exchange={self._template!r}")
+                f"alpha={self.alpha}{keep}, exchange={self._template!r}")
 
     def __repr__(self) -> str:
         return f"DiLoCoReplicator({self.extra_repr()})"
@@ -178,6 +201,10 @@ class DiLoCoReplicator(Replicator):
                      nonfinite=self.nonfinite)
         self.syncs = [0] * self.fragments
         self.pending: dict[int, _Sync] = {}
+        # keep_unsent: the progress not sent yet, and where the replica last restarted
+        self.residual = [torch.zeros_like(p) for p in self.pseudo] if self.keep_unsent else []
+        self.starts = [p.detach().float().clone() for p in self._params] \
+            if self.keep_unsent else []
         self._bad_inner: int | None = None  # first inner step withheld since the last launch
 
     def payload_bytes(self) -> int:
@@ -219,7 +246,10 @@ class DiLoCoReplicator(Replicator):
     def _launch(self, p: int, step: int) -> None:
         part = self.parts[p]
         pseudo = [self.pseudo[i] for i in part]
-        torch._foreach_copy_(pseudo, [self.global_params[i] for i in part])
+        if self._keeps():  # the progress since the last restart (the residual is not in it)
+            torch._foreach_copy_(pseudo, [self.starts[i] for i in part])
+        else:
+            torch._foreach_copy_(pseudo, [self.global_params[i] for i in part])
         torch._foreach_sub_(pseudo, [self._locals[i] for i in part])
         if self._bad_inner is not None:
             mark_nonfinite(pseudo)  # in-band flag: the exchange's agreement tells everyone
@@ -265,10 +295,27 @@ class DiLoCoReplicator(Replicator):
         glob = [self.global_params[i] for i in part]
         for g, avg in zip(glob, outs):
             g.grad = avg if avg.device == g.device else avg.to(g.device)
+        if self._keeps():  # before the outer step: its own payload, then the residual
+            self._update_residual(p, part)
         self.outer.step()
         for g in glob:
             g.grad = None
         self._restart(part, self.alpha)
+
+    def _keeps(self) -> bool:
+        """Replicas keep their unsent progress (``keep_unsent`` over more than one)."""
+        return self.keep_unsent and self.world > 1
+
+    def _update_residual(self, p: int, part: list[int]) -> None:
+        """``residual = decay * residual + (start - local) - sent`` for fragment ``p`` (the
+        mean in ``pseudo`` is read before: ``sent`` goes through the start copies)."""
+        ex, start = self.exchanges[p], [self.starts[i] for i in part]
+        local, resid = [self._locals[i] for i in part], [self.residual[i] for i in part]
+        torch._foreach_mul_(resid, ex.feedback_decay)
+        torch._foreach_add_(resid, start)
+        torch._foreach_sub_(resid, local)
+        ex.sent_into(start)  # the start copies are free until the restart
+        torch._foreach_sub_(resid, start)
 
     def _restart(self, part: list[int], alpha: float) -> None:
         """Mix the fragment's replica parameters with the global ones (alpha 0: copy)."""
@@ -282,11 +329,17 @@ class DiLoCoReplicator(Replicator):
         else:
             torch._foreach_mul_(local, alpha)
             torch._foreach_add_(local, glob, alpha=1.0 - alpha)
+        if self._keeps():  # its own unsent progress stays in the replica's parameters
+            torch._foreach_sub_(local, [self.residual[i] for i in part])
+            torch._foreach_copy_([self.starts[i] for i in part], local)
 
     def _drop(self, p: int, e: NonFiniteGradientError, step: int) -> NoReturn:
         """A sync of fragment ``p`` failed on every replica alike: restart the fragment from
         the global parameters (no outer step) and raise."""
         self.pending.pop(p, None)
+        if self._keeps():  # no telling what was kept: every replica drops its residual
+            torch._foreach_zero_([self.residual[i] for i in self.parts[p]])
+            self.exchanges[p].reset_replica_state()
         self._restart(self.parts[p], 0.0)
         raise NonFiniteGradientError(
             self.name, e.ranks, step,
@@ -309,6 +362,9 @@ class DiLoCoReplicator(Replicator):
         return tuple(getattr(self, "exchanges", ()))
 
     def fault_tolerance_problem(self) -> str | None:
+        if self.keep_unsent:
+            return ("fault tolerance does not support keep_unsent=True (a joiner would heal "
+                    "from a peer whose parameters hold that peer's unsent progress)")
         if self.tau and self._template.keeps_replica_state:
             return (f"fault tolerance does not support DiLoCo syncs that overlap later steps "
                     f"(tau={self.tau}) with an exchange that keeps per-replica state "
@@ -361,6 +417,9 @@ class DiLoCoReplicator(Replicator):
             "syncs": list(self.syncs),
             "pending": pending,
         })
+        if self.keep_unsent:
+            sd["residual"] = [t.clone() for t in self.residual]
+            sd["start"] = [t.clone() for t in self.starts]
         return sd
 
     def load_state_dict(self, state: dict) -> None:
@@ -378,6 +437,12 @@ class DiLoCoReplicator(Replicator):
         for ex, s in zip(self.exchanges, state["exchanges"]):
             ex.load_state_dict(s)
         self.syncs = list(state["syncs"])
+        if self.keep_unsent:
+            if "residual" not in state:
+                raise ValueError(f"{self.name}: the state has no residual (saved without "
+                                 "keep_unsent=True?)")
+            torch._foreach_copy_(self.residual, list(state["residual"]))
+            torch._foreach_copy_(self.starts, list(state["start"]))
         self.pending = {
             int(p): _Sync(int(v["apply_at"]), failed=v["failed"]) if "failed" in v else
             _Sync(int(v["apply_at"]), result=[t.to(self.device) for t in v["result"]])

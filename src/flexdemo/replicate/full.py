@@ -121,6 +121,8 @@ class FullReplicator(Replicator):
             raise ValueError("error_feedback is for quantised values (bf16, fp16, int8, int4, "
                              "int3, int2, stat3, stat2): fp32 loses nothing; leave it out")
         self.error_feedback = None if error_feedback is None else float(error_feedback)
+        self.feedback_decay = self.error_feedback or 0.0
+        self.reports_sent = values != "fp32"  # a quantised payload it can decode again
         if self.error_feedback is not None:  # per-replica state: the residual
             self.keeps_replica_state = True
             self.state_tensor_keys = ("residual",)
@@ -230,6 +232,14 @@ class FullReplicator(Replicator):
             return sx.codec.decode(sx.send[:, HEADER_BYTES:], sx.chunk).reshape(-1)[
                 : self._total]
         return self.codec.decode(self._bucket[HEADER_BYTES:], self._total)
+
+    def sent_into(self, outs: list[torch.Tensor]) -> None:
+        """This rank's last payload as the peers decode it (quantised formats), into
+        ``outs``."""
+        if not self.reports_sent or self._total == 0:
+            return super().sent_into(outs)
+        parts = torch.split(self._sent(), self.layout.sizes)
+        torch._foreach_copy_(outs, [v.view(o.shape) for v, o in zip(parts, outs)])
 
     def _feed_back(self, sign: float) -> None:
         """Error feedback: add ``sign`` times what this rank sent to its residual (-1 after

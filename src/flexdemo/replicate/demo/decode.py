@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from .checks import check_payloads
 from .layout import BlockLayout, Group, Segment
 
 SENDERS_SLOT = 11  # the scratch slot of the per-coefficient count of senders
@@ -116,3 +117,14 @@ def clip_to_median_norm(decoded: list, good: list[int] | None,
         median = srt.gather(0, middle).mean()
     factor = torch.where(norms > median, median / norms, torch.ones_like(norms))
     return [None if d is None else (d[0], d[1] * factor.view(-1, 1, 1)) for d in decoded]
+
+
+def write_own(lay: BlockLayout, staging, codec, own: torch.Tensor, plan, outs) -> None:
+    """This rank's payload ``own`` (its bucket) decoded as the peers decode it (one peer, no
+    ``sign``) into the tensors ``outs`` present in ``plan``."""
+    _, decoded = check_payloads(own.unsqueeze(0), lay.groups, codec, plan)
+    for gi, g in enumerate(lay.groups):
+        pieces, views = plan.write[gi]
+        if pieces and decoded[gi] is not None:
+            decode_mean(lay, g, *decoded[gi], sign=False)
+            staging.write_back(outs, pieces, views)

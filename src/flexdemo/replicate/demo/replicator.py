@@ -13,7 +13,7 @@ from ...transport import Pending, all_gather
 from ..base import HEADER_BYTES, Replicator, write_header, zero_where
 from . import delayed, state
 from .checks import VerdictToHost, check_payloads, good_peers, kept_peers
-from .decode import blocks_into_image, clip_to_median_norm, decode_mean, dense_inverse
+from .decode import blocks_into_image, clip_to_median_norm, decode_mean, dense_inverse, write_own
 from .graphs import CompiledSelection, StepGraphs
 from .layout import BlockLayout, Group
 from .scatter import SparseScatter
@@ -58,24 +58,18 @@ class DeMoReplicator(Replicator):
             every_step=self.replicate_every == 1 and not self.skip_every)
         self.mean, self.clip, self.reduce = mean, clip, reduce
         self.topk, self.chunk, self.decay = topk, chunk, float(decay)
+        self.feedback_decay = self.decay  # its momentum is its error feedback
         self.sign, self.scale_by_lr, self.values = sign, scale_by_lr, values
         self.transform, self.transform_dtype, self.small = transform, transform_dtype, small
         self.small_numel = chunk * chunk if small_numel is None else small_numel
         self.bucket, self.overlap, self.on_bad_peer = bucket, overlap, on_bad_peer
-        self.codec = BlockValueCodec(values)
-        self.dropped_payloads = 0
+        self.codec, self.dropped_payloads = BlockValueCodec(values), 0
         # torch.compile of the top-k selection (same results; falls back to eager on failure)
         self.compile = bool(compile)
-        self._compiled = CompiledSelection(self.name, self._compile_failed)
+        self._compiled = CompiledSelection(self.name, lambda: setattr(self, "compile", False))
         # CUDA graphs of the device work between the host's steps (no effect off CUDA)
-        self.graphs = graphs
-        self.staging = staging
-
-    def _compile_failed(self) -> None:
-        self.compile = False
-
-    def _graphs_failed(self) -> None:
-        self.graphs = False
+        self.graphs, self.staging = graphs, staging
+        self.reports_sent = reduce == "gather" and overlap == "none"  # (sent_into)
 
     @classmethod
     def preset(cls, name: str, **overrides) -> DeMoReplicator:
@@ -139,7 +133,7 @@ class DeMoReplicator(Replicator):
         self._decay_factor = torch.tensor(self.decay, dtype=torch.float32, device=self.device)
         self._one = torch.ones((), dtype=torch.float32, device=self.device)
         # CUDA graphs: the step and the step sizes as device scalars, filled before a replay
-        self.step_graphs = StepGraphs(self.name, self._graphs_failed)
+        self.step_graphs = StepGraphs(self.name, lambda: setattr(self, "graphs", False))
         self._lr_of_class: list[float] = []
         self._step_on_device = torch.zeros((), dtype=torch.int64, device=self.device)
         self._lrs_on_device = torch.zeros(max(1, len(self.units)), dtype=torch.float32,
@@ -479,6 +473,13 @@ class DeMoReplicator(Replicator):
         self._write_mean(decoded, good, plan, plan, grads)
 
     # ------------------------------------------------------------------ contract
+    def sent_into(self, outs) -> None:
+        """What this rank sent in its last exchange, as the peers decode it, into ``outs``."""
+        if not self.reports_sent:
+            return super().sent_into(outs)
+        plan = self._plan_step(outs, None)
+        write_own(self.layout, self.staging_plans, self.codec, self._buckets[0], plan, outs)
+
     def quorum_changed(self) -> None:
         delayed.return_inflight(self)
         super().quorum_changed()

@@ -13,7 +13,9 @@ over them. Choreography options for the tests:
 ``--heal-late`` forms this group's first quorum behind its forward pass (the fallback a group
 that torchft heals late takes: it sends zeros and votes no); ``--ready-file F`` is written once
 the Manager is up; ``--save D`` / ``--resume D``: a checkpoint at the end / to
-start from.
+start from. ``--order`` is the loop's order (:data:`ORDERS`); each step's data comes from
+``opt.steps`` where the loop reads it (after ``zero_grad()`` when that comes first, else before
+the forward pass), and ``progress`` records the step ``step()`` runs.
 """
 
 from __future__ import annotations
@@ -29,6 +31,14 @@ import torch
 from torch import nn
 
 import flexdemo
+
+ORDERS = {
+    "zero-first": "zero_grad, forward, backward, step (the default)",
+    "forward-zero": "forward, zero_grad, backward, step",
+    "zero-last": "forward, backward, step, zero_grad",
+    "forward-keep": "forward, zero_grad(set_to_none=False), backward, step",
+    "none": "forward, backward, step, p.grad = None by hand (no zero_grad)",
+}
 
 
 def model() -> nn.Module:
@@ -55,6 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--hold", action="append", default=[])
     ap.add_argument("--fail-commit", type=int, default=-1)
     ap.add_argument("--heal-late", action="store_true")
+    ap.add_argument("--order", default="zero-first", choices=sorted(ORDERS))
     ap.add_argument("--ready-file", default="")
     ap.add_argument("--save", default="", help="save a checkpoint here at the end")
     ap.add_argument("--resume", default="", help="load this checkpoint first")
@@ -97,23 +108,32 @@ def main(argv: list[str] | None = None) -> int:
             time.sleep(0.05)
         if hold:
             time.sleep(0.5)  # the other group's heartbeats reach the lighthouse (every 0.1 s)
-        opt.zero_grad()  # the quorum: a joiner heals here, before its forward pass
+        if a.order == "zero-first":
+            opt.zero_grad()  # the quorum: a joiner heals here, before its forward pass
         step = opt.steps
         if step == a.die_at:
             session.join_quorum()  # in step K's quorum: the others' step K meets it dying
             os.kill(os.getpid(), signal.SIGKILL)
         x, y = batch(step, a.replica_id)
-        loss = nn.functional.mse_loss(net(x), y)
+        loss = nn.functional.mse_loss(net(x), y)  # (other orders: a joiner heals before it)
+        if a.order in ("forward-zero", "forward-keep"):
+            opt.zero_grad(set_to_none=a.order == "forward-zero")
         loss.backward()
         if step == a.fail_commit and not failed_once:
             failed_once = True
             session._before_commit = lambda o: o.fault_tolerance.manager.report_error(
                 RuntimeError("injected failure"))
+        ran = opt.steps  # the step that step() runs (a joiner healed to its peers' step)
         opt.step()
         session._before_commit = None
         s = opt.last_step_stats()
-        progress.write(f"{step} {s['replicas']} {int(s['committed'])} {time.time():.3f} "
+        progress.write(f"{ran} {s['replicas']} {int(s['committed'])} {time.time():.3f} "
                        f"{s['quorum_seconds']:.4f} {s['commit_seconds']:.4f}\n")
+        if a.order == "zero-last":
+            opt.zero_grad()
+        elif a.order == "none":
+            for p in net.parameters():
+                p.grad = None
     state = {"step": opt.steps,  # this rank's shards
              "params": [getattr(p, "_local_tensor", p).detach().clone()
                         for p in net.parameters()]}

@@ -146,6 +146,28 @@ def _same(a: list, b: list) -> bool:
     return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
 
 
+def _kill_and_restart(tmp: Path, procs: list, replicator: str, join: int,
+                      *extra: str) -> None:
+    """A and B1 start together, B1 is killed (SIGKILL) in step 5, A goes on alone and waits at
+    step ``join`` for B2, which restarts afresh and heals from A; both train 15 steps."""
+    lh = Lighthouse(1, tmp / "lighthouse.log")
+    try:
+        ready_a = tmp / "a-ready"
+        ready1, ready2 = tmp / "b1-ready", tmp / "b2-ready"
+        common = ["--replicator", replicator, "--steps", "15", "--timeout", "30", *extra]
+        a = _worker(procs, tmp, lh.url, "A", "A", *common, "--hold", f"0:{ready1}",
+                    "--hold", f"{join}:{ready2}", "--ready-file", str(ready_a))
+        b1 = _worker(procs, tmp, lh.url, "B", "B1", *common, "--die-at", "5",
+                     "--ready-file", str(ready1), "--hold", f"0:{ready_a}")
+        assert _wait(b1, tmp, "B1") == -9  # killed by SIGKILL, mid-run
+        _until_alone(tmp, "A")
+        b2 = _worker(procs, tmp, lh.url, "B", "B2", *common, "--ready-file", str(ready2))
+        _ok(a, tmp, "A")
+        _ok(b2, tmp, "B2")
+    finally:
+        lh.stop()
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("replicator", ["full", "demo", "diloco", "random", "diloco-int4-rs",
                                         "demo-delayed", "diloco-streaming"])
@@ -156,25 +178,10 @@ def test_killed_group_restarts_heals_and_ends_identical(tmp_path, procs, replica
     restarts, heals from A (under DiLoCo between two syncs), and at the
     end both groups hold bitwise the same parameters (DiLoCo: its last step is a sync; streaming
     DiLoCo, whose syncs land a step after their launch: the same global copy)."""
-    lh = Lighthouse(1, tmp_path / "lighthouse.log")
-    try:
-        ready_a = tmp_path / "a-ready"
-        ready1, ready2 = tmp_path / "b1-ready", tmp_path / "b2-ready"
-        common = ["--replicator", replicator, "--steps", "15", "--timeout", "30"]
-        # A and B1 start together; A waits at step 9 for B2 to be up (B2 joins before the end;
-        # streaming DiLoCo: at step 10, while A's sync launched after step 9 is in flight)
-        join = 10 if replicator == "diloco-streaming" else 9
-        a = _worker(procs, tmp_path, lh.url, "A", "A", *common, "--hold", f"0:{ready1}",
-                    "--hold", f"{join}:{ready2}", "--ready-file", str(ready_a))
-        b1 = _worker(procs, tmp_path, lh.url, "B", "B1", *common, "--die-at", "5",
-                     "--ready-file", str(ready1), "--hold", f"0:{ready_a}")
-        assert _wait(b1, tmp_path, "B1") == -9  # killed by SIGKILL, mid-run
-        _until_alone(tmp_path, "A")
-        b2 = _worker(procs, tmp_path, lh.url, "B", "B2", *common, "--ready-file", str(ready2))
-        _ok(a, tmp_path, "A")
-        _ok(b2, tmp_path, "B2")
-    finally:
-        lh.stop()
+    # A waits at step 9 for B2 to be up (B2 joins before the end; streaming DiLoCo: at step 10,
+    # while A's sync launched after step 9 is in flight)
+    join = 10 if replicator == "diloco-streaming" else 9
+    _kill_and_restart(tmp_path, procs, replicator, join)
     pa, pb = _progress(tmp_path, "A"), _progress(tmp_path, "B2")
     if replicator in ("demo-delayed", "diloco-streaming"):  # step 5's exchange (in flight)
         # fails while step 6 runs: that step is undone
@@ -190,6 +197,27 @@ def test_killed_group_restarts_heals_and_ends_identical(tmp_path, procs, replica
         assert _same(fa["params"], fb["params"])
     if replicator.startswith("diloco"):
         assert _same(fa["global"], fb["global"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("order", ["forward-zero", "zero-last", "forward-keep", "none",
+                                   "zero-first"])
+def test_every_loop_order_survives_a_kill_and_a_rejoin(tmp_path, procs, order):
+    """The same kill and restart as above (DeMo), with the loop in another order (the worker's
+    ``--order``: zero_grad after the forward pass, after the step, zero_grad(set_to_none=False),
+    or none at all). The restarted B heals before its first forward pass wherever the loop's
+    zero_grad is: its first step commits with A's, no step of B is undone, and both end bitwise
+    equal. (zero_grad after the forward pass healed B there, and its backward pass raised
+    "modified by an inplace operation".)"""
+    _kill_and_restart(tmp_path, procs, "demo", 9, "--order", order)
+    pa, pb = _progress(tmp_path, "A"), _progress(tmp_path, "B2")
+    assert (5, 2, 0) in pa, f"A's step 5 with the dying B was not undone: {pa}"
+    assert any(n == 1 and c for _, n, c in pa), f"A never went on alone: {pa}"
+    assert pb[0][0] >= 9, f"B2 did not heal to A's step: {pb}"
+    assert all(n == 2 and c for _, n, c in pb), f"B2 did not train with A: {pb}"
+    fa, fb = _final(tmp_path, "A"), _final(tmp_path, "B2")
+    assert fa["step"] == fb["step"] == 15
+    assert _same(fa["params"], fb["params"])
 
 
 @pytest.mark.slow
@@ -219,17 +247,19 @@ def test_the_group_a_joiner_heals_from_commits_under_min_replicas(tmp_path, proc
 
 
 @pytest.mark.slow
-def test_a_group_healed_after_its_forward_pass_votes_no(tmp_path, procs):
+@pytest.mark.parametrize("order", ["zero-first", "forward-zero"])
+def test_a_group_healed_after_its_forward_pass_votes_no(tmp_path, procs, order):
     """B joins A's run with its first quorum behind its forward pass (``--heal-late``), so
     torchft heals it after that pass and B's gradients come from its state before the heal. It
     takes part in the exchange with zero gradients and votes no: its step is undone, A's step
-    commits, B heals again in its next quorum (formed before the forward pass), and both groups
-    end bitwise equal. (Reporting the error before the exchange made torchft skip B's
-    collectives, and A waited for them until its timeout.)"""
+    commits, B heals again in its next quorum (formed before the forward pass, also where the
+    loop's zero_grad comes after it), and both groups end bitwise equal. (Reporting the error
+    before the exchange made torchft skip B's collectives, and A waited for them until its
+    timeout.)"""
     lh = Lighthouse(1, tmp_path / "lighthouse.log")
     try:
         ready_b = tmp_path / "b-ready"
-        common = ["--replicator", "demo", "--steps", "10", "--timeout", "30"]
+        common = ["--replicator", "demo", "--steps", "10", "--timeout", "30", "--order", order]
         a = _worker(procs, tmp_path, lh.url, "A", "A", *common, "--hold", f"5:{ready_b}")
         _until_alone(tmp_path, "A")  # A trains alone first: B has to heal from it
         b = _worker(procs, tmp_path, lh.url, "B", "B", *common, "--heal-late",
@@ -322,15 +352,17 @@ def test_three_groups_one_killed_and_restarted(tmp_path, procs):
 
 
 @pytest.mark.slow
-def test_sharded_groups_rank_r_replicates_with_rank_r(tmp_path, procs):
+@pytest.mark.parametrize("order", ["zero-first", "forward-zero"])
+def test_sharded_groups_rank_r_replicates_with_rank_r(tmp_path, procs, order):
     """2 groups x 2 ranks (FSDP2 shards inside a group), DeMo: B is killed whole in step 5 and
     restarts; rank r of B heals from rank r of A, and at the end each rank's shards are
-    bitwise those of the same rank of the other group."""
+    bitwise those of the same rank of the other group. With zero_grad after the forward pass,
+    B heals in the forward pre-hook, before FSDP2 gathers the shards it wrote."""
     lh = Lighthouse(1, tmp_path / "lighthouse.log")
     try:
         ready_a = tmp_path / "a-ready"
         ready1, ready2 = tmp_path / "b1-ready", tmp_path / "b2-ready"
-        common = ["--replicator", "demo", "--steps", "12", "--timeout", "30"]
+        common = ["--replicator", "demo", "--steps", "12", "--timeout", "30", "--order", order]
         a = _group(procs, tmp_path, lh.url, "A", "A", 2, *common, "--hold", f"0:{ready1}",
                    "--hold", f"8:{ready2}", "--ready-file", str(ready_a))
         b1 = _group(procs, tmp_path, lh.url, "B", "B1", 2, *common, "--die-at", "5",
@@ -409,6 +441,44 @@ def test_too_few_replicas_wait_bounded_and_say_so(tmp_path, procs):
     last = log.strip().splitlines()[-1]
     assert last.startswith("error: replica group 'A' waited 4 s for a quorum of 2"), last
     assert lh.url in last
+
+
+def test_a_hand_built_optimizer_needs_its_model_watched(tmp_path):
+    """A DeToNATION built by hand under fault tolerance does not know the model whose forward
+    pass a joiner must heal before: its first step refuses in one line that says what to do.
+    Watched, a loop with zero_grad after the forward pass commits, and the model may be copied
+    meanwhile (the copy's hook is inert)."""
+    lh = Lighthouse(1, tmp_path / "lighthouse.log")
+    code = (
+        "import copy, torch, flexdemo\n"
+        f"ft = flexdemo.FaultTolerance(lighthouse='{lh.url}', replica_id='A', timeout=20, "
+        "hostname='127.0.0.1')\n"
+        "net = torch.nn.Linear(4, 4)\n"
+        "opt = flexdemo.DeToNATION(net.parameters(), 'full', fault_tolerance=ft)\n"
+        "try:\n"
+        "    opt.zero_grad()\n"
+        "except ValueError as e:\n"
+        "    print(e)\n"
+        "opt = flexdemo.DeToNATION(net.parameters(), 'full', fault_tolerance=ft)\n"
+        "opt.fault_tolerance.watch(net)\n"
+        "twin = copy.deepcopy(net)\n"
+        "loss = net(torch.ones(2, 4)).sum()\n"
+        "opt.zero_grad()\n"
+        "loss.backward()\n"
+        "opt.step()\n"
+        "twin(torch.ones(2, 4))\n"
+        "print(opt.steps, opt.last_step_stats()['committed'])\n"
+        "opt.fault_tolerance.shutdown()\n")
+    try:
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                           timeout=WAIT, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    finally:
+        lh.stop()
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.splitlines() == [
+        "under fault tolerance the optimizer heals a replica group before its forward pass "
+        "and needs the model for that: call opt.fault_tolerance.watch(model) before the first "
+        "step (flexdemo.prepare does)", "1 True"], r.stdout
 
 
 def test_replica_id_used_twice_is_one_line(tmp_path, procs):

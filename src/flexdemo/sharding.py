@@ -334,5 +334,7 @@ def prepare(model: nn.Module, replicator: str | Replicator | Sequence = "demo",
                      nonfinite=nonfinite, base_kwargs=with_model_rule(model, optimizer,
                                                                       optimizer_kwargs),
                      mesh=mesh, fault_tolerance=fault_tolerance)
+    if opt.fault_tolerance is not None:  # a group heals before the forward pass, in any loop
+        opt.fault_tolerance.watch(model)
     opt.sync_buffers(model, policy=buffers)
     return model, opt

@@ -110,6 +110,25 @@ def _store(hostname: str) -> tuple[str, int, object]:
     return hostname, store.port, store
 
 
+class _HealBeforeForward:
+    """The forward pre-hook on the watched model while this group may have to heal: it forms
+    the step's quorum (and heals) before the forward pass, wherever the loop's ``zero_grad()``
+    is. A copy or a pickle of the model gets an inert one."""
+
+    def __init__(self, session: ElasticSession | None) -> None:
+        self.session = session
+
+    def __call__(self, module, args) -> None:
+        if self.session is not None and self.session._hooks:
+            self.session.begin()
+
+    def __deepcopy__(self, memo) -> _HealBeforeForward:
+        return _HealBeforeForward(None)
+
+    def __reduce__(self):
+        return _HealBeforeForward, (None,)
+
+
 class ElasticSession:
     """The fault-tolerance side of one :class:`~flexdemo.optim.DeToNATION` optimizer."""
 
@@ -136,6 +155,8 @@ class ElasticSession:
         self._launch_seconds = 0.0
         self._stale = False  # healed after its forward pass (see join_quorum)
         self._started = False
+        self._modules: list[torch.nn.Module] = []  # watch(): heal before their forward pass
+        self._hooks: list[Any] = []  # the armed forward pre-hooks' handles
         self._quorum_id = None
         self._before_commit = None  # tests: called after a step, before its commit vote
         self.participants = 0
@@ -190,16 +211,51 @@ class ElasticSession:
         for key, (load, save) in self.config.extra_state.items():
             self.manager.register_state_dict_fn(key, load, save)
 
+    def watch(self, module: torch.nn.Module) -> None:
+        """Heal before ``module``'s forward pass: while this group may have to heal (its first
+        quorum, or the one after its own commit vote failed), the first forward pass of
+        ``module`` forms the step's quorum first, if ``zero_grad()`` has not, so that a loop
+        may call ``zero_grad()`` anywhere (or never). :func:`flexdemo.prepare` watches its
+        model; a :class:`~flexdemo.optim.DeToNATION` built by hand has to be told."""
+        if not isinstance(module, torch.nn.Module):
+            raise TypeError(f"watch() takes the model (a torch.nn.Module), got "
+                            f"{type(module).__name__}")
+        self._modules.append(module)
+        if self._hooks or not self._started:
+            self._disarm()
+            self._arm()
+
+    def _arm(self) -> None:
+        """Form the next quorum before the next forward pass of the watched modules."""
+        if not self._hooks:  # first among the pre-hooks: before FSDP2 gathers the parameters
+            self._hooks = [m.register_forward_pre_hook(_HealBeforeForward(self), prepend=True)
+                           for m in self._modules]
+
+    def _disarm(self) -> None:
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
+
     # ------------------------------------------------------------------ stepping
     def begin(self) -> None:
-        """Start this step's quorum; called by ``zero_grad()`` before the forward pass, or by
-        ``step()`` if not yet. Where this group may have to heal (its first quorum, or the one
-        after its own commit vote failed) the quorum is formed here, so that a joiner heals
-        before its forward pass; otherwise torchft forms it behind the forward and backward
-        passes and :meth:`step` waits for it (:meth:`join_quorum`)."""
+        """Start this step's quorum; called by ``zero_grad()``, by the watched model's forward
+        pre-hook (:meth:`watch`) while this group may have to heal, or by ``step()`` if not
+        yet. Where this group may have to heal (its first quorum, or the one after its own
+        commit vote failed) the quorum is formed here, so that a joiner heals before its
+        forward pass, never between it and its backward pass; otherwise torchft forms it
+        behind the forward and backward passes and :meth:`step` waits for it
+        (:meth:`join_quorum`). Refused in one line at the first step when no model is
+        watched."""
         if self._launched or self._begun:
             return
         assert self.opt is not None, "attach() the optimizer first"
+        if not self._modules:
+            self.shutdown()
+            raise ValueError(
+                "under fault tolerance the optimizer heals a replica group before its forward "
+                "pass and needs the model for that: call opt.fault_tolerance.watch(model) "
+                "before the first step (flexdemo.prepare does)")
+        self._disarm()
         may_heal = not self._started or self.committed is False
         if not self._started:  # a resumed optimizer: the lighthouse sees its committed steps
             self._started = True
@@ -390,6 +446,7 @@ class ElasticSession:
         if not self.committed:
             restore(opt, snap)
             self.failed_commits += 1
+            self._arm()  # it may heal at its next quorum: before the next forward pass
         if error is not None and not isinstance(error, PeerLostError):
             raise error
         return loss

@@ -288,6 +288,8 @@ SETTINGS: dict[str, Setting] = {
            ("sparseloco", "-d1", ", error-feedback decay 1.0", {"exchange_kwargs": {"decay": 1.0}}),
            ("sparseloco", "-nest", ", outer Nesterov 0.7 / 0.6 over error feedback 0.95",
             {"outer_lr": 0.7, "outer_momentum": 0.6}),
+           ("sparseloco", "-rs", ", the mean by reduce-scatter over block owners",
+            {"exchange_kwargs": {"reduce": "scatter"}}),
            # replicas that keep their own unsent progress (keep_unsent)
            ("sparseloco", "-keep", ", replicas keep their unsent progress",
             {"keep_unsent": True}),

@@ -668,7 +668,10 @@ def frontier_plot(rows: list[dict], path: Path, title: str) -> None:
         ax.set_xscale("log")
         ax.set_xlabel("bytes per parameter per step sent (busiest rank)")
         ax.set_ylabel("val loss vs full sync, same inner optimizer (%)")
-        ax.set_title(f"{n} replicas, best lr of each (circles: Muon inner, squares: AdamW)")
+        grids = {len({r["lr"] for r in rows if (r["replicas"], r["strategy"])
+                      == (n, b["strategy"])}) for b in here}
+        which = "one lr each" if grids == {1} else "best lr of each"
+        ax.set_title(f"{n} replicas, {which} (circles: Muon inner, squares: AdamW)")
         ax.grid(alpha=0.3, which="both")
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()

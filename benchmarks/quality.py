@@ -657,7 +657,9 @@ def frontier_plot(rows: list[dict], path: Path, title: str) -> None:
             gap = 100 * (r["vs_same"] - 1)
             if r["bytes_per_param_step"] <= 0:
                 ax.axhline(gap, linestyle=":", color="grey")
-                ax.annotate(r["strategy"], (1e-4, gap), fontsize=7, color="grey")
+                ax.annotate(f"{r['strategy']} (nothing sent)", (0.01, gap), fontsize=7,
+                            color="grey", xycoords=("axes fraction", "data"),
+                            xytext=(0, 3), textcoords="offset points")
                 continue
             inner = _inner(r["strategy"])
             ax.scatter(r["bytes_per_param_step"], gap, marker="o" if inner == "muon" else "s",

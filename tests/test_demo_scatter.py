@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch import nn
+from frontier_util import batch, loss_fn, tiny_model
 
 from flexdemo import SimulatedReplicas
 from flexdemo.inprocess import InProcessHub
@@ -194,20 +194,6 @@ def test_settings_that_cannot_scatter_are_refused_in_one_line(kwargs, words):
     with pytest.raises(ValueError, match="'gather'"):
         DeMoReplicator(reduce="ring")
     assert "reduce='scatter'" in repr(DeMoReplicator(reduce="scatter", sign=True))
-
-
-def tiny_model() -> nn.Module:
-    return nn.Sequential(nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 64))
-
-
-def loss_fn(model, batch):
-    x, y = batch
-    return nn.functional.mse_loss(model(x), y)
-
-
-def batch(r: int, step: int):
-    g = torch.Generator().manual_seed(1000 * r + step)
-    return torch.randn(8, 64, generator=g), torch.randn(8, 64, generator=g)
 
 
 def sim(seed: int = 0) -> SimulatedReplicas:

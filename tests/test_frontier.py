@@ -8,7 +8,7 @@ import math
 
 import pytest
 import torch
-from torch import nn
+from frontier_util import batch, loss_fn, tiny_model
 
 from flexdemo import SimulatedReplicas
 from flexdemo.compress.quant import ValueCodec
@@ -118,20 +118,6 @@ def test_error_feedback_keeps_what_was_not_sent(values):
         torch.testing.assert_close(out[i] + residual[i], g[i], rtol=0, atol=1e-6)
         if values != "fp32":  # lossy values: the rounding error stays in the buffer
             assert residual[i][picked].abs().max() > 0
-
-
-def tiny_model() -> nn.Module:
-    return nn.Sequential(nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 64))
-
-
-def loss_fn(model, batch):
-    x, y = batch
-    return nn.functional.mse_loss(model(x), y)
-
-
-def batch(r: int, step: int):
-    g = torch.Generator().manual_seed(1000 * r + step)
-    return torch.randn(8, 64, generator=g), torch.randn(8, 64, generator=g)
 
 
 def sim_of(preset: str, replicas: int, seed: int = 0, **kw) -> SimulatedReplicas:

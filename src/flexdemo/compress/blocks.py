@@ -152,7 +152,7 @@ class _SignBlocks(BlockValueCodec):
 
 
 class _StatBlocks(BlockValueCodec):
-    """A statistical codebook per block (:func:`_stat_codebook`): ``L`` bf16 bin means per
+    """A statistical codebook per block (:func:`~.codebook.stat_codebook`): ``L`` bf16 bin means per
     block first, then the codes packed at :attr:`bits` bits."""
 
     bits = 2

@@ -269,7 +269,7 @@ class _Int2Values(_PackedIntValues):
 
 
 class _StatValues(_BlockedValues):
-    """A statistical codebook per block (:func:`_stat_codebook`): ``L`` bf16 bin means per
+    """A statistical codebook per block (:func:`~.codebook.stat_codebook`): ``L`` bf16 bin means per
     block first, then the codes packed at :attr:`bits` bits."""
 
     bits = 2

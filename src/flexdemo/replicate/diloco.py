@@ -29,9 +29,10 @@ that the exchange has not sent yet: after a sync a replica restarts from the glo
 parameters minus its residual (``residual = decay * residual + progress - sent``, mirroring
 the exchange's error feedback in the parameters' layout; ``progress`` is how far it moved
 since its last restart), instead of dropping that progress until the residual is sent.
-Replicas then differ by their residuals. It costs two more copies of the parameters per
-replica (the residual and the restart point) and needs ``tau=0``, ``alpha=0``, more than one
-replica to differ from plain DiLoCo, and no fault tolerance.
+Replicas then differ by their residuals. It costs one more copy of the parameters per
+replica (the residual; the restart point is the global parameters minus it) and needs
+``tau=0``, ``alpha=0``, more than one replica to differ from plain DiLoCo, and no fault
+tolerance.
 
 Steps count from 0; fragment ``p`` is launched after step ``t`` when
 ``(t + 1) % H == ((p + 1) * H / F) % H``. The global copy and the outer optimizer state can live
@@ -166,7 +167,7 @@ class DiLoCoReplicator(Replicator):
                                  f"sent (\"demo\", \"topk\" or a quantised \"full\"), not "
                                  f"{self._template!r}")
             self.keeps_replica_state = True
-            self.state_tensor_keys = ("global", "residual", "start")
+            self.state_tensor_keys = ("global", "residual")
 
     def extra_repr(self) -> str:
         keep = ", keep_unsent=True" if self.keep_unsent else ""
@@ -201,10 +202,8 @@ class DiLoCoReplicator(Replicator):
                      nonfinite=self.nonfinite)
         self.syncs = [0] * self.fragments
         self.pending: dict[int, _Sync] = {}
-        # keep_unsent: the progress not sent yet, and where the replica last restarted
+        # keep_unsent: the progress not sent yet (the replica restarted at global - residual)
         self.residual = [torch.zeros_like(p) for p in self.pseudo] if self.keep_unsent else []
-        self.starts = [p.detach().float().clone() for p in self._params] \
-            if self.keep_unsent else []
         self._bad_inner: int | None = None  # first inner step withheld since the last launch
 
     def payload_bytes(self) -> int:
@@ -246,10 +245,15 @@ class DiLoCoReplicator(Replicator):
     def _launch(self, p: int, step: int) -> None:
         part = self.parts[p]
         pseudo = [self.pseudo[i] for i in part]
-        if self._keeps():  # the progress since the last restart (the residual is not in it)
-            torch._foreach_copy_(pseudo, [self.starts[i] for i in part])
-        else:
-            torch._foreach_copy_(pseudo, [self.global_params[i] for i in part])
+        torch._foreach_copy_(pseudo, [self.global_params[i] for i in part])
+        if self._keeps():
+            # the replica restarted at global - residual: its input is the progress since,
+            # and the residual takes that progress in (what is sent leaves it at the apply)
+            resid = [self.residual[i] for i in part]
+            torch._foreach_sub_(pseudo, resid)
+            torch._foreach_mul_(resid, self.exchanges[p].feedback_decay)
+            torch._foreach_add_(resid, pseudo)
+            torch._foreach_sub_(resid, [self._locals[i] for i in part])
         torch._foreach_sub_(pseudo, [self._locals[i] for i in part])
         if self._bad_inner is not None:
             mark_nonfinite(pseudo)  # in-band flag: the exchange's agreement tells everyone
@@ -295,27 +299,18 @@ class DiLoCoReplicator(Replicator):
         glob = [self.global_params[i] for i in part]
         for g, avg in zip(glob, outs):
             g.grad = avg if avg.device == g.device else avg.to(g.device)
-        if self._keeps():  # before the outer step: its own payload, then the residual
-            self._update_residual(p, part)
         self.outer.step()
         for g in glob:
             g.grad = None
+        if self._keeps():  # what it sent leaves its residual (the mean is spent: pseudo is free)
+            pseudo = [self.pseudo[i] for i in part]
+            self.exchanges[p].sent_into(pseudo)
+            torch._foreach_sub_([self.residual[i] for i in part], pseudo)
         self._restart(part, self.alpha)
 
     def _keeps(self) -> bool:
         """Replicas keep their unsent progress (``keep_unsent`` over more than one)."""
         return self.keep_unsent and self.world > 1
-
-    def _update_residual(self, p: int, part: list[int]) -> None:
-        """``residual = decay * residual + (start - local) - sent`` for fragment ``p`` (the
-        mean in ``pseudo`` is read before: ``sent`` goes through the start copies)."""
-        ex, start = self.exchanges[p], [self.starts[i] for i in part]
-        local, resid = [self._locals[i] for i in part], [self.residual[i] for i in part]
-        torch._foreach_mul_(resid, ex.feedback_decay)
-        torch._foreach_add_(resid, start)
-        torch._foreach_sub_(resid, local)
-        ex.sent_into(start)  # the start copies are free until the restart
-        torch._foreach_sub_(resid, start)
 
     def _restart(self, part: list[int], alpha: float) -> None:
         """Mix the fragment's replica parameters with the global ones (alpha 0: copy)."""
@@ -331,7 +326,6 @@ class DiLoCoReplicator(Replicator):
             torch._foreach_add_(local, glob, alpha=1.0 - alpha)
         if self._keeps():  # its own unsent progress stays in the replica's parameters
             torch._foreach_sub_(local, [self.residual[i] for i in part])
-            torch._foreach_copy_([self.starts[i] for i in part], local)
 
     def _drop(self, p: int, e: NonFiniteGradientError, step: int) -> NoReturn:
         """A sync of fragment ``p`` failed on every replica alike: restart the fragment from
@@ -419,7 +413,6 @@ class DiLoCoReplicator(Replicator):
         })
         if self.keep_unsent:
             sd["residual"] = [t.clone() for t in self.residual]
-            sd["start"] = [t.clone() for t in self.starts]
         return sd
 
     def load_state_dict(self, state: dict) -> None:
@@ -442,7 +435,6 @@ class DiLoCoReplicator(Replicator):
                 raise ValueError(f"{self.name}: the state has no residual (saved without "
                                  "keep_unsent=True?)")
             torch._foreach_copy_(self.residual, list(state["residual"]))
-            torch._foreach_copy_(self.starts, list(state["start"]))
         self.pending = {
             int(p): _Sync(int(v["apply_at"]), failed=v["failed"]) if "failed" in v else
             _Sync(int(v["apply_at"]), result=[t.to(self.device) for t in v["result"]])

@@ -82,8 +82,17 @@ class Timer:
     def median(self, fn: Callable[[], None], reps: int, warmup: int,
                setup: Callable[[], None] | None = None) -> float:
         """Median seconds of ``fn`` over ``reps`` runs after ``warmup`` (``setup`` untimed)."""
-        times = []
+        return statistics.median(self.samples(fn, reps, warmup, setup))
+
+    def samples(self, fn: Callable[[], None], reps: int, warmup: int,
+                setup: Callable[[], None] | None = None,
+                deadline: float | None = None) -> list[float]:
+        """Seconds of each of ``reps`` runs of ``fn`` after ``warmup`` (``setup`` untimed);
+        fewer (at least one) once ``time.perf_counter()`` passes ``deadline``."""
+        times: list[float] = []
         for i in range(warmup + reps):
+            if deadline is not None and times and time.perf_counter() > deadline:
+                break
             if setup is not None:
                 setup()
             if self.cuda:
@@ -101,7 +110,44 @@ class Timer:
                 dt = self.clock() - t0
             if i >= warmup:
                 times.append(dt)
-        return statistics.median(times)
+        return times
+
+
+def text_batch(gpt, cfg, batch: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """One batch ``(x, y)`` of ``batch`` x ``cfg.seq_len`` bytes of the example's text (seed 0),
+    on ``device``."""
+    train, _ = gpt.load_corpus(max(1_000_000, 4 * cfg.seq_len))
+    x, y = gpt.get_batch(train, batch, cfg.seq_len, torch.Generator().manual_seed(0))
+    return x.to(device), y.to(device)
+
+
+def forward_backward(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, timer: Timer,
+                     reps: int, warmup: int) -> tuple[float, list[torch.Tensor]]:
+    """Median seconds of ``model``'s forward+backward on ``(x, y)`` (bf16 autocast on CUDA),
+    and the fp32 gradients of one more pass (the model's own ``.grad`` cleared)."""
+    cuda = x.device.type == "cuda"
+
+    def fwd_bwd() -> None:
+        model.zero_grad(set_to_none=True)
+        with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=cuda):
+            loss = model(x, y)
+        loss.backward()
+
+    fb = timer.median(fwd_bwd, reps, warmup)
+    fwd_bwd()
+    grads = [q.grad.detach().float().clone() for q in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    return fb, grads
+
+
+def layout_copies(params: list[torch.Tensor], grads: list[torch.Tensor],
+                  parts: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """fp32 copies of the first FSDP2 row shard (dim 0 split ``parts`` ways) of every
+    parameter and its gradient: one rank's tensors in that layout."""
+    shapes = [row_shard(q.shape, parts) for q in params]
+    ps = [q.detach()[: s[0]].float().clone() for q, s in zip(params, shapes)]
+    gs = [g[: s[0]].clone() for g, s in zip(grads, shapes)]
+    return ps, gs
 
 
 class OpCount(TorchDispatchMode):
@@ -368,27 +414,13 @@ def main(argv: list[str] | None = None) -> dict:
     model = gpt.GPT(cfg).to(device)
     params = list(model.parameters())
     n_params = sum(q.numel() for q in params)
-    shapes = {name: [row_shard(q.shape, LAYOUTS[name]) for q in params] for name in layouts}
 
     # compute (and the payload size for the traffic table) -----------------------------
-    train, _ = gpt.load_corpus(max(1_000_000, 4 * cfg.seq_len))
-    x, y = gpt.get_batch(train, batch, cfg.seq_len, torch.Generator().manual_seed(0))
-    x, y = x.to(device), y.to(device)
-
-    def fwd_bwd() -> None:
-        model.zero_grad(set_to_none=True)
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
-            loss = model(x, y)
-        loss.backward()
-
-    fb = timer.median(fwd_bwd, args.reps, args.warmup)
-    fwd_bwd()
-    grads = [q.grad.detach().float().clone() for q in params]
-    model.zero_grad(set_to_none=True)
+    x, y = text_batch(gpt, cfg, batch, device)
+    fb, grads = forward_backward(model, x, y, timer, args.reps, args.warmup)
     compute = {"forward_backward_s": fb, "batch": batch, "seq_len": cfg.seq_len, "layouts": []}
     for name in layouts:
-        ps = [q.detach()[: s[0]].float().clone() for q, s in zip(params, shapes[name])]
-        gs = [g[: s[0]].clone() for g, s in zip(grads, shapes[name])]
+        ps, gs = layout_copies(params, grads, LAYOUTS[name])
         t = time_layout(ps, gs, args, timer, device)
         compute["layouts"].append({
             "layout": name, "local_params": sum(q.numel() for q in ps), **t,

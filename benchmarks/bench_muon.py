@@ -11,7 +11,13 @@ its whole step. Usage::
     python benchmarks/bench_muon.py                       # mini GPT, 2 x 2 mesh, DeMo
     python benchmarks/bench_muon.py --model small --replicator full --out muon.json
 
-Prints a table and writes JSON (default benchmarks/results/muon.json).
+``--ns`` instead times one process's ``MuonAdamW.step()`` on GPT-like matrices (``--ns-model``:
+``d768x12`` is 12 layers of d=768, 48 matrices of 4 shapes) with the batched Newton-Schulz and
+with torch's per-matrix call, interleaved, and counts the aten ops (matmuls apart) of a step::
+
+    python benchmarks/bench_muon.py --ns --ns-model d768x12 --steps 5 --warmup 1 --threads 2
+
+Prints a table and writes JSON (default benchmarks/results/muon.json, muon_ns.json for --ns).
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import NoReturn
 
@@ -35,6 +42,10 @@ from flexdemo.tools.ranks import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 OPTIMIZERS = {"adamw": {}, "muon": {}}
+# --ns: (width, layers) of GPT-like stacks of hidden matrices
+NS_MODELS = {"d768x12": (768, 12), "d256x4": (256, 4), "d64x3": (64, 3)}
+MATMULS = frozenset({"mm", "addmm", "bmm", "baddbmm"})
+NS_MODES = ("batched", "per_matrix")  # MuonAdamW's ns_mode
 
 
 class Parser(argparse.ArgumentParser):
@@ -108,8 +119,18 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
-    p.add_argument("--out", default=str(ROOT / "benchmarks/results/muon.json"))
+    p.add_argument("--out", default=None,
+                   help="JSON file (default benchmarks/results/muon.json, muon_ns.json for --ns)")
+    p.add_argument("--ns", action="store_true",
+                   help="time MuonAdamW.step() with batched vs per-matrix Newton-Schulz")
+    p.add_argument("--ns-model", default="d256x4",
+                   help=f"--ns: comma-separated matrix sets from {sorted(NS_MODELS)}")
     args = p.parse_args(argv)
+    if args.out is None:
+        args.out = str(ROOT / "benchmarks/results" / ("muon_ns.json" if args.ns else "muon.json"))
+    unknown = [m for m in args.ns_model.split(",") if m not in NS_MODELS]
+    if unknown:
+        p.error(f"--ns-model {','.join(unknown)}: choose from {sorted(NS_MODELS)}")
     if min(args.replicate, args.shard, args.steps, args.batch, args.threads) < 1 or \
             args.warmup < 0:
         p.error("--replicate, --shard, --steps, --batch and --threads must be >= 1, "
@@ -119,8 +140,80 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
+def gpt_matrices(width: int, layers: int) -> list[tuple[int, int]]:
+    """The hidden matrices of ``layers`` GPT blocks: qkv, attention out, MLP in and out."""
+    return [(3 * width, width), (width, width), (4 * width, width), (width, 4 * width)] * layers
+
+
+def count_ops(fn: Callable[[], object]) -> dict[str, int]:
+    """Aten ops that ``fn()`` runs, by name (what would be kernel launches on a GPU)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    ops: dict[str, int] = {}
+
+    class Count(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = func.overloadpacket.__name__
+            ops[name] = ops.get(name, 0) + 1
+            return func(*args, **(kwargs or {}))
+
+    with Count():
+        fn()
+    return ops
+
+
+def ns_bench(args: argparse.Namespace) -> dict:
+    """``MuonAdamW.step()`` per ``ns_mode`` on each ``--ns-model``: median seconds, ops."""
+    from flexdemo import MuonAdamW
+
+    torch.set_num_threads(args.threads)
+    out = {}
+    for model in args.ns_model.split(","):
+        shapes = gpt_matrices(*NS_MODELS[model])
+        gen = torch.Generator().manual_seed(0)
+        start = [torch.randn(s, generator=gen) for s in shapes]
+        grads = [torch.randn(s, generator=gen) for s in shapes]
+        params = {m: [torch.nn.Parameter(t.clone()) for t in start] for m in NS_MODES}
+        opts = {m: MuonAdamW(params[m], lr=1e-3, ns_mode=m) for m in NS_MODES}
+        times: dict[str, list[float]] = {m: [] for m in NS_MODES}
+        for i in range(args.warmup + args.steps):
+            for m in NS_MODES:  # interleaved: both see the same machine
+                for p, g in zip(params[m], grads):
+                    p.grad = g
+                t0 = time.perf_counter()
+                opts[m].step()
+                if i >= args.warmup:
+                    times[m].append(time.perf_counter() - t0)
+        ops = {m: count_ops(opts[m].step) for m in NS_MODES}
+        out[model] = {"matrices": len(shapes), "shapes": len(set(shapes)),
+                      "params": sum(a * b for a, b in shapes),
+                      "bitwise": all(torch.equal(a, b) for a, b in
+                                     zip(params["batched"], params["per_matrix"])),
+                      **{m: {"step_s": statistics.median(times[m]),
+                             "matmuls": sum(n for k, n in ops[m].items() if k in MATMULS),
+                             "ops": sum(ops[m].values())} for m in NS_MODES}}
+    print(f"MuonAdamW.step() on CPU, {args.threads} thread(s), median of {args.steps} steps")
+    print(f"{'matrices':<22} {'mode':<11} {'step ms':>9} {'matmuls':>8} {'aten ops':>9} "
+          f"{'speed-up':>9} {'bitwise':>8}")
+    for model, r in out.items():
+        label = f"{model} ({r['matrices']}, {r['shapes']} shapes)"
+        for m in NS_MODES:
+            up = r["per_matrix"]["step_s"] / r[m]["step_s"]
+            print(f"{label:<22} {m:<11} {1e3 * r[m]['step_s']:>9.1f} {r[m]['matmuls']:>8} "
+                  f"{r[m]['ops']:>9} {up:>8.2f}x {str(r['bitwise']):>8}")
+    return out
+
+
 def main(argv=None) -> dict:
     args = parse_args(argv)
+    if args.ns:
+        result = {"command": " ".join([Path(sys.argv[0]).name] + (argv or sys.argv[1:])),
+                  "settings": vars(args), "machine": platform.platform(),
+                  "cpus": os.cpu_count(), "torch": torch.__version__, "ns": ns_bench(args)}
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(result, indent=1))
+        print(f"wrote {args.out}")
+        return result
     world = args.replicate * args.shard
     with tempfile.TemporaryDirectory() as tmp:
         mp.spawn(_rank, args=(args, free_port(), tmp), nprocs=world)

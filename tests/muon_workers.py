@@ -15,8 +15,9 @@ from flexdemo.checkpoint import load_checkpoint, save_checkpoint
 from flexdemo.muon import MuonAdamW
 from flexdemo.optim import _local
 
-# rows not divisible by 2, a matrix with fewer rows than ranks hold, wide and tall ones
-SHAPES = [(7, 5), (33, 16), (1, 8), (16, 40), (12, 12)]
+# rows not divisible by 2, a matrix with fewer rows than ranks hold, wide and tall ones, and
+# repeated shapes (an owner orthogonalises its matrices of one shape in one batched call)
+SHAPES = [(7, 5), (33, 16), (1, 8), (16, 40), (12, 12), (33, 16), (12, 12), (12, 12)]
 VECTORS = [(9,)]
 
 
@@ -26,7 +27,8 @@ def _full(step: int, scale: float = 1.0) -> list[torch.Tensor]:
 
 
 def optimizer_worker(rank: int, world: int, replicate: int, shard: int) -> dict:
-    """Row-sharded MuonAdamW against the unsharded one on the same full gradients."""
+    """Row-sharded MuonAdamW (batched Newton-Schulz) against the unsharded one calling
+    torch's Newton-Schulz per matrix, on the same full gradients."""
     mesh = init_device_mesh("cpu", (replicate, shard), mesh_dim_names=("replicate", "shard"))
     start = _full(-1)
     names = [f"m{i}" for i in range(len(SHAPES))] + ["bias"]
@@ -35,7 +37,7 @@ def optimizer_worker(rank: int, world: int, replicate: int, shard: int) -> dict:
     plain = [torch.nn.Parameter(t.clone()) for t in start]
     kw = {"lr": 0.02, "weight_decay": 0.1}
     opt = MuonAdamW(list(zip(names, sharded)), **kw)
-    ref = MuonAdamW(list(zip(names, plain)), **kw)
+    ref = MuonAdamW(list(zip(names, plain)), **kw, ns_mode="per_matrix")  # torch's, per matrix
     sent = []
     for step in range(3):
         for p, q, g in zip(sharded, plain, _full(step)):

@@ -107,6 +107,7 @@ def test_gpu_check_steps_must_be_positive(capsys):
 @pytest.mark.parametrize("argv, message", [
     (["--steps", "0"], "must be >= 1"),
     (["--model", "huge"], "invalid choice: 'huge'"),
+    (["--ns", "--ns-model", "d64x3,huge"], "--ns-model huge: choose from"),
 ])
 def test_muon_bad_options(capsys, argv, message):
     _one_line_exit(capsys, _load("bench_muon").main, argv, message)
@@ -125,6 +126,17 @@ def test_muon_table_and_json(capsys, tmp_path, monkeypatch):
     assert "Muon's extra work" in text and "adamw" in text
     assert json.loads(out.read_text())["shard_bytes_per_step"] == res["shard_bytes_per_step"] > 0
     assert res["per_optimizer"]["adamw"]["shard_b"] == 0
+
+
+def test_muon_ns_table_and_json(capsys, tmp_path):
+    """--ns: one process, both Newton-Schulz modes; fewer matmuls batched, bitwise the same."""
+    out = tmp_path / "ns.json"
+    res = _load("bench_muon").main(["--ns", "--ns-model", "d64x3", "--steps", "1",
+                                    "--warmup", "0", "--out", str(out)])
+    assert "per_matrix" in capsys.readouterr().out
+    r = json.loads(out.read_text())["ns"]["d64x3"]
+    assert r == res["ns"]["d64x3"] and r["bitwise"]
+    assert (r["batched"]["matmuls"], r["per_matrix"]["matmuls"]) == (60, 180)
 
 
 # ------------------------------------------------------------------- documented modules only

@@ -3,7 +3,9 @@
 ``MuonAdamW`` is the base optimizer behind ``optimizer="muon"``. Its matrices follow
 ``torch.optim.Muon`` step for step (momentum, Nesterov look-ahead, torch's Newton-Schulz
 orthogonalisation, the shape-dependent lr adjustment, decoupled weight decay): unsharded it is
-bitwise ``torch.optim.Muon`` plus ``torch.optim.AdamW``. Under FSDP2 a rank holds row shards
+bitwise ``torch.optim.Muon`` plus ``torch.optim.AdamW``. The Newton-Schulz iterations of
+same-shape matrices run as one batched call (:mod:`flexdemo.newton_schulz`, ``ns_mode``),
+bitwise torch's per-matrix call on CPU. Under FSDP2 a rank holds row shards
 of each matrix, and orthogonalising a shard is not orthogonalising the matrix, so every matrix
 is orthogonalised whole, once per shard group, by one owner rank: one all-to-all brings each
 owner the rows of its matrices, a second returns each rank its rows of the result. Both carry
@@ -20,17 +22,27 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Collection, Iterable, Sequence
-from typing import cast
+from typing import NamedTuple, cast
 
 import torch
 from torch import nn
 
+from .newton_schulz import NS_MODES, orthogonalise, shape_groups
 from .transport import CommStats, all_to_all, group_rank, group_size
 
 # name components of parameters that stay on AdamW although they are 2-D
 HEAD_NAMES = frozenset({"head", "lm_head", "output", "classifier", "wte", "wpe", "tok", "pos"})
 
 MuonRule = Callable[[str, torch.Tensor], bool]
+
+
+class _Plan(NamedTuple):
+    """How one list of Muon parameters is stepped: indices into it."""
+
+    whole: list[int]  # matrices held whole by this rank
+    ns_groups: list[list[int]]  # those by shape, as positions in ``whole``
+    sharded: dict  # {process group: row-sharded matrices}
+    by_shape: list[list[int]]  # every matrix by (global) shape: one lr adjustment each
 
 
 def require_muon() -> None:
@@ -123,13 +135,19 @@ class MuonAdamW(torch.optim.Optimizer):
         betas, eps: AdamW's settings for the other parameters.
         muon_params: which parameters get Muon: ``None`` (:func:`is_hidden_matrix`), a rule
             ``(name, param) -> bool``, or a list of parameter names.
+        ns_mode: ``"batched"`` (default) orthogonalises the matrices of one shape in one
+            batched Newton-Schulz call (:func:`flexdemo.newton_schulz.orthogonalise`); on CPU
+            (torch 2.13) bitwise the same as ``"per_matrix"``, torch's function called once per
+            matrix. It holds all matrices of a shape at once (more transient memory). Not
+            stored in the state dict.
     """
 
     def __init__(self, params: Iterable, lr: float = 1e-3, *, weight_decay: float = 0.0,
                  momentum: float = 0.95, nesterov: bool = True, ns_steps: int = 5,
                  adjust_lr_fn: str | None = "match_rms_adamw",
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-                 muon_params: MuonRule | Collection[str] | None = None) -> None:
+                 muon_params: MuonRule | Collection[str] | None = None,
+                 ns_mode: str = "batched") -> None:
         require_muon()
         from torch.optim._muon import DEFAULT_A, DEFAULT_B, DEFAULT_C, EPS
 
@@ -139,6 +157,8 @@ class MuonAdamW(torch.optim.Optimizer):
                              "model.named_parameters()), not parameter groups")
         if not 0.0 <= momentum < 1.0:
             raise ValueError(f"muon momentum must be in [0, 1), got {momentum!r}")
+        if ns_mode not in NS_MODES:
+            raise ValueError(f"ns_mode must be one of {NS_MODES}, got {ns_mode!r}")
         if adjust_lr_fn not in (None, "original", "match_rms_adamw"):
             raise ValueError(f"adjust_lr_fn must be 'match_rms_adamw', 'original' or None, got "
                              f"{adjust_lr_fn!r}")
@@ -158,6 +178,9 @@ class MuonAdamW(torch.optim.Optimizer):
         super().__init__(groups, {"lr": lr})
         self.muon_names = [n for n, _ in muon]
         self.stats = CommStats()  # the intra-node all-to-alls of sharded matrices
+        self.ns_mode = ns_mode
+        self._plan_key: tuple[int, ...] = ()
+        self._plan_value = _Plan([], [], {}, [])
         self._link()
 
     def _link(self) -> None:
@@ -199,31 +222,47 @@ class MuonAdamW(torch.optim.Optimizer):
         mu = group["momentum"]
         torch._foreach_lerp_(bufs, grads, 1 - mu)
         updates = torch._foreach_lerp(grads, bufs, mu) if group["nesterov"] else bufs
-        ortho = self._orthogonalise(params, updates, group)
+        plan = self._plan(params)
+        ortho = self._orthogonalise(params, updates, group, plan)
         lr, wd = group["lr"], group["weight_decay"]
         locals_ = [_local(p) for p in params]
         if wd:
             torch._foreach_mul_(locals_, 1 - lr * wd)
-        for p, t, o in zip(params, locals_, ortho):
-            t.add_(o, alpha=-_adjust_lr(lr, group["adjust_lr_fn"], p.shape))
+        for idx in plan.by_shape:
+            torch._foreach_add_([locals_[i] for i in idx], [ortho[i] for i in idx],
+                                alpha=-_adjust_lr(lr, group["adjust_lr_fn"], params[idx[0]].shape))
 
-    def _orthogonalise(self, params: list, updates: Sequence[torch.Tensor], group: dict) -> list:
-        """Torch's Newton-Schulz of every whole matrix; each rank gets its rows back."""
-        from torch.optim._muon import _zeropower_via_newtonschulz
+    def _plan(self, params: list) -> _Plan:
+        """Which of ``params`` are whole or sharded, grouped by shape; cached for the last
+        list of parameters (the same every step unless some have no gradient)."""
+        key = tuple(map(id, params))
+        if key != self._plan_key:
+            whole: list[int] = []
+            sharded: dict = {}
+            for i, p in enumerate(params):
+                layout = row_sharding(p)
+                if layout is None:
+                    whole.append(i)
+                else:
+                    sharded.setdefault(layout[0], []).append(i)
+            self._plan_key = key
+            self._plan_value = _Plan(whole, shape_groups([params[i].shape for i in whole]),
+                                     sharded, shape_groups([p.shape for p in params]))
+        return self._plan_value
 
-        def ns(m: torch.Tensor) -> torch.Tensor:
-            return _zeropower_via_newtonschulz(m, group["ns_coefficients"], group["ns_steps"],
-                                               group["eps"])
+    def _orthogonalise(self, params: list, updates: Sequence[torch.Tensor], group: dict,
+                       plan: _Plan) -> list:
+        """Newton-Schulz of every whole matrix (``ns_mode``); each rank gets its rows back."""
+
+        def ns(mats: Sequence[torch.Tensor],
+               groups: list[list[int]] | None = None) -> list[torch.Tensor]:
+            return orthogonalise(mats, group["ns_coefficients"], group["ns_steps"],
+                                 group["eps"], self.ns_mode, groups)
 
         out: list = [None] * len(params)
-        sharded: dict = {}
-        for i, p in enumerate(params):
-            layout = row_sharding(p)
-            if layout is None:
-                out[i] = ns(updates[i])
-            else:
-                sharded.setdefault(layout[0], []).append(i)
-        for group_pg, idx in sharded.items():
+        for i, r in zip(plan.whole, ns([updates[i] for i in plan.whole], plan.ns_groups)):
+            out[i] = r
+        for group_pg, idx in plan.sharded.items():
             results = orthogonalise_sharded([params[i].shape for i in idx],
                                             [updates[i] for i in idx], group_pg, ns,
                                             self.stats)
@@ -270,13 +309,14 @@ def owners(shapes: list[torch.Size], parts: int) -> list[int]:
 
 
 def orthogonalise_sharded(shapes: list[torch.Size], local: list[torch.Tensor], group,
-                          ns: Callable[[torch.Tensor], torch.Tensor],
+                          ns: Callable[[list[torch.Tensor]], list[torch.Tensor]],
                           stats: CommStats) -> list[torch.Tensor]:
     """Orthogonalise row-sharded matrices whole: each on one owner rank of ``group``.
 
     ``local[i]`` are this rank's rows of a matrix of ``shapes[i]``. One all-to-all sends every
     owner the rows of its matrices (as bf16, the dtype the orthogonalisation computes in), the
-    owner runs ``ns`` on each whole matrix, and a second all-to-all returns each rank its rows.
+    owner runs ``ns`` on the list of its whole matrices (one batched call per shape in
+    :class:`MuonAdamW`'s default mode), and a second all-to-all returns each rank its rows.
     """
     n, me = group_size(group), group_rank(group)
     rows = [chunk_rows(s[0], n) for s in shapes]
@@ -307,7 +347,7 @@ def orthogonalise_sharded(shapes: list[torch.Size], local: list[torch.Tensor], g
         parts = pieces[r].split([rows[i][r] * shapes[i][1] for i in mine])
         for i, part in zip(mine, parts):
             whole.setdefault(i, []).append(part.view(rows[i][r], shapes[i][1]))
-    done = {i: ns(torch.cat(whole[i])).to(torch.bfloat16) for i in mine}
+    done = {i: r.to(torch.bfloat16) for i, r in zip(mine, ns([torch.cat(whole[i]) for i in mine]))}
     back = torch.cat([done[i][sum(rows[i][:r]):sum(rows[i][:r + 1])].reshape(-1)
                       for r in range(n) for i in mine]) if mine else recv.new_empty(0)
     result = torch.empty(sum(to_owner), dtype=torch.bfloat16, device=device)

@@ -26,7 +26,7 @@ BASE_OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {
     "muon": MuonAdamW,
 }
 # settings only Muon takes: given to another base optimizer, they are refused by name
-MUON_ONLY = ("muon_params", "ns_steps", "adjust_lr_fn")
+MUON_ONLY = ("muon_params", "ns_steps", "adjust_lr_fn", "ns_mode")
 
 
 def _named(params: list) -> bool:

@@ -1,0 +1,84 @@
+"""Muon's Newton-Schulz orthogonalisation over stacks of same-shape matrices.
+
+:func:`newton_schulz` is the iteration of ``torch.optim._muon._zeropower_via_newtonschulz``
+(bf16, a tall matrix worked on as its transpose, the Frobenius norm clamped at ``eps``, then
+``steps`` quintic updates ``X <- a X + (b G + c G G) X`` with ``G = X X^T``), written with
+batched matmuls so that ``n`` matrices of one shape take one call per matmul instead of ``n``.
+:func:`orthogonalise` groups a list of matrices by shape and runs each group as one stack.
+
+On CPU (torch 2.13, oneDNN) the batched result is bitwise torch's per-matrix one: every matrix
+keeps the memory layout torch gives it (a tall one is a transposed view of its stack, as
+torch's ``.T`` is of the matrix). A tall matrix is therefore not stacked with wide ones of its
+transposed shape: made contiguous, its product rounds differently (one bf16 step at 768 x 3072).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+# how MuonAdamW orthogonalises its matrices: one batched call per shape, or torch's per matrix
+NS_MODES = ("batched", "per_matrix")
+
+Coefficients = tuple[float, float, float]
+
+
+def newton_schulz(x: torch.Tensor, coefficients: Coefficients, steps: int,
+                  eps: float) -> torch.Tensor:
+    """Orthogonalise each matrix of ``x`` (``n x rows x cols``); bf16, shape of ``x``.
+
+    The result of a tall stack (``rows > cols``) is a transposed view, as torch's is."""
+    if x.ndim != 3:
+        raise ValueError(f"newton_schulz takes a stack of matrices (n, rows, cols), got shape "
+                         f"{tuple(x.shape)}")
+    if steps >= 100:
+        raise ValueError(f"ns_steps must be below 100 (torch's limit), got {steps}")
+    a, b, c = coefficients
+    y = x.bfloat16()
+    tall = x.size(1) > x.size(2)
+    if tall:
+        y = y.mT
+    y = y / y.norm(dim=(1, 2), keepdim=True).clamp(min=eps)  # spectral norm <= 1
+    for _ in range(steps):
+        gram = torch.bmm(y, y.mT)
+        poly = torch.baddbmm(gram, gram, gram, beta=b, alpha=c)
+        y = torch.baddbmm(y, poly, y, beta=a)
+    return y.mT if tall else y
+
+
+def shape_groups(shapes: Sequence[Sequence[int]]) -> list[list[int]]:
+    """Indices of ``shapes`` grouped by equal shape, groups in order of first appearance."""
+    groups: dict[tuple[int, ...], list[int]] = {}
+    for i, s in enumerate(shapes):
+        groups.setdefault(tuple(s), []).append(i)
+    return list(groups.values())
+
+
+def stack_bf16(mats: Sequence[torch.Tensor]) -> torch.Tensor:
+    """``mats`` (one shape) as one contiguous bf16 stack: a single cast-and-copy."""
+    out = torch.empty((len(mats), *mats[0].shape), dtype=torch.bfloat16,
+                      device=mats[0].device)
+    torch._foreach_copy_(list(out.unbind(0)), list(mats))
+    return out
+
+
+def orthogonalise(mats: Sequence[torch.Tensor], coefficients: Coefficients, steps: int,
+                  eps: float, mode: str = "batched",
+                  groups: list[list[int]] | None = None) -> list[torch.Tensor]:
+    """Newton-Schulz of every matrix of ``mats`` (bf16 results, in order).
+
+    ``mode="batched"`` runs each shape group (``groups``, by default :func:`shape_groups`) as
+    one stack; ``"per_matrix"`` calls torch's function once per matrix."""
+    if mode == "per_matrix":
+        from torch.optim._muon import _zeropower_via_newtonschulz
+
+        return [_zeropower_via_newtonschulz(m, coefficients, steps, eps) for m in mats]
+    if mode != "batched":
+        raise ValueError(f"ns_mode must be one of {NS_MODES}, got {mode!r}")
+    out: list = [None] * len(mats)
+    for idx in groups if groups is not None else shape_groups([m.shape for m in mats]):
+        done = newton_schulz(stack_bf16([mats[i] for i in idx]), coefficients, steps, eps)
+        for i, r in zip(idx, done.unbind(0)):
+            out[i] = r
+    return out

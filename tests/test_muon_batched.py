@@ -1,0 +1,127 @@
+"""Batched Newton-Schulz: bitwise torch's per-matrix call, and MuonAdamW's ns_mode."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch.optim._muon import DEFAULT_A, DEFAULT_B, DEFAULT_C, EPS, _zeropower_via_newtonschulz
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from flexdemo.app.tasks.gpt import GPT, gpt_config
+from flexdemo.muon import MuonAdamW
+from flexdemo.newton_schulz import newton_schulz, orthogonalise, shape_groups
+from flexdemo.optim import make_base_optimizer
+
+NS = ((DEFAULT_A, DEFAULT_B, DEFAULT_C), 5, EPS)
+# tall, wide, square, repeated, one row, and a tall one beside the wide one of its transpose
+SHAPES = [(96, 32), (32, 96), (64, 64), (96, 32), (7, 5), (1, 8), (64, 64), (33, 16),
+          (96, 32), (16, 33), (192, 64)]
+MATMULS = {"mm", "addmm", "bmm", "baddbmm"}
+
+
+class CountOps(TorchDispatchMode):
+    """Counts the aten ops (by name, without overload) run under it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: dict[str, int] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        self.ops[name] = self.ops.get(name, 0) + 1
+        return func(*args, **(kwargs or {}))
+
+
+def _mats(dtype: torch.dtype = torch.float32) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return [torch.randn(s, generator=g).to(dtype) for s in SHAPES]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_batched_is_bitwise_torch_per_matrix(dtype):
+    mats = _mats(dtype)
+    ref = [_zeropower_via_newtonschulz(m.clone(), *NS) for m in mats]
+    for mode in ("batched", "per_matrix"):
+        out = orthogonalise(mats, *NS, mode=mode)
+        for s, a, b in zip(SHAPES, out, ref):
+            assert a.dtype == torch.bfloat16 and a.shape == s
+            assert torch.equal(a, b), (mode, s)
+        if mode == "batched":  # torch's function divides a bf16 input in place; this does not
+            assert all(torch.equal(a, b) for a, b in zip(mats, _mats(dtype)))
+
+
+def test_batched_leaves_a_bf16_momentum_buffer_alone():
+    # torch.optim.Muon with bf16 parameters and nesterov=False orthogonalises the momentum
+    # buffer itself, and so divides it by its norm in place; the batched mode copies first
+    for mode, intact in (("batched", True), ("per_matrix", False)):
+        p = torch.nn.Parameter(torch.randn(8, 4, dtype=torch.bfloat16))
+        opt = MuonAdamW([p], lr=0.0, nesterov=False, ns_mode=mode)
+        p.grad = torch.ones_like(p)
+        opt.step()
+        buf = opt.state[p]["momentum_buffer"]
+        assert torch.equal(buf, torch.full_like(buf, 0.05)) == intact, mode
+
+
+def test_shape_groups_and_kernel_checks():
+    assert shape_groups(SHAPES) == [[0, 3, 8], [1], [2, 6], [4], [5], [7], [9], [10]]
+    with pytest.raises(ValueError, match="stack of matrices"):
+        newton_schulz(torch.zeros(3, 3), *NS)
+    with pytest.raises(ValueError, match="below 100"):
+        newton_schulz(torch.zeros(1, 3, 3), NS[0], 100, EPS)
+    with pytest.raises(ValueError, match="ns_mode must be one of"):
+        orthogonalise([torch.zeros(2, 2)], *NS, mode="fast")
+
+
+def test_one_matmul_call_per_shape_group():
+    mats = [torch.randn(32, 48) for _ in range(6)] + [torch.randn(48, 32) for _ in range(3)]
+    calls = {}
+    for mode in ("batched", "per_matrix"):
+        with CountOps() as count:
+            orthogonalise(mats, *NS, mode=mode)
+        calls[mode] = sum(n for op, n in count.ops.items() if op in MATMULS)
+    assert calls == {"batched": 2 * 3 * 5, "per_matrix": 9 * 3 * 5}
+
+
+def _train(mode: str, steps: int = 3) -> tuple[torch.nn.Module, MuonAdamW]:
+    torch.manual_seed(0)
+    model = GPT(gpt_config("tiny"))
+    opt = MuonAdamW(model.named_parameters(), lr=1e-2, weight_decay=0.1, ns_mode=mode)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(steps):
+        x = torch.randint(0, 256, (2, 64), generator=g)
+        model(x, x).backward()
+        opt.step()
+        opt.zero_grad()
+    return model, opt
+
+
+def test_muon_adamw_modes_train_alike_with_one_state_layout():
+    a, opt_a = _train("batched")
+    b, opt_b = _train("per_matrix")
+    assert all(torch.equal(x, y) for x, y in zip(a.parameters(), b.parameters()))
+    sa, sb = opt_a.state_dict(), opt_b.state_dict()
+    assert sa["param_groups"] == sb["param_groups"]  # ns_mode is not in them
+    assert {k: sorted(v) for k, v in sa["state"].items()} == \
+        {k: sorted(v) for k, v in sb["state"].items()}
+    # a checkpoint of one mode resumes in the other, bitwise
+    twin = copy.deepcopy(b)
+    twin_opt = MuonAdamW(twin.named_parameters(), lr=1e-2, weight_decay=0.1,
+                         ns_mode="batched")
+    twin_opt.load_state_dict(copy.deepcopy(sb))
+    x = torch.randint(0, 256, (2, 64))
+    for m, o in ((b, opt_b), (twin, twin_opt)):
+        m(x, x).backward()
+        o.step()
+    assert twin_opt.ns_mode == "batched"
+    assert all(torch.equal(x, y) for x, y in zip(b.parameters(), twin.parameters()))
+
+
+def test_bad_ns_mode_is_one_line():
+    p = torch.nn.Parameter(torch.zeros(2, 2))
+    with pytest.raises(ValueError, match="ns_mode must be one of"):
+        MuonAdamW([p], ns_mode="fused")
+    with pytest.raises(ValueError, match="ns_mode: a setting of optimizer 'muon'"):
+        make_base_optimizer("sgd", [p], 1e-3, ns_mode="batched")
+    assert make_base_optimizer("muon", [p], 1e-3, ns_mode="per_matrix").ns_mode == "per_matrix"

@@ -7,6 +7,7 @@ from .compress import BlockDCT, plan_chunks
 from .ft import FaultTolerance
 from .inprocess import InProcessHub
 from .lion import Lion
+from .memory import LiveBytes
 from .mesh import build_mesh, init_distributed, mesh_shape
 from .muon import MuonAdamW
 from .optim import BASE_OPTIMIZERS, DeMo, DeToNATION
@@ -35,7 +36,7 @@ __version__ = "0.1.0"
 __all__ = [
     "BASE_OPTIMIZERS", "BlockDCT", "BufferSync", "CommStats", "CorruptPayloadError", "DeMo",
     "DeMoReplicator", "DeToNATION", "DiLoCoReplicator", "FaultTolerance", "FullReplicator",
-    "InProcessHub", "Lion", "MuonAdamW", "NoReplication", "NoReplicationWarning",
+    "InProcessHub", "Lion", "LiveBytes", "MuonAdamW", "NoReplication", "NoReplicationWarning",
     "NonFiniteGradientError", "PhasedReplicator", "REPLICATORS", "RandomReplicator",
     "Replicator", "STRATEGIES", "SimulatedReplicas", "SlicingReplicator", "Strategy",
     "StridingReplicator", "build_mesh", "check_strategy", "compat", "init_distributed",

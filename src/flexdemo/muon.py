@@ -27,7 +27,7 @@ from typing import NamedTuple, cast
 import torch
 from torch import nn
 
-from .newton_schulz import NS_MODES, orthogonalise, shape_groups
+from .newton_schulz import NS_BATCH_NUMEL, NS_MODES, orthogonalise, shape_groups
 from .transport import CommStats, all_to_all, group_rank, group_size
 
 # name components of parameters that stay on AdamW although they are 2-D
@@ -40,7 +40,7 @@ class _Plan(NamedTuple):
     """How one list of Muon parameters is stepped: indices into it."""
 
     whole: list[int]  # matrices held whole by this rank
-    ns_groups: list[list[int]]  # those by shape, as positions in ``whole``
+    batches: list[list[int]]  # those by shape, in batches of at most ns_batch_numel entries
     sharded: dict  # {process group: row-sharded matrices}
     by_shape: list[list[int]]  # every matrix by (global) shape: one lr adjustment each
 
@@ -138,8 +138,12 @@ class MuonAdamW(torch.optim.Optimizer):
         ns_mode: ``"batched"`` (default) orthogonalises the matrices of one shape in one
             batched Newton-Schulz call (:func:`flexdemo.newton_schulz.orthogonalise`); on CPU
             (torch 2.13) bitwise the same as ``"per_matrix"``, torch's function called once per
-            matrix. It holds all matrices of a shape at once (more transient memory). Not
-            stored in the state dict.
+            matrix. Not stored in the state dict.
+        ns_batch_numel: the most entries a batch of whole matrices holds (default
+            :data:`NS_BATCH_NUMEL`, 4M: 16 MiB in fp32): each batch's update is formed,
+            orthogonalised and applied before the next, so the step's transient memory is
+            bounded by a batch, not the model (None: every matrix of a shape at once). A
+            matrix larger than the bound is a batch of its own. The same bits either way.
     """
 
     def __init__(self, params: Iterable, lr: float = 1e-3, *, weight_decay: float = 0.0,
@@ -147,7 +151,7 @@ class MuonAdamW(torch.optim.Optimizer):
                  adjust_lr_fn: str | None = "match_rms_adamw",
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                  muon_params: MuonRule | Collection[str] | None = None,
-                 ns_mode: str = "batched") -> None:
+                 ns_mode: str = "batched", ns_batch_numel: int | None = None) -> None:
         require_muon()
         from torch.optim._muon import DEFAULT_A, DEFAULT_B, DEFAULT_C, EPS
 
@@ -159,6 +163,11 @@ class MuonAdamW(torch.optim.Optimizer):
             raise ValueError(f"muon momentum must be in [0, 1), got {momentum!r}")
         if ns_mode not in NS_MODES:
             raise ValueError(f"ns_mode must be one of {NS_MODES}, got {ns_mode!r}")
+        if ns_batch_numel is None:
+            ns_batch_numel = NS_BATCH_NUMEL
+        if not isinstance(ns_batch_numel, int) or isinstance(ns_batch_numel, bool) \
+                or ns_batch_numel < 1:
+            raise ValueError(f"ns_batch_numel must be an integer >= 1, got {ns_batch_numel!r}")
         if adjust_lr_fn not in (None, "original", "match_rms_adamw"):
             raise ValueError(f"adjust_lr_fn must be 'match_rms_adamw', 'original' or None, got "
                              f"{adjust_lr_fn!r}")
@@ -178,7 +187,7 @@ class MuonAdamW(torch.optim.Optimizer):
         super().__init__(groups, {"lr": lr})
         self.muon_names = [n for n, _ in muon]
         self.stats = CommStats()  # the intra-node all-to-alls of sharded matrices
-        self.ns_mode = ns_mode
+        self.ns_mode, self.ns_batch_numel = ns_mode, ns_batch_numel
         self._plan_key: tuple[int, ...] = ()
         self._plan_value = _Plan([], [], {}, [])
         self._link()
@@ -221,16 +230,28 @@ class MuonAdamW(torch.optim.Optimizer):
         bufs = [_local(self.state[p]["momentum_buffer"]) for p in params]
         mu = group["momentum"]
         torch._foreach_lerp_(bufs, grads, 1 - mu)
-        updates = torch._foreach_lerp(grads, bufs, mu) if group["nesterov"] else bufs
         plan = self._plan(params)
-        ortho = self._orthogonalise(params, updates, group, plan)
         lr, wd = group["lr"], group["weight_decay"]
         locals_ = [_local(p) for p in params]
         if wd:
             torch._foreach_mul_(locals_, 1 - lr * wd)
-        for idx in plan.by_shape:
-            torch._foreach_add_([locals_[i] for i in idx], [ortho[i] for i in idx],
-                                alpha=-_adjust_lr(lr, group["adjust_lr_fn"], params[idx[0]].shape))
+
+        def update(idx: list[int]) -> list[torch.Tensor]:  # Nesterov's look-ahead, or the buffer
+            g, b = [grads[i] for i in idx], [bufs[i] for i in idx]
+            return torch._foreach_lerp(g, b, mu) if group["nesterov"] else b
+
+        def apply(idx: list[int], ortho: Sequence[torch.Tensor]) -> None:
+            scale = _adjust_lr(lr, group["adjust_lr_fn"], params[idx[0]].shape)
+            torch._foreach_add_([locals_[i] for i in idx], list(ortho), alpha=-scale)
+
+        for idx in plan.batches:  # whole matrices: one bounded batch of one shape at a time
+            apply(idx, self._ns(update(idx), group, [list(range(len(idx)))]))
+        if plan.sharded:
+            out = self._orthogonalise_sharded(params, update, group, plan)
+            for idx in plan.by_shape:
+                idx = [i for i in idx if out[i] is not None]
+                if idx:
+                    apply(idx, [out[i] for i in idx])
 
     def _plan(self, params: list) -> _Plan:
         """Which of ``params`` are whole or sharded, grouped by shape; cached for the last
@@ -246,26 +267,29 @@ class MuonAdamW(torch.optim.Optimizer):
                 else:
                     sharded.setdefault(layout[0], []).append(i)
             self._plan_key = key
-            self._plan_value = _Plan(whole, shape_groups([params[i].shape for i in whole]),
-                                     sharded, shape_groups([p.shape for p in params]))
+            batches: list[list[int]] = []
+            for same in shape_groups([params[i].shape for i in whole]):
+                per = max(1, self.ns_batch_numel // max(1, params[whole[same[0]]].numel()))
+                batches += [[whole[j] for j in same[k: k + per]]
+                            for k in range(0, len(same), per)]
+            self._plan_value = _Plan(whole, batches, sharded,
+                                     shape_groups([p.shape for p in params]))
         return self._plan_value
 
-    def _orthogonalise(self, params: list, updates: Sequence[torch.Tensor], group: dict,
-                       plan: _Plan) -> list:
-        """Newton-Schulz of every whole matrix (``ns_mode``); each rank gets its rows back."""
+    def _ns(self, mats: Sequence[torch.Tensor], group: dict,
+            groups: list[list[int]] | None = None) -> list[torch.Tensor]:
+        """Newton-Schulz of ``mats`` (``ns_mode``; ``groups``: which share a batch)."""
+        return orthogonalise(mats, group["ns_coefficients"], group["ns_steps"], group["eps"],
+                             self.ns_mode, groups)
 
-        def ns(mats: Sequence[torch.Tensor],
-               groups: list[list[int]] | None = None) -> list[torch.Tensor]:
-            return orthogonalise(mats, group["ns_coefficients"], group["ns_steps"],
-                                 group["eps"], self.ns_mode, groups)
-
+    def _orthogonalise_sharded(self, params: list, update, group: dict, plan: _Plan) -> list:
+        """Newton-Schulz of the row-sharded matrices (``update(indices)``: their updates),
+        each whole on one owner; each rank gets its rows back (None for the others)."""
         out: list = [None] * len(params)
-        for i, r in zip(plan.whole, ns([updates[i] for i in plan.whole], plan.ns_groups)):
-            out[i] = r
         for group_pg, idx in plan.sharded.items():
-            results = orthogonalise_sharded([params[i].shape for i in idx],
-                                            [updates[i] for i in idx], group_pg, ns,
-                                            self.stats)
+            results = orthogonalise_sharded(
+                [params[i].shape for i in idx], update(idx), group_pg,
+                lambda mats, groups=None: self._ns(mats, group, groups), self.stats)
             for i, r in zip(idx, results):
                 out[i] = r
         return out

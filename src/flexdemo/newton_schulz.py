@@ -20,6 +20,9 @@ import torch
 
 # how MuonAdamW orthogonalises its matrices: one batched call per shape, or torch's per matrix
 NS_MODES = ("batched", "per_matrix")
+#: the most entries in one batch of whole matrices (16 MiB in fp32): bounds the step's
+#: transient memory (MuonAdamW's ``ns_batch_numel``)
+NS_BATCH_NUMEL = 1 << 22
 
 Coefficients = tuple[float, float, float]
 

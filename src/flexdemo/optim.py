@@ -9,6 +9,7 @@ import torch.distributed as dist
 from torch import nn
 
 from . import dcp as _dcp
+from . import memory
 from .buffers import BUFFER_POLICIES, BufferSync
 from .consistency import check_same_settings
 from .lion import Lion
@@ -26,7 +27,7 @@ BASE_OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {
     "muon": MuonAdamW,
 }
 # settings only Muon takes: given to another base optimizer, they are refused by name
-MUON_ONLY = ("muon_params", "ns_steps", "adjust_lr_fn", "ns_mode")
+MUON_ONLY = ("muon_params", "ns_steps", "adjust_lr_fn", "ns_mode", "ns_batch_numel")
 
 
 def _named(params: list) -> bool:
@@ -216,6 +217,8 @@ class DeToNATION(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        mem = memory.active()  # an exact account of the step's memory, when one is kept
+        start = mem.reset_peak() if mem is not None else 0
         grads, lrs = [], []
         for pg in self.param_groups:
             for p in pg["params"]:
@@ -271,6 +274,7 @@ class DeToNATION(torch.optim.Optimizer):
                 or any(r.stats.last_collectives for r in self.replicators)):
             self.buffer_sync()
         self.steps += 1
+        self._step_workspace = None if mem is None else mem.peak - start
         return loss
 
     # ------------------------------------------------------------------ buffers, replicas
@@ -362,6 +366,23 @@ class DeToNATION(torch.optim.Optimizer):
                        shard_seconds=shard.last_seconds)
         if self.fault_tolerance is not None:  # replicas (groups) that took part, commit
             out.update(self.fault_tolerance.stats())
+        out.update(self.memory_stats())
+        return out
+
+    def memory_stats(self) -> dict:
+        """Bytes this rank holds for the optimizer: ``state_bytes`` (the persistent state:
+        the base optimizer's and every replicator's, what a checkpoint keeps),
+        ``workspace_bytes`` (buffers the replicators keep between steps besides it) and, for
+        a step taken under :class:`flexdemo.memory.LiveBytes`, ``step_workspace_bytes``
+        (the step's peak above the bytes live at its start). Exact, counted per storage."""
+        state = [self.base.state] + [r.state_tensors() for r in self.replicators]
+        held = memory.storage_bytes(state)
+        known = memory.storage_bytes([state, self._params])  # parameters are not workspace
+        both = memory.storage_bytes([state, self._params,
+                                     memory.reachable_tensors(self.replicators)])
+        out = {"state_bytes": held, "workspace_bytes": both - known}
+        if getattr(self, "_step_workspace", None) is not None:
+            out["step_workspace_bytes"] = self._step_workspace
         return out
 
     def comm_stats(self) -> list[dict]:

@@ -22,6 +22,7 @@ from abc import ABC, abstractmethod
 
 import torch
 import torch.distributed as dist
+from torch.utils._pytree import tree_leaves
 
 from ..transport import (
     CommStats,
@@ -361,6 +362,11 @@ class Replicator(ABC):
 
     def load_state_dict(self, state: dict) -> None:
         self.stats.load(state.get("stats", {}))
+
+    def state_tensors(self) -> list[torch.Tensor]:
+        """The live tensors of the persistent state (what :meth:`state_dict` saves), for
+        memory accounting; a replicator whose ``state_dict`` copies overrides it."""
+        return [t for t in tree_leaves(self.state_dict()) if isinstance(t, torch.Tensor)]
 
     def extra_repr(self) -> str:
         return ""

@@ -415,6 +415,12 @@ class DiLoCoReplicator(Replicator):
             sd["residual"] = [t.clone() for t in self.residual]
         return sd
 
+    def state_tensors(self) -> list[torch.Tensor]:
+        outer = [t for s in self.outer.state.values() for t in s.values()
+                 if isinstance(t, torch.Tensor)]
+        inner = [t for ex in self.exchanges for t in ex.state_tensors()]
+        return [*self.global_params, *outer, *inner, *(self.residual if self.keep_unsent else ())]
+
     def load_state_dict(self, state: dict) -> None:
         glob = state["global"]
         if len(glob) != len(self.global_params) or any(

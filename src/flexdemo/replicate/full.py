@@ -326,6 +326,9 @@ class FullReplicator(Replicator):
             sd["residual"] = [self.residual.clone()]
         return sd
 
+    def state_tensors(self) -> list[torch.Tensor]:
+        return [] if self.residual is None else [self.residual]
+
     def load_state_dict(self, state: dict) -> None:
         if self.residual is not None:
             theirs = state.get("residual")

@@ -135,6 +135,9 @@ class PhasedReplicator(Replicator):
         sd["active"] = self.active.state_dict()
         return sd
 
+    def state_tensors(self) -> list[torch.Tensor]:
+        return self.active.state_tensors()
+
     def load_state_dict(self, state: dict) -> None:
         phase = int(state["phase"])
         if phase == 1 and self.phase == 0:

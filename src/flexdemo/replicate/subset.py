@@ -182,6 +182,9 @@ class _SubsetReplicator(Replicator):
         sd["buffers"] = [b.clone() for b in self.buffers]
         return sd
 
+    def state_tensors(self) -> list[torch.Tensor]:
+        return list(self.buffers)
+
     def load_state_dict(self, state: dict) -> None:
         super().load_state_dict(state)
         bufs = state["buffers"]

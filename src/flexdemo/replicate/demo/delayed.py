@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from ...transport import Pending, all_gather
-from .checks import arrived
+from .checks import arrived, check_payloads
 from .layout import block_positions
 from .staging import StepPlan
 
@@ -74,7 +74,7 @@ def return_inflight(rep: DeMo) -> None:
     step, handle, plan, row = rep._inflight
     rep._inflight = None
     own = handle[row] if isinstance(handle, torch.Tensor) else rep._buckets[step % 2]
-    _, decoded = rep._check_on_device(own.unsqueeze(0), plan)
+    _, decoded = check_payloads(own.unsqueeze(0), rep.groups, rep.codec, plan)
     for g, sent in zip(rep.groups, decoded):
         if sent is not None:
             idx, vals = sent[0][0], sent[1][0]

@@ -5,6 +5,7 @@ decoded output is read (views), and where every group's segments sit in the payl
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -28,7 +29,7 @@ class Unit:
     members: list[int]
     sizes: list[int]
     plan: ChunkPlan
-    transform: BlockDCT
+    make_transform: Callable[[], BlockDCT]  # the unit's own block DCT (see ``transform``)
     k: int
     part: tuple[int, int] | None = None  # rows [a, b) of its one member (a split tensor)
     index: int = 0  # its place in the replicator's units
@@ -39,6 +40,15 @@ class Unit:
     image: slice | None = None  # image-staged units: its padded image in the group's ``img``
     xpad: slice | None = None  # padded units: its staged gradient in the group's ``xpad``
     flat: bool = False  # the batch of small tensors (members concatenated)
+    _transform: BlockDCT | None = None
+
+    @property
+    def transform(self) -> BlockDCT:
+        """The unit's own block DCT, built on first use (the step runs on its group's
+        batched transform; this one serves state conversion and inspection)."""
+        if self._transform is None:
+            self._transform = self.make_transform()
+        return self._transform
 
     @property
     def padded(self) -> bool:
@@ -228,12 +238,16 @@ class BlockLayout:
 
     ``small_numel``: tensors that are 1-D or have fewer entries form one batch (None: every
     tensor on its own); ``bucket=False`` makes every unit its own group; ``images``: every unit
-    is staged through an image (else only padded units and the small batch)."""
+    is staged through an image (else only padded units and the small batch);
+    ``group_numel``: the most coefficients in a group (None: no bound), large tensors split
+    by block rows to fit."""
 
     def __init__(self, shapes: list[torch.Size], *, topk: int, chunk: int,
                  small_numel: int | None, basis: str, compute_dtype: torch.dtype, bucket: bool,
-                 images: bool, codec: BlockValueCodec, device: torch.device) -> None:
+                 images: bool, codec: BlockValueCodec, device: torch.device,
+                 group_numel: int | None = None) -> None:
         self.shapes, self.topk, self.chunk = shapes, topk, chunk
+        self.group_numel = group_numel
         self.basis, self.compute_dtype = basis, compute_dtype
         self.bucket, self.images, self.device = bucket, images, device
         self.scratch = Scratch()
@@ -272,31 +286,44 @@ class BlockLayout:
     def _make_unit(self, members: list[int], plan: ChunkPlan,
                    part: tuple[int, int] | None = None) -> Unit:
         k = min(self.topk, plan.block_numel)
-        t = BlockDCT(plan, self.device, scratch=self.scratch, basis=self.basis,
-                     compute_dtype=self.compute_dtype)
+
+        def transform() -> BlockDCT:
+            return BlockDCT(plan, self.device, scratch=self.scratch, basis=self.basis,
+                            compute_dtype=self.compute_dtype)
         sizes = [plan.numel] if part is not None else [self.shapes[i].numel() for i in members]
-        return Unit(members, sizes, plan, t, k, part=part)
+        return Unit(members, sizes, plan, transform, k, part=part)
 
     def _units_of(self, i: int) -> list[Unit]:
         """The units of large parameter ``i``: one; or, where only its rows need padding, the
         rows that tile into blocks (momentum in the transform domain) and the rest (padded to
         one row of blocks), split at set-up. The blocks are those of the padded tensor, so
         the algorithm is the same; only the rounding of the momentum of the tiling rows
-        differs (it is kept as coefficients)."""
+        differs (it is kept as coefficients). Tiling rows beyond :attr:`group_numel` are
+        split by block rows into units that fit a group (the same blocks, the same bits)."""
         shape = tuple(self.shapes[i])
         plan = plan_chunks(shape, self.chunk)
         (rows, cols), (cr, cc) = plan.shape2d, plan.chunk
         tile = rows // cr * cr
-        if (len(shape) < 2 or cr == 1 or plan.padded[1] != cols or tile == rows
-                or tile == 0):
+        if len(shape) < 2 or cr == 1 or plan.padded[1] != cols or tile == 0:
             return [self._make_unit([i], plan)]
-        head = ChunkPlan((tile, *shape[1:]), (tile, cols), (cr, cc), (tile, cols))
-        rest = ChunkPlan((rows - tile, *shape[1:]), (rows - tile, cols), (cr, cc), (cr, cols))
-        return [self._make_unit([i], head, (0, tile)), self._make_unit([i], rest, (tile, rows))]
+        step = tile  # rows per tiling unit: whole block rows within the bound
+        if self.group_numel is not None:
+            step = max(cr, self.group_numel // (cr * cols) * cr)
+        if tile == rows and step >= rows:
+            return [self._make_unit([i], plan)]
+        units = [self._make_unit([i], ChunkPlan((b - a, *shape[1:]), (b - a, cols), (cr, cc),
+                                                (b - a, cols)), (a, b))
+                 for a in range(0, tile, step) for b in [min(tile, a + step)]]
+        if tile < rows:
+            rest = ChunkPlan((rows - tile, *shape[1:]), (rows - tile, cols), (cr, cc),
+                             (cr, cols))
+            units.append(self._make_unit([i], rest, (tile, rows)))
+        return units
 
     def _make_groups(self) -> list[Group]:
-        """Group the units by (block shape, k), in unit order; with ``bucket=False`` every
-        unit is its own group (one collective each)."""
+        """Group the units by (block shape, k), in unit order, each group up to
+        :attr:`group_numel` coefficients (a unit larger than that alone); with
+        ``bucket=False`` every unit is its own group (one collective each)."""
         keyed: dict = {}
         for j, u in enumerate(self.units):
             key = (u.plan.chunk, u.k) if self.bucket else j
@@ -306,7 +333,15 @@ class BlockLayout:
             # tiling units first, then padded ones, then the batch of small tensors: one run of
             # each kind (blocks are coded alone, so the order changes no bits)
             members.sort(key=lambda u: 2 if u.flat else 1 if u.padded else 0)
-            groups.append(self._make_group(len(groups), members))
+            run: list[Unit] = []
+            for u in members:
+                if run and self.group_numel is not None and (
+                        sum(v.plan.padded_numel for v in run) + u.plan.padded_numel
+                        > self.group_numel):
+                    groups.append(self._make_group(len(groups), run))
+                    run = []
+                run.append(u)
+            groups.append(self._make_group(len(groups), run))
         return groups
 
     def _make_group(self, gi: int, units: list[Unit]) -> Group:

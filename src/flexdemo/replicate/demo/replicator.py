@@ -17,7 +17,7 @@ from .decode import blocks_into_image, clip_to_median_norm, decode_mean, dense_i
 from .graphs import CompiledSelection, StepGraphs
 from .layout import BlockLayout, Group
 from .scatter import SparseScatter
-from .settings import PRESETS, TRANSFORM_DTYPES, check_settings
+from .settings import GROUP_NUMEL, PRESETS, TRANSFORM_DTYPES, check_settings, describe
 from .staging import MomentumRun, Sent, Staging, StepPlan
 
 # staging="auto" stages through images under CUDA graphs below this many entries per tensor
@@ -40,6 +40,7 @@ class DeMoReplicator(Replicator):
     fault_tolerant = True
     exchange_settings = {"decay": 1.0, "sign": False, "scale_by_lr": False}  # plain EF
     state_dict_copies = True
+    state_tensors = state.live_tensors  # the momentum, without the copies of state_dict
 
     def __init__(self, topk: int = 16, chunk: int = 64, decay: float = 0.999, *,
                  sign: bool = True, scale_by_lr: bool = True, values: str = "int2",
@@ -48,15 +49,16 @@ class DeMoReplicator(Replicator):
                  on_bad_peer: str = "raise",
                  compile: bool = False, graphs: bool | str = "auto", staging: str = "auto",
                  mean: str = "replicas", clip: str = "none", reduce: str = "gather",
-                 **schedule) -> None:
+                 group_numel: int | None = GROUP_NUMEL, **schedule) -> None:
         super().__init__(**schedule)
         graphs = check_settings(
             topk=topk, chunk=chunk, decay=decay, values=values, transform=transform,
             transform_dtype=transform_dtype, small=small, small_numel=small_numel,
             bucket=bucket, overlap=overlap, on_bad_peer=on_bad_peer, compile=compile,
             graphs=graphs, staging=staging, mean=mean, clip=clip, reduce=reduce,
-            every_step=self.replicate_every == 1 and not self.skip_every)
+            group_numel=group_numel, every_step=self.replicate_every == 1 and not self.skip_every)
         self.mean, self.clip, self.reduce = mean, clip, reduce
+        self.group_numel = group_numel  # the most coefficients per group (bounds the workspace)
         self.topk, self.chunk, self.decay = topk, chunk, float(decay)
         self.feedback_decay = self.decay  # its momentum is its error feedback
         self.sign, self.scale_by_lr, self.values = sign, scale_by_lr, values
@@ -79,16 +81,7 @@ class DeMoReplicator(Replicator):
         return cls(**{**PRESETS[name], **overrides})
 
     def extra_repr(self) -> str:
-        extra = "".join(f", {k}={v!r}" for k, v, d in (
-            ("transform", self.transform, "dct"),
-            ("transform_dtype", self.transform_dtype, "fp32"),
-            ("small", self.small, "batch"), ("bucket", self.bucket, True),
-            ("overlap", self.overlap, "none"), ("compile", self.compile, False),
-            ("graphs", self.graphs, "auto"), ("staging", self.staging, "auto"),
-            ("mean", self.mean, "replicas"), ("clip", self.clip, "none"),
-            ("reduce", self.reduce, "gather")) if v != d)
-        return (f"topk={self.topk}, chunk={self.chunk}, decay={self.decay}, "
-                f"values={self.values!r}, sign={self.sign}{extra}")
+        return describe(self)
 
     # ------------------------------------------------------------------ set-up
     def _transform_basis(self) -> tuple[str, torch.dtype]:
@@ -117,7 +110,7 @@ class DeMoReplicator(Replicator):
         self.layout = BlockLayout(
             self._local_shapes, topk=self.topk, chunk=self.chunk,
             small_numel=self.small_numel if self.small == "batch" else None, basis=basis,
-            compute_dtype=compute_dtype, bucket=self.bucket,
+            compute_dtype=compute_dtype, bucket=self.bucket, group_numel=self.group_numel,
             images=self._stages_through_images, codec=self.codec, device=self.device)
         self.scratch, self.units, self.groups = (self.layout.scratch, self.layout.units,
                                                  self.layout.groups)
@@ -400,22 +393,19 @@ class DeMoReplicator(Replicator):
             return fn(gathered)
         return self.step_graphs.run_on_payloads(key, fn, gathered)
 
-    def _check_on_device(self, gathered: torch.Tensor, plan: StepPlan):
-        """:func:`~.checks.check_payloads` of this replicator's groups."""
-        return check_payloads(gathered, self.groups, self.codec, plan)
-
     def _check_now(self, gathered: torch.Tensor, step: int, plan: StepPlan):
         """Check the gathered payloads and read the verdict; raise or drop bad ones. Returns
         the good peers and the decoded payloads."""
-        verdict, decoded = self._on_payloads(("check", plan.key),
-                                             lambda x: self._check_on_device(x, plan), gathered)
+        verdict, decoded = self._on_payloads(
+            ("check", plan.key), lambda x: check_payloads(x, self.groups, self.codec, plan),
+            gathered)
         rows = verdict.tolist()  # the one read of the device in a step
         return self._good_peers(rows, step, plan.code), decoded
 
     def _check_and_keep(self, gathered: torch.Tensor, plan: StepPlan):
         """Delayed mode: the verdict, the decoded payloads and the peers kept in the mean
         (``keep``, ``count``), all decided on the device."""
-        verdict, decoded = self._check_on_device(gathered, plan)
+        verdict, decoded = check_payloads(gathered, self.groups, self.codec, plan)
         keep, count = kept_peers(verdict, self._expected_step, plan.code)
         return verdict, decoded, keep, count
 

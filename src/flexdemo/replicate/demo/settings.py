@@ -14,10 +14,15 @@ PRESETS: dict[str, dict] = {
 
 TRANSFORM_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
+#: the most coefficients in one group of blocks (16 MiB in fp32): the transform, selection
+#: and decode of a group run on buffers of its size, so this bounds the step's workspace
+#: (large tensors are split by block rows to fit; benchmarks/bench_memory.py)
+GROUP_NUMEL = 1 << 22
+
 
 def check_settings(*, topk, chunk, decay, values, transform, transform_dtype, small,
                    small_numel, bucket, overlap, on_bad_peer, compile, graphs, staging,
-                   mean="replicas", clip="none", reduce="gather",
+                   mean="replicas", clip="none", reduce="gather", group_numel=None,
                    every_step: bool) -> bool | str:
     """Raise ValueError for a bad setting (``every_step``: the schedule communicates every
     step); returns ``graphs`` resolved (``"auto"`` is off when the selection is compiled)."""
@@ -42,6 +47,10 @@ def check_settings(*, topk, chunk, decay, values, transform, transform_dtype, sm
         raise ValueError(f"small must be 'batch' or 'separate', got {small!r}")
     if small_numel is not None and (not isinstance(small_numel, int) or small_numel < 0):
         raise ValueError(f"small_numel must be an integer >= 0, got {small_numel!r}")
+    if group_numel is not None and (not isinstance(group_numel, int)
+                                    or isinstance(group_numel, bool) or group_numel < 1):
+        raise ValueError(f"group_numel must be an integer >= 1 (coefficients per group of "
+                         f"blocks) or None (one group per block shape), got {group_numel!r}")
     if overlap not in ("none", "delayed"):
         raise ValueError(f"overlap must be 'none' or 'delayed', got {overlap!r}")
     if overlap == "delayed" and (not bucket or not every_step):
@@ -67,6 +76,21 @@ def check_settings(*, topk, chunk, decay, values, transform, transform_dtype, sm
         raise ValueError("graphs=True and compile=True do not combine: the CUDA graphs "
                          "replay the eager selection; choose one")
     return graphs
+
+
+def describe(rep) -> str:
+    """The ``repr`` of a DeMo replicator's settings: the main ones, and the others where
+    they differ from their defaults."""
+    extra = "".join(f", {k}={v!r}" for k, v, d in (
+        ("transform", rep.transform, "dct"), ("transform_dtype", rep.transform_dtype, "fp32"),
+        ("small", rep.small, "batch"), ("bucket", rep.bucket, True),
+        ("group_numel", rep.group_numel, GROUP_NUMEL),
+        ("overlap", rep.overlap, "none"), ("compile", rep.compile, False),
+        ("graphs", rep.graphs, "auto"), ("staging", rep.staging, "auto"),
+        ("mean", rep.mean, "replicas"), ("clip", rep.clip, "none"),
+        ("reduce", rep.reduce, "gather")) if v != d)
+    return (f"topk={rep.topk}, chunk={rep.chunk}, decay={rep.decay}, "
+            f"values={rep.values!r}, sign={rep.sign}{extra}")
 
 
 def _check_reduce(reduce, *, bucket, overlap, on_bad_peer, clip) -> None:

@@ -33,27 +33,79 @@ def save(rep: DeMo, sd: dict) -> dict:
     return sd
 
 
-def _from_unsplit(rep: DeMo, deltas: list) -> list | None:
-    """Momentum saved before tensors whose rows need padding were split (one buffer in
-    the parameter's domain for each), in today's units: the tiling rows transformed,
-    the rest as they were; None where ``deltas`` is not of that layout."""
-    units = rep.units
-    split = sum(u.part is not None and u.part[0] == 0 for u in units)
-    if not split or len(deltas) != len(units) - split:
+def live_tensors(rep: DeMo) -> list[torch.Tensor]:
+    """The tensors of ``rep``'s state as they live (no copies): the momentum, and in delayed
+    mode the payloads in flight."""
+    inflight = rep._inflight
+    held = inflight[1] if inflight is not None and isinstance(inflight[1], torch.Tensor) else None
+    return list(rep.delta) + ([] if held is None else [held])
+
+
+def _runs(rep: DeMo) -> list[list]:
+    """``rep``'s units by parameter: the units of one split parameter together, the others
+    alone."""
+    runs: list[list] = []
+    for u in rep.units:
+        prev = runs[-1][0] if runs else None
+        if (u.part is not None and prev is not None and prev.part is not None
+                and prev.members == u.members):
+            runs[-1].append(u)
+        else:
+            runs.append([u])
+    return runs
+
+
+def _regrouped(rep: DeMo, deltas: list) -> list | None:
+    """Momentum saved with other splits of the parameters, in today's units; None where
+    ``deltas`` is of no known layout: the coefficients of a parameter's tiling rows in any
+    number of buffers (block after block: saved under another ``group_numel``, or before
+    tensors were split to fit one), or :func:`_from_per_param`'s layout."""
+    out, i = [], 0
+    for run in _runs(rep):
+        tiling = [u for u in run if not u.padded and not u.flat]
+        if tiling:
+            sizes, parts, got = [u.plan.num_blocks for u in tiling], [], 0
+            width = tiling[0].plan.block_numel
+            while got < sum(sizes) and i < len(deltas) and deltas[i] is not None \
+                    and deltas[i].dim() == 2 and deltas[i].shape[1] == width:
+                parts.append(deltas[i])
+                got, i = got + deltas[i].shape[0], i + 1
+            if got != sum(sizes):
+                return _from_per_param(rep, deltas)
+            out.extend(torch.cat(parts).split(sizes) if len(parts) > 1 or len(sizes) > 1
+                       else parts)
+        for _ in run[len(tiling):]:  # a padded rest, or a unit in the parameter's domain
+            if i >= len(deltas):
+                return _from_per_param(rep, deltas)
+            out.append(deltas[i])
+            i += 1
+    return out if i == len(deltas) else _from_per_param(rep, deltas)
+
+
+def _from_per_param(rep: DeMo, deltas: list) -> list | None:
+    """Momentum saved before tensors whose rows need padding were split: one buffer per
+    parameter, in the parameter's domain for those (their tiling rows are transformed)."""
+    runs = _runs(rep)
+    if len(deltas) != len(runs):
         return None
-    out, theirs = [], iter(deltas)
-    for j, u in enumerate(units):
-        if u.part is None:
-            out.append(next(theirs))
-        elif u.part[0] == 0:
-            whole, tile = next(theirs), u.part[1]
-            rows = units[j + 1].part[1]
-            if whole is None or whole.numel() != rows * u.plan.shape2d[1]:
-                return None
-            whole = whole.to(rep.device, torch.float32).reshape(rows, -1)
-            basis = "dct" if rep.transform == "dct" else "identity"
-            out.append(BlockDCT(u.plan, rep.device, basis=basis).encode(whole[:tile]))
-            out.append(whole[tile:])
+    out = []
+    for run, theirs in zip(runs, deltas):
+        if len(run) == 1 or not run[-1].padded:
+            if len(run) > 1:  # a tiling parameter split since
+                if theirs is None or theirs.shape[0] != sum(u.plan.num_blocks for u in run):
+                    return None
+                out.extend(theirs.split([u.plan.num_blocks for u in run]))
+            else:
+                out.append(theirs)
+            continue
+        rest, cols = run[-1], run[0].plan.shape2d[1]
+        if theirs is None or theirs.numel() != rest.part[1] * cols:
+            return None
+        whole = theirs.to(rep.device, torch.float32).reshape(rest.part[1], cols)
+        basis = "dct" if rep.transform == "dct" else "identity"
+        out.extend(BlockDCT(u.plan, rep.device, basis=basis).encode(whole[u.part[0]: u.part[1]])
+                   for u in run[:-1])
+        out.append(whole[rest.part[0]:])
     return out
 
 
@@ -63,7 +115,7 @@ def check_loadable(rep: DeMo, sd: dict) -> list:
     deltas = sd["delta"]
     units = rep.units
     if len(deltas) != len(units):
-        deltas = _from_unsplit(rep, deltas) or deltas
+        deltas = _regrouped(rep, deltas) or deltas
     if len(deltas) != len(units):
         raise ValueError(f"{rep.name}: state holds {len(deltas)} momentum buffers, this "
                          f"replicator has {len(units)} (another model or settings?)")

@@ -1,0 +1,108 @@
+"""Memory accounting (flexdemo.memory) and DeMo's bounded workspace (group_numel)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from flexdemo import DeToNATION, LiveBytes
+from flexdemo.memory import state_bytes, storage_bytes
+from flexdemo.replicate import DeMoReplicator
+
+
+def test_live_bytes_counts_storages_as_they_live():
+    with LiveBytes() as mem:
+        a = torch.zeros(1000)
+        assert mem.current == 4000
+        v = a.view(10, 100)[2:]  # a view: the same storage
+        assert mem.current == 4000
+        b = a + 1
+        assert mem.current == 8000
+        del b
+        assert (mem.current, mem.peak) == (4000, 8000)
+        assert mem.reset_peak() == 4000 and mem.peak == 4000
+        made_before = torch.ones(10, dtype=torch.float64)
+    mem.track([made_before, v])  # counted once per storage
+    assert mem.current == 4080
+
+
+def test_storage_bytes_counts_each_storage_once():
+    a = torch.zeros(256)
+    assert storage_bytes({"x": [a, a[:10], a.view(16, 16)], "y": (torch.zeros(3),)}) == 1036
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    # 512 rows tile into 64 x 64 blocks; 300 rows need padding (split at 256)
+    return nn.Sequential(nn.Linear(512, 512), nn.Linear(512, 512), nn.Linear(512, 512),
+                         nn.Linear(512, 300))
+
+
+def _train(group_numel, steps=2, **kw):
+    with LiveBytes() as mem:
+        model = _model()
+        opt = DeToNATION(model.parameters(), [DeMoReplicator(group_numel=group_numel, **kw)],
+                         base="sgd", lr=1e-2)
+        x = torch.randn(8, 512, generator=torch.Generator().manual_seed(1))
+        for _ in range(steps):
+            opt.zero_grad()
+            model(x).square().mean().backward()
+            opt.step()
+    return model, opt, mem
+
+
+def test_demo_workspace_is_bounded_by_group_numel():
+    """Held buffers: the staging rows (one copy of the gradients) plus a few buffers of one
+    group; the step's transient peak: within two groups. Without the bound every buffer is
+    model-sized (so the bound bites on this model)."""
+    n = 1 << 15  # coefficients per group: 8 blocks of 64 x 64
+    model, opt, _ = _train(n)
+    P = 4 * sum(p.numel() for p in model.parameters())
+    stats = opt.memory_stats()
+    assert stats["state_bytes"] == state_bytes(opt) >= P  # the momentum (padded rows round up)
+    assert stats["workspace_bytes"] - P <= 4 * (4 * n)
+    assert stats["step_workspace_bytes"] <= 2 * (4 * n)
+    _, free, _ = _train(None)
+    assert free.memory_stats()["workspace_bytes"] > 3 * P
+
+
+@pytest.mark.parametrize("kw", [{}, {"values": "fp32", "topk": 32}, {"transform": "none"},
+                                {"sign": False, "values": "stat2"}])
+def test_bounded_groups_give_the_same_bits_and_load_each_others_state(kw):
+    """Splitting tensors to fit group_numel changes no bits of the step or the momentum, and
+    a state saved with one bound loads under another (or none)."""
+    a, oa, _ = _train(None, steps=4, **kw)
+    b, ob, _ = _train(1 << 13, steps=4, **kw)
+    assert len(ob.replicators[0].groups) > len(oa.replicators[0].groups)
+    for p, q in zip(a.parameters(), b.parameters()):
+        assert torch.equal(p, q)
+
+    def momentum(o):
+        return torch.cat([d.reshape(-1) for d in o.replicators[0].delta])
+    assert torch.equal(momentum(oa), momentum(ob))
+    _, oc, _ = _train(1 << 15, steps=1, **kw)
+    oc.load_state_dict(ob.state_dict())
+    assert torch.equal(momentum(oc), momentum(oa))
+    oa.load_state_dict(oc.state_dict())
+    assert torch.equal(momentum(oa), momentum(ob))
+
+
+@pytest.mark.parametrize("rep, base", [("full", "adamw"), ("diloco", "adamw"),
+                                       ("demo", "muon")])
+def test_state_bytes_match_what_a_checkpoint_keeps(rep, base):
+    model = _model()
+    params = model.named_parameters() if base == "muon" else model.parameters()
+    opt = DeToNATION(params, rep, base=base, lr=1e-3)
+    for _ in range(2):
+        opt.zero_grad()
+        model(torch.randn(4, 512)).square().mean().backward()
+        opt.step()
+    stats = opt.last_step_stats()
+    assert stats["state_bytes"] == state_bytes(opt) > 0
+    assert "step_workspace_bytes" not in stats  # measured only under LiveBytes
+
+
+def test_group_numel_must_be_a_positive_integer():
+    with pytest.raises(ValueError, match="group_numel must be an integer >= 1"):
+        DeMoReplicator(group_numel=0)

@@ -193,3 +193,27 @@ def test_the_checker_sees_a_private_import(tmp_path):
     import flexdemo.transport
 
     assert "_all_gather_single" not in flexdemo.transport.__all__
+
+
+def test_memory_bench_counts_a_strategy_exactly(tmp_path):
+    """bench_memory.py on two real ranks: DeMo's state is its momentum (one copy of the
+    parameters), its held buffers and step workspace are counted, the table and JSON written."""
+    import subprocess
+
+    out = tmp_path / "memory.json"
+    run = subprocess.run([sys.executable, str(BENCH / "bench_memory.py"), "--model", "tiny",
+                          "--shards", "1", "--strategies", "demo-defaults", "--steps", "2",
+                          "--out", str(out)], capture_output=True, text=True, timeout=240)
+    assert run.returncode == 0, run.stderr[-2000:]
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["strategy"] == "demo-defaults" and row["ranks"] == 2
+    assert row["P"] <= row["state"] <= 1.1 * row["P"]  # the momentum (padding rounds up)
+    assert row["held"] > 0 and row["peak"] > row["state"] + row["params"]
+    assert "| whole, 2 ranks | demo-defaults |" in run.stdout
+
+
+def test_memory_bench_names_an_unknown_strategy(capsys, tmp_path):
+    mem = _load("bench_memory")
+    assert mem.main(["--strategies", "nope", "--out", str(tmp_path / "m.json")]) == 2
+    out = capsys.readouterr().out.strip().splitlines()
+    assert len(out) == 1 and "unknown strategies ['nope']" in out[0]

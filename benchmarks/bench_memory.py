@@ -14,7 +14,8 @@ no RSS noise). Per strategy, in bytes and in units of P (the whole model's fp32 
 * ``state``: the optimizer's persistent state (what a checkpoint keeps), per storage;
 * ``held``: buffers its replicators keep between steps besides the state;
 * ``step ws``: the optimizer step's peak above the bytes live at its start (held buffers are
-  live at the start, so this is what the step allocates and frees);
+  live at the start, so this is what the step allocates and frees), after the first step
+  (which creates the state and the buffers);
 * ``peak``: the most live bytes of a whole iteration (forward, backward, step) on rank 0;
 * ``RSS``: the process's peak resident set (the allocator's and Python's overhead included).
 
@@ -89,9 +90,9 @@ def _worker(rank: int, world: int, port: int, cfg: dict, out: str) -> None:
                 opt.zero_grad()
                 model(x[:, :-1], x[:, 1:]).backward()
                 opt.step()
-                if i:  # the first step creates the lazy state
+                if i:  # the first step creates the state and the replicators' buffers
                     peak = max(peak, mem.peak)
-                step_ws = max(step_ws, opt.last_step_stats().get("step_workspace_bytes", 0))
+                    step_ws = max(step_ws, opt.last_step_stats()["step_workspace_bytes"])
             stats = opt.memory_stats()
             local = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel()
                         for p in model.parameters()) * 4

@@ -53,15 +53,16 @@ def _train(group_numel, steps=2, **kw):
 
 
 def test_demo_workspace_is_bounded_by_group_numel():
-    """Held buffers: the staging rows (one copy of the gradients) plus a few buffers of one
-    group; the step's transient peak: within two groups. Without the bound every buffer is
-    model-sized (so the bound bites on this model)."""
+    """Held buffers: a few buffers of one group (the staged rows, the transform's products,
+    the selection's and the decode's scratch), whatever the model's size; the step's transient
+    peak: within two groups. Without the bound every buffer is model-sized (so the bound bites
+    on this model)."""
     n = 1 << 15  # coefficients per group: 8 blocks of 64 x 64
     model, opt, _ = _train(n)
     P = 4 * sum(p.numel() for p in model.parameters())
     stats = opt.memory_stats()
     assert stats["state_bytes"] == state_bytes(opt) >= P  # the momentum (padded rows round up)
-    assert stats["workspace_bytes"] - P <= 4 * (4 * n)
+    assert stats["workspace_bytes"] <= 5 * (4 * n) < 0.2 * P
     assert stats["step_workspace_bytes"] <= 2 * (4 * n)
     _, free, _ = _train(None)
     assert free.memory_stats()["workspace_bytes"] > 3 * P

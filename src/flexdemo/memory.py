@@ -21,6 +21,7 @@ peak above the bytes live at its start in ``last_step_stats()["step_workspace_by
 
 from __future__ import annotations
 
+import functools
 import weakref
 from collections.abc import Iterable
 from typing import Any
@@ -45,7 +46,7 @@ def _plain_tensors(t: torch.Tensor) -> list[torch.Tensor]:
     flatten = getattr(type(t), "__tensor_flatten__", None)
     if flatten is None or type(t) in (torch.Tensor, torch.nn.Parameter):
         return [t]
-    names, _ = t.__tensor_flatten__()
+    names, _ = flatten(t)
     inner = (getattr(t, n) for n in names)
     return [x for i in inner if isinstance(i, torch.Tensor) for x in _plain_tensors(i)]
 
@@ -81,12 +82,13 @@ class LiveBytes(TorchDispatchMode):
                 if seen[1] == nbytes:
                     continue
                 self.current -= seen[1]  # resized in place
-            ref = weakref.ref(st, lambda _r, key=key: self._free(key))
+            ref = weakref.ref(st, functools.partial(self._gone, key))
             self._live[key] = (ref, nbytes)
             self.current += nbytes
             self.peak = max(self.peak, self.current)
 
-    def _free(self, key: int) -> None:
+    def _gone(self, key: int, _ref: Any) -> None:
+        """A counted storage was freed."""
         seen = self._live.pop(key, None)
         if seen is not None:
             self.current -= seen[1]

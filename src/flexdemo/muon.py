@@ -238,7 +238,7 @@ class MuonAdamW(torch.optim.Optimizer):
 
         def update(idx: list[int]) -> list[torch.Tensor]:  # Nesterov's look-ahead, or the buffer
             g, b = [grads[i] for i in idx], [bufs[i] for i in idx]
-            return torch._foreach_lerp(g, b, mu) if group["nesterov"] else b
+            return list(torch._foreach_lerp(g, b, mu)) if group["nesterov"] else b
 
         def apply(idx: list[int], ortho: Sequence[torch.Tensor]) -> None:
             scale = _adjust_lr(lr, group["adjust_lr_fn"], params[idx[0]].shape)
@@ -285,11 +285,14 @@ class MuonAdamW(torch.optim.Optimizer):
     def _orthogonalise_sharded(self, params: list, update, group: dict, plan: _Plan) -> list:
         """Newton-Schulz of the row-sharded matrices (``update(indices)``: their updates),
         each whole on one owner; each rank gets its rows back (None for the others)."""
+        def ns(mats: Sequence[torch.Tensor],
+               groups: list[list[int]] | None = None) -> list[torch.Tensor]:
+            return self._ns(mats, group, groups)
+
         out: list = [None] * len(params)
         for group_pg, idx in plan.sharded.items():
-            results = orthogonalise_sharded(
-                [params[i].shape for i in idx], update(idx), group_pg,
-                lambda mats, groups=None: self._ns(mats, group, groups), self.stats)
+            results = orthogonalise_sharded([params[i].shape for i in idx], update(idx),
+                                            group_pg, ns, self.stats)
             for i, r in zip(idx, results):
                 out[i] = r
         return out

@@ -168,6 +168,7 @@ class DeToNATION(torch.optim.Optimizer):
         self.state = self.base.state
         self.nonfinite = nonfinite
         self.skipped_steps = 0
+        self._step_workspace: int | None = None  # measured under flexdemo.LiveBytes
         self.steps = 0
         if not isinstance(replicators, (list, tuple)):
             replicators = [replicators]
@@ -381,7 +382,7 @@ class DeToNATION(torch.optim.Optimizer):
         both = memory.storage_bytes([state, self._params,
                                      memory.reachable_tensors(self.replicators)])
         out = {"state_bytes": held, "workspace_bytes": both - known}
-        if getattr(self, "_step_workspace", None) is not None:
+        if self._step_workspace is not None:
             out["step_workspace_bytes"] = self._step_workspace
         return out
 

@@ -240,14 +240,16 @@ class BlockLayout:
     tensor on its own); ``bucket=False`` makes every unit its own group; ``images``: every unit
     is staged through an image (else only padded units and the small batch);
     ``group_numel``: the most coefficients in a group (None: no bound), large tensors split
-    by block rows to fit."""
+    by block rows to fit; ``shared_staging``: every group's block rows ``xh`` are views of one
+    buffer of the largest group (the step then stages each group just before its encode)."""
 
     def __init__(self, shapes: list[torch.Size], *, topk: int, chunk: int,
                  small_numel: int | None, basis: str, compute_dtype: torch.dtype, bucket: bool,
                  images: bool, codec: BlockValueCodec, device: torch.device,
-                 group_numel: int | None = None) -> None:
+                 group_numel: int | None = None, shared_staging: bool = False) -> None:
         self.shapes, self.topk, self.chunk = shapes, topk, chunk
-        self.group_numel = group_numel
+        self.group_numel, self.shared_staging = group_numel, shared_staging
+        self.staging_rows: torch.Tensor | None = None  # shared_staging: the groups' ``xh``
         self.basis, self.compute_dtype = basis, compute_dtype
         self.bucket, self.images, self.device = bucket, images, device
         self.scratch = Scratch()
@@ -328,7 +330,7 @@ class BlockLayout:
         for j, u in enumerate(self.units):
             key = (u.plan.chunk, u.k) if self.bucket else j
             keyed.setdefault(key, []).append(u)
-        groups: list[Group] = []
+        runs: list[list[Unit]] = []
         for members in keyed.values():
             # tiling units first, then padded ones, then the batch of small tensors: one run of
             # each kind (blocks are coded alone, so the order changes no bits)
@@ -338,11 +340,14 @@ class BlockLayout:
                 if run and self.group_numel is not None and (
                         sum(v.plan.padded_numel for v in run) + u.plan.padded_numel
                         > self.group_numel):
-                    groups.append(self._make_group(len(groups), run))
+                    runs.append(run)
                     run = []
                 run.append(u)
-            groups.append(self._make_group(len(groups), run))
-        return groups
+            runs.append(run)
+        if self.shared_staging:
+            most = max(sum(u.plan.num_blocks for u in r) * r[0].plan.block_numel for r in runs)
+            self.staging_rows = torch.zeros(most, dtype=torch.float32, device=self.device)
+        return [self._make_group(gi, run) for gi, run in enumerate(runs)]
 
     def _make_group(self, gi: int, units: list[Unit]) -> Group:
         """One group's buffers, layouts and index maps (built once)."""
@@ -350,9 +355,10 @@ class BlockLayout:
         (cr, cc), k = units[0].plan.chunk, units[0].k
         blocks = sum(u.plan.num_blocks for u in units)
         coef = torch.zeros(cr, blocks, cc, dtype=f32, device=dev)
+        xh = (torch.zeros(cr, blocks, cc, dtype=f32, device=dev) if self.staging_rows is None
+              else self.staging_rows[: coef.numel()].view(cr, blocks, cc))
         g = Group(units, k, (cr, cc), coef,
-                  BatchedDCT((cr, cc), dev, self.basis, self.compute_dtype),
-                  torch.zeros(cr, blocks, cc, dtype=f32, device=dev))
+                  BatchedDCT((cr, cc), dev, self.basis, self.compute_dtype), xh)
         row = img = pad = 0
         src: list[torch.Tensor] = []
         dst: list[torch.Tensor] = []

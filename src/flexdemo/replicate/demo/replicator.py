@@ -111,7 +111,8 @@ class DeMoReplicator(Replicator):
             self._local_shapes, topk=self.topk, chunk=self.chunk,
             small_numel=self.small_numel if self.small == "batch" else None, basis=basis,
             compute_dtype=compute_dtype, bucket=self.bucket, group_numel=self.group_numel,
-            images=self._stages_through_images, codec=self.codec, device=self.device)
+            images=self._stages_through_images, codec=self.codec, device=self.device,
+            shared_staging=not self._graphed)  # graphs replay fixed staging buffers
         self.scratch, self.units, self.groups = (self.layout.scratch, self.layout.units,
                                                  self.layout.groups)
         self._work = self.layout.work
@@ -149,8 +150,7 @@ class DeMoReplicator(Replicator):
     def payload_bytes(self) -> int:
         """Bytes this rank contributes to one exchange (header and alignment included;
         ``reduce="scatter"``: its ``n`` parts and its owner part)."""
-        sx = self._scattered()
-        return self.bucket_bytes if sx is None else sx.payload_bytes()
+        return self.bucket_bytes if (sx := self._scattered()) is None else sx.payload_bytes()
 
     def exchange_bytes(self) -> int:
         sx = self._scattered()  # reduce="scatter": an all-to-all, then an all-gather
@@ -251,6 +251,8 @@ class DeMoReplicator(Replicator):
         is zeroed and the decay factor is 1 where it is set, and the selected values are
         sent as zeros (so error feedback changes nothing); the header carries the flag."""
         plan = self._plan_step(grads, lrs)
+        if self.layout.shared_staging:  # each group staged just before its encode
+            return self._encode_staged(plan, lrs, step, buf, grads)
         self.staging_plans.stage(grads, plan)
         if not self._graphed:
             return self._encode_staged(plan, lrs, step, buf)
@@ -264,11 +266,16 @@ class DeMoReplicator(Replicator):
             lambda: self._encode_staged(plan, lrs, self._step_on_device, buf))
 
     def _encode_staged(self, plan: StepPlan, lrs, step: int | torch.Tensor,
-                       buf: torch.Tensor) -> list:
+                       buf: torch.Tensor, grads=None) -> list:
         """:meth:`_encode_payload` after the staging: all device work, the same for every
-        step of one shape (a CUDA graph on CUDA unless ``graphs=False``)."""
-        bad = self.staging_plans.nonfinite_input_flag(plan)
-        self.staging_plans.zero_inputs_where(bad, plan)
+        step of one shape (a CUDA graph on CUDA unless ``graphs=False``). With ``grads``
+        (shared staging) each group is staged here, just before its encode."""
+        st = self.staging_plans
+        if grads is None:
+            bad = st.nonfinite_input_flag(plan)
+            st.zero_inputs_where(bad, plan)
+        else:  # each group's input is zeroed as it is staged
+            bad = st.nonfinite_grad_flag(grads, plan)
         decay = torch.where(bad, self._one, self._decay_factor)
         sent: list[Sent | None] = []
         for gi, g in enumerate(self.groups):
@@ -276,6 +283,9 @@ class DeMoReplicator(Replicator):
                 buf[g.idx_off: g.end].zero_()
                 sent.append(None)
                 continue
+            if grads is not None:
+                st.stage_group(grads, plan, gi)
+                st.zero_group_where(bad, gi)
             self._update_momentum(g, plan.runs[gi], lrs, decay, bad,  # delta = decay delta + s g
                                   plan.key[1])
             idx, pos, vals = self._select_topk(g, plan.off_rows[gi], bad)  # of every block

@@ -5,7 +5,7 @@ output back into the gradients, and the device-side test of this rank's input fo
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -66,6 +66,8 @@ class StepPlan:
     off_rows: list[list[slice]]  # rows of units without a gradient, per group
     write: list[tuple[list[int], list[torch.Tensor]]]  # per group: pieces, output views
     key: tuple = ()  # (present, classes): the cache key, also a CUDA graph's
+    spans: list[tuple[int, int, int, int]] = field(default_factory=list)  # per group: its
+    # entries of ``present``/``stage`` and of ``zero``
 
 
 class Staging:
@@ -97,6 +99,7 @@ class Staging:
             runs: list[MomentumRun] = []
             off: list[slice] = []
             pieces: list[int] = []
+            p0, z0 = len(plan.present), len(plan.zero)
             for u in g.units:
                 if not on[id(u)]:
                     off.append(u.rows)
@@ -122,6 +125,7 @@ class Staging:
                         last.xpad = slice(last.xpad_part.start, u.xpad_part.stop)
                 else:
                     runs.append(MomentumRun(u.padded, u.rows, u.image, u.xpad, u.index))
+            plan.spans.append((p0, len(plan.present), z0, len(plan.zero)))
             plan.runs.append(runs)
             plan.off_rows.append(off)
             plan.write.append((pieces, [lay.out_at[p] for p in pieces]))
@@ -137,6 +141,24 @@ class Staging:
                                               for p in plan.present])
         if plan.zero:
             torch._foreach_zero_(plan.zero)
+
+    def stage_group(self, grads, plan: StepPlan, gi: int) -> None:
+        """Group ``gi``'s gradients into its block rows and images (shared staging)."""
+        lay, (p0, p1, z0, z1) = self.layout, plan.spans[gi]
+        if p1 > p0:
+            torch._foreach_copy_(plan.stage[p0:p1], [
+                grad_as(lay.piece(grads, p), lay.grad_shape4[p]) for p in plan.present[p0:p1]])
+        if z1 > z0:
+            torch._foreach_zero_(plan.zero[z0:z1])
+
+    def nonfinite_grad_flag(self, grads, plan: StepPlan) -> torch.Tensor:
+        """:meth:`nonfinite_input_flag` from the gradients themselves, before any is staged
+        (one multi-tensor max-norm: NaN and Inf propagate)."""
+        lay = self.layout
+        if not plan.present:
+            return torch.zeros((), dtype=torch.bool, device=lay.device)
+        norms = torch._foreach_norm([lay.piece(grads, p) for p in plan.present], float("inf"))
+        return ~torch.isfinite(torch.stack(norms)).all()
 
     def write_back(self, grads, pieces: list[int], views: list[torch.Tensor]) -> None:
         """The decoded output into the gradients' ``pieces`` (one multi-tensor copy)."""
@@ -181,11 +203,13 @@ class Staging:
         pass per staging buffer, no host read). With a low-precision transform only the
         padded units' gradients here: the rest is zeroed in the (smaller) copy of the block
         rows in the compute dtype."""
-        low = self.layout.work.xc is not None
         for gi, on in enumerate(plan.group_on):
-            if not on:
-                continue
-            g = self.layout.groups[gi]
-            for buf in ([g.xpad] if g.xpad is not None else []) if low \
-                    else self.staged_inputs(gi):
-                zero_where(buf, bad)
+            if on:
+                self.zero_group_where(bad, gi)
+
+    def zero_group_where(self, bad: torch.Tensor, gi: int) -> None:
+        """:meth:`zero_inputs_where` of group ``gi``."""
+        g = self.layout.groups[gi]
+        low = self.layout.work.xc is not None
+        for buf in ([g.xpad] if g.xpad is not None else []) if low else self.staged_inputs(gi):
+            zero_where(buf, bad)

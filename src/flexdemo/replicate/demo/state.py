@@ -60,7 +60,8 @@ def _regrouped(rep: DeMo, deltas: list) -> list | None:
     ``deltas`` is of no known layout: the coefficients of a parameter's tiling rows in any
     number of buffers (block after block: saved under another ``group_numel``, or before
     tensors were split to fit one), or :func:`_from_per_param`'s layout."""
-    out, i = [], 0
+    out: list = []
+    i = 0
     for run in _runs(rep):
         tiling = [u for u in run if not u.padded and not u.flat]
         if tiling:

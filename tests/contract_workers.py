@@ -20,7 +20,10 @@ SETTINGS = {"demo": {"topk": 4, "chunk": 8}, "diloco": {"inner_steps": 2},
             "sparseloco": {"inner_steps": 2, "exchange_kwargs": {"topk": 4, "chunk": 8}},
             # topk 8 for steps 0-2, then 4: the state round trip and the NaN fall after it
             "demo-warmup": {"warmup_topk": 8, "warmup_steps": 3, "topk": 4, "chunk": 8},
-            "random": {"rate": 0.25}, "striding": {"rate": 0.25}, "slicing": {"rate": 0.25}}
+            "random": {"rate": 0.25}, "striding": {"rate": 0.25}, "slicing": {"rate": 0.25},
+            # "auto" decided before step 0 (link and compute given): full sync, as its choice
+            "auto": {"link": "100gbit,0.01ms", "compute_seconds": 1.0, "candidates": ["full"],
+                     "verbose": False}}
 STEPS = 6
 
 

@@ -1,6 +1,7 @@
 """flexdemo: DeMo, FlexDeMo and DeToNATION replication for training across slow links."""
 
 from . import compat
+from .auto import AutoReplicator
 from .buffers import BufferSync
 from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from .compress import BlockDCT, plan_chunks
@@ -34,7 +35,8 @@ from .transport import CommStats
 __version__ = "0.1.0"
 
 __all__ = [
-    "BASE_OPTIMIZERS", "BlockDCT", "BufferSync", "CommStats", "CorruptPayloadError", "DeMo",
+    "AutoReplicator", "BASE_OPTIMIZERS", "BlockDCT", "BufferSync", "CommStats",
+    "CorruptPayloadError", "DeMo",
     "DeMoReplicator", "DeToNATION", "DiLoCoReplicator", "FaultTolerance", "FullReplicator",
     "InProcessHub", "Lion", "LiveBytes", "MuonAdamW", "NoReplication", "NoReplicationWarning",
     "NonFiniteGradientError", "PhasedReplicator", "REPLICATORS", "RandomReplicator",

@@ -218,7 +218,8 @@ def _materialise(model: nn.Module, device: torch.device, init_fn: Callable | Non
 
 
 def _warn_single_replica(mesh: DeviceMesh, reps) -> None:
-    if mesh["replicate"].size() > 1 or all(isinstance(r, NoReplication) for r in reps):
+    if mesh["replicate"].size() > 1 or all(isinstance(r, NoReplication) or r.name == "auto"
+                                           for r in reps):  # "auto" says so in its own line
         return
     shard = mesh["shard"].size()
     warnings.warn(
@@ -276,6 +277,8 @@ def prepare(model: nn.Module, replicator: str | Replicator | Sequence = "demo",
     orthogonalised step, ``prepare(model, "demo", "muon", replicator_kwargs={"topk": 64,
     "decay": 0.9, "sign": False, "scale_by_lr": False}, optimizer_kwargs={"momentum": 0.0})``.
     Muon's best lr was 10-30x AdamW's (match_rms_adamw scaling): sweep upwards from yours.
+    Or ``prepare(model, "auto", optimizer=...)``: the link and the step are measured and the
+    strategy chosen to fit them, in one logged line (docs/auto.md).
 
     Example: ``model, opt = flexdemo.prepare(model, replicator="demo", lr=1e-3)``.
     """
@@ -334,6 +337,9 @@ def prepare(model: nn.Module, replicator: str | Replicator | Sequence = "demo",
                      nonfinite=nonfinite, base_kwargs=with_model_rule(model, optimizer,
                                                                       optimizer_kwargs),
                      mesh=mesh, fault_tolerance=fault_tolerance)
+    for rep in opt.replicators:  # "auto": a full-sync choice after its warm-up needs it
+        if hasattr(rep, "bind_optimizer"):
+            rep.bind_optimizer(opt)
     if opt.fault_tolerance is not None:  # a group heals before the forward pass, in any loop
         opt.fault_tolerance.watch(model)
     opt.sync_buffers(model, policy=buffers)

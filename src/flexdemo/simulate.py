@@ -190,6 +190,9 @@ class SimulatedReplicas:
         self.optimizers: list[torch.optim.Optimizer] = self.run(build)
         for opt in self.optimizers:  # optimizers of optimizer_fn (already set up)
             _without_graphs(getattr(opt, "replicators", []), self.device)
+            for rep in getattr(opt, "replicators", []):  # "auto" serves this optimizer
+                if hasattr(rep, "bind_optimizer"):
+                    rep.bind_optimizer(opt)
 
     # ------------------------------------------------------------------ random numbers
     def _initial_rng(self, seed: int | None, r: int) -> tuple:
@@ -301,10 +304,11 @@ class SimulatedReplicas:
         if len(reps) != self.n:
             raise ValueError(f"the state holds {len(reps)} replicas, this simulation {self.n}; "
                              "build it with replicas=" + str(len(reps)))
-        for r, (m, o, rs) in enumerate(zip(self.models, self.optimizers, reps)):
-            m.load_state_dict(rs["model"])
-            o.load_state_dict(rs["optimizer"])
-            self._rng[r] = tuple(rs["rng"])
+        def load(r: int) -> None:  # every replica at once, as ranks load (a replicator may
+            self.models[r].load_state_dict(reps[r]["model"])  # talk to its group: "auto")
+            self.optimizers[r].load_state_dict(reps[r]["optimizer"])
+            self._rng[r] = tuple(reps[r]["rng"])
+        self.run(load)
 
     # ------------------------------------------------------------------ inspection
     def identical(self) -> bool:

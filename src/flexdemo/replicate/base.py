@@ -166,8 +166,9 @@ class Replicator(ABC):
         """Allocate per-parameter state (override)."""
 
     def _check_group_shapes(self) -> None:
-        """All ranks of the group must hold the same local shapes (one tiny collective)."""
-        if self.world <= 1:
+        """All ranks of the group must hold the same local shapes (one tiny collective; none
+        over a transport that only sizes payloads, ``sizing_only``)."""
+        if self.world <= 1 or getattr(self.transport, "sizing_only", False):
             return
         code = zlib.crc32(repr([tuple(s) for s in self._local_shapes]).encode())
         mine = torch.tensor([code], dtype=torch.int64, device=self.device)

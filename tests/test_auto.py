@@ -1,0 +1,244 @@
+"""``"auto"``: the choice for given measurements, the bounded probe on real ranks, a probe that
+times out, a single replica, a quorum that changes size, and resume across the decision."""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from auto_workers import prepare_worker, timeout_worker
+from dist_util import run_world
+from torch import nn
+
+import flexdemo
+from flexdemo.auto import (
+    FALLBACK_LINK,
+    AutoReplicator,
+    Link,
+    choose,
+    load_ranking,
+    parse_link,
+    size_candidate,
+)
+from flexdemo.transport import Transport
+
+RANKED = load_ranking()
+
+SHAPES = {  # local parameter shapes of three models
+    "0.8M": [torch.Size([256, 256])] * 12 + [torch.Size([256])] * 12,
+    "85M": [torch.Size([768, 768])] * 48 + [torch.Size([3072, 768]), torch.Size([768, 3072])] * 12
+    + [torch.Size([768])] * 24,
+    "3 tensors": [torch.Size([512, 512]), torch.Size([512]), torch.Size([10, 512])],
+}
+
+# bandwidth, latency, replicas, compute (s/step), model, budget -> the pick
+CASES = [
+    ("10gbit", "0.05ms", 2, 0.25, "0.8M", 0.05, "full"),  # a fast link: full sync
+    ("100gbit", "0.01ms", 2, 1.0, "85M", 0.05, "full"),
+    ("10gbit", "0.05ms", 2, 0.25, "85M", 0.05, "diloco-h20-int4"),  # 85M does not fit fully
+    ("1gbit", "0.2ms", 2, 0.25, "85M", 0.05, "streaming-h20-int4"),  # tau=1 hides the sync
+    ("1gbit", "0.2ms", 2, 1.0, "85M", 0.05, "diloco-h20-int4"),  # a slower step hides it all
+    ("1gbit", "0.2ms", 2, 0.25, "85M", 0.2, "diloco-h20-int4"),  # a larger budget
+    ("100mbit", "1ms", 2, 0.25, "85M", 0.05, "muloco-streaming"),
+    ("100mbit", "1ms", 8, 0.05, "0.8M", 0.05, "streaming-h20-int4"),
+    ("10mbit", "50ms", 8, 0.1, "85M", 0.05, "sparseloco"),  # nothing fits: the least exposed
+    ("100mbit", "10ms", 4, 0.01, "3 tensors", 0.05, "sparseloco"),  # too few tensors to stream
+]
+
+
+@pytest.mark.parametrize("bw,lat,n,compute,model,budget,pick", CASES)
+def test_choice_for_given_measurements(bw, lat, n, compute, model, budget, pick):
+    sizings = [size_candidate(c, SHAPES[model], n) for c in RANKED]
+    d = choose(RANKED, sizings, parse_link(f"{bw},{lat}"), compute, n, budget)
+    assert d.name == pick, d.line()
+    line = d.line()
+    assert line.startswith("auto: ") and f"between {n} replicas" in line and "\n" not in line
+    assert f"-> {d.label} (" in line and "MB/step, exposed comm" in line
+    assert ("nothing fits" in line) == (d.exposed_share > budget)
+    better = [c for c in d.considered[: [c[0] for c in d.considered].index(pick)]]
+    if d.exposed_share <= budget:  # every better-ranked candidate is over the budget
+        assert all(share > budget for _, _, share in better)
+
+
+def test_sizes_are_the_replicators_own():
+    """The bytes of a candidate are its replicator's exchange_bytes() on the model, as set up
+    for training (here: 2 simulated replicas)."""
+    model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 64))
+    shapes = [p.shape for p in model.parameters()]
+    for c in RANKED:
+        if c.name in ("muloco-streaming",):
+            continue  # 4 tensors: too few for 5 fragments
+        sim = flexdemo.SimulatedReplicas(model, lambda m, b: m(b).sum(), replicas=2,
+                                         replicator=c.replicator, optimizer="adamw",
+                                         replicator_kwargs=copy.deepcopy(c.replicator_kwargs)
+                                         or None)
+        rep = sim.optimizers[0].replicators[0]
+        s = size_candidate(c, shapes, 2)
+        assert s is not None and sum(s.syncs) == rep.exchange_bytes(), c.name
+        assert s.period == getattr(rep, "inner_steps", 1)
+    assert size_candidate(RANKED[4], shapes, 2) is None  # fragments=5 > 4 tensors
+
+
+def test_ranking_file_names_its_sources():
+    data = json.loads(Path(flexdemo.auto.RANKING_FILE).read_text())
+    names = [e["name"] for e in data["entries"]]
+    assert len(set(names)) == len(names) and names[0] == "full"
+    assert {"muloco", "sparseloco"} <= {e["replicator"] for e in data["entries"]}
+    gaps = [e["gap"] for e in data["entries"]]
+    assert gaps == sorted(gaps)
+    for e in data["entries"][1:]:
+        p = e["provenance"]
+        assert p["table"] and p["model"] and p["steps"] > 0 and p["seeds"] > 0 and p["how"]
+    pyproject = (Path(__file__).parents[1] / "pyproject.toml").read_text()
+    assert 'flexdemo = ["auto/*.json"]' in pyproject  # shipped with the package
+
+
+def test_parse_link():
+    assert parse_link("100mbit,1ms").bandwidth == pytest.approx(12.5e6)
+    assert parse_link("1gbit,200us").latency == pytest.approx(2e-4)
+    assert parse_link("12MB").latency == pytest.approx(1e-3)
+    with pytest.raises(ValueError, match="write a rate and a latency"):
+        parse_link("fast")
+
+
+def loss(m, b):
+    x, y = b
+    return nn.functional.mse_loss(m(x), y)
+
+
+def tiny():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+
+
+def batches(step, n=2):
+    g = torch.Generator().manual_seed(step)
+    return [(torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)) for _ in range(n)]
+
+
+def simulate(steps, start=0, sim=None, **kwargs):
+    kwargs.setdefault("verbose", False)
+    sim = sim or flexdemo.SimulatedReplicas(tiny, loss, replicas=2, replicator="auto",
+                                            optimizer="adamw", lr=1e-2, seed=0,
+                                            replicator_kwargs=kwargs)
+    for step in range(start, start + steps):
+        sim.step(batches(step))
+    return sim
+
+
+@pytest.mark.parametrize("link,pick", [("100gbit,0.001ms", "full"),
+                                       ("1mbit,100ms", "diloco-h20-int4")])
+def test_warmup_then_decision_keeps_replicas_identical(link, pick):
+    """Local warm-up steps, the decision at step 4, then the choice: full sync gives every
+    replica the first one's parameters and AdamW state first; DiLoCo takes the warm-up as its
+    first inner steps. After 20 steps (DiLoCo's first sync) the replicas are bitwise equal."""
+    sim = simulate(20, link=link, candidates=["full", "diloco-h20-int4"])
+    autos = [o.replicators[0] for o in sim.optimizers]
+    assert {a.decision.name for a in autos} == {pick}
+    assert autos[0].decision.step == 4 and autos[0].decision.compute_seconds > 0
+    assert sim.identical()
+    assert len(autos[0].lines) == 1 and "(given)" in autos[0].lines[0]
+
+
+def test_compute_given_decides_before_step_0(capsys):
+    sim = simulate(2, link="1gbit,0.2ms", compute_seconds=0.25, verbose=True)
+    a = sim.optimizers[0].replicators[0]
+    assert a.decision.step == 0 and a.decision.compute_seconds == 0.25
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [a.decision.line()]  # one line for all replicas
+
+
+@pytest.mark.parametrize("save_at", [2, 9])  # during the warm-up, after the decision
+def test_resume_across_the_decision_is_bitwise(save_at):
+    kw = dict(link="1mbit,100ms", candidates=["diloco-h20-int4"])
+    straight = simulate(26, **kw)
+    first = simulate(save_at, **kw)
+    state = copy.deepcopy(first.state_dict())
+    fresh = flexdemo.SimulatedReplicas(tiny, loss, replicas=2, replicator="auto",
+                                       optimizer="adamw", lr=1e-2, seed=0,
+                                       replicator_kwargs={**kw, "verbose": False})
+    fresh.load_state_dict(state)
+    resumed = simulate(26 - save_at, start=save_at, sim=fresh)
+    for a, b in zip(straight.models[0].parameters(), resumed.models[0].parameters()):
+        assert torch.equal(a, b)
+    a = resumed.optimizers[0].replicators[0]
+    assert a.decision.name == "diloco-h20-int4"
+    assert (save_at > 4) == a.lines[0].endswith("(resumed)")
+
+
+def test_single_replica_sends_nothing(capsys):
+    sim = flexdemo.SimulatedReplicas(tiny, loss, replicas=1, replicator="auto",
+                                     optimizer="adamw", lr=1e-2)
+    sim.step(batches(0, 1))
+    a = sim.optimizers[0].replicators[0]
+    assert a.decision.replicator == "none" and a.decision.replicas == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["auto: a single replica, nothing to send -> none (no replication) "
+                   "(nothing to send)"]
+
+
+class Quorum(Transport):
+    """A group whose size a test changes (a fault-tolerant quorum); this rank is alone on it,
+    so a gather repeats its own row."""
+
+    def __init__(self, size: int) -> None:
+        self.size, self.rank = size, 0
+
+    def global_rank(self, r):
+        return r
+
+    def all_reduce_sum_(self, buf, async_op=False):
+        buf.mul_(self.size)
+
+    def all_gather_into(self, out, inp, async_op=False):
+        out.view(self.size, -1).copy_(inp.reshape(1, -1))
+
+
+def test_quorum_that_changes_size_keeps_the_choice_in_one_line():
+    quorum = Quorum(4)
+    auto = AutoReplicator(link="100mbit,1ms", compute_seconds=0.25, verbose=False)
+    params = [torch.zeros(256, 256) for _ in range(8)]
+    auto.setup([p.shape for p in params], torch.device("cpu"), quorum, params=params)
+    assert auto.probed is not None and auto.probed.source == "given"  # no probe here
+    name = auto.decision.name
+    quorum.size = 3
+    auto.rebind()
+    assert auto.decision.name == name and len(auto.lines) == 2
+    assert auto.lines[1].startswith(f"auto: 3 replicas now (was 4); {auto.decision.label} stays")
+    assert auto.history[-1]["event"] == "resize"
+
+
+def test_no_probe_without_a_process_group_uses_the_fallback():
+    auto = AutoReplicator(compute_seconds=0.1, verbose=False)
+    params = [torch.zeros(64, 64) for _ in range(4)]
+    auto.setup([p.shape for p in params], torch.device("cpu"), Quorum(2), params=params)
+    assert auto.decision.link == FALLBACK_LINK and auto.decision.replicas == 2
+    assert "assuming 10 Mbit/s, 50 ms (no probe over this group" in auto.lines[0]
+
+
+def test_prepare_auto_on_two_gloo_ranks():
+    """The probe on 2 real gloo ranks stays within its bound; both ranks take the same
+    decision after the warm-up and end bitwise equal (full sync: every step; DiLoCo H=20:
+    after its first sync, step 19)."""
+    res = run_world(prepare_worker, 2, ["full", "diloco-h20-int4"], 20, timeout=120)
+    probes = [Link(**r["probe"]) for r in res]
+    assert all(p.source == "probe" and not p.timed_out and p.seconds <= 2.0 for p in probes)
+    assert res[0]["decision"] == res[1]["decision"]
+    assert res[0]["decision"]["step"] == 4
+    for a, b in zip(res[0]["params"], res[1]["params"]):
+        assert torch.equal(a, b)
+
+
+def test_probe_that_times_out_falls_back_on_both_ranks():
+    """Rank 1 reaches the probe 3 s late: rank 0's probe gives up within its 1 s bound; both
+    ranks agree on the fallback link, say so in one line, and train on."""
+    res = run_world(timeout_worker, 2, 3.0, timeout=120)
+    assert res[0]["probe"]["timed_out"] and res[0]["probe_wall"] < 1.5
+    assert res[0]["decision"] == res[1]["decision"]
+    d = res[0]["decision"]
+    assert d["link"]["source"] == "fallback"
+    assert res[0]["lines"] == res[1]["lines"] and len(res[0]["lines"]) == 1
+    assert "assuming 10 Mbit/s, 50 ms (probe timed out after 1 s)" in res[0]["lines"][0]

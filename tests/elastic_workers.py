@@ -10,6 +10,7 @@ over them. Choreography options for the tests:
 ``--die-at K`` kills this process (SIGKILL) in its step K, once in its quorum;
 ``--hold M:F[,G...]`` (repeatable) waits, bounded, before step M until the files exist;
 ``--fail-commit K`` makes step K's commit vote fail (a real Manager error) on its first attempt;
+``--verbose`` keeps torchft's own logs in full;
 ``--heal-late`` forms this group's first quorum behind its forward pass (the fallback a group
 that torchft heals late takes: it sends zeros and votes no); ``--ready-file F`` is written once
 the Manager is up; ``--save D`` / ``--resume D``: a checkpoint at the end / to
@@ -69,6 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ready-file", default="")
     ap.add_argument("--save", default="", help="save a checkpoint here at the end")
     ap.add_argument("--resume", default="", help="load this checkpoint first")
+    ap.add_argument("--verbose", action="store_true", help="torchft's logs in full")
     a = ap.parse_args(argv)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -83,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
                   "values": "int4", "block": 16, "reduce": "scatter"}}}[a.replicator]
     ft = flexdemo.FaultTolerance(lighthouse=a.lighthouse, replica_id=a.replica_id,
                                  min_replicas=a.min_replicas, timeout=a.timeout,
-                                 hostname="127.0.0.1")
+                                 hostname="127.0.0.1", verbose=a.verbose)
     name = a.replicator.split("-")[0]  # demo-delayed: demo; diloco-int4-rs: diloco
     net, opt = flexdemo.prepare(model(), replicator=name, replicator_kwargs=kwargs,
                                 lr=0.05, device="cpu", fault_tolerance=ft)

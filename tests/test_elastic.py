@@ -37,11 +37,14 @@ def _lighthouse_binary() -> str:
 
 
 class Lighthouse:
-    """``torchft_lighthouse`` on 127.0.0.1 and a free port (stopped by :meth:`stop`). A group
-    counts as dead after 3 s without a heartbeat: long enough for a loaded machine."""
+    """``torchft_lighthouse`` on 127.0.0.1 and a free port, or ``port`` (stopped by
+    :meth:`stop`). A group counts as dead after 3 s without a heartbeat: long enough for a
+    loaded machine."""
 
-    def __init__(self, min_replicas: int, log: Path, cli: bool = False) -> None:
-        port = free_port()
+    def __init__(self, min_replicas: int, log: Path, cli: bool = False,
+                 port: int | None = None) -> None:
+        port = port or free_port()
+        self.port = port
         self.url = f"http://127.0.0.1:{port}"
         self._log = open(log, "w")
         # the binary itself, or through `flexdemo lighthouse` (which becomes that binary)
@@ -146,10 +149,22 @@ def _same(a: list, b: list) -> bool:
     return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
 
 
+def _no_torchft_noise(log: str) -> None:
+    """torchft's logs by default: no INFO line (its Rust side's or its Python loggers'), no
+    traceback, each of its errors as our one line."""
+    assert "[INFO]" not in log and " INFO " not in log, log[-3000:]
+    assert "Traceback" not in log, log[-3000:]
+    raw = [x for x in log.splitlines() if "got exception" in x
+           and not x.startswith("flexdemo: torchft error: ")]
+    assert not raw, raw
+
+
 def _kill_and_restart(tmp: Path, procs: list, replicator: str, join: int,
                       *extra: str) -> None:
     """A and B1 start together, B1 is killed (SIGKILL) in step 5, A goes on alone and waits at
-    step ``join`` for B2, which restarts afresh and heals from A; both train 15 steps."""
+    step ``join`` for B2, which restarts afresh and heals from A; both train 15 steps. The
+    survivor's and the joiner's logs hold none of torchft's INFO lines or tracebacks (A's step
+    5 failed in torchft's collectives: its error is one line)."""
     lh = Lighthouse(1, tmp / "lighthouse.log")
     try:
         ready_a = tmp / "a-ready"
@@ -166,6 +181,8 @@ def _kill_and_restart(tmp: Path, procs: list, replicator: str, join: int,
         _ok(b2, tmp, "B2")
     finally:
         lh.stop()
+    for name in ("A", "B2"):
+        _no_torchft_noise((tmp / f"{name}.log").read_text())
 
 
 @pytest.mark.slow
@@ -537,22 +554,25 @@ def test_without_torchft_nothing_changes():
 
 
 def test_a_torchft_without_the_internals_we_drive_is_one_line():
-    """Every elastic test builds a real torchft Manager and passes this check; a Manager that
-    lacks one of the internals (as a later torchft might) is refused naming it."""
+    """Every elastic test builds a real torchft Manager and passes this check; a torchft
+    that lacks one of the internals (as a later one might) is refused naming it."""
+    from torchft._torchft import ManagerClient
     from torchft.manager import Manager
 
-    from flexdemo.ft.session import MANAGER_INTERNALS, TorchFTVersionError, check_manager
+    from flexdemo.ft.torchft_api import INTERNALS, TorchFTVersionError, check_internals
 
     assert callable(Manager._apply_pending_state_dict)  # the rest are set by its __init__
+    assert callable(ManagerClient._quorum)
     missing = ("_healing", "_apply_pending_state_dict")
-    older = type("Older", (), dict.fromkeys(n for n in MANAGER_INTERNALS if n not in missing))()
+    older = type("Older", (), dict.fromkeys(n for n in INTERNALS["Manager"] if n not in missing))()
+    client = type("Client", (), {"_quorum": None})()
     version = importlib.metadata.version("torchft")
     with pytest.raises(TorchFTVersionError) as e:
-        check_manager(older)
+        check_internals({"Manager": older, "ManagerClient": client, "HTTPTransport": object()})
     assert str(e.value) == (
-        f"torchft {version}'s Manager lacks _healing, _apply_pending_state_dict, which "
-        "flexdemo's fault tolerance drives (it is built on torchft 0.2); install it: "
-        "pip install 'torchft>=0.2,<0.3'")
+        f"torchft {version} lacks Manager._healing, Manager._apply_pending_state_dict, "
+        "HTTPTransport._server, which flexdemo's fault tolerance drives (it is built on "
+        "torchft 0.2); install it: pip install 'torchft>=0.2,<0.3'")
 
 
 def test_unsupported_replicators_are_refused_in_one_line():
@@ -730,8 +750,8 @@ def test_flexdemo_train_with_a_torchft_lacking_an_internal_is_one_line(tmp_path,
     """A real lighthouse and a real Manager, which the check is told to find lacking one more
     internal (as a later torchft's might): `flexdemo train` exits with code 2 and one line."""
     lh = Lighthouse(1, tmp_path / "lighthouse.log")
-    code = ("import sys, flexdemo.ft.session as s\n"
-            "s.MANAGER_INTERNALS += ('_gone_in_a_later_torchft',)\n"
+    code = ("import sys, flexdemo.ft.torchft_api as t\n"
+            "t.INTERNALS['Manager'] += ('_gone_in_a_later_torchft',)\n"
             "from flexdemo.app.cli import entry\n"
             "sys.argv = ['flexdemo', 'train', 'task.corpus_bytes=20000', 'train.steps=2',\n"
             f"            'train.out={tmp_path / 'run'}', 'fault_tolerance.enabled=true',\n"
@@ -748,9 +768,10 @@ def test_flexdemo_train_with_a_torchft_lacking_an_internal_is_one_line(tmp_path,
     lines = [line for line in r.stderr.splitlines() if line.startswith("flexdemo train: ")]
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-3000:]
     version = importlib.metadata.version("torchft")
-    assert lines == [f"flexdemo train: error: torchft {version}'s Manager lacks "
-                     "_gone_in_a_later_torchft, which flexdemo's fault tolerance drives (it is "
-                     "built on torchft 0.2); install it: pip install 'torchft>=0.2,<0.3'"], lines
+    assert lines == [f"flexdemo train: error: torchft {version} lacks "
+                     "Manager._gone_in_a_later_torchft, which flexdemo's fault tolerance drives "
+                     "(it is built on torchft 0.2); install it: pip install 'torchft>=0.2,<0.3'"
+                     ], lines
 
 
 def test_flexdemo_train_without_its_lighthouse_is_one_line(tmp_path):

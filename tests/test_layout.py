@@ -4,6 +4,7 @@ no module imports itself through a circle, and no module is over about 500 lines
 from __future__ import annotations
 
 import ast
+import importlib.util
 import json
 import subprocess
 import sys
@@ -111,3 +112,73 @@ def test_demo_is_a_package_of_small_modules():
     sizes = {p.name: len(p.read_text().splitlines()) for p in demo.glob("*.py")}
     assert {"layout.py", "staging.py", "graphs.py", "checks.py", "replicator.py"} <= set(sizes)
     assert max(sizes.values()) <= MAX_LINES, sizes
+
+
+DOOR = PKG / "ft" / "torchft_api.py"
+
+
+def _torchft_private_names() -> set[str]:
+    """Every private attribute and method torchft defines (``self._x``, ``def _x``), read
+    from the installed torchft's sources and stubs."""
+    spec = importlib.util.find_spec("torchft")
+    if spec is None or spec.origin is None:
+        pytest.skip("torchft is not installed")
+    root = Path(spec.origin).parent
+    names: set[str] = set()
+    for path in [*root.rglob("*.py"), *root.rglob("*.pyi")]:
+        if "test" in path.name:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) \
+                    and node.value.id == "self":
+                name = node.attr
+            elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                name = node.name
+            else:
+                continue
+            if name.startswith("_") and not name.startswith("__"):
+                names.add(name)
+    assert {"_quorum", "_server", "_pg", "_healing"} <= names, "torchft's sources not read"
+    return names
+
+
+def _private_uses(tree: ast.AST, names: set[str]) -> list[tuple[int, str, str]]:
+    """``x._name`` (``x`` not ``self``/``cls``) and ``getattr(x, "_name")`` for ``names``:
+    (line, code, name)."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and node.attr in names and not (
+                isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")):
+            found.append((node.lineno, ast.unparse(node), node.attr))
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) \
+                and node.func.id in ("getattr", "setattr", "hasattr", "delattr") \
+                and len(node.args) > 1 and isinstance(node.args[1], ast.Constant) \
+                and node.args[1].value in names:
+            found.append((node.lineno, ast.unparse(node), str(node.args[1].value)))
+    return found
+
+
+def test_torchft_stays_behind_one_door():
+    """Only flexdemo/ft/torchft_api.py imports torchft or touches a torchft internal (a name
+    torchft defines with a leading underscore), and every internal it touches is one that its
+    version check looks for (torchft_api.INTERNALS)."""
+    private = _torchft_private_names()
+    outside = []
+    for path in sorted(PKG.rglob("*.py")):
+        if path == DOOR:
+            continue
+        tree = ast.parse(path.read_text())
+        where = str(path.relative_to(SRC))
+        for node in ast.walk(tree):
+            mods = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                    [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            outside += [(f"{where}:{node.lineno}", f"import {m}") for m in mods
+                        if m == "torchft" or m.startswith("torchft.")]
+        outside += [(f"{where}:{line}", text) for line, text, _ in _private_uses(tree, private)]
+    assert not outside, ("torchft used outside flexdemo/ft/torchft_api.py: "
+                         + "; ".join(f"{w} {t}" for w, t in outside))
+    from flexdemo.ft.torchft_api import INTERNALS
+
+    checked = {name for names in INTERNALS.values() for name in names}
+    used = {name for _, _, name in _private_uses(ast.parse(DOOR.read_text()), private)}
+    assert used and used <= checked, f"internals not in the version check: {used - checked}"

@@ -14,7 +14,7 @@ import torch.distributed as dist
 from ..mesh import timeout_from_env
 from .config import ConfigError
 from .config_files import load_config, to_toml
-from .preempt import PREEMPTED_EXIT_CODE, Preempted
+from .preempt import PREEMPTED_EXIT_CODE, LighthouseLost, Preempted
 from .trainer import PeerLostError, StartupError, TrainingError, UsageError, train
 
 TRAIN_DESCRIPTION = """\
@@ -56,7 +56,8 @@ exit codes: 0 done, 1 training failed (e.g. a rank was lost), 2 bad config or ar
 (including a checkpoint that does not exist, is damaged, may not be read or lies past
 train.steps, and a train.out that cannot be a folder) or a job that could not assemble (a
 rank never arrived or died during start-up; every survivor names it), 3 stopped by
-SIGTERM/SIGINT after finishing its step and saving it (every rank; continue with resume=true).
+SIGTERM/SIGINT after finishing its step and saving it (every rank; continue with resume=true),
+or under fault tolerance its torchft lighthouse was lost (its last committed step saved).
 environment: FLEXDEMO_TIMEOUT (seconds a collective waits for a dead peer; default 300,
 the library's; train.timeout overrides it); FLEXDEMO_JOIN_TIMEOUT (seconds a rank waits at
 start-up for a peer that has not arrived at all; default 30); FLEXDEMO_CUDA_BY_RANK=1
@@ -147,6 +148,13 @@ def _run_training(cfg) -> int:
     rank = os.environ.get("RANK", "0")
     try:
         train(cfg, exit_on_lost_peer=True, handle_signals=True)
+    except LighthouseLost as e:  # this group saved its last committed step
+        who = "" if rank == "0" else f"rank {rank}: "
+        print(f"flexdemo train: {who}lighthouse lost: {e}; start the lighthouse again at its "
+              f"address and continue with resume=true (exit code {PREEMPTED_EXIT_CODE})",
+              file=sys.stderr, flush=True)
+        _leave_cleanly()
+        return PREEMPTED_EXIT_CODE
     except Preempted as e:  # every rank stopped after the same step and saved it
         who = "" if rank == "0" else f"rank {rank}: "
         print(f"flexdemo train: {who}preempted: {e.signal_name}: stopped after step {e.step} "

@@ -171,6 +171,9 @@ class FaultToleranceConfig:
     host name)."""
     max_failed_commits: int = 0
     """Consecutive steps that may fail to commit before the run stops (0: no limit)."""
+    verbose: bool = False
+    """``true``: torchft's own logs in full (INFO lines every step, tracebacks); by default
+    only its warnings and errors, one line each."""
 
 
 @dataclass

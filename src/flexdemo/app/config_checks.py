@@ -291,7 +291,7 @@ def fault_tolerance(cfg: Config) -> FaultTolerance | None:
             lighthouse=ft.lighthouse or None, replica_id=ft.replica_id or None,
             min_replicas=ft.min_replicas, timeout=ft.timeout,
             quorum_timeout=ft.quorum_timeout or None, hostname=ft.hostname or None,
-            max_failed_commits=ft.max_failed_commits or None)
+            max_failed_commits=ft.max_failed_commits or None, verbose=ft.verbose)
     except (ValueError, ModuleNotFoundError) as e:  # TorchFTMissingError: the extra to install
         raise ConfigError(f"fault_tolerance: {_one_line(e)}") from None
 

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-__all__ = ["PREEMPTED_EXIT_CODE", "Preempted", "StopRequest"]
+__all__ = ["PREEMPTED_EXIT_CODE", "LighthouseLost", "Preempted", "StopRequest"]
 
 PREEMPTED_EXIT_CODE = 3
 """``flexdemo train``'s exit code after a signal stopped it and its checkpoint was saved
@@ -36,6 +36,19 @@ class Preempted(Exception):  # noqa: N818 - not an error: the run stopped as ask
     def __init__(self, step: int, checkpoint: Path, signal_name: str) -> None:
         super().__init__(f"stopped by {signal_name} after step {step}; saved {checkpoint}")
         self.step, self.checkpoint, self.signal_name = step, checkpoint, signal_name
+
+
+class LighthouseLost(Preempted):
+    """Under fault tolerance the torchft lighthouse stopped answering and did not come back
+    within ``quorum_timeout`` (``reason``): the run saved its last committed step, ``step``,
+    to ``checkpoint`` (None when it committed none) and stops as a preempted one does."""
+
+    def __init__(self, step: int, checkpoint: Path | None, reason: str) -> None:
+        saved = (f"saved step {step} to {checkpoint}" if checkpoint is not None
+                 else "no step was committed, nothing to save")
+        Exception.__init__(self, f"{reason}; {saved}")
+        self.step, self.checkpoint, self.reason = step, checkpoint, reason
+        self.signal_name = "lighthouse lost"
 
 
 class StopRequest:

@@ -57,7 +57,7 @@ from typing import Any
 import torch
 
 from ..checkpoint import describe_os_error
-from ..ft.session import DuplicateReplicaIdError, QuorumTimeoutError
+from ..ft.session import DuplicateReplicaIdError, LighthouseLostError, QuorumTimeoutError
 from ..replicate import NonFiniteGradientError
 from .checkpointer import (
     Checkpointer,
@@ -76,7 +76,7 @@ from .outputs import (
     strict_json,
     write_atomic,
 )
-from .preempt import Preempted
+from .preempt import LighthouseLost, Preempted
 from .schedule import lr_at
 from .tasks import ShardSampler
 from .trainer_setup import Echo, TrainerSetUp, timeout_seconds
@@ -236,14 +236,33 @@ class Trainer(TrainerSetUp):
         self.heartbeat.watching.clear()  # from here on, failed collectives tell of lost peers
         elastic = self.opt.fault_tolerance is not None
         step = start
+        def write(records: list[dict[str, Any]]) -> None:
+            nonlocal step_s, comm_s
+            assert self.progress is not None
+            for record in records:
+                losses.append(record["loss"])
+                step_s += record["step_seconds"]
+                comm_s += record["comm_seconds"]
+                if self.metrics is not None:
+                    self.metrics.write(record)
+                self.progress.update(record["step"], record["loss"], record["lr"],
+                                     record["bytes_sent_total"] / 1e6, record.get("val_loss"))
+
         while step < last:
             t_step = None
-            if elastic:  # the quorum first (a joiner heals here): the step is opt.steps + 1
-                t_step = time.perf_counter()
-                self.opt.zero_grad()
-                if self.opt.steps >= last:
-                    break
-            record = self._step(self.opt.steps + 1 if elastic else step + 1, sampler, t_step)
+            position = sampler.state_dict()
+            try:
+                if elastic:  # the quorum first (a joiner heals here): the step is opt.steps + 1
+                    t_step = time.perf_counter()
+                    self.opt.zero_grad()
+                    if self.opt.steps >= last:
+                        break
+                record = self._step(self.opt.steps + 1 if elastic else step + 1, sampler,
+                                    t_step)
+            except LighthouseLostError as e:  # the step was not taken: save the one before
+                sampler.load_state_dict(position)
+                write(self._read_losses(pending) if pending else [])
+                raise self._lighthouse_lost(e, start, resume_from, sampler) from None
             if record is None:  # not committed under fault tolerance: undone, run again
                 continue
             step = record["step"]
@@ -256,16 +275,7 @@ class Trainer(TrainerSetUp):
                 self._read_losses(pending)  # first: the steps' GPU time is theirs, not eval's
                 val = self.evaluate() if evaluate else {}
                 pending[-1].update(val)
-                # the lines go out before the checkpoint: a resume keeps the lines <= it
-                for record in pending:
-                    losses.append(record["loss"])
-                    step_s += record["step_seconds"]
-                    comm_s += record["comm_seconds"]
-                    if self.metrics is not None:
-                        self.metrics.write(record)
-                    self.progress.update(record["step"], record["loss"], record["lr"],
-                                         record["bytes_sent_total"] / 1e6,
-                                         record.get("val_loss"))
+                write(pending)  # the lines go out before the checkpoint: a resume keeps them
                 pending = []
             if checkpoint:
                 saved = self.checkpointer.save(step, self.model, self.opt, sampler, self.state)
@@ -282,6 +292,20 @@ class Trainer(TrainerSetUp):
                     f"{describe_os_error(e)}")
         say(format_summary(summary))
         return summary
+
+    def _lighthouse_lost(self, e: LighthouseLostError, start: int, resume_from: Path | None,
+                         sampler: ShardSampler) -> LighthouseLost:
+        """The lighthouse is gone: save the last committed step (every rank of this group),
+        as a preempted run does, so that a requeue resumes from it."""
+        assert self.checkpointer is not None  # built by _set_up
+        step = self.state.step
+        latest = self.checkpointer.latest()
+        saved: Path | None = resume_from  # nothing committed in this run: where it began
+        if latest is not None and latest.name == f"step_{step:06d}":
+            saved = latest  # saved at this step already
+        elif step > start:
+            saved = self.checkpointer.save(step, self.model, self.opt, sampler, self.state)
+        return LighthouseLost(step, saved, e.lost)
 
     def _nothing_to_train(self, start: int, resume_from: Path) -> dict[str, Any]:
         """A resume from a checkpoint at or past the last step: nothing to train, and the

@@ -11,12 +11,13 @@ from .transport import ManagerTransport, PeerLostError
 
 def __getattr__(name: str):
     if name in ("ElasticSession", "QuorumTimeoutError", "LighthouseUnreachableError",
-                "DuplicateReplicaIdError", "TorchFTVersionError"):
+                "LighthouseLostError", "DuplicateReplicaIdError", "TorchFTVersionError"):
         from . import session
         return getattr(session, name)
     raise AttributeError(name)
 
 
 __all__ = ["DuplicateReplicaIdError", "ElasticSession", "FaultTolerance",
-           "LighthouseUnreachableError", "ManagerTransport", "PeerLostError", "QuorumTimeoutError",
-           "TorchFTMissingError", "TorchFTVersionError", "require_torchft"]
+           "LighthouseLostError", "LighthouseUnreachableError", "ManagerTransport",
+           "PeerLostError", "QuorumTimeoutError", "TorchFTMissingError", "TorchFTVersionError",
+           "require_torchft"]

@@ -54,6 +54,9 @@ class FaultTolerance:
             ``$FLEXDEMO_FT_HOSTNAME``, else the machine's host name); it must be reachable.
         max_failed_commits: consecutive steps that may fail to commit before the run stops
             (None: no limit).
+        verbose: torchft's own logs in full (its Rust side's INFO lines, several per step,
+            and its tracebacks); by default only its warnings and errors, one line each.
+            Read when torchft is first imported in the process.
     """
 
     lighthouse: str | None = None
@@ -63,6 +66,7 @@ class FaultTolerance:
     quorum_timeout: float | None = None
     hostname: str | None = None
     max_failed_commits: int | None = None
+    verbose: bool = False
     extra_state: dict = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:

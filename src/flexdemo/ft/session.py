@@ -10,19 +10,28 @@ every quorum. A step of the optimizer then runs as::
 
 from __future__ import annotations
 
-import importlib.metadata
+import contextlib
 import os
+import socket
 import sys
 import threading
 import time
-from datetime import timedelta
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit
 
 import torch
 import torch.distributed as dist
 
 from .config import FaultTolerance
 from .state import check_supported, heal_state, load_heal_state, rebind, restore, snapshot
+from .torchft_api import (
+    TorchFTVersionError,
+    apply_late_heal,
+    count_every_group,
+    new_manager,
+    set_async_quorum,
+)
 from .transport import ManagerTransport, PeerLostError
 
 if TYPE_CHECKING:
@@ -37,63 +46,39 @@ class LighthouseUnreachableError(ConnectionError):
     """The lighthouse did not answer."""
 
 
+class LighthouseLostError(LighthouseUnreachableError):
+    """The lighthouse stopped answering mid-run and did not come back within
+    ``quorum_timeout``: the step in progress is not taken (the optimizer holds the last
+    committed step). ``lost`` says so without the advice."""
+
+    def __init__(self, lost: str) -> None:
+        super().__init__(f"{lost}; start it again at that address (within quorum_timeout a "
+                         "run goes on)")
+        self.lost = lost
+
+
 class DuplicateReplicaIdError(ValueError):
     """Two live replica groups of one quorum have the same replica id."""
 
 
-class TorchFTVersionError(RuntimeError):
-    """The installed torchft's Manager lacks an internal this session drives."""
+__all__ = ["DuplicateReplicaIdError", "ElasticSession", "LighthouseLostError",
+           "LighthouseUnreachableError", "QuorumTimeoutError", "TorchFTVersionError"]
 
 
-MANAGER_INTERNALS = ("_pg", "_client", "_quorum_id", "_use_async_quorum", "_healing",
-                     "_apply_pending_state_dict", "_participating_replica_rank",
-                     "_participating_replica_world_size")
-"""The private attributes of torchft's ``Manager`` the session reads or sets (the quorum behind
-the forward pass, healing, the replica group's process group), as torchft 0.2 has them."""
-
-
-def check_manager(manager: Any) -> None:
-    """Raise :class:`TorchFTVersionError` (one line naming the missing attributes and the
-    torchft to install) unless ``manager`` has every name of :data:`MANAGER_INTERNALS`."""
-    missing = [name for name in MANAGER_INTERNALS if not hasattr(manager, name)]
-    if missing:
-        try:
-            version = importlib.metadata.version("torchft")
-        except importlib.metadata.PackageNotFoundError:
-            version = "unknown"
-        raise TorchFTVersionError(
-            f"torchft {version}'s Manager lacks {', '.join(missing)}, which flexdemo's fault "
-            "tolerance drives (it is built on torchft 0.2); install it: "
-            "pip install 'torchft>=0.2,<0.3'")
-
-
-class _QuorumRecorder:
-    """The Manager's client, keeping the last quorum it returned (its replica ids)."""
-
-    def __init__(self, client) -> None:
-        self._client = client
-        self.last: Any = None  # torchft's QuorumResult
-
-    def _quorum(self, *args, **kwargs):
-        self.last = self._client._quorum(*args, **kwargs)
-        return self.last
-
-    def __getattr__(self, name: str):
-        return getattr(self._client, name)
-
-
-def _checkpoint_transport(hostname: str, timeout: timedelta):
-    """torchft's HTTP checkpoint transport, advertising ``hostname`` (torchft's own
-    advertises the machine's host name, which peers may not resolve)."""
-    from torchft.checkpointing import HTTPTransport
-
-    class _Transport(HTTPTransport):
-        def address(self) -> str:
-            port = self._server.socket.getsockname()[1]
-            host = f"[{hostname}]" if ":" in hostname else hostname
-            return f"http://{host}:{port}/checkpoint/"
-
-    return _Transport(timeout=timeout, num_chunks=0)
+def lighthouse_answers(url: str, timeout: float = 1.0) -> bool:
+    """Whether something accepts connections at the lighthouse's address ``url``."""
+    try:
+        parts = urlsplit(url)
+        host, port = parts.hostname, parts.port
+    except ValueError:
+        return False
+    if not host or not port:
+        return False
+    try:
+        socket.create_connection((host, port), timeout=timeout).close()
+    except OSError:
+        return False
+    return True
 
 
 def _store(hostname: str) -> tuple[str, int, object]:
@@ -119,7 +104,7 @@ class _HealBeforeForward:
         self.session = session
 
     def __call__(self, module, args) -> None:
-        if self.session is not None and self.session._hooks:
+        if self.session is not None and self.session._armed:
             self.session.begin()
 
     def __deepcopy__(self, memo) -> _HealBeforeForward:
@@ -138,11 +123,7 @@ class ElasticSession:
                             f"{type(config).__name__}")
         for rep in replicators or ():  # before any connection (DiLoCo's exchanges: attach)
             check_supported(rep)
-        from torchft.manager import Manager
-        from torchft.process_group import ProcessGroupGloo
-
         self.config = config
-        timeout = timedelta(seconds=config.timeout)
         rank = dist.get_rank() if dist.is_initialized() else 0
         world = dist.get_world_size() if dist.is_initialized() else 1
         hostname, quorum_timeout = config.hostname, config.quorum_timeout
@@ -156,8 +137,9 @@ class ElasticSession:
         self._stale = False  # healed after its forward pass (see join_quorum)
         self._started = False
         self._modules: list[torch.nn.Module] = []  # watch(): heal before their forward pass
-        self._hooks: list[Any] = []  # the armed forward pre-hooks' handles
+        self._armed: list[Any] = []  # the armed forward pre-hooks' handles
         self._quorum_id = None
+        self._lighthouse_lost = False  # said that the lighthouse does not answer
         self._before_commit = None  # tests: called after a step, before its commit vote
         self.participants = 0
         self.committed = None
@@ -166,28 +148,21 @@ class ElasticSession:
         self.commit_seconds = 0.0
         self.snapshot_seconds = 0.0
         try:
-            self.manager = Manager(
-                pg=ProcessGroupGloo(timeout=timeout), load_state_dict=None, state_dict=None,
-                min_replica_size=config.min_replicas, use_async_quorum=False,
-                timeout=timeout, quorum_timeout=timedelta(seconds=quorum_timeout),
-                connect_timeout=timeout, rank=rank, world_size=world, store_addr=addr,
-                store_port=port, lighthouse_addr=config.lighthouse,
-                replica_id=config.replica_id, hostname=config.hostname,
-                checkpoint_transport=_checkpoint_transport(hostname, timeout),
-                max_retries=config.max_failed_commits)
+            self.manager, pg, self._recorder = new_manager(
+                lighthouse=config.lighthouse, replica_id=config.replica_id, hostname=hostname,
+                min_replicas=config.min_replicas, timeout=config.timeout,
+                quorum_timeout=quorum_timeout, rank=rank, world=world, store_addr=addr,
+                store_port=port, max_failed_commits=config.max_failed_commits,
+                verbose=config.verbose)
+        except TorchFTVersionError:
+            raise
         except Exception as e:  # noqa: BLE001 - one line naming the lighthouse
             raise LighthouseUnreachableError(
                 f"replica group {config.replica_id!r} could not reach the torchft lighthouse "
                 f"at {config.lighthouse} within {config.timeout:g} s ({_first_line(e)}); "
                 "start one with `flexdemo lighthouse --min_replicas 1` or fix "
                 "TORCHFT_LIGHTHOUSE") from None
-        try:
-            check_manager(self.manager)
-        except TorchFTVersionError:
-            self.manager.shutdown(wait=False)
-            raise
-        self.transport = ManagerTransport(self.manager, config.timeout)
-        self._recorder = self.manager._client = _QuorumRecorder(self.manager._client)
+        self.transport = ManagerTransport(self.manager, pg, config.timeout)
 
     # ------------------------------------------------------------------ set-up
     def attach(self, opt: FlexOptimizer) -> None:
@@ -221,20 +196,20 @@ class ElasticSession:
             raise TypeError(f"watch() takes the model (a torch.nn.Module), got "
                             f"{type(module).__name__}")
         self._modules.append(module)
-        if self._hooks or not self._started:
+        if self._armed or not self._started:
             self._disarm()
             self._arm()
 
     def _arm(self) -> None:
         """Form the next quorum before the next forward pass of the watched modules."""
-        if not self._hooks:  # first among the pre-hooks: before FSDP2 gathers the parameters
-            self._hooks = [m.register_forward_pre_hook(_HealBeforeForward(self), prepend=True)
+        if not self._armed:  # first among the pre-hooks: before FSDP2 gathers the parameters
+            self._armed = [m.register_forward_pre_hook(_HealBeforeForward(self), prepend=True)
                            for m in self._modules]
 
     def _disarm(self) -> None:
-        for handle in self._hooks:
+        for handle in self._armed:
             handle.remove()
-        self._hooks = []
+        self._armed = []
 
     # ------------------------------------------------------------------ stepping
     def begin(self) -> None:
@@ -263,8 +238,12 @@ class ElasticSession:
                 self.manager.load_state_dict({"step": self.opt.steps,
                                               "batches_committed": 0})
         t0 = time.perf_counter()
-        self.manager._use_async_quorum = not may_heal  # (a Manager setting read per quorum)
-        self._quorum()
+        set_async_quorum(self.manager, not may_heal)
+        if may_heal:  # formed here and now
+            with self._waiting():
+                self._quorum()
+        else:  # behind the forward pass
+            self._quorum()
         self._launched, self._launch_seconds = True, time.perf_counter() - t0
         if may_heal:
             self.join_quorum()
@@ -284,12 +263,7 @@ class ElasticSession:
         assert quorum_timeout is not None  # filled in by the config
         t0 = time.perf_counter()
         deadline = time.monotonic() + quorum_timeout
-        told = threading.Event()
-        timer = threading.Timer(min(5.0, quorum_timeout / 4), self._say_waiting,
-                                args=(told,))
-        timer.daemon = True
-        timer.start()
-        try:
+        with self._waiting() as told:
             while True:
                 self._wait_quorum()
                 quorum = self._recorder.last
@@ -303,23 +277,20 @@ class ElasticSession:
                 if not told.is_set():
                     self._say_waiting(told)
                 time.sleep(0.2)
-                self.manager._use_async_quorum = False
+                set_async_quorum(self.manager, False)
                 self._quorum()
-        finally:
-            timer.cancel()
-        self._stale = bool(self.manager._healing)
-        if self._stale:  # healed after its forward pass: its gradients are not the peers'
-            self.manager._apply_pending_state_dict()
-            self.manager._healing = False
+        # healed after its forward pass: its gradients are not the peers'
+        self._stale = apply_late_heal(self.manager)
         self._check_unique_ids()
         # torchft counts only the groups at the newest step as this step's participants when
         # the quorum ran behind the forward pass, and its commit vote needs min_replicas of
         # them: a group that a joiner heals from would vote no, then heal from the joiner in
         # turn, and so on. Here a joiner heals before its forward pass and takes part in the
         # step, so every group of the quorum counts, as in the transport.
-        self.manager._participating_replica_rank = quorum.replica_rank
-        self.manager._participating_replica_world_size = self.participants
-        self.transport.set_quorum(self.participants, quorum.replica_rank)
+        count_every_group(self.manager, quorum.replica_rank, self.participants)
+        rank = self.manager.participating_rank()
+        assert rank is not None  # set just above
+        self.transport.set_quorum(self.manager.num_participants(), rank)
         moved = self._replicas_moved()
         for rep in self.opt.replicators:
             rebind(rep)
@@ -355,7 +326,7 @@ class ElasticSession:
         one tiny all-reduce: a group that sends its state to a joiner then waits until the
         joiner has it. Otherwise a group whose step has no exchange (DiLoCo's inner steps)
         would close its checkpoint server at its commit vote before the joiner had read it."""
-        qid = self.manager._quorum_id
+        qid = self._recorder.last.quorum_id
         if qid == self._quorum_id:
             return
         self._quorum_id = qid
@@ -367,7 +338,7 @@ class ElasticSession:
 
     def _quorum(self) -> None:
         try:
-            self.manager.start_quorum()
+            self.manager.start_quorum(allow_heal=True)
         except Exception as e:  # noqa: BLE001
             raise self._quorum_error(e) from None
 
@@ -381,6 +352,8 @@ class ElasticSession:
         """A quorum's failure as one line: a timeout, a lost lighthouse, or ``e`` itself."""
         text = str(e).lower()
         if "timeout" in text or "timed out" in text or "deadline" in text:
+            if not lighthouse_answers(str(self.config.lighthouse)):
+                return self._lost_error()
             return self._timeout_error(None)
         if "connect" in text or "unavailable" in text or "transport" in text:
             rank = dist.get_rank() if dist.is_initialized() else 0
@@ -390,13 +363,57 @@ class ElasticSession:
                 f"torchft lighthouse at {self.config.lighthouse} ({_first_line(e)})")
         return e
 
+    @contextlib.contextmanager
+    def _waiting(self) -> Iterator[threading.Event]:
+        """Around a wait for a quorum: say that the lighthouse is lost as soon as it does not
+        answer (and that it is back once the quorum forms), or once, if the wait is long,
+        that this group is waiting for the others."""
+        told, done = threading.Event(), threading.Event()
+        watcher = threading.Thread(target=self._watch, args=(told, done), daemon=True)
+        watcher.start()
+        try:
+            yield told
+        finally:
+            done.set()
+            watcher.join()
+        self._say_back()
+
+    def _watch(self, told: threading.Event, done: threading.Event) -> None:
+        """While a quorum is awaited (until ``done``): every 0.5 s, is the lighthouse there?"""
+        quorum_timeout = self.config.quorum_timeout
+        assert quorum_timeout is not None  # filled in by the config
+        patience = time.monotonic() + min(5.0, quorum_timeout / 4)
+        url = str(self.config.lighthouse)
+        while not done.wait(0.5):
+            if not lighthouse_answers(url, timeout=0.5):
+                if not self._lighthouse_lost:
+                    self._lighthouse_lost = True
+                    _say(f"replica group {self.config.replica_id!r} lost the torchft lighthouse "
+                         f"at {url}: waiting at most {quorum_timeout:g} s for it to answer "
+                         "again at that address")
+            elif time.monotonic() >= patience:
+                self._say_waiting(told)
+
     def _say_waiting(self, told: threading.Event) -> None:
         if told.is_set():
             return
         told.set()
-        print(f"flexdemo: replica group {self.config.replica_id!r} is waiting for a quorum of "
-              f"{self.config.min_replicas} replica group(s) at {self.config.lighthouse} (at "
-              f"most {self.config.quorum_timeout:g} s)", file=sys.stderr, flush=True)
+        _say(f"replica group {self.config.replica_id!r} is waiting for a quorum of "
+             f"{self.config.min_replicas} replica group(s) at {self.config.lighthouse} (at "
+             f"most {self.config.quorum_timeout:g} s)")
+
+    def _say_back(self) -> None:
+        """After a quorum: if the lighthouse was said to be lost, say that it is back."""
+        if self._lighthouse_lost:
+            self._lighthouse_lost = False
+            _say(f"replica group {self.config.replica_id!r}: the torchft lighthouse at "
+                 f"{self.config.lighthouse} answers again; going on")
+
+    def _lost_error(self) -> LighthouseLostError:
+        return LighthouseLostError(
+            f"replica group {self.config.replica_id!r} lost the torchft lighthouse at "
+            f"{self.config.lighthouse}: it did not answer for {self.config.quorum_timeout:g} s "
+            "(quorum_timeout)")
 
     def _timeout_error(self, seen: int | None) -> QuorumTimeoutError:
         got = "" if seen is None else f" (only {seen} took part)"
@@ -461,6 +478,10 @@ class ElasticSession:
     def shutdown(self) -> None:
         """Stop this group's Manager (its server and checkpoint transport)."""
         self.manager.shutdown(wait=False)
+
+
+def _say(text: str) -> None:
+    print(f"flexdemo: {text}", file=sys.stderr, flush=True)
 
 
 def _first_line(e: BaseException) -> str:

@@ -2,8 +2,9 @@
 
 Its size and rank are those of the current quorum (set by :class:`~flexdemo.ft.session.
 ElasticSession` after each one); before the first quorum it is a group of one. Collectives run
-on the Manager's process group; a failure is reported to the Manager (``wrap_future``), so the
-step's commit vote fails, and raised here as :class:`PeerLostError` so the step stops at once.
+on the process group the Manager reconfigures at each quorum; a failure is reported to the
+Manager (``wrap_future``), so the step's commit vote fails, and raised here as
+:class:`PeerLostError` so the step stops at once.
 """
 
 from __future__ import annotations
@@ -42,8 +43,8 @@ class ManagerTransport(Transport):
     """The replicate dimension under fault tolerance: this rank and the same rank of every
     other replica group in the current quorum."""
 
-    def __init__(self, manager, timeout: float) -> None:
-        self.manager = manager
+    def __init__(self, manager, pg, timeout: float) -> None:
+        self.manager, self.pg = manager, pg  # pg: the process group the Manager reconfigures
         self.timeout = timedelta(seconds=timeout)
         self.size, self.rank = 1, 0
 
@@ -80,18 +81,18 @@ class ManagerTransport(Transport):
     def all_reduce_sum_(self, buf: torch.Tensor, async_op: bool = False):
         opts = AllreduceOptions()
         opts.reduceOp = dist.ReduceOp.SUM  # type: ignore[assignment]  # stubs: RedOpType
-        pg = self.manager._pg
+        pg = self.pg
         return self._run(lambda: pg.allreduce([buf], opts), "all-reduce", async_op)
 
     def all_gather_into(self, out: torch.Tensor, inp: torch.Tensor, async_op: bool = False):
         flat = inp.reshape(-1)
         rows = list(out.view(self.size, flat.numel()).unbind(0))
-        pg = self.manager._pg
+        pg = self.pg
         return self._run(lambda: pg.allgather([rows], [flat], AllgatherOptions()),
                          "all-gather", async_op)
 
     def all_to_all_equal_(self, out: torch.Tensor, inp: torch.Tensor, async_op: bool = False):
-        pg = self.manager._pg
+        pg = self.pg
         return self._run(lambda: pg.alltoall_base(out.view(-1), inp.view(-1), [], [],
                                                   AllToAllOptions()), "all-to-all", async_op)
 

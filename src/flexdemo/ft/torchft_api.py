@@ -1,0 +1,222 @@
+"""flexdemo's one door to torchft: the only module that imports it or touches its internals.
+
+The rest of :mod:`flexdemo.ft` drives torchft's ``Manager`` through its public API
+(``start_quorum(allow_heal=...)``, ``wait_quorum``, ``num_participants``,
+``participating_rank``, ``should_commit``, ``report_error``, ``errored``, ``wrap_future``,
+``current_step``, ``load_state_dict``, ``register_state_dict_fn``, ``shutdown``) and the
+process group it builds here. What torchft offers no public way to do is below, each internal
+named in :data:`INTERNALS` and checked by :func:`check_internals` when a session starts, so a
+torchft that renamed one is refused in one line instead of failing mid-run:
+
+* the quorum behind the forward pass, chosen per quorum (``Manager._use_async_quorum``);
+* a heal torchft made after the forward pass, applied at once (``Manager._healing``,
+  ``Manager._apply_pending_state_dict``);
+* every group of the quorum counted as a participant, a healing one too
+  (``Manager._participating_replica_rank``, ``Manager._participating_replica_world_size``);
+* the whole quorum (its replica ids and size), kept from ``ManagerClient._quorum`` through
+  ``Manager._client``;
+* the address the checkpoint transport advertises (``HTTPTransport._server``).
+
+torchft's own logs are quiet here by default (:func:`configure_logs`): its Rust side at
+``warn`` (``RUST_LOG``, read once, when torchft is first imported) and its Python loggers'
+warnings and errors one line each, without tracebacks; ``verbose`` keeps them all.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import logging
+import os
+import re
+import sys
+from datetime import timedelta
+from typing import Any
+
+INTERNALS: dict[str, tuple[str, ...]] = {
+    "Manager": ("_client", "_use_async_quorum", "_healing", "_apply_pending_state_dict",
+                "_participating_replica_rank", "_participating_replica_world_size"),
+    "ManagerClient": ("_quorum",),
+    "HTTPTransport": ("_server",),
+}
+"""Every torchft internal flexdemo uses, by torchft class, as torchft 0.2 has them."""
+
+SUPPORTED = "torchft>=0.2,<0.3"
+LOGGERS = ("torchft", "torchft_quorums", "torchft_commits", "torchft_errors")
+"""torchft's Python loggers (``torchft`` is the parent of its modules' loggers)."""
+IGNORED = ("Unable to reset NCCL flight recorder",)
+"""torchft warnings that say nothing to a flexdemo user (gloo has no flight recorder), left
+out unless ``verbose``."""
+
+
+class TorchFTVersionError(RuntimeError):
+    """The installed torchft lacks an internal flexdemo's fault tolerance drives."""
+
+
+def check_internals(objects: dict[str, Any]) -> None:
+    """Raise :class:`TorchFTVersionError` (one line naming what is missing and the torchft
+    to install) unless each object of ``objects`` (keyed by its torchft class name, as in
+    :data:`INTERNALS`) has every internal listed for it."""
+    missing = [f"{cls}.{name}" for cls, obj in objects.items()
+               for name in INTERNALS.get(cls, ()) if not hasattr(obj, name)]
+    if missing:
+        try:
+            version = importlib.metadata.version("torchft")
+        except importlib.metadata.PackageNotFoundError:
+            version = "unknown"
+        raise TorchFTVersionError(
+            f"torchft {version} lacks {', '.join(missing)}, which flexdemo's fault tolerance "
+            f"drives (it is built on torchft 0.2); install it: pip install '{SUPPORTED}'")
+
+
+# ---------------------------------------------------------------------- logs
+_UUID = re.compile(r":[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
+
+
+class OneLineHandler(logging.Handler):
+    """A torchft warning or error as one line on stderr, without its traceback (replica ids
+    without torchft's uuid suffix); a line the same as the one before is not repeated."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.last = ""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            lines = [x.strip() for x in record.getMessage().splitlines() if x.strip()]
+            text = _UUID.sub("", lines[0] if lines else record.levelname)
+            if text == self.last or any(x in text for x in IGNORED):
+                return
+            self.last = text
+            print(f"flexdemo: torchft {record.levelname.lower()}: {text}", file=sys.stderr,
+                  flush=True)
+        except Exception:  # noqa: BLE001 - logging must never raise
+            self.handleError(record)
+
+
+class _VerboseHandler(logging.StreamHandler):
+    """torchft's log lines, whole, on stderr (``verbose``, where nothing else shows them)."""
+
+
+def configure_logs(verbose: bool) -> None:
+    """torchft's logs: quiet (warnings and errors only, one line each) unless ``verbose``.
+    Call before torchft is first imported: its Rust side reads ``RUST_LOG`` then (a value
+    the user set is kept)."""
+    if not verbose:
+        os.environ.setdefault("RUST_LOG", "warn")
+    for name in LOGGERS:
+        log = logging.getLogger(name)
+        for h in [h for h in log.handlers if isinstance(h, (OneLineHandler, _VerboseHandler))]:
+            log.removeHandler(h)
+        if not verbose:
+            log.setLevel(logging.WARNING)
+            log.propagate = False
+            log.addHandler(OneLineHandler())
+            continue
+        log.setLevel(logging.INFO)
+        log.propagate = bool(logging.getLogger().handlers)  # the application's own handlers
+        if not log.propagate:
+            handler = _VerboseHandler(sys.stderr)
+            handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s "
+                                                   "%(message)s"))
+            log.addHandler(handler)
+
+
+# ---------------------------------------------------------------------- the Manager
+class QuorumRecorder:
+    """The Manager's client, keeping the last quorum it returned (all its replica ids and
+    its size, a healing group included)."""
+
+    def __init__(self, client) -> None:
+        self._client = client
+        self.last: Any = None  # torchft's QuorumResult
+
+    def _quorum(self, *args, **kwargs):
+        self.last = self._client._quorum(*args, **kwargs)
+        return self.last
+
+    def __getattr__(self, name: str):
+        return getattr(self._client, name)
+
+
+def _checkpoint_transport(hostname: str, timeout: timedelta, verbose: bool):
+    """torchft's HTTP checkpoint transport, advertising ``hostname`` (torchft's own
+    advertises the machine's host name, which peers may not resolve); its server logs each
+    request only if ``verbose``."""
+    from torchft.checkpointing import HTTPTransport
+
+    class _Transport(HTTPTransport):
+        def __init__(self, *args, **kwargs) -> None:
+            super().__init__(*args, **kwargs)
+            server = getattr(self, "_server", None)  # (checked by check_internals)
+            if server is not None and not verbose:
+                handler = server.RequestHandlerClass
+                handler.log_message = lambda *args, **kwargs: None  # type: ignore[method-assign]
+
+        def address(self) -> str:
+            port = self._server.socket.getsockname()[1]
+            host = f"[{hostname}]" if ":" in hostname else hostname
+            return f"http://{host}:{port}/checkpoint/"
+
+    return _Transport(timeout=timeout, num_chunks=0)
+
+
+def quorum_retries(quorum_timeout: float, every: float = 0.5) -> int:
+    """How often the group's Manager server asks the lighthouse again within a quorum: about
+    every ``every`` seconds, so that a lighthouse restarted on its address within
+    ``quorum_timeout`` is found (torchft's default, none, waits out the whole timeout)."""
+    return max(1, int(quorum_timeout / every))
+
+
+def new_manager(*, lighthouse: str, replica_id: str, hostname: str, min_replicas: int,
+                timeout: float, quorum_timeout: float, rank: int, world: int, store_addr: str,
+                store_port: int, max_failed_commits: int | None, verbose: bool):
+    """A torchft ``Manager`` for this rank of a replica group and its process group (gloo),
+    its internals checked (:class:`TorchFTVersionError`) and its client recording each
+    quorum (:class:`QuorumRecorder`). Returns ``(manager, process_group, recorder)``."""
+    configure_logs(verbose)
+    from torchft.manager import Manager
+    from torchft.process_group import ProcessGroupGloo
+
+    step_timeout = timedelta(seconds=timeout)
+    pg = ProcessGroupGloo(timeout=step_timeout)
+    transport = _checkpoint_transport(hostname, step_timeout, verbose)
+    manager = Manager(
+        pg=pg, load_state_dict=None, state_dict=None, min_replica_size=min_replicas,
+        use_async_quorum=False, timeout=step_timeout,
+        quorum_timeout=timedelta(seconds=quorum_timeout), connect_timeout=step_timeout,
+        rank=rank, world_size=world, store_addr=store_addr, store_port=store_port,
+        lighthouse_addr=lighthouse, replica_id=replica_id, hostname=hostname,
+        checkpoint_transport=transport, max_retries=max_failed_commits,
+        quorum_retries=quorum_retries(quorum_timeout))
+    try:
+        check_internals({"Manager": manager, "ManagerClient": manager._client,
+                         "HTTPTransport": transport})
+    except TorchFTVersionError:
+        manager.shutdown(wait=False)
+        raise
+    recorder = manager._client = QuorumRecorder(manager._client)
+    return manager, pg, recorder
+
+
+def set_async_quorum(manager, behind_forward: bool) -> None:
+    """Whether the next ``start_quorum`` runs behind the forward pass (torchft reads this
+    Manager setting at each quorum)."""
+    manager._use_async_quorum = behind_forward
+
+
+def apply_late_heal(manager) -> bool:
+    """Apply at once the state torchft fetched for this group in a quorum that ran behind
+    its forward pass; whether there was one."""
+    if not manager._healing:
+        return False
+    manager._apply_pending_state_dict()
+    manager._healing = False
+    return True
+
+
+def count_every_group(manager, rank: int, world: int) -> None:
+    """Make every group of the quorum a participant of this step (rank ``rank`` of
+    ``world``): torchft counts only those at the newest step when the quorum ran behind
+    the forward pass, and its commit vote needs ``min_replicas`` of them."""
+    manager._participating_replica_rank = rank
+    manager._participating_replica_world_size = world

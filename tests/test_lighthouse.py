@@ -1,0 +1,109 @@
+"""The torchft lighthouse lost and restarted, and torchft's logs: real processes, a real
+lighthouse binary, real SIGKILLs (helpers shared with tests/test_elastic.py)."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+from test_elastic import (
+    WAIT,
+    Lighthouse,
+    _final,
+    _metrics,
+    _no_torchft_noise,
+    _ok,
+    _progress,
+    _same,
+    _train,
+    _wait,
+    _worker,
+    procs,  # noqa: F401 - the fixture
+)
+
+from flexdemo.app.preempt import PREEMPTED_EXIT_CODE
+from flexdemo.checkpoint import MARKER_FILE
+
+pytest.importorskip("torchft")
+
+
+def _until(what: str, done, running: list, timeout: float = WAIT) -> None:
+    """Wait (bounded) until ``done()``, while every process of ``running`` runs."""
+    deadline = time.monotonic() + timeout
+    while not done():
+        assert time.monotonic() < deadline, f"{what} did not happen within {timeout} s"
+        assert all(p.poll() is None for p in running), f"a process ended before {what}"
+        time.sleep(0.05)
+
+
+def _steps(tmp: Path, out: str) -> int:
+    path = tmp / out / "progress0"
+    return len(path.read_text().splitlines()) if path.exists() else 0
+
+
+def test_a_lighthouse_restarted_on_its_address_loses_no_step(tmp_path, procs):  # noqa: F811
+    """A and B (min_replicas 2) hold before step 5; the lighthouse is SIGKILLed, the groups
+    go on and find it gone, and it is restarted on the same address 1.5 s later, within the
+    quorum timeout (10 s): every step of both groups is committed once, with both groups, and
+    they end bitwise equal. B runs with torchft's logs in full (verbose), A with the default
+    (no torchft INFO line, no traceback); each says the lighthouse was lost, then back."""
+    lh = Lighthouse(2, tmp_path / "lighthouse-1.log")
+    go = tmp_path / "go"
+    common = ["--replicator", "demo", "--steps", "8", "--timeout", "10", "--min-replicas", "2",
+              "--hold", f"5:{go}"]
+    try:
+        a = _worker(procs, tmp_path, lh.url, "A", "A", *common)
+        b = _worker(procs, tmp_path, lh.url, "B", "B", *common, "--verbose")
+        _until("5 steps", lambda: _steps(tmp_path, "A") == 5 and _steps(tmp_path, "B") == 5,
+               [a, b])
+        lh.stop()
+        go.write_text("go\n")
+        time.sleep(1.5)
+        lh = Lighthouse(2, tmp_path / "lighthouse-2.log", port=lh.port)
+        _ok(a, tmp_path, "A")
+        _ok(b, tmp_path, "B")
+    finally:
+        lh.stop()
+    for out in ("A", "B"):
+        rows = _progress(tmp_path, out)
+        assert [(s, n, c) for s, n, c in rows] == [(s, 2, 1) for s in range(8)], rows
+        log = (tmp_path / f"{out}.log").read_text()
+        assert f"replica group {out!r} lost the torchft lighthouse at {lh.url}" in log, log
+        assert "answers again; going on" in log, log[-3000:]
+    fa, fb = _final(tmp_path, "A"), _final(tmp_path, "B")
+    assert fa["step"] == fb["step"] == 8
+    assert _same(fa["params"], fb["params"])
+    _no_torchft_noise((tmp_path / "A.log").read_text())
+    assert "[INFO]" in (tmp_path / "B.log").read_text()  # verbose: torchft's own lines
+
+
+def test_a_lost_lighthouse_saves_every_group_and_exits_3(tmp_path, procs):  # noqa: F811
+    """`flexdemo train` as groups A and B; the lighthouse is SIGKILLed and never comes back:
+    after quorum_timeout (3 s) each group saves its last committed step (every logged step
+    covered, a complete checkpoint) and exits 3 with one line that names the lost
+    lighthouse; no traceback, no torchft INFO line."""
+    lh = Lighthouse(2, tmp_path / "lighthouse.log")
+    try:
+        runs = {rid: _train(procs, tmp_path, lh.url, rid, rid, 200, quorum_timeout=3)
+                for rid in ("A", "B")}
+        _until("2 logged steps", lambda: all(len(_metrics(tmp_path, r)) >= 2 for r in runs),
+               list(runs.values()))
+    finally:
+        lh.stop()
+    for rid, p in runs.items():
+        rc = _wait(p, tmp_path, rid)
+        log = (tmp_path / f"{rid}.log").read_text()
+        assert rc == PREEMPTED_EXIT_CODE, f"{rid} exited with {rc}:\n{log[-3000:]}"
+        lines = [x for x in log.splitlines() if x.startswith("flexdemo train: ")]
+        steps = [r["step"] for r in _metrics(tmp_path, rid)]
+        last = steps[-1]
+        saved = tmp_path / rid / "checkpoints" / f"step_{last:06d}"
+        assert steps == list(range(1, last + 1)), steps
+        assert lines == [
+            f"flexdemo train: lighthouse lost: replica group {rid!r} lost the torchft "
+            f"lighthouse at {lh.url}: it did not answer for 3 s (quorum_timeout); saved step "
+            f"{last} to {saved}; start the lighthouse again at its address and continue with "
+            f"resume=true (exit code 3)"], log[-3000:]
+        assert (saved / MARKER_FILE).exists()
+        _no_torchft_noise(log)

@@ -114,6 +114,12 @@ STRATEGIES: dict[str, Strategy] = {
         "the 'sparseloco' preset: DiLoCo with Muon inner steps, the top 64 of each 64x64 block "
         "of the pseudo-gradient with error feedback, 2-bit codebook values, every 30 steps",
         "sparseloco", "muon", 1e-2, color="#006d2c"),
+    # measured, not named: the link and the step decide among the quality ranking's entries
+    # (flexdemo.auto, docs/auto.md), with Muon inner steps as in the ranking's tables
+    "auto": Strategy(
+        "auto: probe the link, time the first steps, then the best-ranked strategy (full "
+        "sync, MuLoCo, SparseLoCo, ...) whose exposed communication fits 5% of the step",
+        "auto", "muon", 1e-2, color="#fd8d3c"),
     "flexdemo-muon": Strategy(
         "FlexDeMo with an orthogonalised step: DeMo top-64 DCT per block (decay 0.9) across "
         "nodes, the decoded mean orthogonalised (Muon without momentum) instead of sign()",

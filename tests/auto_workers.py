@@ -28,14 +28,17 @@ def train(model, opt, steps: int, rank: int) -> None:
 def result(model, auto) -> dict:
     return {"decision": auto.decision.as_dict(), "probe": auto.probed.as_dict(),
             "lines": list(auto.lines), "identical": auto.keeps_replicas_identical(2),
-            "params": [p.detach().clone() for p in model.parameters()]}
+            "params": [getattr(p, "_local_tensor", p).detach().clone()
+                       for p in model.parameters()]}
 
 
-def prepare_worker(rank: int, world: int, candidates: list[str], steps: int) -> dict:
+def prepare_worker(rank: int, world: int, candidates: list[str], steps: int,
+                   shard: int = 1) -> dict:
     """Each rank starts from other weights (prepare broadcasts rank 0's); the probe at set-up,
-    the warm-up, the decision, then the steps."""
+    the warm-up, the decision, then the steps. With ``shard`` > 1 every shard's replicate
+    group probes its own link, and all ranks agree."""
     model, opt = flexdemo.prepare(tiny_model(rank), "auto", optimizer="adamw", lr=1e-2,
-                                  replicate=world, shard=1,
+                                  replicate=world // shard, shard=shard,
                                   replicator_kwargs={"candidates": candidates,
                                                      "verbose": False})
     train(model, opt, steps, rank)

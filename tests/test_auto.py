@@ -219,17 +219,22 @@ def test_no_probe_without_a_process_group_uses_the_fallback():
     assert "assuming 10 Mbit/s, 50 ms (no probe over this group" in auto.lines[0]
 
 
-def test_prepare_auto_on_two_gloo_ranks():
-    """The probe on 2 real gloo ranks stays within its bound; both ranks take the same
-    decision after the warm-up and end bitwise equal (full sync: every step; DiLoCo H=20:
-    after its first sync, step 19)."""
-    res = run_world(prepare_worker, 2, ["full", "diloco-h20-int4"], 20, timeout=120)
+@pytest.mark.parametrize("world,shard,candidates", [
+    (2, 1, ["full", "diloco-h20-int4"]),  # whichever the measurements choose
+    (4, 2, ["full"]),  # FSDP shards: replica 0's parameters and AdamW state after the warm-up
+], ids=["2x1", "2x2-full"])
+def test_prepare_auto_on_gloo_ranks(world, shard, candidates):
+    """The probe on real gloo ranks stays within its bound; every rank (every shard of every
+    replica) takes the same decision after the warm-up, and the replicas of each shard end
+    bitwise equal (full sync: every step; DiLoCo H=20: after its first sync, step 19)."""
+    res = run_world(prepare_worker, world, candidates, 20, shard, timeout=120)
     probes = [Link(**r["probe"]) for r in res]
     assert all(p.source == "probe" and not p.timed_out and p.seconds <= 2.0 for p in probes)
-    assert res[0]["decision"] == res[1]["decision"]
-    assert res[0]["decision"]["step"] == 4
-    for a, b in zip(res[0]["params"], res[1]["params"]):
-        assert torch.equal(a, b)
+    assert all(r["decision"] == res[0]["decision"] for r in res)
+    assert res[0]["decision"]["step"] == 4 and res[0]["decision"]["replicas"] == 2
+    for r in range(shard):  # ranks r and r + shard hold the same shard
+        for a, b in zip(res[r]["params"], res[r + shard]["params"]):
+            assert torch.equal(a, b)
 
 
 def test_probe_that_times_out_falls_back_on_both_ranks():

@@ -350,7 +350,9 @@ def rep_kwargs(args) -> dict:
             "transform_dtype": args.transform_dtype, "decay": args.decay,
             "bucket": not args.per_tensor, "overlap": args.overlap, "compile": args.compile,
             "graphs": True if args.graphs else False if args.eager else "auto",
-            "staging": args.staging}
+            "staging": args.staging,
+            **({} if args.group_numel is None else
+               {"group_numel": args.group_numel if args.group_numel > 0 else None})}
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -385,6 +387,8 @@ def main(argv: list[str] | None = None) -> dict:
                    help="bucket=False: every tensor its own group (for comparison)")
     p.add_argument("--profile", type=int, default=0, metavar="N",
                    help="the step's N costliest GPU kernels (CUDA) or CPU ops")
+    p.add_argument("--group-numel", type=int, default=None,
+                   help="DeMo's group_numel (default: the library's; 0: one group per shape)")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--threads", type=int, default=1, help="CPU threads")
     p.add_argument("--clock", default="thread", choices=["thread", "wall"],

@@ -86,6 +86,9 @@ SETTINGS: dict[str, Setting] = {
     "demo-k32-fp32": Setting("DeMo as the reference implementation: topk 32, fp32 values, "
                              "decay 0.999, sign-SGD", "demo", "sgd", 1e-3,
                              {"topk": 32, "values": "fp32"}),
+    "demo-bf16-dct": Setting("DeMo defaults with the forward transform's products in bf16 "
+                             "(transform_dtype='bf16')", "demo", "sgd", 1e-3,
+                             {"transform_dtype": "bf16"}),
     "demo-fp32": Setting("DeMo defaults with fp32 values (topk 16, decay 0.999), sign-SGD",
                          "demo", "sgd", 1e-3, {"values": "fp32"}),
     "demo-noscale": Setting("DeMo defaults, momentum without the lr factor "

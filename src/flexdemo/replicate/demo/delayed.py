@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from ...transport import Pending, all_gather
-from .checks import arrived, check_payloads
+from .checks import arrived, check_payloads, kept_peers
 from .layout import block_positions
 from .staging import StepPlan
 
@@ -39,10 +39,17 @@ def receive_inflight(rep: DeMo):
     gathered = handle.wait() if isinstance(handle, Pending) else handle
     rep._expected_step.fill_(prev_step)
     verdict, decoded, keep, count = rep._on_payloads(
-        ("check-kept", prev_plan.key), lambda x: rep._check_and_keep(x, prev_plan),
-        gathered)
+        ("check-kept", prev_plan.key), lambda x: check_and_keep(rep, x, prev_plan), gathered)
     rep._pending = rep._verdict_to_host.start(verdict, prev_step, prev_plan.code)
     return decoded, (keep, count), prev_plan
+
+
+def check_and_keep(rep: DeMo, gathered: torch.Tensor, plan: StepPlan):
+    """The verdict, the decoded payloads and the peers kept in the mean (``keep``,
+    ``count``), all decided on the device."""
+    verdict, decoded = check_payloads(gathered, rep.groups, rep.codec, plan)
+    keep, count = kept_peers(verdict, rep._expected_step, plan.code)
+    return verdict, decoded, keep, count
 
 
 def encode_and_send(rep: DeMo, grads, lrs, step: int, plan: StepPlan) -> None:

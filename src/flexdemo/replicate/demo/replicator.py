@@ -12,10 +12,11 @@ from ...compress.select import topk_blocks_rowmajor
 from ...transport import Pending, all_gather
 from ..base import HEADER_BYTES, Replicator, write_header, zero_where
 from . import delayed, state
-from .checks import VerdictToHost, check_payloads, good_peers, kept_peers
+from .checks import VerdictToHost, check_payloads, good_peers
 from .decode import blocks_into_image, clip_to_median_norm, decode_mean, dense_inverse, write_own
 from .graphs import CompiledSelection, StepGraphs
 from .layout import BlockLayout, Group
+from .offload import HostMomentum
 from .scatter import SparseScatter
 from .settings import GROUP_NUMEL, PRESETS, TRANSFORM_DTYPES, check_settings, describe
 from .staging import MomentumRun, Sent, Staging, StepPlan
@@ -49,16 +50,18 @@ class DeMoReplicator(Replicator):
                  on_bad_peer: str = "raise",
                  compile: bool = False, graphs: bool | str = "auto", staging: str = "auto",
                  mean: str = "replicas", clip: str = "none", reduce: str = "gather",
-                 group_numel: int | None = GROUP_NUMEL, **schedule) -> None:
+                 group_numel: int | None = GROUP_NUMEL, offload: bool = False,
+                 **schedule) -> None:
         super().__init__(**schedule)
         graphs = check_settings(
             topk=topk, chunk=chunk, decay=decay, values=values, transform=transform,
             transform_dtype=transform_dtype, small=small, small_numel=small_numel,
             bucket=bucket, overlap=overlap, on_bad_peer=on_bad_peer, compile=compile,
             graphs=graphs, staging=staging, mean=mean, clip=clip, reduce=reduce,
-            group_numel=group_numel, every_step=self.replicate_every == 1 and not self.skip_every)
+            group_numel=group_numel, offload=offload,
+            every_step=self.replicate_every == 1 and not self.skip_every)
         self.mean, self.clip, self.reduce = mean, clip, reduce
-        self.group_numel = group_numel  # the most coefficients per group (bounds the workspace)
+        self.group_numel, self.offload = group_numel, offload  # the workspace; host momentum
         self.topk, self.chunk, self.decay = topk, chunk, float(decay)
         self.feedback_decay = self.decay  # its momentum is its error feedback
         self.sign, self.scale_by_lr, self.values = sign, scale_by_lr, values
@@ -112,10 +115,11 @@ class DeMoReplicator(Replicator):
             small_numel=self.small_numel if self.small == "batch" else None, basis=basis,
             compute_dtype=compute_dtype, bucket=self.bucket, group_numel=self.group_numel,
             images=self._stages_through_images, codec=self.codec, device=self.device,
-            shared_staging=not self._graphed)  # graphs replay fixed staging buffers
+            shared_staging=not self._graphed, offload=self.offload)  # graphs: fixed buffers
         self.scratch, self.units, self.groups = (self.layout.scratch, self.layout.units,
                                                  self.layout.groups)
         self._work = self.layout.work
+        self._momentum = HostMomentum(self.groups, self.device, self.offload)
         self.bucket_bytes = self.layout.bucket_bytes
         self.staging_plans = Staging(self.layout)
         nbuf = 2 if self.overlap == "delayed" else 1
@@ -163,10 +167,6 @@ class DeMoReplicator(Replicator):
                 self.layout, self.codec, self.world, senders=self.mean == "senders",
                 name=self.name)
         return self._scatters.get(self.world)  # filled under reduce="scatter" only
-
-    def _graph_or_run(self, key: tuple, fn):
-        """``fn()`` through a CUDA graph for ``key`` when graphed, else eagerly."""
-        return self.step_graphs.run(key, fn) if self._graphed else fn()
 
     def _plan_step(self, grads, lrs) -> StepPlan:
         """The step's plan (which gradients are present, which units share a step size);
@@ -313,6 +313,7 @@ class DeMoReplicator(Replicator):
         device tensor: 1 on a rank whose input is not finite (``bad``; its staged input is
         then zero, so its momentum stays as it was, bit for bit). Decaying first and adding the
         product with ``beta = 1`` gives the bits of one product with ``beta = decay``."""
+        self._momentum.bring(g)  # offload=True: from host memory
         w, cc, n = self._work, g.chunk[1], g.coef.numel()
         scale = {id(r): self._step_size(r, lrs, classes) for r in runs}
         for r in runs:
@@ -368,12 +369,14 @@ class DeMoReplicator(Replicator):
         """Add ``sign * sent`` to the momentum (sign -1: error feedback, +1: undo it): to the
         coefficients of tiling units, and through the inverse DCT to the momentum of padded
         units (their blocks of ``coef`` only hold this step's fresh coefficients)."""
+        self._momentum.bring(g)
         g.coef.view(-1).scatter_add_(0, pos.view(-1), (vals if sign > 0 else -vals).view(-1))
         for s in g.segments:
             if s.padded:
                 blocks = dense_inverse(self.layout, g, s, [(idx[s.rows], vals[s.rows])], 1)
                 blocks_into_image(self.layout, g, s, blocks)
                 torch._foreach_add_(s.deltas, s.outs, alpha=sign)
+        self._momentum.send()  # offload=True: back to host memory
 
     def _undo_error_feedback(self, sent: list[Sent | None]) -> None:
         """After a failed exchange every rank adds back what it sent (a rank whose input was
@@ -412,13 +415,6 @@ class DeMoReplicator(Replicator):
         rows = verdict.tolist()  # the one read of the device in a step
         return self._good_peers(rows, step, plan.code), decoded
 
-    def _check_and_keep(self, gathered: torch.Tensor, plan: StepPlan):
-        """Delayed mode: the verdict, the decoded payloads and the peers kept in the mean
-        (``keep``, ``count``), all decided on the device."""
-        verdict, decoded = check_payloads(gathered, self.groups, self.codec, plan)
-        keep, count = kept_peers(verdict, self._expected_step, plan.code)
-        return verdict, decoded, keep, count
-
     def _good_peers(self, rows: list[list[int]], step: int, code: int) -> list[int]:
         """The good peers of a verdict's ``rows``; raises, or counts and warns, for every bad
         payload (:meth:`bad_peer`)."""
@@ -445,10 +441,10 @@ class DeMoReplicator(Replicator):
             idx, vals = decoded[gi]
             n = idx.shape[0]
             if kept is not None:  # masked on the device, whichever peers are left out
-                self._graph_or_run(("decode-kept", sent_plan.key, n, gi),
-                                   lambda g=g, idx=idx, vals=vals: decode_mean(
-                                       lay, g, idx, vals, sign=sign, kept=kept,
-                                       senders=senders))
+                fn = lambda g=g, idx=idx, vals=vals: decode_mean(  # noqa: E731
+                    lay, g, idx, vals, sign=sign, kept=kept, senders=senders)
+                _ = self.step_graphs.run(("decode-kept", sent_plan.key, n, gi), fn) \
+                    if self._graphed else fn()
                 self.staging_plans.write_back(grads, pieces, views)
                 continue
             assert good is not None  # given unless the peers were kept on the device

@@ -23,7 +23,7 @@ GROUP_NUMEL = 1 << 22
 def check_settings(*, topk, chunk, decay, values, transform, transform_dtype, small,
                    small_numel, bucket, overlap, on_bad_peer, compile, graphs, staging,
                    mean="replicas", clip="none", reduce="gather", group_numel=None,
-                   every_step: bool) -> bool | str:
+                   offload=False, every_step: bool) -> bool | str:
     """Raise ValueError for a bad setting (``every_step``: the schedule communicates every
     step); returns ``graphs`` resolved (``"auto"`` is off when the selection is compiled)."""
     if not isinstance(topk, int) or isinstance(topk, bool) or topk < 1:
@@ -70,8 +70,13 @@ def check_settings(*, topk, chunk, decay, values, transform, transform_dtype, sm
         raise ValueError(f"clip must be 'none' or 'median' (each peer's contribution clipped "
                          f"to the median of the peers' norms), got {clip!r}")
     _check_reduce(reduce, bucket=bucket, overlap=overlap, on_bad_peer=on_bad_peer, clip=clip)
-    if graphs == "auto":  # on CUDA, unless the selection is compiled
-        graphs = "auto" if not compile else False
+    if not isinstance(offload, bool):
+        raise ValueError(f"offload must be True or False, got {offload!r}")
+    if offload and graphs is True:
+        raise ValueError("offload=True and graphs=True do not combine: a graph replays fixed "
+                         "buffers, the offloaded momentum moves; choose one")
+    if graphs == "auto":  # on CUDA, unless the selection is compiled or the momentum offloaded
+        graphs = "auto" if not (compile or offload) else False
     if graphs is True and compile:
         raise ValueError("graphs=True and compile=True do not combine: the CUDA graphs "
                          "replay the eager selection; choose one")
@@ -84,7 +89,7 @@ def describe(rep) -> str:
     extra = "".join(f", {k}={v!r}" for k, v, d in (
         ("transform", rep.transform, "dct"), ("transform_dtype", rep.transform_dtype, "fp32"),
         ("small", rep.small, "batch"), ("bucket", rep.bucket, True),
-        ("group_numel", rep.group_numel, GROUP_NUMEL),
+        ("group_numel", rep.group_numel, GROUP_NUMEL), ("offload", rep.offload, False),
         ("overlap", rep.overlap, "none"), ("compile", rep.compile, False),
         ("graphs", rep.graphs, "auto"), ("staging", rep.staging, "auto"),
         ("mean", rep.mean, "replicas"), ("clip", rep.clip, "none"),

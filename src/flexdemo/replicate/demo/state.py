@@ -18,6 +18,7 @@ DeMo = Any
 
 def save(rep: DeMo, sd: dict) -> dict:
     """``sd`` (the base class's state) with ``rep``'s momentum, counter and delayed state."""
+    rep._momentum.settle()  # offload=True: every host copy complete
     sd["delta"] = [d.reshape(d.shape[0], -1).clone() for d in rep.delta]
     sd["dropped_payloads"] = rep.dropped_payloads
     if rep._inflight is not None:
@@ -133,6 +134,7 @@ def check_loadable(rep: DeMo, sd: dict) -> list:
 def load(rep: DeMo, sd: dict, deltas: list) -> None:
     """``rep``'s momentum (``deltas``, from :func:`check_loadable`), counter and delayed
     state from ``sd``."""
+    rep._momentum.settle()
     for u, theirs in zip(rep.units, deltas):
         u.delta.copy_(theirs.reshape(u.delta.shape))
     rep.dropped_payloads = int(sd.get("dropped_payloads", 0))

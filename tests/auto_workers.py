@@ -72,3 +72,39 @@ def timeout_worker(rank: int, world: int, sleep: float) -> dict:
         auto_mod.probe_link = probe
     train(model, opt, 3, rank)
     return {**result(model, opt.replicators[0]), "probe_wall": took[0]}
+
+
+def resume_worker(rank: int, world: int, folder: str, save_ats: list[int], steps: int) -> dict:
+    """flexdemo's checkpoints across the decision: ``steps`` straight, against ``save_at``
+    steps, a checkpoint, a fresh ``prepare()`` that loads it, and the rest (for each of
+    ``save_ats``)."""
+    kw = {"candidates": ["diloco-h20-int4"], "link": "10mbit,5ms", "verbose": False}
+
+    def build():
+        return flexdemo.prepare(tiny_model(0), "auto", optimizer="adamw", lr=1e-2,
+                                replicate=world, shard=1, replicator_kwargs=kw)
+
+    def run(model, opt, start, stop):
+        for s in range(start, stop):
+            g = torch.Generator().manual_seed(1000 * rank + s)
+            x, y = torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)
+            nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+
+    model, opt = build()
+    run(model, opt, 0, steps)
+    straight = [p.detach().clone() for p in model.parameters()]
+    out = {}
+    for save_at in save_ats:
+        model, opt = build()
+        run(model, opt, 0, save_at)
+        path = f"{folder}/step_{save_at:06d}"
+        flexdemo.save_checkpoint(path, model, opt, step=save_at)
+        model, opt = build()
+        flexdemo.load_checkpoint(path, model, opt)
+        run(model, opt, save_at, steps)
+        out[save_at] = {"same": all(torch.equal(a, b)
+                                    for a, b in zip(straight, model.parameters())),
+                        "lines": list(opt.replicators[0].lines)}
+    return out

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from auto_workers import prepare_worker, timeout_worker
+from auto_workers import prepare_worker, resume_worker, timeout_worker
 from dist_util import run_world
 from torch import nn
 
@@ -235,6 +235,17 @@ def test_prepare_auto_on_gloo_ranks(world, shard, candidates):
     for r in range(shard):  # ranks r and r + shard hold the same shard
         for a, b in zip(res[r]["params"], res[r + shard]["params"]):
             assert torch.equal(a, b)
+
+
+def test_checkpoint_across_the_decision_resumes_bitwise_on_gloo_ranks(tmp_path):
+    """flexdemo's checkpoints (DCP) on 2 gloo ranks: saved during the warm-up (step 2) or after
+    the decision (step 9), loaded by a fresh prepare(model, "auto"): the same bits at step 24
+    as a run without a stop; a load after the decision takes it over (one line, resumed)."""
+    res = run_world(resume_worker, 2, str(tmp_path), [2, 9], 24, timeout=200)
+    for r in res:
+        assert r[2]["same"] and r[9]["same"]
+        assert not r[2]["lines"][0].endswith("(resumed)")
+        assert r[9]["lines"] == [r[9]["lines"][0]] and r[9]["lines"][0].endswith("(resumed)")
 
 
 def test_probe_that_times_out_falls_back_on_both_ranks():

@@ -37,45 +37,49 @@ def _until(what: str, done, running: list, timeout: float = WAIT) -> None:
         time.sleep(0.05)
 
 
-def _steps(tmp: Path, out: str) -> int:
+def _at(tmp: Path, out: str, step: int) -> bool:
+    """Whether group ``out`` has committed its step ``step`` (counted from 0)."""
     path = tmp / out / "progress0"
-    return len(path.read_text().splitlines()) if path.exists() else 0
+    return path.exists() and (step, 2, 1) in _progress(tmp, out)
 
 
 def test_a_lighthouse_restarted_on_its_address_loses_no_step(tmp_path, procs):  # noqa: F811
-    """A and B (min_replicas 2) hold before step 5; the lighthouse is SIGKILLed, the groups
-    go on and find it gone, and it is restarted on the same address 1.5 s later, within the
-    quorum timeout (10 s): every step of both groups is committed once, with both groups, and
-    they end bitwise equal. B runs with torchft's logs in full (verbose), A with the default
-    (no torchft INFO line, no traceback); each says the lighthouse was lost, then back."""
+    """A and B1 (min_replicas 2); B1 is SIGKILLed in step 3 and B2 joins in its place (a
+    second quorum id); both hold before step 6, the lighthouse is SIGKILLed, the groups go on
+    and find it gone, and it is restarted on the same address 1.5 s later, within the quorum
+    timeout: it numbers its quorums from 1 again, and every step from 6 on is committed once
+    by both groups, which end bitwise equal. B2 runs with torchft's logs in full (verbose), A
+    with the default (no torchft INFO line, no traceback); each says the lighthouse was lost,
+    then back."""
     lh = Lighthouse(2, tmp_path / "lighthouse-1.log")
     go = tmp_path / "go"
-    common = ["--replicator", "demo", "--steps", "8", "--timeout", "10", "--min-replicas", "2",
-              "--hold", f"5:{go}"]
+    common = ["--replicator", "demo", "--steps", "9", "--timeout", "30", "--min-replicas", "2"]
     try:
-        a = _worker(procs, tmp_path, lh.url, "A", "A", *common)
-        b = _worker(procs, tmp_path, lh.url, "B", "B", *common, "--verbose")
-        _until("5 steps", lambda: _steps(tmp_path, "A") == 5 and _steps(tmp_path, "B") == 5,
-               [a, b])
+        a = _worker(procs, tmp_path, lh.url, "A", "A", *common, "--hold", f"6:{go}")
+        b1 = _worker(procs, tmp_path, lh.url, "B", "B1", *common, "--die-at", "3")
+        assert _wait(b1, tmp_path, "B1") == -9
+        b2 = _worker(procs, tmp_path, lh.url, "B", "B2", *common, "--hold", f"6:{go}",
+                     "--verbose")
+        _until("step 5", lambda: _at(tmp_path, "A", 5) and _at(tmp_path, "B2", 5), [a, b2])
         lh.stop()
         go.write_text("go\n")
         time.sleep(1.5)
         lh = Lighthouse(2, tmp_path / "lighthouse-2.log", port=lh.port)
         _ok(a, tmp_path, "A")
-        _ok(b, tmp_path, "B")
+        _ok(b2, tmp_path, "B2")
     finally:
         lh.stop()
-    for out in ("A", "B"):
-        rows = _progress(tmp_path, out)
-        assert [(s, n, c) for s, n, c in rows] == [(s, 2, 1) for s in range(8)], rows
+    for out, rid in (("A", "A"), ("B2", "B")):
+        rows = [row for row in _progress(tmp_path, out) if row[0] >= 6]
+        assert rows == [(s, 2, 1) for s in range(6, 9)], rows
         log = (tmp_path / f"{out}.log").read_text()
-        assert f"replica group {out!r} lost the torchft lighthouse at {lh.url}" in log, log
+        assert f"replica group {rid!r} lost the torchft lighthouse at {lh.url}" in log, log
         assert "answers again; going on" in log, log[-3000:]
-    fa, fb = _final(tmp_path, "A"), _final(tmp_path, "B")
-    assert fa["step"] == fb["step"] == 8
+    fa, fb = _final(tmp_path, "A"), _final(tmp_path, "B2")
+    assert fa["step"] == fb["step"] == 9
     assert _same(fa["params"], fb["params"])
     _no_torchft_noise((tmp_path / "A.log").read_text())
-    assert "[INFO]" in (tmp_path / "B.log").read_text()  # verbose: torchft's own lines
+    assert "[INFO]" in (tmp_path / "B2.log").read_text()  # verbose: torchft's own lines
 
 
 def test_a_lost_lighthouse_saves_every_group_and_exits_3(tmp_path, procs):  # noqa: F811

@@ -35,7 +35,8 @@ class Preempted(Exception):  # noqa: N818 - not an error: the run stopped as ask
 
     def __init__(self, step: int, checkpoint: Path, signal_name: str) -> None:
         super().__init__(f"stopped by {signal_name} after step {step}; saved {checkpoint}")
-        self.step, self.checkpoint, self.signal_name = step, checkpoint, signal_name
+        self.step, self.signal_name = step, signal_name
+        self.checkpoint: Path | None = checkpoint
 
 
 class LighthouseLost(Preempted):

@@ -127,7 +127,9 @@ class ElasticSession:
         rank = dist.get_rank() if dist.is_initialized() else 0
         world = dist.get_world_size() if dist.is_initialized() else 1
         hostname, quorum_timeout = config.hostname, config.quorum_timeout
+        lighthouse, replica_id = config.lighthouse, config.replica_id
         assert hostname is not None and quorum_timeout is not None  # filled in by the config
+        assert lighthouse is not None and replica_id is not None
         addr, port, self._own_store = _store(hostname)
         self.opt: FlexOptimizer | None = None
         self.stepping = False
@@ -149,7 +151,7 @@ class ElasticSession:
         self.snapshot_seconds = 0.0
         try:
             self.manager, pg, self._recorder = new_manager(
-                lighthouse=config.lighthouse, replica_id=config.replica_id, hostname=hostname,
+                lighthouse=lighthouse, replica_id=replica_id, hostname=hostname,
                 min_replicas=config.min_replicas, timeout=config.timeout,
                 quorum_timeout=quorum_timeout, rank=rank, world=world, store_addr=addr,
                 store_port=port, max_failed_commits=config.max_failed_commits,

@@ -17,6 +17,10 @@ torchft that renamed one is refused in one line instead of failing mid-run:
   ``Manager._client``;
 * the address the checkpoint transport advertises (``HTTPTransport._server``).
 
+The process group is torchft's gloo group with each configuration under a store prefix of its
+own (:func:`_process_group`), so that a lighthouse restarted mid-run, which numbers its quorums
+from 1 again, cannot lead a group to another configuration's keys.
+
 torchft's own logs are quiet here by default (:func:`configure_logs`): its Rust side at
 ``warn`` (``RUST_LOG``, read once, when torchft is first imported) and its Python loggers'
 warnings and errors one line each, without tracebacks; ``verbose`` keeps them all.
@@ -29,6 +33,7 @@ import logging
 import os
 import re
 import sys
+import zlib
 from datetime import timedelta
 from typing import Any
 
@@ -150,7 +155,7 @@ def _checkpoint_transport(hostname: str, timeout: timedelta, verbose: bool):
             server = getattr(self, "_server", None)  # (checked by check_internals)
             if server is not None and not verbose:
                 handler = server.RequestHandlerClass
-                handler.log_message = lambda *args, **kwargs: None  # type: ignore[method-assign]
+                handler.log_message = lambda *args, **kwargs: None
 
         def address(self) -> str:
             port = self._server.socket.getsockname()[1]
@@ -158,6 +163,30 @@ def _checkpoint_transport(hostname: str, timeout: timedelta, verbose: bool):
             return f"http://{host}:{port}/checkpoint/"
 
     return _Transport(timeout=timeout, num_chunks=0)
+
+
+def _process_group(timeout: timedelta):
+    """torchft's reconfigurable gloo group, each configuration under a store prefix of its own.
+
+    torchft names a configuration's keys in the TCPStore by the quorum id alone. A restarted
+    lighthouse numbers its quorums from 1 again, so a group could meet the keys that an
+    earlier configuration with the same id left there (the addresses of a dead peer or of an
+    aborted group) and fail to connect. The prefix gains the quorum's newest step and its
+    members (replica ids with their uuids), which every member reads alike from the quorum."""
+    from torchft.process_group import ProcessGroupGloo
+
+    class _Gloo(ProcessGroupGloo):
+        recorder: QuorumRecorder | None = None
+
+        def configure(self, store_addr: str, *args, **kwargs) -> None:
+            quorum = self.recorder.last if self.recorder is not None else None
+            if quorum is not None:
+                members = ",".join(sorted(getattr(quorum, "replica_ids", None) or []))
+                store_addr = (f"{store_addr}/step{quorum.max_step}/"
+                              f"{zlib.crc32(members.encode()):08x}")
+            super().configure(store_addr, *args, **kwargs)
+
+    return _Gloo(timeout=timeout)
 
 
 def quorum_retries(quorum_timeout: float, every: float = 0.5) -> int:
@@ -175,10 +204,9 @@ def new_manager(*, lighthouse: str, replica_id: str, hostname: str, min_replicas
     quorum (:class:`QuorumRecorder`). Returns ``(manager, process_group, recorder)``."""
     configure_logs(verbose)
     from torchft.manager import Manager
-    from torchft.process_group import ProcessGroupGloo
 
     step_timeout = timedelta(seconds=timeout)
-    pg = ProcessGroupGloo(timeout=step_timeout)
+    pg = _process_group(step_timeout)
     transport = _checkpoint_transport(hostname, step_timeout, verbose)
     manager = Manager(
         pg=pg, load_state_dict=None, state_dict=None, min_replica_size=min_replicas,
@@ -194,7 +222,7 @@ def new_manager(*, lighthouse: str, replica_id: str, hostname: str, min_replicas
     except TorchFTVersionError:
         manager.shutdown(wait=False)
         raise
-    recorder = manager._client = QuorumRecorder(manager._client)
+    recorder = pg.recorder = manager._client = QuorumRecorder(manager._client)
     return manager, pg, recorder
 
 

@@ -28,6 +28,7 @@ def train(model, opt, steps: int, rank: int) -> None:
 def result(model, auto) -> dict:
     return {"decision": auto.decision.as_dict(), "probe": auto.probed.as_dict(),
             "lines": list(auto.lines), "identical": auto.keeps_replicas_identical(2),
+            "history": list(auto.history),
             "params": [getattr(p, "_local_tensor", p).detach().clone()
                        for p in model.parameters()]}
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -151,22 +152,25 @@ def test_compute_given_decides_before_step_0(capsys):
     assert err == [a.decision.line()]  # one line for all replicas
 
 
-@pytest.mark.parametrize("save_at", [2, 9])  # during the warm-up, after the decision
-def test_resume_across_the_decision_is_bitwise(save_at):
+def test_resume_across_the_decision_is_bitwise():
+    """Snapshots during the warm-up (step 2) and after the decision (step 9), loaded into
+    fresh simulations: the same bits at step 26 as the run that never stopped."""
     kw = dict(link="1mbit,100ms", candidates=["diloco-h20-int4"])
-    straight = simulate(26, **kw)
-    first = simulate(save_at, **kw)
-    state = copy.deepcopy(first.state_dict())
-    fresh = flexdemo.SimulatedReplicas(tiny, loss, replicas=2, replicator="auto",
-                                       optimizer="adamw", lr=1e-2, seed=0,
-                                       replicator_kwargs={**kw, "verbose": False})
-    fresh.load_state_dict(state)
-    resumed = simulate(26 - save_at, start=save_at, sim=fresh)
-    for a, b in zip(straight.models[0].parameters(), resumed.models[0].parameters()):
-        assert torch.equal(a, b)
-    a = resumed.optimizers[0].replicators[0]
-    assert a.decision.name == "diloco-h20-int4"
-    assert (save_at > 4) == a.lines[0].endswith("(resumed)")
+    straight, saved = None, {}
+    for start, stop in ((0, 2), (2, 9), (9, 26)):
+        straight = simulate(stop - start, start=start, sim=straight, **kw)
+        saved[stop] = copy.deepcopy(straight.state_dict())
+    for save_at in (2, 9):
+        fresh = flexdemo.SimulatedReplicas(tiny, loss, replicas=2, replicator="auto",
+                                           optimizer="adamw", lr=1e-2, seed=0,
+                                           replicator_kwargs={**kw, "verbose": False})
+        fresh.load_state_dict(saved[save_at])
+        resumed = simulate(26 - save_at, start=save_at, sim=fresh)
+        for a, b in zip(straight.models[0].parameters(), resumed.models[0].parameters()):
+            assert torch.equal(a, b), save_at
+        a = resumed.optimizers[0].replicators[0]
+        assert a.decision.name == "diloco-h20-int4"
+        assert (save_at > 4) == a.lines[0].endswith("(resumed)")
 
 
 def test_single_replica_sends_nothing(capsys):
@@ -231,7 +235,8 @@ def test_prepare_auto_on_gloo_ranks(world, shard, candidates):
     probes = [Link(**r["probe"]) for r in res]
     assert all(p.source == "probe" and not p.timed_out and p.seconds <= 2.0 for p in probes)
     assert all(r["decision"] == res[0]["decision"] for r in res)
-    assert res[0]["decision"]["step"] == 4 and res[0]["decision"]["replicas"] == 2
+    assert all(r["history"] == res[0]["history"] for r in res)  # retunes too, if any
+    assert res[0]["history"][0]["step"] == 4 and res[0]["decision"]["replicas"] == 2
     for r in range(shard):  # ranks r and r + shard hold the same shard
         for a, b in zip(res[r]["params"], res[r + shard]["params"]):
             assert torch.equal(a, b)
@@ -258,3 +263,79 @@ def test_probe_that_times_out_falls_back_on_both_ranks():
     assert d["link"]["source"] == "fallback"
     assert res[0]["lines"] == res[1]["lines"] and len(res[0]["lines"]) == 1
     assert "assuming 10 Mbit/s, 50 ms (probe timed out after 1 s)" in res[0]["lines"][0]
+
+
+class SlowLink(Transport):
+    """The simulation's group behind a link that can turn slow: after every collective each
+    replica waits for its bytes at ``state["rate"]`` bytes/s (None: no wait)."""
+
+    def __init__(self, inner: Transport, state: dict) -> None:
+        self.inner, self.state, self.size, self.rank = inner, state, inner.size, inner.rank
+
+    def global_rank(self, r):
+        return self.inner.global_rank(r)
+
+    def _wait(self, nbytes: float) -> None:
+        if self.state["rate"]:
+            time.sleep(nbytes / self.state["rate"])
+
+    def all_reduce_sum_(self, buf, async_op=False):
+        out = self.inner.all_reduce_sum_(buf, async_op)
+        self._wait((self.size - 1) / self.size * 2 * buf.numel() * buf.element_size())
+        return out
+
+    def all_gather_into(self, out, inp, async_op=False):
+        work = self.inner.all_gather_into(out, inp, async_op)
+        self._wait((self.size - 1) * inp.numel() * inp.element_size())
+        return work
+
+    def all_to_all_equal_(self, out, inp, async_op=False):
+        work = self.inner.all_to_all_equal_(out, inp, async_op)
+        self._wait((self.size - 1) / self.size * inp.numel() * inp.element_size())
+        return work
+
+    def __deepcopy__(self, memo):
+        return self
+
+
+def slow_sim(state: dict) -> flexdemo.SimulatedReplicas:
+    def build(params, group):
+        auto = AutoReplicator(link="1gbit,0.1ms", retune=True, verbose=False,
+                              candidates=["full", "diloco-h20-int4"])
+        return flexdemo.DeToNATION(params, auto, base="adamw", lr=1e-2,
+                                   group=SlowLink(group, state))
+    return flexdemo.SimulatedReplicas(tiny, loss, replicas=2, optimizer_fn=build, seed=0)
+
+
+def run_slow(sim, state, start, stop, slow_from=10):
+    for step in range(start, stop):
+        state["rate"] = 1e5 if step >= slow_from else None  # ~30 ms per full all-reduce
+        sim.step(batches(step))
+    return sim
+
+
+def test_retune_when_the_link_drops_switches_every_replica_at_one_step():
+    """Full sync on a fast link; from step 10 the link is ~1000x slower: the checks at steps
+    19 and 29 see it, and at step 29 every replica switches to DiLoCo at once (one line);
+    its first sync (step 39) leaves them bitwise equal. A checkpoint taken before the switch
+    (step 25, the window and the strike kept) or after it (step 35) resumes bitwise."""
+    state: dict = {"rate": None}
+    straight, saved = slow_sim(state), {}
+    for start, stop in ((0, 25), (25, 35), (35, 40)):
+        run_slow(straight, state, start, stop)
+        saved[stop] = copy.deepcopy(straight.state_dict())
+    assert straight.identical()  # DiLoCo's first sync after the switch: step 39
+    autos = [o.replicators[0] for o in straight.optimizers]
+    for a in autos:
+        assert [(h["event"], h["step"], h["name"]) for h in a.history] == [
+            ("decision", 4, "full"), ("retune", 29, "diloco-h20-int4")]
+        assert a.history[1]["link"]["source"] == "in-band"
+    assert autos[0].lines[1].startswith("auto: retune at step 29 (the link was 1000 Mbit/s, "
+                                        "0.1 ms): ")
+    for save_at in (25, 35):
+        fresh = slow_sim(state)
+        fresh.load_state_dict(saved[save_at])
+        resumed = run_slow(fresh, state, save_at, 40)
+        for a, b in zip(straight.models[1].parameters(), resumed.models[1].parameters()):
+            assert torch.equal(a, b), save_at
+        assert [h["step"] for h in resumed.optimizers[0].replicators[0].history] == [4, 29]

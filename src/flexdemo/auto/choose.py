@@ -170,7 +170,7 @@ class Decision:
         if self.replicas <= 1:
             return f"auto: a single replica, nothing to send -> {self.label} ({self.reason})"
         link = self.link
-        where = {"probe": "", "given": " (given)"}.get(link.source, "")
+        where = {"given": " (given)", "in-band": " (in-band)"}.get(link.source, "")
         head = link.describe() + where
         if link.source == "fallback":
             head = f"assuming {link.describe()} ({self.reason.split(';')[0]})"

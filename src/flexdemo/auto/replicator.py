@@ -21,16 +21,23 @@ The life of an :class:`AutoReplicator` (``prepare(model, "auto", optimizer=...)`
    broadcast), so the replicas are bitwise identical from there on; this needs the optimizer,
    which ``prepare()`` and :class:`~flexdemo.SimulatedReplicas` bind (``bind_optimizer``).
 4. **After**: every call goes to the chosen replicator. ``decision`` holds the
-   :class:`~flexdemo.auto.choose.Decision`, ``history`` every decision and resize as JSON.
+   :class:`~flexdemo.auto.choose.Decision`, ``history`` every decision, retune and resize as
+   JSON.
+5. **Retuning** (:mod:`.retune`; on by default when the link was probed): the exchanges' own
+   times, agreed at a safe boundary (a DiLoCo period with no sync in flight, every 10 steps
+   of full sync), show a link more than 2x slower (and costing over the budget) or faster at
+   2 checks in a row; every rank then decides again at that step and, if the choice changes,
+   hands over as in 3. (a DiLoCo-family choice starts from the old global copy, full sync
+   from the first replica's state).
 
 Checkpoints: the state holds the decision and the chosen replicator's state (during the
 warm-up: the kept start and the times measured). Loading it into a fresh ``"auto"`` rebuilds
 the chosen replicator from the decision, without a new one, so a run resumes bitwise with
 the strategy it had; the representation (``repr``) does not name the choice, so checkpoints
 of any decision load. Under fault tolerance the link is not probed (the quorum forms at the
-first step): ``link=`` or the fallback link, a decision for at least 2 replicas; when the
-quorum's size changes, one line says what the choice costs at the new size and the choice
-stays (retuning during a run is not built yet).
+first step): ``link=`` or the fallback link, a decision for at least 2 replicas, no
+retuning unless asked for; when the quorum's size changes, one line says what the choice costs
+at the new size and the choice stays.
 """
 
 from __future__ import annotations
@@ -57,6 +64,7 @@ from .choose import (
     sync_slots,
 )
 from .link import FALLBACK_LINK, Link, parse_link, probe_link
+from .retune import Retuner
 
 __all__ = ["AutoReplicator"]
 
@@ -96,6 +104,9 @@ class AutoReplicator(Replicator):
         compute_seconds: skip the warm-up: the compute time of one step, in seconds.
         candidates: names of ranking entries to choose among (default: all).
         ranking: another ranking file (default: the package's ``quality_ranking.json``).
+        retune: decide again when the exchanges' own times show the link changed by more
+            than ``retune_factor`` at ``retune_checks`` checks in a row (:mod:`.retune`);
+            default: when the link was probed (a link given stays as given).
         verbose: print the decision's line (on the first rank) to stderr.
     """
 
@@ -105,7 +116,8 @@ class AutoReplicator(Replicator):
     def __init__(self, *, budget: float = 0.05, warmup: int = 4, probe_seconds: float = 2.0,
                  link: str | dict | Link | None = None, compute_seconds: float | None = None,
                  candidates: list[str] | None = None, ranking: str | None = None,
-                 verbose: bool = True, group=None) -> None:
+                 retune: bool | None = None, retune_factor: float = 2.0,
+                 retune_checks: int = 2, verbose: bool = True, group=None) -> None:
         super().__init__(group=group)
         if not isinstance(budget, (int, float)) or not 0 < budget < 1:
             raise ValueError(f"auto: budget must be a share of the step in (0, 1), got "
@@ -131,6 +143,13 @@ class AutoReplicator(Replicator):
             ranked = [c for c in ranked if c.name in candidates]
         self.candidates = candidates
         self._ranked: list[Candidate] = ranked
+        if not isinstance(retune_factor, (int, float)) or not retune_factor > 1:
+            raise ValueError(f"auto: retune_factor must be > 1, got {retune_factor!r}")
+        if not isinstance(retune_checks, int) or retune_checks < 1:
+            raise ValueError(f"auto: retune_checks must be an integer >= 1, got "
+                             f"{retune_checks!r}")
+        self.retune, self.retune_factor, self.retune_checks = retune, retune_factor, retune_checks
+        self._retuner = Retuner(retune_factor, retune_checks)
         self.verbose = verbose
         self.chosen: Replicator | None = None
         self.decision: Decision | None = None
@@ -161,6 +180,8 @@ class AutoReplicator(Replicator):
         self._last: float | None = None
         self._bad = False
         self._start: list[torch.Tensor] | None = None
+        self._retunes = (self._given_link is None and self._probeable if self.retune is None
+                         else self.retune)
         if self.world <= 1 and self._probeable:
             self._adopt(Decision("none", "none (no replication)", "none", {}, 1, FALLBACK_LINK,
                                  0.0, self.budget, reason="nothing to send", step=0), fresh=True)
@@ -191,11 +212,33 @@ class AutoReplicator(Replicator):
         if compute is None:
             samples = self._periods[1:] if len(self._periods) > 1 else self._periods
             compute = statistics.median(samples) if samples else 0.0
-        replicas = self.world if self._probeable else max(self.world, 2)
-        sizings = self._sizings(replicas)
+        replicas = self._replicas()
         link = self.probed or FALLBACK_LINK
-        mine = [compute, link.bandwidth, link.latency, float(link.timed_out),
+        head = [compute, link.bandwidth, link.latency, float(link.timed_out),
                 float(link.source == "fallback"), float(self._bad), link.seconds]
+        top, low, sizings = self._gather(head, self._sizings(replicas))
+        compute, timed_out, fallback, bad = top[0], top[3] > 0, top[4] > 0, top[5] > 0
+        if timed_out or fallback:
+            took = f"probe timed out after {self.probe_seconds:g} s" if timed_out else \
+                "no probe over this group (fault tolerance)"
+            link, note = replace(FALLBACK_LINK, seconds=top[6], timed_out=timed_out), took
+        else:
+            link, note = Link(low[1], top[2], link.source, top[6]), ""
+        ranked, sizings = self._allowed(sizings, fresh)
+        decision = choose(ranked, sizings, link, compute, replicas, self.budget, step, note)
+        self._adopt(decision, fresh=fresh)
+        if bad and self.nonfinite == "raise":  # a warm-up step some replica skipped alone
+            raise NonFiniteGradientError(self.name, None, step,
+                                         note=" (in a warm-up step before the decision)")
+
+    def _replicas(self) -> int:
+        return self.world if self._probeable else max(self.world, 2)
+
+    def _gather(self, head: list[float], sizings: list[Sizing | None]
+                ) -> tuple[list[float], list[float], list[Sizing | None]]:
+        """One all-gather over the world: the largest and smallest of ``head`` over the ranks,
+        and each candidate's sizing with its largest syncs (None where some rank has none)."""
+        mine = list(head)
         for c, s in zip(self._ranked, sizings):  # slots known before sizing: one layout
             slots = sync_slots(c)
             mine += [0.0, *[0.0] * slots] if s is None else [1.0, *map(float, s.syncs)]
@@ -205,34 +248,28 @@ class AutoReplicator(Replicator):
         agree.all_gather_into(out, vec)
         rows = out.view(agree.size, vec.numel()).cpu()
         top, low = rows.max(dim=0).values.tolist(), rows.min(dim=0).values.tolist()
-        compute, timed_out, fallback, bad = top[0], top[3] > 0, top[4] > 0, top[5] > 0
-        if timed_out or fallback:
-            took = f"probe timed out after {self.probe_seconds:g} s" if timed_out else \
-                "no probe over this group (fault tolerance)"
-            link, note = replace(FALLBACK_LINK, seconds=top[6], timed_out=timed_out), took
-        else:
-            link, note = Link(low[1], top[2], link.source, top[6]), ""
-        at, agreed = 7, []
+        at, agreed = len(head), []
         for c, s in zip(self._ranked, sizings):  # applies on every rank: the largest bytes
             slots = sync_slots(c)
             ok = low[at] > 0 and s is not None
             agreed.append(Sizing(s.period, tuple(int(b) for b in top[at + 1: at + 1 + slots]),
                                  s.collectives, s.overlap) if ok and s is not None else None)
             at += 1 + slots
-        sizings = agreed
+        return top[: len(head)], low[: len(head)], agreed
+
+    def _allowed(self, sizings: list[Sizing | None], fresh: bool
+                 ) -> tuple[list[Candidate], list[Sizing | None]]:
+        """Replicas that drifted apart (after a warm-up or a DiLoCo) and no optimizer to
+        copy the first one's state from: only the DiLoCo family can take over."""
         ranked = self._ranked
-        if not fresh and self._optimizer is None:  # replicas drifted: only restarts are safe
-            keep = [i for i, c in enumerate(ranked) if self._restarts(c) and sizings[i]]
-            if not keep:
-                raise ValueError(f"auto: the candidates {[c.name for c in ranked]} need the "
-                                 "optimizer after the warm-up (bind_optimizer); build it with "
-                                 "prepare() or give compute_seconds")
-            ranked, sizings = [ranked[i] for i in keep], [sizings[i] for i in keep]
-        decision = choose(ranked, sizings, link, compute, replicas, self.budget, step, note)
-        self._adopt(decision, fresh=fresh)
-        if bad and self.nonfinite == "raise":  # a warm-up step some replica skipped alone
-            raise NonFiniteGradientError(self.name, None, step,
-                                         note=" (in a warm-up step before the decision)")
+        if fresh or self._optimizer is not None:
+            return ranked, sizings
+        keep = [i for i, c in enumerate(ranked) if self._restarts(c) and sizings[i]]
+        if not keep:
+            raise ValueError(f"auto: the candidates {[c.name for c in ranked]} need the "
+                             "optimizer after the warm-up (bind_optimizer); build it with "
+                             "prepare() or give compute_seconds")
+        return [ranked[i] for i in keep], [sizings[i] for i in keep]
 
     @staticmethod
     def _restarts(c: Candidate) -> bool:
@@ -279,13 +316,15 @@ class AutoReplicator(Replicator):
 
     # ------------------------------------------------------------------ stepping
     def replicate(self, grads, lrs, step, communicate):
-        if self.chosen is None:
-            now = time.perf_counter()
-            if self._last is not None:
+        now = time.perf_counter()
+        if self._last is not None:  # the step before: start to start
+            if self.chosen is None:
                 self._periods.append(now - self._last)
-            self._last = now
-            if step >= self.warmup:
-                self._decide(step)
+            else:
+                self._retuner.window.step_time(now - self._last)
+        self._last = now
+        if self.chosen is None and step >= self.warmup:
+            self._decide(step)
         if self.chosen is not None:
             return self.chosen.replicate(grads, lrs, step, communicate)
         if bool(nonfinite_flag(grads, self.device)):  # only this replica knows: it skips
@@ -295,8 +334,59 @@ class AutoReplicator(Replicator):
         return grads
 
     def after_step(self, step: int) -> None:
-        if self.chosen is not None:
-            self.chosen.after_step(step)
+        if self.chosen is None:
+            return
+        self.chosen.after_step(step)
+        if not self._retunes or self.world <= 1 or self.decision is None:
+            return
+        st, rt = self.stats, self._retuner
+        rt.window.step_done(st.last_seconds, st.last_bytes_sent, st.last_collectives)
+        rt.after_step(step, int(getattr(self.chosen, "inner_steps", 1)))
+        if rt.due and not getattr(self.chosen, "pending", None):  # a safe boundary
+            self._check(step)
+
+    # ------------------------------------------------------------------ retuning
+    def _check(self, step: int) -> None:
+        """Agree on what the exchanges measured; decide again after a sustained change."""
+        d = self.decision
+        assert d is not None
+        replicas = self._replicas()
+        sizings = self._sizings(replicas)
+        current = next((s for c, s in zip(self._ranked, sizings) if c.name == d.name), None)
+        seen = (self._retuner.window.estimate(d.link, current) if current is not None
+                else (float("inf"), 0.0, 0.0))
+        top, low, sizings = self._gather(list(seen), sizings)
+        # the rank that waited least arrived last: its time is the link's, not a peer's skew
+        if not self._retuner.verdict(d.link, top[0], low[2], self.budget):
+            return
+        link = Link(top[0], d.link.latency, "in-band")
+        ranked, sizings = self._allowed(sizings, fresh=False)
+        new = choose(ranked, sizings, link, top[1], replicas, self.budget, step,
+                     f"retuned: the syncs measured {link.mbit:.3g} Mbit/s, "
+                     f"the decision assumed {d.link.mbit:.3g}")
+        if new.name != d.name:
+            self._switch(new)
+        else:
+            self.decision = new
+        self.history.append({"event": "retune", **new.as_dict()})
+        self._say(f"auto: retune at step {step} (the link was {d.link.describe()}): "
+                  f"{new.line()[len('auto: '):]}{' (stays)' if new.name == d.name else ''}")
+
+    def _switch(self, new: Decision) -> None:
+        """Hand over at a safe boundary: a DiLoCo-family choice starts from the point the
+        replicas last agreed on (the old global copy, or the identical parameters of full
+        sync); full sync first gives every replica the first one's parameters and state."""
+        old = self.chosen
+        assert old is not None
+        rep = make_replicator(new.replicator, **new.replicator_kwargs)
+        rep.setup(self._local_shapes, self.device, self.group, self._params, self.nonfinite)
+        rep.stats = self.stats
+        glob_new, glob_old = (getattr(r, "global_params", None) for r in (rep, old))
+        if glob_new is not None and glob_old is not None:
+            torch._foreach_copy_(glob_new, glob_old)
+        elif glob_new is None and not old.keeps_replicas_identical(self.world):
+            self._copy_first_replica()
+        self.chosen, self.decision = rep, new
 
     def rebind(self) -> None:
         """A quorum of another size (fault tolerance): one line with the choice's cost at
@@ -358,6 +448,7 @@ class AutoReplicator(Replicator):
     def state_dict(self) -> dict:
         sd = super().state_dict()
         sd["history"] = list(self.history)
+        sd["retune"] = self._retuner.state_dict()
         if self.chosen is not None and self.decision is not None:
             sd["decision"] = self.decision.as_dict()
             sd["chosen"] = self.chosen.state_dict()
@@ -386,4 +477,5 @@ class AutoReplicator(Replicator):
                 torch._foreach_copy_(self._start, start)
         self._last = None  # no period across a resume
         self.history = list(state.get("history", self.history))
+        self._retuner.load_state_dict(state.get("retune", {}))
         super().load_state_dict(state)

@@ -152,13 +152,18 @@ class Staging:
             torch._foreach_zero_(plan.zero[z0:z1])
 
     def nonfinite_grad_flag(self, grads, plan: StepPlan) -> torch.Tensor:
-        """:meth:`nonfinite_input_flag` from the gradients themselves, before any is staged
-        (one multi-tensor max-norm: NaN and Inf propagate)."""
+        """:meth:`nonfinite_input_flag` from the gradients themselves, before any is staged:
+        on CUDA one multi-tensor max-norm (NaN and Inf propagate), on a CPU, where that is a
+        slow fallback (a copy of every gradient), the least and largest entry of each."""
         lay = self.layout
         if not plan.present:
             return torch.zeros((), dtype=torch.bool, device=lay.device)
-        norms = torch._foreach_norm([lay.piece(grads, p) for p in plan.present], float("inf"))
-        return ~torch.isfinite(torch.stack(norms)).all()
+        pieces = [lay.piece(grads, p) for p in plan.present]
+        if lay.device.type == "cuda":
+            ends = list(torch._foreach_norm(pieces, float("inf")))
+        else:
+            ends = [e for t in pieces for e in torch.aminmax(t)]
+        return ~torch.isfinite(torch.stack(ends)).all()
 
     def write_back(self, grads, pieces: list[int], views: list[torch.Tensor]) -> None:
         """The decoded output into the gradients' ``pieces`` (one multi-tensor copy)."""

@@ -33,6 +33,7 @@ import logging
 import os
 import re
 import sys
+import warnings
 import zlib
 from datetime import timedelta
 from typing import Any
@@ -108,6 +109,9 @@ def configure_logs(verbose: bool) -> None:
     the user set is kept)."""
     if not verbose:
         os.environ.setdefault("RUST_LOG", "warn")
+        # torch's, when torchft's checkpoint transport loads a healing group's state
+        warnings.filterwarnings("ignore", message="The given buffer is not writable",
+                                module="torch.distributed._serialization")
     for name in LOGGERS:
         log = logging.getLogger(name)
         for h in [h for h in log.handlers if isinstance(h, (OneLineHandler, _VerboseHandler))]:

@@ -23,7 +23,7 @@ from test_elastic import (
 )
 
 from flexdemo.app.preempt import PREEMPTED_EXIT_CODE
-from flexdemo.checkpoint import MARKER_FILE
+from flexdemo.integrity import check_checkpoint
 
 pytest.importorskip("torchft")
 
@@ -85,7 +85,7 @@ def test_a_lighthouse_restarted_on_its_address_loses_no_step(tmp_path, procs):  
 def test_a_lost_lighthouse_saves_every_group_and_exits_3(tmp_path, procs):  # noqa: F811
     """`flexdemo train` as groups A and B; the lighthouse is SIGKILLed and never comes back:
     after quorum_timeout (3 s) each group saves its last committed step (every logged step
-    covered, a complete checkpoint) and exits 3 with one line that names the lost
+    covered, an intact checkpoint that a resume picks) and exits 3 with one line that names the lost
     lighthouse; no traceback, no torchft INFO line."""
     lh = Lighthouse(2, tmp_path / "lighthouse.log")
     try:
@@ -109,5 +109,6 @@ def test_a_lost_lighthouse_saves_every_group_and_exits_3(tmp_path, procs):  # no
             f"lighthouse at {lh.url}: it did not answer for 3 s (quorum_timeout); saved step "
             f"{last} to {saved}; start the lighthouse again at its address and continue with "
             f"resume=true (exit code 3)"], log[-3000:]
-        assert (saved / MARKER_FILE).exists()
+        status = check_checkpoint(saved)  # what a resume picks: intact, at that step
+        assert (status.state, status.step) == ("intact", last), status
         _no_torchft_noise(log)

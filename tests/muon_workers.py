@@ -26,9 +26,10 @@ def _full(step: int, scale: float = 1.0) -> list[torch.Tensor]:
     return [scale * torch.randn(s, generator=g) for s in SHAPES + VECTORS]
 
 
-def optimizer_worker(rank: int, world: int, replicate: int, shard: int) -> dict:
-    """Row-sharded MuonAdamW (batched Newton-Schulz) against the unsharded one calling
-    torch's Newton-Schulz per matrix, on the same full gradients."""
+def optimizer_worker(rank: int, world: int, replicate: int, shard: int,
+                     bound: int | None = None) -> dict:
+    """Row-sharded MuonAdamW (batched Newton-Schulz; ``bound``: its ns_batch_numel) against
+    the unsharded one calling torch's Newton-Schulz per matrix, on the same full gradients."""
     mesh = init_device_mesh("cpu", (replicate, shard), mesh_dim_names=("replicate", "shard"))
     start = _full(-1)
     names = [f"m{i}" for i in range(len(SHAPES))] + ["bias"]
@@ -36,7 +37,7 @@ def optimizer_worker(rank: int, world: int, replicate: int, shard: int) -> dict:
                for t in start]
     plain = [torch.nn.Parameter(t.clone()) for t in start]
     kw = {"lr": 0.02, "weight_decay": 0.1}
-    opt = MuonAdamW(list(zip(names, sharded)), **kw)
+    opt = MuonAdamW(list(zip(names, sharded)), **kw, ns_batch_numel=bound)
     ref = MuonAdamW(list(zip(names, plain)), **kw, ns_mode="per_matrix")  # torch's, per matrix
     sent = []
     for step in range(3):

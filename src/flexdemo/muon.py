@@ -41,7 +41,7 @@ class _Plan(NamedTuple):
 
     whole: list[int]  # matrices held whole by this rank
     batches: list[list[int]]  # those by shape, in batches of at most ns_batch_numel entries
-    sharded: dict  # {process group: row-sharded matrices}
+    sharded: dict  # {process group: row-sharded matrices, in bounded chunks}
     by_shape: list[list[int]]  # every matrix by (global) shape: one lr adjustment each
 
 
@@ -259,13 +259,24 @@ class MuonAdamW(torch.optim.Optimizer):
         key = tuple(map(id, params))
         if key != self._plan_key:
             whole: list[int] = []
-            sharded: dict = {}
+            by_group: dict = {}
             for i, p in enumerate(params):
                 layout = row_sharding(p)
                 if layout is None:
                     whole.append(i)
                 else:
-                    sharded.setdefault(layout[0], []).append(i)
+                    by_group.setdefault(layout, []).append(i)
+            # sharded matrices in chunks of at most ns_batch_numel entries per rank (by their
+            # global shapes: every rank of a group cuts alike), one exchange each
+            sharded: dict = {}
+            for (pg, size), idx in by_group.items():
+                chunks, total = sharded.setdefault(pg, [[]]), 0
+                for i in idx:
+                    if chunks[-1] and total + params[i].numel() > self.ns_batch_numel * size:
+                        chunks.append([])
+                        total = 0
+                    chunks[-1].append(i)
+                    total += params[i].numel()
             self._plan_key = key
             batches: list[list[int]] = []
             for same in shape_groups([params[i].shape for i in whole]):
@@ -290,11 +301,12 @@ class MuonAdamW(torch.optim.Optimizer):
             return self._ns(mats, group, groups)
 
         out: list = [None] * len(params)
-        for group_pg, idx in plan.sharded.items():
-            results = orthogonalise_sharded([params[i].shape for i in idx], update(idx),
-                                            group_pg, ns, self.stats)
-            for i, r in zip(idx, results):
-                out[i] = r
+        for group_pg, chunks in plan.sharded.items():
+            for idx in chunks:  # bounded chunks: one all-to-all there and back each
+                results = orthogonalise_sharded([params[i].shape for i in idx], update(idx),
+                                                group_pg, ns, self.stats)
+                for i, r in zip(idx, results):
+                    out[i] = r
         return out
 
 

@@ -364,6 +364,13 @@ class Replicator(ABC):
     def load_state_dict(self, state: dict) -> None:
         self.stats.load(state.get("stats", {}))
 
+    def input_views(self) -> list[torch.Tensor] | None:
+        """After set-up: the fp32 buffers its step copies its input into, one per tensor (None:
+        it has none). A caller that builds its input there (DiLoCo's pseudo-gradients) saves
+        that copy and one copy of the tensors' memory; the step then leaves them as it likes
+        until its result is taken."""
+        return None
+
     def state_tensors(self) -> list[torch.Tensor]:
         """The live tensors of the persistent state (what :meth:`state_dict` saves), for
         memory accounting; a replicator whose ``state_dict`` copies overrides it."""

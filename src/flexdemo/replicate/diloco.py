@@ -184,8 +184,6 @@ class DiLoCoReplicator(Replicator):
         self._locals = [p.detach() for p in self._params]  # views, built once
         store = torch.device("cpu") if self.offload else self.device
         self.global_params = [p.detach().float().to(store, copy=True) for p in self._params]
-        self.pseudo = [torch.zeros(p.shape, dtype=torch.float32, device=self.device)
-                       for p in self._params]
         if self.outer_factory is not None:
             self.outer = self.outer_factory(self.global_params)
         else:
@@ -200,6 +198,17 @@ class DiLoCoReplicator(Replicator):
             ex.group = group
             ex.setup([self._local_shapes[i] for i in part], self.device, self.group,
                      nonfinite=self.nonfinite)
+        # the pseudo-gradients: built where the exchange copies its input, if it has such
+        # buffers (a dense exchange's flat buffer), else their own
+        built: dict[int, torch.Tensor] = {}
+        for ex, part in zip(self.exchanges, self.parts):
+            views = ex.input_views()
+            if views is not None and all(v.shape == self._params[i].shape for i, v in
+                                         zip(part, views)):
+                built.update(zip(part, views))
+        self.pseudo = [built[i] if i in built else
+                       torch.zeros(p.shape, dtype=torch.float32, device=self.device)
+                       for i, p in enumerate(self._params)]
         self.syncs = [0] * self.fragments
         self.pending: dict[int, _Sync] = {}
         # keep_unsent: the progress not sent yet (the replica restarted at global - residual)

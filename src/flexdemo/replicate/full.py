@@ -55,7 +55,7 @@ class FlatLayout:
         """Copy ``grads`` into the buffer (zeros for missing ones); returns the present ones."""
         present, views, missing = self.plan(grads)
         tensors = [grads[i] for i in present]
-        if tensors:
+        if tensors and not all(t is v for t, v in zip(tensors, views)):  # (built in place)
             torch._foreach_copy_(views, tensors)
         if missing:
             torch._foreach_zero_(missing)
@@ -64,7 +64,7 @@ class FlatLayout:
     def scatter(self, grads: list) -> None:
         """Write the buffer back into the present ``grads``."""
         present, views, _ = self.plan(grads)
-        if present:
+        if present and not all(grads[i] is v for i, v in zip(present, views)):
             torch._foreach_copy_([grads[i] for i in present], views)
 
 
@@ -328,6 +328,9 @@ class FullReplicator(Replicator):
 
     def state_tensors(self) -> list[torch.Tensor]:
         return [] if self.residual is None else [self.residual]
+
+    def input_views(self) -> list[torch.Tensor] | None:
+        return self.layout.views
 
     def load_state_dict(self, state: dict) -> None:
         if self.residual is not None:

@@ -147,3 +147,20 @@ def test_offloaded_momentum_gives_the_same_bits(kw, nan):
 def test_offload_refuses_cuda_graphs():
     with pytest.raises(ValueError, match="offload=True and graphs=True do not combine"):
         DeMoReplicator(offload=True, graphs=True)
+
+
+def test_diloco_builds_its_pseudo_gradients_in_the_exchange_buffer():
+    """A dense exchange's flat buffer holds DiLoCo's pseudo-gradients: its held buffers are
+    that one copy of the parameters (and the payload), not two."""
+    with LiveBytes():
+        model = _model()
+        P = 4 * sum(p.numel() for p in model.parameters())
+        opt = DeToNATION(model.parameters(), "diloco", base="adamw", lr=1e-3)
+        for _ in range(2):
+            opt.zero_grad()
+            model(torch.randn(4, 512)).square().mean().backward()
+            opt.step()
+    rep = opt.replicators[0]
+    flat = rep.exchanges[0].layout.flat
+    assert all(p.untyped_storage()._cdata == flat.untyped_storage()._cdata for p in rep.pseudo)
+    assert P <= opt.memory_stats()["workspace_bytes"] < 1.2 * P

@@ -154,6 +154,8 @@ def time_step(token: str, names: list[str], ps: list[torch.Tensor], gs: list[tor
     out = {"ms_median": 1e3 * statistics.median(times), "ms_mean": 1e3 * statistics.fmean(times),
            "steps_timed": len(times), "steps_planned": planned, "sync_every": every,
            "mean_has_sync": every > 1 and len(times) >= every}
+    mem = opt.memory_stats()  # exact, per storage, on any device
+    out.update(state_bytes=mem["state_bytes"], workspace_bytes=mem["workspace_bytes"])
     if cuda:
         torch.cuda.synchronize()
         out.update(peak_bytes=torch.cuda.max_memory_allocated() - base,
@@ -203,7 +205,7 @@ def step_cost(sizes: Sizes, device: torch.device, deadline: float) -> dict:
                     row.update(time_step(token, names, ps, gs, timer, sizes, own))
                     row["pct_fwd_bwd"] = 100 * row["ms_median"] / (fb * 1e3)
                     row["pct_fwd_bwd_mean"] = 100 * row["ms_mean"] / (fb * 1e3)
-                    for k in ("peak", "held"):
+                    for k in ("peak", "held", "state", "workspace"):
                         if f"{k}_bytes" in row:
                             row[f"{k}_P"] = row[f"{k}_bytes"] / (4 * local)
                 except Exception as e:  # a failed strategy is a row; the others still run

@@ -28,9 +28,11 @@ def step_tables(part: dict, env: str) -> tuple[str, str]:
                  "step; mean: over the timed steps (a DiLoCo strategy's include one sync). On "
                  "1/8 rows Muon orthogonalises each row slice (FSDP2's Muon gathers whole "
                  "matrices over the fast link instead).\n"], \
-        [f"# Peak memory\n\n{env}. P = fp32 bytes of the layout's parameters. held: what the "
-         "optimizer keeps after its steps (state, replicator buffers, graph pools); peak: the "
-         "most allocated during the steps, both above the parameters and gradients.\n"]
+        [f"# Peak memory\n\n{env}. P = fp32 bytes of the layout's parameters. state and ws: "
+         "the optimizer's persistent state and the buffers its replicators keep besides it "
+         "(`memory_stats()`, exact on any device); held: what the optimizer keeps after its "
+         "steps (state, replicator buffers, graph pools); peak: the most allocated during the "
+         "steps, both above the parameters and gradients (CUDA allocator).\n"]
     for m in part["models"]:
         fb = (f"forward+backward {m['fwd_bwd_ms']:.1f} ms (batch {m['batch']} x "
               f"{m['seq_len']})")
@@ -43,16 +45,18 @@ def step_tables(part: dict, env: str) -> tuple[str, str]:
                 if r is None or "error" in r:
                     why = "not reached" if r is None else f"error: {r['error'][:60]}"
                     sr += [why, "", ""]
-                    mr += [why, ""]
+                    mr += [why, "", "", ""]
                     continue
                 sr += [f"{r['ms_median']:.2f}", f"{r['pct_fwd_bwd']:.1f}%",
                        f"{r['ms_mean']:.2f} ({r['steps_timed']})"]
+                mr += [f"{r['state_P']:.2f}", f"{r['workspace_P']:.2f}"]
                 mr += ([f"{r['held_P']:.2f}", f"{r['peak_P']:.2f}"] if "peak_P" in r
                        else ["n/a (CPU)", "n/a (CPU)"])
             srows.append(sr)
             mrows.append(mr)
         shead = head + [x for lay in layouts for x in (f"{lay} ms", "% f+b", "mean ms (n steps)")]
-        mhead = head + [x for lay in layouts for x in (f"{lay} held P", "peak P")]
+        mhead = head + [x for lay in layouts
+                        for x in (f"{lay} state P", "ws P", "held P", "peak P")]
         step.append(f"\n## {m['model']}: {fb}\n\n" + md_table(shead, srows))
         peak = (f"; forward+backward {m['fwd_bwd_peak_P']:.2f} P above the parameters "
                 "(gradients included)" if m["fwd_bwd_peak_P"] is not None else "")

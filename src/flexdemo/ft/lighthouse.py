@@ -1,12 +1,15 @@
-"""``flexdemo lighthouse``: start torchft's lighthouse (the quorum server of elastic runs)."""
+"""``flexdemo lighthouse``: start torchft's lighthouse (the quorum server of elastic runs);
+:func:`lighthouse_answers`: whether it is there."""
 
 from __future__ import annotations
 
 import argparse
 import os
 import shutil
+import socket
 import sys
 from pathlib import Path
+from urllib.parse import urlsplit
 
 from .config import TorchFTMissingError, require_torchft
 
@@ -73,3 +76,19 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     sys.stderr.flush()
     os.execv(cmd[0], cmd)
     return 0  # not reached
+
+
+def lighthouse_answers(url: str, timeout: float = 1.0) -> bool:
+    """Whether something accepts connections at the lighthouse's address ``url``."""
+    try:
+        parts = urlsplit(url)
+        host, port = parts.hostname, parts.port
+    except ValueError:
+        return False
+    if not host or not port:
+        return False
+    try:
+        socket.create_connection((host, port), timeout=timeout).close()
+    except OSError:
+        return False
+    return True

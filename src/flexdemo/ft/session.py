@@ -12,18 +12,17 @@ from __future__ import annotations
 
 import contextlib
 import os
-import socket
 import sys
 import threading
 import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
-from urllib.parse import urlsplit
 
 import torch
 import torch.distributed as dist
 
 from .config import FaultTolerance
+from .lighthouse import lighthouse_answers
 from .state import check_supported, heal_state, load_heal_state, rebind, restore, snapshot
 from .torchft_api import (
     TorchFTVersionError,
@@ -63,22 +62,6 @@ class DuplicateReplicaIdError(ValueError):
 
 __all__ = ["DuplicateReplicaIdError", "ElasticSession", "LighthouseLostError",
            "LighthouseUnreachableError", "QuorumTimeoutError", "TorchFTVersionError"]
-
-
-def lighthouse_answers(url: str, timeout: float = 1.0) -> bool:
-    """Whether something accepts connections at the lighthouse's address ``url``."""
-    try:
-        parts = urlsplit(url)
-        host, port = parts.hostname, parts.port
-    except ValueError:
-        return False
-    if not host or not port:
-        return False
-    try:
-        socket.create_connection((host, port), timeout=timeout).close()
-    except OSError:
-        return False
-    return True
 
 
 def _store(hostname: str) -> tuple[str, int, object]:

@@ -282,6 +282,13 @@ def test_nonfinite_raise_and_skip():
     assert opt.skipped_steps == 1
     assert all(torch.equal(a, b) for a, b in zip(before, m.parameters()))
     assert all(float(d.abs().sum()) == 0 for d in opt.replicators[0].delta)
+    stats = opt.last_step_stats()  # the step is counted, and said to be skipped
+    assert (opt.steps, stats["skipped"], stats["skipped_steps"]) == (1, True, 1)
+    opt.zero_grad()
+    loss_of(m, 0).backward()
+    opt.step()
+    stats = opt.last_step_stats()
+    assert (opt.steps, stats["skipped"], stats["skipped_steps"]) == (2, False, 1)
 
 
 def test_learns_like_sgd():

@@ -699,7 +699,12 @@ def test_skipped_steps_are_counted_and_a_run_that_skips_most_stops(tmp_path, sin
     with pytest.raises(TrainingError) as info:
         train(load_config(ROOT / "configs/gpt.toml", base), echo=lambda text: None)
     msg = _one_line(info)
-    assert "3 of " in msg and "skipped" in msg and "train.max_skipped=0.25" in msg, msg
+    assert "step 4: 3 of 4 steps" in msg and "train.max_skipped=0.25" in msg, msg
+    # the lines go as far as the message counts, and the summary says why the run stopped
+    rows = metrics(out)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4] and rows[-1]["skipped_steps_total"] == 3
+    stopped = json.loads((out / "summary.json").read_text())
+    assert stopped["skipped_steps"] == 3 and stopped["stopped"] == msg
     said: list[str] = []
     summary = train(load_config(ROOT / "configs/gpt.toml", base + ["train.max_skipped=1",
                                                                    "train.overwrite=true"]),

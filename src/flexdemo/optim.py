@@ -169,6 +169,7 @@ class DeToNATION(torch.optim.Optimizer):
         self.nonfinite = nonfinite
         self.skipped_steps = 0
         self._step_workspace: int | None = None  # measured under flexdemo.LiveBytes
+        self._last_skipped = False
         self.steps = 0
         if not isinstance(replicators, (list, tuple)):
             replicators = [replicators]
@@ -269,6 +270,7 @@ class DeToNATION(torch.optim.Optimizer):
                 raise
             skipped = True
         self.skipped_steps += skipped
+        self._last_skipped = skipped
         # on every rank alike (a skipped step too), so the buffers' collective always pairs up
         if self.buffer_sync is not None and self.buffer_policy == "mean" and (
                 self._buffers_every_step
@@ -359,6 +361,8 @@ class DeToNATION(torch.optim.Optimizer):
             "bytes_received": sum(r.stats.last_bytes_received for r in rs),
             "comm_seconds": sum(r.stats.last_seconds for r in rs),
             "collectives": sum(r.stats.last_collectives for r in rs),
+            # opt.steps counts every step taken, skipped ones too (schedules and syncs follow it)
+            "skipped": self._last_skipped, "skipped_steps": self.skipped_steps,
         }
         shard = getattr(self.base, "stats", None)
         if shard is not None:

@@ -141,7 +141,8 @@ class Trainer(TrainerSetUp):
         skipped = self.opt.skipped_steps - skipped_before
         limit = tc.max_skipped * tc.steps
         if skipped and self.opt.skipped_steps > limit and tc.max_skipped < 1:
-            raise TrainingError(
+            # this step's line and the summary are written before the run stops (see _run)
+            self.skip_stop = (
                 f"step {step}: {self.opt.skipped_steps} of {step} steps were skipped for "
                 f"NaN/Inf gradients (strategy.nonfinite='skip'), more than train.max_skipped="
                 f"{tc.max_skipped:g} of train.steps={tc.steps}; the run is not training: "
@@ -267,6 +268,12 @@ class Trainer(TrainerSetUp):
                 continue
             step = record["step"]
             pending.append(record)
+            if self.skip_stop is not None:  # too many skipped steps: lines, summary, one line
+                write(self._read_losses(pending))
+                summary = self._summary(start, resume_from, losses, step_s, comm_s, val,
+                                        time.perf_counter() - t_loop)
+                self._write_summary({**summary, "stopped": self.skip_stop})
+                raise TrainingError(self.skip_stop)
             # every rank, every step: did any rank get SIGTERM/SIGINT? (then all stop here)
             stop = self.stop.agreed() if step < last else None
             evaluate = bool(tc.eval_every and step % tc.eval_every == 0) or step == last
@@ -284,14 +291,18 @@ class Trainer(TrainerSetUp):
         loop_seconds = time.perf_counter() - t_loop
         self.progress.close()
         summary = self._summary(start, resume_from, losses, step_s, comm_s, val, loop_seconds)
+        self._write_summary(summary)
+        say(format_summary(summary))
+        return summary
+
+    def _write_summary(self, summary: dict[str, Any]) -> None:
+        """``summary.json`` (rank 0; a failure to write it is a warning)."""
         if self.rank == 0:
             try:
                 write_atomic(self.out / "summary.json", strict_json(summary, indent=2) + "\n")
             except OSError as e:
-                say(f"warning: cannot write {self.out / 'summary.json'}: "
-                    f"{describe_os_error(e)}")
-        say(format_summary(summary))
-        return summary
+                self.say(f"warning: cannot write {self.out / 'summary.json'}: "
+                         f"{describe_os_error(e)}")
 
     def _lighthouse_lost(self, e: LighthouseLostError, start: int, resume_from: Path | None,
                          sampler: ShardSampler) -> LighthouseLost:

@@ -88,6 +88,7 @@ class TrainerSetUp:
         self._join()  # before the task: reading data must not count against a peer's arrival
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.started = False  # the loop began: a lost peer is no longer a start-up failure
+        self.skip_stop: str | None = None  # the line that stops a run of skipped steps
         self.checkpointer: Checkpointer | None = None
         # heartbeats from now on; until the loop starts they also watch for a peer that died
         # (a rank blocked in prepare()'s collectives learns it from its heartbeat thread)

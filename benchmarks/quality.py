@@ -89,6 +89,9 @@ SETTINGS: dict[str, Setting] = {
     "demo-bf16-dct": Setting("DeMo defaults with the forward transform's products in bf16 "
                              "(transform_dtype='bf16')", "demo", "sgd", 1e-3,
                              {"transform_dtype": "bf16"}),
+    "demo-bf16-momentum": Setting("DeMo defaults with the momentum (its error feedback) kept "
+                                  "in bf16, rounded stochastically (momentum_dtype='bf16')",
+                                  "demo", "sgd", 1e-3, {"momentum_dtype": "bf16"}),
     "demo-fp32": Setting("DeMo defaults with fp32 values (topk 16, decay 0.999), sign-SGD",
                          "demo", "sgd", 1e-3, {"values": "fp32"}),
     "demo-noscale": Setting("DeMo defaults, momentum without the lr factor "
@@ -204,6 +207,11 @@ SETTINGS: dict[str, Setting] = {
         {"inner_steps": h, "outer_lr": 1.0, "outer_momentum": 0.0,
          "exchange_kwargs": {"values": "int4", "reduce": "scatter"}})
        for h in (20, 30, 40)},
+    "muloco-h20-int4-bf16-global": Setting(
+        "MuLoCo: DiLoCo H=20, Muon inner steps, plain averaging, int4 exchange, the global copy "
+        "in bf16, rounded stochastically (global_dtype='bf16')", "diloco", "muon", 1e-2,
+        {"inner_steps": 20, "outer_lr": 1.0, "outer_momentum": 0.0, "global_dtype": "bf16",
+         "exchange_kwargs": {"values": "int4"}}),
     "muloco-h20-int4-outer": Setting("MuLoCo H=20, int4 exchange, outer Nesterov lr 0.7 "
                                      "momentum 0.9 (the DiLoCo paper's outer step)", "diloco",
                                      "muon", 1e-2, {"inner_steps": 20, "outer_lr": 0.7,

@@ -2,13 +2,20 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
+from sim_workers import batch as tiny_batch
+from sim_workers import loss_fn as tiny_loss
+from sim_workers import model as tiny_model
 from torch import nn
 
-from flexdemo import DeToNATION, LiveBytes
+from flexdemo import DeToNATION, DiLoCoReplicator, LiveBytes
 from flexdemo.memory import state_bytes, storage_bytes
 from flexdemo.replicate import DeMoReplicator
+from flexdemo.replicate.rounding import STATE_DTYPES, StochasticRounding
+from flexdemo.simulate import SimulatedReplicas
 
 
 def test_live_bytes_counts_storages_as_they_live():
@@ -164,3 +171,187 @@ def test_diloco_builds_its_pseudo_gradients_in_the_exchange_buffer():
     flat = rep.exchanges[0].layout.flat
     assert all(p.untyped_storage()._cdata == flat.untyped_storage()._cdata for p in rep.pseudo)
     assert P <= opt.memory_stats()["workspace_bytes"] < 1.2 * P
+
+
+# ---------------------------------------------------------------------- state in bf16
+def test_stochastic_rounding_is_unbiased_and_keyed():
+    """The mean of many stochastically rounded copies of x is x (round-to-nearest would give
+    the nearer bf16 every time); the random bits follow the key; a momentum that decays by
+    0.999 per step still decays in bf16 (round-to-nearest leaves it where it is)."""
+    sr = StochasticRounding(torch.device("cpu"))
+    ulp = 2.0 ** -7  # of bf16 at 1
+    for x in (1.0 + ulp / 3, -(1.0 + 0.9 * ulp), 3.1e-5, 1.0 + ulp):
+        src = torch.full((1 << 20,), x)
+        out = torch.empty(src.shape, dtype=torch.bfloat16)
+        sr.round_into(src, out, 7, 1, 2)
+        assert out.unique().numel() <= 2  # the two neighbours of x
+        spacing = abs(x) * 2.0 ** -8  # at most bf16's spacing at x
+        assert abs(out.double().mean().item() - x) < 0.01 * spacing, x
+    src = torch.randn(5000)
+    a, b, c = (torch.empty(5000, dtype=torch.bfloat16) for _ in range(3))
+    sr.round_into(src, a, 3, 0, 1)
+    sr.round_into(src, b, 3, 0, 1)
+    sr.round_into(src, c, 3, 1, 1)
+    assert torch.equal(a, b) and not torch.equal(a, c)
+    assert ((a.float() - src).abs() <= src.abs() * 2.0 ** -7).all()
+    m, nearest = torch.ones(1 << 14, dtype=torch.bfloat16), torch.ones(1, dtype=torch.bfloat16)
+    for step in range(200):
+        sr.round_into(m.float() * 0.999, m, step)
+        nearest = (nearest.float() * 0.999).bfloat16()
+    assert nearest.item() == 1.0
+    assert abs(m.double().mean().item() - 0.999 ** 200) < 2e-3
+
+
+def test_bf16_state_settings_are_checked():
+    with pytest.raises(ValueError, match="momentum_dtype must be one of"):
+        DeMoReplicator(momentum_dtype="fp16")
+    with pytest.raises(ValueError, match="momentum_dtype='bf16' and graphs=True"):
+        DeMoReplicator(momentum_dtype="bf16", graphs=True)
+    assert DeMoReplicator(momentum_dtype="bf16").graphs is False
+    with pytest.raises(ValueError, match="global_dtype must be one of"):
+        DiLoCoReplicator(global_dtype="float16")
+
+
+def _steps(model, opt, start, stop, nan_at=None):
+    for s in range(start, stop):
+        g = torch.Generator().manual_seed(s)
+        opt.zero_grad()
+        model(torch.randn(16, model[0].in_features, generator=g)).square().mean().backward()
+        if s == nan_at:
+            model[0].weight.grad[3, 5] = float("nan")
+        opt.step()
+
+
+def test_demo_bf16_momentum_halves_the_state():
+    """momentum_dtype="bf16": the momentum (DeMo's whole persistent state here, every tensor
+    tiles into blocks) is stored in half the bytes, 1 P -> 0.5 P."""
+    got = {}
+    for dtype in ("fp32", "bf16"):
+        model = _model()
+        P = 4 * sum(p.numel() for p in model.parameters())
+        opt = DeToNATION(model.parameters(), [DeMoReplicator(momentum_dtype=dtype)],
+                         base="sgd", lr=1e-2)
+        _steps(model, opt, 0, 2)
+        got[dtype] = opt.memory_stats()["state_bytes"] / P
+        assert opt.memory_stats()["state_bytes"] == state_bytes(opt)
+    assert 1.0 <= got["fp32"] < 1.001 and 0.5 <= got["bf16"] < 0.501
+
+
+@pytest.mark.parametrize("kw", [{}, {"offload": True}, {"overlap": "delayed"},
+                                {"transform": "none", "sign": False, "values": "stat2",
+                                 "group_numel": 1 << 13}])
+def test_demo_bf16_momentum_resumes_bitwise(kw):
+    """A bf16 momentum (stochastic rounding keyed by step, rank and group) resumes from a
+    checkpoint with the bits of the uninterrupted run, a skipped non-finite step included;
+    offloaded, it gives the bits of the momentum on the device."""
+    def build():
+        torch.manual_seed(0)  # rows that tile, rows that need padding, small tensors
+        model = nn.Sequential(nn.Linear(150, 260), nn.ReLU(), nn.Linear(260, 128),
+                              nn.Linear(128, 100))
+        return model, DeToNATION(model.parameters(), [DeMoReplicator(momentum_dtype="bf16",
+                                                                     **kw)],
+                                 base="sgd", lr=1e-2, nonfinite="skip")
+    a, oa = build()
+    _steps(a, oa, 0, 3, nan_at=1)
+    saved = copy.deepcopy((a.state_dict(), oa.state_dict()))
+    _steps(a, oa, 3, 6, nan_at=4)
+    b, ob = build()
+    b.load_state_dict(saved[0])
+    ob.load_state_dict(saved[1])
+    _steps(b, ob, 3, 6, nan_at=4)
+    for p, q in zip(a.parameters(), b.parameters()):
+        assert torch.equal(p, q)
+    for d, e in zip(oa.replicators[0].delta, ob.replicators[0].delta):
+        assert torch.equal(d, e)
+    if kw:
+        return
+    c, oc = build()  # offload=True: the same bits
+    c.load_state_dict(saved[0])
+    oc = DeToNATION(c.parameters(), [DeMoReplicator(momentum_dtype="bf16", offload=True)],
+                    base="sgd", lr=1e-2, nonfinite="skip")
+    oc.load_state_dict(saved[1])
+    _steps(c, oc, 3, 6, nan_at=4)
+    assert all(torch.equal(p, q) for p, q in zip(a.parameters(), c.parameters()))
+
+
+def test_fp32_and_bf16_momentum_states_load_into_each_other():
+    """An fp32 state loads into a bf16 replicator (rounded to nearest) and a bf16 state into
+    an fp32 one (exactly), with no conversion by the user."""
+    a, oa = _train_mixed()
+    b, ob = _train_mixed(momentum_dtype="bf16")
+    ob.load_state_dict(oa.state_dict())
+    for d, e in zip(oa.replicators[0].delta, ob.replicators[0].delta):
+        assert e.dtype == torch.bfloat16 and torch.equal(d.bfloat16(), e)
+    oa.load_state_dict(ob.state_dict())
+    for d, e in zip(oa.replicators[0].delta, ob.replicators[0].delta):
+        assert d.dtype == torch.float32 and torch.equal(d, e.float())
+
+
+def _diloco(global_dtype="bf16", **kw):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 96), nn.Tanh(), nn.Linear(96, 32))
+    rep = DiLoCoReplicator(inner_steps=kw.pop("inner_steps", 3), global_dtype=global_dtype,
+                           **kw)
+    return model, DeToNATION(model.parameters(), rep, base="adamw", lr=1e-2)
+
+
+def test_diloco_bf16_global_copy_halves_it():
+    got = {}
+    for dtype in ("fp32", "bf16"):
+        model, opt = _diloco(dtype)
+        P = 4 * sum(p.numel() for p in model.parameters())
+        _steps(model, opt, 0, 4)
+        assert all(g.dtype == STATE_DTYPES[dtype] for g in opt.replicators[0].global_params)
+        got[dtype] = opt.memory_stats()["state_bytes"] / P  # AdamW's 2 P and the copy
+    assert got["fp32"] - got["bf16"] == pytest.approx(0.5, abs=1e-3)
+
+
+@pytest.mark.parametrize("kw", [{}, {"offload": True},
+                                {"outer_lr": 0.7, "outer_momentum": 0.9},
+                                {"inner_steps": 4, "fragments": 2, "tau": 1, "alpha": 0.5}])
+def test_diloco_bf16_global_copy_resumes_bitwise(kw):
+    """A bf16 global copy (the outer step in fp32, its result rounded stochastically, keyed
+    by fragment and sync) resumes from a checkpoint with the bits of the uninterrupted run,
+    outer momentum and a sync in flight included; each outer step's replicas restart from
+    its fp32 result."""
+    a, oa = _diloco(**kw)
+    _steps(a, oa, 0, 7)
+    saved = copy.deepcopy((a.state_dict(), oa.state_dict()))
+    _steps(a, oa, 7, 13)
+    b, ob = _diloco(**kw)
+    b.load_state_dict(saved[0])
+    ob.load_state_dict(saved[1])
+    _steps(b, ob, 7, 13)
+    for p, q in zip(a.parameters(), b.parameters()):
+        assert torch.equal(p, q)
+    for g, h in zip(oa.replicators[0].global_params, ob.replicators[0].global_params):
+        assert g.dtype == torch.bfloat16 and torch.equal(g, h)
+
+
+@pytest.mark.parametrize("case", ["demo", "diloco"])
+def test_bf16_state_on_two_replicas_resumes_bitwise(case):
+    """Two simulated replicas: DeMo's bf16 momenta (each rank its own random bits) and
+    DiLoCo's bf16 global copy (the same bits on both: replicas identical after every sync)
+    resume bitwise from the simulation's state."""
+    def opt_fn(params, group):
+        rep = (DeMoReplicator(topk=4, chunk=8, momentum_dtype="bf16") if case == "demo" else
+               DiLoCoReplicator(inner_steps=2, global_dtype="bf16",
+                                exchange_kwargs={"values": "int4", "block": 16}))
+        return DeToNATION(params, [rep], base="sgd" if case == "demo" else "adamw", lr=0.01,
+                          group=group)
+
+    def sim():
+        return SimulatedReplicas(tiny_model, tiny_loss, replicas=2, optimizer_fn=opt_fn)
+    a = sim()
+    for s in range(6):
+        a.step([tiny_batch(r, s) for r in range(2)])
+        if s == 2:
+            saved = copy.deepcopy(a.state_dict())
+        if case == "diloco" and s % 2 == 1:
+            assert a.identical()
+    b = sim()
+    b.load_state_dict(saved)
+    for s in range(3, 6):
+        b.step([tiny_batch(r, s) for r in range(2)])
+    for ma, mb in zip(a.models, b.models):
+        assert all(torch.equal(p, q) for p, q in zip(ma.parameters(), mb.parameters()))

@@ -36,7 +36,10 @@ tolerance.
 
 Steps count from 0; fragment ``p`` is launched after step ``t`` when
 ``(t + 1) % H == ((p + 1) * H / F) % H``. The global copy and the outer optimizer state can live
-on the CPU (``offload=True``).
+on the CPU (``offload=True``). The global copy can be kept in bf16 (``global_dtype="bf16"``):
+the outer step runs in fp32 on the fragment's values (:meth:`DiLoCoReplicator._outer_step_low`),
+the replicas restart from its fp32 result, and the stored copy is rounded stochastically
+(:mod:`.rounding`), with the same random bits on every replica.
 
 Non-finite gradients: inner steps exchange nothing, so a replica whose gradient is NaN/Inf
 skips that inner step alone (it is counted in the optimizer's ``skipped_steps``). Under
@@ -63,6 +66,7 @@ from .base import (
     nonfinite_flag,
 )
 from .registry import REPLICATORS
+from .rounding import STATE_DTYPES, StochasticRounding, check_state_dtype
 
 # exchanges that are a registered replicator with other settings: name -> (registry name, settings)
 EXCHANGE_ALIASES: dict[str, tuple[str, dict]] = {"topk": ("demo", {"transform": "none"})}
@@ -129,7 +133,7 @@ class DiLoCoReplicator(Replicator):
                  | None = None, exchange: str | Replicator = "full",
                  exchange_kwargs: dict | None = None, fragments: int = 1, tau: int = 0,
                  alpha: float = 0.0, offload: bool = False, keep_unsent: bool = False,
-                 group=None) -> None:
+                 global_dtype: str = "fp32", group=None) -> None:
         super().__init__(group=group)
         H = inner_steps
         if not isinstance(H, int) or isinstance(H, bool) or H < 1:
@@ -150,12 +154,13 @@ class DiLoCoReplicator(Replicator):
             raise ValueError(f"outer_lr must be a number >= 0, got {outer_lr!r}")
         if not isinstance(outer_momentum, (int, float)) or not 0.0 <= outer_momentum < 1.0:
             raise ValueError(f"outer_momentum must be in [0, 1), got {outer_momentum!r}")
+        check_state_dtype("global_dtype", global_dtype)
         if nesterov and outer_momentum == 0 and outer_optimizer is None:
             nesterov = False  # Nesterov needs momentum; with none it is plain SGD
         self.inner_steps, self.fragments, self.tau, self.alpha = H, fragments, tau, float(alpha)
         self.outer_lr, self.outer_momentum, self.nesterov = outer_lr, outer_momentum, nesterov
         self.outer_factory = outer_optimizer
-        self.offload = offload
+        self.offload, self.global_dtype = offload, global_dtype
         self._template = make_exchange(exchange, **(exchange_kwargs or {}))
         self.keep_unsent = bool(keep_unsent)
         if self.keep_unsent:
@@ -171,6 +176,7 @@ class DiLoCoReplicator(Replicator):
 
     def extra_repr(self) -> str:
         keep = ", keep_unsent=True" if self.keep_unsent else ""
+        keep += f", global_dtype={self.global_dtype!r}" if self.global_dtype != "fp32" else ""
         return (f"H={self.inner_steps}, fragments={self.fragments}, tau={self.tau}, "
                 f"alpha={self.alpha}{keep}, exchange={self._template!r}")
 
@@ -183,11 +189,18 @@ class DiLoCoReplicator(Replicator):
             raise RuntimeError("DiLoCo acts on parameters: use it through flexdemo's optimizer")
         self._locals = [p.detach() for p in self._params]  # views, built once
         store = torch.device("cpu") if self.offload else self.device
-        self.global_params = [p.detach().float().to(store, copy=True) for p in self._params]
+        dtype = STATE_DTYPES[self.global_dtype]
+        self.global_params = [p.detach().to(store, dtype, copy=True) for p in self._params]
+        # bf16: the outer optimizer steps fp32 stand-ins (4 bytes in all), given the fragment's
+        # fp32 values for its step; its state stays fp32
+        self._rounding = StochasticRounding(store) if dtype != torch.float32 else None
+        self._stand_in = torch.zeros((), dtype=torch.float32, device=store)
+        self._outer_params = (self.global_params if self._rounding is None else
+                              [self._stand_in.expand(p.shape) for p in self.global_params])
         if self.outer_factory is not None:
-            self.outer = self.outer_factory(self.global_params)
+            self.outer = self.outer_factory(self._outer_params)
         else:
-            self.outer = torch.optim.SGD(self.global_params, lr=self.outer_lr,
+            self.outer = torch.optim.SGD(self._outer_params, lr=self.outer_lr,
                                          momentum=self.outer_momentum, nesterov=self.nesterov,
                                          foreach=True)
         self.parts = balanced_fragments([p.numel() for p in self._params], self.fragments)
@@ -306,30 +319,61 @@ class DiLoCoReplicator(Replicator):
             self._drop(p, e, step)
         del self.pending[p]
         glob = [self.global_params[i] for i in part]
-        for g, avg in zip(glob, outs):
-            g.grad = avg if avg.device == g.device else avg.to(g.device)
-        self.outer.step()
-        for g in glob:
-            g.grad = None
+        if self._rounding is not None:
+            glob = self._outer_step_low(p, outs)  # the fp32 result
+        else:
+            for g, avg in zip(glob, outs):
+                g.grad = avg if avg.device == g.device else avg.to(g.device)
+            self.outer.step()
+            for g in glob:
+                g.grad = None
         if self._keeps():  # what it sent leaves its residual (the mean is spent: pseudo is free)
             pseudo = [self.pseudo[i] for i in part]
             self.exchanges[p].sent_into(pseudo)
             torch._foreach_sub_([self.residual[i] for i in part], pseudo)
-        self._restart(part, self.alpha)
+        self._restart(part, self.alpha, glob)
+
+    def _outer_step_low(self, p: int, outs: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The outer step of fragment ``p`` with a bf16 global copy: on fp32 values of the
+        fragment (the replica's own parameters, which the restart overwrites anyway, or
+        transient copies where it mixes them in, under ``alpha``, or lives on the CPU), then
+        rounded stochastically into the stored copy (random bits of the fragment, its sync
+        count and the parameter: the same on every replica). Returns the fp32 result."""
+        part, rounding = self.parts[p], self._rounding
+        assert rounding is not None, "a bf16 global copy"
+        glob = [self.global_params[i] for i in part]
+        work = [self._locals[i] for i in part]
+        if self.offload or self.alpha != 0.0 or any(w.dtype != torch.float32 for w in work):
+            work = [torch.empty(g.shape, dtype=torch.float32, device=g.device) for g in glob]
+        torch._foreach_copy_(work, glob)
+        stand_ins = [self._outer_params[i] for i in part]
+        try:
+            for h, w, avg in zip(stand_ins, work, outs):
+                h.data, h.grad = w, avg if avg.device == w.device else avg.to(w.device)
+            self.outer.step()
+        finally:
+            for h in stand_ins:
+                h.data, h.grad = self._stand_in.expand(h.shape), None
+        for i, w, g in zip(part, work, glob):
+            rounding.round_into(w, g, p, self.syncs[p], i)
+        return work
 
     def _keeps(self) -> bool:
         """Replicas keep their unsent progress (``keep_unsent`` over more than one)."""
         return self.keep_unsent and self.world > 1
 
-    def _restart(self, part: list[int], alpha: float) -> None:
-        """Mix the fragment's replica parameters with the global ones (alpha 0: copy)."""
+    def _restart(self, part: list[int], alpha: float,
+                 glob: list[torch.Tensor] | None = None) -> None:
+        """Mix the fragment's replica parameters with the global ones (alpha 0: copy), or
+        with ``glob`` (the fp32 result of an outer step onto a bf16 global copy)."""
         local = [self._locals[i] for i in part]
-        glob = [self.global_params[i] for i in part]
+        glob = [self.global_params[i] for i in part] if glob is None else glob
         if self.offload:  # bring the global values to the replica's device first
             torch._foreach_copy_([self.pseudo[i] for i in part], glob)
             glob = [self.pseudo[i] for i in part]
         if alpha == 0.0:
-            torch._foreach_copy_(local, glob)
+            if any(a is not b for a, b in zip(local, glob)):  # (not the outer step's own)
+                torch._foreach_copy_(local, glob)
         else:
             torch._foreach_mul_(local, alpha)
             torch._foreach_add_(local, glob, alpha=1.0 - alpha)

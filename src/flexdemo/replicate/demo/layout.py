@@ -240,18 +240,20 @@ class BlockLayout:
     tensor on its own); ``bucket=False`` makes every unit its own group; ``images``: every unit
     is staged through an image (else only padded units and the small batch);
     ``group_numel``: the most coefficients in a group (None: no bound), large tensors split
-    by block rows to fit; ``offload``: the groups' coefficients in host memory;
-    ``shared_staging``: every group's block rows ``xh`` are views of one
-    buffer of the largest group (the step then stages each group just before its encode)."""
+    by block rows to fit; ``offload``: the groups' coefficients in host memory, stored in
+    ``momentum_dtype`` (:mod:`.offload`); ``shared_staging``: every group's block rows ``xh``
+    are views of one buffer of the largest group (the step then stages each group just before
+    its encode)."""
 
     def __init__(self, shapes: list[torch.Size], *, topk: int, chunk: int,
                  small_numel: int | None, basis: str, compute_dtype: torch.dtype, bucket: bool,
                  images: bool, codec: BlockValueCodec, device: torch.device,
                  group_numel: int | None = None, shared_staging: bool = False,
-                 offload: bool = False) -> None:
+                 offload: bool = False, momentum_dtype: torch.dtype = torch.float32) -> None:
         self.shapes, self.topk, self.chunk = shapes, topk, chunk
         self.group_numel, self.shared_staging = group_numel, shared_staging
         self.offload = offload  # the momentum of tiling units in host memory (offload.py)
+        self.momentum_dtype = momentum_dtype  # ... and its stored dtype
         self.staging_rows: torch.Tensor | None = None  # shared_staging: the groups' ``xh``
         self.basis, self.compute_dtype = basis, compute_dtype
         self.bucket, self.images, self.device = bucket, images, device
@@ -357,8 +359,9 @@ class BlockLayout:
         dev, f32 = self.device, torch.float32
         (cr, cc), k = units[0].plan.chunk, units[0].k
         blocks = sum(u.plan.num_blocks for u in units)
-        coef = (torch.zeros(cr, blocks, cc, dtype=f32, device=dev) if not self.offload else
-                torch.zeros(cr, blocks, cc, dtype=f32, pin_memory=dev.type == "cuda"))
+        stored = self.momentum_dtype
+        coef = (torch.zeros(cr, blocks, cc, dtype=stored, device=dev) if not self.offload else
+                torch.zeros(cr, blocks, cc, dtype=stored, pin_memory=dev.type == "cuda"))
         xh = (torch.zeros(cr, blocks, cc, dtype=f32, device=dev) if self.staging_rows is None
               else self.staging_rows[: coef.numel()].view(cr, blocks, cc))
         g = Group(units, k, (cr, cc), coef,

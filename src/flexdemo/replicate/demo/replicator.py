@@ -11,6 +11,7 @@ from ...compress.blocks import BlockValueCodec
 from ...compress.select import topk_blocks_rowmajor
 from ...transport import Pending, all_gather
 from ..base import HEADER_BYTES, Replicator, write_header, zero_where
+from ..rounding import STATE_DTYPES
 from . import delayed, state
 from .checks import VerdictToHost, check_payloads, good_peers
 from .decode import blocks_into_image, clip_to_median_norm, decode_mean, dense_inverse, write_own
@@ -51,17 +52,18 @@ class DeMoReplicator(Replicator):
                  compile: bool = False, graphs: bool | str = "auto", staging: str = "auto",
                  mean: str = "replicas", clip: str = "none", reduce: str = "gather",
                  group_numel: int | None = GROUP_NUMEL, offload: bool = False,
-                 **schedule) -> None:
+                 momentum_dtype: str = "fp32", **schedule) -> None:
         super().__init__(**schedule)
         graphs = check_settings(
             topk=topk, chunk=chunk, decay=decay, values=values, transform=transform,
             transform_dtype=transform_dtype, small=small, small_numel=small_numel,
             bucket=bucket, overlap=overlap, on_bad_peer=on_bad_peer, compile=compile,
             graphs=graphs, staging=staging, mean=mean, clip=clip, reduce=reduce,
-            group_numel=group_numel, offload=offload,
+            group_numel=group_numel, offload=offload, momentum_dtype=momentum_dtype,
             every_step=self.replicate_every == 1 and not self.skip_every)
         self.mean, self.clip, self.reduce = mean, clip, reduce
-        self.group_numel, self.offload = group_numel, offload  # the workspace; host momentum
+        # the workspace; the momentum in host memory, and its stored dtype (offload.py)
+        self.group_numel, self.offload, self.momentum_dtype = group_numel, offload, momentum_dtype
         self.topk, self.chunk, self.decay = topk, chunk, float(decay)
         self.feedback_decay = self.decay  # its momentum is its error feedback
         self.sign, self.scale_by_lr, self.values = sign, scale_by_lr, values
@@ -115,11 +117,13 @@ class DeMoReplicator(Replicator):
             small_numel=self.small_numel if self.small == "batch" else None, basis=basis,
             compute_dtype=compute_dtype, bucket=self.bucket, group_numel=self.group_numel,
             images=self._stages_through_images, codec=self.codec, device=self.device,
-            shared_staging=not self._graphed, offload=self.offload)  # graphs: fixed buffers
+            shared_staging=not self._graphed, offload=self.offload,  # graphs: fixed buffers
+            momentum_dtype=STATE_DTYPES[self.momentum_dtype])
         self.scratch, self.units, self.groups = (self.layout.scratch, self.layout.units,
                                                  self.layout.groups)
         self._work = self.layout.work
-        self._momentum = HostMomentum(self.groups, self.device, self.offload)
+        self._momentum = HostMomentum(self.groups, self.device, self.offload,
+                                      STATE_DTYPES[self.momentum_dtype])
         self.bucket_bytes = self.layout.bucket_bytes
         self.staging_plans = Staging(self.layout)
         nbuf = 2 if self.overlap == "delayed" else 1
@@ -251,6 +255,7 @@ class DeMoReplicator(Replicator):
         is zeroed and the decay factor is 1 where it is set, and the selected values are
         sent as zeros (so error feedback changes nothing); the header carries the flag."""
         plan = self._plan_step(grads, lrs)
+        self._momentum.begin(step, self.rank)  # bf16: the key of its rounding
         if self.layout.shared_staging:  # each group staged just before its encode
             return self._encode_staged(plan, lrs, step, buf, grads)
         self.staging_plans.stage(grads, plan)
@@ -481,10 +486,7 @@ class DeMoReplicator(Replicator):
         super().quorum_changed()
 
     def reset_replica_state(self) -> None:
-        with torch.no_grad():
-            for d in self.delta:
-                d.zero_()
-        self._inflight = self._pending = None
+        state.reset(self)
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict:

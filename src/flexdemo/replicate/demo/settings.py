@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from ...compress.blocks import BLOCK_CODECS
+from ..rounding import check_state_dtype
 
 PRESETS: dict[str, dict] = {
     "default": {},
@@ -23,7 +24,7 @@ GROUP_NUMEL = 1 << 22
 def check_settings(*, topk, chunk, decay, values, transform, transform_dtype, small,
                    small_numel, bucket, overlap, on_bad_peer, compile, graphs, staging,
                    mean="replicas", clip="none", reduce="gather", group_numel=None,
-                   offload=False, every_step: bool) -> bool | str:
+                   offload=False, momentum_dtype="fp32", every_step: bool) -> bool | str:
     """Raise ValueError for a bad setting (``every_step``: the schedule communicates every
     step); returns ``graphs`` resolved (``"auto"`` is off when the selection is compiled)."""
     if not isinstance(topk, int) or isinstance(topk, bool) or topk < 1:
@@ -75,8 +76,13 @@ def check_settings(*, topk, chunk, decay, values, transform, transform_dtype, sm
     if offload and graphs is True:
         raise ValueError("offload=True and graphs=True do not combine: a graph replays fixed "
                          "buffers, the offloaded momentum moves; choose one")
-    if graphs == "auto":  # on CUDA, unless the selection is compiled or the momentum offloaded
-        graphs = "auto" if not (compile or offload) else False
+    check_state_dtype("momentum_dtype", momentum_dtype)
+    if momentum_dtype != "fp32" and graphs is True:
+        raise ValueError(f"momentum_dtype={momentum_dtype!r} and graphs=True do not combine: "
+                         "its rounding draws random bits per step on the host's generator; "
+                         "choose one")
+    if graphs == "auto":  # on CUDA, unless the selection is compiled or the momentum moves
+        graphs = "auto" if not (compile or offload or momentum_dtype != "fp32") else False
     if graphs is True and compile:
         raise ValueError("graphs=True and compile=True do not combine: the CUDA graphs "
                          "replay the eager selection; choose one")
@@ -90,6 +96,7 @@ def describe(rep) -> str:
         ("transform", rep.transform, "dct"), ("transform_dtype", rep.transform_dtype, "fp32"),
         ("small", rep.small, "batch"), ("bucket", rep.bucket, True),
         ("group_numel", rep.group_numel, GROUP_NUMEL), ("offload", rep.offload, False),
+        ("momentum_dtype", rep.momentum_dtype, "fp32"),
         ("overlap", rep.overlap, "none"), ("compile", rep.compile, False),
         ("graphs", rep.graphs, "auto"), ("staging", rep.staging, "auto"),
         ("mean", rep.mean, "replicas"), ("clip", rep.clip, "none"),

@@ -34,6 +34,16 @@ def save(rep: DeMo, sd: dict) -> dict:
     return sd
 
 
+def reset(rep: DeMo) -> None:
+    """``rep``'s per-replica state from zero: the momentum, the delayed mode's exchange in
+    flight and its verdict."""
+    rep._momentum.settle()  # no group on its way back over the zeros
+    with torch.no_grad():
+        for d in rep.delta:
+            d.zero_()
+    rep._inflight = rep._pending = None
+
+
 def live_tensors(rep: DeMo) -> list[torch.Tensor]:
     """The tensors of ``rep``'s state as they live (no copies): the momentum, and in delayed
     mode the payloads in flight."""

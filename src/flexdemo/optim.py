@@ -170,6 +170,8 @@ class DeToNATION(torch.optim.Optimizer):
         self.skipped_steps = 0
         self._step_workspace: int | None = None  # measured under flexdemo.LiveBytes
         self._last_skipped = False
+        self._memory_counts: tuple | None = None  # (when counted, memory_stats' counts)
+        self._memory_epoch = 0  # a load changes it
         self.steps = 0
         if not isinstance(replicators, (list, tuple)):
             replicators = [replicators]
@@ -379,13 +381,19 @@ class DeToNATION(torch.optim.Optimizer):
         the base optimizer's and every replicator's, what a checkpoint keeps),
         ``workspace_bytes`` (buffers the replicators keep between steps besides it) and, for
         a step taken under :class:`flexdemo.memory.LiveBytes`, ``step_workspace_bytes``
-        (the step's peak above the bytes live at its start). Exact, counted per storage."""
-        state = [self.base.state] + [r.state_tensors() for r in self.replicators]
-        held = memory.storage_bytes(state)
-        known = memory.storage_bytes([state, self._params])  # parameters are not workspace
-        both = memory.storage_bytes([state, self._params,
-                                     memory.reachable_tensors(self.replicators)])
-        out = {"state_bytes": held, "workspace_bytes": both - known}
+        (the step's peak above the bytes live at its start). Exact, counted per storage;
+        recounted while the first steps create buffers, after a load and when a replicator's
+        group changes, else the count is kept (a walk over every buffer costs milliseconds)."""
+        key = (min(self.steps, 3), self._memory_epoch, len(self.base.state),
+               tuple(r.world for r in self.replicators))
+        if self._memory_counts is None or self._memory_counts[0] != key:
+            state = [self.base.state] + [r.state_tensors() for r in self.replicators]
+            held = memory.storage_bytes(state)
+            known = memory.storage_bytes([state, self._params])  # parameters: not workspace
+            both = memory.storage_bytes([state, self._params,
+                                         memory.reachable_tensors(self.replicators)])
+            self._memory_counts = (key, {"state_bytes": held, "workspace_bytes": both - known})
+        out = dict(self._memory_counts[1])
         if self._step_workspace is not None:
             out["step_workspace_bytes"] = self._step_workspace
         return out
@@ -402,6 +410,7 @@ class DeToNATION(torch.optim.Optimizer):
         return _dcp.state_dict(self)
 
     def load_state_dict(self, state_dict: dict) -> None:
+        self._memory_epoch += 1
         keys = sorted(map(str, state_dict))[:8] if isinstance(state_dict, dict) else None
         if keys is not None and "state" in state_dict and "param_groups" in state_dict:
             _dcp.load_state_dict(self, state_dict)

@@ -142,6 +142,9 @@ def test_warmup_then_decision_keeps_replicas_identical(link, pick):
     assert autos[0].decision.step == 4 and autos[0].decision.compute_seconds > 0
     assert sim.identical()
     assert len(autos[0].lines) == 1 and "(given)" in autos[0].lines[0]
+    stats = sim.optimizers[0].last_step_stats()  # what it runs, and its decisions
+    assert stats["auto_choice"] == autos[0].decision.label
+    assert [h["event"] for h in stats["auto_history"]] == ["decision"]
 
 
 def test_compute_given_decides_before_step_0(capsys):

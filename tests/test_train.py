@@ -741,3 +741,17 @@ def test_resume_on_fewer_and_on_more_replicas(tmp_path):
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(1, 9))
     assert json.loads((out / "summary.json").read_text())["steps"] == 8
+
+
+def test_auto_says_what_it_runs_in_the_metrics_and_the_summary(tmp_path, single_process):
+    """strategy.replicator=auto on one process: one replica, so it sends nothing; each
+    metrics line names what it runs and the summary holds its decisions."""
+    out = tmp_path / "run"
+    summary = train(load_config(ROOT / "configs/gpt.toml", GPT_QUICK + [
+        "train.steps=3", "train.progress=false", "strategy.replicator=auto",
+        "strategy.optimizer=adamw", f"train.out={out}"]), echo=lambda text: None)
+    rows = metrics(out)
+    assert len(rows) == 3 and all(r["auto_choice"] for r in rows), rows
+    assert [h["event"] for h in summary["auto_history"]] == ["decision"]
+    assert json.loads((out / "summary.json").read_text())["auto_history"] == \
+        summary["auto_history"]

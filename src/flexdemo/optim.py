@@ -358,7 +358,7 @@ class DeToNATION(torch.optim.Optimizer):
         ``shard_bytes_received`` and ``shard_seconds``. Under fault tolerance, ``replicas``
         (replica groups in the step), ``committed`` and the quorum's and vote's seconds."""
         rs = self.replicators
-        out = {
+        out: dict = {
             "bytes_sent": sum(r.stats.last_bytes_sent for r in rs),
             "bytes_received": sum(r.stats.last_bytes_received for r in rs),
             "comm_seconds": sum(r.stats.last_seconds for r in rs),
@@ -373,6 +373,10 @@ class DeToNATION(torch.optim.Optimizer):
                        shard_seconds=shard.last_seconds)
         if self.fault_tolerance is not None:  # replicas (groups) that took part, commit
             out.update(self.fault_tolerance.stats())
+        for r in rs:  # "auto": what it runs now (None while it measures) and its decisions
+            if hasattr(r, "decision") and hasattr(r, "history"):
+                out.update(auto_choice=None if r.decision is None else r.decision.label,
+                           auto_history=list(r.history))
         out.update(self.memory_stats())
         return out
 

@@ -161,7 +161,7 @@ class Trainer(TrainerSetUp):
                 "compute_seconds": dt - comm, "comm_seconds": comm, "step_seconds": dt,
                 "train_seconds": s.train_seconds, "bytes_sent_total": s.bytes_sent,
                 "time": time.time(),
-                **{k: stats[k] for k in ELASTIC_METRICS if k in stats}}
+                **{k: stats[k] for k in ELASTIC_METRICS + ("auto_choice",) if k in stats}}
 
     def _read_losses(self, records: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """The losses of ``records`` as floats, read in one host transfer. On CUDA the time
@@ -373,6 +373,7 @@ class Trainer(TrainerSetUp):
             "bytes_sent_per_step": mean[3] / max(step, 1),
             "bytes_received_per_step": mean[4] / max(step, 1),
             "mb_sent_total": mean[3] / 1e6, "out": str(self.out),
+            **{k: v for k, v in self.opt.last_step_stats().items() if k == "auto_history"},
             "config": config_to_dict(cfg),
         }
 

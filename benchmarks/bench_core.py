@@ -350,7 +350,7 @@ def rep_kwargs(args) -> dict:
             "transform_dtype": args.transform_dtype, "decay": args.decay,
             "bucket": not args.per_tensor, "overlap": args.overlap, "compile": args.compile,
             "graphs": True if args.graphs else False if args.eager else "auto",
-            "staging": args.staging,
+            "staging": args.staging, "momentum_dtype": args.momentum_dtype,
             **({} if args.group_numel is None else
                {"group_numel": args.group_numel if args.group_numel > 0 else None})}
 
@@ -389,6 +389,8 @@ def main(argv: list[str] | None = None) -> dict:
                    help="the step's N costliest GPU kernels (CUDA) or CPU ops")
     p.add_argument("--group-numel", type=int, default=None,
                    help="DeMo's group_numel (default: the library's; 0: one group per shape)")
+    p.add_argument("--momentum-dtype", default="fp32", choices=["fp32", "bf16"],
+                   help="DeMo's momentum_dtype (bf16: stored in bf16, rounded stochastically)")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--threads", type=int, default=1, help="CPU threads")
     p.add_argument("--clock", default="thread", choices=["thread", "wall"],
@@ -443,6 +445,7 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"{args.preset}: {n_params / 1e6:.1f}M parameters (d{cfg.d_model}, {cfg.n_layer} "
           f"layers, vocab {cfg.vocab}); DeMo topk={args.topk} chunk={args.chunk} "
           f"values={args.values} transform {args.transform_dtype} overlap={args.overlap}"
+          f"{' momentum bf16' if args.momentum_dtype == 'bf16' else ''}"
           f"{' per-tensor' if args.per_tensor else ''}{' compiled' if args.compile else ''}"
           f" graphs={'on' if args.graphs else 'off' if args.eager else 'auto'}"
           f" staging={args.staging}; "

@@ -217,6 +217,11 @@ SETTINGS: dict[str, Setting] = {
                                      "muon", 1e-2, {"inner_steps": 20, "outer_lr": 0.7,
                                                     "outer_momentum": 0.9,
                                                     "exchange_kwargs": {"values": "int4"}}),
+    "muloco-h20-int4-outer-bf16-global": Setting(
+        "MuLoCo H=20, int4 exchange, outer Nesterov lr 0.7 momentum 0.9, the global copy in "
+        "bf16 (global_dtype='bf16': its rounding enters the outer step)", "diloco", "muon",
+        1e-2, {"inner_steps": 20, "outer_lr": 0.7, "outer_momentum": 0.9,
+               "global_dtype": "bf16", "exchange_kwargs": {"values": "int4"}}),
     "muloco-h20-topk": Setting("MuLoCo H=20 with a top-64/4096 int2 pseudo-gradient and error "
                                "feedback (decay 0.95)", "diloco", "muon", 1e-2,
                                {"inner_steps": 20, "outer_lr": 1.0, "outer_momentum": 0.0,

@@ -328,14 +328,15 @@ def test_diloco_bf16_global_copy_resumes_bitwise(kw):
         assert g.dtype == torch.bfloat16 and torch.equal(g, h)
 
 
-@pytest.mark.parametrize("case", ["demo", "diloco"])
+@pytest.mark.parametrize("case", ["demo", "diloco", "diloco-keep"])
 def test_bf16_state_on_two_replicas_resumes_bitwise(case):
     """Two simulated replicas: DeMo's bf16 momenta (each rank its own random bits) and
-    DiLoCo's bf16 global copy (the same bits on both: replicas identical after every sync)
-    resume bitwise from the simulation's state."""
+    DiLoCo's bf16 global copy (the same bits on both: replicas identical after every sync,
+    unless they keep their unsent progress) resume bitwise from the simulation's state."""
     def opt_fn(params, group):
         rep = (DeMoReplicator(topk=4, chunk=8, momentum_dtype="bf16") if case == "demo" else
                DiLoCoReplicator(inner_steps=2, global_dtype="bf16",
+                                keep_unsent=case == "diloco-keep",
                                 exchange_kwargs={"values": "int4", "block": 16}))
         return DeToNATION(params, [rep], base="sgd" if case == "demo" else "adamw", lr=0.01,
                           group=group)
@@ -347,8 +348,8 @@ def test_bf16_state_on_two_replicas_resumes_bitwise(case):
         a.step([tiny_batch(r, s) for r in range(2)])
         if s == 2:
             saved = copy.deepcopy(a.state_dict())
-        if case == "diloco" and s % 2 == 1:
-            assert a.identical()
+        if case != "demo" and s % 2 == 1:
+            assert a.identical() == (case == "diloco")
     b = sim()
     b.load_state_dict(saved)
     for s in range(3, 6):

@@ -118,7 +118,7 @@ STRATEGIES: dict[str, Strategy] = {
     # (flexdemo.auto, docs/auto.md), with Muon inner steps as in the ranking's tables
     "auto": Strategy(
         "auto: probe the link, time the first steps, then the best-ranked strategy (full "
-        "sync, MuLoCo, SparseLoCo, ...) whose exposed communication fits 5% of the step",
+        "sync, MuLoCo, SparseLoCo, ...) whose exposed communication fits 5 percent of the step",
         "auto", "muon", 1e-2, color="#fd8d3c"),
     "flexdemo-muon": Strategy(
         "FlexDeMo with an orthogonalised step: DeMo top-64 DCT per block (decay 0.9) across "

@@ -36,10 +36,8 @@ tolerance.
 
 Steps count from 0; fragment ``p`` is launched after step ``t`` when
 ``(t + 1) % H == ((p + 1) * H / F) % H``. The global copy and the outer optimizer state can live
-on the CPU (``offload=True``). The global copy can be kept in bf16 (``global_dtype="bf16"``):
-the outer step runs in fp32 on the fragment's values (:meth:`DiLoCoReplicator._outer_step_low`),
-the replicas restart from its fp32 result, and the stored copy is rounded stochastically
-(:mod:`.rounding`), with the same random bits on every replica.
+on the CPU (``offload=True``), the global copy in bf16 (``global_dtype="bf16"``: the outer
+step in fp32, the replicas restart from its result, the stored copy rounded stochastically).
 
 Non-finite gradients: inner steps exchange nothing, so a replica whose gradient is NaN/Inf
 skips that inner step alone (it is counted in the optimizer's ``skipped_steps``). Under
@@ -192,7 +190,7 @@ class DiLoCoReplicator(Replicator):
         dtype = STATE_DTYPES[self.global_dtype]
         self.global_params = [p.detach().to(store, dtype, copy=True) for p in self._params]
         # bf16: the outer optimizer steps fp32 stand-ins (4 bytes in all), given the fragment's
-        # fp32 values for its step; its state stays fp32
+        # fp32 values for its step (_outer_step_low); its state stays fp32
         self._rounding = StochasticRounding(store) if dtype != torch.float32 else None
         self._stand_in = torch.zeros((), dtype=torch.float32, device=store)
         self._outer_params = (self.global_params if self._rounding is None else

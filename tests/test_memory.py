@@ -12,7 +12,9 @@ from sim_workers import model as tiny_model
 from torch import nn
 
 from flexdemo import DeToNATION, DiLoCoReplicator, LiveBytes
+from flexdemo.checkpoint import load_checkpoint, save_checkpoint
 from flexdemo.memory import state_bytes, storage_bytes
+from flexdemo.mismatch import CheckpointMismatchError
 from flexdemo.replicate import DeMoReplicator
 from flexdemo.replicate.rounding import STATE_DTYPES, StochasticRounding
 from flexdemo.simulate import SimulatedReplicas
@@ -276,7 +278,8 @@ def test_demo_bf16_momentum_resumes_bitwise(kw):
 
 def test_fp32_and_bf16_momentum_states_load_into_each_other():
     """An fp32 state loads into a bf16 replicator (rounded to nearest) and a bf16 state into
-    an fp32 one (exactly), with no conversion by the user."""
+    an fp32 one (exactly) through ``load_state_dict``, with no conversion by the user: DeMo's
+    momentum and DiLoCo's global copy."""
     a, oa = _train_mixed()
     b, ob = _train_mixed(momentum_dtype="bf16")
     ob.load_state_dict(oa.state_dict())
@@ -285,6 +288,15 @@ def test_fp32_and_bf16_momentum_states_load_into_each_other():
     oa.load_state_dict(ob.state_dict())
     for d, e in zip(oa.replicators[0].delta, ob.replicators[0].delta):
         assert d.dtype == torch.float32 and torch.equal(d, e.float())
+    (c, oc), (d, od) = _diloco("fp32"), _diloco("bf16")  # DiLoCo's global copy alike
+    _steps(c, oc, 0, 4)
+    od.load_state_dict(oc.state_dict())
+    for g, h in zip(oc.replicators[0].global_params, od.replicators[0].global_params):
+        assert torch.equal(g.bfloat16(), h)
+    _steps(d, od, 0, 4)
+    oc.load_state_dict(od.state_dict())
+    for g, h in zip(oc.replicators[0].global_params, od.replicators[0].global_params):
+        assert g.dtype == torch.float32 and torch.equal(g, h.float())
 
 
 def _diloco(global_dtype="bf16", **kw):
@@ -356,3 +368,39 @@ def test_bf16_state_on_two_replicas_resumes_bitwise(case):
         b.step([tiny_batch(r, s) for r in range(2)])
     for ma, mb in zip(a.models, b.models):
         assert all(torch.equal(p, q) for p, q in zip(ma.parameters(), mb.parameters()))
+
+
+@pytest.mark.parametrize("case", ["demo", "diloco"])
+def test_bf16_state_resumes_bitwise_from_a_flexdemo_checkpoint(tmp_path, case):
+    """Through flexdemo's checkpoint files (torch.distributed.checkpoint): the bf16 state
+    comes back as bf16 and the run continues bitwise. A checkpoint written with fp32 state
+    is refused by a bf16 replicator, naming the setting, as for any other setting (the
+    state itself converts: test_fp32_and_bf16_momentum_states_load_into_each_other)."""
+    def build(seed, dtype="bf16"):
+        torch.manual_seed(seed)
+        model = tiny_model() if seed == 0 else type(tiny_model())()
+        rep = (DeMoReplicator(topk=4, chunk=8, momentum_dtype=dtype) if case == "demo" else
+               DiLoCoReplicator(inner_steps=2, global_dtype=dtype))
+        return model, DeToNATION(model.parameters(), rep, base="adamw", lr=0.01)
+
+    def run(model, opt, start, stop):
+        for s in range(start, stop):
+            opt.zero_grad()
+            tiny_loss(model, tiny_batch(0, s)).backward()
+            opt.step()
+    a, oa = build(0)
+    run(a, oa, 0, 3)
+    path = save_checkpoint(tmp_path / "step_3", a, oa, step=3)
+    run(a, oa, 3, 7)
+    b, ob = build(1)
+    load_checkpoint(path, b, ob)
+    held = ob.replicators[0].state_tensors()
+    assert {t.dtype for t in held} >= {torch.bfloat16}
+    run(b, ob, 3, 7)
+    assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
+    c, oc = build(0, "fp32")
+    run(c, oc, 0, 3)
+    path = save_checkpoint(tmp_path / "step_3_fp32", c, oc, step=3)
+    d, od = build(1)
+    with pytest.raises(CheckpointMismatchError, match="dtype"):
+        load_checkpoint(path, d, od)

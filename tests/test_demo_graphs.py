@@ -201,3 +201,22 @@ def test_delayed_optimizer_step_does_not_synchronise():
             torch.cuda.set_sync_debug_mode("default")
         opt.zero_grad()
     assert any(key[0] == "check-kept" for key in opt.replicators[0].step_graphs.captured)
+
+
+@pytest.mark.skipif(not CUDA, reason="CUDA graphs need a CUDA device (torch.cuda.is_available)")
+@pytest.mark.parametrize("overlap", ["none", "delayed"])
+def test_every_stage_of_a_step_shape_is_graphed_with_many_groups(overlap):
+    """A step of 40 groups (delayed mode: two send buffers too) is graphed whole after the
+    warm-up: every key that ran eagerly was captured (a cap on graphs rather than step shapes
+    once left a third of a delayed step eager)."""
+    from flexdemo.replicate.demo import graphs as graphs_module
+
+    shapes = [(256, 256)] * 10
+    rep = DeMoReplicator(overlap=overlap, group_numel=64 * 256, graphs=True)
+    rep.setup([torch.Size(s) for s in shapes], torch.device("cuda"), None)
+    assert len(rep.groups) >= 40 > graphs_module.MAX_SHAPES
+    for step in range(8):
+        rep([torch.randn(s, device="cuda") for s in shapes], [2.0 ** -10] * len(shapes), step)
+    sg = rep.step_graphs
+    assert len(sg.shapes) == 1 and set(sg.warm) <= set(sg.captured)
+    assert sum(key[0].startswith("decode") for key in sg.captured) >= 40

@@ -338,6 +338,25 @@ def test_throughput_between_nodes_matches_the_rate(netns):
     assert abs(measured - rate) / rate < 0.15, f"measured {measured / 1e6:.1f} Mbit/s"
 
 
+def test_set_bandwidth_reshapes_every_link(netns):
+    """A running cluster reshaped from 400 to 20 Mbit/s carries 20 Mbit/s (and refuses outside
+    its `with` block)."""
+    rate = parse_bandwidth("20mbit")
+    out, err = io.StringIO(), io.StringIO()
+    c = EmulatedCluster(2, 1, "400mbit", log=lambda s: None)
+    with pytest.raises(nt.ClusterError, match="inside its `with` block"):
+        c.set_bandwidth("20mbit")
+    with c:
+        c.set_bandwidth("20mbit")
+        assert c.rate_bps == rate and any("reshaped to 20" in f for f in c.facts)
+        result = c.run([PY, "-c", THROUGHPUT, str(rate // 8 * 2)], stdout=out, stderr=err,
+                       timeout=20)
+    assert result.ok, err.getvalue()
+    m = json.loads(_rank_lines(out.getvalue())[0])
+    measured = m["bytes"] * 8 / m["seconds"]
+    assert abs(measured - rate) / rate < 0.15, f"measured {measured / 1e6:.1f} Mbit/s"
+
+
 GLOO = r"""
 import os, torch, torch.distributed as dist
 dist.init_process_group("gloo")

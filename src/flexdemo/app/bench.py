@@ -32,6 +32,7 @@ from ..tools.cluster import EmulatedCluster
 from ..tools.netns import ClusterError, ShapingUnavailableError, cleanup_stale
 from ..tools.rates import format_rate, parse_bandwidth
 from .bench_elastic import elastic_problem, run_elastic
+from .bench_link import StepWatch, dir_label, parse_link, time_to_target_lines
 from .bench_report import _finite, comparison_lines, format_table
 from .config import ConfigError
 from .config_checks import config_from_dict, validate
@@ -72,6 +73,16 @@ PRESETS: dict[str, dict[str, Any]] = {
         "out": "runs/elastic",
         "overrides": ["task.model=mini", "train.batch=8", "train.warmup=12",
                       "train.eval_every=20", "train.eval_batches=8", "train.log_every=10"]},
+    "auto": {
+        "about": "\"auto\" against the fixed strategies it chooses from (full-sync Muon, "
+                 "MuLoCo H=20, the sparse preset) at 10 Mbit/s, 100 Mbit/s and 1 Gbit/s and on "
+                 "a link that drops from 1 Gbit/s to 10 Mbit/s halfway; time to a target loss",
+        "strategies": ("auto", "hsdp-muon", "muloco", "sparseloco"),
+        "bandwidths": ("10mbit", "100mbit", "1gbit", "1gbit>10mbit"),
+        "nodes": 2, "ranks_per_node": 1, "steps": 120, "out": "runs/auto",
+        # batch 48: a CPU step long enough (about 0.25 s) that full sync fits 1 Gbit/s
+        "overrides": ["task.model=tiny", "train.batch=48", "train.warmup=12",
+                      "train.eval_every=10", "train.eval_batches=4", "train.log_every=5"]},
 }
 
 
@@ -147,7 +158,7 @@ def bench_options(*, preset: str | None = None, strategies: str | list[str] | No
         if bw == UNSHAPED:
             continue
         try:
-            parse_bandwidth(bw)
+            parse_link(bw)
         except ValueError as e:
             raise BenchError(str(e)) from None
     if o.unshaped:
@@ -247,16 +258,20 @@ def run_config(o: BenchOptions, strategy: str, run_dir: str) -> dict:
 class _Tee:
     """A text sink that writes everything to a log file and echoes rank 0's lines."""
 
-    def __init__(self, log: IO[str], echo: Callable[[str], None] | None) -> None:
-        self.log, self.echo = log, echo
+    def __init__(self, log: IO[str], echo: Callable[[str], None] | None,
+                 watch: StepWatch | None = None) -> None:
+        self.log, self.echo, self.watch = log, echo, watch
         self.lock = threading.Lock()
 
     def write(self, text: str) -> int:
+        if self.watch is not None:
+            self.watch.feed(text)
         with self.lock:
             self.log.write(text)
             if self.echo is not None:
                 for line in text.splitlines():
-                    if line.startswith("[rank 0] step ") or "error" in line.lower():
+                    if (line.startswith(("[rank 0] step ", "[rank 0] auto: "))
+                            or "error" in line.lower()):
                         self.echo("    " + line)
         return len(text)
 
@@ -270,6 +285,10 @@ def _count(items: list, one: str, many: str) -> str:
 
 def _label(bw: str) -> str:
     return UNSHAPED if bw == UNSHAPED else bw
+
+
+def _first_rate(bw: str) -> str | None:
+    return None if bw == UNSHAPED else parse_link(bw).first
 
 
 def run_bench(o: BenchOptions, echo: Callable[[str], None] | None = None) -> list[dict]:
@@ -286,7 +305,8 @@ def run_bench(o: BenchOptions, echo: Callable[[str], None] | None = None) -> lis
     bandwidths = list(o.bandwidths)
     if shaped:
         try:
-            EmulatedCluster(o.nodes, o.ranks_per_node, bandwidths[0], log=lambda s: None)
+            EmulatedCluster(o.nodes, o.ranks_per_node, _first_rate(bandwidths[0]),
+                            log=lambda s: None)
         except ShapingUnavailableError as e:
             reason = str(e).split(". Run as root")[0]  # the fix is said below
             echo(f"note: {reason}.\n"
@@ -310,7 +330,7 @@ def run_bench(o: BenchOptions, echo: Callable[[str], None] | None = None) -> lis
     queue = list(bandwidths)
     while queue:
         bw = queue.pop(0)
-        cluster = EmulatedCluster(o.nodes, o.ranks_per_node, None if bw == UNSHAPED else bw,
+        cluster = EmulatedCluster(o.nodes, o.ranks_per_node, _first_rate(bw),
                                   unshaped=bw == UNSHAPED, log=lambda s: None)
         try:
             cluster.__enter__()
@@ -336,6 +356,9 @@ def run_bench(o: BenchOptions, echo: Callable[[str], None] | None = None) -> lis
     muon = {n for n in o.strategies if n in STRATEGIES and STRATEGIES[n].optimizer == "muon"}
     for line in comparison_lines(results, "hsdp-muon", muon - {"hsdp-muon"}):
         echo(line)
+    if "auto" in o.strategies:
+        for line in time_to_target_lines(results, "auto"):
+            echo(line)
     try:
         paths = plot_all(results, out)
         echo("plots: " + ", ".join(str(p) for p in paths) if paths
@@ -348,15 +371,30 @@ def run_bench(o: BenchOptions, echo: Callable[[str], None] | None = None) -> lis
 
 def _one_run(o: BenchOptions, cluster: EmulatedCluster, name: str, bw: str, out: Path,
              echo: Callable[[str], None]) -> dict:
-    run_dir = out / "runs" / f"{name}@{_label(bw)}"
+    run_dir = out / "runs" / f"{name}@{dir_label(_label(bw))}"
     if run_dir.exists():
         shutil.rmtree(run_dir)
     run_dir.mkdir(parents=True)
     cfg = run_config(o, name, str(run_dir))
     cfg_path = run_dir / "bench_config.toml"
     cfg_path.write_text(to_toml(cfg))
-    where = ("loopback, unshaped" if bw == UNSHAPED
-             else f"links of {format_rate(parse_bandwidth(bw))}")
+    link = None if bw == UNSHAPED else parse_link(bw)
+    watch = None
+    if link is None:
+        where = "loopback, unshaped"
+    else:
+        where = f"links of {format_rate(parse_bandwidth(link.first))}" + (
+            f", {format_rate(parse_bandwidth(link.then))} from step {o.steps // 2}"
+            if link.then else "")
+        if link.then is not None:
+            cluster.set_bandwidth(link.first)  # the run before may have left the second rate
+            then = link.then
+
+            def change(step: int) -> None:
+                cluster.set_bandwidth(then)
+                echo(f"    link changed to {then} at step {step}")
+
+            watch = StepWatch(o.steps // 2, change)
     echo(f"\n== {name} @ {_label(bw)}: {STRATEGIES[name].about} ({where})")
     cmd = [sys.executable, "-m", "flexdemo", "train", str(cfg_path)]
     env = {"PYTHONUNBUFFERED": "1"}
@@ -366,7 +404,7 @@ def _one_run(o: BenchOptions, cluster: EmulatedCluster, name: str, bw: str, out:
         env.update({BY_RANK_ENV: "1", "NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1",
                     "NCCL_IB_DISABLE": "1"})
     with (run_dir / "log.txt").open("w") as log:
-        tee = _Tee(log, None if o.quiet else echo)
+        tee = _Tee(log, None if o.quiet else echo, watch)
         result = cluster.run(cmd, env=env, stdout=tee, stderr=tee, timeout=o.timeout,
                              cwd=os.getcwd())
     record: dict[str, Any] = {"strategy": name, "bandwidth": _label(bw),
@@ -391,6 +429,12 @@ def _one_run(o: BenchOptions, cluster: EmulatedCluster, name: str, bw: str, out:
         "val_seconds": [r["train_seconds"] for r in rows if "val_loss" in r],
         "val_bytes": [r["bytes_sent_total"] for r in rows if "val_loss" in r],
     }
+    if watch is not None and watch.fired_at is not None:
+        c = record["curve"]
+        at = next((t for st, t in zip(c["step"], c["train_seconds"]) if st >= watch.fired_at),
+                  None)
+        record["link_change"] = {"step": watch.fired_at, "to": link.then if link else None,
+                                 "train_seconds": at}
     if record["status"] != "ok":
         echo(f"   {name} @ {_label(bw)} failed: {result.message} (log: {run_dir / 'log.txt'})")
     else:

@@ -38,6 +38,8 @@ def _add_bench_parser(sub) -> None:
         epilog=f"strategies:\n{strategies}\n\npresets:\n{presets}\n\nexamples:\n"
                "  flexdemo bench --preset main\n"
                "  flexdemo bench --preset elastic --kill-at 30 --restart-at 50\n"
+               "  flexdemo bench --preset auto\n"
+               "  flexdemo bench --strategies auto,muloco --bandwidths '1gbit>10mbit'\n"
                "  flexdemo bench --strategies flexdemo,hsdp-adamw --bandwidths 10mbit,1gbit "
                "--steps 100\n"
                "  flexdemo bench --unshaped --steps 20 task.model=tiny\n",
@@ -49,7 +51,8 @@ def _add_bench_parser(sub) -> None:
     b.add_argument("--strategies", metavar="LIST",
                    help=f"comma-separated (default {','.join(DEFAULT_STRATEGIES)})")
     b.add_argument("--bandwidths", metavar="LIST",
-                   help=f"comma-separated rates (default {','.join(DEFAULT_BANDWIDTHS)})")
+                   help=f"comma-separated rates (default {','.join(DEFAULT_BANDWIDTHS)}); "
+                        "'1gbit>10mbit': a link that changes halfway through each run")
     b.add_argument("--nodes", type=_positive_int, metavar="N", help="emulated nodes (default 2)")
     b.add_argument("--ranks-per-node", type=_positive_int, metavar="M",
                    help="ranks per node (default 2)")

@@ -81,6 +81,9 @@ def plot_loss_vs_time(results: list[dict], path: str | Path) -> Path:
             if c["val_loss"]:
                 ax.plot(c["val_seconds"], c["val_loss"], "o", color=col, ms=5,
                         markeredgecolor="white")
+            change = r.get("link_change") or {}
+            if change.get("train_seconds") is not None:  # a link that changed during the run
+                ax.axvline(change["train_seconds"], color=col, ls=":", lw=1)
         ax.set_title("loopback, no shaping" if bw == "unshaped" else f"links of {bw}",
                      fontsize=11)
         ax.set_xlabel("training time (s, evaluation excluded)")

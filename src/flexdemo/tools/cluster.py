@@ -196,6 +196,7 @@ class EmulatedCluster:
                                                str(addrs[i]), SWITCH_IF.format(i)))
         self.facts: list[str] = []
         self._created: list[str] = []
+        self._shaped: list[tuple[str, str]] = []  # (namespace, device) of every shaped link
         self._active = False
         self._old_handlers: dict[int, Any] = {}
 
@@ -252,6 +253,7 @@ class EmulatedCluster:
 
     def _shape(self, ns: str, dev: str, what: str) -> None:
         tbf = self._tbf_args()
+        self._shaped.append((ns, dev))
         if self.latency_s is None:
             netns._run_tool([self._tc, "-n", ns, "qdisc", "add", "dev", dev, "root", *tbf])
             self._fact(f"shaped {what}: {dev} in {ns}: tc qdisc {' '.join(tbf)}")
@@ -267,6 +269,20 @@ class EmulatedCluster:
         netns._run_tool([self._tc, "-n", ns, "qdisc", "add", "dev", dev, "parent", "1:1",
                          "handle", "10:", *tbf])
         self._fact(f"shaped {what}: {dev} in {ns}: tc qdisc netem delay {delay_us}us + "
+                   f"{' '.join(tbf)}")
+
+    def set_bandwidth(self, bandwidth: str | int | float) -> None:
+        """Shape every link to ``bandwidth`` now, while ranks may be running (``tc qdisc
+        change``: the sockets stay open, packets in the queue keep their place)."""
+        if self.unshaped or not self._active:
+            raise ClusterError("set_bandwidth needs a shaped cluster that is running (inside "
+                               "its `with` block)")
+        self.rate_bps = parse_bandwidth(bandwidth)
+        tbf = self._tbf_args()
+        where = ["root"] if self.latency_s is None else ["parent", "1:1", "handle", "10:"]
+        for ns, dev in self._shaped:
+            netns._run_tool([self._tc, "-n", ns, "qdisc", "change", "dev", dev, *where, *tbf])
+        self._fact(f"every link reshaped to {format_rate(self.rate_bps)}: tc qdisc change "
                    f"{' '.join(tbf)}")
 
     def _add_netns(self, ns: str) -> None:
@@ -316,6 +332,7 @@ class EmulatedCluster:
             problems = netns._delete_netns(names)
             left = [n for n in netns._list_netns() if n in set(names)]
             self._created = left
+            self._shaped = []
             if problems or left:
                 raise ClusterError(f"could not remove namespaces {left}: {'; '.join(problems)}"
                                    " (cleanup_stale() removes them once this process exits)")

@@ -115,6 +115,25 @@ def test_state_bytes_match_what_a_checkpoint_keeps(rep, base):
 def test_group_numel_must_be_a_positive_integer():
     with pytest.raises(ValueError, match="group_numel must be an integer >= 1"):
         DeMoReplicator(group_numel=0)
+    with pytest.raises(ValueError, match="'auto'"):
+        DeMoReplicator(group_numel="big")
+
+
+def test_group_numel_auto_is_larger_on_cuda():
+    """"auto" bounds groups at 4M coefficients off CUDA and 64M on it (a GPU step is bound by
+    the kernels of each group); the setting shows in the repr only when it is not "auto"."""
+    from flexdemo.replicate.demo.settings import resolve_group_numel
+
+    assert resolve_group_numel("auto", torch.device("cpu")) == 1 << 22
+    assert resolve_group_numel("auto", None) == 1 << 22
+    assert resolve_group_numel("auto", torch.device("cuda")) == 1 << 26
+    assert resolve_group_numel(None, torch.device("cuda")) is None
+    assert resolve_group_numel(1 << 12, torch.device("cuda")) == 1 << 12
+    rep = DeMoReplicator()
+    rep.setup([torch.Size((512, 512))], torch.device("cpu"), None)
+    assert rep.group_numel == "auto" and rep.layout.group_numel == 1 << 22
+    assert "group_numel" not in repr(rep) and "group_numel=4096" in repr(
+        DeMoReplicator(group_numel=4096))
 
 
 def _train_mixed(nan: bool = False, **kw):

@@ -19,7 +19,7 @@ from .graphs import CompiledSelection, StepGraphs
 from .layout import BlockLayout, Group
 from .offload import HostMomentum
 from .scatter import SparseScatter
-from .settings import GROUP_NUMEL, PRESETS, TRANSFORM_DTYPES, check_settings, describe
+from .settings import PRESETS, TRANSFORM_DTYPES, check_settings, describe, resolve_group_numel
 from .staging import MomentumRun, Sent, Staging, StepPlan
 
 # staging="auto" stages through images under CUDA graphs below this many entries per tensor
@@ -51,7 +51,7 @@ class DeMoReplicator(Replicator):
                  on_bad_peer: str = "raise",
                  compile: bool = False, graphs: bool | str = "auto", staging: str = "auto",
                  mean: str = "replicas", clip: str = "none", reduce: str = "gather",
-                 group_numel: int | None = GROUP_NUMEL, offload: bool = False,
+                 group_numel: int | str | None = "auto", offload: bool = False,
                  momentum_dtype: str = "fp32", **schedule) -> None:
         super().__init__(**schedule)
         graphs = check_settings(
@@ -115,7 +115,8 @@ class DeMoReplicator(Replicator):
         self.layout = BlockLayout(
             self._local_shapes, topk=self.topk, chunk=self.chunk,
             small_numel=self.small_numel if self.small == "batch" else None, basis=basis,
-            compute_dtype=compute_dtype, bucket=self.bucket, group_numel=self.group_numel,
+            compute_dtype=compute_dtype, bucket=self.bucket,
+            group_numel=resolve_group_numel(self.group_numel, self.device),
             images=self._stages_through_images, codec=self.codec, device=self.device,
             shared_staging=not self._graphed, offload=self.offload,  # graphs: fixed buffers
             momentum_dtype=STATE_DTYPES[self.momentum_dtype])

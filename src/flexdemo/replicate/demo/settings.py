@@ -19,11 +19,15 @@ TRANSFORM_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 #: and decode of a group run on buffers of its size, so this bounds the step's workspace
 #: (large tensors are split by block rows to fit; benchmarks/bench_memory.py)
 GROUP_NUMEL = 1 << 22
+#: the same on CUDA (256 MiB in fp32): each group's work is about 120 kernels, so on a GPU the
+#: step is bound by their count (a whole 124M model in groups of 4M coefficients: 45 groups,
+#: about 5,600 kernels per step in its CUDA graphs, against 290 in 2 unbounded groups)
+GROUP_NUMEL_CUDA = 1 << 26
 
 
 def check_settings(*, topk, chunk, decay, values, transform, transform_dtype, small,
                    small_numel, bucket, overlap, on_bad_peer, compile, graphs, staging,
-                   mean="replicas", clip="none", reduce="gather", group_numel=None,
+                   mean="replicas", clip="none", reduce="gather", group_numel="auto",
                    offload=False, momentum_dtype="fp32", every_step: bool) -> bool | str:
     """Raise ValueError for a bad setting (``every_step``: the schedule communicates every
     step); returns ``graphs`` resolved (``"auto"`` is off when the selection is compiled)."""
@@ -48,10 +52,12 @@ def check_settings(*, topk, chunk, decay, values, transform, transform_dtype, sm
         raise ValueError(f"small must be 'batch' or 'separate', got {small!r}")
     if small_numel is not None and (not isinstance(small_numel, int) or small_numel < 0):
         raise ValueError(f"small_numel must be an integer >= 0, got {small_numel!r}")
-    if group_numel is not None and (not isinstance(group_numel, int)
-                                    or isinstance(group_numel, bool) or group_numel < 1):
+    if group_numel not in (None, "auto") and (not isinstance(group_numel, int)
+                                              or isinstance(group_numel, bool)
+                                              or group_numel < 1):
         raise ValueError(f"group_numel must be an integer >= 1 (coefficients per group of "
-                         f"blocks) or None (one group per block shape), got {group_numel!r}")
+                         f"blocks), 'auto' ({GROUP_NUMEL} off CUDA, {GROUP_NUMEL_CUDA} on it) "
+                         f"or None (one group per block shape), got {group_numel!r}")
     if overlap not in ("none", "delayed"):
         raise ValueError(f"overlap must be 'none' or 'delayed', got {overlap!r}")
     if overlap == "delayed" and (not bucket or not every_step):
@@ -89,13 +95,20 @@ def check_settings(*, topk, chunk, decay, values, transform, transform_dtype, sm
     return graphs
 
 
+def resolve_group_numel(group_numel: int | str | None, device: torch.device | None) -> int | None:
+    """``group_numel`` with ``"auto"`` resolved for ``device``."""
+    if group_numel != "auto":
+        return None if group_numel is None else int(group_numel)
+    return GROUP_NUMEL_CUDA if device is not None and device.type == "cuda" else GROUP_NUMEL
+
+
 def describe(rep) -> str:
     """The ``repr`` of a DeMo replicator's settings: the main ones, and the others where
     they differ from their defaults."""
     extra = "".join(f", {k}={v!r}" for k, v, d in (
         ("transform", rep.transform, "dct"), ("transform_dtype", rep.transform_dtype, "fp32"),
         ("small", rep.small, "batch"), ("bucket", rep.bucket, True),
-        ("group_numel", rep.group_numel, GROUP_NUMEL), ("offload", rep.offload, False),
+        ("group_numel", rep.group_numel, "auto"), ("offload", rep.offload, False),
         ("momentum_dtype", rep.momentum_dtype, "fp32"),
         ("overlap", rep.overlap, "none"), ("compile", rep.compile, False),
         ("graphs", rep.graphs, "auto"), ("staging", rep.staging, "auto"),

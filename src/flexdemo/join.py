@@ -132,7 +132,7 @@ class _Beat:
         while not self.stop.wait(BEAT_SECONDS):
             try:
                 self.store.add(self.key, 1)
-            except Exception:  # noqa: BLE001 - the store is gone; the waiter will say so
+            except Exception:  # the store is gone; the waiter will say so
                 return
 
 
@@ -250,7 +250,7 @@ def _verdict_error(store: dist.Store, prefix: str, rank: int, world: int, verdic
             if all(store.check([f"{prefix}taken/{r}"]) for r in others):
                 break
             time.sleep(0.1)
-    except Exception:  # noqa: BLE001 - best effort: the verdict stands
+    except Exception:  # best effort: the verdict stands
         pass
     return error
 
@@ -266,7 +266,7 @@ def _join_error(store: dist.Store, prefix: str, rank: int, world: int, died: lis
             if not store.check([f"{prefix}info/{r}"]):
                 continue
             host, _, node = store.get(f"{prefix}info/{r}").decode().partition("|")
-        except Exception:  # noqa: BLE001 - best effort: the names without hosts
+        except Exception:  # best effort: the names without hosts
             continue
         info[r] = host
         if node:

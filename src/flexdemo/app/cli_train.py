@@ -138,7 +138,7 @@ def _leave_cleanly() -> None:
     several = dist.get_world_size() > 1
     try:
         dist.destroy_process_group()
-    except Exception:  # noqa: BLE001 - leaving anyway
+    except Exception:  # leaving anyway
         pass
     if several:
         _LEAVE_AT_ONCE.set()

@@ -45,7 +45,7 @@ class Heartbeat:
         if store is None and world > 1:
             try:
                 self.store = dist.distributed_c10d._get_default_store()
-            except Exception:  # noqa: BLE001 - no store: no diagnosis, training still runs
+            except Exception:  # no store: no diagnosis, training still runs
                 self.store = None
         self.noticed = threading.Event()
         self._stop = threading.Event()
@@ -84,7 +84,7 @@ class Heartbeat:
                         lost = self._take_verdict()
                         self.on_verdict(lost)
                         return
-            except Exception:  # noqa: BLE001 - the store is gone; lost_ranks() will say so
+            except Exception:  # the store is gone; lost_ranks() will say so
                 return
 
     def _watch(self) -> bool:
@@ -146,7 +146,7 @@ class Heartbeat:
                 # the first diagnosis wins; later ones take it
                 self.store.compare_set(self._key("verdict"), "", json.dumps(lost))
             lost = self._take_verdict()
-        except Exception:  # noqa: BLE001 - the store's host (rank 0) is unreachable
+        except Exception:  # the store's host (rank 0) is unreachable
             if self.rank == 0:
                 return [], "the rendezvous store is unreachable"
             return [0], "the rendezvous store on MASTER_ADDR is unreachable"
@@ -164,7 +164,7 @@ class Heartbeat:
             try:
                 if all(self.store.check([self._key("taken", r)]) for r in others):
                     return True
-            except Exception:  # noqa: BLE001 - the store is gone: nothing left to wait for
+            except Exception:  # the store is gone: nothing left to wait for
                 return False
             if time.monotonic() >= deadline:
                 return False

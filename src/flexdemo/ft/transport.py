@@ -68,7 +68,7 @@ class ManagerTransport(Transport):
         try:
             work = launch()
             fut = self.manager.wrap_future(work.get_future(), False, timeout=self.timeout)
-        except Exception as e:  # noqa: BLE001 - a broken group: the Manager votes no
+        except Exception as e:  # a broken group: the Manager votes no
             self.manager.report_error(e)
             self.check(what)
             raise

@@ -16,7 +16,7 @@ from .lion import Lion
 from .mesh import guard_exit
 from .muon import MuonAdamW
 from .replicate import DeMoReplicator, NonFiniteGradientError, Replicator, make_replicator
-from .replicate.base import mark_nonfinite, nonfinite_flag
+from .replicate.agreement import mark_nonfinite, nonfinite_flag
 from .transport import Transport, group_size, transport_for
 
 BASE_OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {
@@ -418,25 +418,12 @@ class DeToNATION(torch.optim.Optimizer):
         keys = sorted(map(str, state_dict))[:8] if isinstance(state_dict, dict) else None
         if keys is not None and "state" in state_dict and "param_groups" in state_dict:
             _dcp.load_state_dict(self, state_dict)
-        elif keys is not None and {"replicators", "base", "steps"} <= state_dict.keys():
-            self._load_legacy(state_dict)  # the layout of flexdemo 0.1
         else:
             got = keys if keys is not None else type(state_dict).__name__
             raise ValueError("not an optimizer state of flexdemo: expected a dict with the keys "
                              f"'state' and 'param_groups' (what opt.state_dict() returns), got "
                              f"{got}")
         self.share_state()  # torch replaced the base's containers
-
-    def _load_legacy(self, state_dict: dict) -> None:
-        reps = state_dict["replicators"]
-        if len(reps) != len(self.replicators):
-            raise ValueError(f"state has {len(reps)} replicators, this optimizer "
-                             f"{len(self.replicators)}")
-        for r, s in zip(self.replicators, reps):
-            r.load_state_dict(s)
-        self.base.load_state_dict(state_dict["base"])
-        self.steps = int(state_dict["steps"])
-        self.skipped_steps = int(state_dict.get("skipped_steps", 0))
 
     def __repr__(self) -> str:
         return (f"DeToNATION(base={type(self.base).__name__}, "

@@ -52,7 +52,7 @@ import torch.distributed as dist
 
 from ..inprocess import InProcessTransport
 from ..replicate import Replicator, make_replicator
-from ..replicate.base import NonFiniteGradientError, global_rank_of, nonfinite_flag
+from ..replicate.agreement import NonFiniteGradientError, global_rank_of, nonfinite_flag
 from ..transport import ProcessGroupTransport, Transport
 from .choose import (
     Candidate,

@@ -12,10 +12,11 @@ import threading
 import torch.distributed as dist
 
 from ..mesh import timeout_from_env
+from ..transport import PeerLostError
 from .config import ConfigError
 from .config_files import load_config, to_toml
 from .preempt import PREEMPTED_EXIT_CODE, LighthouseLost, Preempted
-from .trainer import PeerLostError, StartupError, TrainingError, UsageError, train
+from .trainer import StartupError, TrainingError, UsageError, train
 
 TRAIN_DESCRIPTION = """\
 Train one model as a config file says: task and model size, strategy (replicator, base

@@ -19,12 +19,7 @@ from torch.distributed.distributed_c10d import (
     AllToAllOptions,
 )
 
-from ..transport import Transport
-
-
-class PeerLostError(RuntimeError):
-    """A collective of the fault-tolerant group failed (a peer died, left or timed out); the
-    step is not committed and is undone."""
+from ..transport import PeerLostError, Transport
 
 
 class _Handle:

@@ -68,7 +68,7 @@ class Setting:
     optimizer_kwargs: dict[str, Any] = field(default_factory=dict)
 
 
-# The bench's tuned DeMo (app.strategies "flexdemo") and DiLoCo H=20 are here with the
+# The bench's tuned DeMo (flexdemo.strategies "flexdemo") and DiLoCo H=20 are here with the
 # library defaults; the variants measure the hypotheses (momentum decay, no lr scaling
 # of the momentum, DiLoCo's outer step).
 SETTINGS: dict[str, Setting] = {

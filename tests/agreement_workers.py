@@ -7,7 +7,7 @@ from dist_workers import batch, fresh_model, shards
 
 import flexdemo
 from flexdemo import NonFiniteGradientError
-from flexdemo.replicate.base import CorruptPayloadError
+from flexdemo.replicate.agreement import CorruptPayloadError
 
 # name -> (replicator, settings, step whose gradient is NaN on rank 1, steps run)
 NONFINITE_CASES = {

@@ -9,7 +9,7 @@ from torch import nn
 
 import flexdemo
 from flexdemo import DeMoReplicator, FullReplicator, NonFiniteGradientError
-from flexdemo.optim import _local
+from flexdemo.dtensor import local_tensor
 
 REPLICATORS = {
     "demo": {"topk": 4, "chunk": 8},
@@ -54,7 +54,7 @@ def train(model, opt, steps, rank, start=0):
 
 
 def shards(model):
-    return [_local(p).detach().clone() for p in model.parameters()]
+    return [local_tensor(p).detach().clone() for p in model.parameters()]
 
 
 def fresh_model(seed=0):
@@ -74,7 +74,7 @@ def replicas_worker(rank, world, replicate, shard):
             "coord": opt.mesh.get_coordinate(),
             "stats": stats,
             "payload": rep.payload_bytes() if hasattr(rep, "payload_bytes") else None,
-            "numel": sum(_local(p).numel() for p in model.parameters()),
+            "numel": sum(local_tensor(p).numel() for p in model.parameters()),
         }
     # schedules: DeMo every 2nd step, skipping every 3rd step
     model, opt = flexdemo.prepare(
@@ -227,7 +227,7 @@ def diloco_replicas_worker(rank, world, replicate, shard):
         payload = sum(ex.payload_bytes() for ex in rep.exchanges)
         out[name] = {"snaps": snaps, "sent": sent, "payload": payload,
                      "coord": opt.mesh.get_coordinate(),
-                     "numel": sum(_local(p).numel() for p in model.parameters())}
+                     "numel": sum(local_tensor(p).numel() for p in model.parameters())}
     # streaming: 2 fragments, H=4, tau=1: fragment 0 launched after steps 1, 5; applied 2, 6
     rep = DiLoCoReplicator(inner_steps=4, fragments=2, tau=1)
     model, opt = flexdemo.prepare(fresh_model(), rep, optimizer="adamw", lr=0.01,

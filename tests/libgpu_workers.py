@@ -13,7 +13,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 import flexdemo
-from flexdemo.optim import _local
+from flexdemo.dtensor import local_tensor
 from flexdemo.transport import all_gather_bytes
 
 
@@ -44,7 +44,7 @@ def large_model_worker(rank, world):
         model = Tiny()
     model, opt = flexdemo.prepare(model, "demo", lr=0.01, device="cpu", replicate=2, shard=2,
                                   replicator_kwargs={"topk": 4, "chunk": 8})
-    out["device"] = {str(_local(p).device) for p in model.parameters()}
+    out["device"] = {str(local_tensor(p).device) for p in model.parameters()}
     start = shards(model)
     train(model, opt, 3, rank)
     out["meta"] = {"start": start, "end": shards(model), "coord": opt.mesh.get_coordinate()}
@@ -73,7 +73,7 @@ def large_model_worker(rank, world):
 
     model, opt = flexdemo.prepare(model, "demo", lr=0.01, device="cpu", replicate=2, shard=2,
                                   init_fn=init, replicator_kwargs={"topk": 4, "chunk": 8})
-    out["init_fn_scale"] = _local(model[1].scale).detach().clone()
+    out["init_fn_scale"] = local_tensor(model[1].scale).detach().clone()
 
     # bf16 compute, fp32 gradients for the replicators and fp32 master weights
     torch.manual_seed(0)
@@ -124,7 +124,7 @@ def _opt_tensors(opt) -> list[torch.Tensor]:
     for p in opt._params:
         for _, v in sorted(opt.base.state.get(p, {}).items()):
             if isinstance(v, torch.Tensor):
-                out.append(_local(v).detach().clone())
+                out.append(local_tensor(v).detach().clone())
     for r in opt.replicators:
         for name in ("delta", "global_params"):
             out += [t.detach().clone() for t in getattr(r, name, []) if t is not None]
@@ -295,7 +295,7 @@ def dcp_mismatch_worker(rank, world, root):
             from flexdemo import dcp as fdcp
 
             fdcp.load({"model": msd2, "optim": osd2}, checkpoint_id=f"{root}/dcp")
-        except Exception as e:  # noqa: BLE001 - the test names the type it wants
+        except Exception as e:  # the test names the type it wants
             lines["dcp"] = str(e).replace(f"{root}/dcp", "PATH")
             lines["dcp_type"] = type(e).__name__
         lines["untouched"] = _equal(shards(model2), before)

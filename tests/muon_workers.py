@@ -12,8 +12,8 @@ from torch.distributed.tensor import Shard, distribute_tensor
 
 import flexdemo
 from flexdemo.checkpoint import load_checkpoint, save_checkpoint
+from flexdemo.dtensor import local_tensor
 from flexdemo.muon import MuonAdamW
-from flexdemo.optim import _local
 
 # rows not divisible by 2, a matrix with fewer rows than ranks hold, wide and tall ones, and
 # repeated shapes (an owner orthogonalises its matrices of one shape in one batched call)
@@ -49,7 +49,7 @@ def optimizer_worker(rank: int, world: int, replicate: int, shard: int,
         sent.append((opt.stats.last_bytes_sent, opt.stats.last_bytes_received,
                      opt.stats.last_collectives))
     me = mesh["shard"].get_local_rank()
-    mine = [_local(p).detach().clone() for p in sharded]
+    mine = [local_tensor(p).detach().clone() for p in sharded]
     rows = [torch.chunk(p.detach(), shard, dim=0) for p in plain]
     expected = [r[me].clone() if me < len(r) else p.detach()[:0].clone()
                 for r, p in zip(rows, plain)]

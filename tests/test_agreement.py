@@ -98,7 +98,7 @@ def test_bad_quantised_payload_is_dropped_on_every_rank(corrupt, case):
 
 # ---------------------------------------------------------------- the helpers, one process
 def test_nonfinite_flag_finds_nan_and_inf_but_not_large_values():
-    from flexdemo.replicate.base import nonfinite_flag
+    from flexdemo.replicate.agreement import nonfinite_flag
 
     big = torch.full((1000,), 3e38)  # finite; its sum overflows
     assert not bool(nonfinite_flag([big, None, torch.zeros(0), torch.ones(3, 4)]))
@@ -119,7 +119,7 @@ def test_nonfinite_flag_finds_nan_and_inf_but_not_large_values():
 
 
 def test_trailer_and_header_carry_flag_and_code():
-    from flexdemo.replicate.base import (
+    from flexdemo.replicate.agreement import (
         HEADER_BYTES,
         Agreement,
         NonFiniteGradientError,

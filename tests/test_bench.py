@@ -244,11 +244,11 @@ def _load_script(path: Path):
 
 
 def test_one_strategy_table_for_bench_example_and_wire_benchmark():
-    import flexdemo.app.strategies
+    import flexdemo.strategies
     from flexdemo import STRATEGIES as TABLE
     from flexdemo import parse_strategy
 
-    assert STRATEGIES is TABLE is flexdemo.app.strategies.STRATEGIES  # the library's table
+    assert STRATEGIES is TABLE is flexdemo.strategies.STRATEGIES  # the library's table
     s = parse_strategy("demo-defaults:topk=16:values=int2")
     assert (s.replicator, s.optimizer, s.replicator_kwargs) == (
         "demo", "sgd", {"topk": 16, "values": "int2"})

@@ -8,7 +8,7 @@ from torch import nn
 
 from flexdemo import DeToNATION, DiLoCoReplicator, FullReplicator, NonFiniteGradientError
 from flexdemo.compress.quant import FORMATS, ValueCodec
-from flexdemo.replicate.base import HEADER_BYTES
+from flexdemo.replicate.agreement import HEADER_BYTES
 from flexdemo.replicate.diloco import balanced_fragments
 
 

@@ -12,7 +12,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 
 import flexdemo
 from flexdemo.replicate import REPLICATORS, make_replicator
-from flexdemo.replicate.base import Agreement
+from flexdemo.replicate.agreement import Agreement
 from flexdemo.transport import all_reduce_bytes, all_reduce_sum
 
 NAME = "toy-scaled-mean"

@@ -178,7 +178,7 @@ def test_corrupt_payloads_are_named():
 
 
 def rep_code(grads):
-    from flexdemo.replicate.base import presence_code
+    from flexdemo.replicate.agreement import presence_code
     return presence_code(grads)
 
 

@@ -31,8 +31,7 @@ from .sharding import NoReplicationWarning, prepare
 from .simulate import SimulatedReplicas
 from .strategies import STRATEGIES, Strategy, check_strategy, parse_strategy
 from .transport import CommStats
-
-__version__ = "0.1.0"
+from .version import __version__ as __version__  # explicit re-export
 
 __all__ = [
     "AutoReplicator", "BASE_OPTIMIZERS", "BlockDCT", "BufferSync", "CommStats",

@@ -67,7 +67,6 @@ from .checkpoint_files import (
 from .checkpoint_state import (
     _fingerprints,
     _join,
-    _local,
     _mesh_shape,
     _optimizer_parts,
     _param_names,
@@ -77,6 +76,7 @@ from .checkpoint_state import (
     _split_optimizer,
     _to_device,
 )
+from .dtensor import local_tensor
 from .integrity import (
     DAMAGED,
     DIGEST,
@@ -96,6 +96,7 @@ from .mismatch import (
     check_replicators,
     setting_differences,  # noqa: F401 - re-exported
 )
+from .version import __version__
 
 __all__ = ["FORMAT_VERSION", "CheckpointError", "CheckpointMismatchError", "NotACheckpointError",
            "describe_os_error", "latest_checkpoint", "load_checkpoint", "read_info",
@@ -114,12 +115,6 @@ def _commit(tmp: Path, final: Path) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def _flexdemo_version() -> str:
-    import flexdemo
-
-    return str(getattr(flexdemo, "__version__", "unknown"))
-
-
 def _tensor_table(msd: dict) -> dict[str, dict]:
     return {k: {"shape": list(v.shape), "dtype": str(v.dtype)}
             for k, v in msd.items() if isinstance(v, torch.Tensor)}
@@ -135,9 +130,9 @@ def _check_compatible(path: Path, meta: dict, world: int, mesh_shape: tuple[int,
                 {k: v["shape"] for k, v in _tensor_table(msd).items()})
     check_base(path, meta["base_optimizer"], type(base).__name__)
     check_replicators(path, meta["replicators"], [repr(r) for r in reps])
-    if meta.get("flexdemo_version") != _flexdemo_version():
+    if meta.get("flexdemo_version") != __version__:
         warnings.warn(f"checkpoint {path} was written by flexdemo "
-                      f"{meta.get('flexdemo_version')}, this is {_flexdemo_version()}",
+                      f"{meta.get('flexdemo_version')}, this is {__version__}",
                       stacklevel=3)
 
 
@@ -213,7 +208,7 @@ def save_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer, *, ste
     if identical:
         flat = dict(shared)
     else:  # replicas differ: every rank keeps its own local tensors
-        flat = {f"rank{rank}/{k}": _local(v) for k, v in shared.items()}
+        flat = {f"rank{rank}/{k}": local_tensor(v) for k, v in shared.items()}
     flat.update(own)
     tmp = final.parent / f"{final.name}.tmp-{infos[0]['pid']}"
     error = None
@@ -241,7 +236,7 @@ def save_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer, *, ste
             if rank == 0:
                 meta = {
                     "format": FORMAT_VERSION,
-                    "flexdemo_version": _flexdemo_version(),
+                    "flexdemo_version": __version__,
                     "torch_version": torch.__version__,
                     "step": step,
                     "world_size": world,
@@ -349,7 +344,7 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer, *,
         prefix = f"rank{source}/" if per_rank else ""
         for k, v in msd.items():
             if isinstance(v, torch.Tensor):
-                flat[f"{prefix}model/{k}"] = _local(v) if per_rank else v
+                flat[f"{prefix}model/{k}"] = local_tensor(v) if per_rank else v
         names = _param_names(model, base)
         it = iter(names)
         current = [[next(it) for _ in g["params"]] for g in base.param_groups]
@@ -361,7 +356,7 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer, *,
         for ref in _refs(saved):
             if ref.like is not None:
                 value = torch.empty_like(params[ref.like], dtype=ref.dtype)
-                target = _local(value) if per_rank else value
+                target = local_tensor(value) if per_rank else value
             else:
                 value = target = torch.empty(ref.shape, dtype=ref.dtype)
             flat[prefix + ref.key if ref.scope == "model" else ref.key] = target

@@ -13,6 +13,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from .checkpoint_agree import _rank_world
+from .dtensor import local_tensor
 
 
 @dataclass(frozen=True)
@@ -33,11 +34,6 @@ class _Ref:
 
 
 # ---------------------------------------------------------------------------- layout
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """The rank-local part of a DTensor (sharing storage), or ``t`` itself."""
-    return t._local_tensor if isinstance(t, DTensor) else t
-
-
 def _optimizer_parts(optimizer) -> tuple[torch.optim.Optimizer, list]:
     """The base torch optimizer and the replicator chain (none for a plain torch optimizer)."""
     base = getattr(optimizer, "base", optimizer)
@@ -74,7 +70,7 @@ def _fingerprints(tensors: dict[str, torch.Tensor]) -> dict[tuple, str]:
         if isinstance(t, DTensor):
             coord = t.device_mesh.get_coordinate() or ()
             ident = tuple(c for c, pl in zip(coord, t.placements) if pl.is_shard())
-        loc = _local(t).detach()
+        loc = local_tensor(t).detach()
         h = hashes.setdefault(ident, hashlib.blake2b(digest_size=16))
         h.update(f"{key}|{loc.dtype}|{tuple(loc.shape)}|".encode())
         if loc.numel():
@@ -195,7 +191,8 @@ def _split_optimizer(model: nn.Module, base: torch.optim.Optimizer, rank: int,
                                          "its parameter; this is not supported")
                     like = fqn
                 tensors[key] = v.detach()
-                out[k] = _Ref(key, tuple(v.shape), v.dtype, str(_local(v).device), "model", like)
+                out[k] = _Ref(key, tuple(v.shape), v.dtype, str(local_tensor(v).device),
+                              "model", like)
             else:
                 out[k] = _split(v, f"rank{rank}/state/", own, f"optimizer state {fqn}/{k}")
         state[fqn] = out

@@ -47,26 +47,26 @@ class Optimizers(Enum):
     AdamW = "adamw"
 
 
-def DeMoReplicator(compression_decay: float = 0.999, compression_topk: int = 32,  # noqa: N802
+def DeMoReplicator(compression_decay: float = 0.999, compression_topk: int = 32,
                    compression_chunk: int = 64) -> _DeMo:
     """DeMo with the reference's argument names; fp32 values as in the reference."""
     return _DeMo(topk=compression_topk, chunk=compression_chunk, decay=compression_decay,
                  values="fp32")
 
 
-def RandomReplicator(compression_decay: float = 0.999, compression_rate: float = 0.1,  # noqa: N802
+def RandomReplicator(compression_decay: float = 0.999, compression_rate: float = 0.1,
                      seed: int = 42) -> _Random:
     """Random subsets with the reference's argument names."""
     return _Random(rate=compression_rate, decay=compression_decay, seed=seed)
 
 
-def StridingReplicator(compression_decay: float = 0.999,  # noqa: N802
+def StridingReplicator(compression_decay: float = 0.999,
                        compression_rate: float = 0.1) -> _Striding:
     """Strided subsets with the reference's argument names (no ``compression_chunk``)."""
     return _Striding(rate=compression_rate, decay=compression_decay)
 
 
-def SlicingReplicator(compression_decay: float = 0.999,  # noqa: N802
+def SlicingReplicator(compression_decay: float = 0.999,
                       compression_rate: float = 0.1) -> _Slicing:
     """Contiguous slices with the reference's argument names (no ``compression_chunk``)."""
     return _Slicing(rate=compression_rate, decay=compression_decay)

@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from .dtensor import local_tensor
 from .replicate.base import Replicator, setting_names
 from .transport import group_ranks, transport_for
 
@@ -64,7 +65,7 @@ def optimizer_settings(opt) -> list[tuple[str, Any]]:
     """What replicas of ``opt`` (a :class:`~flexdemo.optim.DeToNATION`) must share."""
     groups = [{k: _comparable(v) for k, v in sorted(g.items()) if k != "params"}
               for g in opt.base.param_groups]
-    shapes = [tuple(getattr(p, "_local_tensor", p).shape) for p in opt.params]
+    shapes = [tuple(local_tensor(p).shape) for p in opt.params]
     out: list[tuple[str, Any]] = [
         ("base optimizer", type(opt.base).__name__),
         ("base optimizer settings", groups),

@@ -49,6 +49,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from .dtensor import local_tensor
 from .mismatch import check_base, check_mesh, check_model, check_replicators
 from .transport import group_rank
 
@@ -216,7 +217,7 @@ def state_dict(opt: FlexOptimizer) -> dict:
         "replicators": reps,
         "steps": opt.steps,
         "skipped_steps": opt.skipped_steps,
-        "params": [list(_local_shape(p)) for p in opt.params],
+        "params": [list(local_tensor(p).shape) for p in opt.params],
         "kinds": _kinds(opt),
         "reprs": [repr(r) for r in opt.replicators],
         "buffers": [b.detach().clone() for b in opt.buffer_sync.all_buffers]
@@ -295,10 +296,6 @@ def load_state_dict(opt: FlexOptimizer, sd: dict) -> None:
     opt.skipped_steps = int(blob["skipped_steps"])
 
 
-def _local_shape(p: torch.Tensor) -> torch.Size:
-    return (p._local_tensor if hasattr(p, "_local_tensor") else p).shape
-
-
 def _kinds(opt: FlexOptimizer) -> dict:
     """The classes of the base optimizer and of the replicators, by name."""
     return {"base": type(opt.base).__name__,
@@ -313,10 +310,11 @@ def _check_same_job(opt: FlexOptimizer, blob: dict) -> None:
     saved = blob.get("params")
     if saved is not None:
         for i, (shape, p) in enumerate(zip(saved, opt.params)):
-            if tuple(shape) != tuple(_local_shape(p)):
+            here = tuple(local_tensor(p).shape)
+            if tuple(shape) != here:
                 raise ValueError(f"the optimizer state is for another model: parameter {i} "
-                                 f"has shape {tuple(shape)} there, {tuple(_local_shape(p))} "
-                                 "here; load it into the model it was saved with")
+                                 f"has shape {tuple(shape)} there, {here} here; load it into "
+                                 "the model it was saved with")
     kinds = blob.get("kinds")
     if kinds is not None and kinds != _kinds(opt):
         mine = _kinds(opt)
@@ -327,9 +325,7 @@ def _check_same_job(opt: FlexOptimizer, blob: dict) -> None:
 
 
 def _copy_local(p: torch.Tensor, v: torch.Tensor) -> None:
-    dst = p._local_tensor if hasattr(p, "_local_tensor") else p
-    src = v._local_tensor if hasattr(v, "_local_tensor") else v
-    dst.copy_(src)
+    local_tensor(p).copy_(local_tensor(v))
 
 
 # ---------------------------------------------------------------------- checks before dcp.load

@@ -86,7 +86,7 @@ class InProcessHub:
         else:
             try:
                 result = combine([t for _, t in deposits])
-            except Exception as e:  # noqa: BLE001 - every replica reports it
+            except Exception as e:  # every replica reports it
                 result = f"collective #{n} failed: {type(e).__name__}: {e}"
         self._result = result
         self._round += 1

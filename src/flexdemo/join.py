@@ -9,11 +9,12 @@ import json
 import math
 import os
 import socket
-import threading
 import time
 from datetime import timedelta
 
 import torch.distributed as dist
+
+from .heartbeat import BEAT_SECONDS, STALE_SECONDS, Beat, StallWatch
 
 __all__ = ["JOIN_TIMEOUT_ENV", "DEFAULT_JOIN_SECONDS", "JoinError", "join_store",
            "join_timeout_from_env"]
@@ -23,9 +24,6 @@ DEFAULT_JOIN_SECONDS = 30.0
 """How long a rank waits for a peer that has not arrived at all (counted from the moment it
 started waiting itself), unless ``FLEXDEMO_JOIN_TIMEOUT`` says otherwise; never longer than
 the collective timeout."""
-BEAT_SECONDS = 1.0
-STALE_SECONDS = 10.0
-"""A peer that arrived and whose heartbeat has not moved for this long has died."""
 
 
 class JoinError(TimeoutError):
@@ -117,25 +115,6 @@ def _wait_for_port(addr: str, port: int, window: float) -> None:
             time.sleep(0.2)
 
 
-class _Beat:
-    """Bumps ``key`` in ``store`` every :data:`BEAT_SECONDS` from a daemon thread."""
-
-    def __init__(self, store: dist.Store, key: str) -> None:
-        self.store, self.key = store, key
-        self.stop = threading.Event()
-        store.add(key, 1)
-        self.thread = threading.Thread(target=self._run, name="flexdemo-join-beat",
-                                       daemon=True)
-        self.thread.start()
-
-    def _run(self) -> None:
-        while not self.stop.wait(BEAT_SECONDS):
-            try:
-                self.store.add(self.key, 1)
-            except Exception:  # noqa: BLE001 - the store is gone; the waiter will say so
-                return
-
-
 def _describe(ranks: list[int], info: dict[int, str], layout: dict[int, tuple[int, int]]
               ) -> str:
     """``rank 3 (node 1, host h)``: the node and host where they are known."""
@@ -161,11 +140,11 @@ def _describe(ranks: list[int], info: dict[int, str], layout: dict[int, tuple[in
 def join_store(rank: int, world: int, addr: str, port: int, timeout: timedelta,
                window: float | None = None) -> dist.Store:
     """Open the job's store and wait until all ``world`` ranks registered there. A peer that
-    registered and whose heartbeat stopped for :data:`STALE_SECONDS` died; one that did not
-    register within ``window`` seconds (default :func:`join_timeout_from_env`) never arrived:
-    both raise :class:`JoinError` naming them by rank (and node, where known), the same
-    verdict on every survivor. Returns the store (its timeout set to ``timeout``) for
-    ``init_process_group``."""
+    registered and whose heartbeat stopped for :data:`~flexdemo.heartbeat.STALE_SECONDS`
+    died; one that did not register within ``window`` seconds (default
+    :func:`join_timeout_from_env`) never arrived: both raise :class:`JoinError` naming them
+    by rank (and node, where known), the same verdict on every survivor. Returns the store
+    (its timeout set to ``timeout``) for ``init_process_group``."""
     limit = timeout.total_seconds()
     wanted = join_timeout_from_env(float("inf")) if window is None else window
     window = min(wanted, limit)
@@ -176,7 +155,7 @@ def join_store(rank: int, world: int, addr: str, port: int, timeout: timedelta,
     layout = _launch_layout()
     node = "" if layout is None else f"{layout[0]},{layout[1]}"
     store.set(f"{prefix}info/{rank}", f"{socket.gethostname()}|{node}")
-    beat = _Beat(store, f"{prefix}hb/{rank}")
+    beat = Beat(store, f"{prefix}hb/{rank}", name="flexdemo-join-beat")
     store.add(f"{prefix}arrived", 1)
     agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True)
     try:
@@ -190,7 +169,7 @@ def join_store(rank: int, world: int, addr: str, port: int, timeout: timedelta,
         raise JoinError(f"rank {rank}: start-up: rank 0 (the host of the job's store at "
                         f"{addr}:{port}) died during start-up", [0], [0]) from None
     finally:
-        beat.stop.set()
+        beat.stop()
     store.set_timeout(timeout)
     return store
 
@@ -201,7 +180,7 @@ def _wait_for_all(store: dist.Store, prefix: str, rank: int, world: int,
     One outcome for all: the first rank to decide sets it ("ok", or its verdict) and every
     rank follows it, so that no rank goes on while another gives up."""
     start = time.monotonic()
-    seen: dict[int, tuple[int, float]] = {}  # rank -> (heartbeat, when it last moved)
+    watch = StallWatch()
     next_look = start
     key = f"{prefix}outcome"
 
@@ -220,16 +199,8 @@ def _wait_for_all(store: dist.Store, prefix: str, rank: int, world: int,
             continue
         next_look = now + BEAT_SECONDS
         arrived = [r for r in range(world) if store.check([f"{prefix}info/{r}"])]
-        died = []
-        for r in arrived:
-            if r == rank:
-                continue
-            count = store.add(f"{prefix}hb/{r}", 0)
-            last = seen.get(r)
-            if last is None or last[0] != count:
-                seen[r] = (count, now)
-            elif now - last[1] > STALE_SECONDS:
-                died.append(r)
+        died = watch.stalled({r: store.add(f"{prefix}hb/{r}", 0) for r in arrived if r != rank},
+                             now)
         absent = [r for r in range(world) if r not in arrived]
         if died or (absent and now - start > window):
             return settle(json.dumps({"died": died, "absent": absent,
@@ -250,7 +221,7 @@ def _verdict_error(store: dist.Store, prefix: str, rank: int, world: int, verdic
             if all(store.check([f"{prefix}taken/{r}"]) for r in others):
                 break
             time.sleep(0.1)
-    except Exception:  # noqa: BLE001 - best effort: the verdict stands
+    except Exception:  # best effort: the verdict stands
         pass
     return error
 
@@ -266,7 +237,7 @@ def _join_error(store: dist.Store, prefix: str, rank: int, world: int, died: lis
             if not store.check([f"{prefix}info/{r}"]):
                 continue
             host, _, node = store.get(f"{prefix}info/{r}").decode().partition("|")
-        except Exception:  # noqa: BLE001 - best effort: the names without hosts
+        except Exception:  # best effort: the names without hosts
             continue
         info[r] = host
         if node:

@@ -115,7 +115,7 @@ def _release_at_exit() -> None:
     if _EXIT["owned"] and dist.is_initialized():
         try:
             dist.destroy_process_group()
-        except Exception:  # noqa: BLE001 - leaving anyway
+        except Exception:  # leaving anyway
             pass
     time.sleep(_DRAIN_SECONDS)  # the GIL goes to worker threads releasing finished work
 

@@ -27,6 +27,7 @@ from typing import NamedTuple, cast
 import torch
 from torch import nn
 
+from .dtensor import local_tensor
 from .newton_schulz import NS_BATCH_NUMEL, NS_MODES, orthogonalise, shape_groups
 from .transport import CommStats, all_to_all, group_rank, group_size
 
@@ -77,10 +78,6 @@ def with_model_rule(model: nn.Module, optimizer, kwargs: dict | None) -> dict | 
             kwargs and "muon_params" in kwargs):
         return kwargs
     return {**(kwargs or {}), "muon_params": hidden_matrix_names(model)}
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t._local_tensor if hasattr(t, "_local_tensor") else t
 
 
 def _split(params: list, muon_params) -> tuple[list, list]:
@@ -226,13 +223,13 @@ class MuonAdamW(torch.optim.Optimizer):
         for p in params:
             if "momentum_buffer" not in self.state[p]:
                 self.state[p]["momentum_buffer"] = torch.zeros_like(p)
-        grads = [_local(p.grad) for p in params]
-        bufs = [_local(self.state[p]["momentum_buffer"]) for p in params]
+        grads = [local_tensor(p.grad) for p in params]
+        bufs = [local_tensor(self.state[p]["momentum_buffer"]) for p in params]
         mu = group["momentum"]
         torch._foreach_lerp_(bufs, grads, 1 - mu)
         plan = self._plan(params)
         lr, wd = group["lr"], group["weight_decay"]
-        locals_ = [_local(p) for p in params]
+        locals_ = [local_tensor(p) for p in params]
         if wd:
             torch._foreach_mul_(locals_, 1 - lr * wd)
 

@@ -12,11 +12,12 @@ from . import dcp as _dcp
 from . import memory
 from .buffers import BUFFER_POLICIES, BufferSync
 from .consistency import check_same_settings
+from .dtensor import local_tensor
 from .lion import Lion
 from .mesh import guard_exit
 from .muon import MuonAdamW
 from .replicate import DeMoReplicator, NonFiniteGradientError, Replicator, make_replicator
-from .replicate.base import mark_nonfinite, nonfinite_flag
+from .replicate.agreement import mark_nonfinite, nonfinite_flag
 from .transport import Transport, group_size, transport_for
 
 BASE_OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {
@@ -34,11 +35,6 @@ def _named(params: list) -> bool:
     """Whether ``params`` are ``(name, tensor)`` pairs (``model.named_parameters()``)."""
     return bool(params) and all(isinstance(x, tuple) and len(x) == 2 and isinstance(x[0], str)
                                 for x in params)
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """The rank-local tensor of a DTensor (a view sharing storage), or ``t`` itself."""
-    return t._local_tensor if hasattr(t, "_local_tensor") else t
 
 
 def make_base_optimizer(base, params, lr: float, **kwargs) -> torch.optim.Optimizer:
@@ -183,7 +179,7 @@ class DeToNATION(torch.optim.Optimizer):
         self._params = [p for g in self.param_groups for p in g["params"]]
         if not self._params:
             raise ValueError("the optimizer got no parameters")
-        devices = {_local(p).device for p in self._params}
+        devices = {local_tensor(p).device for p in self._params}
         if len(devices) != 1:
             raise ValueError(f"parameters live on several devices {sorted(map(str, devices))}")
         device = devices.pop()
@@ -198,7 +194,7 @@ class DeToNATION(torch.optim.Optimizer):
             group = self.fault_tolerance.transport
         self.default_group = group
         self.share_state()
-        locals_ = [_local(p) for p in self._params]
+        locals_ = [local_tensor(p) for p in self._params]
         shapes = [t.shape for t in locals_]
         for r in self.replicators:
             r.setup(shapes, device, group, params=locals_, nonfinite=nonfinite)
@@ -226,13 +222,13 @@ class DeToNATION(torch.optim.Optimizer):
         grads, lrs = [], []
         for pg in self.param_groups:
             for p in pg["params"]:
-                grads.append(None if p.grad is None else _local(p.grad))
+                grads.append(None if p.grad is None else local_tensor(p.grad))
                 lrs.append(float(pg["lr"]))
         if len(grads) != len(self._params):
             raise RuntimeError("parameters were added after construction; build a new optimizer")
         data = list(grads)
         if self._shard_group is not None:
-            share_nonfinite(data, self._shard_group, _local(self._params[0]).device)
+            share_nonfinite(data, self._shard_group, local_tensor(self._params[0]).device)
         errors = []
         for rep in self.replicators:
             try:
@@ -259,7 +255,7 @@ class DeToNATION(torch.optim.Optimizer):
             for group in self.param_groups:
                 wd = group.get("flexdemo_weight_decay", 0.0)
                 if wd:
-                    ps = [_local(p) for p in group["params"] if p.grad is not None]
+                    ps = [local_tensor(p) for p in group["params"] if p.grad is not None]
                     if ps:
                         torch._foreach_mul_(ps, 1.0 - group["lr"] * wd)
             self.base.step()
@@ -418,25 +414,12 @@ class DeToNATION(torch.optim.Optimizer):
         keys = sorted(map(str, state_dict))[:8] if isinstance(state_dict, dict) else None
         if keys is not None and "state" in state_dict and "param_groups" in state_dict:
             _dcp.load_state_dict(self, state_dict)
-        elif keys is not None and {"replicators", "base", "steps"} <= state_dict.keys():
-            self._load_legacy(state_dict)  # the layout of flexdemo 0.1
         else:
             got = keys if keys is not None else type(state_dict).__name__
             raise ValueError("not an optimizer state of flexdemo: expected a dict with the keys "
                              f"'state' and 'param_groups' (what opt.state_dict() returns), got "
                              f"{got}")
         self.share_state()  # torch replaced the base's containers
-
-    def _load_legacy(self, state_dict: dict) -> None:
-        reps = state_dict["replicators"]
-        if len(reps) != len(self.replicators):
-            raise ValueError(f"state has {len(reps)} replicators, this optimizer "
-                             f"{len(self.replicators)}")
-        for r, s in zip(self.replicators, reps):
-            r.load_state_dict(s)
-        self.base.load_state_dict(state_dict["base"])
-        self.steps = int(state_dict["steps"])
-        self.skipped_steps = int(state_dict.get("skipped_steps", 0))
 
     def __repr__(self) -> str:
         return (f"DeToNATION(base={type(self.base).__name__}, "

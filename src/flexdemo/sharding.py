@@ -23,6 +23,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from .buffers import BUFFER_POLICIES
+from .dtensor import local_tensor
 from .mesh import DEFAULT_TIMEOUT, build_mesh, check_mesh, init_distributed
 from .muon import with_model_rule
 from .optim import DeToNATION
@@ -46,10 +47,6 @@ def default_shard_units(model: nn.Module) -> list[nn.Module]:
     return [u for u in units if id(u) not in nested]
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t._local_tensor if hasattr(t, "_local_tensor") else t
-
-
 @torch.no_grad()
 def broadcast_tensors(tensors: Sequence[torch.Tensor], group: dist.ProcessGroup | None = None,
                       src: int = 0) -> None:
@@ -62,7 +59,7 @@ def broadcast_tensors(tensors: Sequence[torch.Tensor], group: dist.ProcessGroup 
     if dist.get_world_size(group) == 1:
         return
     assert group is not None  # the default group exists: torch.distributed is initialised
-    locals_ = [_local(t) for t in tensors if t.numel()]
+    locals_ = [local_tensor(t) for t in tensors if t.numel()]
     if not locals_:
         return
     sizes = [t.numel() * t.element_size() for t in locals_]

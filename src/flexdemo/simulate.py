@@ -52,7 +52,7 @@ def run_replicas(hub: InProcessHub, fn: Callable[[int], object]) -> list:
     def target(r: int) -> None:
         try:
             results[r] = fn(r)
-        except BaseException as e:  # noqa: BLE001 - reported by the caller's thread
+        except BaseException as e:  # reported by the caller's thread
             errors[r] = e
             hub.abort(f"replica {r} failed: {type(e).__name__}: {e}")
         else:

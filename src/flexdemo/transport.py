@@ -31,10 +31,22 @@ from typing import Literal, overload
 import torch
 import torch.distributed as dist
 
-__all__ = ["CommStats", "Pending", "ProcessGroupTransport", "Transport", "all_gather",
+__all__ = ["CommStats", "Pending", "PeerLostError", "ProcessGroupTransport", "Transport",
+           "all_gather",
            "all_gather_bytes", "all_reduce_bytes", "all_reduce_sum", "all_to_all",
            "all_to_all_bytes", "all_to_all_equal", "gather_into", "global_rank", "group_rank",
            "group_ranks", "group_size", "transport_for"]
+
+
+class PeerLostError(RuntimeError):
+    """A peer died, left or became unreachable, so a collective failed; ``lost_ranks`` names
+    the lost ranks where they are known (empty otherwise). Raised by the fault-tolerant
+    group's transport (:mod:`flexdemo.ft.transport`: the step is not committed and is
+    undone) and by ``flexdemo train`` once its heartbeats told which rank was lost."""
+
+    def __init__(self, message: str, lost_ranks: list[int] | None = None) -> None:
+        super().__init__(message)
+        self.lost_ranks = lost_ranks or []
 
 
 def all_reduce_bytes(numel: int, element_size: int, group_size: int) -> int:

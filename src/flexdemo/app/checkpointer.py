@@ -406,7 +406,7 @@ class Checkpointer:
                              f"newest intact checkpoint (flexdemo checkpoint verify "
                              f"{self.root.parent} lists them), or start afresh with "
                              "train.overwrite=true or another train.out") from None
-        except Exception as e:  # noqa: BLE001 - any failure here is "cannot resume from it"
+        except Exception as e:  # any failure here is "cannot resume from it"
             text = " ".join(str(e).split())[:400]
             if not text.startswith(("loading checkpoint", "restoring checkpoint")):
                 text = f"cannot resume from {path}: {text}"

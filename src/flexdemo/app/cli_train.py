@@ -12,10 +12,11 @@ import threading
 import torch.distributed as dist
 
 from ..mesh import timeout_from_env
+from ..transport import PeerLostError
 from .config import ConfigError
 from .config_files import load_config, to_toml
 from .preempt import PREEMPTED_EXIT_CODE, LighthouseLost, Preempted
-from .trainer import PeerLostError, StartupError, TrainingError, UsageError, train
+from .trainer import StartupError, TrainingError, UsageError, train
 
 TRAIN_DESCRIPTION = """\
 Train one model as a config file says: task and model size, strategy (replicator, base
@@ -138,7 +139,7 @@ def _leave_cleanly() -> None:
     several = dist.get_world_size() > 1
     try:
         dist.destroy_process_group()
-    except Exception:  # noqa: BLE001 - leaving anyway
+    except Exception:  # leaving anyway
         pass
     if several:
         _LEAVE_AT_ONCE.set()

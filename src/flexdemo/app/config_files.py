@@ -92,7 +92,7 @@ def parse_override(text: str) -> tuple[list[str], Any]:
                           "strategy.replicator=full")
     try:
         value = _toml_module().loads(f"v = {raw}")["v"]
-    except Exception:  # noqa: BLE001 - not TOML: a bare word is a string
+    except Exception:  # not TOML: a bare word is a string
         value = raw
     return parts, value
 

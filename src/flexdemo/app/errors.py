@@ -1,9 +1,13 @@
 """The errors of ``flexdemo train`` (what the command line turns into exit codes) and the
-library errors it retells in its own words (steps counted from 1, advice in config keys)."""
+library errors it retells in its own words (steps counted from 1, advice in config keys).
+A lost peer is the library's :class:`~flexdemo.transport.PeerLostError` (not a
+:class:`TrainingError`: the library cannot derive from the application's errors);
+:class:`StartupError` is both."""
 
 from __future__ import annotations
 
 from ..replicate import NonFiniteGradientError
+from ..transport import PeerLostError
 
 __all__ = ["PeerLostError", "StartupError", "TrainingError", "UsageError"]
 
@@ -17,15 +21,7 @@ class UsageError(TrainingError):
     ``train.steps``); the command line exits with code 2."""
 
 
-class PeerLostError(TrainingError):
-    """A peer died or became unreachable; ``lost_ranks`` names it when it can be told."""
-
-    def __init__(self, message: str, lost_ranks: list[int] | None = None) -> None:
-        super().__init__(message)
-        self.lost_ranks = lost_ranks or []
-
-
-class StartupError(PeerLostError):
+class StartupError(PeerLostError, TrainingError):
     """Peers missing when the job assembles (never arrived, or died during start-up); every
     survivor names them, and the command line exits with code 2."""
 

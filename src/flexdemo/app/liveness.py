@@ -11,7 +11,10 @@ from collections.abc import Callable
 
 import torch.distributed as dist
 
-__all__ = ["Heartbeat", "is_comm_error", "short_error"]
+from ..heartbeat import BEAT_SECONDS, Beat, StallWatch
+from ..transport import PeerLostError
+
+__all__ = ["COMM_ERRORS", "GLOO_MESSAGES", "Heartbeat", "is_comm_error", "short_error"]
 
 
 class Heartbeat:
@@ -22,16 +25,16 @@ class Heartbeat:
     fail marks ``noticed/<rank>`` (it is alive, whatever its heartbeat does next), and the
     first one to finish a diagnosis (heartbeats that stopped, ranks that did not notice)
     publishes it as the ``verdict``; later ones take it. A rank still blocked in a collective
-    learns the verdict from its heartbeat thread (``on_verdict``); with ``stale`` set, the
-    thread also names a peer whose heartbeat stopped for that long, until ``watching`` is
-    cleared (start-up, where no collective fails for it). The store's host (rank 0)
-    waits for the survivors to take the verdict before it exits, since its exit takes the
-    store down.
+    learns the verdict from its heartbeat thread (``on_verdict``); with ``stale`` set (the
+    trainer: :data:`~flexdemo.heartbeat.STALE_SECONDS`), the thread also names a peer whose
+    heartbeat stopped for that long, until ``watching`` is cleared (start-up, where no
+    collective fails for it). The store's host (rank 0) waits for the survivors to take the
+    verdict before it exits, since its exit takes the store down.
     """
 
     PREFIX = "flexdemo/liveness/"
 
-    def __init__(self, rank: int, world: int, interval: float = 1.0,
+    def __init__(self, rank: int, world: int, interval: float = BEAT_SECONDS,
                  on_verdict: Callable[[list[int]], None] | None = None,
                  store: dist.Store | None = None, stale: float | None = None) -> None:
         self.rank, self.world, self.interval = rank, world, interval
@@ -41,20 +44,16 @@ class Heartbeat:
         self.watching = threading.Event()  # see _watch; cleared when training starts
         if stale is not None and on_verdict is not None:
             self.watching.set()
-        self._moved: dict[int, tuple[int, float]] = {}
+        self._stalls = StallWatch(stale if stale is not None else float("inf"))
+        self._waited = 0  # beats since a verdict appeared (see _after_beat)
         if store is None and world > 1:
             try:
                 self.store = dist.distributed_c10d._get_default_store()
-            except Exception:  # noqa: BLE001 - no store: no diagnosis, training still runs
+            except Exception:  # no store: no diagnosis, training still runs
                 self.store = None
         self.noticed = threading.Event()
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-        if self.store is not None:
-            self._beat()
-            self._thread = threading.Thread(target=self._run, name="flexdemo-heartbeat",
-                                            daemon=True)
-            self._thread.start()
+        self._beat = (None if self.store is None else
+                      Beat(self.store, self._key("hb", rank), interval, self._after_beat))
 
     def _key(self, what: str, rank: int | None = None) -> str:
         return f"{self.PREFIX}{what}" + ("" if rank is None else f"/{rank}")
@@ -65,43 +64,32 @@ class Heartbeat:
         assert self.store is not None
         return self.store
 
-    def _beat(self) -> None:
-        self._store.add(self._key("hb", self.rank), 1)
-
-    def _run(self) -> None:
-        waited = 0
-        while not self._stop.wait(self.interval):
-            try:
-                self._beat()
-                if self.on_verdict is None or self.noticed.is_set():
-                    continue
-                if self.watching.is_set() and self._watch():
-                    return
-                if self._store.check([self._key("verdict")]):
-                    waited += 1  # give the main thread two beats to notice on its own
-                    if waited > 2 and not self.noticed.is_set():
-                        self.noticed.set()
-                        lost = self._take_verdict()
-                        self.on_verdict(lost)
-                        return
-            except Exception:  # noqa: BLE001 - the store is gone; lost_ranks() will say so
-                return
+    def _after_beat(self) -> bool:
+        """The heartbeat thread, after each beat: watch for stalled peers (start-up) and hand
+        a verdict published by others to ``on_verdict``. Returns whether the thread is done
+        (a failing store ends it too: lost_ranks() will say so)."""
+        if self.on_verdict is None or self.noticed.is_set():
+            return False
+        if self.watching.is_set() and self._watch():
+            return True
+        if self._store.check([self._key("verdict")]):
+            self._waited += 1  # give the main thread two beats to notice on its own
+            if self._waited > 2 and not self.noticed.is_set():
+                self.noticed.set()
+                lost = self._take_verdict()
+                self.on_verdict(lost)
+                return True
+        return False
 
     def _watch(self) -> bool:
         """While watching (start-up, when no collective may fail for a dead peer, e.g. ranks
         waiting for it in a group's creation): a peer whose heartbeat has not moved for
         ``stale`` seconds died; publish that verdict (or take an earlier one) and hand it to
         ``on_verdict``. Returns whether it did."""
-        stale, on_verdict = self.stale, self.on_verdict
-        assert stale is not None and on_verdict is not None  # watching needs both
-        now = time.monotonic()
-        stalled = []
-        for r, count in enumerate(self._counters()):
-            last = self._moved.get(r)
-            if last is None or last[0] != count:
-                self._moved[r] = (count, now)
-            elif r != self.rank and now - last[1] > stale:
-                stalled.append(r)
+        on_verdict = self.on_verdict
+        assert self.stale is not None and on_verdict is not None  # watching needs both
+        stalled = self._stalls.stalled({r: count for r, count in enumerate(self._counters())
+                                        if r != self.rank})
         if not stalled or not self.watching.is_set():
             return False
         self.noticed.set()
@@ -112,9 +100,8 @@ class Heartbeat:
 
     def stop(self) -> None:
         """Stop beating (before the process group goes away)."""
-        self._stop.set()
-        if self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join(timeout=2 * self.interval + 1)
+        if self._beat is not None:
+            self._beat.stop(wait=True)
 
     def _counters(self) -> list[int]:
         return [self._store.add(self._key("hb", r), 0) for r in range(self.world)]
@@ -146,7 +133,7 @@ class Heartbeat:
                 # the first diagnosis wins; later ones take it
                 self.store.compare_set(self._key("verdict"), "", json.dumps(lost))
             lost = self._take_verdict()
-        except Exception:  # noqa: BLE001 - the store's host (rank 0) is unreachable
+        except Exception:  # the store's host (rank 0) is unreachable
             if self.rank == 0:
                 return [], "the rendezvous store is unreachable"
             return [0], "the rendezvous store on MASTER_ADDR is unreachable"
@@ -164,19 +151,37 @@ class Heartbeat:
             try:
                 if all(self.store.check([self._key("taken", r)]) for r in others):
                     return True
-            except Exception:  # noqa: BLE001 - the store is gone: nothing left to wait for
+            except Exception:  # the store is gone: nothing left to wait for
                 return False
             if time.monotonic() >= deadline:
                 return False
             time.sleep(0.1)
 
 
+# What torch raises, by type, when a collective or the store loses a peer: c10d's DistError
+# (DistBackendError: NCCL and other backends; DistNetworkError, DistStoreError: the store),
+# the OS's ConnectionError and TimeoutError, and our own PeerLostError (the fault-tolerant
+# group's transport; torchft has no error types of its own: it raises TimeoutError and plain
+# RuntimeErrors).
+COMM_ERRORS: tuple[type[BaseException], ...] = (
+    dist.DistError, ConnectionError, TimeoutError, PeerLostError)
+
+# gloo raises a plain RuntimeError when a peer dies or does not answer (torch 2.13), e.g.
+#   "[.../third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer [ip]:port"
+#   "[.../gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 3000ms for recv operation"
+#   "Application timeout caused pair closure"
+# so only a plain RuntimeError is read, for gloo's name (its source location) or these words.
+GLOO_MESSAGES = ("gloo", "connection closed by peer", "connection reset by peer",
+                 "timed out waiting", "application timeout caused pair closure")
+
+
 def is_comm_error(e: BaseException) -> bool:
-    if isinstance(e, getattr(dist, "DistError", ())):
+    """Whether ``e`` tells that a collective (or the rendezvous store) lost a peer: one of
+    :data:`COMM_ERRORS`, or gloo's plain ``RuntimeError`` (:data:`GLOO_MESSAGES`)."""
+    if isinstance(e, COMM_ERRORS):
         return True
     text = str(e).lower()
-    return any(s in text for s in ("gloo", "connection", "timed out", "timeout", "nccl",
-                                   "peer", "socket", "broken pipe"))
+    return type(e) is RuntimeError and any(s in text for s in GLOO_MESSAGES)
 
 
 def short_error(e: BaseException) -> str:

@@ -29,7 +29,7 @@ PREEMPTED_EXIT_CODE = 3
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
-class Preempted(Exception):  # noqa: N818 - not an error: the run stopped as asked
+class Preempted(Exception):  # not an error: the run stopped as asked
     """The run stopped after ``step`` on a signal (``signal_name``: the strongest one any
     rank got) and saved ``checkpoint``."""
 

@@ -59,6 +59,7 @@ import torch
 from ..checkpoint import describe_os_error
 from ..ft.session import DuplicateReplicaIdError, LighthouseLostError, QuorumTimeoutError
 from ..replicate import NonFiniteGradientError
+from ..transport import PeerLostError
 from .checkpointer import (
     Checkpointer,
     TrainState,
@@ -68,7 +69,7 @@ from .checkpointer import (
 from .config import Config
 from .config_files import config_to_dict
 from .device import to_device
-from .errors import PeerLostError, StartupError, TrainingError, UsageError, _nonfinite_message
+from .errors import StartupError, TrainingError, UsageError, _nonfinite_message
 from .liveness import is_comm_error
 from .outputs import (
     Progress,
@@ -101,10 +102,11 @@ class Trainer(TrainerSetUp):
 
     Construction builds the task and the model and joins (or creates) the process group
     through :func:`flexdemo.prepare`; :meth:`run` trains and returns the summary (the same on
-    every rank). Both raise :class:`TrainingError` (or :class:`PeerLostError`) with a message
-    for the user when training cannot go on. With ``exit_on_lost_peer`` (the command line), a
-    rank blocked in a collective while its peers already named a lost rank prints that error
-    and leaves the process at once (exit code 1). With ``handle_signals`` (the command line),
+    every rank). Both raise :class:`TrainingError` (or, for a lost peer, the library's
+    :class:`~flexdemo.transport.PeerLostError`) with a message for the user when training
+    cannot go on. With ``exit_on_lost_peer`` (the command line), a rank blocked in a
+    collective while its peers already named a lost rank prints that error and leaves the
+    process at once (exit code 1). With ``handle_signals`` (the command line),
     SIGTERM and SIGINT stop the run after the step it is in, on every rank at the same step,
     with a checkpoint of that step: :meth:`run` raises :class:`Preempted`.
     """
@@ -382,8 +384,9 @@ def train(cfg: Config, *, echo: Echo | None = None, exit_on_lost_peer: bool = Fa
           handle_signals: bool = False) -> dict[str, Any]:
     """Train as ``cfg`` says; returns the summary (the same on every rank).
 
-    Joins (or creates) the process group. Raises :class:`TrainingError` (or its subclass
-    :class:`PeerLostError`) with a user-facing message when training cannot go on, and
+    Joins (or creates) the process group. Raises :class:`TrainingError` (or, for a lost peer,
+    :class:`~flexdemo.transport.PeerLostError`) with a user-facing message when training
+    cannot go on, and
     :class:`Preempted` when ``handle_signals`` and a signal stopped it (checkpoint saved).
     """
     return Trainer(cfg, echo=echo, exit_on_lost_peer=exit_on_lost_peer,

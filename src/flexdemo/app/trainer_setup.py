@@ -18,11 +18,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .. import NoReplicationWarning, prepare
 from ..checkpoint import describe_os_error, save_checkpoint
 from ..ft.session import LighthouseUnreachableError, TorchFTVersionError
+from ..heartbeat import STALE_SECONDS
 from ..join import JoinError
 from ..mesh import init_distributed, is_timeout, timeout_from_env, timeout_note
+from ..sharding import NoReplicationWarning, prepare
+from ..transport import PeerLostError
 from .checkpointer import (
     Checkpointer,
     TrainState,
@@ -33,7 +35,7 @@ from .config import Config, ConfigError
 from .config_checks import fault_tolerance
 from .config_files import to_toml
 from .device import resolve_device
-from .errors import PeerLostError, StartupError, TrainingError, UsageError
+from .errors import StartupError, TrainingError, UsageError
 from .liveness import Heartbeat, is_comm_error, short_error
 from .outputs import (
     MetricsLog,
@@ -44,11 +46,7 @@ from .outputs import (
 from .preempt import StopRequest
 from .tasks import ShardSampler, Task, build_task, task_options
 
-__all__ = ["STARTUP_STALE_SECONDS", "TrainerSetUp", "timeout_seconds"]
-
-
-STARTUP_STALE_SECONDS = 15.0
-"""Until the loop starts, a peer whose heartbeat has not moved for this long has died."""
+__all__ = ["TrainerSetUp", "timeout_seconds"]
 
 
 Echo = Callable[[str], None]
@@ -95,7 +93,7 @@ class TrainerSetUp:
         self.heartbeat = Heartbeat(self.rank, self.world,
                                    on_verdict=self._exit_with_verdict
                                    if exit_on_lost_peer else None,
-                                   stale=STARTUP_STALE_SECONDS if exit_on_lost_peer else None)
+                                   stale=STALE_SECONDS if exit_on_lost_peer else None)
         try:
             self._set_up()
         except BaseException:

@@ -50,9 +50,10 @@ from dataclasses import replace
 import torch
 import torch.distributed as dist
 
+from ..dtensor import local_tensor
 from ..inprocess import InProcessTransport
 from ..replicate import Replicator, make_replicator
-from ..replicate.base import NonFiniteGradientError, global_rank_of, nonfinite_flag
+from ..replicate.agreement import NonFiniteGradientError, global_rank_of, nonfinite_flag
 from ..transport import ProcessGroupTransport, Transport
 from .choose import (
     Candidate,
@@ -69,13 +70,9 @@ from .retune import Retuner
 __all__ = ["AutoReplicator"]
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t._local_tensor if hasattr(t, "_local_tensor") else t
-
-
 def _copy_first_replica(tensors: list[torch.Tensor], transport: Transport) -> None:
     """Overwrite ``tensors`` with group rank 0's (one broadcast; in-process: a gather)."""
-    tensors = [_local(t) for t in tensors if t.numel()]
+    tensors = [local_tensor(t) for t in tensors if t.numel()]
     if transport.size <= 1 or not tensors:
         return
     if isinstance(transport, ProcessGroupTransport):

@@ -5,8 +5,9 @@ makes every node a torchft replica group: the replicate dimension is the set of 
 current quorum, which may change at every step (see docs/elastic.md).
 """
 
+from ..transport import PeerLostError
 from .config import FaultTolerance, TorchFTMissingError, require_torchft
-from .transport import ManagerTransport, PeerLostError
+from .transport import ManagerTransport
 
 
 def __getattr__(name: str):

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from ..transport import PeerLostError
 from .config import FaultTolerance
 from .lighthouse import lighthouse_answers
 from .state import check_supported, heal_state, load_heal_state, rebind, restore, snapshot
@@ -31,7 +32,7 @@ from .torchft_api import (
     new_manager,
     set_async_quorum,
 )
-from .transport import ManagerTransport, PeerLostError
+from .transport import ManagerTransport
 
 if TYPE_CHECKING:
     from ..dcp import FlexOptimizer
@@ -141,7 +142,7 @@ class ElasticSession:
                 verbose=config.verbose)
         except TorchFTVersionError:
             raise
-        except Exception as e:  # noqa: BLE001 - one line naming the lighthouse
+        except Exception as e:  # one line naming the lighthouse
             raise LighthouseUnreachableError(
                 f"replica group {config.replica_id!r} could not reach the torchft lighthouse "
                 f"at {config.lighthouse} within {config.timeout:g} s ({_first_line(e)}); "
@@ -324,13 +325,13 @@ class ElasticSession:
     def _quorum(self) -> None:
         try:
             self.manager.start_quorum(allow_heal=True)
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             raise self._quorum_error(e) from None
 
     def _wait_quorum(self) -> None:
         try:
             self.manager.wait_quorum()
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             raise self._quorum_error(e) from None
 
     def _quorum_error(self, e: Exception) -> Exception:

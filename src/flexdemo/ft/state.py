@@ -22,11 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..dtensor import local_tensor
 from ..replicate import REPLICATORS, Replicator
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t._local_tensor if hasattr(t, "_local_tensor") else t
 
 
 def _clone(tree):
@@ -87,7 +84,7 @@ def _replicator_copy(rep: Replicator) -> dict:
 def snapshot(opt) -> Snapshot:
     """Copy what ``opt.step()`` may change on this rank."""
     with torch.no_grad():
-        params = [_local(p).detach().clone() for p in opt.params]
+        params = [local_tensor(p).detach().clone() for p in opt.params]
     return Snapshot(params, _clone(opt.base.state_dict()),
                     [_replicator_copy(r) for r in opt.replicators], opt.steps,
                     opt.skipped_steps)
@@ -97,7 +94,7 @@ def restore(opt, snap: Snapshot) -> None:
     """Put ``snap`` back: the step it was taken before never happened (bitwise)."""
     with torch.no_grad():
         for p, v in zip(opt.params, snap.params):
-            _local(p).copy_(v)
+            local_tensor(p).copy_(v)
     opt.base.load_state_dict(snap.base)
     opt.share_state()
     for r, s in zip(opt.replicators, snap.replicators):
@@ -119,7 +116,7 @@ def load_shared_state(rep: Replicator, state: dict) -> None:
 def heal_state(opt) -> dict:
     """What a joiner fetches from this rank (cloned: the peer may step on meanwhile)."""
     with torch.no_grad():
-        params = [_local(p).detach().clone() for p in opt.params]
+        params = [local_tensor(p).detach().clone() for p in opt.params]
     return {"params": params, "base": _clone(opt.base.state_dict()), "steps": opt.steps,
             "skipped_steps": opt.skipped_steps,
             "replicators": [shared_state(r) for r in opt.replicators]}
@@ -132,7 +129,7 @@ def load_heal_state(opt, state: dict) -> None:
                          f"{len(opt.params)}: replica groups must train the same model")
     with torch.no_grad():
         for p, v in zip(opt.params, state["params"]):
-            local = _local(p)
+            local = local_tensor(p)
             if local.shape != v.shape:
                 raise ValueError(f"the peer's parameter shard has shape {tuple(v.shape)}, "
                                  f"this one {tuple(local.shape)}: nodes must have as many "

@@ -95,7 +95,7 @@ class OneLineHandler(logging.Handler):
             self.last = text
             print(f"flexdemo: torchft {record.levelname.lower()}: {text}", file=sys.stderr,
                   flush=True)
-        except Exception:  # noqa: BLE001 - logging must never raise
+        except Exception:  # logging must never raise
             self.handleError(record)
 
 

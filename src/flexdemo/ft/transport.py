@@ -19,12 +19,7 @@ from torch.distributed.distributed_c10d import (
     AllToAllOptions,
 )
 
-from ..transport import Transport
-
-
-class PeerLostError(RuntimeError):
-    """A collective of the fault-tolerant group failed (a peer died, left or timed out); the
-    step is not committed and is undone."""
+from ..transport import PeerLostError, Transport
 
 
 class _Handle:
@@ -68,7 +63,7 @@ class ManagerTransport(Transport):
         try:
             work = launch()
             fut = self.manager.wrap_future(work.get_future(), False, timeout=self.timeout)
-        except Exception as e:  # noqa: BLE001 - a broken group: the Manager votes no
+        except Exception as e:  # a broken group: the Manager votes no
             self.manager.report_error(e)
             self.check(what)
             raise

@@ -4,13 +4,8 @@ import re
 from collections.abc import Callable
 from functools import partial
 
-from .base import (
-    Agreement,
-    CorruptPayloadError,
-    NonFiniteGradientError,
-    Replicator,
-    setting_names,
-)
+from .agreement import Agreement, CorruptPayloadError, NonFiniteGradientError
+from .base import Replicator, setting_names
 from .demo import PRESETS as DEMO_PRESETS
 from .demo import DeMoReplicator
 from .diloco import DiLoCoReplicator

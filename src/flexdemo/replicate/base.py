@@ -10,7 +10,7 @@ Schedules (steps count from 0): a replicator communicates on step ``t`` when
 
 Every exchange carries the replicas' non-finite flags (:class:`Agreement`); a non-finite input
 on a step without exchange is withheld and reported at the next one. Both, and the payload
-header, live in :mod:`.agreement` (re-exported here).
+header, live in :mod:`.agreement`.
 """
 
 from __future__ import annotations
@@ -34,22 +34,12 @@ from ..transport import (
     group_size,
     transport_for,
 )
-from .agreement import (  # noqa: F401 - re-exported
-    HEADER_BYTES,
-    MAGIC,
+from .agreement import (
     Agreement,
     CorruptPayloadError,
     NonFiniteGradientError,
-    all_finite,
-    check_flags,
-    check_headers,
     global_rank_of,
-    header_problems,
     mark_nonfinite,
-    nonfinite_flag,
-    presence_code,
-    write_header,
-    zero_where,
 )
 
 

@@ -56,13 +56,8 @@ from typing import NoReturn, cast
 
 import torch
 
-from .base import (
-    NonFiniteGradientError,
-    Replicator,
-    global_rank_of,
-    mark_nonfinite,
-    nonfinite_flag,
-)
+from .agreement import NonFiniteGradientError, global_rank_of, mark_nonfinite, nonfinite_flag
+from .base import Replicator
 from .registry import REPLICATORS
 from .rounding import STATE_DTYPES, StochasticRounding, check_state_dtype
 

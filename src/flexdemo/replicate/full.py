@@ -6,17 +6,17 @@ import torch
 
 from ..compress.quant import ValueCodec
 from ..transport import all_gather, all_reduce_bytes, all_reduce_sum
-from .base import (
+from .agreement import (
     HEADER_BYTES,
     Agreement,
     NonFiniteGradientError,
-    Replicator,
     check_flags,
     global_rank_of,
     header_problems,
     nonfinite_flag,
     write_header,
 )
+from .base import Replicator
 from .scatter import ScatterExchange
 
 

@@ -21,7 +21,8 @@ import math
 import torch
 
 from ..transport import all_reduce_bytes, all_reduce_sum
-from .base import Agreement, Replicator, nonfinite_flag, zero_where
+from .agreement import Agreement, nonfinite_flag, zero_where
+from .base import Replicator
 from .full import FlatLayout
 
 

@@ -12,7 +12,7 @@ import torch
 
 from ...compress.bits import unpack_bits
 from ...compress.blocks import BlockValueCodec
-from ..base import HEADER_BYTES, MAGIC, check_flags, header_problems
+from ..agreement import HEADER_BYTES, MAGIC, check_flags, header_problems
 from .layout import Group
 from .staging import StepPlan
 

@@ -14,7 +14,7 @@ from ...compress import BlockDCT, ChunkPlan, Scratch, plan_chunks
 from ...compress.bits import packed_nbytes
 from ...compress.blocks import BlockValueCodec
 from ...compress.dct import BatchedDCT, block_rows
-from ..base import HEADER_BYTES
+from ..agreement import HEADER_BYTES
 
 
 def align8(n: int) -> int:

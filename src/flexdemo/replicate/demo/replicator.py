@@ -10,7 +10,8 @@ from ...compress.bits import pack_bits
 from ...compress.blocks import BlockValueCodec
 from ...compress.select import topk_blocks_rowmajor
 from ...transport import Pending, all_gather
-from ..base import HEADER_BYTES, Replicator, write_header, zero_where
+from ..agreement import HEADER_BYTES, write_header, zero_where
+from ..base import Replicator
 from ..rounding import STATE_DTYPES
 from . import delayed, state
 from .checks import VerdictToHost, check_payloads, good_peers

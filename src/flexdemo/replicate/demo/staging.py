@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..base import nonfinite_flag, presence_code, zero_where
+from ..agreement import nonfinite_flag, presence_code, zero_where
 from .layout import BlockLayout, Group, grad_as
 
 MAX_PLANS = 64  # cached step plans (a training run has few)

@@ -120,15 +120,18 @@ def test_group_numel_must_be_a_positive_integer():
 
 
 def test_group_numel_auto_is_larger_on_cuda():
-    """"auto" bounds groups at 4M coefficients off CUDA and 64M on it (a GPU step is bound by
-    the kernels of each group); the setting shows in the repr only when it is not "auto"."""
+    """"auto" bounds groups at 4M coefficients off CUDA, and on it at an 8th of the model if
+    that is larger (a GPU step is bound by the kernels of each group); the setting shows in
+    the repr only when it is not "auto"."""
     from flexdemo.replicate.demo.settings import resolve_group_numel
 
     assert resolve_group_numel("auto", torch.device("cpu")) == 1 << 22
     assert resolve_group_numel("auto", None) == 1 << 22
-    assert resolve_group_numel("auto", torch.device("cuda")) == 1 << 26
-    assert resolve_group_numel(None, torch.device("cuda")) is None
-    assert resolve_group_numel(1 << 12, torch.device("cuda")) == 1 << 12
+    cuda = torch.device("cuda")
+    assert resolve_group_numel("auto", cuda, [torch.Size((1000, 1000))]) == 1 << 22
+    assert resolve_group_numel("auto", cuda, [torch.Size((8192, 4096))] * 2) == 1 << 23
+    assert resolve_group_numel("auto", cuda, [torch.Size((8191, 4096))] * 2) == 8191 * 1024
+    assert resolve_group_numel(None, cuda) is None and resolve_group_numel(1 << 12, cuda) == 4096
     rep = DeMoReplicator()
     rep.setup([torch.Size((512, 512))], torch.device("cpu"), None)
     assert rep.group_numel == "auto" and rep.layout.group_numel == 1 << 22

@@ -117,7 +117,7 @@ class DeMoReplicator(Replicator):
             self._local_shapes, topk=self.topk, chunk=self.chunk,
             small_numel=self.small_numel if self.small == "batch" else None, basis=basis,
             compute_dtype=compute_dtype, bucket=self.bucket,
-            group_numel=resolve_group_numel(self.group_numel, self.device),
+            group_numel=resolve_group_numel(self.group_numel, self.device, self._local_shapes),
             images=self._stages_through_images, codec=self.codec, device=self.device,
             shared_staging=not self._graphed, offload=self.offload,  # graphs: fixed buffers
             momentum_dtype=STATE_DTYPES[self.momentum_dtype])

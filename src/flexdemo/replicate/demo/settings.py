@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from ...compress.blocks import BLOCK_CODECS
@@ -19,10 +21,11 @@ TRANSFORM_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 #: and decode of a group run on buffers of its size, so this bounds the step's workspace
 #: (large tensors are split by block rows to fit; benchmarks/bench_memory.py)
 GROUP_NUMEL = 1 << 22
-#: the same on CUDA (256 MiB in fp32): each group's work is about 120 kernels, so on a GPU the
-#: step is bound by their count (a whole 124M model in groups of 4M coefficients: 45 groups,
-#: about 5,600 kernels per step in its CUDA graphs, against 290 in 2 unbounded groups)
-GROUP_NUMEL_CUDA = 1 << 26
+#: on CUDA, "auto" makes about this many groups of a model (of at least GROUP_NUMEL each):
+#: each group's work is about 120 kernels, so a GPU step is bound by the group count (a
+#: whole 124M model in groups of 4M coefficients: 45 groups, 5,581 operations per graphed
+#: step; in 8ths: 10 groups, 1,276, for half a P more at the step's peak)
+CUDA_GROUPS = 8
 
 
 def check_settings(*, topk, chunk, decay, values, transform, transform_dtype, small,
@@ -56,8 +59,9 @@ def check_settings(*, topk, chunk, decay, values, transform, transform_dtype, sm
                                               or isinstance(group_numel, bool)
                                               or group_numel < 1):
         raise ValueError(f"group_numel must be an integer >= 1 (coefficients per group of "
-                         f"blocks), 'auto' ({GROUP_NUMEL} off CUDA, {GROUP_NUMEL_CUDA} on it) "
-                         f"or None (one group per block shape), got {group_numel!r}")
+                         f"blocks), 'auto' ({GROUP_NUMEL} off CUDA; on it 1/{CUDA_GROUPS} of the "
+                         f"model if larger) or None (one group per block shape), got "
+                         f"{group_numel!r}")
     if overlap not in ("none", "delayed"):
         raise ValueError(f"overlap must be 'none' or 'delayed', got {overlap!r}")
     if overlap == "delayed" and (not bucket or not every_step):
@@ -95,11 +99,16 @@ def check_settings(*, topk, chunk, decay, values, transform, transform_dtype, sm
     return graphs
 
 
-def resolve_group_numel(group_numel: int | str | None, device: torch.device | None) -> int | None:
-    """``group_numel`` with ``"auto"`` resolved for ``device``."""
+def resolve_group_numel(group_numel: int | str | None, device: torch.device | None,
+                        shapes: Sequence[torch.Size] = ()) -> int | None:
+    """``group_numel`` with ``"auto"`` resolved for ``device`` and a model of local
+    ``shapes``: ``GROUP_NUMEL``, or on CUDA a ``CUDA_GROUPS``-th of the model if larger."""
+    numel = sum(s.numel() for s in shapes)
     if group_numel != "auto":
         return None if group_numel is None else int(group_numel)
-    return GROUP_NUMEL_CUDA if device is not None and device.type == "cuda" else GROUP_NUMEL
+    if device is not None and device.type == "cuda":
+        return max(GROUP_NUMEL, -(-numel // CUDA_GROUPS))
+    return GROUP_NUMEL
 
 
 def describe(rep) -> str:

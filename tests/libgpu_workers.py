@@ -268,8 +268,8 @@ class Wider(nn.Module):
 
 def dcp_mismatch_worker(rank, world, root):
     """Save a 2 x 1 DeMo job both ways (DCP helpers, flexdemo.save_checkpoint); load each
-    into another mesh, replicator setting and model: flexdemo.dcp.load must refuse with the
-    line load_checkpoint gives (its path swapped), and before DCP reads anything."""
+    into another mesh, replicator setting and model: flexdemo.checkpoint.dcp.load must refuse
+    with the line load_checkpoint gives (its path swapped), and before DCP reads anything."""
     def make(model, replicate, shard, topk=4):
         torch.manual_seed(0)
         return flexdemo.prepare(model, flexdemo.DeMoReplicator(topk=topk, chunk=8), lr=0.01,
@@ -292,7 +292,7 @@ def dcp_mismatch_worker(rank, world, root):
             lines["native"] = str(e).replace(f"{root}/native", "PATH")
         msd2, osd2 = get_state_dict(model2, opt2)
         try:
-            from flexdemo import dcp as fdcp
+            from flexdemo.checkpoint import dcp as fdcp
 
             fdcp.load({"model": msd2, "optim": osd2}, checkpoint_id=f"{root}/dcp")
         except Exception as e:  # the test names the type it wants

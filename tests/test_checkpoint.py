@@ -24,7 +24,9 @@ from dist_util import run_world
 
 import flexdemo
 import flexdemo.checkpoint as ckpt
+import flexdemo.checkpoint.save_load as save_load
 from flexdemo.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from flexdemo.checkpoint.files import RANKS_DIR
 
 
 def params(model):
@@ -111,7 +113,7 @@ def test_failed_commit_leaves_previous_checkpoint(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="cannot be pickled"):  # fails before writing
         save_checkpoint(tmp_path / "step_000002", model, opt, step=2, extra={"f": lambda: 0})
     assert os.listdir(tmp_path) == ["step_000001"]
-    monkeypatch.setattr(ckpt, "_commit", boom)
+    monkeypatch.setattr(save_load, "_commit", boom)
     with pytest.raises(OSError, match="simulated"):
         save_checkpoint(tmp_path / "step_000002", model, opt, step=2)
     assert latest_checkpoint(tmp_path) == good
@@ -128,11 +130,12 @@ def test_killed_during_save_leaves_previous_checkpoint(tmp_path):
         sys.path.insert(0, {str(Path(__file__).parent)!r})
         from ckpt_workers import make_single, run_steps
         import flexdemo.checkpoint as ckpt
+        import flexdemo.checkpoint.save_load as save_load
         model, opt = make_single("demo", 0)
         run_steps(model, opt, 2, 0)
         ckpt.save_checkpoint({str(tmp_path)!r} + "/step_000002", model, opt, step=2)
         run_steps(model, opt, 2, 2)
-        ckpt._commit = lambda tmp, final: os._exit(17)
+        save_load._commit = lambda tmp, final: os._exit(17)
         ckpt.save_checkpoint({str(tmp_path)!r} + "/step_000004", model, opt, step=4)
     """)
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
@@ -225,7 +228,7 @@ def test_other_world_size_raises(world4):
     path = root / "demo" / "step_000003"
     meta = json.loads((path / ckpt.META_FILE).read_text())
     assert meta["world_size"] == 4 and meta["mesh_shape"] == [2, 2]
-    assert len(os.listdir(path / ckpt.RANKS_DIR)) == 4
+    assert len(os.listdir(path / RANKS_DIR)) == 4
     model, opt = make_single("demo", 0)  # one process
     with pytest.raises(ValueError, match=r"written by 4 rank\(s\).*runs 1 rank"):
         load_checkpoint(path, model, opt)
@@ -245,7 +248,7 @@ def test_full_disk_during_save_is_one_line_and_keeps_the_previous_checkpoint(
     if where == "dcp":  # DCP wraps it in a CheckpointException (a BaseException)
         monkeypatch.setattr(dcp_filesystem, "_write_item", _no_space)
     else:
-        monkeypatch.setattr(ckpt, "_fsync_write", _no_space)
+        monkeypatch.setattr(save_load, "_fsync_write", _no_space)
     with pytest.raises(ckpt.CheckpointError) as info:
         save_checkpoint(tmp_path / "step_000002", model, opt, step=2)
     msg = str(info.value)
@@ -299,7 +302,7 @@ def _write_inside(path: Path, data: bytes, at: int | None = None) -> None:
 def test_every_file_is_recorded_with_its_sha256(tmp_path):
     import hashlib
 
-    from flexdemo.integrity import check_checkpoint
+    from flexdemo.checkpoint import check_checkpoint
 
     model, opt = make_single("demo", 0)
     run_steps(model, opt, 1, 0)

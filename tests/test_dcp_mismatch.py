@@ -1,4 +1,4 @@
-"""torch's DCP helpers (get_state_dict + flexdemo.dcp.load) on another mesh, replicator
+"""torch's DCP helpers (get_state_dict + flexdemo.checkpoint.dcp.load) on another mesh, replicator
 setting or model: flexdemo's own one line, the same as flexdemo.load_checkpoint's, not DCP's
 "Size mismatch" traceback."""
 

@@ -23,7 +23,7 @@ from test_elastic import (
 )
 
 from flexdemo.app.preempt import PREEMPTED_EXIT_CODE
-from flexdemo.integrity import check_checkpoint
+from flexdemo.checkpoint import check_checkpoint
 
 pytest.importorskip("torchft")
 

@@ -12,9 +12,8 @@ from sim_workers import model as tiny_model
 from torch import nn
 
 from flexdemo import DeToNATION, DiLoCoReplicator, LiveBytes
-from flexdemo.checkpoint import load_checkpoint, save_checkpoint
+from flexdemo.checkpoint import CheckpointMismatchError, load_checkpoint, save_checkpoint
 from flexdemo.memory import state_bytes, storage_bytes
-from flexdemo.mismatch import CheckpointMismatchError
 from flexdemo.replicate import DeMoReplicator
 from flexdemo.replicate.rounding import STATE_DTYPES, StochasticRounding
 from flexdemo.simulate import SimulatedReplicas

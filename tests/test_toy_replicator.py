@@ -1,7 +1,7 @@
 """A replicator registered by this test alone trains through ``prepare()`` (2 gloo ranks), the
-emulated cluster (``SimulatedReplicas``), the DCP helpers (:mod:`flexdemo.dcp`), the settings
-check and DiLoCo's exchange, with no edit anywhere else: the ``Replicator`` contract is all
-the rest of flexdemo reads. The registry entry is removed after each test."""
+emulated cluster (``SimulatedReplicas``), the DCP helpers (:mod:`flexdemo.checkpoint.dcp`), the
+settings check and DiLoCo's exchange, with no edit anywhere else: the ``Replicator`` contract is
+all the rest of flexdemo reads. The registry entry is removed after each test."""
 
 from __future__ import annotations
 
@@ -125,7 +125,7 @@ def toy_worker(rank: int, world: int, root: str) -> dict:
 
         model2, opt2 = make(100)  # other weights
         msd2, osd2 = get_state_dict(model2, opt2)
-        flexdemo.dcp.load({"model": msd2, "optim": osd2}, checkpoint_id=f"{root}/toy")
+        flexdemo.checkpoint.dcp.load({"model": msd2, "optim": osd2}, checkpoint_id=f"{root}/toy")
         set_state_dict(model2, opt2, model_state_dict=msd2, optim_state_dict=osd2)
         out["loaded_seen"] = _equal(opt2.replicators[0].seen, out["seen"])
         out["loaded_steps"] = opt2.steps

@@ -456,7 +456,7 @@ def test_killed_rank_of_four_is_the_only_one_named_by_every_survivor(tmp_path, m
 
 def _rerecord(path: Path) -> None:
     """Record the digest of an edited file in its checkpoint's marker (a genuine change)."""
-    from flexdemo.integrity import file_digest
+    from flexdemo.checkpoint.integrity import file_digest
 
     marker_path = path.parent / "COMPLETE"
     marker = json.loads(marker_path.read_text())

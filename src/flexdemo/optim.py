@@ -8,9 +8,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from . import dcp as _dcp
 from . import memory
 from .buffers import BUFFER_POLICIES, BufferSync
+from .checkpoint import dcp as _dcp
 from .consistency import check_same_settings
 from .dtensor import local_tensor
 from .lion import Lion
@@ -406,7 +406,7 @@ class DeToNATION(torch.optim.Optimizer):
     def state_dict(self) -> dict:
         """The state in torch's layout (``state`` per parameter, ``param_groups``), with
         per-replica state keyed per replica, so that ``get_state_dict`` / ``dcp.save`` keep
-        every replica's copy (:mod:`flexdemo.dcp`)."""
+        every replica's copy (:mod:`flexdemo.checkpoint.dcp`)."""
         return _dcp.state_dict(self)
 
     def load_state_dict(self, state_dict: dict) -> None:

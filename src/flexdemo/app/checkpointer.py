@@ -20,6 +20,7 @@ import torch.distributed as dist
 from ..checkpoint import (
     MARKER_FILE,
     META_FILE,
+    UNREADABLE,
     CheckpointMismatchError,
     NotACheckpointError,
     describe_os_error,
@@ -29,7 +30,6 @@ from ..checkpoint import (
     save_checkpoint,
     verify_checkpoint,
 )
-from ..integrity import UNREADABLE
 from .config import Config
 from .errors import TrainingError, UsageError
 from .tasks import ShardSampler

@@ -7,7 +7,7 @@ import re
 import sys
 from pathlib import Path
 
-from ..integrity import (
+from ..checkpoint import (
     MARKER_FILE,
     UNREADABLE,
     CheckpointStatus,

@@ -35,7 +35,7 @@ from .torchft_api import (
 from .transport import ManagerTransport
 
 if TYPE_CHECKING:
-    from ..dcp import FlexOptimizer
+    from ..checkpoint import FlexOptimizer
 
 
 class QuorumTimeoutError(TimeoutError):

@@ -74,7 +74,7 @@ def setting_names(*chain) -> list[str]:
 class Replicator(ABC):
     """Base class of all replication schemes, and the contract the rest of flexdemo reads.
 
-    The optimizer, the checkpoints (:mod:`flexdemo.dcp`, :mod:`flexdemo.checkpoint`), the
+    The optimizer, the checkpoints (:mod:`flexdemo.checkpoint` and its DCP helpers), the
     emulated cluster and fault tolerance (:mod:`flexdemo.ft`) know a replicator only through
     what this class declares; none of them names a concrete class:
 

@@ -31,7 +31,7 @@ checkpoint loads into a job with the same world size and mesh; other layouts rai
 
 :func:`load` is ``dcp.load`` with flexdemo's checks first (:func:`check_load`): a checkpoint
 written on another mesh, for another model, base optimizer or replicators raises
-:class:`~flexdemo.mismatch.CheckpointMismatchError` with the line that
+:class:`~flexdemo.checkpoint.CheckpointMismatchError` with the line that
 :func:`flexdemo.load_checkpoint` gives, instead of DCP's "Size mismatch" traceback.
 """
 
@@ -49,13 +49,13 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from .dtensor import local_tensor
+from ..dtensor import local_tensor
+from ..transport import group_rank
 from .mismatch import check_base, check_mesh, check_model, check_replicators
-from .transport import group_rank
 
 if TYPE_CHECKING:
-    from .buffers import BufferSync
-    from .replicate.base import Replicator
+    from ..buffers import BufferSync
+    from ..replicate.base import Replicator
 
 
 class FlexOptimizer(Protocol):
@@ -336,7 +336,7 @@ def check_load(state_dict: dict, checkpoint_id: str | os.PathLike) -> None:
     """Compare the DCP checkpoint ``checkpoint_id`` with the job about to load it into
     ``state_dict`` (what ``get_state_dict`` returned, under any top-level keys): the world
     size and mesh, the model's tensors (names and global shapes), the base optimizer and the
-    replicators. Raises :class:`~flexdemo.mismatch.CheckpointMismatchError` with the same line
+    replicators. Raises :class:`~flexdemo.checkpoint.CheckpointMismatchError` with the same line
     as :func:`flexdemo.load_checkpoint`; does nothing for state dicts without flexdemo's
     optimizer. Reads only the checkpoint's metadata and one small entry; not collective."""
     flat, _ = flatten_state_dict(state_dict)
@@ -385,7 +385,7 @@ def _read_entry(checkpoint_id: str | os.PathLike, key: str) -> dict:
 
 def load(state_dict: dict, *, checkpoint_id: str | os.PathLike, **kwargs) -> None:
     """``torch.distributed.checkpoint.load`` after :func:`check_load`: a checkpoint this job
-    cannot resume raises :class:`~flexdemo.mismatch.CheckpointMismatchError` (one line, old
+    cannot resume raises :class:`~flexdemo.checkpoint.CheckpointMismatchError` (one line, old
     value against new) before DCP reads anything. Collective, like ``dcp.load``."""
     check_load(state_dict, checkpoint_id)
     dcp.load(state_dict, checkpoint_id=checkpoint_id, **kwargs)

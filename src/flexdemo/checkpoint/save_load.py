@@ -26,10 +26,10 @@ rank 0 writes ``COMPLETE`` and renames the directory into place. A crash leaves 
 checkpoint as the newest complete one; stale temporary directories are removed by the next save.
 Collectives run on the default process group and time out with its timeout.
 
-This module saves, verifies and loads; its parts: :mod:`flexdemo.checkpoint_files` (the files
-on disk), :mod:`flexdemo.checkpoint_state` (state split into DCP tensors and back),
-:mod:`flexdemo.checkpoint_agree` (one outcome on every rank, storage errors by cause) and
-:mod:`flexdemo.mismatch` (what differs from the job that loads it).
+This module saves, verifies and loads; the other modules of :mod:`flexdemo.checkpoint` are its
+parts: ``files`` (the files on disk), ``state`` (state split into DCP tensors and back),
+``agree`` (one outcome on every rank, storage errors by cause), ``integrity`` (digests) and
+``mismatch`` (what differs from the job that loads it).
 """
 
 from __future__ import annotations
@@ -50,21 +50,32 @@ from torch import nn
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
-from .checkpoint_agree import CheckpointError, _agree, _dcp_call, _rank_world
-from .checkpoint_files import (
+from ..dtensor import local_tensor
+from ..version import __version__
+from .agree import CheckpointError, _agree, _dcp_call, _rank_world
+from .files import (
     _SCRATCH,
     FORMAT_VERSION,
     META_FILE,
     RANKS_DIR,
-    NotACheckpointError,
     _fsync_dir,
     _fsync_write,
     _rank_file,
     _remove_scratch,
     _require_complete,
-    latest_checkpoint,
 )
-from .checkpoint_state import (
+from .integrity import (
+    DAMAGED,
+    DIGEST,
+    MARKER_FILE,
+    PERMISSION,
+    UNREADABLE,
+    CheckpointStatus,
+    check_checkpoint,
+    record_files,
+)
+from .mismatch import check_base, check_mesh, check_model, check_replicators
+from .state import (
     _fingerprints,
     _join,
     _mesh_shape,
@@ -76,31 +87,8 @@ from .checkpoint_state import (
     _split_optimizer,
     _to_device,
 )
-from .dtensor import local_tensor
-from .integrity import (
-    DAMAGED,
-    DIGEST,
-    MARKER_FILE,
-    PERMISSION,
-    UNREADABLE,
-    CheckpointStatus,
-    check_checkpoint,
-    describe_os_error,
-    record_files,
-)
-from .mismatch import (
-    CheckpointMismatchError,
-    check_base,
-    check_mesh,
-    check_model,
-    check_replicators,
-    setting_differences,  # noqa: F401 - re-exported
-)
-from .version import __version__
 
-__all__ = ["FORMAT_VERSION", "CheckpointError", "CheckpointMismatchError", "NotACheckpointError",
-           "describe_os_error", "latest_checkpoint", "load_checkpoint", "read_info",
-           "save_checkpoint", "verify_checkpoint"]
+__all__ = ["load_checkpoint", "read_info", "save_checkpoint", "source_rank", "verify_checkpoint"]
 
 
 def _commit(tmp: Path, final: Path) -> None:
@@ -160,7 +148,7 @@ def save_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer, *, ste
     values) is recorded in ``flexdemo.json``, readable before loading (:func:`read_info`).
     ``path`` is the checkpoint directory, e.g. ``runs/x/checkpoints/step_000100``; it is
     written atomically and replaces an existing checkpoint of the same name; its marker
-    records the SHA-256 of every file (:mod:`flexdemo.integrity`). Returns ``path``.
+    records the SHA-256 of every file (:mod:`flexdemo.checkpoint.integrity`). Returns ``path``.
     """
     final = Path(path)
     rank, world = _rank_world()
@@ -277,7 +265,7 @@ def save_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer, *, ste
 def verify_checkpoint(path: str | os.PathLike) -> CheckpointStatus:
     """Check the checkpoint at ``path`` against the digests its marker records (collective
     when a process group is up: each rank reads its share of the files once). Returns the
-    same :class:`~flexdemo.integrity.CheckpointStatus` on every rank."""
+    same :class:`~flexdemo.checkpoint.CheckpointStatus` on every rank."""
     rank, world = _rank_world()
     status = check_checkpoint(path, rank, world)
     if world == 1:

@@ -12,8 +12,8 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from .checkpoint_agree import _rank_world
-from .dtensor import local_tensor
+from ..dtensor import local_tensor
+from .agree import _rank_world
 
 
 @dataclass(frozen=True)

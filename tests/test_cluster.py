@@ -24,6 +24,9 @@ from flexdemo.tools.cluster import EmulatedCluster
 from flexdemo.tools.netns import LatencyUnavailableError, ShapingUnavailableError, cleanup_stale
 from flexdemo.tools.rates import parse_bandwidth, parse_latency
 
+# the namespace tests one at a time (one pytest-xdist worker): one measures a link's rate
+pytestmark = pytest.mark.xdist_group("netns")
+
 PY = sys.executable
 ENV_KEYS = ["RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "NODE_RANK", "GROUP_RANK",
             "MASTER_ADDR", "MASTER_PORT", "GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME",

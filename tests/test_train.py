@@ -654,11 +654,17 @@ SMALLEST = ["task.model=tiny", "task.corpus_bytes=20000", "train.batch=1", "trai
 REFUSALS = int(os.environ.get("FLEXDEMO_REFUSALS", "20"))
 
 
-def test_refused_resume_exits_2_on_every_rank_every_time(tmp_path):
-    """A resume with another replicator, optimizer, topk or mesh, refused REFUSALS times over
-    on 2 bare ranks: every rank exits 2 (never 134 from an abort at shutdown, never 1), with
-    one line naming what differs, old against new, pointing at train.overwrite or another
-    train.out and suggesting no older checkpoint (they all have the same mismatch)."""
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("refusals", [
+    pytest.param(4, id="each-once"),
+    # the repetitions that caught a rare abort at shutdown: the longer tier (`-m long`)
+    pytest.param(REFUSALS, id="repeated", marks=[pytest.mark.slow, pytest.mark.long])])
+def test_refused_resume_exits_2_on_every_rank_every_time(tmp_path, refusals):
+    """A resume with another replicator, optimizer, topk or mesh, refused ``refusals`` times
+    over on 2 bare ranks (each kind once, or REFUSALS times in the longer tier): every rank
+    exits 2 (never 134 from an abort at shutdown, never 1), with one line naming what differs,
+    old against new, pointing at train.overwrite or another train.out and suggesting no older
+    checkpoint (they all have the same mismatch)."""
     out = tmp_path / "run"
     args = ["train", *SMALLEST, "train.steps=4", "train.checkpoint_every=2", "mesh.replicate=2",
             "mesh.shard=1", f"train.out={out}"]
@@ -672,7 +678,7 @@ def test_refused_resume_exits_2_on_every_rank_every_time(tmp_path):
                (["strategy.optimizer=adamw"], "optimizer 'sgd' (now 'adamw')"),
                (["strategy.replicator_kwargs={topk=8}"], "replicator topk 16 (now 8)"),
                (["mesh.replicate=1", "mesh.shard=2"], "replicate 2 x shard 1")]
-    for i in range(REFUSALS):
+    for i in range(refusals):
         change, needle = changes[i % len(changes)]
         procs = spawn_ranks(2, [*args, *change, "--resume"])
         try:

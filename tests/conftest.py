@@ -1,10 +1,13 @@
+import inspect
 import os
 import sys
+from pathlib import Path
 
 import pytest
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(__file__))
+_HERE = Path(__file__).resolve().parent
 
 
 @pytest.fixture
@@ -42,3 +45,50 @@ def small_tmpfs(tmp_path):
         yield where
     finally:
         subprocess.run(["umount", "-l", str(where)], capture_output=True)
+
+
+# ------------------------------------------------------------------ the suite in parallel
+# `bash run.sh test` runs the suite on several pytest-xdist workers (pyproject.toml's addopts:
+# `-n 4 --dist loadgroup`). A module-scoped fixture is built once per worker that runs a test
+# using it, so the tests sharing one (a world of gloo ranks computed once, asserted on by many
+# tests) go to one worker together: one xdist_group per set of module fixtures that tests of a
+# module use together. Every other test is scheduled on its own.
+
+
+def _shared_fixture_group(item: pytest.Item, links: dict[str, str]) -> str | None:
+    """The group of ``item``: its module and the first of the module-scoped fixtures of the
+    test files that it uses, joined with those of the module's other tests (``links``: a
+    union-find over ``module::fixture``); None when it uses none."""
+    info = getattr(item, "_fixtureinfo", None)
+    if info is None:
+        return None
+    module = item.nodeid.split("::", 1)[0]
+    shared = []
+    for name, defs in info.name2fixturedefs.items():
+        d = defs[-1]
+        if d.scope in ("module", "class", "package") and _HERE in Path(
+                inspect.getsourcefile(d.func) or "/").resolve().parents:  # ours, not a plugin's
+            shared.append(f"{module}::{name}")
+    if not shared:
+        return None
+
+    def root(key: str) -> str:
+        while links.setdefault(key, key) != key:
+            key = links[key]
+        return key
+
+    first = root(shared[0])
+    for key in shared[1:]:
+        links[root(key)] = first
+    return first
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
+def pytest_collection_modifyitems(config, items):
+    links: dict[str, str] = {}
+    keys = {item: _shared_fixture_group(item, links) for item in items}
+    for item, key in keys.items():
+        if key is not None:
+            while links[key] != key:
+                key = links[key]
+            item.add_marker(pytest.mark.xdist_group(key))

@@ -27,6 +27,7 @@ def _same(a, b, which=None):
     return all(torch.equal(a[i], b[i]) for i in which)
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("name", [n for n in NONFINITE_CASES if n != "none"])
 def test_raise_on_every_rank_at_the_same_step(nonfinite, name):
     step = RAISE_STEP.get(name, 3)
@@ -36,6 +37,7 @@ def test_raise_on_every_rank_at_the_same_step(nonfinite, name):
         assert "non-finite" in raised[0][2]
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("name", [n for n in NONFINITE_CASES if n != "none"])
 def test_skip_keeps_replicas_identical(nonfinite, name):
     r0, r1 = (res[name, "skip"] for res in nonfinite)
@@ -52,6 +54,7 @@ def test_skip_keeps_replicas_identical(nonfinite, name):
         assert (r0["skipped"], r1["skipped"]) == (1, 1)
 
 
+@pytest.mark.multiprocess
 def test_diloco_bad_parameters_drop_the_sync_everywhere(nonfinite):
     """An Inf parameter on rank 1 (finite gradients) makes a non-finite pseudo-gradient: every
     rank raises at the sync, or skips it and restarts from the global parameters."""
@@ -65,6 +68,7 @@ def test_diloco_bad_parameters_drop_the_sync_everywhere(nonfinite):
     assert (r0["skipped"], r1["skipped"]) == (1, 2)
 
 
+@pytest.mark.multiprocess
 def test_none_keeps_the_outcome_local(nonfinite):
     """No exchange, nobody waits: rank 1 raises (or skips) alone and rank 0 trains on."""
     r0, r1 = (res["none", "raise"] for res in nonfinite)
@@ -78,6 +82,7 @@ def corrupt():
     return run_world(corrupt_worker, 2)
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("case", ["int8-nan-scale", "fp16-overflow"])
 def test_bad_quantised_payload_is_named_on_every_rank(corrupt, case):
     for res in corrupt:
@@ -88,6 +93,7 @@ def test_bad_quantised_payload_is_named_on_every_rank(corrupt, case):
             assert "65504" in msg
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("case", ["int8-nan-scale", "fp16-overflow"])
 def test_bad_quantised_payload_is_dropped_on_every_rank(corrupt, case):
     r0, r1 = (res[case, "drop"] for res in corrupt)
@@ -180,6 +186,7 @@ def test_codec_decodes_into_a_buffer_with_the_same_bits(fmt, n):
     assert torch.equal(got, codec.decode(data, n))
 
 
+@pytest.mark.multiprocess
 def test_diloco_failed_sync_in_flight_survives_a_checkpoint():
     from agreement_workers import diloco_checkpoint_worker
 
@@ -189,6 +196,7 @@ def test_diloco_failed_sync_in_flight_survives_a_checkpoint():
         assert _same(res["original"]["shards"], res["resumed"]["shards"])
 
 
+@pytest.mark.multiprocess
 def test_a_chain_agrees_across_all_its_groups():
     """DeMo in pairs then Full over 4 ranks: the pair {2, 3} learns of rank 1's NaN through
     Full's exchange in the same step (before, ranks 2 and 3 waited in Full's all-reduce)."""
@@ -202,6 +210,7 @@ def test_a_chain_agrees_across_all_its_groups():
         assert _same(results[0]["skip"]["shards"], res["skip"]["shards"])
 
 
+@pytest.mark.multiprocess
 def test_the_other_shards_of_a_replica_agree_too():
     """With FSDP shards, only the ranks holding the bad shard see the NaN; one tiny
     all-reduce over the shard group tells the others, so all four ranks act alike."""
@@ -220,6 +229,7 @@ def test_the_other_shards_of_a_replica_agree_too():
             assert _same(a, b), (name, shard)
 
 
+@pytest.mark.multiprocess
 def test_a_nan_is_reported_by_global_rank():
     """On a 2 x 2 mesh the replicate group of global rank 3 is {1, 3}: its NaN used to be
     reported as "rank(s) [1] of the group" (its index in the group)."""

@@ -226,6 +226,7 @@ def test_no_probe_without_a_process_group_uses_the_fallback():
     assert "assuming 10 Mbit/s, 50 ms (no probe over this group" in auto.lines[0]
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("world,shard,candidates", [
     (2, 1, ["full", "diloco-h20-int4"]),  # whichever the measurements choose
     (4, 2, ["full"]),  # FSDP shards: replica 0's parameters and AdamW state after the warm-up
@@ -245,6 +246,7 @@ def test_prepare_auto_on_gloo_ranks(world, shard, candidates):
             assert torch.equal(a, b)
 
 
+@pytest.mark.multiprocess
 def test_checkpoint_across_the_decision_resumes_bitwise_on_gloo_ranks(tmp_path):
     """flexdemo's checkpoints (DCP) on 2 gloo ranks: saved during the warm-up (step 2) or after
     the decision (step 9), loaded by a fresh prepare(model, "auto"): the same bits at step 24
@@ -256,6 +258,7 @@ def test_checkpoint_across_the_decision_resumes_bitwise_on_gloo_ranks(tmp_path):
         assert r[9]["lines"] == [r[9]["lines"][0]] and r[9]["lines"][0].endswith("(resumed)")
 
 
+@pytest.mark.multiprocess
 def test_probe_that_times_out_falls_back_on_both_ranks():
     """Rank 1 reaches the probe 3 s late: rank 0's probe gives up at its 1 s bound, before the
     late peer arrives (not a timing claim: the peer is 2 s later than the bound); both ranks

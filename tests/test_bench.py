@@ -168,6 +168,7 @@ def test_plots_from_results(tmp_path):
         assert p.read_bytes()[:8] == PNG and p.stat().st_size > 10_000
 
 
+@pytest.mark.multiprocess
 def test_tiny_sweep_without_root_falls_back_to_loopback(tmp_path, monkeypatch, capsys):
     """Not root: the bench says shaping needs root and runs unshaped; it writes JSON, CSV and
     three PNGs and prints a table."""
@@ -198,6 +199,7 @@ def test_tiny_sweep_without_root_falls_back_to_loopback(tmp_path, monkeypatch, c
     assert (tmp_path / "runs" / "flexdemo@unshaped" / "log.txt").stat().st_size > 0
 
 
+@pytest.mark.multiprocess
 def test_root_without_network_namespaces_falls_back(tmp_path, monkeypatch, capsys):
     """Root, but namespaces cannot be made (a container): the same fallback, with the reason."""
     import flexdemo.app.bench as bench

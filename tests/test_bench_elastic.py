@@ -41,6 +41,7 @@ def test_elastic_bad_options_are_one_line(kwargs, message):
     assert message in str(e.value) and "\n" not in str(e.value)
 
 
+@pytest.mark.multiprocess
 @pytest.mark.slow
 def test_killed_node_leaves_and_heals_back(tmp_path):
     """The command as a user runs it: the survivors go on alone after the kill, the restarted

@@ -113,6 +113,7 @@ def test_muon_bad_options(capsys, argv, message):
     _one_line_exit(capsys, _load("bench_muon").main, argv, message)
 
 
+@pytest.mark.multiprocess
 def test_muon_table_and_json(capsys, tmp_path, monkeypatch):
     """Two ranks of a 1 x 2 mesh: both optimizers step; Muon's shard traffic is counted."""
     monkeypatch.syspath_prepend(str(BENCH))  # the spawned ranks import the script by name
@@ -195,6 +196,7 @@ def test_the_checker_sees_a_private_import(tmp_path):
     assert "_all_gather_single" not in flexdemo.transport.__all__
 
 
+@pytest.mark.multiprocess
 def test_memory_bench_counts_a_strategy_exactly(tmp_path):
     """bench_memory.py on two real ranks: DeMo's state is its momentum (one copy of the
     parameters), its held buffers and step workspace are counted, the table and JSON written."""

@@ -123,6 +123,7 @@ def test_failed_commit_leaves_previous_checkpoint(tmp_path, monkeypatch):
     assert equal(params(model2), expected)
 
 
+@pytest.mark.multiprocess
 def test_killed_during_save_leaves_previous_checkpoint(tmp_path):
     """A process that dies between writing everything and the rename (no clean-up runs)."""
     code = textwrap.dedent(f"""
@@ -188,6 +189,7 @@ def world4(tmp_path_factory):
     return root, run_world(resume_worker, 4, str(root))
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("kind", ["demo", "diloco"])
 def test_distributed_resume_is_bitwise_on_every_rank(world4, kind):
     _, results = world4
@@ -205,6 +207,7 @@ def test_distributed_resume_is_bitwise_on_every_rank(world4, kind):
         assert results[0]["demo"]["layout"] == "shared"
 
 
+@pytest.mark.multiprocess
 def test_distributed_each_rank_gets_its_own_demo_delta(world4):
     _, results = world4
     coords = [res["demo"]["coord"] for res in results]
@@ -216,6 +219,7 @@ def test_distributed_each_rank_gets_its_own_demo_delta(world4):
         assert not equal(da, db), "the test needs replicas whose DeMo deltas differ"
 
 
+@pytest.mark.multiprocess
 def test_distributed_other_mesh_raises(world4):
     _, results = world4
     for res in results:
@@ -223,6 +227,7 @@ def test_distributed_other_mesh_raises(world4):
         assert msg is not None and "2 x 2" in msg and "4 x 1" in msg and "replicate=2" in msg
 
 
+@pytest.mark.multiprocess
 def test_other_world_size_raises(world4):
     root, _ = world4
     path = root / "demo" / "step_000003"
@@ -434,6 +439,7 @@ def regrouped(world4):
         run_world(more_replicas_worker, 4, str(root))
 
 
+@pytest.mark.multiprocess
 def test_resume_on_fewer_replicas_keeps_the_continuing_replicas_state(world4, regrouped):
     _, saved = world4
     fewer, _ = regrouped
@@ -443,6 +449,7 @@ def test_resume_on_fewer_replicas_keeps_the_continuing_replicas_state(world4, re
         assert res["demo"]["extra_ok"] and res["diloco"]["extra_ok"], rank
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("kind", ["demo", "diloco"])
 def test_resume_on_more_replicas_starts_new_ones_from_replica_0(regrouped, kind):
     """A new replica takes replica 0's shards, counters and extra and zero per-replica state;

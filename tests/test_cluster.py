@@ -24,6 +24,9 @@ from flexdemo.tools.cluster import EmulatedCluster
 from flexdemo.tools.netns import LatencyUnavailableError, ShapingUnavailableError, cleanup_stale
 from flexdemo.tools.rates import parse_bandwidth, parse_latency
 
+# the namespace tests one at a time (one pytest-xdist worker): one measures a link's rate
+pytestmark = pytest.mark.xdist_group("netns")
+
 PY = sys.executable
 ENV_KEYS = ["RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "NODE_RANK", "GROUP_RANK",
             "MASTER_ADDR", "MASTER_PORT", "GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME",
@@ -169,6 +172,7 @@ def test_shaping_without_iproute2_says_so(monkeypatch):
 # --------------------------------------------------------------------------- unshaped runs
 
 
+@pytest.mark.multiprocess
 def test_unshaped_env_per_rank():
     out, err = io.StringIO(), io.StringIO()
     with EmulatedCluster(2, 1, unshaped=True, log=lambda s: None) as c:
@@ -187,6 +191,7 @@ def test_unshaped_env_per_rank():
         assert e["OMP_NUM_THREADS"] == os.environ.get("OMP_NUM_THREADS", "1")
 
 
+@pytest.mark.multiprocess
 def test_unshaped_failing_rank_stops_the_others():
     script = ("import os, sys, time\n"
               "if os.environ['RANK'] == '1': time.sleep(0.2); sys.exit(3)\n"
@@ -202,6 +207,7 @@ def test_unshaped_failing_rank_stops_the_others():
     assert took < 6
 
 
+@pytest.mark.multiprocess
 def test_cli_unshaped_exit_code_and_prefix(capsys):
     script = ("import os, sys; print('hello from', os.environ['RANK']); "
               "sys.exit(3 if os.environ['RANK'] == '1' else 0)")
@@ -412,6 +418,7 @@ def default_sigint():
     signal.signal(signal.SIGINT, old)
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("sig,code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
 def test_cli_signal_stops_ranks_and_removes_namespaces(sig, code, default_sigint):
     shaped = _netns_problem() is None  # shaped when possible, else on loopback
@@ -451,6 +458,7 @@ def test_cli_signal_stops_ranks_and_removes_namespaces(sig, code, default_sigint
         assert not _ours(proc.pid)
 
 
+@pytest.mark.multiprocess
 def test_cli_says_a_killed_rank_once(capsys):
     """A rank killed by SIGKILL: `flexdemo cluster` used to print its line twice (once as a
     fact, once as the error)."""

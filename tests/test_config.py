@@ -447,6 +447,7 @@ def test_fault_tolerance_section_maps_to_the_library(monkeypatch, tmp_path):
         assert str(e.value).startswith(expected) and "\n" not in str(e.value), str(e.value)
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("torchft", ["blocked", "installed"])
 def test_train_passes_fault_tolerance_to_prepare_or_says_why_not(tmp_path, torchft):
     """flexdemo train with fault_tolerance.enabled=true builds flexdemo.FaultTolerance for

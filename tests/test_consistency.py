@@ -1,9 +1,11 @@
 """Ranks built with other settings than their peers fail at construction, alike."""
 
+import pytest
 from dist_util import run_world
 from dist_workers import settings_worker
 
 
+@pytest.mark.multiprocess
 def test_ranks_with_other_settings_fail_at_construction_on_every_rank():
     res = run_world(settings_worker, 2)
     assert res[0]["same"] == res[1]["same"] == "ok"

@@ -16,6 +16,7 @@ def results(request, tmp_path_factory):
     return run_world(dcp_worker, world, str(root), replicate, shard)
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("kind", KINDS)
 def test_round_trip_is_bitwise(results, kind):
     for res in results:
@@ -26,6 +27,7 @@ def test_round_trip_is_bitwise(results, kind):
         assert r["state"], f"{kind}: optimizer state differs after load"
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("kind", KINDS)
 def test_next_steps_match_an_uninterrupted_run(results, kind):
     for res in results:
@@ -33,6 +35,7 @@ def test_next_steps_match_an_uninterrupted_run(results, kind):
         assert res[kind]["steps"] == {"demo": 3, "demo-adamw": 2, "diloco": 3}[kind]
 
 
+@pytest.mark.multiprocess
 def test_per_replica_state_really_differs(results):
     """DeMo's momentum and DiLoCo's inner state differ between replicas: a round trip that
     handed every replica one copy would fail the tests above."""
@@ -42,6 +45,7 @@ def test_per_replica_state_really_differs(results):
             assert any(not torch.equal(x, y) for x, y in zip(a, b)), kind
 
 
+@pytest.mark.multiprocess
 def test_fresh_optimizers_load_their_base_state(results):
     """AdamW creates its state on the first step: a fresh optimizer has none, and its state
     dict must still offer DCP the tensors to load into (checked by the bitwise tests)."""
@@ -50,6 +54,7 @@ def test_fresh_optimizers_load_their_base_state(results):
         assert res["diloco"]["fresh_base_state"] == 0
 
 
+@pytest.mark.multiprocess
 def test_layout_follows_the_replicators(results):
     for res in results:
         assert res["demo"]["identical"] and res["demo-adamw"]["identical"]

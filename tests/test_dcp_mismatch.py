@@ -12,6 +12,7 @@ def results(tmp_path_factory):
     return run_world(dcp_mismatch_worker, 2, str(tmp_path_factory.mktemp("dcpmis")))
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("case,says", [("mesh", "2 x 1 mesh, but this job runs 2 rank(s) as 1 x 2"),
                                        ("replicator", "topk 4 (now 8)"),
                                        ("model", "written for another model")])

@@ -81,6 +81,7 @@ def test_image_staging_gives_the_same_bits(name):
         DeMoReplicator(staging="flat")
 
 
+@pytest.mark.multiprocess
 def test_compiled_selection_gives_the_same_bits():
     shapes = [torch.Size([128, 192]), torch.Size([256, 128]), torch.Size([70])]
 
@@ -305,6 +306,7 @@ def two_ranks():
     return run_world(batched_worker, 2)
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("name", sorted(VARIANTS))
 def test_two_ranks_batched_equals_per_tensor(two_ranks, name):
     for res in two_ranks:
@@ -312,11 +314,13 @@ def test_two_ranks_batched_equals_per_tensor(two_ranks, name):
     assert _same(two_ranks[0][name, True], two_ranks[1][name, True])
 
 
+@pytest.mark.multiprocess
 def test_two_ranks_delayed_replicas_identical(two_ranks):
     assert _same(two_ranks[0]["delayed"], two_ranks[1]["delayed"])
     assert not _same(two_ranks[0]["delayed"], two_ranks[0]["int2", True])
 
 
+@pytest.mark.multiprocess
 def test_two_ranks_corrupt_payload_named_in_both_modes():
     results = run_world(corrupt_worker, 2)
     for res in results:

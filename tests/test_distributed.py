@@ -21,6 +21,7 @@ def layout_results(request):
     return replicate, shard, run_world(replicas_worker, 4, replicate, shard)
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("name", sorted(REPLICATORS))
 def test_replicas_stay_bitwise_identical(layout_results, name):
     replicate, shard, results = layout_results
@@ -35,6 +36,7 @@ def test_replicas_stay_bitwise_identical(layout_results, name):
             assert all(same), f"{name}: replicas of one shard differ"
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("name", sorted(REPLICATORS))
 def test_bytes_match_formula(layout_results, name):
     replicate, shard, results = layout_results
@@ -55,12 +57,14 @@ def test_bytes_match_formula(layout_results, name):
         assert [s["collectives"] for s in r["stats"]] == [collectives] * STEPS
 
 
+@pytest.mark.multiprocess
 def test_demo_beats_allreduce_bytes(layout_results):
     replicate, shard, results = layout_results
     r = results[0]
     assert r["demo"]["stats"][0]["bytes_sent"] < r["full"]["stats"][0]["bytes_sent"]
 
 
+@pytest.mark.multiprocess
 def test_schedule_fires_on_the_right_steps(layout_results):
     replicate, shard, results = layout_results
     for res in results:
@@ -71,6 +75,7 @@ def test_schedule_fires_on_the_right_steps(layout_results):
         assert sent == expected
 
 
+@pytest.mark.multiprocess
 def test_local_steps_let_replicas_drift(layout_results):
     """Steps 1-3, 5 and 7 of the schedule are local, so replicas are no longer identical."""
     replicate, shard, results = layout_results
@@ -86,18 +91,21 @@ def hsdp():
     return run_world(hsdp_worker, 4)
 
 
+@pytest.mark.multiprocess
 def test_full_adamw_matches_fsdp_hsdp(hsdp):
     for res in hsdp:
         for a, b in zip(res["ref"], res["mine"]):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.multiprocess
 def test_group_not_on_mesh_is_rejected(hsdp):
     for res in hsdp:
         assert res["mismatch"] is not None and "does not match the mesh" in res["mismatch"]
         assert res["bad_mesh"] is not None and "does not divide" in res["bad_mesh"]
 
 
+@pytest.mark.multiprocess
 def test_chain_composes_outputs():
     results = run_world(chain_worker, 4)
     first = results[0]["shards"]
@@ -119,6 +127,7 @@ def two_ranks():
     return run_world(nonfinite_worker, 2)
 
 
+@pytest.mark.multiprocess
 def test_nonfinite_raises_on_every_replica(two_ranks):
     for res in two_ranks:
         msg, ranks = res["raise"]
@@ -126,6 +135,7 @@ def test_nonfinite_raises_on_every_replica(two_ranks):
         assert res["raise_unchanged"]
 
 
+@pytest.mark.multiprocess
 def test_nonfinite_skip_skips_everywhere(two_ranks):
     for res in two_ranks:
         assert res["skip"] is None and res["skip_unchanged"] and res["skip_skipped"] == 1
@@ -133,6 +143,7 @@ def test_nonfinite_skip_skips_everywhere(two_ranks):
     assert all(torch.equal(x, y) for x, y in zip(a, b))
 
 
+@pytest.mark.multiprocess
 def test_dropin_demo_keeps_replicas_identical(two_ranks):
     a, b = (res["dropin"] for res in two_ranks)
     assert all(torch.equal(x, y) for x, y in zip(a, b))

@@ -8,6 +8,7 @@ from dist_workers import DILOCO_EXCHANGES, diloco_averaging_worker, diloco_repli
 from flexdemo.transport import all_gather_bytes, all_reduce_bytes
 
 
+@pytest.mark.multiprocess
 def test_h1_outer_sgd_lr1_is_parameter_averaging():
     for res in run_world(diloco_averaging_worker, 2):
         for a, b in zip(res["ref"], res["mine"]):
@@ -26,6 +27,7 @@ def _identical(members, step, params=None):
     return all(torch.equal(first[i], m["snaps"][step][i]) for m in members[1:] for i in idx)
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("name", sorted(DILOCO_EXCHANGES))
 def test_replicas_identical_after_every_outer_step(diloco_results, name):
     replicate, shard, results = diloco_results
@@ -36,6 +38,7 @@ def test_replicas_identical_after_every_outer_step(diloco_results, name):
             assert not _identical(members, step)
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("name", sorted(DILOCO_EXCHANGES))
 def test_bytes_only_on_sync_steps(diloco_results, name):
     replicate, shard, results = diloco_results
@@ -48,6 +51,7 @@ def test_bytes_only_on_sync_steps(diloco_results, name):
         assert r["sent"] == [0, 0, per_sync, 0, 0, per_sync, 0]
 
 
+@pytest.mark.multiprocess
 def test_streaming_fragments_sync_in_turn(diloco_results):
     replicate, shard, results = diloco_results
     for members in replicas_by_shard(results, "streaming").values():

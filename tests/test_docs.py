@@ -132,6 +132,7 @@ def ran(tmp_path_factory) -> dict[str, str | None]:
     return json.loads(line.split(" ", 1)[1])
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("snippet", ALL, ids=[s.where for s in ALL])
 def test_snippet_runs(snippet: Snippet, ran):
     if snippet.mode == "skip":
@@ -149,6 +150,7 @@ def test_most_snippets_run():
     assert len(skipped) * 3 <= len(ALL), [f"{s.where}: {s.reason}" for s in skipped]
 
 
+@pytest.mark.multiprocess
 def test_readme_usage_exchanges_bytes_on_two_processes(tmp_path):
     """The README's usage example, as written, under torchrun with 2 processes on one machine:
     both ranks train and every step sends and receives bytes."""

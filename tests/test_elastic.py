@@ -185,6 +185,7 @@ def _kill_and_restart(tmp: Path, procs: list, replicator: str, join: int,
         _no_torchft_noise((tmp / f"{name}.log").read_text())
 
 
+@pytest.mark.multiprocess
 @pytest.mark.slow
 @pytest.mark.parametrize("replicator", ["full", "demo", "diloco", "random", "diloco-int4-rs",
                                         "demo-delayed", "diloco-streaming"])
@@ -216,6 +217,7 @@ def test_killed_group_restarts_heals_and_ends_identical(tmp_path, procs, replica
         assert _same(fa["global"], fb["global"])
 
 
+@pytest.mark.multiprocess
 @pytest.mark.slow
 @pytest.mark.parametrize("order", ["forward-zero", "zero-last", "forward-keep", "none",
                                    "zero-first"])
@@ -237,6 +239,7 @@ def test_every_loop_order_survives_a_kill_and_a_rejoin(tmp_path, procs, order):
     assert _same(fa["params"], fb["params"])
 
 
+@pytest.mark.multiprocess
 @pytest.mark.slow
 def test_the_group_a_joiner_heals_from_commits_under_min_replicas(tmp_path, procs):
     """min_replicas 2: B1 leaves cleanly after step 4, so A's next quorum runs behind its
@@ -263,6 +266,7 @@ def test_the_group_a_joiner_heals_from_commits_under_min_replicas(tmp_path, proc
     assert fa["step"] == fb["step"] == 10 and _same(fa["params"], fb["params"])
 
 
+@pytest.mark.multiprocess
 @pytest.mark.slow
 @pytest.mark.parametrize("order", ["zero-first", "forward-zero"])
 def test_a_group_healed_after_its_forward_pass_votes_no(tmp_path, procs, order):
@@ -297,6 +301,7 @@ def test_a_group_healed_after_its_forward_pass_votes_no(tmp_path, procs, order):
     assert _same(fa["params"], fb["params"])  # (DeMo's momenta are each replica's own)
 
 
+@pytest.mark.multiprocess
 @pytest.mark.slow
 @pytest.mark.parametrize("replicator,fail,steps", [("full", 3, 7), ("demo", 3, 7),
                                                     ("diloco", 5, 9), ("random", 3, 7),
@@ -339,6 +344,7 @@ def test_failed_commit_is_undone_exactly(tmp_path, procs, replicator, fail, step
         assert _same(fa["params"], fb["params"])
 
 
+@pytest.mark.multiprocess
 @pytest.mark.slow
 def test_three_groups_one_killed_and_restarted(tmp_path, procs):
     """3 groups under DeMo: C is killed in step 5, A and B undo it and go on as 2; C restarts,
@@ -368,6 +374,7 @@ def test_three_groups_one_killed_and_restarted(tmp_path, procs):
     assert _same(fa["params"], fb["params"]) and _same(fa["params"], fc["params"])
 
 
+@pytest.mark.multiprocess
 @pytest.mark.slow
 @pytest.mark.parametrize("order", ["zero-first", "forward-zero"])
 def test_sharded_groups_rank_r_replicates_with_rank_r(tmp_path, procs, order):
@@ -409,6 +416,7 @@ def test_sharded_groups_rank_r_replicates_with_rank_r(tmp_path, procs, order):
     assert not _same(finals["A", 0]["params"], finals["A", 1]["params"])  # other shards
 
 
+@pytest.mark.multiprocess
 @pytest.mark.slow
 def test_resume_on_other_groups(tmp_path, procs):
     """A and B train 6 steps under DeMo and save their checkpoints. A resumes alone from its
@@ -442,6 +450,7 @@ def test_resume_on_other_groups(tmp_path, procs):
     assert not _same(fa["delta"], fc["delta"])  # A's own momentum went on; C's started at 0
 
 
+@pytest.mark.multiprocess
 def test_too_few_replicas_wait_bounded_and_say_so(tmp_path, procs):
     """min_replicas=2 with one group: it says it waits, then exits naming what it waited for
     (the lighthouse started by `flexdemo lighthouse`)."""
@@ -460,6 +469,7 @@ def test_too_few_replicas_wait_bounded_and_say_so(tmp_path, procs):
     assert lh.url in last
 
 
+@pytest.mark.multiprocess
 def test_a_hand_built_optimizer_needs_its_model_watched(tmp_path):
     """A DeToNATION built by hand under fault tolerance does not know the model whose forward
     pass a joiner must heal before: its first step refuses in one line that says what to do.
@@ -498,6 +508,7 @@ def test_a_hand_built_optimizer_needs_its_model_watched(tmp_path):
         "step (flexdemo.prepare does)", "1 True"], r.stdout
 
 
+@pytest.mark.multiprocess
 def test_replica_id_used_twice_is_one_line(tmp_path, procs):
     lh = Lighthouse(2, tmp_path / "lighthouse.log")
     try:
@@ -514,6 +525,7 @@ def test_replica_id_used_twice_is_one_line(tmp_path, procs):
             log[-3000:]
 
 
+@pytest.mark.multiprocess
 def test_unreachable_lighthouse_is_one_line(tmp_path, procs):
     url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
     p = _worker(procs, tmp_path, url, "A", "A", "--timeout", "3")
@@ -532,6 +544,7 @@ def _python(code: str) -> subprocess.CompletedProcess:
                           text=True, timeout=WAIT, env=dict(os.environ, OMP_NUM_THREADS="1"))
 
 
+@pytest.mark.multiprocess
 def test_without_torchft_fault_tolerance_names_the_extra():
     r = _python("import flexdemo\n"
                 "try:\n"
@@ -544,6 +557,7 @@ def test_without_torchft_fault_tolerance_names_the_extra():
                      'pip install "flexdemo[ft]"']
 
 
+@pytest.mark.multiprocess
 def test_without_torchft_nothing_changes():
     r = _python("import torch, flexdemo\n"
                 "m, opt = flexdemo.prepare(torch.nn.Linear(4, 4), replicator='demo')\n"
@@ -690,6 +704,7 @@ def _metrics(tmp: Path, out: str) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+@pytest.mark.multiprocess
 @pytest.mark.slow
 def test_flexdemo_train_follows_the_committed_steps(tmp_path, procs):
     """`flexdemo train` with [fault_tolerance]: B is killed mid-run; A's step with the dying
@@ -722,6 +737,7 @@ def test_flexdemo_train_follows_the_committed_steps(tmp_path, procs):
     assert sa["val_loss"] == sb["val_loss"], (sa["val_loss"], sb["val_loss"])
 
 
+@pytest.mark.multiprocess
 @pytest.mark.slow
 def test_flexdemo_train_waiting_too_long_for_a_quorum_is_one_line(tmp_path, procs):
     """`flexdemo train` under min_replicas 2: B is killed (SIGKILL) mid-run and never comes
@@ -746,6 +762,7 @@ def test_flexdemo_train_waiting_too_long_for_a_quorum_is_one_line(tmp_path, proc
     assert errors[0].endswith("; start more replica groups or lower min_replicas"), errors
 
 
+@pytest.mark.multiprocess
 def test_flexdemo_train_with_a_torchft_lacking_an_internal_is_one_line(tmp_path, procs):
     """A real lighthouse and a real Manager, which the check is told to find lacking one more
     internal (as a later torchft's might): `flexdemo train` exits with code 2 and one line."""
@@ -774,6 +791,7 @@ def test_flexdemo_train_with_a_torchft_lacking_an_internal_is_one_line(tmp_path,
                      ], lines
 
 
+@pytest.mark.multiprocess
 def test_flexdemo_train_without_its_lighthouse_is_one_line(tmp_path):
     """Nothing listens at the lighthouse's address: `flexdemo train` exits with code 1 and one
     line naming the lighthouse (not the job's rendezvous, which it did not use)."""

@@ -144,6 +144,7 @@ def test_example_gpt_is_the_task_the_bench_trains():
 
 
 # ----------------------------------------------------------------------------- train_gpt.py
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("args, argument, says", [
     (["--steps", "0"], "--steps", "at least 1"),
     (["--steps", "-2"], "--steps", "at least 1"),
@@ -201,6 +202,7 @@ def _alone(script: Path, folder: Path) -> Path:
     return copy
 
 
+@pytest.mark.multiprocess
 def test_gpt_tiny_run_trains_and_writes_results(tmp_path):
     """A copy of the example in a folder of its own, run from there: it needs no other file
     of this repository."""
@@ -219,6 +221,7 @@ def test_gpt_tiny_run_trains_and_writes_results(tmp_path):
         assert [h["step"] for h in x["history"]] == [2, 3]
 
 
+@pytest.mark.multiprocess
 def test_gpt_two_ranks_under_torchrun_replicate(tmp_path):
     out = tmp_path / "r.json"
     r = _run(["-m", "torch.distributed.run", "--nproc-per-node", "2", GPT, *TINY_GPT,
@@ -232,6 +235,7 @@ def test_gpt_two_ranks_under_torchrun_replicate(tmp_path):
         assert x["replica_max_abs_diff"] == 0.0
 
 
+@pytest.mark.multiprocess
 def test_gpt_bad_argument_on_two_ranks_said_once(tmp_path):
     """Before the process group: rank 0 says it, every rank exits 2."""
     (code0, err0), (code1, err1) = _ranks([GPT, *TINY_GPT, "--replicate", "3",
@@ -241,6 +245,7 @@ def test_gpt_bad_argument_on_two_ranks_said_once(tmp_path):
     assert err1.strip() == ""
 
 
+@pytest.mark.multiprocess
 def test_gpt_error_after_the_process_group_started_said_once(tmp_path):
     """An error prepare() raises once the process group is up: one line from rank 0, exit 2
     on every rank, no hang."""
@@ -255,6 +260,9 @@ def test_gpt_error_after_the_process_group_started_said_once(tmp_path):
 
         def prepare(model, **kwargs):
             example.flexdemo.init_distributed("cpu")
+            # the group up on both ranks (else rank 0's exit can fail rank 1's connect)
+            import torch.distributed
+            torch.distributed.barrier()
             raise ValueError("this mesh cannot hold\\nthe model")
 
         example.flexdemo.prepare = prepare
@@ -275,6 +283,7 @@ def _model_dir(tmp_path: Path, **config) -> Path:
     return tmp_path / "model"
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("args, argument, says", [
     (["--steps", "0"], "--steps", "at least 1"),
     (["--warmup", "0.05"], "--warmup", "expected an integer"),
@@ -328,6 +337,7 @@ def test_hf_help_lists_the_library_optimizers_and_says_warmup_is_steps(capsys):
     assert (args.optimizer, args.hidden) == ("lion", 80)  # gpt2 needs no key-value heads
 
 
+@pytest.mark.multiprocess
 @pytest.mark.skipif(importlib.util.find_spec("transformers") is not None,
                     reason="transformers is installed")
 def test_hf_valid_arguments_without_transformers_say_what_to_install():
@@ -380,6 +390,7 @@ def _stub(tmp_path: Path) -> str:
     return str(tmp_path / "stub")
 
 
+@pytest.mark.multiprocess
 def test_hf_tiny_run_trains(tmp_path):
     """The training loop (prepare, accumulation, clipping, schedule) on a stand-in
     ``transformers`` (the real one is optional and absent from the test environment), from a
@@ -395,6 +406,7 @@ def test_hf_tiny_run_trains(tmp_path):
     assert lines[-1].startswith("done: loss") and "mesh (1, 1)" in lines[-1]
 
 
+@pytest.mark.multiprocess
 def test_hf_two_ranks_under_torchrun_replicate(tmp_path):
     r = _run(["-m", "torch.distributed.run", "--nproc-per-node", "2", HF, *TINY_HF,
               "--replicate", "2"], timeout=240, PYTHONPATH=_stub(tmp_path))

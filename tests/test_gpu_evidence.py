@@ -27,6 +27,7 @@ def _run(out: Path, *extra: str, timeout: float = 150) -> subprocess.CompletedPr
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
 
 
+@pytest.mark.multiprocess
 def test_smoke_writes_every_table_json_and_plot(tmp_path):
     # a budget a loaded machine cannot spend (the smoke run's own 40 s is a time box: it took
     # 15-45 s here, and its cuts are tested below)
@@ -84,6 +85,7 @@ def test_smoke_writes_every_table_json_and_plot(tmp_path):
     assert f"{cells} of {cells} cells" in proc.stdout and "0 error(s)" in proc.stdout
 
 
+@pytest.mark.multiprocess
 def test_a_spent_budget_stops_every_part_cleanly(tmp_path):
     """A budget spent by the start-up: nothing is timed or trained, every part says so, and
     the run still writes its tables and JSON and exits 0."""

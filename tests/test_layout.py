@@ -34,6 +34,7 @@ def library_modules() -> list[str]:
             and not m.startswith(("flexdemo.app", "flexdemo.tools"))]
 
 
+@pytest.mark.multiprocess
 def test_the_library_imports_nothing_from_app_or_tools():
     mods = library_modules()
     assert {"flexdemo", "flexdemo.checkpoint", "flexdemo.optim", "flexdemo.mesh"} <= set(mods)

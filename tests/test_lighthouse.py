@@ -43,6 +43,7 @@ def _at(tmp: Path, out: str, step: int) -> bool:
     return path.exists() and (step, 2, 1) in _progress(tmp, out)
 
 
+@pytest.mark.multiprocess
 def test_a_lighthouse_restarted_on_its_address_loses_no_step(tmp_path, procs):  # noqa: F811
     """A and B1 (min_replicas 2); B1 is SIGKILLed in step 3 and B2 joins in its place (a
     second quorum id); both hold before step 6, the lighthouse is SIGKILLed, the groups go on
@@ -82,6 +83,7 @@ def test_a_lighthouse_restarted_on_its_address_loses_no_step(tmp_path, procs):  
     assert "[INFO]" in (tmp_path / "B2.log").read_text()  # verbose: torchft's own lines
 
 
+@pytest.mark.multiprocess
 def test_a_lost_lighthouse_saves_every_group_and_exits_3(tmp_path, procs):  # noqa: F811
     """`flexdemo train` as groups A and B; the lighthouse is SIGKILLed and never comes back:
     after quorum_timeout (3 s) each group saves its last committed step (every logged step

@@ -64,6 +64,7 @@ def two_ranks():
     return run_world(migration_worker, 2)
 
 
+@pytest.mark.multiprocess
 def test_data_transmit_and_receive_count_the_last_step(two_ranks):
     for res in two_ranks:
         r = res["dropin"]
@@ -73,6 +74,7 @@ def test_data_transmit_and_receive_count_the_last_step(two_ranks):
     assert all(torch.equal(x, y) for x, y in zip(a, b))
 
 
+@pytest.mark.multiprocess
 def test_aliases_train_on_two_ranks(two_ranks):
     for res in two_ranks:
         assert res["prepare_detonation"]["base"] == "AdamW"

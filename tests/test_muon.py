@@ -155,6 +155,7 @@ def test_muloco_in_simulated_replicas_resumes_bitwise():
         assert all(torch.equal(x, y) for x, y in zip(ma.parameters(), mc.parameters()))
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("replicate,shard", [(1, 2), (2, 2)], ids=["1x2", "2x2"])
 def test_sharded_is_bitwise_the_unsharded_optimizer(replicate, shard):
     results = run_world(optimizer_worker, replicate * shard, replicate, shard)
@@ -172,6 +173,7 @@ def test_sharded_is_bitwise_the_unsharded_optimizer(replicate, shard):
         assert all(r["sent"][step][2] == 2 for r in group)
 
 
+@pytest.mark.multiprocess
 def test_sharded_in_bounded_chunks_is_bitwise_the_unsharded_optimizer():
     """ns_batch_numel cuts the sharded matrices into chunks (one exchange there and back
     each, owners balanced per chunk): the same bits as the unsharded optimizer."""
@@ -187,6 +189,7 @@ def prepared(tmp_path_factory):
     return run_world(prepare_worker, 4, str(tmp_path_factory.mktemp("muon")))
 
 
+@pytest.mark.multiprocess
 def test_prepare_full_sync_matches_one_process_reference(prepared):
     for res in prepared:
         full = res["full"]
@@ -198,6 +201,7 @@ def test_prepare_full_sync_matches_one_process_reference(prepared):
         assert all(s["shard_bytes_sent"] > 0 and s["shard_seconds"] >= 0 for s in full["stats"])
 
 
+@pytest.mark.multiprocess
 def test_prepare_demo_orthogonalised_keeps_replicas_identical(prepared):
     by_shard: dict = {}
     for res in prepared:
@@ -207,6 +211,7 @@ def test_prepare_demo_orthogonalised_keeps_replicas_identical(prepared):
         assert all(torch.equal(a, b) for a, b in zip(first, second))
 
 
+@pytest.mark.multiprocess
 def test_prepare_muloco_resumes_bitwise_on_every_rank(prepared):
     assert all(res["muloco"]["bitwise"] for res in prepared)
     # inner Muon steps differ per replica until a sync: replicas of a shard are not identical

@@ -11,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from dist_util import reap, run_world, spawn_ranks
 from test_train import GPT_QUICK, _train_worker, _wait_for_metrics, metrics
 
@@ -68,6 +69,7 @@ COMMON = GPT_QUICK + ["train.steps=300", "train.checkpoint_every=100", "mesh.rep
                       "train.progress=false"]
 
 
+@pytest.mark.multiprocess
 def test_sigterm_to_every_rank_saves_the_step_and_resume_matches(tmp_path):
     """SIGTERM to both ranks (as SLURM sends it): both exit 3 after the same step, whose
     checkpoint (not due by checkpoint_every) is complete; resuming gives the uninterrupted
@@ -90,6 +92,7 @@ def test_sigterm_to_every_rank_saves_the_step_and_resume_matches(tmp_path):
     assert again[-1]["val_loss"] == reference[-1]["val_loss"]
 
 
+@pytest.mark.multiprocess
 def test_signal_to_one_rank_stops_every_rank_at_the_same_step(tmp_path):
     """SIGINT to rank 1 only: rank 0 learns of it through the per-step agreement; both stop
     after the same step, save it together and exit 3."""
@@ -98,6 +101,7 @@ def test_signal_to_one_rank_stops_every_rank_at_the_same_step(tmp_path):
     _saved_only(run, _stopped(outputs, "SIGINT"), finished)
 
 
+@pytest.mark.multiprocess
 def test_one_process_sigterm_saves_even_without_periodic_checkpoints(tmp_path,
                                                                      single_process):
     """One process, train.checkpoint_every=0: SIGTERM still saves the step it finished; an

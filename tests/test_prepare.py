@@ -16,6 +16,7 @@ def large():
     return run_world(large_model_worker, 4)
 
 
+@pytest.mark.multiprocess
 def test_meta_model_materialises_trains_and_replicas_start_identical(large):
     for res in large:
         assert res["device"] == {"cpu"}
@@ -28,11 +29,13 @@ def test_meta_model_materialises_trains_and_replicas_start_identical(large):
         assert any(not torch.equal(x, y) for x, y in zip(a["start"], a["end"]))
 
 
+@pytest.mark.multiprocess
 def test_one_replica_mesh_warns_on_every_rank(large):
     for res in large:
         assert res["warned"] and "1 x 4" in res["warned"][0] and "replicate=" in res["warned"][0]
 
 
+@pytest.mark.multiprocess
 def test_meta_model_without_reset_parameters_needs_init_fn(large):
     for res in large:
         msg = res["no_reset"]
@@ -40,6 +43,7 @@ def test_meta_model_without_reset_parameters_needs_init_fn(large):
         assert torch.equal(res["init_fn_scale"], torch.full_like(res["init_fn_scale"], 0.5))
 
 
+@pytest.mark.multiprocess
 def test_bf16_computes_in_bf16_and_replicators_see_fp32(large):
     for res in large:
         r = res["bf16"]

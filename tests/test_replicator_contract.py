@@ -21,6 +21,7 @@ def _same(a, b):
     return all(torch.equal(x, y) for x, y in zip(a, b))
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("name", sorted(REPLICATORS))
 def test_replicas_identical(contract, name):
     a, b = (res[name]["shards"] for res in contract)
@@ -30,12 +31,14 @@ def test_replicas_identical(contract, name):
         assert _same(a, b), f"{name}: replicas differ"
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("name", sorted(REPLICATORS))
 def test_state_round_trip_gives_the_same_next_step(contract, name):
     for res in contract:
         assert res[name]["resumed_same"], f"{name}: resumed step differs"
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("name", sorted(REPLICATORS))
 def test_bytes_follow_the_formula(contract, name):
     for res in contract:
@@ -50,6 +53,7 @@ def test_bytes_follow_the_formula(contract, name):
         assert (r["exchange_bytes"] == 0) == (name == "none")
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("name", sorted(REPLICATORS))
 def test_nonfinite_agreement(contract, name):
     raised = [res[name]["raised"] for res in contract]
@@ -64,6 +68,7 @@ def counts():
     return run_world(count_worker, 2)
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("name", sorted(COUNTED))
 def test_ops_per_step_do_not_grow_with_tensors(counts, name):
     for res in counts:
@@ -72,6 +77,7 @@ def test_ops_per_step_do_not_grow_with_tensors(counts, name):
         assert large["ops"] == small["ops"], (name, small, large)
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("name", sorted(COUNTED))
 def test_one_host_read_per_step(counts, name):
     # DiLoCo reads its inner step's flag (to skip a NaN step before the base optimizer

@@ -51,6 +51,7 @@ def trained(out: Path, steps: int, *more: str) -> None:
 
 
 # ---------------------------------------------------------------------- item 1: requeues
+@pytest.mark.multiprocess
 def test_a_requeued_resume_after_every_checkpoint_was_damaged_refuses_again(tmp_path):
     """The first resume sets the damaged checkpoints aside and exits 2; the same command
     again (a requeue loop) used to say "no checkpoint yet; starting at step 0" and exit 0."""
@@ -77,6 +78,7 @@ def test_a_requeued_resume_after_every_checkpoint_was_damaged_refuses_again(tmp_
                                                                      "step_000004"]
 
 
+@pytest.mark.multiprocess
 def test_a_resume_with_logged_steps_and_no_checkpoint_refuses(tmp_path):
     out = tmp_path / "run"
     trained(out, 3, "train.checkpoint_every=0")
@@ -87,6 +89,7 @@ def test_a_resume_with_logged_steps_and_no_checkpoint_refuses(tmp_path):
 
 
 # ---------------------------------------------------------------------- item 2: no marker
+@pytest.mark.multiprocess
 def test_a_checkpoint_folder_without_its_marker_is_damaged(tmp_path):
     """A step_NNNNNN folder is only ever named so by a save that wrote its COMPLETE marker;
     one without it used to be skipped silently and overwritten by the next save."""
@@ -170,6 +173,7 @@ def _run_ok(world: int, args: list[str]) -> tuple[list[subprocess.Popen], list[s
     return procs, outputs
 
 
+@pytest.mark.multiprocess
 def test_a_file_this_user_may_not_read_is_permission_not_damage(tmp_path, unprivileged):
     """2 ranks; the unreadable file is in rank 1's share of the digests. It used to be
     called damaged, and the checkpoint renamed step_000004.damaged."""
@@ -198,6 +202,7 @@ def test_a_file_this_user_may_not_read_is_permission_not_damage(tmp_path, unpriv
     assert "resumed from" in outputs[0] and "step_000004" in outputs[0], outputs[0][-2000:]
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("locked", ["run", "checkpoints", "step_000002", "COMPLETE"])
 def test_verify_of_a_folder_this_user_may_not_read_is_one_line(tmp_path, unprivileged,
                                                               locked):
@@ -258,6 +263,7 @@ def test_a_checkpoint_without_digests_loads_after_one_warning(tmp_path, single_p
 
 
 # ---------------------------------------------------------------------- item 6: said once
+@pytest.mark.multiprocess
 def test_each_damage_reason_is_named_once_on_two_ranks(tmp_path):
     """Every rank reads the marker: a bad one was named once per rank."""
     out = tmp_path / "run"
@@ -274,6 +280,7 @@ def test_each_damage_reason_is_named_once_on_two_ranks(tmp_path):
 
 
 # ---------------------------------------------------------------------- item 7: start-up
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("address", ["http://127.0.0.1:notaport", "http://127.0.0.1:99999",
                                      "://x", "env:http://127.0.0.1:0"])
 def test_a_malformed_lighthouse_address_is_refused_at_once(tmp_path, address):
@@ -294,6 +301,7 @@ def test_a_malformed_lighthouse_address_is_refused_at_once(tmp_path, address):
     assert "http://host:port" in line, line
 
 
+@pytest.mark.multiprocess
 def test_a_batch_larger_than_a_ranks_share_is_refused_on_every_rank(tmp_path):
     """1249 windows over 3 ranks: the smallest share is 416. A batch of 417 used to end in a
     traceback on every rank (rank 0 reporting the others as lost)."""

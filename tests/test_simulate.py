@@ -49,12 +49,14 @@ def assert_same_as_gloo(gloo: list[dict], world: int, cases) -> None:
         assert sim[-1][0]["sent"] > 0 or case.startswith("diloco")
 
 
+@pytest.mark.multiprocess
 def test_two_replicas_bitwise_equal_to_two_gloo_processes(one_thread):
     cases = list(CASES)
     gloo = run_world(gloo_worker, 2, cases)
     assert_same_as_gloo(gloo, 2, cases)
 
 
+@pytest.mark.multiprocess
 def test_four_replicas_bitwise_equal_to_four_gloo_processes(one_thread):
     # all-reduce (full, striding) sums in gloo's ring order: bitwise equal on 4 ranks too
     cases = ["demo", "full", "striding", "diloco-full", "diloco-int4-scatter",

@@ -37,6 +37,7 @@ def _errors(text: str) -> list[str]:
     return [line for line in text.splitlines() if "flexdemo train: error" in line]
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("killed", [2, 0])
 def test_rank_killed_a_second_after_launch_is_named_by_every_survivor(tmp_path, killed):
     """Four bare ranks; one is killed with SIGKILL a second after launch (before it reaches
@@ -61,6 +62,7 @@ def test_rank_killed_a_second_after_launch_is_named_by_every_survivor(tmp_path, 
         assert "Traceback" not in text, (rank, text[-2000:])
 
 
+@pytest.mark.multiprocess
 def test_rank_that_dies_after_arriving_is_named_as_dead(tmp_path):
     """Ranks 0, 2 and 3 of four start (rank 1 never does, and the wait for it is long);
     rank 3 is killed once it has registered in the job's store. Ranks 0 and 2 say that rank
@@ -85,6 +87,7 @@ def test_rank_that_dies_after_arriving_is_named_as_dead(tmp_path):
         assert "Traceback" not in text, (rank, text[-2000:])
 
 
+@pytest.mark.multiprocess
 def test_rank_that_dies_while_the_job_is_set_up_is_named(tmp_path):
     """Four ranks join; rank 2 is killed once its trainer heartbeat exists (it is building
     the task or in prepare()'s collectives). The survivors, some of them blocked in

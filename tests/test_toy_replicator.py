@@ -144,6 +144,7 @@ def toy_worker(rank: int, world: int, root: str) -> dict:
         del REPLICATORS[NAME]
 
 
+@pytest.mark.multiprocess
 def test_toy_replicator_trains_through_prepare_and_dcp(tmp_path):
     res = run_world(toy_worker, 2, str(tmp_path))
     a, b = res

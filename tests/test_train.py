@@ -138,6 +138,7 @@ def _train_worker(rank: int, world: int, path: str, overrides: list[str]) -> dic
     return train(load_config(path, overrides), echo=lambda text: None)
 
 
+@pytest.mark.multiprocess
 def test_killed_rank_ends_the_run_and_resume_matches_an_uninterrupted_run(tmp_path):
     """Two replicas (DeMo state differs per replica). Rank 1 is killed mid-run: rank 0 must
     stop within 60 s naming rank 1; resuming from the last checkpoint must then give the
@@ -197,6 +198,7 @@ def test_timeout_variable_is_read_when_used_with_one_default(monkeypatch):
             timeout_seconds(cfg)
 
 
+@pytest.mark.multiprocess
 def test_bad_timeout_variable_breaks_neither_import_nor_help_and_train_says_why(tmp_path):
     env = {"FLEXDEMO_TIMEOUT": "abc"}
     assert _flexdemo(["-c", "import flexdemo, flexdemo.app.cli"], env).returncode == 0
@@ -207,6 +209,7 @@ def test_bad_timeout_variable_breaks_neither_import_nor_help_and_train_says_why(
     assert len(lines) == 1 and "FLEXDEMO_TIMEOUT='abc'" in lines[0], run.stderr
 
 
+@pytest.mark.multiprocess
 def test_rendezvous_timeout_names_the_variable_and_the_peer():
     port = free_port()  # nothing listens there: rank 0 never comes
     code = ("import flexdemo\ntry:\n    flexdemo.init_distributed()\nexcept TimeoutError as e:\n"
@@ -219,6 +222,7 @@ def test_rendezvous_timeout_names_the_variable_and_the_peer():
     assert f"127.0.0.1:{port}" in error[0] and "FLEXDEMO_TIMEOUT=2" in error[0], error
 
 
+@pytest.mark.multiprocess
 def test_world_size_without_torchrun_variables_names_them():
     code = ("import flexdemo\ntry:\n    flexdemo.init_distributed()\nexcept ValueError as e:\n"
             "    print('ERROR', e)\n")
@@ -424,6 +428,7 @@ def test_full_disk_while_logging_warns_once_and_training_goes_on(tmp_path, singl
 
 
 # ---------------------------------------------------------------------- the lost rank
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("mesh", [["mesh.replicate=2", "mesh.shard=2"], []],
                          ids=["2x2", "auto-4x1"])
 def test_killed_rank_of_four_is_the_only_one_named_by_every_survivor(tmp_path, mesh):
@@ -558,6 +563,7 @@ def _bf16_worker(rank: int, world: int, path: str, overrides: list[str]) -> dict
             "compute_dtype": logits.dtype, "master_dtypes": {p.dtype for p in params}}
 
 
+@pytest.mark.multiprocess
 def test_bf16_on_cpu_two_replicas_stay_identical(tmp_path):
     """train.precision=bf16 on the CPU (FSDP2 mixed precision with gloo), 2 replicas of one
     rank each: compute in bf16, fp32 master weights, replicas bitwise equal, loss finite."""
@@ -596,6 +602,7 @@ def _default_mesh_worker(rank: int, world: int, path: str, overrides: list[str],
             "example_mesh": results[0]["mesh"]}
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("local_world", [None, "1"], ids=["one-node", "one-rank-per-node"])
 def test_default_mesh_is_the_same_for_train_and_the_example(tmp_path, local_world):
     """No mesh keys: shard = ranks per node (LOCAL_WORLD_SIZE, else the world), as in
@@ -654,11 +661,17 @@ SMALLEST = ["task.model=tiny", "task.corpus_bytes=20000", "train.batch=1", "trai
 REFUSALS = int(os.environ.get("FLEXDEMO_REFUSALS", "20"))
 
 
-def test_refused_resume_exits_2_on_every_rank_every_time(tmp_path):
-    """A resume with another replicator, optimizer, topk or mesh, refused REFUSALS times over
-    on 2 bare ranks: every rank exits 2 (never 134 from an abort at shutdown, never 1), with
-    one line naming what differs, old against new, pointing at train.overwrite or another
-    train.out and suggesting no older checkpoint (they all have the same mismatch)."""
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("refusals", [
+    pytest.param(4, id="each-once"),
+    # the repetitions that caught a rare abort at shutdown: the longer tier (`-m long`)
+    pytest.param(REFUSALS, id="repeated", marks=[pytest.mark.slow, pytest.mark.long])])
+def test_refused_resume_exits_2_on_every_rank_every_time(tmp_path, refusals):
+    """A resume with another replicator, optimizer, topk or mesh, refused ``refusals`` times
+    over on 2 bare ranks (each kind once, or REFUSALS times in the longer tier): every rank
+    exits 2 (never 134 from an abort at shutdown, never 1), with one line naming what differs,
+    old against new, pointing at train.overwrite or another train.out and suggesting no older
+    checkpoint (they all have the same mismatch)."""
     out = tmp_path / "run"
     args = ["train", *SMALLEST, "train.steps=4", "train.checkpoint_every=2", "mesh.replicate=2",
             "mesh.shard=1", f"train.out={out}"]
@@ -672,7 +685,7 @@ def test_refused_resume_exits_2_on_every_rank_every_time(tmp_path):
                (["strategy.optimizer=adamw"], "optimizer 'sgd' (now 'adamw')"),
                (["strategy.replicator_kwargs={topk=8}"], "replicator topk 16 (now 8)"),
                (["mesh.replicate=1", "mesh.shard=2"], "replicate 2 x shard 1")]
-    for i in range(REFUSALS):
+    for i in range(refusals):
         change, needle = changes[i % len(changes)]
         procs = spawn_ranks(2, [*args, *change, "--resume"])
         try:
@@ -715,6 +728,7 @@ def test_skipped_steps_are_counted_and_a_run_that_skips_most_stops(tmp_path, sin
     assert any("7 skipped for NaN/Inf gradients" in line for line in said), said
 
 
+@pytest.mark.multiprocess
 def test_resume_on_fewer_and_on_more_replicas(tmp_path):
     """`flexdemo train` saved by 2 replicas resumes on 1, and that on 2 again: each says how
     the replicas were regrouped, and the step count goes on from the checkpoint."""

@@ -48,6 +48,7 @@ def gloo_sums(rank: int, world: int) -> dict:
     return out
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("world", [3, 4])
 def test_ring_sum_matches_gloo_all_reduce_bitwise(world):
     res = run_world(gloo_sums, world)

@@ -94,6 +94,8 @@ def test_time_to_target_lines_name_the_fastest_fixed_strategy():
     assert behind[1] == "  muloco: did not reach it; auto did in 18.0 s"
 
 
+@pytest.mark.multiprocess
+@pytest.mark.xdist_group("netns")  # beside test_cluster's rate measurements, not during them
 def test_a_bench_run_whose_link_changes_halfway(netns, tmp_path, capsys):  # noqa: F811
     """On shaped links, "1gbit>10mbit" reshapes every link when rank 0 logs step 3 of 6, says
     so, records the change with the run and names the run's folder without '>'."""

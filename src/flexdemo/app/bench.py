@@ -32,8 +32,8 @@ from ..tools.cluster import EmulatedCluster
 from ..tools.netns import ClusterError, ShapingUnavailableError, cleanup_stale
 from ..tools.rates import format_rate, parse_bandwidth
 from .bench_elastic import elastic_problem, run_elastic
-from .bench_link import StepWatch, dir_label, parse_link, time_to_target_lines
-from .bench_report import _finite, comparison_lines, format_table
+from .bench_link import StepWatch, dir_label, parse_link
+from .bench_report import _finite, comparison_lines, format_table, time_to_target_lines
 from .config import ConfigError
 from .config_checks import config_from_dict, validate
 from .config_files import apply_overrides, read_config_file, to_toml
@@ -379,22 +379,21 @@ def _one_run(o: BenchOptions, cluster: EmulatedCluster, name: str, bw: str, out:
     cfg_path = run_dir / "bench_config.toml"
     cfg_path.write_text(to_toml(cfg))
     link = None if bw == UNSHAPED else parse_link(bw)
+    then = None if link is None else link.then  # the rate after the change, if it changes
     watch = None
     if link is None:
         where = "loopback, unshaped"
     else:
         where = f"links of {format_rate(parse_bandwidth(link.first))}" + (
-            f", {format_rate(parse_bandwidth(link.then))} from step {o.steps // 2}"
-            if link.then else "")
-        if link.then is not None:
-            cluster.set_bandwidth(link.first)  # the run before may have left the second rate
-            then = link.then
+            f", {format_rate(parse_bandwidth(then))} from step {o.steps // 2}" if then else "")
+    if link is not None and then is not None:
+        cluster.set_bandwidth(link.first)  # the run before may have left the second rate
 
-            def change(step: int) -> None:
-                cluster.set_bandwidth(then)
-                echo(f"    link changed to {then} at step {step}")
+        def change(step: int) -> None:
+            cluster.set_bandwidth(then)
+            echo(f"    link changed to {then} at step {step}")
 
-            watch = StepWatch(o.steps // 2, change)
+        watch = StepWatch(o.steps // 2, change)
     echo(f"\n== {name} @ {_label(bw)}: {STRATEGIES[name].about} ({where})")
     cmd = [sys.executable, "-m", "flexdemo", "train", str(cfg_path)]
     env = {"PYTHONUNBUFFERED": "1"}
@@ -433,8 +432,7 @@ def _one_run(o: BenchOptions, cluster: EmulatedCluster, name: str, bw: str, out:
         c = record["curve"]
         at = next((t for st, t in zip(c["step"], c["train_seconds"]) if st >= watch.fired_at),
                   None)
-        record["link_change"] = {"step": watch.fired_at, "to": link.then if link else None,
-                                 "train_seconds": at}
+        record["link_change"] = {"step": watch.fired_at, "to": then, "train_seconds": at}
     if record["status"] != "ok":
         echo(f"   {name} @ {_label(bw)} failed: {result.message} (log: {run_dir / 'log.txt'})")
     else:

@@ -1,5 +1,6 @@
-"""What a sweep of ``flexdemo bench`` found, in words: the table of runs, and each strategy
-against the reference at equal steps and at equal wall-clock time (per bandwidth)."""
+"""What a sweep of ``flexdemo bench`` found, in words: the table of runs, each strategy
+against the reference at equal steps and at equal wall-clock time, and each run's time to a
+target validation loss (per bandwidth)."""
 
 from __future__ import annotations
 
@@ -10,8 +11,8 @@ from typing import Any
 from ..strategies import STRATEGIES
 from .plots import smooth
 
-__all__ = ["comparison_lines", "equal_time_losses", "equal_time_val_losses", "format_table",
-           "never_synced_note"]
+__all__ = ["comparison_lines", "default_target", "equal_time_losses", "equal_time_val_losses",
+           "format_table", "never_synced_note", "time_to_target", "time_to_target_lines"]
 
 
 def _fmt(v: Any, spec: str) -> str:
@@ -158,4 +159,65 @@ def comparison_lines(results: list[dict], reference: str = "hsdp-adamw",
                 f"{at_t.get(reference, float('nan')):.4f} after {t:.0f} s (smoothed)",
                 f"                  val loss {_loss(val_t.get(r['strategy']))} vs "
                 f"{_loss(val_t.get(reference))} after {tv:.0f} s (between evaluations)"]
+    return lines
+
+
+def time_to_target(curve: dict, target: float) -> float | None:
+    """Training seconds at which the validation loss first reached ``target`` (linear between
+    the evaluation before and the one that reached it), or None when none did."""
+    seconds, losses = curve.get("val_seconds", []), curve.get("val_loss", [])
+    prev: tuple[float, float] | None = None
+    for t, v in zip(seconds, losses):
+        if not math.isfinite(v):
+            prev = None
+            continue
+        if v <= target:
+            if prev is None or prev[1] == v:
+                return float(t)
+            t0, v0 = prev
+            return float(t0 + (t - t0) * (v0 - target) / (v0 - v))
+        prev = (t, v)
+    return None
+
+
+def _best(r: dict) -> float:
+    vals = [v for v in r.get("curve", {}).get("val_loss", []) if math.isfinite(v)]
+    return min(vals) if vals else math.inf
+
+
+def default_target(runs: list[dict], within: float = 0.05) -> float | None:
+    """The loosest loss every competitive run reached: the highest of the lowest validation
+    losses of the runs whose lowest is within ``within`` (5%) of the best run's (a run far
+    behind would make the target one that every run reaches in its first steps). None
+    without a finished run with an evaluation."""
+    best = [_best(r) for r in runs if r.get("status") == "ok"]
+    best = [b for b in best if math.isfinite(b)]
+    if not best:
+        return None
+    return max(b for b in best if b <= min(best) * (1 + within))
+
+
+def time_to_target_lines(results: list[dict], reference: str = "auto",
+                         target: float | None = None) -> list[str]:
+    """Per bandwidth: the target (``target``, else :func:`default_target`), every finished
+    run's time to reach it, and ``reference`` against the fastest other run."""
+    lines: list[str] = []
+    for bw in dict.fromkeys(r["bandwidth"] for r in results):
+        runs = [r for r in results if r["bandwidth"] == bw and r.get("status") == "ok"]
+        goal = target if target is not None else default_target(runs)
+        if goal is None:
+            continue
+        times = {r["strategy"]: time_to_target(r["curve"], goal) for r in runs}
+        cells = ", ".join(f"{name} {'never' if t is None else f'{t:.1f} s'}"
+                          for name, t in times.items())
+        lines.append(f"time to val loss {goal:.4f} @ {bw}: {cells}")
+        mine = times.get(reference)
+        others = {n: t for n, t in times.items() if n != reference and t is not None}
+        if reference in times and others:
+            name, best = min(others.items(), key=lambda kv: kv[1])
+            if mine is None:
+                lines.append(f"  {reference}: did not reach it; {name} did in {best:.1f} s")
+            else:
+                lines.append(f"  {reference} {mine:.1f} s vs the fastest fixed strategy ({name}) "
+                             f"{best:.1f} s: {100 * (mine - best) / best:+.1f}% time")
     return lines

@@ -103,11 +103,10 @@ def resolve_group_numel(group_numel: int | str | None, device: torch.device | No
                         shapes: Sequence[torch.Size] = ()) -> int | None:
     """``group_numel`` with ``"auto"`` resolved for ``device`` and a model of local
     ``shapes``: ``GROUP_NUMEL``, or on CUDA a ``CUDA_GROUPS``-th of the model if larger."""
-    numel = sum(s.numel() for s in shapes)
     if group_numel != "auto":
         return None if group_numel is None else int(group_numel)
     if device is not None and device.type == "cuda":
-        return max(GROUP_NUMEL, -(-numel // CUDA_GROUPS))
+        return max(GROUP_NUMEL, -(-sum(s.numel() for s in shapes) // CUDA_GROUPS))
     return GROUP_NUMEL
 
 

@@ -71,16 +71,17 @@ def _shared_fixture_group(item: pytest.Item, links: dict[str, str]) -> str | Non
             shared.append(f"{module}::{name}")
     if not shared:
         return None
-
-    def root(key: str) -> str:
-        while links.setdefault(key, key) != key:
-            key = links[key]
-        return key
-
-    first = root(shared[0])
+    first = _root(links, shared[0])
     for key in shared[1:]:
-        links[root(key)] = first
+        links[_root(links, key)] = first
     return first
+
+
+def _root(links: dict[str, str], key: str) -> str:
+    """The group ``key`` belongs to now (``links``' union-find)."""
+    while links.setdefault(key, key) != key:
+        key = links[key]
+    return key
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
@@ -88,7 +89,5 @@ def pytest_collection_modifyitems(config, items):
     links: dict[str, str] = {}
     keys = {item: _shared_fixture_group(item, links) for item in items}
     for item, key in keys.items():
-        if key is not None:
-            while links[key] != key:
-                key = links[key]
-            item.add_marker(pytest.mark.xdist_group(key))
+        if key is not None:  # its group's root once every item is linked
+            item.add_marker(pytest.mark.xdist_group(_root(links, key)))

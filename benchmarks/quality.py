@@ -385,6 +385,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--workers", type=int, default=1, help="configurations run in parallel")
     p.add_argument("--threads", type=int, default=0,
                    help="torch threads per worker (0: cores / workers)")
+    p.add_argument("--budget-s", type=float, default=None,
+                   help="stop after this many seconds and report the runs finished by then "
+                        "(runs go in order: replicas, strategy, lr, seed)")
     p.add_argument("--out", default="benchmarks/results/quality")
     p.add_argument("--merge-only", action="store_true",
                    help="run nothing: the table, CSV and plot of the --merge files")
@@ -422,6 +425,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         why = ("no CUDA device is visible" if torch.version.cuda else
                f"torch {torch.__version__} is built without CUDA")
         p.error(f"--device cuda: {why}; use --device cpu")
+    if args.budget_s is not None and not (math.isfinite(args.budget_s) and args.budget_s > 0):
+        p.error(f"--budget-s takes a positive number of seconds, got {args.budget_s}")
     if args.merge_only and not args.merge:
         p.error("--merge-only needs --merge files (one --merge per quality.json)")
     return args
@@ -725,23 +730,41 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def run_all(cfgs: list[dict], workers: int, say=print, into: list | None = None) -> list[dict]:
-    """Run every configuration; each finished run is appended to ``into`` as it arrives."""
+def run_all(cfgs: list[dict], workers: int, say=print, into: list | None = None,
+            budget_s: float | None = None, saved=None) -> list[dict]:
+    """Run every configuration in the given order; each finished run is appended to ``into``
+    (and handed to ``saved``) as it arrives. With ``budget_s``, no run starts (one worker) or
+    goes on (several) after that many seconds: the runs not finished are left out."""
     runs = [] if into is None else into
     t0 = time.perf_counter()
+    deadline = math.inf if budget_s is None else t0 + budget_s
 
     def report(res: dict) -> None:
         runs.append(res)
         say(f"[{len(runs)}/{len(cfgs)} {time.perf_counter() - t0:6.0f}s] N={res['replicas']} "
             f"{res['strategy']:<14} lr {res['lr']:.3g} seed {res['seed']}: val "
             f"{res['final_val']:.4f} ({res['seconds']:.0f}s)")
+        if saved is not None:
+            saved(runs)
     if workers == 1:
         for c in cfgs:
+            if time.perf_counter() >= deadline:
+                break
             report(run_one(c))
     else:
         with mp.get_context("spawn").Pool(workers) as pool:
-            for res in pool.imap_unordered(run_one, cfgs):
+            it = pool.imap_unordered(run_one, cfgs)
+            for _ in cfgs:
+                left = deadline - time.perf_counter()
+                try:
+                    res = it.next(timeout=None if left == math.inf else max(left, 0.0))
+                except mp.TimeoutError:
+                    pool.terminate()
+                    break
                 report(res)
+    if len(runs) < len(cfgs):
+        say(f"--budget-s {budget_s:g}: {len(cfgs) - len(runs)} of {len(cfgs)} runs did not "
+            "finish in time and are left out")
     return runs
 
 
@@ -862,7 +885,9 @@ def main(argv=None) -> dict:
               + (f"; merging {len(stored)} file(s)" if stored else ""), flush=True)
     here: list[dict] = []
     try:
-        run_all(cfgs, args.workers, say=lambda s: print(s, flush=True), into=here)
+        run_all(cfgs, args.workers, say=lambda s: print(s, flush=True), into=here,
+                budget_s=args.budget_s,
+                saved=lambda rs: write_json(out, args, command, merged(rs, stored)))
     except BaseException:
         if here:  # keep what finished: a later run can --merge it
             write_json(out, args, command, merged(here, stored))
@@ -871,6 +896,9 @@ def main(argv=None) -> dict:
                   flush=True)
         raise
     runs = merged(here, stored)
+    if not runs:
+        fail(f"--budget-s {args.budget_s:g}: no run finished in time; give a larger budget, "
+             "or fewer steps")
     write_json(out, args, command, runs)  # the runs first: kept if a later step fails
     rows = summarize(runs)
     curves = best_curves(runs, rows)

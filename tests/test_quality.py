@@ -195,6 +195,33 @@ def test_finished_runs_are_written_when_a_later_step_fails(quality, tmp_path, ca
     assert "stopped after 1 of 2 runs" in capsys.readouterr().err
 
 
+def test_budget_keeps_the_runs_finished_in_time(quality, tmp_path, capsys, monkeypatch):
+    """--budget-s: no run starts after the deadline; each finished run is on disk at once."""
+    clock = [0.0]
+    monkeypatch.setattr(quality.time, "perf_counter", lambda: clock[0])
+    seen_on_disk = []
+
+    def ten_seconds(cfg):  # each run takes 10 s of the fake clock
+        path = tmp_path / "out" / "quality.json"
+        seen_on_disk.append(len(json.loads(path.read_text())["runs"]) if path.exists() else 0)
+        clock[0] += 10.0
+        return _fake_run(cfg)
+    monkeypatch.setattr(quality, "run_one", ten_seconds)
+    result = quality.main([*QUICK_ARGS, "--steps", "10", "--lrs", "1e-3,2e-3,4e-3,8e-3",
+                           "--budget-s", "15", "--out", str(tmp_path / "out")])
+    assert [r["lr"] for r in result["runs"]] == [1e-3, 2e-3]  # the third would start at 20 s
+    assert seen_on_disk == [0, 1]  # the first run was written before the second began
+    assert "2 of 4 runs did not finish in time" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("budget", ["0", "-3", "nan"])
+def test_bad_budget_is_one_line(quality, capsys, budget):
+    with pytest.raises(SystemExit) as e:
+        quality.main([*QUICK_ARGS, "--budget-s", budget])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1 and "--budget-s" in err
+
+
 @pytest.mark.parametrize("device, says", [("cuda", "--device cuda: "), ("gpu", "invalid choice")])
 def test_device_is_checked_up_front(quality, capsys, monkeypatch, device, says):
     monkeypatch.setattr(quality.torch.cuda, "is_available", lambda: False)

@@ -198,13 +198,11 @@ def test_unshaped_failing_rank_stops_the_others():
               "time.sleep(60)\n")
     out, err = io.StringIO(), io.StringIO()
     with EmulatedCluster(2, 1, unshaped=True, grace=2.0, log=lambda s: None) as c:
-        t0 = time.monotonic()
         result = c.run([PY, "-c", script], stdout=out, stderr=err)
-        took = time.monotonic() - t0
     assert not result.ok and result.failed_rank == 1 and result.exit_code == 3
     assert "rank 1" in result.message and "code 3" in result.message
+    # rank 0 (asleep for 60 s) was stopped, not waited for
     assert result.terminated == [0] and result.returncodes[0] == -signal.SIGTERM
-    assert took < 6
 
 
 @pytest.mark.multiprocess
@@ -391,13 +389,12 @@ def test_rank_exit_3_ends_the_run(netns):
               "time.sleep(60)\n")
     with EmulatedCluster(2, 2, "100mbit", grace=2.0, log=lambda s: None) as c:
         names = c.namespaces
-        t0 = time.monotonic()
         result = c.run([PY, "-c", script], stdout=io.StringIO(), stderr=io.StringIO())
-        took = time.monotonic() - t0
     assert result.failed_rank == 2 and result.exit_code == 3
     assert "rank 2 (node 1, local rank 0) exited with code 3" in result.message
+    # the other ranks (asleep for 60 s) were stopped, not waited for
     assert sorted(result.terminated) == [0, 1, 3]
-    assert took < 6
+    assert all(result.returncodes[r] == -signal.SIGTERM for r in (0, 1, 3))
     assert not set(names) & set(_netns_names())
 
 

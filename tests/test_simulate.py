@@ -98,11 +98,11 @@ def test_failing_replica_ends_the_step_with_its_error():
             opt.step = step
         return opt
 
-    sim = SimulatedReplicas(model, loss_fn, replicas=3, optimizer_fn=opt_fn, timeout=60)
-    t0 = time.monotonic()
+    # a timeout past the per-test limit: replicas left waiting for replica 1 would hang the
+    # test until pytest-timeout fails it; aborted, they end the step at once
+    sim = SimulatedReplicas(model, loss_fn, replicas=3, optimizer_fn=opt_fn, timeout=3600)
     with pytest.raises(Boom, match="replica 1 broke") as info:
         sim.step([batch(r, 0) for r in range(3)])
-    assert time.monotonic() - t0 < 30  # the others were aborted, not left waiting 60 s
     assert any("simulated replica 1 of 3" in n for n in getattr(info.value, "__notes__", []))
 
 

@@ -5,9 +5,10 @@ Two runs of one strategy on one emulated cluster (:class:`~flexdemo.tools.cluste
 1. **plain**: ``flexdemo train`` on every rank as one job, without fault tolerance (the
    bench's usual run);
 2. **elastic**: every node its own job and torchft replica group (``[fault_tolerance]``), with
-   torchft's lighthouse in node 0's namespace. When node 0 reaches step ``kill_at``, the last
-   node's ranks get SIGKILL; when node 0 reaches ``restart_at``, that node starts afresh, heals
-   from a peer and trains on.
+   torchft's lighthouse in node 0's namespace. When node 0 reaches step ``kill_at`` with
+   every node in its quorum (a node slow to start is waited for), the last node's ranks get
+   SIGKILL; ``restart_at - kill_at`` steps later that node starts afresh, heals from a peer
+   and trains on.
 
 From the ``metrics.jsonl`` of both runs it reports the per-step cost of fault tolerance (the
 quorum and the commit vote, steps 5 to ``kill_at``), how long the survivors took to commit
@@ -211,11 +212,17 @@ def _elastic_run(o: Any, cluster: EmulatedCluster, base: dict, out: Path,
             time.sleep(0.05)
             rows = read_metrics(out / "node0" / "metrics.jsonl")
             step = rows[-1]["step"] if rows else 0
-            if "kill" not in events and step >= o.kill_at:
+            together = bool(rows) and rows[-1].get("replicas", o.nodes) >= o.nodes
+            # the kill waits for every node in the quorum: a node slow to start (a loaded
+            # machine) must be there to be killed, or the run measures nothing
+            if "kill" not in events and step >= o.kill_at and together:
                 events["kill"] = {"time": time.time(), "survivor_step": step}
                 echo(f"  elastic: SIGKILL to node {last}'s ranks (node 0 at step {step})")
                 nodes[f"node{last}"].kill()
-            if "kill" in events and "restart" not in events and step >= o.restart_at:
+            # a late kill (above) moves the restart as far: the survivors' time alone is kept
+            restart_at = (max(o.restart_at, events["kill"]["survivor_step"] + o.restart_at
+                              - o.kill_at) if "kill" in events else None)
+            if restart_at is not None and "restart" not in events and step >= restart_at:
                 events["restart"] = {"time": time.time(), "survivor_step": step}
                 echo(f"  elastic: node {last} starts again (node 0 at step {step})")
                 start(f"node{last}-restart", last)

@@ -10,7 +10,12 @@ from test_cluster import netns  # noqa: F401  (the fixture: skips without namesp
 
 from flexdemo.app.bench import BenchError, bench_options, run_bench
 from flexdemo.app.bench_link import StepWatch, dir_label, parse_link
-from flexdemo.app.bench_report import default_target, time_to_target, time_to_target_lines
+from flexdemo.app.bench_report import (
+    default_target,
+    retune_cost_lines,
+    time_to_target,
+    time_to_target_lines,
+)
 
 
 def test_parse_link():
@@ -86,6 +91,18 @@ def test_time_to_target_lines_name_the_fastest_fixed_strategy():
                     "hsdp-muon never, no-sync never"]
     behind = time_to_target_lines(runs, "muloco", target=1.76)
     assert behind[1] == "  muloco: did not reach it; auto did in 18.0 s"
+
+
+def test_retune_cost_is_stated_against_the_runs_step_time():
+    auto = {"strategy": "auto", "status": "ok", "bandwidth": "1gbit>10mbit",
+            "step_seconds": 0.2, "auto_history": [
+                {"event": "decision", "step": 0},
+                {"event": "retune", "step": 59, "seconds": 0.01},
+                {"event": "resize", "step": 70}]}
+    fixed = {**auto, "strategy": "muloco"}
+    assert retune_cost_lines([auto, fixed, {**auto, "status": "failed"}]) == [
+        "auto @ 1gbit>10mbit: the retune at step 59 took 10.0 ms (0.05 of a step of 200 ms)"]
+    assert retune_cost_lines([{**auto, "auto_history": []}]) == []
 
 
 @pytest.mark.multiprocess

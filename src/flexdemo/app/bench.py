@@ -33,7 +33,13 @@ from ..tools.netns import ClusterError, ShapingUnavailableError, cleanup_stale
 from ..tools.rates import format_rate, parse_bandwidth
 from .bench_elastic import elastic_problem, run_elastic
 from .bench_link import StepWatch, dir_label, parse_link
-from .bench_report import _finite, comparison_lines, format_table, time_to_target_lines
+from .bench_report import (
+    _finite,
+    comparison_lines,
+    format_table,
+    retune_cost_lines,
+    time_to_target_lines,
+)
 from .config import ConfigError
 from .config_checks import config_from_dict, validate
 from .config_files import apply_overrides, read_config_file, to_toml
@@ -357,7 +363,7 @@ def run_bench(o: BenchOptions, echo: Callable[[str], None] | None = None) -> lis
     for line in comparison_lines(results, "hsdp-muon", muon - {"hsdp-muon"}):
         echo(line)
     if "auto" in o.strategies:
-        for line in time_to_target_lines(results, "auto"):
+        for line in time_to_target_lines(results, "auto") + retune_cost_lines(results):
             echo(line)
     try:
         paths = plot_all(results, out)

@@ -221,3 +221,22 @@ def time_to_target_lines(results: list[dict], reference: str = "auto",
                 lines.append(f"  {reference} {mine:.1f} s vs the fastest fixed strategy ({name}) "
                              f"{best:.1f} s: {100 * (mine - best) / best:+.1f}% time")
     return lines
+
+
+def retune_cost_lines(results: list[dict], reference: str = "auto") -> list[str]:
+    """Per run of ``reference``: each retune's own time (the agreed check, the new choice and
+    the hand-over, as that run's rank 0 measured it) against the run's mean step time (the
+    target: at most one step)."""
+    lines = []
+    for r in results:
+        if r.get("strategy") != reference or r.get("status") != "ok":
+            continue
+        step = r.get("step_seconds") or 0.0
+        for h in r.get("auto_history", []):
+            if h.get("event") != "retune" or "seconds" not in h:
+                continue
+            share = (f"{h['seconds'] / step:.2f} of a step of {step * 1e3:.0f} ms" if step > 0
+                     else "no step time")
+            lines.append(f"{reference} @ {r['bandwidth']}: the retune at step {h.get('step')} "
+                         f"took {h['seconds'] * 1e3:.1f} ms ({share})")
+    return lines

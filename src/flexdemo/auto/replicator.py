@@ -347,6 +347,7 @@ class AutoReplicator(Replicator):
         """Agree on what the exchanges measured; decide again after a sustained change."""
         d = self.decision
         assert d is not None
+        t0 = time.perf_counter()
         replicas = self._replicas()
         sizings = self._sizings(replicas)
         current = next((s for c, s in zip(self._ranked, sizings) if c.name == d.name), None)
@@ -365,9 +366,12 @@ class AutoReplicator(Replicator):
             self._switch(new)
         else:
             self.decision = new
-        self.history.append({"event": "retune", **new.as_dict()})
+        # what the retune cost this rank: the agreed check, the choice and the hand-over
+        took = time.perf_counter() - t0
+        self.history.append({"event": "retune", **new.as_dict(), "seconds": took})
         self._say(f"auto: retune at step {step} (the link was {d.link.describe()}): "
-                  f"{new.line()[len('auto: '):]}{' (stays)' if new.name == d.name else ''}")
+                  f"{new.line()[len('auto: '):]}{' (stays)' if new.name == d.name else ''} "
+                  f"[took {took * 1e3:.1f} ms]")
 
     def _switch(self, new: Decision) -> None:
         """Hand over at a safe boundary: a DiLoCo-family choice starts from the point the

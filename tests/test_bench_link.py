@@ -38,6 +38,19 @@ def test_bench_options_take_a_changing_link_and_the_auto_preset():
         "1gbit>10mbit"]
     with pytest.raises(BenchError, match="changes halfway"):
         bench_options(strategies="no-sync", bandwidths="1gbit>")
+    assert bench_options(preset="auto", target=2.25).target == 2.25
+    for bad in (0, -1.0, float("nan"), float("inf")):
+        with pytest.raises(BenchError, match="target must be a positive validation loss"):
+            bench_options(preset="auto", target=bad)
+
+
+@pytest.mark.parametrize("value", ["0", "-2", "nan", "inf", "x"])
+def test_bench_target_on_the_command_line_is_one_line(value, capsys):
+    from flexdemo.app.cli import main
+    with pytest.raises(SystemExit) as e:
+        main(["bench", "--preset", "auto", "--target", value])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and "--target" in err[-1] and "positive number" in err[-1]
 
 
 def test_step_watch_fires_once_at_the_first_step_at_or_after():

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 import os
 import shutil
 import sys
@@ -118,6 +119,9 @@ class BenchOptions:
     """Elastic preset: the step of node 0 at which the last node is killed."""
     restart_at: int = 0
     """Elastic preset: the step of node 0 at which the killed node starts again."""
+    target: float | None = None
+    """The validation loss whose time to reach every run reports (None: with ``auto``, the
+    loosest loss every run within 5% of the best reached; otherwise no report)."""
 
 
 def _split(text: str | None) -> list[str] | None:
@@ -133,7 +137,8 @@ def bench_options(*, preset: str | None = None, strategies: str | list[str] | No
                   config: str | None = None, out: str | None = None, unshaped: bool = False,
                   overrides: list[str] | None = None, timeout: float | None = None,
                   quiet: bool = False, device: str | None = None,
-                  kill_at: int | None = None, restart_at: int | None = None) -> BenchOptions:
+                  kill_at: int | None = None, restart_at: int | None = None,
+                  target: float | None = None) -> BenchOptions:
     """Resolve and check a sweep's options; raises :class:`BenchError` or
     :class:`~flexdemo.app.config.ConfigError` with a one-line message."""
     p = PRESETS.get(preset or "", {})
@@ -150,6 +155,10 @@ def bench_options(*, preset: str | None = None, strategies: str | list[str] | No
     o.ranks_per_node = ranks_per_node or p.get("ranks_per_node", 2)
     o.out = out or p.get("out", "runs/bench")
     o.unshaped, o.timeout, o.quiet = unshaped, timeout, quiet
+    if target is not None and not (isinstance(target, (int, float)) and target > 0
+                                   and math.isfinite(target)):
+        raise BenchError(f"target must be a positive validation loss, got {target!r}")
+    o.target = target
     for s in o.strategies:
         if s not in STRATEGIES:
             try:
@@ -362,8 +371,9 @@ def run_bench(o: BenchOptions, echo: Callable[[str], None] | None = None) -> lis
     muon = {n for n in o.strategies if n in STRATEGIES and STRATEGIES[n].optimizer == "muon"}
     for line in comparison_lines(results, "hsdp-muon", muon - {"hsdp-muon"}):
         echo(line)
-    if "auto" in o.strategies:
-        for line in time_to_target_lines(results, "auto") + retune_cost_lines(results):
+    if "auto" in o.strategies or o.target is not None:
+        for line in (time_to_target_lines(results, "auto", o.target)
+                     + retune_cost_lines(results)):
             echo(line)
     try:
         paths = plot_all(results, out)

@@ -6,7 +6,7 @@ import argparse
 import sys
 
 from ..strategies import STRATEGIES
-from .args import _positive_int, _seconds
+from .args import _positive_float, _positive_int, _seconds
 from .bench import (
     DEFAULT_BANDWIDTHS,
     DEFAULT_STRATEGIES,
@@ -76,6 +76,10 @@ def _add_bench_parser(sub) -> None:
     b.add_argument("--restart-at", type=_positive_int, metavar="M",
                    help="elastic preset: start the killed node again at node 0's step M "
                         "(default 70, at most 7/12 of the steps)")
+    b.add_argument("--target", type=_positive_float, metavar="LOSS",
+                   help="report every run's time to this validation loss (default with "
+                        "the auto preset: the loosest loss every run within 5 percent of the "
+                        "best reached)")
     b.add_argument("-q", "--quiet", action="store_true",
                    help="do not echo the ranks' progress (it still goes to each run's log.txt)")
     b.set_defaults(func=_cmd_bench, subparser=b)
@@ -88,7 +92,8 @@ def _cmd_bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
             nodes=args.nodes, ranks_per_node=args.ranks_per_node, steps=args.steps,
             config=args.config, out=args.out, unshaped=args.unshaped,
             overrides=args.overrides, timeout=args.timeout, quiet=args.quiet,
-            device=args.device, kill_at=args.kill_at, restart_at=args.restart_at)
+            device=args.device, kill_at=args.kill_at, restart_at=args.restart_at,
+            target=args.target)
     except (BenchError, ConfigError) as e:
         print(f"flexdemo bench: error: {e}", file=sys.stderr, flush=True)
         return 2

@@ -14,7 +14,7 @@ import pytest
 from flexdemo.app.bench import BenchError, bench_options, run_config
 from flexdemo.app.cli import main
 from flexdemo.app.config import ConfigError
-from flexdemo.app.config_checks import config_from_dict, validate
+from flexdemo.app.config_checks import config_from_dict, resolve, validate
 from flexdemo.app.config_files import load_config
 from flexdemo.app.outputs import strict_json
 from flexdemo.replicate import DeMoReplicator
@@ -110,8 +110,10 @@ def test_bench_train_steps_override_is_honoured_or_refused(capsys):
         bench_options(strategies="flexdemo", overrides=["train.steps=abc"])
     # a warm-up longer than the run is cut to the run, with a note
     o = bench_options(strategies="flexdemo", overrides=["train.steps=4", "train.warmup=8"])
-    assert validate(config_from_dict(run_config(o, "flexdemo", "x")), 4).train.warmup == 4
-    assert "the warm-up is cut to 4 steps" in capsys.readouterr().err
+    data = run_config(o, "flexdemo", "x")
+    cfg, notes = resolve(config_from_dict(data), data)  # the one clamp, its note returned
+    assert validate(cfg, 4).train.warmup == 4
+    assert len(notes) == 1 and "the warm-up is cut to 4 steps" in notes[0]
     for argv, needle in ((["train.steps=abc"], "got 'abc'"),
                          (["train.steps=0"], "got 0"),
                          (["--steps", "5", "train.steps=3"], "disagree")):
@@ -125,7 +127,8 @@ def test_bench_steps_of_a_config_file_unless_steps_is_given(tmp_path):
     assert bench_options(strategies="flexdemo", config=str(cfg)).steps == 7
     assert bench_options(strategies="flexdemo", config=str(cfg), steps=4).steps == 4
     o = bench_options(strategies="flexdemo", config=str(cfg), steps=2)
-    run = validate(config_from_dict(run_config(o, "flexdemo", "x")), 4)
+    data = run_config(o, "flexdemo", "x")
+    run = validate(resolve(config_from_dict(data), data)[0], 4)
     assert run.train.warmup == 2  # the file's warm-up of 3 is cut to the 2 steps asked for
 
 

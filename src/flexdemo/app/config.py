@@ -44,8 +44,9 @@ writing are in :mod:`~flexdemo.app.config_files`, the checks in
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
+from ..ft.config import FaultToleranceSettings
 from ..optim import BASE_OPTIMIZERS
 from ..replicate import REPLICATORS
 from .device import DEVICES, PRECISIONS
@@ -144,36 +145,34 @@ class TrainConfig:
     kept in fp32 next to fp32 master weights (FSDP2 mixed precision; the replicators see
     fp32)."""
 
+    @property
+    def warmup_steps(self) -> int:
+        """The warm-up as run: ``warmup``, at most ``steps`` (the config's one clamp; applied
+        by :func:`~flexdemo.app.config_checks.resolve`, read by the trainer)."""
+        return min(self.warmup, max(self.steps, 0))
+
 
 @dataclass
-class FaultToleranceConfig:
-    """Elastic replication on torchft (:class:`flexdemo.FaultTolerance`, docs/elastic.md):
-    each node is a replica group of its own. Empty strings and zeros take the library's
-    defaults (the environment variables it reads)."""
+class FaultToleranceConfig(FaultToleranceSettings):
+    """Elastic replication on torchft (docs/elastic.md): the library's own settings,
+    :class:`flexdemo.ft.config.FaultToleranceSettings` (so the keys, their types and defaults
+    are :class:`flexdemo.FaultTolerance`'s), plus ``enabled``. An omitted key is unset
+    (``None``): the library's default, or the environment variable it names, filled in by
+    :func:`~flexdemo.app.config_checks.resolve`. Built into a
+    :class:`flexdemo.FaultTolerance` by :func:`~flexdemo.app.config_checks.fault_tolerance`,
+    only there."""
 
     enabled: bool = False
-    """``true``: pass the settings below to :func:`flexdemo.prepare` as ``fault_tolerance``
+    """``true``: pass these settings to :func:`flexdemo.prepare` as ``fault_tolerance``
     (needs torchft: ``pip install "flexdemo[ft]"``)."""
-    lighthouse: str = ""
-    """``http://host:port`` of the lighthouse ("": ``$TORCHFT_LIGHTHOUSE``); a malformed one
-    (no host, a port that is not 1..65535) is refused at start-up."""
-    replica_id: str = ""
-    """This node's replica group, the same on all its ranks ("": ``$FLEXDEMO_REPLICA_ID``,
-    then ``$REPLICA_GROUP_ID``)."""
-    min_replicas: int = 1
-    """The fewest replica groups a step may commit with."""
-    timeout: float = 60.0
-    """Seconds a collective, the commit vote or a healing transfer may take."""
-    quorum_timeout: float = 0.0
-    """Seconds to wait for ``min_replicas`` groups (0: ``timeout``)."""
-    hostname: str = ""
-    """The address this group's peers reach it at ("": ``$FLEXDEMO_FT_HOSTNAME``, else the
-    host name)."""
-    max_failed_commits: int = 0
-    """Consecutive steps that may fail to commit before the run stops (0: no limit)."""
-    verbose: bool = False
-    """``true``: torchft's own logs in full (INFO lines every step, tracebacks); by default
-    only its warnings and errors, one line each."""
+
+    def __post_init__(self) -> None:
+        # as before the keys were the library's: "" or 0 for a key whose default is unset
+        # (None) means unset, as omitting it does
+        for f in fields(FaultToleranceSettings):
+            value = getattr(self, f.name)
+            if f.default is None and not isinstance(value, bool) and value in ("", 0):
+                setattr(self, f.name, None)
 
 
 @dataclass

@@ -1,22 +1,34 @@
-"""Checking a configuration: building the sections from raw data (names and types), the
-ranges and choices of their keys, and one-line :class:`~flexdemo.app.config.ConfigError`
-messages that name the key and, for a misspelt key, the closest valid one."""
+"""Checking a configuration, in three steps that :func:`~flexdemo.app.config_files.load_config`
+runs in order: :func:`config_from_dict` builds the sections from raw data (names and types),
+:func:`resolve` fills in what the file left open (the environment's values, read once by
+:func:`read_environment`, and the warm-up cut to the run: the config's one clamp), and
+:func:`validate` checks ranges and choices without changing or printing anything. Errors are
+one-line :class:`~flexdemo.app.config.ConfigError` messages that name the key and, for a
+misspelt key, the closest valid one. :func:`fault_tolerance` builds the library's
+:class:`flexdemo.FaultTolerance` from ``[fault_tolerance]``, the only place that does."""
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import difflib
 import math
 import os
-import sys
 import types
 import typing
+from collections.abc import Mapping
 from typing import Any
 from urllib.parse import urlsplit
 
 import torch
 
-from ..ft.config import LIGHTHOUSE_ENV, FaultTolerance
+from ..ft.config import (
+    HOSTNAME_ENV,
+    LIGHTHOUSE_ENV,
+    REPLICA_ID_ENVS,
+    FaultTolerance,
+    FaultToleranceSettings,
+)
 from ..mesh import mesh_shape
 from ..optim import make_base_optimizer
 from ..replicate import make_replicator
@@ -33,7 +45,8 @@ from .config import (
 from .device import check_device
 from .tasks import TASKS, TaskConfig, task_options, task_presets
 
-__all__ = ["check_mesh", "config_from_dict", "fault_tolerance", "validate"]
+__all__ = ["Environment", "check_mesh", "config_from_dict", "fault_tolerance",
+           "read_environment", "resolve", "validate"]
 
 
 def _suggest(key: str, valid: list[str], prefix: str = "") -> str:
@@ -134,10 +147,74 @@ def config_from_dict(data: dict) -> Config:
         else:
             what = "section" if isinstance(value, dict) else "key"
             raise ConfigError(f"unknown {what} '{key}'{_suggest(key, valid)}")
-    cfg = Config(**kwargs)
-    if "warmup" not in data.get("train", {}):  # the default warm-up never exceeds the run
-        cfg.train.warmup = min(cfg.train.warmup, max(cfg.train.steps, 0))
-    return cfg
+    return Config(**kwargs)
+
+
+@dataclasses.dataclass(frozen=True)
+class Environment:
+    """The environment variables a config reads, read once by :func:`read_environment`."""
+
+    rank: int = 0
+    """``RANK``: only rank 0 prints the notes of :func:`resolve`."""
+    world_size: int = 1
+    """``WORLD_SIZE``: the ranks the mesh is checked for."""
+    lighthouse: str | None = None
+    """``$TORCHFT_LIGHTHOUSE``, for an enabled ``[fault_tolerance]`` without a lighthouse."""
+    replica_id: str | None = None
+    """``$FLEXDEMO_REPLICA_ID``, else ``$REPLICA_GROUP_ID``."""
+    hostname: str | None = None
+    """``$FLEXDEMO_FT_HOSTNAME``."""
+
+
+def read_environment(environ: Mapping[str, str] | None = None) -> Environment:
+    """The config's environment variables from ``environ`` (default ``os.environ``): the one
+    place the configuration reads the environment. Unset or blank variables are ``None``."""
+    env = os.environ if environ is None else environ
+
+    def text(name: str) -> str | None:
+        return env.get(name, "").strip() or None
+
+    def number(name: str, default: int) -> int:
+        try:
+            return int(env.get(name, str(default)))
+        except ValueError:
+            return default
+
+    replica = next((v for v in map(text, REPLICA_ID_ENVS) if v), None)
+    return Environment(rank=number("RANK", 0), world_size=number("WORLD_SIZE", 1),
+                       lighthouse=text(LIGHTHOUSE_ENV), replica_id=replica,
+                       hostname=text(HOSTNAME_ENV))
+
+
+def resolve(cfg: Config, given: Mapping[str, Any] | None = None,
+            env: Environment | None = None) -> tuple[Config, list[str]]:
+    """``cfg`` with what the file left open filled in, as a new config, and the notes for the
+    user (printed by the caller, rank 0).
+
+    ``given`` is the raw data ``cfg`` was built from: a ``train.warmup`` longer than
+    ``train.steps`` is cut to the run (the config's one clamp, :attr:`TrainConfig.warmup_steps
+    <flexdemo.app.config.TrainConfig.warmup_steps>`), silently for the default, with a note
+    when ``given`` sets it. ``env`` (:func:`read_environment`) fills an enabled
+    ``[fault_tolerance]``'s unset lighthouse, replica id and hostname; a malformed
+    ``$TORCHFT_LIGHTHOUSE`` is a :class:`ConfigError` naming it."""
+    out = copy.deepcopy(cfg)
+    notes = []
+    tr = out.train
+    if tr.warmup_steps != tr.warmup:
+        train_given = (given or {}).get("train")
+        if isinstance(train_given, dict) and "warmup" in train_given:
+            notes.append(f"train.warmup={tr.warmup} is longer than train.steps={tr.steps}; the "
+                         f"warm-up is cut to {tr.steps} steps (set train.warmup to choose "
+                         "another)")
+        tr.warmup = tr.warmup_steps
+    ft = out.fault_tolerance
+    if env is not None and ft.enabled:
+        if ft.lighthouse is None and env.lighthouse is not None:
+            _check_lighthouse(f"${LIGHTHOUSE_ENV}", env.lighthouse)
+            ft.lighthouse = env.lighthouse
+        ft.replica_id = ft.replica_id if ft.replica_id is not None else env.replica_id
+        ft.hostname = ft.hostname if ft.hostname is not None else env.hostname
+    return out, notes
 
 
 def _task_section(raw: Any) -> TaskConfig:
@@ -172,9 +249,10 @@ def _check_range(where: str, ok: bool, need: str, value: Any) -> None:
         raise ConfigError(f"{where}: must be {need}, got {value!r}")
 
 
-def validate(cfg: Config, world_size: int | None = None) -> Config:
-    """Check values and their combinations; ``world_size`` (default ``WORLD_SIZE`` or 1)
-    checks the mesh shape. Returns ``cfg``; raises :class:`ConfigError`."""
+def validate(cfg: Config, world_size: int = 1) -> Config:
+    """Check values and their combinations; ``world_size`` checks the mesh shape. Returns
+    ``cfg``, unchanged: nothing is changed or printed (:func:`resolve` cuts a long warm-up,
+    with a note); raises :class:`ConfigError`."""
     t, s, m, tr = cfg.task, cfg.strategy, cfg.mesh, cfg.train
     for where, valid in choices().items():
         section, key = where.split(".")
@@ -208,12 +286,6 @@ def validate(cfg: Config, world_size: int | None = None) -> Config:
                  "keep_checkpoints", "stop_at", "threads", "seed"):
         _check_range(f"train.{name}", getattr(tr, name) >= 0, "an integer >= 0",
                      getattr(tr, name))
-    if tr.warmup > tr.steps >= 1:  # a config's warm-up meant for longer runs: cut, with a note
-        if os.environ.get("RANK", "0") == "0":
-            print(f"flexdemo: note: train.warmup={tr.warmup} is longer than train.steps="
-                  f"{tr.steps}; the warm-up is cut to {tr.steps} steps (set train.warmup to "
-                  "choose another)", file=sys.stderr, flush=True)
-        tr.warmup = tr.steps
     _check_range("train.log_every", tr.log_every >= 1, "an integer >= 1", tr.log_every)
     _check_range("train.stop_at", tr.stop_at <= tr.steps,
                  f"0 or at most train.steps={tr.steps}", tr.stop_at)
@@ -232,8 +304,7 @@ def validate(cfg: Config, world_size: int | None = None) -> Config:
 
     _check_fault_tolerance(cfg.fault_tolerance)
 
-    world = world_size if world_size is not None else int(os.environ.get("WORLD_SIZE", "1"))
-    check_mesh(m, world)
+    check_mesh(m, world_size)
     return cfg
 
 
@@ -242,12 +313,15 @@ def _check_fault_tolerance(ft: FaultToleranceConfig) -> None:
                  ft.min_replicas)
     _check_range("fault_tolerance.timeout", ft.timeout > 0, "a number of seconds > 0",
                  ft.timeout)
-    _check_range("fault_tolerance.quorum_timeout", ft.quorum_timeout >= 0,
-                 "a number of seconds >= 0 (0: fault_tolerance.timeout)", ft.quorum_timeout)
-    _check_range("fault_tolerance.max_failed_commits", ft.max_failed_commits >= 0,
-                 "an integer >= 0 (0: no limit)", ft.max_failed_commits)
-    _check_range("fault_tolerance.replica_id", ":" not in ft.replica_id,
-                 "a name without ':' (torchft appends ':<uuid>' to it)", ft.replica_id)
+    if ft.quorum_timeout is not None:  # None: unset (omitted, or 0)
+        _check_range("fault_tolerance.quorum_timeout", ft.quorum_timeout > 0,
+                     "a number of seconds >= 0 (0: fault_tolerance.timeout)", ft.quorum_timeout)
+    if ft.max_failed_commits is not None:
+        _check_range("fault_tolerance.max_failed_commits", ft.max_failed_commits > 0,
+                     "an integer >= 0 (0: no limit)", ft.max_failed_commits)
+    if ft.replica_id is not None:
+        _check_range("fault_tolerance.replica_id", ":" not in ft.replica_id,
+                     "a name without ':' (torchft appends ':<uuid>' to it)", ft.replica_id)
     if ft.lighthouse:
         _check_lighthouse("fault_tolerance.lighthouse", ft.lighthouse)
 
@@ -279,19 +353,15 @@ def _check_lighthouse(where: str, address: str) -> None:
 
 def fault_tolerance(cfg: Config) -> FaultTolerance | None:
     """The :class:`flexdemo.FaultTolerance` that ``[fault_tolerance]`` asks for (None when not
-    enabled), its defaults read from the environment now; raises :class:`ConfigError` with
-    one line (torchft missing, no lighthouse or replica id given or set)."""
+    enabled): the one place the app builds it, its settings passed as they are (the section
+    is the library's :class:`~flexdemo.ft.config.FaultToleranceSettings`). Raises
+    :class:`ConfigError` with one line (torchft missing, no lighthouse or replica id)."""
     ft = cfg.fault_tolerance
     if not ft.enabled:
         return None
-    if not ft.lighthouse and os.environ.get(LIGHTHOUSE_ENV, "").strip():
-        _check_lighthouse(f"${LIGHTHOUSE_ENV}", os.environ[LIGHTHOUSE_ENV].strip())
+    settings = {f.name: getattr(ft, f.name) for f in dataclasses.fields(FaultToleranceSettings)}
     try:
-        return FaultTolerance(
-            lighthouse=ft.lighthouse or None, replica_id=ft.replica_id or None,
-            min_replicas=ft.min_replicas, timeout=ft.timeout,
-            quorum_timeout=ft.quorum_timeout or None, hostname=ft.hostname or None,
-            max_failed_commits=ft.max_failed_commits or None, verbose=ft.verbose)
+        return FaultTolerance(**settings)
     except (ValueError, ModuleNotFoundError) as e:  # TorchFTMissingError: the extra to install
         raise ConfigError(f"fault_tolerance: {_one_line(e)}") from None
 

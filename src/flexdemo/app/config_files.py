@@ -1,16 +1,21 @@
 """Reading and writing configuration files (TOML, YAML, JSON), ``section.key=value``
-overrides, and :func:`load_config`, which puts them together with the checks."""
+overrides, and :func:`load_config`, which puts them together with the checks: raw data, then
+one typed tree (:func:`~flexdemo.app.config_checks.config_from_dict`), resolved once against
+the environment (:func:`~flexdemo.app.config_checks.resolve`), then checked
+(:func:`~flexdemo.app.config_checks.validate`)."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
 import os
+import sys
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from .config import Config, ConfigError
-from .config_checks import _describe, config_from_dict, validate
+from .config_checks import _describe, config_from_dict, read_environment, resolve, validate
 from .tasks import task_options
 
 __all__ = ["apply_overrides", "config_to_dict", "load_config", "parse_override",
@@ -118,8 +123,12 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
 
 
 def load_config(path: str | os.PathLike | None = None, overrides: list[str] | None = None,
-                *, world_size: int | None = None) -> Config:
-    """Read ``path`` (or start from the defaults), apply ``overrides`` and validate."""
+                *, world_size: int | None = None,
+                environ: Mapping[str, str] | None = None) -> Config:
+    """Read ``path`` (or start from the defaults), apply ``overrides``, resolve against
+    ``environ`` (default ``os.environ``, read once; ``world_size`` default ``WORLD_SIZE``)
+    and validate. The notes of :func:`~flexdemo.app.config_checks.resolve` go to stderr on
+    rank 0."""
     data = read_config_file(path) if path is not None else {}
     overrides = list(overrides or [])
     new = apply_overrides(data, overrides)
@@ -139,17 +148,25 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] | No
         own = task_options(str(task.get("name")))
         for key in [k for k in task if k != "name" and k not in own and f"task.{k}" not in keys]:
             task.pop(key)
-    return validate(config_from_dict(new), world_size)
+    env = read_environment(environ)
+    cfg, notes = resolve(config_from_dict(new), new, env)
+    validate(cfg, env.world_size if world_size is None else world_size)
+    if env.rank == 0:
+        for note in notes:
+            print(f"flexdemo: note: {note}", file=sys.stderr, flush=True)
+    return cfg
 
 
 # ---------------------------------------------------------------------- writing
 def config_to_dict(cfg: Config) -> dict:
-    """The config as plain data (``None`` sizes become ``"auto"``)."""
+    """The config as plain data (``None`` sizes become ``"auto"``; other unset keys, ``None``,
+    are left out, as TOML has no null)."""
     data = dataclasses.asdict(cfg)  # [task]: the fields of the task's own section
     for key in ("replicate", "shard"):
         if data["mesh"][key] is None:
             data["mesh"][key] = "auto"
-    return data
+    return {k: {kk: vv for kk, vv in v.items() if vv is not None} if isinstance(v, dict) else v
+            for k, v in data.items()}
 
 
 def _toml_value(v: Any) -> str:

@@ -119,8 +119,7 @@ class Trainer(TrainerSetUp):
         when fault tolerance undid the step (its commit vote failed). ``t0``: when the step
         began, if before this call (the quorum under fault tolerance is part of the step)."""
         tc, sc = self.cfg.train, self.cfg.strategy
-        lr = lr_at(step - 1, tc.steps, sc.lr, min(tc.warmup, tc.steps), tc.schedule,
-                   tc.min_lr)
+        lr = lr_at(step - 1, tc.steps, sc.lr, tc.warmup_steps, tc.schedule, tc.min_lr)
         for g in self.opt.param_groups:
             g["lr"] = lr
         if t0 is None:

@@ -37,7 +37,23 @@ def _env_replica_id() -> str | None:
 
 
 @dataclass
-class FaultTolerance:
+class FaultToleranceSettings:
+    """The settings of :class:`FaultTolerance` as plain data: no checks, no environment and
+    no torchft (``None``: unset, the default :class:`FaultTolerance` fills in). The app's
+    ``[fault_tolerance]`` section is this class plus ``enabled``."""
+
+    lighthouse: str | None = None
+    replica_id: str | None = None
+    min_replicas: int = 1
+    timeout: float = 60.0
+    quorum_timeout: float | None = None
+    hostname: str | None = None
+    max_failed_commits: int | None = None
+    verbose: bool = False
+
+
+@dataclass
+class FaultTolerance(FaultToleranceSettings):
     """Elastic, fault-tolerant replication on torchft: one replica group per node.
 
     Args:
@@ -59,14 +75,6 @@ class FaultTolerance:
             Read when torchft is first imported in the process.
     """
 
-    lighthouse: str | None = None
-    replica_id: str | None = None
-    min_replicas: int = 1
-    timeout: float = 60.0
-    quorum_timeout: float | None = None
-    hostname: str | None = None
-    max_failed_commits: int | None = None
-    verbose: bool = False
     extra_state: dict = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:

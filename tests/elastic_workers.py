@@ -92,10 +92,10 @@ def main(argv: list[str] | None = None) -> int:
     session = opt.fault_tolerance
     if a.resume:
         flexdemo.load_checkpoint(a.resume, net, opt)
-    if a.heal_late:  # as if this group had started before: its first quorum runs behind the
-        session._started = True  # forward pass, so torchft heals it after that pass
     if a.ready_file and int(os.environ.get("RANK", "0")) == 0:
         Path(a.ready_file).write_text("ready\n")
+    if a.heal_late:  # its first quorum runs behind the forward pass (as if this group had
+        session.begin(heal_now=False)  # started before), so torchft heals it after that pass
     failed_once = False
     rank = int(os.environ.get("RANK", "0"))  # several ranks per group: FSDP2 shards
     progress = open(out / f"progress{rank}", "a", buffering=1)
@@ -121,13 +121,15 @@ def main(argv: list[str] | None = None) -> int:
         if a.order in ("forward-zero", "forward-keep"):
             opt.zero_grad(set_to_none=a.order == "forward-zero")
         loss.backward()
+        hook = None
         if step == a.fail_commit and not failed_once:
-            failed_once = True
-            session._before_commit = lambda o: o.fault_tolerance.manager.report_error(
-                RuntimeError("injected failure"))
+            failed_once = True  # a real Manager error after the exchange, before the vote
+            hook = opt.register_step_post_hook(lambda *_: session.manager.report_error(
+                RuntimeError("injected failure")))
         ran = opt.steps  # the step that step() runs (a joiner healed to its peers' step)
         opt.step()
-        session._before_commit = None
+        if hook is not None:
+            hook.remove()
         s = opt.last_step_stats()
         progress.write(f"{ran} {s['replicas']} {int(s['committed'])} {time.time():.3f} "
                        f"{s['quorum_seconds']:.4f} {s['commit_seconds']:.4f}\n")

@@ -7,6 +7,7 @@ is the ``torchft_lighthouse`` binary from the wheel on 127.0.0.1. Every wait is 
 from __future__ import annotations
 
 import importlib.metadata
+import json
 import os
 import socket
 import subprocess
@@ -506,6 +507,79 @@ def test_a_hand_built_optimizer_needs_its_model_watched(tmp_path):
         "under fault tolerance the optimizer heals a replica group before its forward pass "
         "and needs the model for that: call opt.fault_tolerance.watch(model) before the first "
         "step (flexdemo.prepare does)", "1 True"], r.stdout
+
+
+COMPOSED = """
+import json, torch, flexdemo
+from flexdemo.ft import ElasticOptimizer, Phase
+ft = flexdemo.FaultTolerance(lighthouse=URL, replica_id='A', timeout=20, hostname='127.0.0.1')
+net, opt = flexdemo.prepare(torch.nn.Linear(4, 4), replicator='full', lr=0.1, device='cpu',
+                            fault_tolerance=ft)
+session, inner = opt.session, opt.inner
+out = {'kinds': [isinstance(opt, ElasticOptimizer), isinstance(opt, torch.optim.Optimizer),
+                 isinstance(inner, ElasticOptimizer), inner.fault_tolerance is None,
+                 opt.fault_tolerance is session, opt.param_groups is inner.param_groups],
+       'phases': [session.phase.name], 'inner_steps': []}
+seen = []  # the inner optimizer's steps: who ran it, in which phase of the session
+opt.register_step_pre_hook(lambda o, args, kw: seen.append([o is inner, session.phase.name]))
+sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+for order in ('zero-first', 'forward-zero', 'none'):
+    n = len(seen)
+    if order == 'zero-first':
+        opt.zero_grad()
+        out['phases'].append(session.phase.name)
+    loss = net(torch.ones(2, 4)).sum()
+    if order == 'forward-zero':
+        opt.zero_grad()
+        out['phases'].append(session.phase.name)
+    loss.backward()
+    opt.step()
+    sched.step()
+    out['phases'].append(session.phase.name)
+    out['inner_steps'].append(seen[n:])
+    if order == 'none':
+        net.zero_grad()
+out['steps'] = [opt.steps, inner.steps, opt.last_step_stats()['committed']]
+out['lr'] = [g['lr'] for g in inner.param_groups]
+opt.load_state_dict(opt.state_dict())
+undo = session.start_step()
+try:
+    session.start_step()
+except RuntimeError as e:
+    out['twice'] = str(e)
+out['finish'] = [session.finish_step(undo), session.phase.name,
+                 isinstance(session.phase, Phase)]
+session.shutdown()
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.multiprocess
+def test_the_session_wraps_the_optimizer_whose_step_runs_once(tmp_path):
+    """prepare(fault_tolerance=...) returns the session around a plain optimizer: one call of
+    the inner optimizer's step per step() (inside the quorum), the session's place in its
+    cycle one Phase, an LR scheduler and the state dicts as with the optimizer itself, and a
+    move outside the cycle refused."""
+    lh = Lighthouse(1, tmp_path / "lighthouse.log")
+    try:
+        r = subprocess.run([sys.executable, "-c", f"URL = {lh.url!r}\n" + COMPOSED],
+                           capture_output=True, text=True, timeout=WAIT,
+                           env=dict(os.environ, OMP_NUM_THREADS="1"))
+    finally:
+        lh.stop()
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["kinds"] == [True, True, False, True, True, True]
+    # each step() ran the inner step exactly once, as the inner optimizer, while STEPPING
+    assert out["inner_steps"] == [[[True, "STEPPING"]]] * 3, out["inner_steps"]
+    # the first quorum is formed in zero_grad (a joiner heals there); later ones behind the
+    # forward pass (launched, joined in step()); no zero_grad: step() forms it
+    assert out["phases"] == ["NEW", "JOINED", "IDLE", "LAUNCHED", "IDLE", "IDLE"], out["phases"]
+    assert out["steps"] == [3, 3, True]
+    assert out["lr"] == [0.1 * 0.5 ** 3]
+    assert out["twice"] == ("fault tolerance: STEPPING -> STEPPING is not a step of the "
+                            "session's cycle")
+    assert out["finish"] == [True, "IDLE", True]
 
 
 @pytest.mark.multiprocess

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -19,6 +20,9 @@ from .muon import MuonAdamW
 from .replicate import DeMoReplicator, NonFiniteGradientError, Replicator, make_replicator
 from .replicate.agreement import mark_nonfinite, nonfinite_flag
 from .transport import Transport, group_size, transport_for
+
+if TYPE_CHECKING:
+    from .ft.config import FaultTolerance
 
 BASE_OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {
     "sgd": torch.optim.SGD,
@@ -127,14 +131,32 @@ class DeToNATION(torch.optim.Optimizer):
         base_kwargs: extra arguments for a base optimizer given by name.
         mesh: the ("replicate", "shard") mesh, if any: every replicator's group is checked to
             join only ranks holding this rank's shard.
-        fault_tolerance: a :class:`flexdemo.FaultTolerance`: replicate over the torchft
-            replica groups of the current quorum instead of ``group`` (:mod:`flexdemo.ft`).
+        fault_tolerance: a :class:`flexdemo.FaultTolerance`: what is built is then an
+            :class:`~flexdemo.ft.optimizer.ElasticOptimizer` holding this optimizer, which
+            replicates over the torchft replica groups of each quorum instead of ``group``
+            (:mod:`flexdemo.ft`). The optimizer itself knows nothing of quorums.
     """
+
+    #: ``None``: a plain optimizer steps alone (its :class:`~flexdemo.ft.optimizer.
+    #: ElasticOptimizer` wrapper's is its session)
+    fault_tolerance: None = None
+
+    def __new__(cls, *args: Any, fault_tolerance: FaultTolerance | None = None,
+                **kwargs: Any) -> Any:
+        if fault_tolerance is None:
+            return super().__new__(cls)
+        from .ft.optimizer import ElasticOptimizer  # the composition: session around optimizer
+
+        return ElasticOptimizer.build(cls, *args, fault_tolerance=fault_tolerance, **kwargs)
 
     def __init__(self, params: Iterable, replicators: Replicator | str | Sequence = "demo",
                  base: str | Callable = "sgd", lr: float = 1e-3, *, weight_decay: float = 0.0,
                  group: dist.ProcessGroup | Transport | None = None, nonfinite: str = "raise",
-                 base_kwargs: dict | None = None, mesh=None, fault_tolerance=None) -> None:
+                 base_kwargs: dict | None = None, mesh=None,
+                 fault_tolerance: FaultTolerance | None = None) -> None:
+        if fault_tolerance is not None:  # __new__ builds the ElasticOptimizer from it
+            raise TypeError("fault_tolerance= goes to DeToNATION(...) itself, which then "
+                            "builds an ElasticOptimizer, not to DeToNATION.__init__")
         if not isinstance(lr, (int, float)) or not lr >= 0.0:
             raise ValueError(f"lr must be a number >= 0, got {lr!r}")
         if not isinstance(weight_decay, (int, float)) or not weight_decay >= 0.0:
@@ -187,11 +209,6 @@ class DeToNATION(torch.optim.Optimizer):
             guard_exit()
         if group is None and dist.is_initialized():
             group = dist.group.WORLD
-        self.fault_tolerance = None
-        if fault_tolerance is not None:  # the replica groups of each quorum (flexdemo.ft)
-            from .ft.session import ElasticSession
-            self.fault_tolerance = ElasticSession(fault_tolerance, self.replicators)
-            group = self.fault_tolerance.transport
         self.default_group = group
         self.share_state()
         locals_ = [local_tensor(p) for p in self._params]
@@ -205,14 +222,13 @@ class DeToNATION(torch.optim.Optimizer):
                        if mesh is not None and mesh["shard"].size() > 1 else None)
         self._shard_group = None if shard_group is None else transport_for(shard_group)
         check_same_settings(self, device)  # ranks built alike, or one error on every rank
-        if self.fault_tolerance is not None:
-            self.fault_tolerance.attach(self)
 
     # ------------------------------------------------------------------ stepping
     @torch.no_grad()
     def step(self, closure=None):
-        if self.fault_tolerance is not None and not self.fault_tolerance.stepping:
-            return self.fault_tolerance.step(self, closure)  # quorum, step, commit or undo
+        """One step: the closure (if any), the replicators' exchange, the base step. Under
+        fault tolerance the :class:`~flexdemo.ft.optimizer.ElasticOptimizer` calls it once
+        per step, inside the quorum and before the commit vote."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -319,8 +335,6 @@ class DeToNATION(torch.optim.Optimizer):
         return all(r.keeps_replicas_identical(n) for r in self.replicators)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        if self.fault_tolerance is not None:
-            self.fault_tolerance.begin()  # the quorum before the forward pass: joiners heal
         self.base.zero_grad(set_to_none=set_to_none)
 
     # ------------------------------------------------------------------ accounting
@@ -351,8 +365,8 @@ class DeToNATION(torch.optim.Optimizer):
         """Bytes sent/received and communication seconds of the last step, all replicators
         (the replication link). A base optimizer that talks over the shard group (``"muon"``
         on sharded matrices) adds its intra-node figures as ``shard_bytes_sent``,
-        ``shard_bytes_received`` and ``shard_seconds``. Under fault tolerance, ``replicas``
-        (replica groups in the step), ``committed`` and the quorum's and vote's seconds."""
+        ``shard_bytes_received`` and ``shard_seconds``. (Under fault tolerance the
+        :class:`~flexdemo.ft.optimizer.ElasticOptimizer` adds the session's figures.)"""
         rs = self.replicators
         out: dict = {
             "bytes_sent": sum(r.stats.last_bytes_sent for r in rs),
@@ -367,8 +381,6 @@ class DeToNATION(torch.optim.Optimizer):
             out.update(shard_bytes_sent=shard.last_bytes_sent,
                        shard_bytes_received=shard.last_bytes_received,
                        shard_seconds=shard.last_seconds)
-        if self.fault_tolerance is not None:  # replicas (groups) that took part, commit
-            out.update(self.fault_tolerance.stats())
         for r in rs:  # "auto": what it runs now (None while it measures) and its decisions
             if hasattr(r, "decision") and hasattr(r, "history"):
                 out.update(auto_choice=None if r.decision is None else r.decision.label,

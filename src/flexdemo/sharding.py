@@ -15,6 +15,7 @@ import inspect
 import warnings
 from collections.abc import Callable, Sequence
 from datetime import timedelta
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -28,6 +29,9 @@ from .mesh import DEFAULT_TIMEOUT, build_mesh, check_mesh, init_distributed
 from .muon import with_model_rule
 from .optim import DeToNATION
 from .replicate import NoReplication, Replicator, make_replicator
+
+if TYPE_CHECKING:
+    from .ft.optimizer import ElasticOptimizer
 
 __all__ = ["NoReplicationWarning", "broadcast_module", "broadcast_tensors",
            "default_shard_units", "prepare"]
@@ -239,7 +243,7 @@ def prepare(model: nn.Module, replicator: str | Replicator | Sequence = "demo",
             init_fn: Callable[[nn.Module], None] | None = None,
             precision: str | None = None, buffers: str = "mean",
             timeout: timedelta | None = DEFAULT_TIMEOUT,
-            fault_tolerance=None) -> tuple[nn.Module, DeToNATION]:
+            fault_tolerance=None) -> tuple[nn.Module, DeToNATION | ElasticOptimizer]:
     """Shard ``model`` with FSDP2 inside each replica and return it with its optimizer.
 
     The world is arranged as a ``(replicate, shard)`` mesh (default: ``shard`` = ranks per node
@@ -265,7 +269,9 @@ def prepare(model: nn.Module, replicator: str | Replicator | Sequence = "demo",
             See :mod:`flexdemo.buffers`.
         fault_tolerance: a :class:`flexdemo.FaultTolerance`: each node (this job's world) is
             one torchft replica group, and the replicators exchange over the groups of each
-            step's quorum, which may come and go (:mod:`flexdemo.ft`, docs/elastic.md).
+            step's quorum, which may come and go (:mod:`flexdemo.ft`, docs/elastic.md). The
+            optimizer returned is then an :class:`~flexdemo.ft.optimizer.ElasticOptimizer`:
+            its session around the DeToNATION (``opt.inner``), used the same way.
 
     Which strategy (measured in ``benchmarks/quality.py``; docs/optimizers.md): for the best
     validation loss at a few hundredths of a byte per parameter per step, MuLoCo,
@@ -329,15 +335,23 @@ def prepare(model: nn.Module, replicator: str | Replicator | Sequence = "demo",
         if sync_init:  # shards initialise independently; replicas take the first one's
             broadcast_module(model, group=mesh["replicate"].get_group())
     model._flexdemo_prepared = True  # type: ignore[assignment]  # a marker, not a submodule
-    opt = DeToNATION(list(model.named_parameters()), reps, base=optimizer, lr=lr,
-                     weight_decay=weight_decay, group=mesh["replicate"].get_group(),
-                     nonfinite=nonfinite, base_kwargs=with_model_rule(model, optimizer,
-                                                                      optimizer_kwargs),
-                     mesh=mesh, fault_tolerance=fault_tolerance)
-    for rep in opt.replicators:  # "auto": a full-sync choice after its warm-up needs it
+    args = (list(model.named_parameters()), reps)
+    kwargs: dict[str, Any] = dict(
+        base=optimizer, lr=lr, weight_decay=weight_decay, nonfinite=nonfinite, mesh=mesh,
+        base_kwargs=with_model_rule(model, optimizer, optimizer_kwargs))
+    opt: DeToNATION | ElasticOptimizer
+    if fault_tolerance is None:
+        inner = opt = DeToNATION(*args, group=mesh["replicate"].get_group(), **kwargs)
+    else:  # the session around the optimizer; the replicate group: each quorum's groups
+        from .ft.optimizer import ElasticOptimizer
+
+        opt = ElasticOptimizer.build(DeToNATION, *args, fault_tolerance=fault_tolerance,
+                                     **kwargs)
+        assert isinstance(opt.inner, DeToNATION)
+        inner = opt.inner
+        opt.session.watch(model)  # a group heals before the forward pass, in any loop
+    for rep in inner.replicators:  # "auto": a full-sync choice after its warm-up needs it
         if hasattr(rep, "bind_optimizer"):
-            rep.bind_optimizer(opt)
-    if opt.fault_tolerance is not None:  # a group heals before the forward pass, in any loop
-        opt.fault_tolerance.watch(model)
-    opt.sync_buffers(model, policy=buffers)
+            rep.bind_optimizer(inner)
+    inner.sync_buffers(model, policy=buffers)
     return model, opt

@@ -2,7 +2,8 @@
 
 ``flexdemo.prepare(model, ..., fault_tolerance=FaultTolerance(lighthouse=..., replica_id=...))``
 makes every node a torchft replica group: the replicate dimension is the set of groups in the
-current quorum, which may change at every step (see docs/elastic.md).
+current quorum, which may change at every step (see docs/elastic.md). The optimizer it returns
+is an :class:`ElasticOptimizer`: an :class:`ElasticSession` around a plain DeToNATION.
 """
 
 from ..transport import PeerLostError
@@ -11,6 +12,12 @@ from .transport import ManagerTransport
 
 
 def __getattr__(name: str):
+    if name in ("ElasticOptimizer", "InnerOptimizer"):
+        from . import optimizer
+        return getattr(optimizer, name)
+    if name == "Phase":
+        from .phase import Phase
+        return Phase
     if name in ("ElasticSession", "QuorumTimeoutError", "LighthouseUnreachableError",
                 "LighthouseLostError", "DuplicateReplicaIdError", "TorchFTVersionError"):
         from . import session
@@ -18,7 +25,7 @@ def __getattr__(name: str):
     raise AttributeError(name)
 
 
-__all__ = ["DuplicateReplicaIdError", "ElasticSession", "FaultTolerance",
-           "LighthouseLostError", "LighthouseUnreachableError", "ManagerTransport",
-           "PeerLostError", "QuorumTimeoutError", "TorchFTMissingError", "TorchFTVersionError",
-           "require_torchft"]
+__all__ = ["DuplicateReplicaIdError", "ElasticOptimizer", "ElasticSession", "FaultTolerance",
+           "InnerOptimizer", "LighthouseLostError", "LighthouseUnreachableError",
+           "ManagerTransport", "PeerLostError", "Phase", "QuorumTimeoutError",
+           "TorchFTMissingError", "TorchFTVersionError", "require_torchft"]

@@ -2,10 +2,13 @@
 
 Each node is one torchft replica group (its ranks shard the model with FSDP2); the Manager of
 rank ``r`` joins rank ``r`` of the other groups in a process group that is reconfigured at
-every quorum. A step of the optimizer then runs as::
+every quorum. :class:`~flexdemo.ft.optimizer.ElasticOptimizer` steps a plain optimizer inside
+a session's step::
 
-    quorum (a joiner heals here) -> snapshot -> replicators exchange, base step
-    -> should_commit: yes: keep the step; no: restore the snapshot (the step never happened)
+    begin (quorum; a joiner heals here) -> start_step (snapshot) -> the optimizer's own step
+    -> finish_step: should_commit: yes: keep the step; no: restore the snapshot
+
+The session's place in that cycle is one :class:`Phase`.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import torch.distributed as dist
 from ..transport import PeerLostError
 from .config import FaultTolerance
 from .lighthouse import lighthouse_answers
+from .phase import NEXT, Phase, StepUndo
 from .state import check_supported, heal_state, load_heal_state, rebind, restore, snapshot
 from .torchft_api import (
     TorchFTVersionError,
@@ -62,7 +66,7 @@ class DuplicateReplicaIdError(ValueError):
 
 
 __all__ = ["DuplicateReplicaIdError", "ElasticSession", "LighthouseLostError",
-           "LighthouseUnreachableError", "QuorumTimeoutError", "TorchFTVersionError"]
+           "LighthouseUnreachableError", "Phase", "QuorumTimeoutError", "TorchFTVersionError"]
 
 
 def _store(hostname: str) -> tuple[str, int, object]:
@@ -99,7 +103,10 @@ class _HealBeforeForward:
 
 
 class ElasticSession:
-    """The fault-tolerance side of one :class:`~flexdemo.optim.DeToNATION` optimizer."""
+    """One replica group's quorums, heals and commit votes around a plain
+    :class:`~flexdemo.optim.DeToNATION` (:meth:`attach`); the optimizer knows nothing of it.
+    :class:`~flexdemo.ft.optimizer.ElasticOptimizer` drives it: :meth:`begin` (from
+    ``zero_grad()``), :meth:`start_step`, the optimizer's own step, :meth:`finish_step`."""
 
     def __init__(self, config: FaultTolerance, replicators: list | None = None) -> None:
         if not isinstance(config, FaultTolerance):
@@ -116,19 +123,16 @@ class ElasticSession:
         assert lighthouse is not None and replica_id is not None
         addr, port, self._own_store = _store(hostname)
         self.opt: FlexOptimizer | None = None
-        self.stepping = False
-        self._begun = False
-        self._launched = False  # this step's quorum started (it may run behind the forward pass)
+        self._phase = Phase.NEW
         self._launch_seconds = 0.0
-        self._stale = False  # healed after its forward pass (see join_quorum)
-        self._started = False
         self._modules: list[torch.nn.Module] = []  # watch(): heal before their forward pass
         self._armed: list[Any] = []  # the armed forward pre-hooks' handles
         self._quorum_id = None
         self._lighthouse_lost = False  # said that the lighthouse does not answer
-        self._before_commit = None  # tests: called after a step, before its commit vote
         self.participants = 0
-        self.committed = None
+        # the last step's vote (None before the first): a result, read by stats() and by the
+        # next begin() (a group whose vote failed may have to heal), not a phase of the cycle
+        self.committed: bool | None = None
         self.failed_commits = 0
         self.quorum_seconds = 0.0
         self.commit_seconds = 0.0
@@ -149,6 +153,17 @@ class ElasticSession:
                 "start one with `flexdemo lighthouse --min_replicas 1` or fix "
                 "TORCHFT_LIGHTHOUSE") from None
         self.transport = ManagerTransport(self.manager, pg, config.timeout)
+
+    @property
+    def phase(self) -> Phase:
+        """Where this session is in its step (:class:`Phase`)."""
+        return self._phase
+
+    def _advance(self, to: Phase) -> None:
+        if to not in NEXT[self._phase]:
+            raise RuntimeError(f"fault tolerance: {self._phase.name} -> {to.name} is not a "
+                               "step of the session's cycle")
+        self._phase = to
 
     # ------------------------------------------------------------------ set-up
     def attach(self, opt: FlexOptimizer) -> None:
@@ -182,7 +197,7 @@ class ElasticSession:
             raise TypeError(f"watch() takes the model (a torch.nn.Module), got "
                             f"{type(module).__name__}")
         self._modules.append(module)
-        if self._armed or not self._started:
+        if self._armed or self._phase is Phase.NEW:
             self._disarm()
             self._arm()
 
@@ -198,16 +213,17 @@ class ElasticSession:
         self._armed = []
 
     # ------------------------------------------------------------------ stepping
-    def begin(self) -> None:
+    def begin(self, *, heal_now: bool | None = None) -> None:
         """Start this step's quorum; called by ``zero_grad()``, by the watched model's forward
         pre-hook (:meth:`watch`) while this group may have to heal, or by ``step()`` if not
         yet. Where this group may have to heal (its first quorum, or the one after its own
         commit vote failed) the quorum is formed here, so that a joiner heals before its
         forward pass, never between it and its backward pass; otherwise torchft forms it
-        behind the forward and backward passes and :meth:`step` waits for it
-        (:meth:`join_quorum`). Refused in one line at the first step when no model is
-        watched."""
-        if self._launched or self._begun:
+        behind the forward and backward passes and ``step()`` waits for it
+        (:meth:`join_quorum`). ``heal_now`` overrides that choice (``False``: behind the
+        forward pass even so, where torchft heals after it and the step is voted down).
+        Refused in one line at the first step when no model is watched."""
+        if self._phase not in (Phase.NEW, Phase.IDLE):
             return
         assert self.opt is not None, "attach() the optimizer first"
         if not self._modules:
@@ -217,9 +233,10 @@ class ElasticSession:
                 "pass and needs the model for that: call opt.fault_tolerance.watch(model) "
                 "before the first step (flexdemo.prepare does)")
         self._disarm()
-        may_heal = not self._started or self.committed is False
-        if not self._started:  # a resumed optimizer: the lighthouse sees its committed steps
-            self._started = True
+        may_heal = self._phase is Phase.NEW or self.committed is False
+        if heal_now is not None:
+            may_heal = heal_now
+        if self._phase is Phase.NEW:  # a resumed optimizer: the lighthouse sees its steps
             if self.manager.current_step() != self.opt.steps:
                 self.manager.load_state_dict({"step": self.opt.steps,
                                               "batches_committed": 0})
@@ -230,7 +247,8 @@ class ElasticSession:
                 self._quorum()
         else:  # behind the forward pass
             self._quorum()
-        self._launched, self._launch_seconds = True, time.perf_counter() - t0
+        self._advance(Phase.LAUNCHED)
+        self._launch_seconds = time.perf_counter() - t0
         if may_heal:
             self.join_quorum()
 
@@ -238,12 +256,10 @@ class ElasticSession:
         """Wait for this step's quorum and bind the replicators to it (``step()`` does; a loop
         may call it earlier). Waits while fewer than ``min_replicas`` groups are there, at
         most ``quorum_timeout`` seconds."""
-        if self._begun:
-            return
-        if not self._launched:
+        if self._phase in (Phase.NEW, Phase.IDLE):
             self.begin()
-            if self._begun:
-                return
+        if self._phase is not Phase.LAUNCHED:  # joined already (begin() may join)
+            return
         assert self.opt is not None, "attach() the optimizer first"
         quorum_timeout = self.config.quorum_timeout
         assert quorum_timeout is not None  # filled in by the config
@@ -266,7 +282,7 @@ class ElasticSession:
                 set_async_quorum(self.manager, False)
                 self._quorum()
         # healed after its forward pass: its gradients are not the peers'
-        self._stale = apply_late_heal(self.manager)
+        stale = apply_late_heal(self.manager)
         self._check_unique_ids()
         # torchft counts only the groups at the newest step as this step's participants when
         # the quorum ran behind the forward pass, and its commit vote needs min_replicas of
@@ -284,7 +300,7 @@ class ElasticSession:
                 rep.quorum_changed()
         self._after_membership_change()
         self.quorum_seconds = self._launch_seconds + time.perf_counter() - t0
-        self._begun = True
+        self._advance(Phase.STALE if stale else Phase.JOINED)
 
     def _check_unique_ids(self) -> None:
         """Raise :class:`DuplicateReplicaIdError` (one line) when another live group of this
@@ -408,10 +424,13 @@ class ElasticSession:
             f"for a quorum of {self.config.min_replicas} replica group(s) at "
             f"{self.config.lighthouse}{got}; start more replica groups or lower min_replicas")
 
-    def step(self, opt, closure=None):
-        """One fault-tolerant step of ``opt`` (see the module's docstring)."""
+    def start_step(self) -> StepUndo:
+        """Before the optimizer's own step: join this step's quorum (:meth:`join_quorum`) and
+        copy what the step may change. Hand the result to :meth:`finish_step` after it."""
         self.join_quorum()
-        stale = self._stale
+        opt = self.opt
+        assert opt is not None, "attach() the optimizer first"
+        stale = self._phase is Phase.STALE
         if stale:  # its gradients came from the state before its heal: it takes part in the
             with torch.no_grad():  # exchange with zero gradients and votes no after it, so the
                 for p in opt.params:  # step is undone everywhere (an error reported before
@@ -425,34 +444,33 @@ class ElasticSession:
                 rep.quorum_changed()
             snap = snapshot(opt)
         self.snapshot_seconds = time.perf_counter() - t0
-        self.stepping = True
-        loss = None
-        error: BaseException | None = None
-        try:
-            loss = opt.step(closure)
-        except PeerLostError as e:
-            error = e
-        except BaseException as e:
-            self.manager.report_error(e if isinstance(e, Exception) else RuntimeError(str(e)))
-            error = e
-        finally:
-            self.stepping = False
-            self._begun = self._launched = self._stale = False
-        if stale:
+        self._advance(Phase.STEPPING)
+        return StepUndo(snap, stale)
+
+    def finish_step(self, undo: StepUndo, error: BaseException | None = None) -> bool:
+        """After the optimizer's own step: the commit vote of every group. Committed, the step
+        is kept; else ``undo`` is put back (bitwise, the step never happened) and this group
+        may heal at its next quorum. ``error``: the step raised it (reported to the Manager:
+        this group votes no; a :class:`~flexdemo.transport.PeerLostError` the Manager has
+        recorded already). Returns whether the step was committed."""
+        opt = self.opt
+        assert opt is not None, "attach() the optimizer first"
+        self._advance(Phase.IDLE)
+        if error is not None and not isinstance(error, PeerLostError):
+            self.manager.report_error(error if isinstance(error, Exception)
+                                      else RuntimeError(str(error)))
+        if undo.stale:
             self.manager.report_error(RuntimeError("this replica group healed after its "
                                                    "forward pass"))
-        if self._before_commit is not None:
-            self._before_commit(opt)
         t0 = time.perf_counter()
-        self.committed = self.manager.should_commit()
+        committed = bool(self.manager.should_commit())
+        self.committed = committed
         self.commit_seconds = time.perf_counter() - t0
-        if not self.committed:
-            restore(opt, snap)
+        if not committed:
+            restore(opt, undo.snapshot)
             self.failed_commits += 1
             self._arm()  # it may heal at its next quorum: before the next forward pass
-        if error is not None and not isinstance(error, PeerLostError):
-            raise error
-        return loss
+        return committed
 
     def stats(self) -> dict:
         """The last step: replica groups that took part, whether it was committed, and the

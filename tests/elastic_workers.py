@@ -13,10 +13,11 @@ over them. Choreography options for the tests:
 ``--verbose`` keeps torchft's own logs in full;
 ``--heal-late`` forms this group's first quorum behind its forward pass (the fallback a group
 that torchft heals late takes: it sends zeros and votes no); ``--ready-file F`` is written once
-the Manager is up; ``--save D`` / ``--resume D``: a checkpoint at the end / to
-start from. ``--order`` is the loop's order (:data:`ORDERS`); each step's data comes from
-``opt.steps`` where the loop reads it (after ``zero_grad()`` when that comes first, else before
-the forward pass), and ``progress`` records the step ``step()`` runs.
+the Manager is up (by rank 0; rank r > 0 writes ``F.r<r>``); ``--save D`` / ``--resume D``:
+a checkpoint at the end / to start from. ``--order`` is the loop's order (:data:`ORDERS`);
+each step's data comes from ``opt.steps`` where the loop reads it (after ``zero_grad()`` when
+that comes first, else before the forward pass), and ``progress`` records the step ``step()``
+runs.
 """
 
 from __future__ import annotations
@@ -92,8 +93,9 @@ def main(argv: list[str] | None = None) -> int:
     session = opt.fault_tolerance
     if a.resume:
         flexdemo.load_checkpoint(a.resume, net, opt)
-    if a.ready_file and int(os.environ.get("RANK", "0")) == 0:
-        Path(a.ready_file).write_text("ready\n")
+    if a.ready_file:  # rank 0: the file; rank r > 0: the file + ".r<r>" (its quorum waits
+        r = int(os.environ.get("RANK", "0"))  # for every rank: hold on all of them)
+        Path(a.ready_file + (f".r{r}" if r else "")).write_text("ready\n")
     if a.heal_late:  # its first quorum runs behind the forward pass (as if this group had
         session.begin(heal_now=False)  # started before), so torchft heals it after that pass
     failed_once = False

@@ -388,10 +388,13 @@ def test_sharded_groups_rank_r_replicates_with_rank_r(tmp_path, procs, order):
         ready_a = tmp_path / "a-ready"
         ready1, ready2 = tmp_path / "b1-ready", tmp_path / "b2-ready"
         common = ["--replicator", "demo", "--steps", "12", "--timeout", "30", "--order", order]
-        a = _group(procs, tmp_path, lh.url, "A", "A", 2, *common, "--hold", f"0:{ready1}",
-                   "--hold", f"8:{ready2}", "--ready-file", str(ready_a))
+        # a group's quorum request waits for all its ranks: hold on every rank's file (a
+        # rank slow to start on a loaded machine would otherwise leave A to train on alone)
+        a = _group(procs, tmp_path, lh.url, "A", "A", 2, *common, "--hold",
+                   f"0:{ready1},{ready1}.r1", "--hold", f"8:{ready2},{ready2}.r1",
+                   "--ready-file", str(ready_a))
         b1 = _group(procs, tmp_path, lh.url, "B", "B1", 2, *common, "--die-at", "5",
-                    "--ready-file", str(ready1), "--hold", f"0:{ready_a}")
+                    "--ready-file", str(ready1), "--hold", f"0:{ready_a},{ready_a}.r1")
         # rank 0 hosts the group's Manager server: when it dies first, rank 1 may stop with
         # an error (a one-line one when in its quorum) instead of reaching its own kill
         codes = [_wait(p, tmp_path, name) for p, name in b1]

@@ -7,10 +7,12 @@ current quorum, which may change at every step (see docs/elastic.md).
 
 from ..transport import PeerLostError
 from .config import FaultTolerance, TorchFTMissingError, require_torchft
-from .transport import ManagerTransport
 
 
 def __getattr__(name: str):
+    if name == "ManagerTransport":  # re-exported from flexdemo.transport, loaded on first use
+        from ..transport import ManagerTransport
+        return ManagerTransport
     if name in ("ElasticSession", "QuorumTimeoutError", "LighthouseUnreachableError",
                 "LighthouseLostError", "DuplicateReplicaIdError", "TorchFTVersionError"):
         from . import session

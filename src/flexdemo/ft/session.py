@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from ..transport import PeerLostError
+from ..transport import ManagerTransport, PeerLostError
 from .config import FaultTolerance
 from .lighthouse import lighthouse_answers
 from .state import check_supported, heal_state, load_heal_state, rebind, restore, snapshot
@@ -32,7 +32,6 @@ from .torchft_api import (
     new_manager,
     set_async_quorum,
 )
-from .transport import ManagerTransport
 
 if TYPE_CHECKING:
     from ..checkpoint import FlexOptimizer

@@ -281,7 +281,7 @@ def buffer_bytes(rep: DeMoReplicator) -> int:
     buckets; shared storage counted once), on any device."""
     seen: dict[int, int] = {}
     tensors = [t for g in rep.groups for t in (g.coef, g.xh, g.img, g.xpad)]
-    tensors += list(vars(rep._work).values()) + list(rep._buckets)
+    tensors += list(vars(rep._work).values()) + list(rep.send_buffers)
     for t in tensors:
         if isinstance(t, torch.Tensor):
             st = t.untyped_storage()

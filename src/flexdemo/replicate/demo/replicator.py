@@ -9,13 +9,14 @@ import torch
 from ...compress.bits import pack_bits
 from ...compress.blocks import BlockValueCodec
 from ...compress.select import topk_blocks_rowmajor
-from ...transport import Pending, all_gather
+from ...transport import all_gather
 from ..agreement import HEADER_BYTES, write_header, zero_where
 from ..base import Replicator
 from ..rounding import STATE_DTYPES
-from . import delayed, state
-from .checks import VerdictToHost, check_payloads, good_peers
+from . import state
+from .checks import check_payloads, good_peers
 from .decode import blocks_into_image, clip_to_median_norm, decode_mean, dense_inverse, write_own
+from .delayed import InFlight
 from .graphs import CompiledSelection, StepGraphs
 from .layout import BlockLayout, Group
 from .offload import HostMomentum
@@ -124,15 +125,16 @@ class DeMoReplicator(Replicator):
         self.scratch, self.units, self.groups = (self.layout.scratch, self.layout.units,
                                                  self.layout.groups)
         self._work = self.layout.work
-        self._momentum = HostMomentum(self.groups, self.device, self.offload,
-                                      STATE_DTYPES[self.momentum_dtype])
+        self.host_momentum = HostMomentum(self.groups, self.device, self.offload,
+                                          STATE_DTYPES[self.momentum_dtype])
         self.bucket_bytes = self.layout.bucket_bytes
         self.staging_plans = Staging(self.layout)
-        nbuf = 2 if self.overlap == "delayed" else 1
-        self._buckets = [torch.zeros(self.bucket_bytes, dtype=torch.uint8, device=self.device)
-                         for _ in range(nbuf)]
-        # delayed mode: (step, payloads or their exchange, plan, this replica's row in them)
-        self._inflight: tuple[int, torch.Tensor | Pending, StepPlan, int] | None = None
+        nbuf = 2 if self.overlap == "delayed" else 1  # this rank's payloads
+        self.send_buffers = [torch.zeros(self.bucket_bytes, dtype=torch.uint8,
+                                         device=self.device) for _ in range(nbuf)]
+        self.inflight = InFlight(  # delayed mode: the exchange in flight, deferred verdict
+            self.send_buffers, self.groups, self.codec, self.staging_plans, self._encode_payload,
+            self._on_payloads, self._good_peers, self._write_mean, self._add_to_momentum)
         # the momentum's decay factor, and 1 for a step whose input is not finite
         self._decay_factor = torch.tensor(self.decay, dtype=torch.float32, device=self.device)
         self._one = torch.ones((), dtype=torch.float32, device=self.device)
@@ -142,10 +144,6 @@ class DeMoReplicator(Replicator):
         self._step_on_device = torch.zeros((), dtype=torch.int64, device=self.device)
         self._lrs_on_device = torch.zeros(max(1, len(self.units)), dtype=torch.float32,
                                           device=self.device)
-        # delayed mode: the step a landing payload must carry, and the deferred verdict
-        self._expected_step = torch.zeros((), dtype=torch.int64, device=self.device)
-        self._verdict_to_host = VerdictToHost()
-        self._pending: tuple | None = None  # (step, presence code, host rows, CUDA event)
         # reduce="scatter": its buffers per group size, and those the encode packs into
         self._scatters: dict[int, SparseScatter] = {}
         self._parts: SparseScatter | None = None
@@ -174,7 +172,7 @@ class DeMoReplicator(Replicator):
                 name=self.name)
         return self._scatters.get(self.world)  # filled under reduce="scatter" only
 
-    def _plan_step(self, grads, lrs) -> StepPlan:
+    def plan_step(self, grads, lrs) -> StepPlan:
         """The step's plan (which gradients are present, which units share a step size);
         notes the step size of each class for the device scalars."""
         present = tuple(g is not None for g in grads)
@@ -206,8 +204,8 @@ class DeMoReplicator(Replicator):
             return self._replicate_delayed(grads, lrs, step)
         if self.reduce == "scatter" and communicate:  # block owners reduce (.scatter)
             return self._replicate_scattered(grads, lrs, step)
-        plan = self._plan_step(grads, lrs)
-        buf = self._buckets[0]
+        plan = self.plan_step(grads, lrs)
+        buf = self.send_buffers[0]
         # decay + encode, select, code, error feedback: this rank's payload
         sent = self._encode_payload(grads, lrs, step, buf)
         # exchange (a group of one, or a step the schedule skips, keeps its own)
@@ -223,7 +221,7 @@ class DeMoReplicator(Replicator):
 
     def _replicate_scattered(self, grads, lrs, step):
         """A communicating step of ``reduce="scatter"`` (:class:`~.scatter.SparseScatter`)."""
-        plan, ex = self._plan_step(grads, lrs), self._scattered()
+        plan, ex = self.plan_step(grads, lrs), self._scattered()
         assert ex is not None, "reduce='scatter' communicates over several ranks"
         self._parts = ex  # the encode packs into the owners' parts
         try:  # decay + encode, select, error feedback
@@ -241,10 +239,10 @@ class DeMoReplicator(Replicator):
     def _replicate_delayed(self, grads, lrs, step):
         """One step of ``overlap="delayed"``: check what was sent last step, encode and send
         this step's, and apply last step's mean."""
-        plan = self._plan_step(grads, lrs)
-        received = delayed.receive_inflight(self)  # last step's payloads, before encoding
-        delayed.encode_and_send(self, grads, lrs, step, plan)
-        delayed.apply_received(self, received, plan, grads)
+        plan = self.plan_step(grads, lrs)
+        received = self.inflight.receive()  # last step's payloads, before encoding
+        self.inflight.send(grads, lrs, step, plan, self.transport, self.stats, self.rank)
+        self.inflight.apply(received, plan, grads)
         return grads
 
     # ------------------------------------------------------------------ encode
@@ -256,8 +254,8 @@ class DeMoReplicator(Replicator):
         device: the flag is found first (least and largest staged input), the staged input
         is zeroed and the decay factor is 1 where it is set, and the selected values are
         sent as zeros (so error feedback changes nothing); the header carries the flag."""
-        plan = self._plan_step(grads, lrs)
-        self._momentum.begin(step, self.rank)  # bf16: the key of its rounding
+        plan = self.plan_step(grads, lrs)
+        self.host_momentum.begin(step, self.rank)  # bf16: the key of its rounding
         if self.layout.shared_staging:  # each group staged just before its encode
             return self._encode_staged(plan, lrs, step, buf, grads)
         self.staging_plans.stage(grads, plan)
@@ -320,7 +318,7 @@ class DeMoReplicator(Replicator):
         device tensor: 1 on a rank whose input is not finite (``bad``; its staged input is
         then zero, so its momentum stays as it was, bit for bit). Decaying first and adding the
         product with ``beta = 1`` gives the bits of one product with ``beta = decay``."""
-        self._momentum.bring(g)  # offload=True: from host memory
+        self.host_momentum.bring(g)  # offload=True: from host memory
         w, cc, n = self._work, g.chunk[1], g.coef.numel()
         scale = {id(r): self._step_size(r, lrs, classes) for r in runs}
         for r in runs:
@@ -376,14 +374,14 @@ class DeMoReplicator(Replicator):
         """Add ``sign * sent`` to the momentum (sign -1: error feedback, +1: undo it): to the
         coefficients of tiling units, and through the inverse DCT to the momentum of padded
         units (their blocks of ``coef`` only hold this step's fresh coefficients)."""
-        self._momentum.bring(g)
+        self.host_momentum.bring(g)
         g.coef.view(-1).scatter_add_(0, pos.view(-1), (vals if sign > 0 else -vals).view(-1))
         for s in g.segments:
             if s.padded:
                 blocks = dense_inverse(self.layout, g, s, [(idx[s.rows], vals[s.rows])], 1)
                 blocks_into_image(self.layout, g, s, blocks)
                 torch._foreach_add_(s.deltas, s.outs, alpha=sign)
-        self._momentum.send()  # offload=True: back to host memory
+        self.host_momentum.send()  # offload=True: back to host memory
 
     def _undo_error_feedback(self, sent: list[Sent | None]) -> None:
         """After a failed exchange every rank adds back what it sent (a rank whose input was
@@ -469,7 +467,7 @@ class DeMoReplicator(Replicator):
     def _decode(self, gathered: torch.Tensor, grads, step: int, code: int) -> None:
         """Check ``gathered`` payloads of ``step`` and write their decoded mean into
         ``grads`` (``code``: this rank's presence code, as computed from ``grads``)."""
-        plan = self._plan_step(grads, None)
+        plan = self.plan_step(grads, None)
         if code != plan.code:
             raise ValueError(f"{self.name}: presence code {code} does not match the gradients")
         good, decoded = self._check_now(gathered, step, plan)
@@ -480,11 +478,11 @@ class DeMoReplicator(Replicator):
         """What this rank sent in its last exchange, as the peers decode it, into ``outs``."""
         if not self.reports_sent:
             return super().sent_into(outs)
-        plan = self._plan_step(outs, None)
-        write_own(self.layout, self.staging_plans, self.codec, self._buckets[0], plan, outs)
+        plan = self.plan_step(outs, None)
+        write_own(self.layout, self.staging_plans, self.codec, self.send_buffers[0], plan, outs)
 
     def quorum_changed(self) -> None:
-        delayed.return_inflight(self)
+        self.inflight.drop()
         super().quorum_changed()
 
     def reset_replica_state(self) -> None:
@@ -492,9 +490,10 @@ class DeMoReplicator(Replicator):
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict:
-        return state.save(self, super().state_dict())
+        return self.inflight.save(state.save(self, super().state_dict()))
 
     def load_state_dict(self, sd: dict) -> None:
         deltas = state.check_loadable(self, sd)
         super().load_state_dict(sd)
         state.load(self, sd, deltas)
+        self.inflight.load(sd, len(self._shapes or ()), self.rank)

@@ -253,7 +253,7 @@ def test_full_disk_during_save_is_one_line_and_keeps_the_previous_checkpoint(
     if where == "dcp":  # DCP wraps it in a CheckpointException (a BaseException)
         monkeypatch.setattr(dcp_filesystem, "_write_item", _no_space)
     else:
-        monkeypatch.setattr(save_load, "_fsync_write", _no_space)
+        monkeypatch.setattr(save_load, "fsync_write", _no_space)
     with pytest.raises(ckpt.CheckpointError) as info:
         save_checkpoint(tmp_path / "step_000002", model, opt, step=2)
     msg = str(info.value)

@@ -28,7 +28,7 @@ from torch import nn
 from .muon import with_model_rule
 from .optim import DeToNATION
 from .replicate import Replicator, make_replicator
-from .sharding import _target_device
+from .sharding import target_device
 from .transport import InProcessHub, InProcessTransport, ReplicaAbortedError
 
 
@@ -165,7 +165,7 @@ class SimulatedReplicas:
         self.loss_fn = loss_fn
         self.models = [copy.deepcopy(base) for _ in range(replicas)]
         if device is not None:
-            device = _target_device(torch.device("cpu"), device)  # one line if unusable
+            device = target_device(torch.device("cpu"), device)  # one line if unusable
             self.models = [m.to(device) for m in self.models]
         first = next(self.models[0].parameters(), None)
         self.device = first.device if first is not None else torch.device("cpu")

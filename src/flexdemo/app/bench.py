@@ -33,7 +33,7 @@ from ..tools.netns import ClusterError, ShapingUnavailableError, cleanup_stale
 from ..tools.rates import format_rate, parse_bandwidth
 from .bench_elastic import elastic_problem, run_elastic
 from .bench_link import StepWatch, dir_label, parse_link
-from .bench_report import _finite, comparison_lines, format_table, time_to_target_lines
+from .bench_report import comparison_lines, format_table, is_finite, time_to_target_lines
 from .config import ConfigError
 from .config_checks import config_from_dict, validate
 from .config_files import apply_overrides, read_config_file, to_toml
@@ -438,7 +438,7 @@ def _one_run(o: BenchOptions, cluster: EmulatedCluster, name: str, bw: str, out:
     else:
         val = record.get("val_loss")
         echo(f"   done in {result.seconds:.0f}s: val loss "
-             f"{format(val, '.4f') if _finite(val) else '-'}"
+             f"{format(val, '.4f') if is_finite(val) else '-'}"
              f", step {record['step_seconds'] * 1e3:.0f} ms (compute "
              f"{record['compute_seconds'] * 1e3:.0f} + comm {record['comm_seconds'] * 1e3:.0f})"
              f", {record['bytes_sent_per_step'] / 1e6:.4f} MB sent per rank per step")

@@ -37,7 +37,7 @@ class PhasedReplicator(Replicator):
             if not isinstance(rep, Replicator):
                 raise TypeError(f"phased: {which} must be a Replicator instance, got "
                                 f"{type(rep).__name__}")
-            if rep._shapes is not None:
+            if rep.is_set_up:
                 raise ValueError(f"phased: the {which} replicator is already in use; pass a "
                                  "fresh one")
             if rep.replicate_every != 1 or rep.skip_every:

@@ -6,7 +6,7 @@ the exchange in flight (:meth:`InFlight.drop`)."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import torch
 
@@ -15,7 +15,7 @@ from .checks import VerdictToHost, arrived, check_payloads, kept_peers
 from .layout import Group, block_positions
 from .staging import Staging, StepPlan
 
-__all__ = ["Exchange", "InFlight"]
+__all__ = ["Exchange", "InFlight", "Stages"]
 
 
 class Exchange(NamedTuple):
@@ -28,24 +28,40 @@ class Exchange(NamedTuple):
     row: int
 
 
+class Stages(Protocol):
+    """The owner's stages that :class:`InFlight` calls (a
+    :class:`~flexdemo.replicate.DeMoReplicator`), looked up at each call."""
+
+    def encode_payload(self, grads, lrs, step: int, buf: torch.Tensor) -> list:
+        """This rank's payload for ``step`` in ``buf`` (error feedback included)."""
+
+    def on_payloads(self, key: tuple, fn: Callable, gathered: torch.Tensor) -> Any:
+        """``fn(gathered)``, through a CUDA graph for ``key`` when graphed."""
+
+    def good_peers_of(self, rows: list[list[int]], step: int, code: int) -> list[int]:
+        """The good peers of a verdict's ``rows``; raises, or counts bad peers."""
+
+    def write_mean(self, decoded: list, good: list[int] | None, sent_plan: StepPlan,
+                   plan: StepPlan, grads, kept=None) -> None:
+        """The decoded mean of the peers' payloads into ``grads``."""
+
+    def add_to_momentum(self, g: Group, idx: torch.Tensor, pos: torch.Tensor,
+                        vals: torch.Tensor, sign: float) -> None:
+        """Add ``sign * sent`` to the momentum of group ``g``."""
+
+
 class InFlight:
     """The delayed mode's exchange in flight and the verdict deferred a step.
 
-    The owner hands over its send buffers (two: a step's buffer is not touched until the step
-    after next), its groups, codec and staging plans (:class:`~.staging.Staging`), and the
-    stages this needs: ``encode(grads, lrs, step, buf)`` (this rank's payload, error feedback
-    included), ``on_payloads(key, fn, gathered)`` (``fn`` through a CUDA graph when graphed),
-    ``good_peers(rows, step, code)`` (raise, or count bad peers),
-    ``write_mean(decoded, good, sent_plan, plan, grads, kept)`` and
-    ``add_to_momentum(group, idx, pos, vals, sign)``. A step calls :meth:`receive`, then
-    :meth:`send`, then :meth:`apply`."""
+    Its owner (:class:`Stages`) hands over its send buffers (two: a step's buffer is not
+    touched until the step after next), its groups, codec and staging plans
+    (:class:`~.staging.Staging`). A step calls :meth:`receive`, then :meth:`send`, then
+    :meth:`apply`."""
 
-    def __init__(self, buffers: list[torch.Tensor], groups: list[Group], codec,
-                 plans: Staging, encode: Callable, on_payloads: Callable,
-                 good_peers: Callable, write_mean: Callable, add_to_momentum: Callable) -> None:
+    def __init__(self, owner: Stages, buffers: list[torch.Tensor], groups: list[Group], codec,
+                 plans: Staging) -> None:
+        self.owner = owner
         self.buffers, self.groups, self.codec, self.plans = buffers, groups, codec, plans
-        self._encode, self._on_payloads, self._good_peers = encode, on_payloads, good_peers
-        self._write_mean, self._add_to_momentum = write_mean, add_to_momentum
         self.sent: Exchange | None = None
         # the step a landing payload must carry (a device scalar the checks' graph reads)
         self.device = buffers[0].device
@@ -60,7 +76,7 @@ class InFlight:
         pending, self.verdict = self.verdict, None
         if pending is not None:
             step, code, host = arrived(pending)
-            self._good_peers(host.tolist(), step, code)
+            self.owner.good_peers_of(host.tolist(), step, code)
 
     def receive(self):
         """Judge the verdict deferred by the step before, then wait for the exchange in
@@ -74,7 +90,7 @@ class InFlight:
         prev_step, handle, prev_plan, _ = previous
         gathered = handle.wait() if isinstance(handle, Pending) else handle
         self.expected_step.fill_(prev_step)
-        verdict, decoded, keep, count = self._on_payloads(
+        verdict, decoded, keep, count = self.owner.on_payloads(
             ("check-kept", prev_plan.key), lambda x: self._check_and_keep(x, prev_plan),
             gathered)
         self.verdict = self._to_host.start(verdict, prev_step, prev_plan.code)
@@ -90,7 +106,7 @@ class InFlight:
     def send(self, grads, lrs, step: int, plan: StepPlan, transport, stats, rank: int) -> None:
         """Encode ``grads`` and start their exchange over ``transport`` (applied next step)."""
         buf = self.buffers[step % 2]
-        self._encode(grads, lrs, step, buf)
+        self.owner.encode_payload(grads, lrs, step, buf)
         self.sent = Exchange(step, all_gather(buf, transport, stats, async_op=True), plan, rank)
 
     def apply(self, received, plan: StepPlan, grads) -> None:
@@ -100,7 +116,7 @@ class InFlight:
             torch._foreach_zero_([g for g in grads if g is not None])
             return
         decoded, kept, sent_plan = received
-        self._write_mean(decoded, None, sent_plan, plan, grads, kept)
+        self.owner.write_mean(decoded, None, sent_plan, plan, grads, kept)
 
     def hand_verdict_to(self, other: InFlight) -> None:
         """``other`` judges this one's deferred verdict at its next step (a phase switch)."""
@@ -122,7 +138,8 @@ class InFlight:
         for g, sent in zip(self.groups, decoded):
             if sent is not None:
                 idx, vals = sent[0][0], sent[1][0]
-                self._add_to_momentum(g, idx, block_positions(g.coef.shape, idx), vals, sign=1.0)
+                pos = block_positions(g.coef.shape, idx)
+                self.owner.add_to_momentum(g, idx, pos, vals, sign=1.0)
 
     # ------------------------------------------------------------------ state
     def clear(self) -> None:

@@ -133,8 +133,7 @@ class DeMoReplicator(Replicator):
         self.send_buffers = [torch.zeros(self.bucket_bytes, dtype=torch.uint8,
                                          device=self.device) for _ in range(nbuf)]
         self.inflight = InFlight(  # delayed mode: the exchange in flight, deferred verdict
-            self.send_buffers, self.groups, self.codec, self.staging_plans, self._encode_payload,
-            self._on_payloads, self._good_peers, self._write_mean, self._add_to_momentum)
+            self, self.send_buffers, self.groups, self.codec, self.staging_plans)
         # the momentum's decay factor, and 1 for a step whose input is not finite
         self._decay_factor = torch.tensor(self.decay, dtype=torch.float32, device=self.device)
         self._one = torch.ones((), dtype=torch.float32, device=self.device)
@@ -193,12 +192,12 @@ class DeMoReplicator(Replicator):
            (:meth:`_update_momentum`);
         2. the top-k coefficients of every block (:meth:`_select_topk`), packed into this
            rank's payload (:meth:`_pack_payload`);
-        3. error feedback: ``delta -= `` what the peers will decode (:meth:`_add_to_momentum`);
+        3. error feedback: ``delta -= `` what the peers will decode (:meth:`add_to_momentum`);
         4. all-gather the payloads (:meth:`_exchange`) and check them (:meth:`_check_now`);
         5. the peers' mean through the inverse DCT, then ``sign()``, into ``grads``
-           (:meth:`_write_mean`).
+           (:meth:`write_mean`).
 
-        Steps 1-3 are :meth:`_encode_payload`. ``overlap="delayed"`` applies step 5 to the
+        Steps 1-3 are :meth:`encode_payload`. ``overlap="delayed"`` applies step 5 to the
         payloads of the step before (:meth:`_replicate_delayed`)."""
         if self.overlap == "delayed":
             return self._replicate_delayed(grads, lrs, step)
@@ -207,7 +206,7 @@ class DeMoReplicator(Replicator):
         plan = self.plan_step(grads, lrs)
         buf = self.send_buffers[0]
         # decay + encode, select, code, error feedback: this rank's payload
-        sent = self._encode_payload(grads, lrs, step, buf)
+        sent = self.encode_payload(grads, lrs, step, buf)
         # exchange (a group of one, or a step the schedule skips, keeps its own)
         gathered = self._exchange(buf) if communicate else buf.unsqueeze(0)
         try:  # check every payload on the device; the step's one read of the verdict
@@ -216,7 +215,7 @@ class DeMoReplicator(Replicator):
             self._undo_error_feedback(sent)
             raise
         # decode the mean of the good payloads, inverse DCT, sign, write into the gradients
-        self._write_mean(decoded, good, plan, plan, grads)
+        self.write_mean(decoded, good, plan, plan, grads)
         return grads
 
     def _replicate_scattered(self, grads, lrs, step):
@@ -225,7 +224,7 @@ class DeMoReplicator(Replicator):
         assert ex is not None, "reduce='scatter' communicates over several ranks"
         self._parts = ex  # the encode packs into the owners' parts
         try:  # decay + encode, select, error feedback
-            sent = self._encode_payload(grads, lrs, step, ex.bucket)
+            sent = self.encode_payload(grads, lrs, step, ex.bucket)
         finally:
             self._parts = None
         try:
@@ -246,7 +245,7 @@ class DeMoReplicator(Replicator):
         return grads
 
     # ------------------------------------------------------------------ encode
-    def _encode_payload(self, grads, lrs, step: int, buf: torch.Tensor) -> list:
+    def encode_payload(self, grads, lrs, step: int, buf: torch.Tensor) -> list:
         """This rank's payload for ``step`` in ``buf``; returns per group the sent
         (indices, positions, values), or None for groups without gradients.
 
@@ -272,7 +271,7 @@ class DeMoReplicator(Replicator):
 
     def _encode_staged(self, plan: StepPlan, lrs, step: int | torch.Tensor,
                        buf: torch.Tensor, grads=None) -> list:
-        """:meth:`_encode_payload` after the staging: all device work, the same for every
+        """:meth:`encode_payload` after the staging: all device work, the same for every
         step of one shape (a CUDA graph on CUDA unless ``graphs=False``). With ``grads``
         (shared staging) each group is staged here, just before its encode."""
         st = self.staging_plans
@@ -295,7 +294,7 @@ class DeMoReplicator(Replicator):
                                   plan.key[1])
             idx, pos, vals = self._select_topk(g, plan.off_rows[gi], bad)  # of every block
             vals = self._pack_payload(g, idx, vals, buf)  # packed indices, coded values
-            self._add_to_momentum(g, idx, pos, vals, sign=-1.0)  # delta -= what peers see
+            self.add_to_momentum(g, idx, pos, vals, sign=-1.0)  # delta -= what peers see
             sent.append((idx, pos, vals))
         write_header(buf, step, bad, plan.code)  # on the device: no host round trip
         return sent
@@ -369,7 +368,7 @@ class DeMoReplicator(Replicator):
         pack_bits(idx, g.bits, buf[g.idx_off: g.val_off])
         return self.codec.encode(vals, buf[g.val_off: g.end])
 
-    def _add_to_momentum(self, g: Group, idx: torch.Tensor, pos: torch.Tensor,
+    def add_to_momentum(self, g: Group, idx: torch.Tensor, pos: torch.Tensor,
                          vals: torch.Tensor, sign: float) -> None:
         """Add ``sign * sent`` to the momentum (sign -1: error feedback, +1: undo it): to the
         coefficients of tiling units, and through the inverse DCT to the momentum of padded
@@ -389,7 +388,7 @@ class DeMoReplicator(Replicator):
         momentum update alone (no extra read of the device)."""
         for g, s in zip(self.groups, sent):
             if s is not None:
-                self._add_to_momentum(g, *s, sign=1.0)
+                self.add_to_momentum(g, *s, sign=1.0)
 
     # ------------------------------------------------------------------ exchange
     def _exchange(self, buf: torch.Tensor) -> torch.Tensor:
@@ -405,7 +404,7 @@ class DeMoReplicator(Replicator):
         return out
 
     # ------------------------------------------------------------------ check
-    def _on_payloads(self, key: tuple, fn, gathered: torch.Tensor):
+    def on_payloads(self, key: tuple, fn, gathered: torch.Tensor):
         """``fn(gathered)``, through a CUDA graph for ``key`` when graphed."""
         if not self._graphed:
             return fn(gathered)
@@ -414,20 +413,20 @@ class DeMoReplicator(Replicator):
     def _check_now(self, gathered: torch.Tensor, step: int, plan: StepPlan):
         """Check the gathered payloads and read the verdict; raise or drop bad ones. Returns
         the good peers and the decoded payloads."""
-        verdict, decoded = self._on_payloads(
+        verdict, decoded = self.on_payloads(
             ("check", plan.key), lambda x: check_payloads(x, self.groups, self.codec, plan),
             gathered)
         rows = verdict.tolist()  # the one read of the device in a step
-        return self._good_peers(rows, step, plan.code), decoded
+        return self.good_peers_of(rows, step, plan.code), decoded
 
-    def _good_peers(self, rows: list[list[int]], step: int, code: int) -> list[int]:
+    def good_peers_of(self, rows: list[list[int]], step: int, code: int) -> list[int]:
         """The good peers of a verdict's ``rows``; raises, or counts and warns, for every bad
         payload (:meth:`bad_peer`)."""
         return good_peers(rows, step, code, name=self.name, group=self.transport,
                           groups=self.groups, bad_peer=self.bad_peer)
 
     # ------------------------------------------------------------------ decode
-    def _write_mean(self, decoded: list, good: list[int] | None, sent_plan: StepPlan,
+    def write_mean(self, decoded: list, good: list[int] | None, sent_plan: StepPlan,
                     plan: StepPlan, grads,
                     kept: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
         """The decoded mean of the good peers' payloads (encoded with ``sent_plan``) into the
@@ -471,7 +470,7 @@ class DeMoReplicator(Replicator):
         if code != plan.code:
             raise ValueError(f"{self.name}: presence code {code} does not match the gradients")
         good, decoded = self._check_now(gathered, step, plan)
-        self._write_mean(decoded, good, plan, plan, grads)
+        self.write_mean(decoded, good, plan, plan, grads)
 
     # ------------------------------------------------------------------ contract
     def sent_into(self, outs) -> None:

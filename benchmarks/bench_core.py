@@ -167,18 +167,18 @@ class OpCount(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
     def __enter__(self):
-        counter, self._tolist = self, torch.Tensor.tolist
+        counter, self.plain_tolist = self, torch.Tensor.tolist
 
         def tolist(t):  # not dispatched: counted where it is called
             # (not a host copy filled a step before without waiting: DeMo's deferred verdict)
             counter.reads += not getattr(t, "_flexdemo_host_copy", False)
-            return counter._tolist(t)
+            return counter.plain_tolist(t)
 
         torch.Tensor.tolist = tolist
         return super().__enter__()
 
     def __exit__(self, *exc):
-        torch.Tensor.tolist = self._tolist
+        torch.Tensor.tolist = self.plain_tolist
         return super().__exit__(*exc)
 
 
@@ -281,7 +281,7 @@ def buffer_bytes(rep: DeMoReplicator) -> int:
     buckets; shared storage counted once), on any device."""
     seen: dict[int, int] = {}
     tensors = [t for g in rep.groups for t in (g.coef, g.xh, g.img, g.xpad)]
-    tensors += list(vars(rep._work).values()) + list(rep._buckets)
+    tensors += list(vars(rep.layout.work).values()) + list(rep.send_buffers)
     for t in tensors:
         if isinstance(t, torch.Tensor):
             st = t.untyped_storage()

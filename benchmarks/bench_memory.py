@@ -30,7 +30,6 @@ import json
 import os
 import resource
 import socket
-import sys
 import tempfile
 import time
 import warnings
@@ -153,7 +152,6 @@ def main(argv: list[str] | None = None) -> int:
                     help="DeMo's group_numel (default: the library's; 0: no bound)")
     ap.add_argument("--out", default=str(ROOT / "benchmarks/results/memory.json"))
     a = ap.parse_args(argv)
-    sys.path.insert(0, str(ROOT / "src"))
     from flexdemo import STRATEGIES
     names = [s for s in a.strategies.split(",") if s]
     bad = [s for s in names if s not in STRATEGIES]

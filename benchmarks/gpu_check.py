@@ -29,6 +29,8 @@ import torch.distributed as dist  # noqa: E402
 from torch import nn  # noqa: E402
 from torch.distributed.tensor import DTensor  # noqa: E402
 
+import flexdemo  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -89,8 +91,6 @@ def fresh(seed: int = 0) -> Net:
 
 
 def prepare(model, *args, **kwargs):
-    import flexdemo
-
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", flexdemo.NoReplicationWarning)
         return flexdemo.prepare(model, *args, device="cuda", **kwargs)
@@ -120,7 +120,7 @@ def check_train(precision: str, replicator: str, optimizer: str, lr: float, **kw
         # DeMo replicators (also inside a phased one or as DiLoCo's exchange) graph their
         # step by default on CUDA
         demos = [x for x in [rep, getattr(rep, "then", None), *getattr(rep, "exchanges", [])]
-                 if hasattr(x, "_graphs")]
+                 if isinstance(x, flexdemo.DeMoReplicator)]
         if demos and (kw.get("replicator_kwargs") or {}).get("graphs", "auto"):
             captured = sum(len(x.step_graphs.captured) for x in demos)
             ok = ok and captured > 0
@@ -168,8 +168,6 @@ def check_dcp(rank, steps):
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-    import flexdemo
-
     def make(seed):
         rep = flexdemo.DeMoReplicator(sign=False)
         return prepare(fresh(seed), rep, "adamw", 1e-3, precision="bf16")
@@ -201,8 +199,6 @@ def check_dcp(rank, steps):
 
 
 def check_flexdemo_checkpoint(rank, steps):
-    import flexdemo
-
     with tempfile.TemporaryDirectory() as tmp:
         if dist.get_world_size() > 1:
             names = [tmp]
@@ -282,9 +278,6 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print(f"gpu_check: no CUDA device here (torch {torch.__version__}); nothing to check")
         return 0
-    sys.path.insert(0, str(ROOT / "src"))
-    import flexdemo
-
     flexdemo.init_distributed("cuda")
     rank = dist.get_rank()
     checks = [

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import importlib.util
 import json
 import math
 import platform
@@ -36,20 +37,35 @@ import traceback
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
+from types import ModuleType
 
 import torch
 
 T0 = time.perf_counter()
 HERE = Path(__file__).resolve().parent
-if str(HERE) not in sys.path:  # bench_core.py and quality.py beside this script
-    sys.path.insert(0, str(HERE))
-import bench_core  # noqa: E402
-import quality  # noqa: E402
-from gpu_evidence_report import plots, quality_table, step_tables  # noqa: E402
 
 from flexdemo import DeToNATION, SimulatedReplicas, make_replicator, parse_strategy  # noqa: E402
 from flexdemo.app.schedule import lr_at  # noqa: E402
 from flexdemo.app.tasks import GPT, ByteWindows, eval_indices, gpt_config  # noqa: E402
+
+
+def beside(name: str) -> ModuleType:
+    """The script ``name``.py beside this one, loaded from its file (benchmarks/ is not a
+    package, and this script edits no ``sys.path``); registered under ``name`` so that its
+    dataclasses find it."""
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, HERE / f"{name}.py")
+    assert spec is not None and spec.loader is not None, name
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+bench_core, quality = beside("bench_core"), beside("quality")
+report = beside("gpu_evidence_report")
+plots, quality_table, step_tables = report.plots, report.quality_table, report.step_tables
 
 # row name: a strategy of flexdemo.STRATEGIES (the table `flexdemo bench` reads), with settings
 STEP_STRATEGIES = {

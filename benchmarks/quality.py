@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import importlib.util
 import json
 import math
 import multiprocessing as mp
@@ -32,6 +33,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from types import ModuleType
 from typing import Any, NoReturn
 
 import torch
@@ -50,9 +52,26 @@ from flexdemo.app.tasks import (
     load_corpus,
 )
 
-if str(Path(__file__).resolve().parent) not in sys.path:  # the prototypes beside this script
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-from prototypes import KeepDiLoCo, LookaheadDeMo, ResidualDiLoCo  # noqa: E402,F401
+
+def beside(name: str) -> ModuleType:
+    """The script ``name``.py beside this one, loaded from its file (benchmarks/ is not a
+    package, and this script edits no ``sys.path``); registered under ``name`` so that its
+    dataclasses, and spawned workers unpickling its classes, find it."""
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, Path(__file__).resolve().parent
+                                                  / f"{name}.py")
+    assert spec is not None and spec.loader is not None, name
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+# the prototypes that did not help (benchmarks/prototypes.py), to run their rows again
+prototypes = beside("prototypes")
+KeepDiLoCo, LookaheadDeMo, ResidualDiLoCo = (
+    prototypes.KeepDiLoCo, prototypes.LookaheadDeMo, prototypes.ResidualDiLoCo)
 
 
 @dataclass(frozen=True)

@@ -108,7 +108,7 @@ def replicas_by_shard(results: list, name: str) -> dict:
 def corrupt_first_values(rep, dtype: torch.dtype, count: int) -> None:
     """Make DeMo replicator ``rep`` send NaN as the first ``count`` values (of ``dtype``) of its
     first group from now on: a corrupt peer."""
-    fill = rep._encode_payload
+    fill = rep.encode_payload
 
     def corrupt(grads, lrs, step, buf):
         res = fill(grads, lrs, step, buf)
@@ -116,4 +116,4 @@ def corrupt_first_values(rep, dtype: torch.dtype, count: int) -> None:
         buf[g.val_off: g.val_off + count * dtype.itemsize].view(dtype).fill_(float("nan"))
         return res
 
-    rep._encode_payload = corrupt
+    rep.encode_payload = corrupt

@@ -215,7 +215,7 @@ def test_root_without_network_namespaces_falls_back(tmp_path, monkeypatch, capsy
     monkeypatch.setattr(netns.os, "geteuid", lambda: 0)
     monkeypatch.setattr(bench, "cleanup_stale", lambda: [])
     monkeypatch.setattr(bench.EmulatedCluster, "__enter__", no_netns)
-    monkeypatch.setattr(netns, "_find_tool", lambda name: f"/usr/sbin/{name}")
+    monkeypatch.setattr(netns, "find_tool", lambda name: f"/usr/sbin/{name}")
     o = bench_options(strategies="no-sync", bandwidths="10mbit", nodes=2, ranks_per_node=1,
                       steps=2, out=str(tmp_path), quiet=True, timeout=240,
                       overrides=["task.model=tiny", "task.corpus_bytes=100000",

@@ -182,6 +182,70 @@ def test_benchmarks_import_documented_modules_only(path):
             assert name in public, f"{path.name}:{line} imports {module}.{name}, not public"
 
 
+
+# transformers' per-module init hook, which train_hf.py's meta-device init_fn calls (not
+# ours); the mark DeMo puts on its verdict's host copy, read a step later (bench_core counts
+# reads of the device without it)
+ALLOWED_PRIVATE = {"_init_weights", "_flexdemo_host_copy"}
+
+
+def _path_edits_and_private_names(path: Path) -> list[str]:
+    """``line: text`` for every ``sys.path`` use and every ``x._name`` where ``x`` is not
+    ``self``, ``cls``, ``super()`` or a third-party module (``torch._foreach_add_``)."""
+    import ast
+
+    tree = ast.parse(path.read_text())
+    modules = {(a.asname or a.name).split(".")[0] for node in ast.walk(tree)
+               if isinstance(node, ast.Import) for a in node.names} - {"flexdemo"}
+    modules |= {a.asname or a.name for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
+                and not (node.module or "").startswith(("flexdemo", "__future__"))
+                for a in node.names}
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) \
+                and node.func.id in ("getattr", "hasattr", "setattr") and len(node.args) > 1 \
+                and isinstance(node.args[1], ast.Constant) \
+                and str(node.args[1].value).startswith("_") \
+                and node.args[1].value not in ALLOWED_PRIVATE:
+            found.append(f"{node.lineno}: {ast.unparse(node)}")
+        if not isinstance(node, ast.Attribute):
+            continue
+        if node.attr == "path" and isinstance(node.value, ast.Name) and node.value.id == "sys":
+            found.append(f"{node.lineno}: {ast.unparse(node)}")
+        elif node.attr.startswith("_") and not node.attr.startswith("__") \
+                and node.attr not in {"_replace", "_asdict"} | ALLOWED_PRIVATE:
+            root = node.value
+            while isinstance(root, ast.Attribute):
+                root = root.value
+            if isinstance(root, ast.Call) and isinstance(root.func, ast.Name) \
+                    and root.func.id == "super":
+                continue
+            if isinstance(root, ast.Name) and root.id in {"self", "cls"} | modules:
+                continue
+            found.append(f"{node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+SCRIPTS = sorted([*BENCH.glob("*.py"), *(ROOT / "examples").rglob("*.py")])
+
+
+@pytest.mark.parametrize("path", [p for p in SCRIPTS if p.name != "prototypes.py"],
+                         ids=lambda p: str(p.relative_to(ROOT)))
+def test_scripts_edit_no_path_and_use_no_private_name(path):
+    """Benchmarks and examples use the installed flexdemo as documented: no ``sys.path``
+    edits (a script beside them is loaded from its file) and no private name of an object
+    (benchmarks/prototypes.py alone hooks private stages; docs/extending.md says why)."""
+    assert not _path_edits_and_private_names(path)
+
+
+def test_the_script_checker_sees_a_path_edit_and_a_private_name(tmp_path):
+    bad = tmp_path / "bad.py"
+    bad.write_text("import sys\nimport torch\nsys.path.insert(0, '.')\n"
+                   "rep = object()\nprint(rep._work, torch._foreach_add_, super()._x)\n"
+                   "hasattr(rep, '_graphs')\n")
+    assert sorted(_path_edits_and_private_names(bad)) == [
+        "3: sys.path", "5: rep._work", "6: hasattr(rep, '_graphs')"]
+
 def test_the_checker_sees_a_private_import(tmp_path):
     """The import check reads what a file imports: a private module and a private name show."""
     bad = tmp_path / "bad.py"

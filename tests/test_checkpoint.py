@@ -45,7 +45,7 @@ def test_round_trip_continues_bitwise(tmp_path, kind):
     if kind == "diloco":
         assert opt.replicators[0].pending, "fragment 0's sync should be in flight after step 1"
     if kind == "demo-delayed":  # step 1's exchange in flight, step 0's verdict not yet judged
-        assert opt.replicators[0]._inflight and opt.replicators[0]._pending
+        assert opt.replicators[0].inflight.sent and opt.replicators[0].inflight.verdict
     path = save_checkpoint(tmp_path / "step_000002", model, opt, step=2, extra=extra_for(0))
     assert path == tmp_path / "step_000002"
     run_steps(model, opt, 5, 2)
@@ -56,7 +56,7 @@ def test_round_trip_continues_bitwise(tmp_path, kind):
     res = load_checkpoint(path, model2, opt2)
     assert res["step"] == 2 and opt2.steps == 2 and opt2.skipped_steps == 0
     if kind == "demo-delayed":  # the verdict comes back, to be judged at the next step
-        assert opt2.replicators[0]._pending[0] == 0
+        assert opt2.replicators[0].inflight.verdict[0] == 0
     want = extra_for(0)
     assert res["extra"].keys() == want.keys()
     assert torch.equal(res["extra"]["rng"], want["rng"])
@@ -253,7 +253,7 @@ def test_full_disk_during_save_is_one_line_and_keeps_the_previous_checkpoint(
     if where == "dcp":  # DCP wraps it in a CheckpointException (a BaseException)
         monkeypatch.setattr(dcp_filesystem, "_write_item", _no_space)
     else:
-        monkeypatch.setattr(save_load, "_fsync_write", _no_space)
+        monkeypatch.setattr(save_load, "fsync_write", _no_space)
     with pytest.raises(ckpt.CheckpointError) as info:
         save_checkpoint(tmp_path / "step_000002", model, opt, step=2)
     msg = str(info.value)

@@ -50,10 +50,10 @@ def _probe_netns() -> str | None:
     other failure of the emulator is a bug for the tests to report, never a skip."""
     if os.geteuid() != 0:
         return "needs root (network namespaces and tc)"
-    missing = [t for t in ("ip", "tc") if nt._find_tool(t) is None]
+    missing = [t for t in ("ip", "tc") if nt.find_tool(t) is None]
     if missing:
         return f"needs iproute2 ({' and '.join(missing)} not found)"
-    ip = nt._find_tool("ip")
+    ip = nt.find_tool("ip")
     name = f"{nt.NAME_PREFIX}probe-{os.getpid()}"
     added = subprocess.run([ip, "netns", "add", name], capture_output=True, text=True)
     if added.returncode != 0:
@@ -91,7 +91,7 @@ def netns():
     yield
     left = _ours(os.getpid())
     if left:
-        nt._delete_netns(left)
+        nt.delete_netns(left)
     assert not left, f"namespaces left behind: {left}"
 
 
@@ -164,7 +164,7 @@ def test_shaping_without_root_says_so(monkeypatch):
 
 def test_shaping_without_iproute2_says_so(monkeypatch):
     monkeypatch.setattr(os, "geteuid", lambda: 0)
-    monkeypatch.setattr(nt, "_find_tool", lambda name: None)
+    monkeypatch.setattr(nt, "find_tool", lambda name: None)
     with pytest.raises(ShapingUnavailableError, match="install iproute2.*--unshaped"):
         EmulatedCluster(2, 1, "100mbit")
 
@@ -292,7 +292,7 @@ def test_cleanup_stale_removes_only_dead_runs(netns):
         names = _netns_names()
         assert dead not in names and live in names
     finally:
-        nt._delete_netns([n for n in (dead, live) if n in _netns_names()])
+        nt.delete_netns([n for n in (dead, live) if n in _netns_names()])
 
 
 THROUGHPUT = r"""
@@ -446,7 +446,7 @@ def test_cli_signal_stops_ranks_and_removes_namespaces(sig, code, default_sigint
             proc.kill()
             proc.wait()
         if shaped:
-            nt._delete_netns(_ours(proc.pid))
+            nt.delete_netns(_ours(proc.pid))
     deadline = time.monotonic() + 5
     while not all(_gone(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.05)

@@ -369,7 +369,7 @@ def test_the_executable_skips_finalisation_only_after_a_multi_rank_run(monkeypat
     import flexdemo.app.cli as cli
     import flexdemo.app.cli_train as cli_train
 
-    monkeypatch.setattr(cli_train, "_LEAVE_AT_ONCE", cli_train.threading.Event())
+    monkeypatch.setattr(cli_train, "LEAVE_AT_ONCE", cli_train.threading.Event())
     monkeypatch.setattr(cli_train, "train", lambda cfg, exit_on_lost_peer, handle_signals: {})
     monkeypatch.setattr(cli_train.dist, "is_initialized", lambda: True)
     monkeypatch.setattr(cli_train.dist, "get_world_size", lambda: world)

@@ -136,16 +136,16 @@ def test_non_finite_input_leaves_the_momentum_untouched(overlap, where, kw):
             rep(grads, lrs, 3)
     else:  # applied one step later as zeros (on the device), raised the step after that
         rep(grads, lrs, 3)
-        buf = rep._buckets[3 % len(rep._buckets)].clone()
+        buf = rep.send_buffers[3 % len(rep.send_buffers)].clone()
         assert _same(rep.delta, before)
         out = rep([torch.randn(s) for s in SHAPES], lrs, 4)
         assert all(not g.any() for g in out)  # the flagged payload's update is left out
         with pytest.raises(NonFiniteGradientError, match="step 3"):
             rep([torch.randn(s) for s in SHAPES], lrs, 5)
-        rep._buckets[3 % len(rep._buckets)] = buf  # what step 3 sent, for the checks below
+        rep.send_buffers[3 % len(rep.send_buffers)] = buf  # what step 3 sent, for the checks below
         before = rep.delta  # (step 4 updated the momentum)
     assert _same(rep.delta, before)
-    buf = rep._buckets[3 % len(rep._buckets)]
+    buf = rep.send_buffers[3 % len(rep.send_buffers)]
     assert buf[:32].view(torch.int64)[2].item() == 1  # the header's non-finite flag
     for g in rep.groups:  # every value sent is zero
         assert not rep.codec.decode(buf[g.val_off: g.end].unsqueeze(0), g.blocks, g.k).any()
@@ -159,7 +159,7 @@ def test_corrupt_payload_in_delayed_mode_is_named():
     rep(grads, [1.0, 1.0], 0)
     step1 = [torch.randn(8, 12), torch.randn(12)]
     rep(step1, [1.0, 1.0], 1)
-    _, handle, _, _ = rep._inflight
+    _, handle, _, _ = rep.inflight.sent
     g = rep.groups[0]
     handle.wait()[0, g.idx_off: g.val_off] = 0  # repeated indices in what rank 0 sent
     # step 2 applies it without reading the device: the only peer is left out (zeros)
@@ -178,7 +178,7 @@ def _corrupt_delayed(on_bad_peer):
     rep([torch.randn(8, 12), torch.randn(12)], [1.0, 1.0], 0)
     rep([torch.randn(8, 12), torch.randn(12)], [1.0, 1.0], 1)
     g = rep.groups[0]
-    rep._inflight[1].wait()[0, g.idx_off: g.val_off] = 0
+    rep.inflight.sent.payloads.wait()[0, g.idx_off: g.val_off] = 0
     return rep
 
 

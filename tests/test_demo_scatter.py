@@ -9,9 +9,9 @@ import torch
 from frontier_util import batch, loss_fn, tiny_model
 
 from flexdemo import SimulatedReplicas
-from flexdemo.inprocess import InProcessHub
 from flexdemo.replicate import CorruptPayloadError, DeMoReplicator, NonFiniteGradientError
 from flexdemo.simulate import run_replicas
+from flexdemo.transport import InProcessHub
 
 K = 5
 # tiling tensors in blocks of 8 x 8 (4 + 3 blocks), 4 x 8 (5 blocks) and 6 x 8 (4 blocks): no

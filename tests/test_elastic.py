@@ -732,9 +732,9 @@ def test_delayed_demo_returns_its_exchange_in_flight(arrived):
     sent = [d.clone() for d in delayed.delta]
     if arrived:
         delayed.load_state_dict(delayed.state_dict())  # the payloads, no send buffer needed
-        delayed._buckets[0].zero_()
+        delayed.send_buffers[0].zero_()
     delayed.quorum_changed()
-    assert delayed._inflight is None
+    assert delayed.inflight.sent is None
     assert any(not torch.equal(a, b) for a, b in zip(sent, delayed.delta))  # it sent something
     assert _same(list(delayed.delta), list(sync.delta))
 

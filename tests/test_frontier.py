@@ -12,7 +12,6 @@ from frontier_util import batch, loss_fn, tiny_model
 
 from flexdemo import SimulatedReplicas
 from flexdemo.compress.quant import ValueCodec
-from flexdemo.inprocess import InProcessHub
 from flexdemo.replicate import (
     FRONTIER,
     DeMoReplicator,
@@ -22,6 +21,7 @@ from flexdemo.replicate import (
     make_replicator,
 )
 from flexdemo.simulate import run_replicas
+from flexdemo.transport import InProcessHub
 
 CHUNK, K = 8, 5
 SHAPES = [torch.Size([16, 16]), torch.Size([8, 24])]  # 4 and 3 blocks of 8 x 8, no padding

@@ -103,7 +103,6 @@ def test_cuda_without_a_gpu_is_one_line(capsys, monkeypatch, tmp_path):
     spec = importlib.util.spec_from_file_location("gpu_evidence", SCRIPT)
     module = importlib.util.module_from_spec(spec)
     monkeypatch.setitem(sys.modules, "gpu_evidence", module)  # its dataclasses look it up
-    monkeypatch.setattr(sys, "path", list(sys.path))  # it puts benchmarks/ first
     spec.loader.exec_module(module)
     monkeypatch.setattr(module.torch.cuda, "is_available", lambda: False)
     with pytest.raises(SystemExit) as e:

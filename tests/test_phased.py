@@ -87,7 +87,7 @@ def test_delayed_switch_hands_the_verdict_on():
         phased(grads_at(step), lrs, step)
     first = phased.first
     g = first.groups[0]
-    first._inflight[1].wait()[0, g.idx_off: g.val_off] = 0  # repeated indices, step 1
+    first.inflight.sent.payloads.wait()[0, g.idx_off: g.val_off] = 0  # repeated indices, step 1
     assert all(not o.any() for o in phased(grads_at(2), lrs, 2))  # the switch: left out
     assert phased.first is None
     with pytest.raises(Exception, match="rank 0 .*step 1: repeated index"):

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from flexdemo.compress.quant import ValueCodec
-from flexdemo.inprocess import InProcessHub
 from flexdemo.replicate import CorruptPayloadError, FullReplicator, NonFiniteGradientError
 from flexdemo.simulate import run_replicas
+from flexdemo.transport import InProcessHub
 
 SHAPES = [torch.Size([37, 5]), torch.Size([11]), torch.Size([3, 3])]
 

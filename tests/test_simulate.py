@@ -13,8 +13,8 @@ from torch import nn
 
 import flexdemo
 from flexdemo import DeToNATION, FullReplicator, NonFiniteGradientError
-from flexdemo.inprocess import InProcessTransport, ReplicaAbortedError
 from flexdemo.simulate import SimulatedReplicas, SimulationError
+from flexdemo.transport import InProcessTransport, ReplicaAbortedError
 
 
 @pytest.fixture

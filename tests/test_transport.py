@@ -7,10 +7,10 @@ import torch
 import torch.distributed as dist
 from dist_util import run_world
 
-from flexdemo.inprocess import InProcessHub, ring_sum_
 from flexdemo.simulate import SimulationError, run_replicas
 from flexdemo.transport import (
     CommStats,
+    InProcessHub,
     Pending,
     ProcessGroupTransport,
     all_gather,
@@ -22,6 +22,7 @@ from flexdemo.transport import (
     group_rank,
     group_ranks,
     group_size,
+    ring_sum_,
     transport_for,
 )
 

@@ -156,8 +156,8 @@ def test_presets_reach_the_byte_targets():
 
 def _payloads(rep, n=2):
     grads = [torch.randn(128, 192), torch.randn(192), torch.randn(7, 9)]
-    buf = rep._buckets[0]
-    rep._encode_payload(grads, [1e-2] * 3, 0, buf)
+    buf = rep.send_buffers[0]
+    rep.encode_payload(grads, [1e-2] * 3, 0, buf)
     return grads, torch.stack([buf.clone() for _ in range(n)])
 
 
@@ -186,8 +186,8 @@ def test_index_out_of_range_is_caught():
     rep = DeMoReplicator(topk=4, chunk=8)
     rep.setup([torch.Size([8, 12])], torch.device("cpu"), None)  # blocks of 8x12=96: 7 bits
     grads = [torch.randn(8, 12)]
-    rep._encode_payload(grads, [1.0], 0, rep._buckets[0])
-    gathered = torch.stack([rep._buckets[0].clone()] * 2)
+    rep.encode_payload(grads, [1.0], 0, rep.send_buffers[0])
+    gathered = torch.stack([rep.send_buffers[0].clone()] * 2)
     u = rep.groups[0]
     gathered[1, u.idx_off: u.val_off] = 0xFF  # every index 127 >= 96
     with pytest.raises(CorruptPayloadError, match="rank 1 .*out of range"):

@@ -6,7 +6,6 @@ from .buffers import BufferSync
 from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from .compress import BlockDCT, plan_chunks
 from .ft import FaultTolerance
-from .inprocess import InProcessHub
 from .lion import Lion
 from .memory import LiveBytes
 from .mesh import build_mesh, init_distributed, mesh_shape
@@ -30,7 +29,7 @@ from .replicate import (
 from .sharding import NoReplicationWarning, prepare
 from .simulate import SimulatedReplicas
 from .strategies import STRATEGIES, Strategy, check_strategy, parse_strategy
-from .transport import CommStats
+from .transport import CommStats, InProcessHub
 from .version import __version__ as __version__  # explicit re-export
 
 __all__ = [

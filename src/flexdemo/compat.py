@@ -30,7 +30,7 @@ from .replicate import FullReplicator, NoReplication, Replicator
 from .replicate import RandomReplicator as _Random
 from .replicate import SlicingReplicator as _Slicing
 from .replicate import StridingReplicator as _Striding
-from .replicate.base import _check_schedule
+from .replicate.base import check_schedule
 from .sharding import prepare
 
 __all__ = ["DeMoReplicator", "DeToAdamW", "DeToSGD", "FullReplicator", "NoReplicator",
@@ -81,7 +81,7 @@ def _schedule(reps: list[Replicator], replicate_every, skip_every, detonation_si
         raise ValueError(f"replicate_every / skip_every need one value per replicator ({n})")
     for r, e, s in zip(reps, every, skips):
         s = 0 if s is None else s
-        _check_schedule(e, s)
+        check_schedule(e, s)
         r.replicate_every, r.skip_every = e, s
         if hasattr(r, "sign"):
             r.sign = detonation_sign

@@ -140,7 +140,7 @@ def _model_device(model: nn.Module) -> torch.device:
     return devices.pop()
 
 
-def _target_device(current: torch.device, device) -> torch.device:
+def target_device(current: torch.device, device) -> torch.device:
     """The device to train on: ``device`` ('auto', 'cpu', 'cuda', 'cuda:1', ...) or, when
     None, the model's own device (CUDA if available for a model on 'meta')."""
     if device is None:
@@ -299,7 +299,7 @@ def prepare(model: nn.Module, replicator: str | Replicator | Sequence = "demo",
         raise TypeError(f"init_fn must be a callable fn(module), got {type(init_fn).__name__}")
     fsdp_opts = _fsdp_options(fsdp_kwargs, precision)
     current = _model_device(model)
-    target = _target_device(current, device)
+    target = target_device(current, device)
     on_meta = current.type == "meta"
     if on_meta and init_fn is None:
         _check_initialisable(model)

@@ -1,10 +1,10 @@
 """N replicas of a model trained in one process on one device, exchanging through memory.
 
 :class:`SimulatedReplicas` builds N copies of a model (the same initial weights) and N
-optimizers whose replicators talk over an :class:`~flexdemo.inprocess.InProcessHub` instead of
+optimizers whose replicators talk over an :class:`~flexdemo.transport.InProcessHub` instead of
 the network: the same replicators, codecs and byte accounting as a run with N processes, and
 the same bits as N gloo processes (DeMo and every other all-gather exchange decode in rank
-order; all-reduce sums in gloo's ring order, see :func:`flexdemo.inprocess.ring_sum_`).
+order; all-reduce sums in gloo's ring order, see :func:`flexdemo.transport.ring_sum_`).
 
 A step runs every replica's forward and backward one after the other in the calling thread,
 each with its own random-number state (dropout draws what it would draw in its own process),
@@ -25,11 +25,11 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from .inprocess import InProcessHub, InProcessTransport, ReplicaAbortedError
 from .muon import with_model_rule
 from .optim import DeToNATION
 from .replicate import Replicator, make_replicator
-from .sharding import _target_device
+from .sharding import target_device
+from .transport import InProcessHub, InProcessTransport, ReplicaAbortedError
 
 
 class SimulationError(RuntimeError):
@@ -165,7 +165,7 @@ class SimulatedReplicas:
         self.loss_fn = loss_fn
         self.models = [copy.deepcopy(base) for _ in range(replicas)]
         if device is not None:
-            device = _target_device(torch.device("cpu"), device)  # one line if unusable
+            device = target_device(torch.device("cpu"), device)  # one line if unusable
             self.models = [m.to(device) for m in self.models]
         first = next(self.models[0].parameters(), None)
         self.device = first.device if first is not None else torch.device("cpu")

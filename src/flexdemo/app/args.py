@@ -106,7 +106,7 @@ def check_out_file(parser: argparse.ArgumentParser, out: str, option: str = "--o
                      "choose another path")
 
 
-def _checked(parse: Callable[[str], object]) -> Callable[[str], str]:
+def checked(parse: Callable[[str], object]) -> Callable[[str], str]:
     """An argparse type that keeps the text once ``parse`` accepts it (its error otherwise)."""
     def check(text: str) -> str:
         try:
@@ -118,7 +118,7 @@ def _checked(parse: Callable[[str], object]) -> Callable[[str], str]:
     return check
 
 
-def _positive_int(text: str) -> int:
+def positive_int(text: str) -> int:
     try:
         value = int(text)
     except ValueError:
@@ -128,7 +128,7 @@ def _positive_int(text: str) -> int:
     return value
 
 
-def _positive_float(text: str) -> float:
+def positive_float(text: str) -> float:
     try:
         value = float(text)
     except ValueError:
@@ -138,7 +138,7 @@ def _positive_float(text: str) -> float:
     return value
 
 
-def _seconds(text: str) -> float:
+def seconds_arg(text: str) -> float:
     try:
         value = float(text)
     except ValueError:

@@ -35,9 +35,9 @@ from ..tools.rates import format_rate, parse_bandwidth
 from .bench_elastic import elastic_problem, run_elastic
 from .bench_link import StepWatch, dir_label, parse_link
 from .bench_report import (
-    _finite,
     comparison_lines,
     format_table,
+    is_finite,
     retune_cost_lines,
     time_to_target_lines,
 )
@@ -454,7 +454,7 @@ def _one_run(o: BenchOptions, cluster: EmulatedCluster, name: str, bw: str, out:
     else:
         val = record.get("val_loss")
         echo(f"   done in {result.seconds:.0f}s: val loss "
-             f"{format(val, '.4f') if _finite(val) else '-'}"
+             f"{format(val, '.4f') if is_finite(val) else '-'}"
              f", step {record['step_seconds'] * 1e3:.0f} ms (compute "
              f"{record['compute_seconds'] * 1e3:.0f} + comm {record['comm_seconds'] * 1e3:.0f})"
              f", {record['bytes_sent_per_step'] / 1e6:.4f} MB sent per rank per step")

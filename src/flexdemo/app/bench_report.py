@@ -91,7 +91,7 @@ def equal_time_val_losses(results: list[dict], bandwidth: str) -> tuple[float, d
                           unseen=float("nan"))
 
 
-def _finite(v: Any) -> bool:
+def is_finite(v: Any) -> bool:
     """Whether ``v`` is a finite number (a summary's loss may be null: not finite)."""
     return isinstance(v, (int, float)) and math.isfinite(v)
 
@@ -135,13 +135,13 @@ def comparison_lines(results: list[dict], reference: str = "hsdp-adamw",
     for bw in dict.fromkeys(r["bandwidth"] for r in results):
         ref = next((r for r in results if r["bandwidth"] == bw and r["strategy"] == reference
                     and r["status"] == "ok"), None)
-        if ref is None or not _finite(ref.get("val_loss")):
+        if ref is None or not is_finite(ref.get("val_loss")):
             continue
         t, at_t = equal_time_losses(results, bw)
         tv, val_t = equal_time_val_losses(results, bw)
         for r in results:
             if (r["bandwidth"] != bw or r is ref or r["status"] != "ok"
-                    or not _finite(r.get("val_loss"))
+                    or not is_finite(r.get("val_loss"))
                     or (only is not None and r["strategy"] not in only)):
                 continue
             rel = 100 * (r["val_loss"] - ref["val_loss"]) / ref["val_loss"]

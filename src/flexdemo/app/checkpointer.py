@@ -1,7 +1,7 @@
 """The trainer's checkpoints: :class:`TrainState` (what the loop carries across a resume)
 and :class:`Checkpointer` (which checkpoint to resume from, checked against its digests, with
 fallback; when to save; atomic saves and pruning; refusals in the config's words). Rank 0
-decides what every rank must agree on (:func:`_rank0_decides`)."""
+decides what every rank must agree on (:func:`rank0_decides`)."""
 
 from __future__ import annotations
 
@@ -48,7 +48,7 @@ them, and says so in one line (:meth:`Checkpointer._note_data_changes`)."""
 
 
 # ---------------------------------------------------------------------- agreement
-def _rank0_decides(rank: int, world: int, decide: Callable[[], Any]) -> Any:
+def rank0_decides(rank: int, world: int, decide: Callable[[], Any]) -> Any:
     """Run ``decide`` on rank 0 and give every rank its result, or the same
     :class:`TrainingError` (a ``TrainingError``, :class:`UsageError` or ``OSError`` of
     ``decide`` on rank 0)."""
@@ -72,7 +72,7 @@ def _rank0_decides(rank: int, world: int, decide: Callable[[], Any]) -> Any:
     return value
 
 
-def _sum_over_ranks(values: list[float], device: torch.device | str = "cpu") -> list[float]:
+def sum_over_ranks(values: list[float], device: torch.device | str = "cpu") -> list[float]:
     """``values`` summed over all ranks; the tensor lives on ``device`` (the training device:
     NCCL reduces CUDA tensors only)."""
     t = torch.tensor(values, dtype=torch.float64, device=device)
@@ -230,7 +230,7 @@ class Checkpointer:
         One this process may not read is refused, nothing renamed."""
         if resume is False:
             return None
-        found, may_fall_back = _rank0_decides(self.rank, self.world,
+        found, may_fall_back = rank0_decides(self.rank, self.world,
                                               lambda: self._find(resume))
         damaged: list[tuple[Path, str]] = []
         chosen = None
@@ -255,7 +255,7 @@ class Checkpointer:
                 break
         if not damaged:
             if chosen is None and resume is True:
-                _rank0_decides(self.rank, self.world, lambda: self._nothing_to_resume(overwrite))
+                rank0_decides(self.rank, self.world, lambda: self._nothing_to_resume(overwrite))
             return chosen
         return self._after_damage(damaged, chosen, may_fall_back, overwrite)
 
@@ -280,7 +280,7 @@ class Checkpointer:
         def set_aside() -> list[str]:
             return [_set_aside(p).name for p, _ in damaged]
 
-        moved = _rank0_decides(self.rank, self.world, set_aside)
+        moved = rank0_decides(self.rank, self.world, set_aside)
         if chosen is None:
             raise UsageError(f"cannot resume: no intact checkpoint in {self.root}: {named} (set "
                              f"aside as {', '.join(moved)}); {fresh}")
@@ -311,7 +311,7 @@ class Checkpointer:
             shutil.rmtree(self.root)
             return True
 
-        if _rank0_decides(self.rank, self.world, check) and self.world > 1:
+        if rank0_decides(self.rank, self.world, check) and self.world > 1:
             dist.barrier()
 
     def due(self, step: int, last: int) -> bool:
@@ -420,7 +420,7 @@ class Checkpointer:
         return TrainState.from_extra(int(info["step"]), extra), extra
 
 
-def _checkpoint_meta(cfg: Config, world: int, layout: dict[str, int],
+def checkpoint_meta(cfg: Config, world: int, layout: dict[str, int],
                      train_items: int | None = None) -> dict[str, Any]:
     """What a checkpoint records of the settings: those a resume must keep, the layout
     (:data:`LAYOUT_KEYS`) and the data (:data:`DATA_KEY`), which a resume may change."""

@@ -19,10 +19,10 @@ from collections.abc import Sequence
 from ..ft.lighthouse import add_parser as add_lighthouse_parser
 from . import cli_train
 from .checkpoints import add_checkpoint_parser
-from .cli_bench import _add_bench_parser
-from .cli_cluster import _add_cluster_parser
-from .cli_simulate import _add_simulate_parser
-from .cli_train import _add_train_parser, _cmd_train
+from .cli_bench import add_bench_parser
+from .cli_cluster import add_cluster_parser
+from .cli_simulate import add_simulate_parser
+from .cli_train import add_train_parser, cmd_train
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -34,10 +34,10 @@ def build_parser() -> argparse.ArgumentParser:
                "on 2 emulated nodes joined by a 100 Mbit/s link; a few minutes)",
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    _add_cluster_parser(sub)
-    _add_train_parser(sub)
-    _add_bench_parser(sub)
-    _add_simulate_parser(sub)
+    add_cluster_parser(sub)
+    add_train_parser(sub)
+    add_bench_parser(sub)
+    add_simulate_parser(sub)
     add_checkpoint_parser(sub)
     add_lighthouse_parser(sub)  # flexdemo.ft: torchft's lighthouse for elastic runs
     return parser
@@ -74,7 +74,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args, extra = parser.parse_known_args(join_negative_values(list(sys.argv[1:] if argv is None
                                                                     else argv)))
     if extra:  # train's overrides may follow its options (`CONFIG --resume key=value ...`)
-        if getattr(args, "func", None) is _cmd_train and not any(x.startswith("-")
+        if getattr(args, "func", None) is cmd_train and not any(x.startswith("-")
                                                                  for x in extra):
             args.args = [*args.args, *extra]
         else:
@@ -93,7 +93,7 @@ def entry() -> None:
     finished run into a failed exit code.
     """
     code = main()
-    if cli_train._LEAVE_AT_ONCE.is_set():
+    if cli_train.LEAVE_AT_ONCE.is_set():
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)

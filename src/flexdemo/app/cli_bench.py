@@ -6,7 +6,7 @@ import argparse
 import sys
 
 from ..strategies import STRATEGIES
-from .args import _positive_float, _positive_int, _seconds
+from .args import positive_float, positive_int, seconds_arg
 from .bench import (
     DEFAULT_BANDWIDTHS,
     DEFAULT_STRATEGIES,
@@ -28,7 +28,7 @@ with no bandwidth limit, and the bench says so.
 """
 
 
-def _add_bench_parser(sub) -> None:
+def add_bench_parser(sub) -> None:
     width = max(map(len, STRATEGIES)) + 1
     strategies = "\n".join(f"  {name:<{width}} {spec.about}" for name, spec in STRATEGIES.items())
     presets = "\n".join(f"  {name:<12} {spec['about']}" for name, spec in PRESETS.items())
@@ -53,10 +53,10 @@ def _add_bench_parser(sub) -> None:
     b.add_argument("--bandwidths", metavar="LIST",
                    help=f"comma-separated rates (default {','.join(DEFAULT_BANDWIDTHS)}); "
                         "'1gbit>10mbit': a link that changes halfway through each run")
-    b.add_argument("--nodes", type=_positive_int, metavar="N", help="emulated nodes (default 2)")
-    b.add_argument("--ranks-per-node", type=_positive_int, metavar="M",
+    b.add_argument("--nodes", type=positive_int, metavar="N", help="emulated nodes (default 2)")
+    b.add_argument("--ranks-per-node", type=positive_int, metavar="M",
                    help="ranks per node (default 2)")
-    b.add_argument("--steps", type=_positive_int, metavar="N",
+    b.add_argument("--steps", type=positive_int, metavar="N",
                    help="training steps per run (default: a train.steps=N override, else "
                         "train.steps of --config, else the preset's, else 100; an override "
                         "that differs from --steps is an error)")
@@ -65,18 +65,18 @@ def _add_bench_parser(sub) -> None:
     b.add_argument("--out", metavar="DIR", help="output folder (default runs/bench)")
     b.add_argument("--unshaped", action="store_true",
                    help="no shaping, no root needed: all ranks on loopback")
-    b.add_argument("--timeout", type=_seconds, metavar="S",
+    b.add_argument("--timeout", type=seconds_arg, metavar="S",
                    help="stop a run that takes longer than S seconds")
     b.add_argument("--device", choices=("auto", "cpu", "cuda"),
                    help="where every rank trains (default: train.device of --config, else "
                         "auto: CUDA when this machine has a GPU per rank, else CPU)")
-    b.add_argument("--kill-at", type=_positive_int, metavar="K",
+    b.add_argument("--kill-at", type=positive_int, metavar="K",
                    help="elastic preset: kill the last node when node 0 reaches step K "
                         "(default: the preset's 40, at most a third of the steps)")
-    b.add_argument("--restart-at", type=_positive_int, metavar="M",
+    b.add_argument("--restart-at", type=positive_int, metavar="M",
                    help="elastic preset: start the killed node again at node 0's step M "
                         "(default 70, at most 7/12 of the steps)")
-    b.add_argument("--target", type=_positive_float, metavar="LOSS",
+    b.add_argument("--target", type=positive_float, metavar="LOSS",
                    help="report every run's time to this validation loss (default with "
                         "the auto preset: the loosest loss every run within 5 percent of the "
                         "best reached)")

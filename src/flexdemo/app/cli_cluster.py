@@ -9,7 +9,7 @@ import sys
 from ..tools.cluster import DEFAULT_SUBNET, EmulatedCluster
 from ..tools.netns import ClusterError, ShapingUnavailableError, cleanup_stale
 from ..tools.rates import parse_bandwidth, parse_latency
-from .args import _checked, _positive_int, _seconds
+from .args import checked, positive_int, seconds_arg
 
 CLUSTER_DESCRIPTION = """\
 Run a command on an emulated multi-node cluster on this machine.
@@ -43,7 +43,7 @@ rates use tc units: bit, kbit, mbit, gbit (and bps, kbps, mbps, gbps = bytes per
 """
 
 
-def _add_cluster_parser(sub) -> None:
+def add_cluster_parser(sub) -> None:
     c = sub.add_parser(
         "cluster", help="run a command on an emulated multi-node cluster (namespaces + tc)",
         description=CLUSTER_DESCRIPTION, epilog=CLUSTER_EXAMPLES,
@@ -51,13 +51,13 @@ def _add_cluster_parser(sub) -> None:
         usage="%(prog)s --nodes N --ranks-per-node M (--bandwidth RATE | --unshaped) "
               "[options] -- CMD [ARGS...]",
     )
-    c.add_argument("--nodes", type=_positive_int, required=True, metavar="N",
+    c.add_argument("--nodes", type=positive_int, required=True, metavar="N",
                    help="number of emulated nodes")
-    c.add_argument("--ranks-per-node", type=_positive_int, default=1, metavar="M",
+    c.add_argument("--ranks-per-node", type=positive_int, default=1, metavar="M",
                    help="processes per node (default 1)")
-    c.add_argument("--bandwidth", type=_checked(parse_bandwidth), metavar="RATE",
+    c.add_argument("--bandwidth", type=checked(parse_bandwidth), metavar="RATE",
                    help="rate of each node's link, both directions, e.g. 100mbit, 1gbit")
-    c.add_argument("--latency", type=_checked(parse_latency), metavar="TIME",
+    c.add_argument("--latency", type=checked(parse_latency), metavar="TIME",
                    help="one-way node-to-node delay, e.g. 10ms (needs the sch_netem module)")
     c.add_argument("--unshaped", action="store_true",
                    help="no namespaces, no shaping: all ranks on loopback (no root needed)")
@@ -65,9 +65,9 @@ def _add_cluster_parser(sub) -> None:
                    help="MASTER_PORT (default 29500; a free port with --unshaped)")
     c.add_argument("--subnet", default=DEFAULT_SUBNET, metavar="NET",
                    help=f"private IPv4 network for the node addresses (default {DEFAULT_SUBNET})")
-    c.add_argument("--timeout", type=_seconds, metavar="S",
+    c.add_argument("--timeout", type=seconds_arg, metavar="S",
                    help="stop all ranks after S seconds (exit code 124)")
-    c.add_argument("--grace", type=_seconds, default=3.0, metavar="S",
+    c.add_argument("--grace", type=seconds_arg, default=3.0, metavar="S",
                    help="seconds between SIGTERM and SIGKILL when stopping ranks (default 3)")
     c.add_argument("-q", "--quiet", action="store_true",
                    help="do not print the set-up and teardown facts")

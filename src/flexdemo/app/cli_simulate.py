@@ -9,12 +9,12 @@ import sys
 import torch
 
 from ..strategies import check_strategy
-from .args import _positive_int
+from .args import positive_int
 from .simulate import SimulateOptions, run_simulation, write_summary
 from .tasks.gpt import MIN_CORPUS_BYTES
 
 
-def _add_simulate_parser(sub) -> None:
+def add_simulate_parser(sub) -> None:
     d = SimulateOptions()
     s = sub.add_parser(
         "simulate", help="train N replicas of the GPT task in one process (CPU or one GPU)",
@@ -30,13 +30,13 @@ def _add_simulate_parser(sub) -> None:
     s.add_argument("--strategy", default=d.strategy, metavar="NAME",
                    help=f"a named strategy, optionally with settings (default {d.strategy}; "
                         f"see flexdemo bench --help)")
-    s.add_argument("--replicas", type=_positive_int, default=d.replicas, metavar="N",
+    s.add_argument("--replicas", type=positive_int, default=d.replicas, metavar="N",
                    help=f"replicas trained side by side (default {d.replicas})")
     s.add_argument("--model", default=d.model, choices=("tiny", "mini", "small"),
                    help=f"GPT preset (default {d.model})")
-    s.add_argument("--steps", type=_positive_int, default=d.steps, metavar="N",
+    s.add_argument("--steps", type=positive_int, default=d.steps, metavar="N",
                    help=f"training steps (default {d.steps})")
-    s.add_argument("--batch", type=_positive_int, default=d.batch, metavar="B",
+    s.add_argument("--batch", type=positive_int, default=d.batch, metavar="B",
                    help=f"sequences per replica per step (default {d.batch})")
     s.add_argument("--lr", type=float, metavar="LR", help="default: the strategy's")
     s.add_argument("--warmup", type=int, default=d.warmup, metavar="N",
@@ -47,10 +47,10 @@ def _add_simulate_parser(sub) -> None:
                    help=f"every replica on this one device (default {d.device})")
     s.add_argument("--seed", type=int, default=d.seed,
                    help=f"initial weights and data order (default {d.seed})")
-    s.add_argument("--corpus-bytes", type=_positive_int, default=d.corpus_bytes, metavar="N",
+    s.add_argument("--corpus-bytes", type=positive_int, default=d.corpus_bytes, metavar="N",
                    help=f"bytes of standard-library sources to read (default "
                         f"{d.corpus_bytes:,})")
-    s.add_argument("--log-every", type=_positive_int, default=d.log_every, metavar="N",
+    s.add_argument("--log-every", type=positive_int, default=d.log_every, metavar="N",
                    help=f"print progress every N steps (default {d.log_every})")
     s.add_argument("--out", metavar="FILE", help="write the summary as JSON")
     s.set_defaults(func=_cmd_simulate, subparser=s)

@@ -68,7 +68,7 @@ side (TORCH_CPP_LOG_LEVEL=FATAL hides those; set it before starting Python).
 """
 
 
-def _add_train_parser(sub) -> None:
+def add_train_parser(sub) -> None:
     t = sub.add_parser("train", help="train a model from a config (TOML/YAML) on this rank",
                        description=TRAIN_DESCRIPTION, epilog=TRAIN_EXAMPLES,
                        formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -79,7 +79,7 @@ def _add_train_parser(sub) -> None:
                    help="continue from the newest checkpoint in train.out (or from PATH)")
     t.add_argument("--print-config", action="store_true",
                    help="print the resolved config as TOML and exit")
-    t.set_defaults(func=_cmd_train, subparser=t)
+    t.set_defaults(func=cmd_train, subparser=t)
 
 
 def _train_error(text: str, rank0_only: bool = True) -> None:
@@ -88,7 +88,7 @@ def _train_error(text: str, rank0_only: bool = True) -> None:
     print(f"flexdemo train: error: {text}", file=sys.stderr, flush=True)
 
 
-def _cmd_train(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+def cmd_train(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     items = list(args.args)
     if isinstance(args.resume, str) and "=" in args.resume and not os.path.exists(args.resume):
         items.append(args.resume)  # `--resume key=value`: an override, not a path
@@ -126,7 +126,7 @@ def _toml_string(text: str) -> str:
 
 # Set once a multi-rank run has torn its process group down: the process then leaves without
 # the interpreter's finalisation (see :func:`entry`).
-_LEAVE_AT_ONCE = threading.Event()
+LEAVE_AT_ONCE = threading.Event()
 
 
 def _leave_cleanly() -> None:
@@ -142,7 +142,7 @@ def _leave_cleanly() -> None:
     except Exception:  # leaving anyway
         pass
     if several:
-        _LEAVE_AT_ONCE.set()
+        LEAVE_AT_ONCE.set()
 
 
 def _run_training(cfg) -> int:

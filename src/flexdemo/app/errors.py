@@ -30,7 +30,7 @@ class StartupError(PeerLostError, TrainingError):
 # The trainer counts steps from 1 (metrics, progress, checkpoints step_NNNNNN); the library
 # names the optimizer's step index (from 0). Library errors that carry a step are retold here
 # in the trainer's count, with advice in config keys.
-def _nonfinite_message(step: int, e: NonFiniteGradientError) -> str:
+def nonfinite_message(step: int, e: NonFiniteGradientError) -> str:
     who = (f"global rank(s) {', '.join(map(str, e.ranks))}" if e.ranks
            else "at least one replica")
     found = e.step + 1

@@ -63,13 +63,13 @@ from ..transport import PeerLostError
 from .checkpointer import (
     Checkpointer,
     TrainState,
-    _rank0_decides,
-    _sum_over_ranks,
+    rank0_decides,
+    sum_over_ranks,
 )
 from .config import Config
 from .config_files import config_to_dict
 from .device import to_device
-from .errors import StartupError, TrainingError, UsageError, _nonfinite_message
+from .errors import StartupError, TrainingError, UsageError, nonfinite_message
 from .liveness import is_comm_error
 from .outputs import (
     Progress,
@@ -131,7 +131,7 @@ class Trainer(TrainerSetUp):
             loss.backward()
             self.opt.step()
         except NonFiniteGradientError as e:
-            raise TrainingError(_nonfinite_message(step, e)) from None
+            raise TrainingError(nonfinite_message(step, e)) from None
         stats = self.opt.last_step_stats()  # before zero_grad, which may form the next quorum
         if self.opt.fault_tolerance is None:  # else the loop's zero_grad, on the next step
             self.opt.zero_grad()
@@ -186,7 +186,7 @@ class Trainer(TrainerSetUp):
         tc = self.cfg.train
         sums = self.task.evaluate(self.model, self.rank, self.world, tc.eval_batches, tc.batch)
         keys = sorted(sums)
-        total = dict(zip(keys, _sum_over_ranks([sums[k] for k in keys], self.device)))
+        total = dict(zip(keys, sum_over_ranks([sums[k] for k in keys], self.device)))
         out = {"val_loss": total["loss_sum"] / max(total["count"], 1.0)}
         if "correct" in total:
             out["val_accuracy"] = total["correct"] / max(total["count"], 1.0)
@@ -344,7 +344,7 @@ class Trainer(TrainerSetUp):
                 return {}
             return saved if isinstance(saved, dict) else {}
 
-        saved = _rank0_decides(self.rank, self.world, read)
+        saved = rank0_decides(self.rank, self.world, read)
         return {"steps": start, "steps_total": tc.steps, "out": str(self.out), **saved,
                 "steps_this_run": 0, "resumed_from": str(resume_from)}
 
@@ -355,7 +355,7 @@ class Trainer(TrainerSetUp):
         step = max(s.step, start)
         ran = max(step - start, 0)
         tail = losses[-min(len(losses), 10):] or [float("nan")]
-        sums = _sum_over_ranks([sum(tail) / len(tail), step_s, comm_s, s.bytes_sent,
+        sums = sum_over_ranks([sum(tail) / len(tail), step_s, comm_s, s.bytes_sent,
                                 s.bytes_received], self.device)
         mean = [v / self.world for v in sums]
         return {

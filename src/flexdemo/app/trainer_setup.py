@@ -28,8 +28,8 @@ from ..transport import PeerLostError
 from .checkpointer import (
     Checkpointer,
     TrainState,
-    _checkpoint_meta,
-    _rank0_decides,
+    checkpoint_meta,
+    rank0_decides,
 )
 from .config import Config, ConfigError
 from .config_checks import fault_tolerance
@@ -132,7 +132,7 @@ class TrainerSetUp:
         self.out = Path(tc.out)
         self.checkpointer = Checkpointer(self.out / "checkpoints", tc.checkpoint_every,
                                          tc.keep_checkpoints, self.rank, self.world,
-                                         _checkpoint_meta(cfg, self.world, self.layout,
+                                         checkpoint_meta(cfg, self.world, self.layout,
                                                           self.task.num_train_items),
                                          self.say, self.echo, tc.resume_fallback,
                                          save=lambda *a, **k: save_checkpoint(*a, **k))
@@ -224,7 +224,7 @@ class TrainerSetUp:
     def _check_output_folder(self) -> None:
         """Rank 0 creates ``train.out`` and writes a probe file into it; every rank learns
         whether that worked (one line naming the path and the cause if not)."""
-        _rank0_decides(self.rank, self.world, lambda: check_output_folder(self.out))
+        rank0_decides(self.rank, self.world, lambda: check_output_folder(self.out))
 
     def _open_outputs(self) -> None:
         """Rank 0 writes ``config.toml`` and opens the metrics log (agreed like above)."""
@@ -237,7 +237,7 @@ class TrainerSetUp:
                 raise TrainingError(f"train.out {str(self.out)!r}: cannot write the outputs: "
                                     f"{describe_os_error(e)}") from None
 
-        _rank0_decides(self.rank, self.world, make)
+        rank0_decides(self.rank, self.world, make)
 
     def _resume(self) -> tuple[Path | None, ShardSampler]:
         tc = self.cfg.train

@@ -51,10 +51,9 @@ import torch
 import torch.distributed as dist
 
 from ..dtensor import local_tensor
-from ..inprocess import InProcessTransport
 from ..replicate import Replicator, make_replicator
 from ..replicate.agreement import NonFiniteGradientError, global_rank_of, nonfinite_flag
-from ..transport import ProcessGroupTransport, Transport
+from ..transport import InProcessTransport, ProcessGroupTransport, Transport
 from .choose import (
     Candidate,
     Decision,

@@ -16,7 +16,7 @@ from .integrity import DAMAGED, IO, storage_cause
 __all__ = ["CheckpointError"]
 
 # ---------------------------------------------------------------------------- process group
-def _rank_world() -> tuple[int, int]:
+def rank_world() -> tuple[int, int]:
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     return 0, 1
@@ -57,7 +57,7 @@ def _classify(error: BaseException) -> tuple[str, str] | None:
     return None
 
 
-def _agree(error: BaseException | None, action: str, payload: Any = None) -> list:
+def agree_on(error: BaseException | None, action: str, payload: Any = None) -> list:
     """Collective: every rank learns whether any rank failed, and gets every rank's payload.
 
     Raises on every rank if one failed, so no rank goes on into a collective that the others
@@ -65,7 +65,7 @@ def _agree(error: BaseException | None, action: str, payload: Any = None) -> lis
     :class:`CheckpointError` on every rank (the lowest failing rank's); otherwise the failing
     rank re-raises its own exception. Also serves as a barrier.
     """
-    rank, world = _rank_world()
+    rank, world = rank_world()
     storage = _classify(error) if error is not None else None
     if storage is not None and not isinstance(error, CheckpointError):
         storage = (storage[0], f"{action}: {storage[1]}")
@@ -98,7 +98,7 @@ def _agree(error: BaseException | None, action: str, payload: Any = None) -> lis
     return [p for _, p in gathered]
 
 
-def _dcp_call(fn, state: dict, action: str, directory: Path, **kwargs) -> None:
+def dcp_call(fn, state: dict, action: str, directory: Path, **kwargs) -> None:
     """Run ``dcp.save`` / ``dcp.load`` (without a process group in a lone process). DCP's
     ``CheckpointException`` derives from ``BaseException`` and holds every rank's traceback;
     it becomes one :class:`CheckpointError` naming the cause (a full disk that torch's writer

@@ -18,14 +18,14 @@ _SCRATCH = SCRATCH  # temporary / replaced directories, never loaded
 
 
 # ---------------------------------------------------------------------------- files
-def _fsync_write(path: Path, data: bytes) -> None:
+def fsync_write(path: Path, data: bytes) -> None:
     with open(path, "wb") as f:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError:
@@ -38,7 +38,7 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _remove_scratch(root: Path) -> None:
+def remove_scratch(root: Path) -> None:
     """Remove temporary and replaced checkpoint directories left by an interrupted save."""
     if not root.is_dir():
         return
@@ -47,7 +47,7 @@ def _remove_scratch(root: Path) -> None:
             shutil.rmtree(d, ignore_errors=True)
 
 
-def _rank_file(path: Path, rank: int) -> Path:
+def rank_file_path(path: Path, rank: int) -> Path:
     return path / RANKS_DIR / f"rank{rank:05d}.pkl"
 
 
@@ -75,7 +75,7 @@ class NotACheckpointError(ValueError):
         return type(self), (self.reason, self.hint)
 
 
-def _require_complete(path: Path) -> dict:
+def require_complete(path: Path) -> dict:
     hint = "use flexdemo.checkpoint.latest_checkpoint(root) to find the newest complete one"
     if not path.is_dir():
         raise NotACheckpointError(f"no checkpoint at {path}: the directory does not exist",

@@ -52,23 +52,23 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_mo
 
 from ..dtensor import local_tensor
 from ..version import __version__
-from .agree import CheckpointError, _agree, _dcp_call, _rank_world
+from .agree import CheckpointError, agree_on, dcp_call, rank_world
 from .files import (
-    _SCRATCH,
     FORMAT_VERSION,
     META_FILE,
     RANKS_DIR,
-    _fsync_dir,
-    _fsync_write,
-    _rank_file,
-    _remove_scratch,
-    _require_complete,
+    fsync_dir,
+    fsync_write,
+    rank_file_path,
+    remove_scratch,
+    require_complete,
 )
 from .integrity import (
     DAMAGED,
     DIGEST,
     MARKER_FILE,
     PERMISSION,
+    SCRATCH,
     UNREADABLE,
     CheckpointStatus,
     check_checkpoint,
@@ -76,16 +76,16 @@ from .integrity import (
 )
 from .mismatch import check_base, check_mesh, check_model, check_replicators
 from .state import (
-    _fingerprints,
-    _join,
-    _mesh_shape,
-    _optimizer_parts,
-    _param_names,
-    _refs,
-    _replicas_identical,
-    _split,
-    _split_optimizer,
-    _to_device,
+    fingerprints,
+    join_state,
+    mesh_shape_of,
+    optimizer_parts,
+    param_names,
+    refs,
+    replicas_identical,
+    split_optimizer,
+    split_state,
+    to_device,
 )
 
 __all__ = ["load_checkpoint", "read_info", "save_checkpoint", "source_rank", "verify_checkpoint"]
@@ -98,7 +98,7 @@ def _commit(tmp: Path, final: Path) -> None:
         old = final.with_name(f"{final.name}.old-{os.getpid()}")
         os.replace(final, old)
     os.replace(tmp, final)
-    _fsync_dir(final.parent)
+    fsync_dir(final.parent)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
 
@@ -151,13 +151,13 @@ def save_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer, *, ste
     records the SHA-256 of every file (:mod:`flexdemo.checkpoint.integrity`). Returns ``path``.
     """
     final = Path(path)
-    rank, world = _rank_world()
-    base, reps = _optimizer_parts(optimizer)
+    rank, world = rank_world()
+    base, reps = optimizer_parts(optimizer)
     error, facts = None, None
     try:
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"step must be an integer >= 0, got {step!r}")
-        if not final.name or _SCRATCH.search(final.name):
+        if not final.name or SCRATCH.search(final.name):
             raise ValueError(f"invalid checkpoint directory name {final.name!r}")
         if extra is not None and not isinstance(extra, dict):
             raise ValueError(f"extra must be a dict or None, got {type(extra).__name__}")
@@ -165,17 +165,17 @@ def save_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer, *, ste
             info_json = json.loads(json.dumps(info or {}))
         except (TypeError, ValueError) as e:
             raise ValueError(f"info must hold JSON values: {e}") from None
-        mesh_shape = _mesh_shape(model, optimizer)
+        mesh_shape = mesh_shape_of(model, optimizer)
         msd = get_model_state_dict(model)
         own: dict[str, torch.Tensor] = {}
-        optim_tree, optim_tensors = _split_optimizer(model, base, rank, own)
+        optim_tree, optim_tensors = split_optimizer(model, base, rank, own)
         state = {
             "replicators": [r.state_dict() for r in reps],
             "steps": getattr(optimizer, "steps", None),
             "skipped_steps": getattr(optimizer, "skipped_steps", None),
             "extra": {} if extra is None else extra,
         }
-        state_tree = _split(state, f"rank{rank}/state/", own, "the rank's state")
+        state_tree = split_state(state, f"rank{rank}/state/", own, "the rank's state")
         try:
             blob = pickle.dumps({"rank": rank, "state": state_tree, "optim": optim_tree},
                                 protocol=pickle.HIGHEST_PROTOCOL)
@@ -185,14 +185,14 @@ def save_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer, *, ste
                              "lists/tuples/dicts of them") from e
         shared = {f"model/{k}": v for k, v in msd.items() if isinstance(v, torch.Tensor)}
         shared.update(optim_tensors)
-        facts = {"prints": _fingerprints(shared), "step": step, "pid": os.getpid()}
+        facts = {"prints": fingerprints(shared), "step": step, "pid": os.getpid()}
     except Exception as e:
         error = e
-    infos = _agree(error, f"saving checkpoint {final}", facts)
+    infos = agree_on(error, f"saving checkpoint {final}", facts)
     if len({i["step"] for i in infos}) != 1:
         raise ValueError(f"ranks passed different steps to save_checkpoint: "
                          f"{[i['step'] for i in infos]}")
-    identical = _replicas_identical([i["prints"] for i in infos])
+    identical = replicas_identical([i["prints"] for i in infos])
     if identical:
         flat = dict(shared)
     else:  # replicas differ: every rank keeps its own local tensors
@@ -203,24 +203,24 @@ def save_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer, *, ste
     if rank == 0:
         try:
             final.parent.mkdir(parents=True, exist_ok=True)
-            _remove_scratch(final.parent)
+            remove_scratch(final.parent)
             (tmp / RANKS_DIR).mkdir(parents=True)
         except Exception as e:
             error = e
-    _agree(error, f"saving checkpoint {final}: creating {tmp}")
+    agree_on(error, f"saving checkpoint {final}: creating {tmp}")
     try:
         error = None
         try:
-            _dcp_call(dcp.save, flat, f"saving checkpoint {final}", tmp,
+            dcp_call(dcp.save, flat, f"saving checkpoint {final}", tmp,
                       storage_writer=FileSystemWriter(tmp))
         except CheckpointError as e:
             error = e
-        _agree(error, f"saving checkpoint {final}")  # the same cause on every rank
+        agree_on(error, f"saving checkpoint {final}")  # the same cause on every rank
         error, written = None, None
         try:
-            _fsync_write(_rank_file(tmp, rank), blob)
+            fsync_write(rank_file_path(tmp, rank), blob)
             names = [f.name for f in tmp.glob(f"__{rank}_*.distcp")]
-            names.append(f"{RANKS_DIR}/{_rank_file(tmp, rank).name}")
+            names.append(f"{RANKS_DIR}/{rank_file_path(tmp, rank).name}")
             if rank == 0:
                 meta = {
                     "format": FORMAT_VERSION,
@@ -236,25 +236,25 @@ def save_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer, *, ste
                     "info": info_json,
                     "time": time.time(),
                 }
-                _fsync_write(tmp / META_FILE, json.dumps(meta, indent=1).encode())
+                fsync_write(tmp / META_FILE, json.dumps(meta, indent=1).encode())
                 names += [".metadata", META_FILE]
             written = record_files(tmp, names)  # what this rank saved, read back once
         except Exception as e:
             error = e
-        tables = _agree(error, f"saving checkpoint {final}", written)
+        tables = agree_on(error, f"saving checkpoint {final}", written)
         error = None
         if rank == 0:
             try:
-                _fsync_dir(tmp / RANKS_DIR)
+                fsync_dir(tmp / RANKS_DIR)
                 files = {name: d for table in tables for name, d in table.items()}
                 marker = {"step": step, "time": time.time(), "digest": DIGEST, "files": files,
                           "ranks": {str(r): sorted(t) for r, t in enumerate(tables)}}
-                _fsync_write(tmp / MARKER_FILE, json.dumps(marker, indent=1).encode())
-                _fsync_dir(tmp)
+                fsync_write(tmp / MARKER_FILE, json.dumps(marker, indent=1).encode())
+                fsync_dir(tmp)
                 _commit(tmp, final)
             except Exception as e:
                 error = e
-        _agree(error, f"saving checkpoint {final}: committing it")
+        agree_on(error, f"saving checkpoint {final}: committing it")
     except BaseException:
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -266,7 +266,7 @@ def verify_checkpoint(path: str | os.PathLike) -> CheckpointStatus:
     """Check the checkpoint at ``path`` against the digests its marker records (collective
     when a process group is up: each rank reads its share of the files once). Returns the
     same :class:`~flexdemo.checkpoint.CheckpointStatus` on every rank."""
-    rank, world = _rank_world()
+    rank, world = rank_world()
     status = check_checkpoint(path, rank, world)
     if world == 1:
         return status
@@ -306,8 +306,8 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer, *,
     dict}``.
     """
     path = Path(path)
-    rank, world = _rank_world()
-    base, reps = _optimizer_parts(optimizer)
+    rank, world = rank_world()
+    base, reps = optimizer_parts(optimizer)
     error = None
     flat: dict[str, torch.Tensor] = {}
     if verify and path.is_dir() and (path / MARKER_FILE).exists():
@@ -318,12 +318,12 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer, *,
             raise CheckpointError(f"loading checkpoint {path}: it is damaged: "
                                   f"{status.reason}", DAMAGED)
     try:
-        meta = _require_complete(path)
-        mesh_shape = _mesh_shape(model, optimizer)
+        meta = require_complete(path)
+        mesh_shape = mesh_shape_of(model, optimizer)
         msd = get_model_state_dict(model)
         _check_compatible(path, meta, world, mesh_shape, msd, base, reps)
         source = source_rank(rank, meta["world_size"], meta["mesh_shape"])
-        rank_file = _rank_file(path, source)
+        rank_file = rank_file_path(path, source)
         if not rank_file.is_file():
             raise ValueError(f"checkpoint {path} lacks {rank_file.name} (rank {source}'s "
                              "state); the directory is incomplete")
@@ -333,7 +333,7 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer, *,
         for k, v in msd.items():
             if isinstance(v, torch.Tensor):
                 flat[f"{prefix}model/{k}"] = local_tensor(v) if per_rank else v
-        names = _param_names(model, base)
+        names = param_names(model, base)
         it = iter(names)
         current = [[next(it) for _ in g["params"]] for g in base.param_groups]
         if [g["params"] for g in saved["optim"]["param_groups"]] != current:
@@ -341,7 +341,7 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer, *,
                              "the saved ones; build the optimizer with the same groups")
         params = dict(model.named_parameters())
         loaded: dict[str, torch.Tensor] = {}
-        for ref in _refs(saved):
+        for ref in refs(saved):
             if ref.like is not None:
                 value = torch.empty_like(params[ref.like], dtype=ref.dtype)
                 target = local_tensor(value) if per_rank else value
@@ -351,20 +351,20 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer, *,
             loaded[ref.key] = value
     except Exception as e:
         error = e
-    _agree(error, f"loading checkpoint {path}")
-    _dcp_call(dcp.load, flat, f"loading checkpoint {path}", path,
+    agree_on(error, f"loading checkpoint {path}")
+    dcp_call(dcp.load, flat, f"loading checkpoint {path}", path,
               storage_reader=FileSystemReader(path))
     error, result = None, None
     try:
-        for ref in _refs(saved):
+        for ref in refs(saved):
             if ref.like is None:
-                loaded[ref.key] = _to_device(loaded[ref.key], ref.device)
+                loaded[ref.key] = to_device(loaded[ref.key], ref.device)
         set_model_state_dict(model, msd)
-        _load_base(base, names, _join(saved["optim"], loaded))
+        _load_base(base, names, join_state(saved["optim"], loaded))
         if optimizer is not base:  # Optimizer.load_state_dict replaced the shared containers
             optimizer.param_groups = base.param_groups
             optimizer.state = base.state
-        state = _join(saved["state"], loaded)
+        state = join_state(saved["state"], loaded)
         for r, s in zip(reps, state["replicators"]):
             r.load_state_dict(s)
         if source != rank:  # a new replica: its peer's shared state, its own from zero
@@ -377,8 +377,8 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer, *,
         result = {"step": int(meta["step"]), "extra": state["extra"]}
     except Exception as e:
         error = e
-    _agree(error, f"restoring checkpoint {path}")
-    assert result is not None  # _agree raised otherwise
+    agree_on(error, f"restoring checkpoint {path}")
+    assert result is not None  # agree_on raised otherwise
     return result
 
 

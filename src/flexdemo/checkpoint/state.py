@@ -13,7 +13,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from ..dtensor import local_tensor
-from .agree import _rank_world
+from .agree import rank_world
 
 
 @dataclass(frozen=True)
@@ -34,7 +34,7 @@ class _Ref:
 
 
 # ---------------------------------------------------------------------------- layout
-def _optimizer_parts(optimizer) -> tuple[torch.optim.Optimizer, list]:
+def optimizer_parts(optimizer) -> tuple[torch.optim.Optimizer, list]:
     """The base torch optimizer and the replicator chain (none for a plain torch optimizer)."""
     base = getattr(optimizer, "base", optimizer)
     if not isinstance(base, torch.optim.Optimizer):
@@ -43,9 +43,9 @@ def _optimizer_parts(optimizer) -> tuple[torch.optim.Optimizer, list]:
     return base, list(getattr(optimizer, "replicators", []))
 
 
-def _mesh_shape(model: nn.Module, optimizer) -> tuple[int, int]:
+def mesh_shape_of(model: nn.Module, optimizer) -> tuple[int, int]:
     """``(replicate, shard)``: the optimizer's mesh, else the parameters' shard mesh, else DP."""
-    rank, world = _rank_world()
+    rank, world = rank_world()
     mesh = getattr(optimizer, "mesh", None)
     if mesh is not None:
         if mesh.get_coordinate() is None:
@@ -59,7 +59,7 @@ def _mesh_shape(model: nn.Module, optimizer) -> tuple[int, int]:
     return world, 1
 
 
-def _fingerprints(tensors: dict[str, torch.Tensor]) -> dict[tuple, str]:
+def fingerprints(tensors: dict[str, torch.Tensor]) -> dict[tuple, str]:
     """Digest of this rank's tensors per chunk identity (the mesh coordinate along sharded
     dimensions; ``()`` for plain tensors). DCP keeps one copy of chunks with equal identity, so
     a shared layout is exact only if every rank with the same identity has the same digest."""
@@ -78,7 +78,7 @@ def _fingerprints(tensors: dict[str, torch.Tensor]) -> dict[tuple, str]:
     return {ident: h.hexdigest() for ident, h in hashes.items()}
 
 
-def _replicas_identical(prints: list[dict[tuple, str]]) -> bool:
+def replicas_identical(prints: list[dict[tuple, str]]) -> bool:
     seen: dict[tuple, str] = {}
     for rank_prints in prints:
         for ident, digest in rank_prints.items():
@@ -88,7 +88,7 @@ def _replicas_identical(prints: list[dict[tuple, str]]) -> bool:
 
 
 # ---------------------------------------------------------------------------- state trees
-def _split(obj: Any, prefix: str, tensors: dict[str, torch.Tensor], where: str) -> Any:
+def split_state(obj: Any, prefix: str, tensors: dict[str, torch.Tensor], where: str) -> Any:
     """Replace every tensor in nested dicts/lists/tuples by a :class:`_Ref` (key ``prefix<i>``)
     and collect the tensors in ``tensors``."""
     if isinstance(obj, DTensor):
@@ -101,46 +101,47 @@ def _split(obj: Any, prefix: str, tensors: dict[str, torch.Tensor], where: str) 
     if isinstance(obj, dict):
         out = obj.copy()
         for k, v in obj.items():
-            out[k] = _split(v, prefix, tensors, f"{where}[{k!r}]")
+            out[k] = split_state(v, prefix, tensors, f"{where}[{k!r}]")
         return out
     if isinstance(obj, (list, tuple)):
-        items = [_split(v, prefix, tensors, f"{where}[{i}]") for i, v in enumerate(obj)]
+        items = [split_state(v, prefix, tensors, f"{where}[{i}]") for i, v in enumerate(obj)]
         if isinstance(obj, list):
             return items
         return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
     return obj
 
 
-def _join(obj: Any, loaded: dict[str, torch.Tensor]) -> Any:
-    """The inverse of :func:`_split`: put the loaded tensors back in place of the references."""
+def join_state(obj: Any, loaded: dict[str, torch.Tensor]) -> Any:
+    """The inverse of :func:`split_state`: the loaded tensors back in place of the
+    references."""
     if isinstance(obj, _Ref):
         return loaded[obj.key]
     if isinstance(obj, dict):
         out = obj.copy()
         for k, v in obj.items():
-            out[k] = _join(v, loaded)
+            out[k] = join_state(v, loaded)
         return out
     if isinstance(obj, (list, tuple)):
-        items = [_join(v, loaded) for v in obj]
+        items = [join_state(v, loaded) for v in obj]
         if isinstance(obj, list):
             return items
         return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
     return obj
 
 
-def _refs(obj: Any):
+def refs(obj: Any):
     """Every :class:`_Ref` in a nested structure."""
     if isinstance(obj, _Ref):
         yield obj
     elif isinstance(obj, dict):
         for v in obj.values():
-            yield from _refs(v)
+            yield from refs(v)
     elif isinstance(obj, (list, tuple)):
         for v in obj:
-            yield from _refs(v)
+            yield from refs(v)
 
 
-def _to_device(t: torch.Tensor, device: str) -> torch.Tensor:
+def to_device(t: torch.Tensor, device: str) -> torch.Tensor:
     """Move a loaded tensor back to the device it was saved from, where that device exists."""
     dev = torch.device(device)
     if dev.type == "cpu" or (dev.type == "cuda" and not torch.cuda.is_available()):
@@ -151,7 +152,7 @@ def _to_device(t: torch.Tensor, device: str) -> torch.Tensor:
         return t
 
 
-def _param_names(model: nn.Module, base: torch.optim.Optimizer) -> list[str]:
+def param_names(model: nn.Module, base: torch.optim.Optimizer) -> list[str]:
     """Names of the base optimizer's parameters, in its (state dict index) order."""
     names = {id(p): n for n, p in model.named_parameters()}
     out = []
@@ -164,14 +165,14 @@ def _param_names(model: nn.Module, base: torch.optim.Optimizer) -> list[str]:
     return out
 
 
-def _split_optimizer(model: nn.Module, base: torch.optim.Optimizer, rank: int,
+def split_optimizer(model: nn.Module, base: torch.optim.Optimizer, rank: int,
                      own: dict[str, torch.Tensor]) -> tuple[dict, dict[str, torch.Tensor]]:
     """The base optimizer's state keyed by parameter name.
 
     Returns the structure (tensors as references) and the model-scoped tensors
     ``optim/<fqn>/<name>``; tensors nested deeper go to the rank's own keys ``own``.
     """
-    names = _param_names(model, base)
+    names = param_names(model, base)
     params = {n: p for n, p in model.named_parameters()}
     sd = base.state_dict()
     tensors: dict[str, torch.Tensor] = {}
@@ -194,11 +195,11 @@ def _split_optimizer(model: nn.Module, base: torch.optim.Optimizer, rank: int,
                 out[k] = _Ref(key, tuple(v.shape), v.dtype, str(local_tensor(v).device),
                               "model", like)
             else:
-                out[k] = _split(v, f"rank{rank}/state/", own, f"optimizer state {fqn}/{k}")
+                out[k] = split_state(v, f"rank{rank}/state/", own, f"optimizer state {fqn}/{k}")
         state[fqn] = out
     groups = []
     for g in sd["param_groups"]:
         g = {k: v for k, v in g.items() if k != "params"} | {
             "params": [names[i] for i in g["params"]]}
-        groups.append(_split(g, f"rank{rank}/state/", own, "optimizer param_groups"))
+        groups.append(split_state(g, f"rank{rank}/state/", own, "optimizer param_groups"))
     return {"state": state, "param_groups": groups}, tensors

@@ -8,7 +8,6 @@ is an :class:`ElasticOptimizer`: an :class:`ElasticSession` around a plain DeToN
 
 from ..transport import PeerLostError
 from .config import FaultTolerance, TorchFTMissingError, require_torchft
-from .transport import ManagerTransport
 
 
 def __getattr__(name: str):
@@ -18,6 +17,9 @@ def __getattr__(name: str):
     if name == "Phase":
         from .phase import Phase
         return Phase
+    if name == "ManagerTransport":  # re-exported from flexdemo.transport, loaded on first use
+        from ..transport import ManagerTransport
+        return ManagerTransport
     if name in ("ElasticSession", "QuorumTimeoutError", "LighthouseUnreachableError",
                 "LighthouseLostError", "DuplicateReplicaIdError", "TorchFTVersionError"):
         from . import session

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-from ..checkpoint.dcp import FlexOptimizer
+from ..checkpoint import FlexOptimizer
 from ..replicate import make_replicator
 from ..transport import PeerLostError
 from .session import ElasticSession

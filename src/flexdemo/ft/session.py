@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from ..transport import PeerLostError
+from ..transport import ManagerTransport, PeerLostError
 from .config import FaultTolerance
 from .lighthouse import lighthouse_answers
 from .phase import NEXT, Phase, StepUndo
@@ -36,7 +36,6 @@ from .torchft_api import (
     new_manager,
     set_async_quorum,
 )
-from .transport import ManagerTransport
 
 if TYPE_CHECKING:
     from ..checkpoint import FlexOptimizer

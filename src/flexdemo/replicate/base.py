@@ -43,7 +43,7 @@ from .agreement import (
 )
 
 
-def _check_schedule(replicate_every: int, skip_every: int) -> None:
+def check_schedule(replicate_every: int, skip_every: int) -> None:
     if not isinstance(replicate_every, int) or replicate_every < 1:
         raise ValueError(f"replicate_every must be an integer >= 1, got {replicate_every!r}")
     if not isinstance(skip_every, int) or skip_every < 0 or skip_every == 1:
@@ -120,7 +120,7 @@ class Replicator(ABC):
 
     def __init__(self, *, group: dist.ProcessGroup | Transport | None = None,
                  replicate_every: int = 1, skip_every: int = 0) -> None:
-        _check_schedule(replicate_every, skip_every)
+        check_schedule(replicate_every, skip_every)
         self.group = group
         self.replicate_every = replicate_every
         self.skip_every = skip_every
@@ -128,6 +128,11 @@ class Replicator(ABC):
         self._shapes: list[torch.Size] | None = None
 
     # ------------------------------------------------------------------ setup
+    @property
+    def is_set_up(self) -> bool:
+        """Whether :meth:`setup` has bound this replicator to its parameters."""
+        return self._shapes is not None
+
     def setup(self, shapes: list[torch.Size], device: torch.device,
               default_group: dist.ProcessGroup | Transport | None,
               params: list[torch.Tensor] | None = None, nonfinite: str = "raise") -> None:

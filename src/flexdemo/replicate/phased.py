@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from .base import Replicator
-from .demo import DeMoReplicator, delayed
+from .demo import DeMoReplicator
 
 _SCHEDULE = ("replicate_every", "skip_every")
 
@@ -37,7 +37,7 @@ class PhasedReplicator(Replicator):
             if not isinstance(rep, Replicator):
                 raise TypeError(f"phased: {which} must be a Replicator instance, got "
                                 f"{type(rep).__name__}")
-            if rep._shapes is not None:
+            if rep.is_set_up:
                 raise ValueError(f"phased: the {which} replicator is already in use; pass a "
                                  "fresh one")
             if rep.replicate_every != 1 or rep.skip_every:
@@ -104,12 +104,13 @@ class PhasedReplicator(Replicator):
         applies what it checked (as one delayed replicator would)."""
         first, then = self.first, self.then
         assert isinstance(first, DeMoReplicator) and isinstance(then, DeMoReplicator)
-        plan = first._plan_step(grads, lrs)
-        received = delayed.receive_inflight(first)
-        then._pending, first._pending = first._pending, None  # its verdict, judged next step
+        plan = first.plan_step(grads, lrs)
+        received = first.inflight.receive()
+        first.inflight.hand_verdict_to(then.inflight)  # its verdict, judged next step
         self._switch()
-        delayed.encode_and_send(then, grads, lrs, step, then._plan_step(grads, lrs))
-        delayed.apply_received(first, received, plan, grads)
+        then.inflight.send(grads, lrs, step, then.plan_step(grads, lrs), then.transport,
+                           then.stats, then.rank)
+        first.inflight.apply(received, plan, grads)
         return grads
 
     def after_step(self, step: int) -> None:

@@ -48,12 +48,12 @@ from typing import Any
 from . import netns
 from .netns import NAME_PREFIX, ClusterError, LatencyUnavailableError, ShapingUnavailableError
 from .ranks import (
+    DeferSignals,
     OutputPump,
     TextSink,
-    _DeferSignals,
-    _describe_exit,
-    _raise_exit,
+    describe_exit,
     free_port,
+    raise_exit,
     signal_group,
 )
 from .rates import format_rate, parse_bandwidth, parse_latency
@@ -171,14 +171,14 @@ class EmulatedCluster:
                              f"{nodes} nodes; use a larger one, e.g. '10.213.0.0/16'")
         self.subnet = net
         if not self.unshaped:
-            problem = netns._shaping_problem()
+            problem = netns.shaping_problem()
             if problem:
                 raise ShapingUnavailableError(
                     f"shaping the emulated network needs root and iproute2 (ip, tc): {problem}."
                     " Run as root, or use --unshaped (unshaped=True) to run the same ranks on "
                     "loopback without shaping.")
-            self._ip = netns._find_tool("ip") or "ip"
-            self._tc = netns._find_tool("tc") or "tc"
+            self._ip = netns.find_tool("ip") or "ip"
+            self._tc = netns.find_tool("tc") or "tc"
         self.port = port if port is not None else (None if self.unshaped else 29500)
         global _counter
         with _counter_lock:
@@ -243,7 +243,7 @@ class EmulatedCluster:
             self._restore_signal_handlers()
 
     def _ipn(self, ns: str, *args: str) -> None:
-        netns._run_tool([self._ip, "-n", ns, *args])
+        netns.run_tool([self._ip, "-n", ns, *args])
 
     def _tbf_args(self) -> list[str]:
         assert self.rate_bps is not None
@@ -255,18 +255,18 @@ class EmulatedCluster:
         tbf = self._tbf_args()
         self._shaped.append((ns, dev))
         if self.latency_s is None:
-            netns._run_tool([self._tc, "-n", ns, "qdisc", "add", "dev", dev, "root", *tbf])
+            netns.run_tool([self._tc, "-n", ns, "qdisc", "add", "dev", dev, "root", *tbf])
             self._fact(f"shaped {what}: {dev} in {ns}: tc qdisc {' '.join(tbf)}")
             return
         delay_us = max(1, round(self.latency_s / 2 * 1e6))
-        proc = netns._run_tool([self._tc, "-n", ns, "qdisc", "add", "dev", dev, "root",
+        proc = netns.run_tool([self._tc, "-n", ns, "qdisc", "add", "dev", dev, "root",
                                 "handle", "1:", "netem", "delay", f"{delay_us}us"], check=False)
         if proc.returncode != 0:
             raise LatencyUnavailableError(
                 "latency emulation needs tc's netem qdisc (kernel module sch_netem), which is "
                 f"not available here (tc said: {proc.stderr.strip() or proc.returncode}). "
                 "Run without --latency (bandwidth shaping with tbf still works).")
-        netns._run_tool([self._tc, "-n", ns, "qdisc", "add", "dev", dev, "parent", "1:1",
+        netns.run_tool([self._tc, "-n", ns, "qdisc", "add", "dev", dev, "parent", "1:1",
                          "handle", "10:", *tbf])
         self._fact(f"shaped {what}: {dev} in {ns}: tc qdisc netem delay {delay_us}us + "
                    f"{' '.join(tbf)}")
@@ -281,12 +281,12 @@ class EmulatedCluster:
         tbf = self._tbf_args()
         where = ["root"] if self.latency_s is None else ["parent", "1:1", "handle", "10:"]
         for ns, dev in self._shaped:
-            netns._run_tool([self._tc, "-n", ns, "qdisc", "change", "dev", dev, *where, *tbf])
+            netns.run_tool([self._tc, "-n", ns, "qdisc", "change", "dev", dev, *where, *tbf])
         self._fact(f"every link reshaped to {format_rate(self.rate_bps)}: tc qdisc change "
                    f"{' '.join(tbf)}")
 
     def _add_netns(self, ns: str) -> None:
-        netns._run_tool([self._ip, "netns", "add", ns])
+        netns.run_tool([self._ip, "netns", "add", ns])
         self._created.append(ns)
 
     def _build(self) -> None:
@@ -327,10 +327,10 @@ class EmulatedCluster:
     def _teardown(self) -> None:
         if not self._created:
             return
-        with _DeferSignals():
+        with DeferSignals():
             names = sorted(self._created, key=lambda n: n.endswith("-sw"))
-            problems = netns._delete_netns(names)
-            left = [n for n in netns._list_netns() if n in set(names)]
+            problems = netns.delete_netns(names)
+            left = [n for n in netns.list_netns() if n in set(names)]
             self._created = left
             self._shaped = []
             if problems or left:
@@ -345,7 +345,7 @@ class EmulatedCluster:
         for sig in (signal.SIGTERM, signal.SIGHUP):
             if signal.getsignal(sig) in (signal.SIG_DFL, None):
                 # becomes SystemExit(128 + sig), so `finally` blocks and __exit__ still run
-                self._old_handlers[sig] = signal.signal(sig, _raise_exit)
+                self._old_handlers[sig] = signal.signal(sig, raise_exit)
 
     def _restore_signal_handlers(self) -> None:
         for sig, old in self._old_handlers.items():
@@ -436,7 +436,7 @@ class EmulatedCluster:
             self._fact(f"started {self.world_size} ranks {where}: {' '.join(cmd)}")
             failed = self._supervise(procs, t0, timeout)
         finally:
-            with _DeferSignals():
+            with DeferSignals():
                 terminated = self._stop(procs)
             for pump in pumps:
                 pump.thread.join(timeout=2.0)
@@ -465,7 +465,7 @@ class EmulatedCluster:
                     node, local = divmod(rank, self.ranks_per_node)
                     exit_code = 128 - code if code < 0 else code
                     return (rank, exit_code, f"rank {rank} (node {node}, local rank {local}) "
-                            f"{_describe_exit(code)}", False)
+                            f"{describe_exit(code)}", False)
             if not running:
                 return None, 0, f"all {len(procs)} ranks exited with code 0", False
             if timeout is not None and time.monotonic() - t0 > timeout:

@@ -34,7 +34,7 @@ class LatencyUnavailableError(ClusterError):
     """Latency emulation needs tc's netem qdisc (kernel module ``sch_netem``)."""
 
 
-def _find_tool(name: str) -> str | None:
+def find_tool(name: str) -> str | None:
     found = shutil.which(name)
     if found:
         return found
@@ -45,18 +45,18 @@ def _find_tool(name: str) -> str | None:
     return None
 
 
-def _shaping_problem() -> str | None:
+def shaping_problem() -> str | None:
     """Why shaping cannot work here, or None."""
     problems = []
     if os.geteuid() != 0:
         problems.append("this process is not root")
-    missing = [t for t in ("ip", "tc") if _find_tool(t) is None]
+    missing = [t for t in ("ip", "tc") if find_tool(t) is None]
     if missing:
         problems.append(f"{' and '.join(missing)} not found (install iproute2)")
     return "; ".join(problems) or None
 
 
-def _run_tool(args: Sequence[str], check: bool = True) -> subprocess.CompletedProcess[str]:
+def run_tool(args: Sequence[str], check: bool = True) -> subprocess.CompletedProcess[str]:
     # a session of its own: a Ctrl-C at the terminal must not kill `ip netns del` half-way
     proc = subprocess.run(list(args), capture_output=True, text=True, stdin=subprocess.DEVNULL,
                           start_new_session=True)
@@ -66,9 +66,9 @@ def _run_tool(args: Sequence[str], check: bool = True) -> subprocess.CompletedPr
     return proc
 
 
-def _list_netns() -> list[str]:
-    ip = _find_tool("ip") or "ip"
-    proc = _run_tool([ip, "netns", "list"], check=False)
+def list_netns() -> list[str]:
+    ip = find_tool("ip") or "ip"
+    proc = run_tool([ip, "netns", "list"], check=False)
     if proc.returncode != 0:
         return []
     return [line.split()[0] for line in proc.stdout.splitlines() if line.strip()]
@@ -86,8 +86,8 @@ def _pid_alive(pid: int) -> bool:
 
 def _kill_netns_pids(ns: str) -> list[int]:
     """SIGKILL every process still inside namespace ``ns``; returns their pids."""
-    ip = _find_tool("ip") or "ip"
-    proc = _run_tool([ip, "netns", "pids", ns], check=False)
+    ip = find_tool("ip") or "ip"
+    proc = run_tool([ip, "netns", "pids", ns], check=False)
     pids = [int(p) for p in proc.stdout.split() if p.isdigit()] if proc.returncode == 0 else []
     for pid in pids:
         if pid == os.getpid():
@@ -99,15 +99,15 @@ def _kill_netns_pids(ns: str) -> list[int]:
     return pids
 
 
-def _delete_netns(names: Sequence[str]) -> list[str]:
+def delete_netns(names: Sequence[str]) -> list[str]:
     """Kill what runs inside, then delete the namespaces; returns problems (empty if none)."""
-    ip = _find_tool("ip") or "ip"
+    ip = find_tool("ip") or "ip"
     problems = []
     for ns in names:
         if _kill_netns_pids(ns):
             time.sleep(0.05)
-        proc = _run_tool([ip, "netns", "del", ns], check=False)
-        if proc.returncode != 0 and ns in _list_netns():
+        proc = run_tool([ip, "netns", "del", ns], check=False)
+        if proc.returncode != 0 and ns in list_netns():
             problems.append(f"{ns}: {proc.stderr.strip()}")
     return problems
 
@@ -119,17 +119,17 @@ def cleanup_stale(prefix: str = NAME_PREFIX) -> list[str]:
     alive are touched; processes still inside them are killed first. Returns the removed
     names. Without root (or without ``ip``), nothing can be listed and ``[]`` is returned.
     """
-    if os.geteuid() != 0 or _find_tool("ip") is None:
+    if os.geteuid() != 0 or find_tool("ip") is None:
         return []
     pattern = re.compile(re.escape(prefix) + r"(\d+)-(\d+)-(sw|n\d+)$")
     stale = []
-    for ns in _list_netns():
+    for ns in list_netns():
         m = pattern.match(ns)
         if m and not _pid_alive(int(m.group(1))):
             stale.append(ns)
     # node namespaces first, then switches (the order does not matter to the kernel)
     stale.sort(key=lambda n: n.endswith("-sw"))
-    problems = _delete_netns(stale)
+    problems = delete_netns(stale)
     if problems:
         raise ClusterError("could not remove stale namespaces: " + "; ".join(problems))
     return stale

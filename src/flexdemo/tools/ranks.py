@@ -20,7 +20,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _describe_exit(code: int) -> str:
+def describe_exit(code: int) -> str:
     if code < 0:
         try:
             name = signal.Signals(-code).name
@@ -75,11 +75,11 @@ def signal_group(p: subprocess.Popen[bytes], sig: int) -> None:
             pass
 
 
-def _raise_exit(signum: int, frame: object) -> None:
+def raise_exit(signum: int, frame: object) -> None:
     raise SystemExit(128 + signum)
 
 
-class _DeferSignals:
+class DeferSignals:
     """Hold SIGINT/SIGTERM while cleaning up; re-deliver the first one afterwards."""
 
     def __init__(self) -> None:
@@ -90,7 +90,7 @@ class _DeferSignals:
         if self.pending is None:
             self.pending = signum
 
-    def __enter__(self) -> _DeferSignals:
+    def __enter__(self) -> DeferSignals:
         if threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGINT, signal.SIGTERM):
                 self.old[sig] = signal.signal(sig, self._record)

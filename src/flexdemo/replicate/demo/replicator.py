@@ -9,13 +9,14 @@ import torch
 from ...compress.bits import pack_bits
 from ...compress.blocks import BlockValueCodec
 from ...compress.select import topk_blocks_rowmajor
-from ...transport import Pending, all_gather
+from ...transport import all_gather
 from ..agreement import HEADER_BYTES, write_header, zero_where
 from ..base import Replicator
 from ..rounding import STATE_DTYPES
-from . import delayed, state
-from .checks import VerdictToHost, check_payloads, good_peers
+from . import state
+from .checks import check_payloads, good_peers
 from .decode import blocks_into_image, clip_to_median_norm, decode_mean, dense_inverse, write_own
+from .delayed import InFlight
 from .graphs import CompiledSelection, StepGraphs
 from .layout import BlockLayout, Group
 from .offload import HostMomentum
@@ -124,15 +125,15 @@ class DeMoReplicator(Replicator):
         self.scratch, self.units, self.groups = (self.layout.scratch, self.layout.units,
                                                  self.layout.groups)
         self._work = self.layout.work
-        self._momentum = HostMomentum(self.groups, self.device, self.offload,
-                                      STATE_DTYPES[self.momentum_dtype])
+        self.host_momentum = HostMomentum(self.groups, self.device, self.offload,
+                                          STATE_DTYPES[self.momentum_dtype])
         self.bucket_bytes = self.layout.bucket_bytes
         self.staging_plans = Staging(self.layout)
-        nbuf = 2 if self.overlap == "delayed" else 1
-        self._buckets = [torch.zeros(self.bucket_bytes, dtype=torch.uint8, device=self.device)
-                         for _ in range(nbuf)]
-        # delayed mode: (step, payloads or their exchange, plan, this replica's row in them)
-        self._inflight: tuple[int, torch.Tensor | Pending, StepPlan, int] | None = None
+        nbuf = 2 if self.overlap == "delayed" else 1  # this rank's payloads
+        self.send_buffers = [torch.zeros(self.bucket_bytes, dtype=torch.uint8,
+                                         device=self.device) for _ in range(nbuf)]
+        self.inflight = InFlight(  # delayed mode: the exchange in flight, deferred verdict
+            self, self.send_buffers, self.groups, self.codec, self.staging_plans)
         # the momentum's decay factor, and 1 for a step whose input is not finite
         self._decay_factor = torch.tensor(self.decay, dtype=torch.float32, device=self.device)
         self._one = torch.ones((), dtype=torch.float32, device=self.device)
@@ -142,10 +143,6 @@ class DeMoReplicator(Replicator):
         self._step_on_device = torch.zeros((), dtype=torch.int64, device=self.device)
         self._lrs_on_device = torch.zeros(max(1, len(self.units)), dtype=torch.float32,
                                           device=self.device)
-        # delayed mode: the step a landing payload must carry, and the deferred verdict
-        self._expected_step = torch.zeros((), dtype=torch.int64, device=self.device)
-        self._verdict_to_host = VerdictToHost()
-        self._pending: tuple | None = None  # (step, presence code, host rows, CUDA event)
         # reduce="scatter": its buffers per group size, and those the encode packs into
         self._scatters: dict[int, SparseScatter] = {}
         self._parts: SparseScatter | None = None
@@ -174,7 +171,7 @@ class DeMoReplicator(Replicator):
                 name=self.name)
         return self._scatters.get(self.world)  # filled under reduce="scatter" only
 
-    def _plan_step(self, grads, lrs) -> StepPlan:
+    def plan_step(self, grads, lrs) -> StepPlan:
         """The step's plan (which gradients are present, which units share a step size);
         notes the step size of each class for the device scalars."""
         present = tuple(g is not None for g in grads)
@@ -195,21 +192,21 @@ class DeMoReplicator(Replicator):
            (:meth:`_update_momentum`);
         2. the top-k coefficients of every block (:meth:`_select_topk`), packed into this
            rank's payload (:meth:`_pack_payload`);
-        3. error feedback: ``delta -= `` what the peers will decode (:meth:`_add_to_momentum`);
+        3. error feedback: ``delta -= `` what the peers will decode (:meth:`add_to_momentum`);
         4. all-gather the payloads (:meth:`_exchange`) and check them (:meth:`_check_now`);
         5. the peers' mean through the inverse DCT, then ``sign()``, into ``grads``
-           (:meth:`_write_mean`).
+           (:meth:`write_mean`).
 
-        Steps 1-3 are :meth:`_encode_payload`. ``overlap="delayed"`` applies step 5 to the
+        Steps 1-3 are :meth:`encode_payload`. ``overlap="delayed"`` applies step 5 to the
         payloads of the step before (:meth:`_replicate_delayed`)."""
         if self.overlap == "delayed":
             return self._replicate_delayed(grads, lrs, step)
         if self.reduce == "scatter" and communicate:  # block owners reduce (.scatter)
             return self._replicate_scattered(grads, lrs, step)
-        plan = self._plan_step(grads, lrs)
-        buf = self._buckets[0]
+        plan = self.plan_step(grads, lrs)
+        buf = self.send_buffers[0]
         # decay + encode, select, code, error feedback: this rank's payload
-        sent = self._encode_payload(grads, lrs, step, buf)
+        sent = self.encode_payload(grads, lrs, step, buf)
         # exchange (a group of one, or a step the schedule skips, keeps its own)
         gathered = self._exchange(buf) if communicate else buf.unsqueeze(0)
         try:  # check every payload on the device; the step's one read of the verdict
@@ -218,16 +215,16 @@ class DeMoReplicator(Replicator):
             self._undo_error_feedback(sent)
             raise
         # decode the mean of the good payloads, inverse DCT, sign, write into the gradients
-        self._write_mean(decoded, good, plan, plan, grads)
+        self.write_mean(decoded, good, plan, plan, grads)
         return grads
 
     def _replicate_scattered(self, grads, lrs, step):
         """A communicating step of ``reduce="scatter"`` (:class:`~.scatter.SparseScatter`)."""
-        plan, ex = self._plan_step(grads, lrs), self._scattered()
+        plan, ex = self.plan_step(grads, lrs), self._scattered()
         assert ex is not None, "reduce='scatter' communicates over several ranks"
         self._parts = ex  # the encode packs into the owners' parts
         try:  # decay + encode, select, error feedback
-            sent = self._encode_payload(grads, lrs, step, ex.bucket)
+            sent = self.encode_payload(grads, lrs, step, ex.bucket)
         finally:
             self._parts = None
         try:
@@ -241,14 +238,14 @@ class DeMoReplicator(Replicator):
     def _replicate_delayed(self, grads, lrs, step):
         """One step of ``overlap="delayed"``: check what was sent last step, encode and send
         this step's, and apply last step's mean."""
-        plan = self._plan_step(grads, lrs)
-        received = delayed.receive_inflight(self)  # last step's payloads, before encoding
-        delayed.encode_and_send(self, grads, lrs, step, plan)
-        delayed.apply_received(self, received, plan, grads)
+        plan = self.plan_step(grads, lrs)
+        received = self.inflight.receive()  # last step's payloads, before encoding
+        self.inflight.send(grads, lrs, step, plan, self.transport, self.stats, self.rank)
+        self.inflight.apply(received, plan, grads)
         return grads
 
     # ------------------------------------------------------------------ encode
-    def _encode_payload(self, grads, lrs, step: int, buf: torch.Tensor) -> list:
+    def encode_payload(self, grads, lrs, step: int, buf: torch.Tensor) -> list:
         """This rank's payload for ``step`` in ``buf``; returns per group the sent
         (indices, positions, values), or None for groups without gradients.
 
@@ -256,8 +253,8 @@ class DeMoReplicator(Replicator):
         device: the flag is found first (least and largest staged input), the staged input
         is zeroed and the decay factor is 1 where it is set, and the selected values are
         sent as zeros (so error feedback changes nothing); the header carries the flag."""
-        plan = self._plan_step(grads, lrs)
-        self._momentum.begin(step, self.rank)  # bf16: the key of its rounding
+        plan = self.plan_step(grads, lrs)
+        self.host_momentum.begin(step, self.rank)  # bf16: the key of its rounding
         if self.layout.shared_staging:  # each group staged just before its encode
             return self._encode_staged(plan, lrs, step, buf, grads)
         self.staging_plans.stage(grads, plan)
@@ -274,7 +271,7 @@ class DeMoReplicator(Replicator):
 
     def _encode_staged(self, plan: StepPlan, lrs, step: int | torch.Tensor,
                        buf: torch.Tensor, grads=None) -> list:
-        """:meth:`_encode_payload` after the staging: all device work, the same for every
+        """:meth:`encode_payload` after the staging: all device work, the same for every
         step of one shape (a CUDA graph on CUDA unless ``graphs=False``). With ``grads``
         (shared staging) each group is staged here, just before its encode."""
         st = self.staging_plans
@@ -297,7 +294,7 @@ class DeMoReplicator(Replicator):
                                   plan.key[1])
             idx, pos, vals = self._select_topk(g, plan.off_rows[gi], bad)  # of every block
             vals = self._pack_payload(g, idx, vals, buf)  # packed indices, coded values
-            self._add_to_momentum(g, idx, pos, vals, sign=-1.0)  # delta -= what peers see
+            self.add_to_momentum(g, idx, pos, vals, sign=-1.0)  # delta -= what peers see
             sent.append((idx, pos, vals))
         write_header(buf, step, bad, plan.code)  # on the device: no host round trip
         return sent
@@ -320,7 +317,7 @@ class DeMoReplicator(Replicator):
         device tensor: 1 on a rank whose input is not finite (``bad``; its staged input is
         then zero, so its momentum stays as it was, bit for bit). Decaying first and adding the
         product with ``beta = 1`` gives the bits of one product with ``beta = decay``."""
-        self._momentum.bring(g)  # offload=True: from host memory
+        self.host_momentum.bring(g)  # offload=True: from host memory
         w, cc, n = self._work, g.chunk[1], g.coef.numel()
         scale = {id(r): self._step_size(r, lrs, classes) for r in runs}
         for r in runs:
@@ -371,19 +368,19 @@ class DeMoReplicator(Replicator):
         pack_bits(idx, g.bits, buf[g.idx_off: g.val_off])
         return self.codec.encode(vals, buf[g.val_off: g.end])
 
-    def _add_to_momentum(self, g: Group, idx: torch.Tensor, pos: torch.Tensor,
+    def add_to_momentum(self, g: Group, idx: torch.Tensor, pos: torch.Tensor,
                          vals: torch.Tensor, sign: float) -> None:
         """Add ``sign * sent`` to the momentum (sign -1: error feedback, +1: undo it): to the
         coefficients of tiling units, and through the inverse DCT to the momentum of padded
         units (their blocks of ``coef`` only hold this step's fresh coefficients)."""
-        self._momentum.bring(g)
+        self.host_momentum.bring(g)
         g.coef.view(-1).scatter_add_(0, pos.view(-1), (vals if sign > 0 else -vals).view(-1))
         for s in g.segments:
             if s.padded:
                 blocks = dense_inverse(self.layout, g, s, [(idx[s.rows], vals[s.rows])], 1)
                 blocks_into_image(self.layout, g, s, blocks)
                 torch._foreach_add_(s.deltas, s.outs, alpha=sign)
-        self._momentum.send()  # offload=True: back to host memory
+        self.host_momentum.send()  # offload=True: back to host memory
 
     def _undo_error_feedback(self, sent: list[Sent | None]) -> None:
         """After a failed exchange every rank adds back what it sent (a rank whose input was
@@ -391,7 +388,7 @@ class DeMoReplicator(Replicator):
         momentum update alone (no extra read of the device)."""
         for g, s in zip(self.groups, sent):
             if s is not None:
-                self._add_to_momentum(g, *s, sign=1.0)
+                self.add_to_momentum(g, *s, sign=1.0)
 
     # ------------------------------------------------------------------ exchange
     def _exchange(self, buf: torch.Tensor) -> torch.Tensor:
@@ -407,7 +404,7 @@ class DeMoReplicator(Replicator):
         return out
 
     # ------------------------------------------------------------------ check
-    def _on_payloads(self, key: tuple, fn, gathered: torch.Tensor):
+    def on_payloads(self, key: tuple, fn, gathered: torch.Tensor):
         """``fn(gathered)``, through a CUDA graph for ``key`` when graphed."""
         if not self._graphed:
             return fn(gathered)
@@ -416,20 +413,20 @@ class DeMoReplicator(Replicator):
     def _check_now(self, gathered: torch.Tensor, step: int, plan: StepPlan):
         """Check the gathered payloads and read the verdict; raise or drop bad ones. Returns
         the good peers and the decoded payloads."""
-        verdict, decoded = self._on_payloads(
+        verdict, decoded = self.on_payloads(
             ("check", plan.key), lambda x: check_payloads(x, self.groups, self.codec, plan),
             gathered)
         rows = verdict.tolist()  # the one read of the device in a step
-        return self._good_peers(rows, step, plan.code), decoded
+        return self.good_peers_of(rows, step, plan.code), decoded
 
-    def _good_peers(self, rows: list[list[int]], step: int, code: int) -> list[int]:
+    def good_peers_of(self, rows: list[list[int]], step: int, code: int) -> list[int]:
         """The good peers of a verdict's ``rows``; raises, or counts and warns, for every bad
         payload (:meth:`bad_peer`)."""
         return good_peers(rows, step, code, name=self.name, group=self.transport,
                           groups=self.groups, bad_peer=self.bad_peer)
 
     # ------------------------------------------------------------------ decode
-    def _write_mean(self, decoded: list, good: list[int] | None, sent_plan: StepPlan,
+    def write_mean(self, decoded: list, good: list[int] | None, sent_plan: StepPlan,
                     plan: StepPlan, grads,
                     kept: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
         """The decoded mean of the good peers' payloads (encoded with ``sent_plan``) into the
@@ -469,22 +466,22 @@ class DeMoReplicator(Replicator):
     def _decode(self, gathered: torch.Tensor, grads, step: int, code: int) -> None:
         """Check ``gathered`` payloads of ``step`` and write their decoded mean into
         ``grads`` (``code``: this rank's presence code, as computed from ``grads``)."""
-        plan = self._plan_step(grads, None)
+        plan = self.plan_step(grads, None)
         if code != plan.code:
             raise ValueError(f"{self.name}: presence code {code} does not match the gradients")
         good, decoded = self._check_now(gathered, step, plan)
-        self._write_mean(decoded, good, plan, plan, grads)
+        self.write_mean(decoded, good, plan, plan, grads)
 
     # ------------------------------------------------------------------ contract
     def sent_into(self, outs) -> None:
         """What this rank sent in its last exchange, as the peers decode it, into ``outs``."""
         if not self.reports_sent:
             return super().sent_into(outs)
-        plan = self._plan_step(outs, None)
-        write_own(self.layout, self.staging_plans, self.codec, self._buckets[0], plan, outs)
+        plan = self.plan_step(outs, None)
+        write_own(self.layout, self.staging_plans, self.codec, self.send_buffers[0], plan, outs)
 
     def quorum_changed(self) -> None:
-        delayed.return_inflight(self)
+        self.inflight.drop()
         super().quorum_changed()
 
     def reset_replica_state(self) -> None:
@@ -492,9 +489,10 @@ class DeMoReplicator(Replicator):
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict:
-        return state.save(self, super().state_dict())
+        return self.inflight.save(state.save(self, super().state_dict()))
 
     def load_state_dict(self, sd: dict) -> None:
         deltas = state.check_loadable(self, sd)
         super().load_state_dict(sd)
         state.load(self, sd, deltas)
+        self.inflight.load(sd, len(self._shapes or ()), self.rank)

@@ -1,6 +1,7 @@
-"""DeMo's checkpoint state: the momentum buffers, the dropped-payload counter, and in delayed
-mode the exchange in flight and the verdict not yet judged (so a resumed run has the bits of
-an uninterrupted one). Momentum saved before split tensors existed is converted on load."""
+"""DeMo's checkpoint state: the momentum buffers and the dropped-payload counter (in delayed
+mode the exchange in flight and the verdict not yet judged are the replicator's
+:class:`~.delayed.InFlight`'s). Momentum saved before split tensors existed is converted on
+load. The functions read the replicator's public attributes only."""
 
 from __future__ import annotations
 
@@ -9,47 +10,33 @@ from typing import Any
 import torch
 
 from ...compress import BlockDCT
-from ...transport import Pending
-from .checks import arrived
 
 # a DeMoReplicator (not imported: the replicator imports this module)
 DeMo = Any
 
 
 def save(rep: DeMo, sd: dict) -> dict:
-    """``sd`` (the base class's state) with ``rep``'s momentum, counter and delayed state."""
-    rep._momentum.settle()  # offload=True: every host copy complete
+    """``sd`` (the base class's state) with ``rep``'s momentum and counter."""
+    rep.host_momentum.settle()  # offload=True: every host copy complete
     sd["delta"] = [d.reshape(d.shape[0], -1).clone() for d in rep.delta]
     sd["dropped_payloads"] = rep.dropped_payloads
-    if rep._inflight is not None:
-        step, handle, plan, row = rep._inflight
-        gathered = handle.wait() if isinstance(handle, Pending) else handle
-        rep._inflight = (step, gathered, plan, row)
-        present = plan.key[0]
-        sd["inflight"] = {"step": step, "gathered": gathered.clone(), "code": plan.code,
-                          "present": list(present), "row": row}
-    if rep._pending is not None:  # a verdict not yet judged: judged after a resume
-        step, code, host = arrived(rep._pending)
-        sd["verdict"] = {"step": step, "code": code, "rows": host.clone()}
     return sd
 
 
 def reset(rep: DeMo) -> None:
     """``rep``'s per-replica state from zero: the momentum, the delayed mode's exchange in
     flight and its verdict."""
-    rep._momentum.settle()  # no group on its way back over the zeros
+    rep.host_momentum.settle()  # no group on its way back over the zeros
     with torch.no_grad():
         for d in rep.delta:
             d.zero_()
-    rep._inflight = rep._pending = None
+    rep.inflight.clear()
 
 
 def live_tensors(rep: DeMo) -> list[torch.Tensor]:
     """The tensors of ``rep``'s state as they live (no copies): the momentum, and in delayed
     mode the payloads in flight."""
-    inflight = rep._inflight
-    held = inflight[1] if inflight is not None and isinstance(inflight[1], torch.Tensor) else None
-    return list(rep.delta) + ([] if held is None else [held])
+    return list(rep.delta) + rep.inflight.held()
 
 
 def _runs(rep: DeMo) -> list[list]:
@@ -142,22 +129,9 @@ def check_loadable(rep: DeMo, sd: dict) -> list:
 
 
 def load(rep: DeMo, sd: dict, deltas: list) -> None:
-    """``rep``'s momentum (``deltas``, from :func:`check_loadable`), counter and delayed
-    state from ``sd``."""
-    rep._momentum.settle()
+    """``rep``'s momentum (``deltas``, from :func:`check_loadable`) and counter from
+    ``sd``."""
+    rep.host_momentum.settle()
     for u, theirs in zip(rep.units, deltas):
         u.delta.copy_(theirs.reshape(u.delta.shape))
     rep.dropped_payloads = int(sd.get("dropped_payloads", 0))
-    verdict = sd.get("verdict")
-    rep._pending = None
-    if verdict is not None:
-        rows = verdict["rows"].to("cpu", torch.int64)
-        rows._flexdemo_host_copy = True
-        rep._pending = (int(verdict["step"]), int(verdict["code"]), rows, None)
-    inflight = sd.get("inflight")
-    rep._inflight = None
-    if inflight is not None:
-        present = tuple(bool(p) for p in inflight.get("present", [True] * len(rep._shapes)))
-        rep._inflight = (int(inflight["step"]), inflight["gathered"].to(rep.device),
-                         rep.staging_plans.plan(present, None),
-                         int(inflight.get("row", rep.rank)))

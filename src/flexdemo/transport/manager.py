@@ -19,7 +19,9 @@ from torch.distributed.distributed_c10d import (
     AllToAllOptions,
 )
 
-from ..transport import PeerLostError, Transport
+from .core import PeerLostError, Transport
+
+__all__ = ["ManagerTransport"]
 
 
 class _Handle:

@@ -1,8 +1,8 @@
-"""Transports: how replicators' payloads move between replicas, with byte and time accounting.
+"""The transport interface and the collectives, with byte and time accounting.
 
 A replicator names the replicas it talks to by a *group*: a ``torch.distributed`` process group
 (served by :class:`ProcessGroupTransport`, one replica per process) or an
-:class:`~flexdemo.inprocess.InProcessTransport` (one replica's view of N replicas simulated in
+:class:`~flexdemo.transport.InProcessTransport` (one replica's view of N replicas simulated in
 one process, see :mod:`flexdemo.simulate`). The functions below (:func:`all_gather`,
 :func:`all_reduce_sum`, :func:`gather_into`, :func:`group_size`, :func:`group_rank`,
 :func:`global_rank`, :func:`group_ranks`) take either kind of group; they are the only place in
@@ -41,8 +41,9 @@ __all__ = ["CommStats", "Pending", "PeerLostError", "ProcessGroupTransport", "Tr
 class PeerLostError(RuntimeError):
     """A peer died, left or became unreachable, so a collective failed; ``lost_ranks`` names
     the lost ranks where they are known (empty otherwise). Raised by the fault-tolerant
-    group's transport (:mod:`flexdemo.ft.transport`: the step is not committed and is
-    undone) and by ``flexdemo train`` once its heartbeats told which rank was lost."""
+    group's transport (:class:`~flexdemo.transport.ManagerTransport`: the step is not
+    committed and is undone) and by ``flexdemo train`` once its heartbeats told which rank
+    was lost."""
 
     def __init__(self, message: str, lost_ranks: list[int] | None = None) -> None:
         super().__init__(message)

@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 import torch
 
-from .transport import Transport
+from .core import Transport
 
 __all__ = ["GLOO_MAX_SEGMENT_BYTES", "InProcessHub", "InProcessTransport",
            "ReplicaAbortedError", "ring_sum_"]

@@ -108,14 +108,11 @@ def test_time_to_target_lines_name_the_fastest_fixed_strategy():
 
 def test_retune_cost_is_stated_against_the_runs_step_time():
     auto = {"strategy": "auto", "status": "ok", "bandwidth": "1gbit>10mbit",
-            "step_seconds": 0.2, "auto_history": [
-                {"event": "decision", "step": 0},
-                {"event": "retune", "step": 59, "seconds": 0.01},
-                {"event": "resize", "step": 70}]}
+            "step_seconds": 0.2, "auto_retune_seconds": [{"step": 59, "seconds": 0.01}]}
     fixed = {**auto, "strategy": "muloco"}
     assert retune_cost_lines([auto, fixed, {**auto, "status": "failed"}]) == [
         "auto @ 1gbit>10mbit: the retune at step 59 took 10.0 ms (0.05 of a step of 200 ms)"]
-    assert retune_cost_lines([{**auto, "auto_history": []}]) == []
+    assert retune_cost_lines([{**auto, "auto_retune_seconds": []}]) == []
 
 
 @pytest.mark.multiprocess

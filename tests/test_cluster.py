@@ -206,9 +206,17 @@ def test_unshaped_failing_rank_stops_the_others():
 
 
 @pytest.mark.multiprocess
-def test_cli_unshaped_exit_code_and_prefix(capsys):
-    script = ("import os, sys; print('hello from', os.environ['RANK']); "
-              "sys.exit(3 if os.environ['RANK'] == '1' else 0)")
+def test_cli_unshaped_exit_code_and_prefix(capsys, tmp_path):
+    # rank 1 fails only once rank 0 has printed (its failure stops rank 0: on a loaded
+    # machine rank 0 could otherwise be stopped before its first line)
+    mark = tmp_path / "rank0-printed"
+    script = ("import os, sys, time, pathlib\n"
+              "print('hello from', os.environ['RANK'], flush=True)\n"
+              f"mark = pathlib.Path({str(mark)!r})\n"
+              "if os.environ['RANK'] == '0':\n    mark.touch(); sys.exit(0)\n"
+              "deadline = time.monotonic() + 120  # a hang guard\n"
+              "while not mark.exists() and time.monotonic() < deadline:\n    time.sleep(0.05)\n"
+              "sys.exit(3)\n")
     code = main(["cluster", "--nodes", "2", "--unshaped", "--", PY, "-c", script])
     captured = capsys.readouterr()
     assert code == 3

@@ -384,7 +384,8 @@ class DeToNATION(torch.optim.Optimizer):
         for r in rs:  # "auto": what it runs now (None while it measures) and its decisions
             if hasattr(r, "decision") and hasattr(r, "history"):
                 out.update(auto_choice=None if r.decision is None else r.decision.label,
-                           auto_history=list(r.history))
+                           auto_history=list(r.history),
+                           auto_retune_seconds=list(getattr(r, "retune_seconds", [])))
         out.update(self.memory_stats())
         return out
 

@@ -232,9 +232,7 @@ def retune_cost_lines(results: list[dict], reference: str = "auto") -> list[str]
         if r.get("strategy") != reference or r.get("status") != "ok":
             continue
         step = r.get("step_seconds") or 0.0
-        for h in r.get("auto_history", []):
-            if h.get("event") != "retune" or "seconds" not in h:
-                continue
+        for h in r.get("auto_retune_seconds", []):
             share = (f"{h['seconds'] / step:.2f} of a step of {step * 1e3:.0f} ms" if step > 0
                      else "no step time")
             lines.append(f"{reference} @ {r['bandwidth']}: the retune at step {h.get('step')} "

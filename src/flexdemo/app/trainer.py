@@ -374,7 +374,8 @@ class Trainer(TrainerSetUp):
             "bytes_sent_per_step": mean[3] / max(step, 1),
             "bytes_received_per_step": mean[4] / max(step, 1),
             "mb_sent_total": mean[3] / 1e6, "out": str(self.out),
-            **{k: v for k, v in self.opt.last_step_stats().items() if k == "auto_history"},
+            **{k: v for k, v in self.opt.last_step_stats().items()
+               if k in ("auto_history", "auto_retune_seconds")},
             "config": config_to_dict(cfg),
         }
 

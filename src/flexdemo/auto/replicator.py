@@ -150,6 +150,7 @@ class AutoReplicator(Replicator):
         self.chosen: Replicator | None = None
         self.decision: Decision | None = None
         self.history: list[dict] = []
+        self.retune_seconds: list[dict] = []  # each retune's cost on this rank: step, seconds
         self.lines: list[str] = []
         self._optimizer = None
         self._inflight: list = []
@@ -367,7 +368,8 @@ class AutoReplicator(Replicator):
             self.decision = new
         # what the retune cost this rank: the agreed check, the choice and the hand-over
         took = time.perf_counter() - t0
-        self.history.append({"event": "retune", **new.as_dict(), "seconds": took})
+        self.history.append({"event": "retune", **new.as_dict()})  # agreed: equal on all ranks
+        self.retune_seconds.append({"step": step, "seconds": took})  # this rank's own
         self._say(f"auto: retune at step {step} (the link was {d.link.describe()}): "
                   f"{new.line()[len('auto: '):]}{' (stays)' if new.name == d.name else ''} "
                   f"[took {took * 1e3:.1f} ms]")

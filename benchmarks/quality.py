@@ -908,8 +908,7 @@ def main(argv=None) -> dict:
                 budget_s=args.budget_s,
                 saved=lambda rs: write_json(out, args, command, merged(rs, stored)))
     except BaseException:
-        if here:  # keep what finished: a later run can --merge it
-            write_json(out, args, command, merged(here, stored))
+        if here:  # what finished is on disk already (saved): a later run can --merge it
             print(f"stopped after {len(here)} of {len(cfgs)} runs; the finished ones are in "
                   f"{out / 'quality.json'} (--merge it into a later run)", file=sys.stderr,
                   flush=True)
@@ -918,7 +917,8 @@ def main(argv=None) -> dict:
     if not runs:
         fail(f"--budget-s {args.budget_s:g}: no run finished in time; give a larger budget, "
              "or fewer steps")
-    write_json(out, args, command, runs)  # the runs first: kept if a later step fails
+    if not here:  # (runs made here are on disk already) the runs first: kept if a later
+        write_json(out, args, command, runs)  # step fails
     rows = summarize(runs)
     curves = best_curves(runs, rows)
     result = write_json(out, args, command, runs, rows, curves)

@@ -128,21 +128,20 @@ def positive_int(text: str) -> int:
     return value
 
 
-def positive_float(text: str) -> float:
+def _float_arg(text: str, ok: Callable[[float], bool], need: str) -> float:
+    """``text`` as a float that ``ok`` accepts, else argparse's error: "must be ``need``"."""
     try:
         value = float(text)
     except ValueError:
-        value = -1.0
-    if not (value > 0 and value != float("inf")):
-        raise argparse.ArgumentTypeError(f"must be a positive number, got {text!r}")
+        value = math.nan  # accepted by no check
+    if not ok(value):
+        raise argparse.ArgumentTypeError(f"must be {need}, got {text!r}")
     return value
+
+
+def positive_float(text: str) -> float:
+    return _float_arg(text, lambda v: 0 < v < math.inf, "a positive number")
 
 
 def seconds_arg(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not value >= 0:
-        raise argparse.ArgumentTypeError(f"must be a number of seconds >= 0, got {text!r}")
-    return value
+    return _float_arg(text, lambda v: v >= 0, "a number of seconds >= 0")

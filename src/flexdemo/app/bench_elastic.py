@@ -220,8 +220,8 @@ def _elastic_run(o: Any, cluster: EmulatedCluster, base: dict, out: Path,
                 echo(f"  elastic: SIGKILL to node {last}'s ranks (node 0 at step {step})")
                 nodes[f"node{last}"].kill()
             # a late kill (above) moves the restart as far: the survivors' time alone is kept
-            restart_at = (max(o.restart_at, events["kill"]["survivor_step"] + o.restart_at
-                              - o.kill_at) if "kill" in events else None)
+            restart_at = (events["kill"]["survivor_step"] + o.restart_at - o.kill_at
+                          if "kill" in events else None)
             if restart_at is not None and "restart" not in events and step >= restart_at:
                 events["restart"] = {"time": time.time(), "survivor_step": step}
                 echo(f"  elastic: node {last} starts again (node 0 at step {step})")

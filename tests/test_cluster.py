@@ -476,3 +476,20 @@ def test_cli_says_a_killed_rank_once(capsys):
     assert code == 128 + signal.SIGKILL, err
     lines = [line for line in err.splitlines() if "killed by SIGKILL" in line]
     assert len(lines) == 1 and "error:" in lines[0], err
+
+
+def test_free_port_is_outside_the_ephemeral_range_and_bindable():
+    """A rendezvous port is drawn below the kernel's ephemeral range: another test's outgoing
+    connection (which takes its local port from that range) once took a port between
+    ``free_port()`` and rank 0's bind, and the whole world failed with EADDRINUSE."""
+    import socket
+
+    from flexdemo.tools.ranks import _ephemeral_range, free_port
+
+    lo, hi = _ephemeral_range()
+    ports = {free_port() for _ in range(20)}
+    assert all(p < lo for p in ports), (ports, lo)
+    assert len(ports) > 1  # drawn, not one fixed port every caller would share
+    for p in list(ports)[:3]:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("127.0.0.1", p))

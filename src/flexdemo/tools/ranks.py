@@ -4,6 +4,7 @@ line, signalling their process groups, and holding signals while the supervisor 
 from __future__ import annotations
 
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -13,8 +14,38 @@ from typing import IO, Any, Protocol
 __all__ = ["OutputPump", "TextSink", "free_port", "signal_group"]
 
 
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            lo, hi = (int(v) for v in f.read().split())
+        return lo, hi
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago (for a rendezvous or a server)."""
+    """A TCP port on 127.0.0.1 that was free a moment ago (for a rendezvous or a server).
+
+    It is drawn below the kernel's ephemeral range, so that the outgoing connections of other
+    processes (which take their local ports from that range) cannot take it in the moment
+    between this call and the server's bind; the kernel's choice is the fallback.
+    """
+    lo, _ = _ephemeral_range()
+    first = 20000 if lo > 21000 else 1024
+    draw = random.SystemRandom()
+    for _ in range(64):
+        port = draw.randrange(first, max(first + 1, lo))
+        if _bindable(port):
+            return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]

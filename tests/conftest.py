@@ -84,8 +84,63 @@ def _root(links: dict[str, str], key: str) -> str:
     return key
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
+# ------------------------------------------------------------------ the two tiers
+# `bash run.sh test` runs the quick tier; `bash run.sh test -m long` the longer one, and CI runs
+# both. A family of multi-process variants of one behaviour (a kill and a rejoin under each
+# replicator, each loop order, each unreadable path) keeps in the quick tier the variants that
+# take the most distinct code paths; the rest of the family runs in the longer tier. The
+# key is the test's id within its file (pytest's node id after the file).
+LONG_TIER: dict[str, tuple[str, ...]] = {
+    "test_elastic.py": (
+        # a kill and a rejoin: quick under delayed DeMo (an exchange in flight) and DiLoCo
+        "test_killed_group_restarts_heals_and_ends_identical[full]",
+        "test_killed_group_restarts_heals_and_ends_identical[demo]",
+        "test_killed_group_restarts_heals_and_ends_identical[random]",
+        "test_killed_group_restarts_heals_and_ends_identical[diloco-int4-rs]",
+        "test_killed_group_restarts_heals_and_ends_identical[diloco-streaming]",
+        # a failed commit: quick under DeMo and streaming DiLoCo (a sync in flight)
+        "test_failed_commit_is_undone_exactly[full-3-7]",
+        "test_failed_commit_is_undone_exactly[diloco-5-9]",
+        "test_failed_commit_is_undone_exactly[random-3-7]",
+        "test_failed_commit_is_undone_exactly[demo-delayed-3-7]",
+        # loop orders: quick with zero_grad after the forward pass (the order that once
+        # crashed) and after the step; zero_grad first runs quick in the sharded test
+        "test_every_loop_order_survives_a_kill_and_a_rejoin[forward-keep]",
+        "test_every_loop_order_survives_a_kill_and_a_rejoin[none]",
+        "test_every_loop_order_survives_a_kill_and_a_rejoin[zero-first]",
+        "test_a_group_healed_after_its_forward_pass_votes_no[zero-first]",
+        "test_sharded_groups_rank_r_replicates_with_rank_r[forward-zero]",
+    ),
+    "test_resume_faults.py": (
+        "test_verify_of_a_folder_this_user_may_not_read_is_one_line[checkpoints]",
+        "test_verify_of_a_folder_this_user_may_not_read_is_one_line[COMPLETE]",
+    ),
+    "test_startup.py": (
+        "test_rank_killed_a_second_after_launch_is_named_by_every_survivor[0]",
+    ),
+    "test_train.py": (
+        "test_killed_rank_of_four_is_the_only_one_named_by_every_survivor[auto-4x1]",
+    ),
+    "test_memory.py": (
+        "test_demo_bf16_momentum_resumes_bitwise[kw1]",
+        "test_demo_bf16_momentum_resumes_bitwise[kw3]",
+    ),
+}
+
+
+def _mark_long_tier(items: list[pytest.Item]) -> None:
+    """Mark the tests named in :data:`LONG_TIER` ``long`` (test_layout checks that every
+    entry names a test)."""
+    wanted = {(f, t) for f, tests in LONG_TIER.items() for t in tests}
+    for item in items:
+        file, _, rest = item.nodeid.partition("::")
+        if (Path(file).name, rest) in wanted:
+            item.add_marker(pytest.mark.long)
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups, and before -m selects
 def pytest_collection_modifyitems(config, items):
+    _mark_long_tier(items)
     links: dict[str, str] = {}
     keys = {item: _shared_fixture_group(item, links) for item in items}
     for item, key in keys.items():

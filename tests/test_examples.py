@@ -5,6 +5,7 @@ every rank), and tiny valid runs train, alone in a folder of their own and under
 from __future__ import annotations
 
 import ast
+import functools
 import importlib.util
 import json
 import math
@@ -16,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from flexdemo.tools.ranks import free_port
 
@@ -69,6 +71,26 @@ def _one_line_error(stderr: str, script: str, argument: str) -> str:
     assert argument in lines[0], lines[0]
     assert "Traceback" not in stderr
     return lines[0]
+
+
+def _exit_code_in_process(path: Path, argv: list[str], monkeypatch) -> int:
+    """Run example ``path``'s ``main(argv)`` in this process, outside any launcher (as
+    ``python path ARGV`` would, its ``argparse`` named after the file); its exit code. For
+    checks that refuse the arguments before anything starts: a subprocess here spends most of
+    its time importing torch."""
+    for var in LAUNCH_VARS:
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("FLEXDEMO_TIMEOUT", "60")
+    monkeypatch.setattr(sys, "argv", [str(path), *map(str, argv)])
+    with pytest.raises(SystemExit) as leave:
+        _loaded(path).main([str(a) for a in argv])
+    assert not dist.is_initialized()  # refused before any process group
+    return leave.value.code
+
+
+@functools.cache
+def _loaded(path: Path):
+    return _load(path)
 
 
 def _load(path: Path):
@@ -144,7 +166,6 @@ def test_example_gpt_is_the_task_the_bench_trains():
 
 
 # ----------------------------------------------------------------------------- train_gpt.py
-@pytest.mark.multiprocess
 @pytest.mark.parametrize("args, argument, says", [
     (["--steps", "0"], "--steps", "at least 1"),
     (["--steps", "-2"], "--steps", "at least 1"),
@@ -155,10 +176,13 @@ def test_example_gpt_is_the_task_the_bench_trains():
     (["--corpus-bytes", "10"], "--corpus-bytes", "at least 660"),
     (["--warmup", "5"], "--warmup", "from 0 to 1"),
 ], ids=lambda v: " ".join(v) if isinstance(v, list) else None)
-def test_gpt_bad_argument_is_one_line_and_code_2(tmp_path, args, argument, says):
-    r = _run([GPT, *TINY_GPT, "--out", tmp_path / "r.json", *args])
-    assert r.returncode == 2, r.stderr
-    assert says in _one_line_error(r.stderr, "train_gpt.py", argument)
+def test_gpt_bad_argument_is_one_line_and_code_2(tmp_path, args, argument, says, monkeypatch,
+                                                 capsys):
+    code = _exit_code_in_process(GPT, [*TINY_GPT, "--out", tmp_path / "r.json", *args],
+                                 monkeypatch)
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert says in _one_line_error(err, "train_gpt.py", argument)
     assert not (tmp_path / "r.json").exists()
 
 
@@ -283,7 +307,6 @@ def _model_dir(tmp_path: Path, **config) -> Path:
     return tmp_path / "model"
 
 
-@pytest.mark.multiprocess
 @pytest.mark.parametrize("args, argument, says", [
     (["--steps", "0"], "--steps", "at least 1"),
     (["--warmup", "0.05"], "--warmup", "expected an integer"),
@@ -295,11 +318,12 @@ def _model_dir(tmp_path: Path, **config) -> Path:
     (["--model", "no/such/dir"], "--model", "config.json"),
     (["--weights"], "--weights", "local model directory"),
 ], ids=lambda v: " ".join(v) if isinstance(v, list) else None)
-def test_hf_bad_argument_is_one_line_and_code_2(args, argument, says):
+def test_hf_bad_argument_is_one_line_and_code_2(args, argument, says, monkeypatch, capsys):
     """Checked before transformers is imported: the same with or without it."""
-    r = _run([HF, *TINY_HF, *args])
-    assert r.returncode == 2, r.stderr
-    assert says in _one_line_error(r.stderr, "train_hf.py", argument)
+    code = _exit_code_in_process(HF, [*TINY_HF, *args], monkeypatch)
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert says in _one_line_error(err, "train_hf.py", argument)
 
 
 @pytest.mark.parametrize("args, config, argument", [

@@ -9,8 +9,9 @@ to resume from, when to save, atomic saves, pruning) in :mod:`flexdemo.app.check
 errors in :mod:`flexdemo.app.errors`, rank 0's outputs (:mod:`flexdemo.app.outputs`) and the
 heartbeats that tell which rank was lost (:mod:`flexdemo.app.liveness`). :func:`train` is the
 thin function for callers. Run it under ``torchrun``, under ``flexdemo cluster``, or as a
-single process. The set-up (process group, task, model, checkpointer, resume) and the messages
-about lost peers are :class:`~flexdemo.app.trainer_setup.TrainerSetUp`, its base class.
+single process. The steps of the set-up (process group, task, model, checkpointer) and the
+heartbeats that name a lost peer (:class:`~flexdemo.app.trainer_setup.LostPeers`, which the
+trainer owns) are in :mod:`flexdemo.app.trainer_setup`.
 
 Outputs under ``train.out`` (written by rank 0, except the checkpoints, which every rank
 writes; with several machines ``out`` must be a shared folder):
@@ -51,14 +52,18 @@ from __future__ import annotations
 
 import json
 import time
+import warnings
+import zlib
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from ..checkpoint import describe_os_error
 from ..ft.session import DuplicateReplicaIdError, LighthouseLostError, QuorumTimeoutError
 from ..replicate import NonFiniteGradientError
+from ..sharding import NoReplicationWarning
 from ..transport import PeerLostError
 from .checkpointer import (
     Checkpointer,
@@ -67,20 +72,32 @@ from .checkpointer import (
     sum_over_ranks,
 )
 from .config import Config
-from .config_files import config_to_dict
-from .device import to_device
+from .config_files import config_to_dict, to_toml
+from .device import resolve_device, to_device
 from .errors import StartupError, TrainingError, UsageError, nonfinite_message
 from .liveness import is_comm_error
 from .outputs import (
+    MetricsLog,
     Progress,
+    check_output_folder,
     format_summary,
     strict_json,
     write_atomic,
 )
-from .preempt import LighthouseLost, Preempted
+from .preempt import LighthouseLost, Preempted, StopRequest
 from .schedule import lr_at
-from .tasks import ShardSampler
-from .trainer_setup import Echo, TrainerSetUp, timeout_seconds
+from .tasks import ShardSampler, Task
+from .trainer_setup import (
+    Echo,
+    LostPeers,
+    build_task_for,
+    check_batch,
+    join_group,
+    new_checkpointer,
+    prepare_model,
+    single_replica_note,
+    timeout_seconds,
+)
 
 __all__ = ["Checkpointer", "PeerLostError", "Preempted", "StartupError", "TrainState",
            "Trainer", "TrainingError", "UsageError", "lr_at", "timeout_seconds", "train"]
@@ -97,7 +114,7 @@ def _local_numel(model: torch.nn.Module) -> int:
                for p in model.parameters())
 
 
-class Trainer(TrainerSetUp):
+class Trainer:
     """One training run as ``cfg`` says.
 
     Construction builds the task and the model and joins (or creates) the process group
@@ -110,6 +127,105 @@ class Trainer(TrainerSetUp):
     SIGTERM and SIGINT stop the run after the step it is in, on every rank at the same step,
     with a checkpoint of that step: :meth:`run` raises :class:`Preempted`.
     """
+
+    def __init__(self, cfg: Config, *, echo: Echo | None = None,
+                 exit_on_lost_peer: bool = False, handle_signals: bool = False) -> None:
+        self.cfg = cfg
+        self.handle_signals = handle_signals
+        self.stop: StopRequest | None = None
+        self.echo = echo or (lambda text: print(text, flush=True))
+        tc = cfg.train
+        if tc.threads:
+            torch.set_num_threads(tc.threads)
+        self.timeout = timeout_seconds(cfg)
+        self.t_start = time.perf_counter()
+        try:
+            self.device = resolve_device(tc.device)
+        except ValueError as e:
+            raise TrainingError(f"train.device: {e}") from None
+        # before the task: reading data must not count against a peer's arrival
+        join_group(self.device, self.timeout)
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.skip_stop: str | None = None  # the line that stops a run of skipped steps
+        self.checkpointer: Checkpointer | None = None
+        self.peers = LostPeers(self.rank, self.world, self.timeout, exit_on_lost_peer)
+        try:
+            self._set_up()
+        except BaseException:
+            self.peers.stop()
+            if self.stop is not None:
+                self.stop.restore()
+            raise
+
+    def _set_up(self) -> None:
+        """Build the task, the model and the optimizer (prepare), and the checkpointer."""
+        cfg, tc = self.cfg, self.cfg.train
+        self.task: Task = build_task_for(cfg, self.device)
+        check_batch(cfg, self.task, self.world)  # before prepare()'s collectives: one verdict
+        torch.manual_seed(tc.seed)
+        model = self.task.build_model()
+        self.n_params = sum(p.numel() for p in model.parameters())
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", NoReplicationWarning)
+            self.model, self.opt = prepare_model(cfg, model, self.task, self.device,
+                                                 self.timeout, self.peers)
+        self.say: Echo = self.echo if self.rank == 0 else (lambda text: None)
+        mesh = self.opt.mesh
+        self.layout = {"replicate": mesh["replicate"].size(), "shard": mesh["shard"].size()}
+        if any(issubclass(w.category, NoReplicationWarning) for w in caught):
+            self.say(single_replica_note(cfg, self.world, self.layout))
+        for w in caught:  # anything else prepare() warned about goes on as usual
+            if not issubclass(w.category, NoReplicationWarning):
+                warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+        # CUDA: losses are read every log_every steps (a host read waits for the GPU)
+        self.read_every = 1 if self.device.type == "cpu" else max(tc.log_every, 1)
+        self.out = Path(tc.out)
+        self.checkpointer = self.peers.checkpointer = new_checkpointer(
+            cfg, self.rank, self.world, self.layout, self.task, self.say, self.echo)
+        self.state = TrainState()
+        self.metrics: MetricsLog | None = None
+        self.progress: Progress | None = None
+        # from here on a signal asks for a clean stop (before, it ends the process as usual)
+        self.stop = StopRequest(self.world, self.device, self.timeout, self.handle_signals)
+
+    def _check_output_folder(self) -> None:
+        """Rank 0 creates ``train.out`` and writes a probe file into it; every rank learns
+        whether that worked (one line naming the path and the cause if not)."""
+        rank0_decides(self.rank, self.world, lambda: check_output_folder(self.out))
+
+    def _open_outputs(self) -> None:
+        """Rank 0 writes ``config.toml`` and opens the metrics log (agreed like above)."""
+        def make() -> None:
+            try:
+                write_atomic(self.out / "config.toml", to_toml(self.cfg))
+                self.metrics = MetricsLog(self.out, self.state.step, self.cfg.train.tensorboard,
+                                          self.say)
+            except OSError as e:
+                raise TrainingError(f"train.out {str(self.out)!r}: cannot write the outputs: "
+                                    f"{describe_os_error(e)}") from None
+
+        rank0_decides(self.rank, self.world, make)
+
+    def _resume(self) -> tuple[Path | None, ShardSampler]:
+        tc = self.cfg.train
+        assert self.checkpointer is not None  # built by _set_up
+        resume_from = self.checkpointer.resume_path(self.cfg.resume, tc.overwrite)
+        if resume_from is None:
+            self.checkpointer.clear_earlier_run(tc.overwrite, self.cfg.resume)
+        self._check_output_folder()
+        extra: dict[str, Any] = {}
+        if resume_from is not None:
+            self.state, extra = self.checkpointer.load(resume_from, self.model, self.opt)
+            self.say(f"resumed from {resume_from} at step {self.state.step}")
+        session = self.opt.fault_tolerance
+        # elastic: every replica group (each numbered from rank 0) its own order of the data
+        stream = 0 if session is None else zlib.crc32(session.config.replica_id.encode())
+        sampler = ShardSampler(self.task.num_train_items, self.rank, self.world, tc.seed,
+                               stream)
+        if resume_from is not None:
+            sampler.load_state_dict(extra["data"])
+            torch.set_rng_state(extra["rng"])
+        return resume_from, sampler
 
     # ------------------------------------------------------------------ the loop
     def _step(self, step: int, sampler: ShardSampler,
@@ -202,10 +318,10 @@ class Trainer(TrainerSetUp):
             raise TrainingError(str(e)) from None  # quorum: one line naming the lighthouse
         except Exception as e:
             if self.world > 1 and is_comm_error(e):
-                raise self._peer_error(e) from e
+                raise self.peers.error(e) from e
             raise
         finally:
-            self.heartbeat.stop()
+            self.peers.stop()
             if self.stop is not None:
                 self.stop.restore()
             if self.progress is not None:
@@ -234,8 +350,7 @@ class Trainer(TrainerSetUp):
         val: dict[str, float] = {}
         t_loop = time.perf_counter()
         pending: list[dict[str, Any]] = []
-        self.started = True
-        self.heartbeat.watching.clear()  # from here on, failed collectives tell of lost peers
+        self.peers.loop_started()  # from here on, failed collectives tell of lost peers
         elastic = self.opt.fault_tolerance is not None
         step = start
         def write(records: list[dict[str, Any]]) -> None:

@@ -107,8 +107,8 @@ class FullReplicator(Replicator):
     model's. Buckets cut the flat order at multiples of ``block``, so every value is encoded
     and averaged as in one bucket of the whole model: the same bits (the fp32 sum too, on two
     replicas; on more, each bucket's all-reduce may add in another order). The agreement's
-    flags ride in the first bucket (a failed step stops there); error feedback takes each
-    bucket's input in and what it sent out as it goes.
+    flags ride in the first bucket exchanged (a failed step stops there); error feedback takes
+    each bucket's input in and what it sent out as it goes.
 
     :meth:`start` launches the collective asynchronously and :meth:`finish` completes it (a
     model in several buckets is exchanged in :meth:`finish`); a step reads the device once
@@ -240,7 +240,8 @@ class FullReplicator(Replicator):
             return sum((self.world - 1) * (p + r) for _, p, r in map(self._scatter.sizes, sizes))
         if self.values == "fp32":
             trailer = Agreement.trailer_size(self.world)
-            return sum(all_reduce_bytes(n + (trailer if b == 0 else 0), 4, self.world)
+            last = len(sizes) - 1  # (exchanged first: it carries the trailer)
+            return sum(all_reduce_bytes(n + (trailer if b == last else 0), 4, self.world)
                        for b, n in enumerate(sizes))
         return super().exchange_bytes()
 
@@ -267,8 +268,8 @@ class FullReplicator(Replicator):
             self.agreement.check_local(flag, step)
             return ("local", grads)
         if self.buckets is not None:  # exchanged bucket by bucket in finish()
-            flag, code = self.agreement.local(grads)
-            return ("buckets", grads, step, flag, code)
+            code = self.agreement.local([], grads)[1]
+            return ("buckets", grads, step, self._buckets_flag(grads), code)
         layout = self.layout
         assert layout is not None, "one bucket: the whole layout"
         layout.fill(grads)
@@ -344,27 +345,43 @@ class FullReplicator(Replicator):
         return grads
 
     # ------------------------------------------------------------------ buckets
-    def _run_buckets(self, grads: list, step: int, flag: torch.Tensor, code: int) -> list:
-        """The exchange of a model in several buckets, one at a time through one buffer:
-        fill, (error feedback) take the input in, exchange, decode the mean, write back.
-        Should a bucket fail (on every replica alike), the residual takes in the input of
-        the buckets not sent, as the whole exchange's does."""
+    def _buckets_flag(self, grads: list) -> torch.Tensor:
+        """The non-finite flag of the whole input, from the least and largest value of each
+        bucket filled in turn (one pass, without a host read; a norm of every tensor costs
+        ten times more on a CPU). The last bucket stays in the buffer: it goes first."""
         buckets, stage = self.buckets, self._stage
         assert buckets is not None
+        ends: list[torch.Tensor] = []
+        for b, (lo, hi) in enumerate(buckets.bounds):
+            buckets.fill(b, grads, stage[: hi - lo])
+            ends.extend(torch.aminmax(stage[: hi - lo]))
+        return ~torch.isfinite(torch.stack(ends)).all()
+
+    def _run_buckets(self, grads: list, step: int, flag: torch.Tensor, code: int) -> list:
+        """The exchange of a model in several buckets, one at a time through one buffer,
+        last bucket first (it is in the buffer): fill, (error feedback) take the input in,
+        exchange, decode the mean, write back. Should a bucket fail (on every replica
+        alike), the residual takes in the input of the buckets not sent, as the whole
+        exchange's does."""
+        buckets, stage = self.buckets, self._stage
+        assert buckets is not None
+        order = list(range(len(buckets)))[::-1]
         taken = -1
         try:
-            for b, (lo, hi) in enumerate(buckets.bounds):
+            for k, b in enumerate(order):
+                lo, hi = buckets.bounds[b]
                 x = stage[: hi - lo]
-                buckets.fill(b, grads, x)
+                if k:
+                    buckets.fill(b, grads, x)
                 self._take_in(x, lo, hi, flag)
-                taken = b
-                self._exchange_bucket(b, x, step, flag, code)
+                taken = k
+                self._exchange_bucket(k == 0, x, step, flag, code)
                 if self.residual is not None:  # what it sent leaves the residual
                     self.residual[lo:hi].sub_(self._sent_bucket(hi - lo))
                 buckets.scatter(b, grads, x)
         except BaseException:
             if self.residual is not None:
-                for b in range(taken + 1, len(buckets)):
+                for b in order[taken + 1:]:
                     lo, hi = buckets.bounds[b]
                     buckets.fill(b, grads, stage[: hi - lo])
                     self._take_in(stage[: hi - lo], lo, hi, flag)
@@ -381,10 +398,10 @@ class FullReplicator(Replicator):
         r.add_(torch.where(flag, 0.0, x))
         x.copy_(r)
 
-    def _exchange_bucket(self, b: int, x: torch.Tensor, step: int, flag: torch.Tensor,
+    def _exchange_bucket(self, first: bool, x: torch.Tensor, step: int, flag: torch.Tensor,
                          code: int) -> None:
-        """Average bucket ``b`` (its ``x.numel()`` values in ``x``) over the group, in
-        place; the first bucket carries the agreement."""
+        """Average a bucket (its ``x.numel()`` values in ``x``) over the group, in place;
+        the ``first`` one carries the agreement."""
         n = x.numel()
         if self._scatter is not None:
             sx = self._scatter
@@ -392,7 +409,7 @@ class FullReplicator(Replicator):
             handle = sx.start(step, flag, code, self.transport, self.stats)
             sx.finish(handle, step, code, self.name, self.transport, self.stats, self.bad_peer)
         elif self.values == "fp32":
-            trailer = Agreement.trailer_size(self.world) if b == 0 else 0
+            trailer = Agreement.trailer_size(self.world) if first else 0
             if trailer:
                 self.agreement.write_trailer(self._bucket[n: n + trailer], flag, code)
             buf = all_reduce_sum(self._bucket[: n + trailer], self.transport, self.stats)

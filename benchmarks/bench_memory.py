@@ -3,7 +3,8 @@ of a training iteration, on a byte-level GPT under ``flexdemo.prepare``.
 
     python benchmarks/bench_memory.py [--model 85m|small|mini|tiny] [--shards 1,2,4]
         [--replicas 2] [--strategies hsdp-adamw,demo-defaults,...] [--steps 3]
-        [--batch 2 --seq 128] [--group-numel N] [--out benchmarks/results/memory.json]
+        [--batch 2 --seq 128] [--group-numel N] [--inner-steps H]
+        [--out benchmarks/results/memory.json]
 
 Every layout runs ``shard x replicas`` real processes (gloo on CPU): ``--shards 1`` is the
 whole model per rank, 2 and 4 are FSDP2 row shards of 1/2 and 1/4. Each rank trains
@@ -18,6 +19,10 @@ no RSS noise). Per strategy, in bytes and in units of P (the whole model's fp32 
   (which creates the state and the buffers);
 * ``peak``: the most live bytes of a whole iteration (forward, backward, step) on rank 0;
 * ``RSS``: the process's peak resident set (the allocator's and Python's overhead included).
+
+DiLoCo's strategies (MuLoCo, SparseLoCo) sync every 30 steps, after the few steps measured:
+``--inner-steps 2`` makes them sync at steps 1 and 3 (``--steps 4``), so the syncs' workspace
+and the outer optimizer's state (made at the first sync) are counted too.
 
 Strategies are names from ``flexdemo.strategies.STRATEGIES``; their learning rates do not
 change memory. The ratios are exact on any machine; only RSS and the seconds vary.
@@ -73,6 +78,8 @@ def _worker(rank: int, world: int, port: int, cfg: dict, out: str) -> None:
         rkw = dict(s.replicator_kwargs)
         if cfg.get("group_numel") is not None and s.replicator == "demo":
             rkw["group_numel"] = cfg["group_numel"] if cfg["group_numel"] > 0 else None
+        if cfg.get("inner_steps") and s.replicator in ("diloco", "muloco", "sparseloco"):
+            rkw["inner_steps"] = cfg["inner_steps"]
         with LiveBytes(device="cpu") as mem:
             torch.manual_seed(0)
             model = GPT(GPTConfig(seq_len=cfg["seq"], **MODELS[cfg["model"]]))
@@ -150,6 +157,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--group-numel", type=int, default=None,
                     help="DeMo's group_numel (default: the library's; 0: no bound)")
+    ap.add_argument("--inner-steps", type=int, default=None,
+                    help="DiLoCo strategies' H (default: theirs; 2 with --steps 4 counts "
+                         "two syncs)")
     ap.add_argument("--out", default=str(ROOT / "benchmarks/results/memory.json"))
     a = ap.parse_args(argv)
     from flexdemo import STRATEGIES
@@ -167,7 +177,8 @@ def main(argv: list[str] | None = None) -> int:
         for name in names:
             row = measure({"strategy": name, "shard": shard, "replicas": replicas,
                            "model": a.model, "steps": a.steps, "batch": a.batch,
-                           "seq": a.seq, "group_numel": a.group_numel})
+                           "seq": a.seq, "group_numel": a.group_numel,
+                           "inner_steps": a.inner_steps})
             rows.append(row)
             print(f"{name:>15} shard {shard}: peak {row['peak'] / row['P']:.2f} P, "
                   f"state {row['state'] / row['P']:.2f} P, held {row['held'] / row['P']:.2f} P, "

@@ -7,6 +7,10 @@ encoding, checking and decoding payloads, momentum, selection, error feedback, w
 gradients — without a network. Usage::
 
     python benchmarks/bench_replicators.py --device cuda --model 124m [--out FILE]
+        [--bucket-numel auto|none|N]
+
+``--bucket-numel`` is the dense replicators' ``bucket_numel`` (Full, DiLoCo's exchange):
+values per bucket, ``none`` for the whole model in one.
 
 Prints a table (median and minimum ms per step, host synchronisations per step on CUDA) and
 writes the per-case records with the run's settings as JSON to ``--out`` (default
@@ -75,8 +79,13 @@ class MirrorTransport(Transport):
         return Pending(out) if async_op else None
 
 
-def bench(name: str, shapes, device, peers: int, steps: int) -> dict:
+def bench(name: str, shapes, device, peers: int, steps: int,
+          bucket_numel: int | str | None = "auto") -> dict:
     kind, kw = CASES[name]
+    if kind == "full":
+        kw = {**kw, "bucket_numel": bucket_numel}
+    elif kind == "diloco":
+        kw = {**kw, "exchange_kwargs": {"bucket_numel": bucket_numel}}
     rep = REPLICATORS[kind](**kw)
     params = [torch.randn(s, device=device) * 0.02 for s in shapes]
     # DiLoCo's exchanges see a group of one
@@ -108,6 +117,14 @@ def bench(name: str, shapes, device, peers: int, steps: int) -> dict:
             "params": sum(s.numel() for s in shapes), "tensors": len(shapes)}
 
 
+def _bucket_numel(text: str) -> int | str | None:
+    if text in ("auto", "none"):
+        return None if text == "none" else text
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"expected auto, none or an integer >= 1, got {text!r}")
+    return int(text)
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Command-line options; bad ones exit with one line and code 2."""
     ap = Parser(description=" ".join(__doc__.split("\n\n")[0].split()))
@@ -118,6 +135,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="timed steps per case, >= 1")
     ap.add_argument("--cases", nargs="*", default=sorted(CASES),
                     help=f"of {', '.join(sorted(CASES))} (default: all)")
+    ap.add_argument("--bucket-numel", type=_bucket_numel, default="auto",
+                    help="dense replicators' values per bucket: auto (default), none (the "
+                         "whole model) or an integer >= 1")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "replicators.json"),
                     help="JSON file to write (default benchmarks/results/replicators.json)")
     args = ap.parse_args(argv)
@@ -146,13 +166,14 @@ def main(argv: list[str] | None = None) -> dict:
     print(head + "\n" + "-" * len(head), flush=True)
     rows = []
     for name in args.cases:
-        r = bench(name, shapes, device, args.peers, args.steps)
+        r = bench(name, shapes, device, args.peers, args.steps, args.bucket_numel)
         rows.append(r)
         syncs = "-" if r["syncs_per_step"] is None else r["syncs_per_step"]
         print(f"{r['case']:<13} {r['ms_median']:>10.3f} {r['ms_min']:>9.3f} {syncs:>10}",
               flush=True)
     result = {"model": args.model, "device": device.type, "device_name": dev_name,
-              "peers": args.peers, "steps": args.steps, "torch": torch.__version__,
+              "peers": args.peers, "steps": args.steps, "bucket_numel": args.bucket_numel,
+              "torch": torch.__version__,
               "threads": torch.get_num_threads(), "python": platform.python_version(),
               "params": sum(s.numel() for s in shapes), "tensors": len(shapes), "cases": rows}
     out = Path(args.out)

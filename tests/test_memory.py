@@ -1,17 +1,20 @@
-"""Memory accounting (flexdemo.memory) and DeMo's bounded workspace (group_numel)."""
+"""Memory accounting (flexdemo.memory), DeMo's bounded workspace (group_numel) and the
+dense exchanges' (bucket_numel)."""
 
 from __future__ import annotations
 
 import copy
 
+import memory_workers
 import pytest
 import torch
+from dist_util import run_world
 from sim_workers import batch as tiny_batch
 from sim_workers import loss_fn as tiny_loss
 from sim_workers import model as tiny_model
 from torch import nn
 
-from flexdemo import DeToNATION, DiLoCoReplicator, LiveBytes
+from flexdemo import DeToNATION, DiLoCoReplicator, FullReplicator, LiveBytes
 from flexdemo.checkpoint import CheckpointMismatchError, load_checkpoint, save_checkpoint
 from flexdemo.memory import state_bytes, storage_bytes
 from flexdemo.replicate import DeMoReplicator
@@ -179,21 +182,98 @@ def test_offload_refuses_cuda_graphs():
         DeMoReplicator(offload=True, graphs=True)
 
 
-def test_diloco_builds_its_pseudo_gradients_in_the_exchange_buffer():
-    """A dense exchange's flat buffer holds DiLoCo's pseudo-gradients: its held buffers are
-    that one copy of the parameters (and the payload), not two."""
+def _diloco_run(**kw):
     with LiveBytes():
         model = _model()
         P = 4 * sum(p.numel() for p in model.parameters())
-        opt = DeToNATION(model.parameters(), "diloco", base="adamw", lr=1e-3)
+        opt = DeToNATION(model.parameters(), DiLoCoReplicator(inner_steps=2, **kw),
+                         base="adamw", lr=1e-3)
         for _ in range(2):
             opt.zero_grad()
             model(torch.randn(4, 512)).square().mean().backward()
             opt.step()
+    return model, opt, P
+
+
+def test_diloco_forms_its_pseudo_gradients_in_the_parameters():
+    """With tau=0 and alpha=0 (the defaults) a sync forms the pseudo-gradients in the
+    replica's own parameters, which the restart overwrites: no copy of the model is held for
+    them (a bucketed exchange holds one bucket). Where the parameters must live on (tau > 0),
+    they are built in a dense exchange's flat buffer, one copy of the parameters."""
+    model, opt, P = _diloco_run(exchange_kwargs={"bucket_numel": 1 << 16})
+    rep = opt.replicators[0]
+    assert rep.in_place and all(p is q for p, q in zip(rep.pseudo, rep._locals))
+    assert rep.exchanges[0].buckets is not None and rep.exchanges[0].input_views() is None
+    assert opt.memory_stats()["workspace_bytes"] < 0.1 * P
+    model, opt, P = _diloco_run(tau=1)
     rep = opt.replicators[0]
     flat = rep.exchanges[0].layout.flat
+    assert not rep.in_place and rep.exchanges[0].buckets is None
     assert all(p.untyped_storage()._cdata == flat.untyped_storage()._cdata for p in rep.pseudo)
     assert P <= opt.memory_stats()["workspace_bytes"] < 1.2 * P
+
+
+def test_bucket_numel_must_be_a_positive_integer():
+    for bad in (0, -4, 2.5, True, "half"):
+        with pytest.raises(ValueError, match="bucket_numel must be an integer >= 1"):
+            FullReplicator(bucket_numel=bad)
+    rep = FullReplicator(values="int4", block=64, bucket_numel=1000)
+    rep.setup([torch.Size([3000]), torch.Size([7])], torch.device("cpu"), None)
+    assert rep.buckets is not None and rep.buckets.numel == 960  # whole blocks of 64
+    assert "bucket_numel=1000" in repr(rep)
+    rep = FullReplicator(bucket_numel=1 << 20)  # a model that fits one bucket: as before
+    rep.setup([torch.Size([3000])], torch.device("cpu"), None)
+    assert rep.buckets is None and rep.layout is not None
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("case", ["fp32", "int4-feedback", "int8-scatter", "muloco",
+                                  "sparseloco"])
+def test_dense_exchanges_in_buckets_give_the_same_bits_in_bounded_memory(case):
+    """2 gloo ranks, a 1.2M-parameter model in buckets of 65,536 values (bucket boundaries
+    cut tensors): the same parameters, bit for bit, as the whole model in one bucket (and,
+    for DiLoCo, as its pseudo-gradients in buffers of their own); the bytes recorded per
+    exchange are the replicator's own count; held buffers and the step's workspace
+    (LiveBytes, the sync steps included) stay within a few buckets' bytes, where the whole
+    model's exchange holds more than the parameters' bytes."""
+    results = run_world(memory_workers.compare, 2, case)
+    for res in results:
+        runs = list(res.values())
+        for other in runs[1:]:
+            assert all(torch.equal(p, q) for p, q in zip(runs[0]["params"], other["params"]))
+        for run in runs:
+            assert [b for b in run["sent"] if b] == [run["exchange_bytes"]] * (
+                4 if case in ("fp32", "int4-feedback", "int8-scatter") else 2)
+        bucketed, P = res["buckets"], res["buckets"]["P"]
+        if case != "sparseloco":
+            assert bucketed["buckets"] > 10 and res["whole"]["buckets"] == 0
+            assert res["whole"]["held"] >= P  # the bound bites: the whole model's buffer
+            bucket = 4 * memory_workers.BUCKET  # bytes of one fp32 bucket: 0.07 P
+            assert bucketed["held"] <= 3 * bucket
+            assert bucketed["held"] + bucketed["step_ws"] <= 8 * bucket
+        if "copy" in res:  # the pseudo-gradients' own buffers: one copy of the model more
+            assert res["copy"]["held"] - bucketed["held"] >= P
+
+
+def test_buckets_give_the_same_bits_on_three_simulated_replicas():
+    """The reduce-scatter's owners cut each bucket in three: the same bits as the whole
+    model's chunks (scale blocks align); the gathered int4 mean too. (An fp32 all-reduce
+    over three may add in another order per bucket: bitwise equal on two replicas only.)"""
+    def run(bucket_numel, **kw):
+        def opt_fn(params, group):
+            return DeToNATION(params, [FullReplicator(bucket_numel=bucket_numel, **kw)],
+                              base="sgd", lr=0.05, group=group)
+        sim = SimulatedReplicas(tiny_model, tiny_loss, replicas=3, optimizer_fn=opt_fn)
+        for s in range(3):
+            sim.step([tiny_batch(r, s) for r in range(3)])
+        assert sim.identical()
+        rep = sim.optimizers[0].replicators[0]
+        assert (rep.buckets is None) == (bucket_numel is None)
+        return [p.detach().clone() for p in sim.models[0].parameters()]
+    for kw in ({"values": "int4", "block": 16, "reduce": "scatter"},
+               {"values": "int4", "block": 16, "error_feedback": 0.9}):
+        whole, cut = run(None, **kw), run(48, **kw)
+        assert all(torch.equal(p, q) for p, q in zip(whole, cut)), kw
 
 
 # ---------------------------------------------------------------------- state in bf16

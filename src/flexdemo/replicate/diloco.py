@@ -58,6 +58,7 @@ import torch
 
 from .agreement import NonFiniteGradientError, global_rank_of, mark_nonfinite, nonfinite_flag
 from .base import Replicator
+from .demo.settings import resolve_group_numel
 from .registry import REPLICATORS
 from .rounding import STATE_DTYPES, StochasticRounding, check_state_dtype
 
@@ -102,6 +103,22 @@ def balanced_fragments(sizes: list[int], fragments: int) -> list[list[int]]:
         parts[f].append(i)
         loads[f] += sizes[i]
     return [sorted(p) for p in parts]
+
+
+def _batches(sizes: list[int], limit: int | None) -> list[list[int]]:
+    """Consecutive positions of ``sizes`` in batches of at most ``limit`` values (a larger
+    tensor alone; None: one batch)."""
+    if limit is None:
+        return [list(range(len(sizes)))] if sizes else []
+    out: list[list[int]] = []
+    total = 0
+    for k, n in enumerate(sizes):
+        if not out or total + n > limit:
+            out.append([])
+            total = 0
+        out[-1].append(k)
+        total += n
+    return out
 
 
 class _Sync:
@@ -200,26 +217,49 @@ class DiLoCoReplicator(Replicator):
         group, self._template.group = self._template.group, None  # groups do not deep-copy
         self.exchanges = [copy.deepcopy(self._template) for _ in self.parts]
         self._template.group = group
+        self.in_place = self._pseudo_in_place()
         for ex, part in zip(self.exchanges, self.parts):
             ex.group = group
+            if not self.in_place and hasattr(ex, "bucket_numel"):
+                ex.bucket_numel = None  # its flat buffer is the pseudo-gradients' home
             ex.setup([self._local_shapes[i] for i in part], self.device, self.group,
                      nonfinite=self.nonfinite)
-        # the pseudo-gradients: built where the exchange copies its input, if it has such
-        # buffers (a dense exchange's flat buffer), else their own
+        # the pseudo-gradients: formed in the replica's own parameters (which the restart
+        # overwrites), else where the exchange copies its input, if it has such buffers (a
+        # dense exchange's flat buffer), else their own
         built: dict[int, torch.Tensor] = {}
+        if self.in_place:
+            built.update(enumerate(self._locals))
         for ex, part in zip(self.exchanges, self.parts):
-            views = ex.input_views()
+            views = None if self.in_place else ex.input_views()
             if views is not None and all(v.shape == self._params[i].shape for i, v in
                                          zip(part, views)):
                 built.update(zip(part, views))
         self.pseudo = [built[i] if i in built else
                        torch.zeros(p.shape, dtype=torch.float32, device=self.device)
                        for i, p in enumerate(self._params)]
+        # the default outer SGD steps a bucket of the exchange's size at a time (its
+        # Nesterov step makes a temporary of what it steps; per value it is the same step)
+        self._outer_batches = [_batches(
+            [self._params[i].numel() for i in part],
+            None if self.outer_factory is not None else resolve_group_numel(
+                getattr(ex, "bucket_numel", "auto"), self.device, self._local_shapes))
+            for ex, part in zip(self.exchanges, self.parts)]
         self.syncs = [0] * self.fragments
         self.pending: dict[int, _Sync] = {}
         # keep_unsent: the progress not sent yet (the replica restarted at global - residual)
         self.residual = [torch.zeros_like(p) for p in self.pseudo] if self.keep_unsent else []
         self._bad_inner: int | None = None  # first inner step withheld since the last launch
+
+    def _pseudo_in_place(self) -> bool:
+        """Whether a sync forms the pseudo-gradient in the replica's fp32 parameters and the
+        exchange writes the mean there: they are overwritten by the restart right after
+        (``tau=0``, ``alpha=0``, an fp32 global copy on the device, no ``keep_unsent``), so
+        no copy of the model is held for it and a bucketed exchange (``bucket_numel``)
+        bounds the sync's workspace."""
+        return (self.tau == 0 and self.alpha == 0.0 and not self.keep_unsent
+                and not self.offload and self.global_dtype == "fp32"
+                and all(p.dtype == torch.float32 for p in self._locals))
 
     def payload_bytes(self) -> int:
         """Bytes this rank contributes to the syncs of all fragments (one period of H)."""
@@ -260,7 +300,11 @@ class DiLoCoReplicator(Replicator):
     def _launch(self, p: int, step: int) -> None:
         part = self.parts[p]
         pseudo = [self.pseudo[i] for i in part]
-        torch._foreach_copy_(pseudo, [self.global_params[i] for i in part])
+        if self.in_place:  # global - local, in the parameters: -local + global, the same bits
+            torch._foreach_neg_(pseudo)
+            torch._foreach_add_(pseudo, [self.global_params[i] for i in part])
+        else:
+            torch._foreach_copy_(pseudo, [self.global_params[i] for i in part])
         if self._keeps():
             # the replica restarted at global - residual: its input is the progress since,
             # and the residual takes that progress in (what is sent leaves it at the apply)
@@ -269,7 +313,8 @@ class DiLoCoReplicator(Replicator):
             torch._foreach_mul_(resid, self.exchanges[p].feedback_decay)
             torch._foreach_add_(resid, pseudo)
             torch._foreach_sub_(resid, [self._locals[i] for i in part])
-        torch._foreach_sub_(pseudo, [self._locals[i] for i in part])
+        if not self.in_place:
+            torch._foreach_sub_(pseudo, [self._locals[i] for i in part])
         if self._bad_inner is not None:
             mark_nonfinite(pseudo)  # in-band flag: the exchange's agreement tells everyone
             self._bad_inner = None
@@ -281,6 +326,9 @@ class DiLoCoReplicator(Replicator):
         except NonFiniteGradientError as e:
             self.syncs[p] += 1
             self._drop(p, e, step)
+        except BaseException:
+            self._lost(p)
+            raise
         self._record(ex)
         self.syncs[p] += 1
         self.pending[p] = _Sync(step + self.tau, handle=handle)
@@ -310,16 +358,21 @@ class DiLoCoReplicator(Replicator):
             outs = self._result(p)
         except NonFiniteGradientError as e:
             self._drop(p, e, step)
+        except BaseException:
+            self._lost(p)
+            raise
         del self.pending[p]
         glob = [self.global_params[i] for i in part]
         if self._rounding is not None:
             glob = self._outer_step_low(p, outs)  # the fp32 result
         else:
-            for g, avg in zip(glob, outs):
-                g.grad = avg if avg.device == g.device else avg.to(g.device)
-            self.outer.step()
-            for g in glob:
-                g.grad = None
+            for batch in self._outer_batches[p]:
+                for k in batch:
+                    avg = outs[k]
+                    glob[k].grad = avg if avg.device == glob[k].device else avg.to(glob[k].device)
+                self.outer.step()
+                for k in batch:
+                    glob[k].grad = None
         if self._keeps():  # what it sent leaves its residual (the mean is spent: pseudo is free)
             pseudo = [self.pseudo[i] for i in part]
             self.exchanges[p].sent_into(pseudo)
@@ -372,6 +425,14 @@ class DiLoCoReplicator(Replicator):
             torch._foreach_add_(local, glob, alpha=1.0 - alpha)
         if self._keeps():  # its own unsent progress stays in the replica's parameters
             torch._foreach_sub_(local, [self.residual[i] for i in part])
+
+    def _lost(self, p: int) -> None:
+        """A sync of fragment ``p`` raised (a corrupt payload, a lost peer): with the
+        pseudo-gradient in the parameters, the fragment restarts from the global ones (under
+        fault tolerance the step is undone anyway)."""
+        if self.in_place:
+            self.pending.pop(p, None)
+            self._restart(self.parts[p], 0.0)
 
     def _drop(self, p: int, e: NonFiniteGradientError, step: int) -> NoReturn:
         """A sync of fragment ``p`` failed on every replica alike: restart the fragment from

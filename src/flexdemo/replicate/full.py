@@ -17,7 +17,8 @@ from .agreement import (
     write_header,
 )
 from .base import Replicator
-from .scatter import ScatterExchange
+from .buckets import FlatBuckets, check_bucket_numel, resolve_bucket_numel
+from .scatter import ScatterExchange, _aligned
 
 
 class FlatLayout:
@@ -99,8 +100,19 @@ class FullReplicator(Replicator):
     replica, or with ``on_bad_peer="drop"`` is left out of the mean on every replica and
     counted in ``dropped_payloads``.
 
-    :meth:`start` launches the collective asynchronously and :meth:`finish` completes it; a
-    step reads the device once (the agreement and payload checks).
+    ``bucket_numel`` (default ``"auto"``: 4,194,304 values, 16 MiB in fp32, off CUDA; on it
+    an 8th of the model where that is larger; ``None``: the whole model) bounds the exchange's
+    buffers: a larger model is exchanged bucket by bucket (fill one reused buffer from the
+    input, encode, exchange, decode, write back), so the workspace is a bucket's, not the
+    model's. Buckets cut the flat order at multiples of ``block``, so every value is encoded
+    and averaged as in one bucket of the whole model: the same bits (the fp32 sum too, on two
+    replicas; on more, each bucket's all-reduce may add in another order). The agreement's
+    flags ride in the first bucket exchanged (a failed step stops there); error feedback takes
+    each bucket's input in and what it sent out as it goes.
+
+    :meth:`start` launches the collective asynchronously and :meth:`finish` completes it (a
+    model in several buckets is exchanged in :meth:`finish`); a step reads the device once
+    (the agreement and payload checks), or once per bucket with quantised values.
     """
 
     name = "full"
@@ -109,9 +121,11 @@ class FullReplicator(Replicator):
 
     def __init__(self, values: str = "fp32", block: int = 128, *, reduce: str = "gather",
                  error_feedback: float | None = None, on_bad_peer: str = "raise",
-                 **schedule) -> None:
+                 bucket_numel: int | str | None = "auto", **schedule) -> None:
         super().__init__(**schedule)
         self.codec = ValueCodec(values, block)  # validates
+        check_bucket_numel(bucket_numel)
+        self.bucket_numel = bucket_numel
         if error_feedback is not None and (
                 isinstance(error_feedback, bool) or not isinstance(error_feedback, (int, float))
                 or not 0.0 < error_feedback <= 1.0):
@@ -146,6 +160,8 @@ class FullReplicator(Replicator):
             parts.append(f"reduce={self.reduce!r}")
         if self.error_feedback is not None:
             parts.append(f"error_feedback={self.error_feedback}")
+        if self.bucket_numel != "auto":
+            parts.append(f"bucket_numel={self.bucket_numel!r}")
         return ", ".join(parts)
 
     def _group_resized(self) -> None:
@@ -154,6 +170,15 @@ class FullReplicator(Replicator):
     def _setup_state(self) -> None:
         self._total = sum(s.numel() for s in self._local_shapes)
         self._scatter = None
+        numel = resolve_bucket_numel(self.bucket_numel, self.device, self._local_shapes,
+                                     self.codec.block)
+        self.buckets = None if numel is None else FlatBuckets(self._local_shapes, numel)
+        self.residual = None if self.error_feedback is None else torch.zeros(
+            self._total, dtype=torch.float32, device=self.device)
+        self._decay = torch.tensor(self.error_feedback or 1.0, device=self.device)
+        if numel is not None:
+            self._setup_buckets(numel)
+            return
         if self.reduce == "scatter" and self.world > 1:
             self._scatter = ScatterExchange(self.codec, self._total, self.world, self.device)
             flat = self._scatter.flat
@@ -166,22 +191,58 @@ class FullReplicator(Replicator):
             nbytes = HEADER_BYTES + self.codec.nbytes(self._total)
             nbytes += -nbytes % 8  # rows of the gathered tensor stay 8-byte aligned
             self._bucket = torch.zeros(nbytes, dtype=torch.uint8, device=self.device)
-        self.layout = FlatLayout(self._local_shapes, self.device, flat)
-        self.residual = None if self.error_feedback is None else torch.zeros(
-            self._total, dtype=torch.float32, device=self.device)
-        self._decay = torch.tensor(self.error_feedback or 1.0, device=self.device)
+        self.layout: FlatLayout | None = FlatLayout(self._local_shapes, self.device, flat)
+
+    def _setup_buckets(self, numel: int) -> None:
+        """Buffers of one bucket of ``numel`` values, reused by every bucket."""
+        self.layout = None
+        if self.reduce == "scatter" and self.world > 1:
+            self._scatter = ScatterExchange(self.codec, numel, self.world, self.device)
+            self._stage = self._scatter.padded[:numel]
+        elif self.values == "fp32":  # the first bucket carries the agreement's trailer
+            self._bucket = torch.zeros(numel + Agreement.trailer_size(self.world),
+                                       dtype=torch.float32, device=self.device)
+            self._stage = self._bucket[:numel]
+        else:
+            self._bucket = torch.zeros(self._payload_size(numel), dtype=torch.uint8,
+                                       device=self.device)
+            self._stage = torch.zeros(numel, dtype=torch.float32, device=self.device)
+
+    def _payload_size(self, n: int) -> int:
+        """Bytes of a gathered payload of ``n`` values (rows stay 8-byte aligned)."""
+        return _aligned(HEADER_BYTES + self.codec.nbytes(n))
+
+    def _bucket_sizes(self) -> list[int]:
+        """Values per exchange: each bucket's (the fp32 trailer in the first), or the
+        whole model's."""
+        if self.buckets is None:
+            return [self._total]
+        return [hi - lo for lo, hi in self.buckets.bounds]
 
     def payload_bytes(self) -> int:
         """Bytes this rank contributes to one exchange (flags and headers included)."""
+        sizes = self._bucket_sizes()
         if self._scatter is not None:
-            return self._scatter.payload_bytes()
-        return self._bucket.numel() * self._bucket.element_size()
+            sx = self._scatter
+            return sum(self.world * sx.sizes(n)[1] + sx.sizes(n)[2] for n in sizes)
+        if self.values == "fp32":
+            return 4 * (sum(sizes) + (self._bucket.numel() - self._stage_numel()))
+        if self.buckets is None:
+            return self._bucket.numel()
+        return sum(self._payload_size(n) for n in sizes)
+
+    def _stage_numel(self) -> int:
+        return self._total if self.buckets is None else self.buckets.numel
 
     def exchange_bytes(self) -> int:
+        sizes = self._bucket_sizes()
         if self._scatter is not None:
-            return self._scatter.exchange_bytes()
+            return sum((self.world - 1) * (p + r) for _, p, r in map(self._scatter.sizes, sizes))
         if self.values == "fp32":
-            return all_reduce_bytes(self._bucket.numel(), 4, self.world)
+            trailer = Agreement.trailer_size(self.world)
+            last = len(sizes) - 1  # (exchanged first: it carries the trailer)
+            return sum(all_reduce_bytes(n + (trailer if b == last else 0), 4, self.world)
+                       for b, n in enumerate(sizes))
         return super().exchange_bytes()
 
     # ------------------------------------------------------------------ stepping
@@ -206,7 +267,11 @@ class FullReplicator(Replicator):
             flag = nonfinite_flag(grads, self.device)
             self.agreement.check_local(flag, step)
             return ("local", grads)
+        if self.buckets is not None:  # exchanged bucket by bucket in finish()
+            code = self.agreement.local([], grads)[1]
+            return ("buckets", grads, step, self._buckets_flag(grads), code)
         layout = self.layout
+        assert layout is not None, "one bucket: the whole layout"
         layout.fill(grads)
         flag, code = self.agreement.local([layout.flat], grads)
         if self.residual is not None:  # the residual plus the input is what is sent
@@ -235,9 +300,14 @@ class FullReplicator(Replicator):
 
     def sent_into(self, outs: list[torch.Tensor]) -> None:
         """This rank's last payload as the peers decode it (quantised formats), into
-        ``outs``."""
+        ``outs`` (one bucket of the whole model: ``bucket_numel=None`` or a model that fits
+        one)."""
         if not self.reports_sent or self._total == 0:
             return super().sent_into(outs)
+        if self.layout is None:
+            raise RuntimeError(f"{self.name}: sent_into needs the whole payload, and it was "
+                               f"exchanged in {len(self.buckets or ())} buckets; construct "
+                               "it with bucket_numel=None")
         parts = torch.split(self._sent(), self.layout.sizes)
         torch._foreach_copy_(outs, [v.view(o.shape) for v, o in zip(parts, outs)])
 
@@ -250,6 +320,8 @@ class FullReplicator(Replicator):
     def _finish(self, pending):
         if pending[0] == "local":
             return pending[1]
+        if pending[0] == "buckets":
+            return self._run_buckets(*pending[1:])
         try:
             return self._finish_exchange(pending)
         except BaseException:
@@ -258,6 +330,7 @@ class FullReplicator(Replicator):
 
     def _finish_exchange(self, pending):
         _, grads, handle, step, code = pending
+        assert self.layout is not None, "one bucket: the whole layout"
         flat = self.layout.flat
         if self._scatter is not None:
             self._scatter.finish(handle, step, code, self.name, self.transport, self.stats,
@@ -271,6 +344,92 @@ class FullReplicator(Replicator):
         self.layout.scatter(grads)
         return grads
 
+    # ------------------------------------------------------------------ buckets
+    def _buckets_flag(self, grads: list) -> torch.Tensor:
+        """The non-finite flag of the whole input, from the least and largest value of each
+        bucket filled in turn (one pass, without a host read; a norm of every tensor costs
+        ten times more on a CPU). The last bucket stays in the buffer: it goes first."""
+        buckets, stage = self.buckets, self._stage
+        assert buckets is not None
+        ends: list[torch.Tensor] = []
+        for b, (lo, hi) in enumerate(buckets.bounds):
+            buckets.fill(b, grads, stage[: hi - lo])
+            ends.extend(torch.aminmax(stage[: hi - lo]))
+        return ~torch.isfinite(torch.stack(ends)).all()
+
+    def _run_buckets(self, grads: list, step: int, flag: torch.Tensor, code: int) -> list:
+        """The exchange of a model in several buckets, one at a time through one buffer,
+        last bucket first (it is in the buffer): fill, (error feedback) take the input in,
+        exchange, decode the mean, write back. Should a bucket fail (on every replica
+        alike), the residual takes in the input of the buckets not sent, as the whole
+        exchange's does."""
+        buckets, stage = self.buckets, self._stage
+        assert buckets is not None
+        order = list(range(len(buckets)))[::-1]
+        taken = -1
+        try:
+            for k, b in enumerate(order):
+                lo, hi = buckets.bounds[b]
+                x = stage[: hi - lo]
+                if k:
+                    buckets.fill(b, grads, x)
+                self._take_in(x, lo, hi, flag)
+                taken = k
+                self._exchange_bucket(k == 0, x, step, flag, code)
+                if self.residual is not None:  # what it sent leaves the residual
+                    self.residual[lo:hi].sub_(self._sent_bucket(hi - lo))
+                buckets.scatter(b, grads, x)
+        except BaseException:
+            if self.residual is not None:
+                for b in order[taken + 1:]:
+                    lo, hi = buckets.bounds[b]
+                    buckets.fill(b, grads, stage[: hi - lo])
+                    self._take_in(stage[: hi - lo], lo, hi, flag)
+            raise
+        return grads
+
+    def _take_in(self, x: torch.Tensor, lo: int, hi: int, flag: torch.Tensor) -> None:
+        """Error feedback on one bucket: ``residual = decay * residual + x``, then ``x`` is
+        the residual (a non-finite input leaves the residual as it was)."""
+        if self.residual is None:
+            return
+        r = self.residual[lo:hi]
+        r.mul_(torch.where(flag, 1.0, self._decay))
+        r.add_(torch.where(flag, 0.0, x))
+        x.copy_(r)
+
+    def _exchange_bucket(self, first: bool, x: torch.Tensor, step: int, flag: torch.Tensor,
+                         code: int) -> None:
+        """Average a bucket (its ``x.numel()`` values in ``x``) over the group, in place;
+        the ``first`` one carries the agreement."""
+        n = x.numel()
+        if self._scatter is not None:
+            sx = self._scatter
+            sx.use(n)
+            handle = sx.start(step, flag, code, self.transport, self.stats)
+            sx.finish(handle, step, code, self.name, self.transport, self.stats, self.bad_peer)
+        elif self.values == "fp32":
+            trailer = Agreement.trailer_size(self.world) if first else 0
+            if trailer:
+                self.agreement.write_trailer(self._bucket[n: n + trailer], flag, code)
+            buf = all_reduce_sum(self._bucket[: n + trailer], self.transport, self.stats)
+            if trailer:
+                self.agreement.read_trailer(buf[n:], code, step)
+            x.div_(self.world)
+        else:
+            payload = self._bucket[: self._payload_size(n)]
+            write_header(payload, step, flag, code)
+            self.codec.encode(x, payload[HEADER_BYTES:])
+            gathered = all_gather(payload, self.transport, self.stats)
+            self._mean_of_payloads(gathered, x, step, code)
+
+    def _sent_bucket(self, n: int) -> torch.Tensor:
+        """The last bucket's payload (``n`` values) as the peers decode it."""
+        if self._scatter is not None:
+            sx = self._scatter
+            return sx.codec.decode(sx.send[:, HEADER_BYTES:], sx.chunk).reshape(-1)[:n]
+        return self.codec.decode(self._bucket[HEADER_BYTES:], n)
+
     def _mean_of_payloads(self, gathered: torch.Tensor, flat: torch.Tensor, step: int,
                           code: int) -> None:
         """Check the gathered payloads and write their mean into ``flat``, with one host read.
@@ -280,13 +439,13 @@ class FullReplicator(Replicator):
         each tells whether it is finite. The headers and those ends are read once at the
         end, and a bad peer raises or is left out: then (the rare path) the sum is taken
         again over the peers kept, the same bits as if the bad one had never been added."""
-        n = gathered.shape[0]
+        n, total = gathered.shape[0], flat.numel()
         heads = gathered[:, :HEADER_BYTES].view(torch.int64)  # (n, 4)
-        scratch = self.codec.workspace(self.codec.room(self._total), flat.device)  # (encoded)
+        scratch = self.codec.workspace(self.codec.room(total), flat.device)  # (encoded)
         ends: list[torch.Tensor] = []
         flat.zero_()
         for r in range(n):  # rank order: every replica sums alike
-            values = self.codec.decode_into(gathered[r, HEADER_BYTES:], self._total, scratch)
+            values = self.codec.decode_into(gathered[r, HEADER_BYTES:], total, scratch)
             ends.extend(torch.aminmax(values))
             flat.add_(values)
         finite = torch.isfinite(torch.stack(ends).view(n, 2)).all(1)
@@ -309,7 +468,7 @@ class FullReplicator(Replicator):
         if len(good) < n:  # dropped peers: the sum again, of the good ones alone
             flat.zero_()
             for r in good:
-                flat.add_(self.codec.decode_into(gathered[r, HEADER_BYTES:], self._total,
+                flat.add_(self.codec.decode_into(gathered[r, HEADER_BYTES:], total,
                                                  scratch))
         if good:
             flat.div_(len(good))
@@ -330,7 +489,7 @@ class FullReplicator(Replicator):
         return [] if self.residual is None else [self.residual]
 
     def input_views(self) -> list[torch.Tensor] | None:
-        return self.layout.views
+        return None if self.layout is None else self.layout.views
 
     def load_state_dict(self, state: dict) -> None:
         if self.residual is not None:

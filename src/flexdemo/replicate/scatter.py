@@ -54,18 +54,37 @@ class ScatterExchange:
 
     def __init__(self, codec: ValueCodec, total: int, world: int,
                  device: torch.device) -> None:
-        self.codec, self.total, self.world = codec, total, world
-        blocks = math.ceil(math.ceil(total / world) / codec.block)
-        self.chunk = blocks * codec.block  # values per chunk: whole blocks
-        # the flat values, padded to n whole chunks (the layout lives in its front)
-        self.padded = torch.zeros(world * self.chunk, dtype=torch.float32, device=device)
-        self.part = _aligned(HEADER_BYTES + codec.nbytes(self.chunk))  # one chunk on the wire
+        self.codec, self.world = codec, world
+        chunk, part, reply = self.sizes(total)
+        # buffers for ``total`` values; :meth:`use` takes their fronts for fewer (a bucket)
+        self._padded = torch.zeros(world * chunk, dtype=torch.float32, device=device)
+        self._send = torch.zeros(world * part, dtype=torch.uint8, device=device)
+        self._recv = torch.zeros(world * part, dtype=torch.uint8, device=device)
+        self._mean = torch.zeros(reply, dtype=torch.uint8, device=device)
         self.verdict_at = HEADER_BYTES
         self.mean_at = HEADER_BYTES + 8 * world
-        self.reply = _aligned(self.mean_at + codec.nbytes(self.chunk))  # an owner's mean
-        self.send = torch.zeros(world, self.part, dtype=torch.uint8, device=device)
-        self.recv = torch.zeros(world, self.part, dtype=torch.uint8, device=device)
-        self.mean = torch.zeros(self.reply, dtype=torch.uint8, device=device)
+        self.use(total)
+
+    def sizes(self, total: int) -> tuple[int, int, int]:
+        """(values per chunk: whole blocks, bytes of one chunk on the wire, bytes of an
+        owner's mean) for an exchange of ``total`` values."""
+        blocks = math.ceil(math.ceil(total / self.world) / self.codec.block)
+        chunk = blocks * self.codec.block
+        part = _aligned(HEADER_BYTES + self.codec.nbytes(chunk))
+        reply = _aligned(HEADER_BYTES + 8 * self.world + self.codec.nbytes(chunk))
+        return chunk, part, reply
+
+    def use(self, total: int) -> None:
+        """Exchange ``total`` values next (at most those it was built for): the fronts of
+        its buffers, shaped for them."""
+        self.total = total
+        self.chunk, self.part, self.reply = self.sizes(total)
+        n = self.world
+        # the flat values, padded to n whole chunks (the layout lives in its front)
+        self.padded = self._padded[: n * self.chunk]
+        self.send = self._send[: n * self.part].view(n, self.part)
+        self.recv = self._recv[: n * self.part].view(n, self.part)
+        self.mean = self._mean[: self.reply]
 
     @property
     def flat(self) -> torch.Tensor:

@@ -21,11 +21,13 @@ import torch
 from flexdemo import SimulatedReplicas
 from flexdemo.app.tasks import GPT, gpt_config
 
-# name -> (replicator, replicator settings): the presets and their by-owner variants
+# name -> (replicator, replicator settings): the presets and their by-owner variants (the
+# sparse mean by reduce-scatter, and over one shared index set)
 CASES = {
     "muloco": ("muloco", {}),
     "sparseloco (gather)": ("sparseloco", {}),
     "sparseloco (reduce-scatter)": ("sparseloco", {"exchange_kwargs": {"reduce": "scatter"}}),
+    "sparseloco (shared indices)": ("sparseloco", {"exchange_kwargs": {"reduce": "shared"}}),
 }
 
 

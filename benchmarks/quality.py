@@ -329,6 +329,9 @@ SETTINGS: dict[str, Setting] = {
             "values averaged by block owners", {"exchange_kwargs": {"reduce": "shared"}}),
            ("sparseloco", "-shared-keep", ", one shared index set, replicas keep their unsent "
             "progress", {"keep_unsent": True, "exchange_kwargs": {"reduce": "shared"}}),
+           ("sparseloco", "-shared-k112", ", one shared index set of 112 per block (the "
+            "gather's bytes at 2 replicas)", {"exchange_kwargs": {"reduce": "shared",
+                                                                 "topk": 112}}),
            # replicas that keep their own unsent progress (keep_unsent)
            ("sparseloco", "-keep", ", replicas keep their unsent progress",
             {"keep_unsent": True}),

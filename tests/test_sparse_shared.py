@@ -5,6 +5,7 @@ replica for bad input, identical replicas on gloo ranks and a bitwise resume."""
 
 from __future__ import annotations
 
+import copy
 import math
 
 import pytest
@@ -277,12 +278,12 @@ def test_settings_that_cannot_share_are_refused_in_one_line(kwargs, words):
     assert "reduce='shared'" in repr(DeMoReplicator(reduce="shared"))
 
 
-def gloo_worker(rank: int, world: int) -> dict:
+def gloo_worker(rank: int, world: int, reduce: str = "shared") -> dict:
     """The sparseloco preset over the shared index set on gloo ranks: the parameters after
     every sync, and a twin resumed from a checkpoint taken between syncs."""
     import flexdemo
 
-    kw = {"inner_steps": 3, "exchange_kwargs": {"reduce": "shared"}}
+    kw = {"inner_steps": 3, "exchange_kwargs": {"reduce": reduce}}
 
     def make():
         torch.manual_seed(0)
@@ -296,7 +297,7 @@ def gloo_worker(rank: int, world: int) -> dict:
         opt.step()
         opt.zero_grad()
         if s == 3:
-            state = (opt.state_dict(), {k: v.clone() for k, v in model.state_dict().items()})
+            state = copy.deepcopy((opt.state_dict(), model.state_dict()))
         if s % 3 == 2:
             synced.append([p.detach().clone() for p in model.parameters()])
     twin, topt = make()

@@ -7,6 +7,7 @@ writes ``frontier_bytes.json``::
 
     python benchmarks/bench_frontier_bytes.py                  # mini GPT, 2, 4 and 8 replicas
     python benchmarks/bench_frontier_bytes.py --model tiny --replicas 2,4
+    python benchmarks/bench_frontier_bytes.py --cases "sparseloco (shared indices)"
 """
 
 from __future__ import annotations
@@ -21,11 +22,13 @@ import torch
 from flexdemo import SimulatedReplicas
 from flexdemo.app.tasks import GPT, gpt_config
 
-# name -> (replicator, replicator settings): the presets and their by-owner variants
+# name -> (replicator, replicator settings): the presets and their by-owner variants (the
+# sparse mean by reduce-scatter, and over one shared index set)
 CASES = {
     "muloco": ("muloco", {}),
     "sparseloco (gather)": ("sparseloco", {}),
     "sparseloco (reduce-scatter)": ("sparseloco", {"exchange_kwargs": {"reduce": "scatter"}}),
+    "sparseloco (shared indices)": ("sparseloco", {"exchange_kwargs": {"reduce": "shared"}}),
 }
 
 
@@ -53,12 +56,19 @@ def main(argv=None) -> list[dict]:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default="mini", help="GPT preset (tiny, mini, small)")
     p.add_argument("--replicas", default="2,4,8", help="comma list of replica counts")
+    p.add_argument("--cases", default=",".join(CASES),
+                   help=f"comma list of cases to measure, from: {', '.join(CASES)}")
     p.add_argument("--out", default="benchmarks/results/frontier_bytes")
     args = p.parse_args(argv)
     counts = [int(x) for x in args.replicas.split(",")]
+    cases = [c.strip() for c in args.cases.split(",")]
+    unknown = [c for c in cases if c not in CASES]
+    if unknown:
+        p.error(f"unknown cases {unknown}; choose from: {', '.join(CASES)}")
     rows = []
     t0 = time.perf_counter()
-    for name, (replicator, kwargs) in CASES.items():
+    for name in cases:
+        replicator, kwargs = CASES[name]
         for n in counts:
             rows.append({"case": name, **measure(args.model, n, replicator, kwargs)})
     print(f"{'case':<28} {'N':>2} {'sent B/param/step':>18} {'received':>10} {'vs N=2':>7}")

@@ -325,6 +325,13 @@ SETTINGS: dict[str, Setting] = {
             {"outer_lr": 0.7, "outer_momentum": 0.6}),
            ("sparseloco", "-rs", ", the mean by reduce-scatter over block owners",
             {"exchange_kwargs": {"reduce": "scatter"}}),
+           ("sparseloco", "-shared", ", one shared index set (each replica's top ceil(k/n)), "
+            "values averaged by block owners", {"exchange_kwargs": {"reduce": "shared"}}),
+           ("sparseloco", "-shared-keep", ", one shared index set, replicas keep their unsent "
+            "progress", {"keep_unsent": True, "exchange_kwargs": {"reduce": "shared"}}),
+           ("sparseloco", "-shared-k112", ", one shared index set of 112 per block (the "
+            "gather's bytes at 2 replicas)", {"exchange_kwargs": {"reduce": "shared",
+                                                                 "topk": 112}}),
            # replicas that keep their own unsent progress (keep_unsent)
            ("sparseloco", "-keep", ", replicas keep their unsent progress",
             {"keep_unsent": True}),

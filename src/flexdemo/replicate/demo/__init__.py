@@ -83,6 +83,11 @@ its selection in the blocks that rank ``c`` owns to ``c`` (one all-to-all), each
 the mean of its blocks (as ``mean`` says), keeps its top ``topk`` per block and codes it
 again, and the owners' parts are all-gathered: about two payloads per rank whatever the group
 size, for a second selection whose drop is not fed back (no owner-side state).
+``reduce="shared"`` (:mod:`.shared`) sends every rank's values at one shared index set: each
+rank picks the top ``ceil(topk / n)`` of every block, the index lists are all-gathered, every
+rank codes its values at all the shared indices (error feedback subtracts exactly those) and
+the values are averaged by block owners (all-to-all, the owner's mean coded again, all-gather):
+no second selection, and bytes per rank flat in the group size.
 ``overlap="delayed"`` launches each step's all-gather asynchronously and applies it one step
 later, so the exchange runs behind the next forward and backward: the update applied at step
 ``t`` is the replicas' mean of what they sent at step ``t - 1`` (zero at step 0). Default
@@ -100,7 +105,8 @@ step after the payload is applied without it).
 :mod:`.staging` the step's plan and the copies in and out; :mod:`.graphs` CUDA graphs and the
 compiled selection; :mod:`.checks` the checks of received payloads and the delayed verdict;
 :mod:`.decode` the inverse transform and the peers' mean; :mod:`.scatter` the
-reduce-scatter by block owners; :mod:`.state` checkpoints;
+reduce-scatter by block owners; :mod:`.shared` the mean over one shared index set;
+:mod:`.state` checkpoints;
 :mod:`.replicator` :class:`DeMoReplicator`, whose :meth:`~DeMoReplicator.replicate` is the
 algorithm.
 """

@@ -22,6 +22,7 @@ from .layout import BlockLayout, Group
 from .offload import HostMomentum
 from .scatter import SparseScatter
 from .settings import PRESETS, TRANSFORM_DTYPES, check_settings, describe, resolve_group_numel
+from .shared import SharedIndices
 from .staging import MomentumRun, Sent, Staging, StepPlan
 
 # staging="auto" stages through images under CUDA graphs below this many entries per tensor
@@ -78,7 +79,7 @@ class DeMoReplicator(Replicator):
         self._compiled = CompiledSelection(self.name, lambda: setattr(self, "compile", False))
         # CUDA graphs of the device work between the host's steps (no effect off CUDA)
         self.graphs, self.staging = graphs, staging
-        self.reports_sent = reduce == "gather" and overlap == "none"  # (sent_into)
+        self.reports_sent = reduce != "scatter" and overlap == "none"  # (sent_into)
 
     @classmethod
     def preset(cls, name: str, **overrides) -> DeMoReplicator:
@@ -143,9 +144,9 @@ class DeMoReplicator(Replicator):
         self._step_on_device = torch.zeros((), dtype=torch.int64, device=self.device)
         self._lrs_on_device = torch.zeros(max(1, len(self.units)), dtype=torch.float32,
                                           device=self.device)
-        # reduce="scatter": its buffers per group size, and those the encode packs into
-        self._scatters: dict[int, SparseScatter] = {}
-        self._parts: SparseScatter | None = None
+        # reduce="scatter" / "shared": its buffers per group size, those the encode packs into
+        self._scatters: dict[int, SparseScatter | SharedIndices] = {}
+        self._parts: SparseScatter | SharedIndices | None = None
 
     @property
     def delta(self) -> list[torch.Tensor]:
@@ -156,20 +157,24 @@ class DeMoReplicator(Replicator):
 
     def payload_bytes(self) -> int:
         """Bytes this rank contributes to one exchange (header and alignment included;
-        ``reduce="scatter"``: its ``n`` parts and its owner part)."""
+        ``reduce="scatter"``: its ``n`` parts and its owner part; ``"shared"``: also its
+        index lists)."""
         return self.bucket_bytes if (sx := self._scattered()) is None else sx.payload_bytes()
 
     def exchange_bytes(self) -> int:
-        sx = self._scattered()  # reduce="scatter": an all-to-all, then an all-gather
+        sx = self._scattered()  # an all-to-all, then an all-gather ("shared": 2 all-gathers)
         return super().exchange_bytes() if sx is None else sx.exchange_bytes()
 
-    def _scattered(self) -> SparseScatter | None:
-        """``reduce="scatter"`` over several ranks: its buffers for the group's size."""
-        if self.reduce == "scatter" and self.world > 1 and self.world not in self._scatters:
-            self._scatters[self.world] = SparseScatter(
+    def _scattered(self) -> SparseScatter | SharedIndices | None:
+        """``reduce="scatter"`` or ``"shared"`` over several ranks: its buffers for the
+        group's size."""
+        if self.reduce != "gather" and self.world > 1 and self.world not in self._scatters:
+            self._scatters[self.world] = SharedIndices(
+                self.layout, self.codec, self.world, name=self.name
+            ) if self.reduce == "shared" else SparseScatter(
                 self.layout, self.codec, self.world, senders=self.mean == "senders",
                 name=self.name)
-        return self._scatters.get(self.world)  # filled under reduce="scatter" only
+        return self._scatters.get(self.world)  # filled under reduce="scatter"/"shared" only
 
     def plan_step(self, grads, lrs) -> StepPlan:
         """The step's plan (which gradients are present, which units share a step size);
@@ -201,7 +206,7 @@ class DeMoReplicator(Replicator):
         payloads of the step before (:meth:`_replicate_delayed`)."""
         if self.overlap == "delayed":
             return self._replicate_delayed(grads, lrs, step)
-        if self.reduce == "scatter" and communicate:  # block owners reduce (.scatter)
+        if self.reduce != "gather" and communicate:  # block owners reduce (.scatter, .shared)
             return self._replicate_scattered(grads, lrs, step)
         plan = self.plan_step(grads, lrs)
         buf = self.send_buffers[0]
@@ -219,14 +224,18 @@ class DeMoReplicator(Replicator):
         return grads
 
     def _replicate_scattered(self, grads, lrs, step):
-        """A communicating step of ``reduce="scatter"`` (:class:`~.scatter.SparseScatter`)."""
+        """A communicating step of ``reduce="scatter"`` (:class:`~.scatter.SparseScatter`) or
+        ``"shared"`` (:class:`~.shared.SharedIndices`)."""
         plan, ex = self.plan_step(grads, lrs), self._scattered()
-        assert ex is not None, "reduce='scatter' communicates over several ranks"
-        self._parts = ex  # the encode packs into the owners' parts
-        try:  # decay + encode, select, error feedback
+        assert ex is not None, f"reduce={self.reduce!r} communicates over several ranks"
+        self._parts = ex  # the encode packs into the owners' parts (or this rank's indices)
+        try:  # decay + encode, select, error feedback ("shared": the indices only)
             sent = self.encode_payload(grads, lrs, step, ex.bucket)
         finally:
             self._parts = None
+        if isinstance(ex, SharedIndices):  # the shared set, then this rank's values there
+            sent = ex.share_values(plan, self.rank, self.transport, self.stats,
+                                   self.add_to_momentum)
         try:
             mean = ex.exchange(plan, step, self.transport, self.stats, self.bad_peer)
         except Exception:
@@ -293,9 +302,12 @@ class DeMoReplicator(Replicator):
             self._update_momentum(g, plan.runs[gi], lrs, decay, bad,  # delta = decay delta + s g
                                   plan.key[1])
             idx, pos, vals = self._select_topk(g, plan.off_rows[gi], bad)  # of every block
-            vals = self._pack_payload(g, idx, vals, buf)  # packed indices, coded values
-            self.add_to_momentum(g, idx, pos, vals, sign=-1.0)  # delta -= what peers see
-            sent.append((idx, pos, vals))
+            seen = self._pack_payload(g, idx, vals, buf)  # packed indices, coded values
+            if seen is None:  # reduce="shared": values go once the shared set is known
+                sent.append(None)
+                continue
+            self.add_to_momentum(g, idx, pos, seen, sign=-1.0)  # delta -= what peers see
+            sent.append((idx, pos, seen))
         write_header(buf, step, bad, plan.code)  # on the device: no host round trip
         return sent
 
@@ -349,9 +361,10 @@ class DeMoReplicator(Replicator):
         """Top-k coefficients of every block: ``(blocks, k)`` block-local indices, their
         positions in ``coef`` and their values; units without a gradient keep their momentum
         and send zeros, and so does every unit where ``bad`` (non-finite input) is set."""
-        idx_pos = self._compiled(g) if self.compile else None
+        k = g.k if not isinstance(self._parts, SharedIndices) else self._parts.k_of(g)
+        idx_pos = self._compiled(g) if self.compile and k == g.k else None
         if idx_pos is None:
-            idx_pos = topk_blocks_rowmajor(g.coef, g.k, self._work.x[: g.coef.numel()],
+            idx_pos = topk_blocks_rowmajor(g.coef, k, self._work.x[: g.coef.numel()],
                                            self.scratch)
         idx, pos = idx_pos
         vals = g.coef.view(-1).index_select(0, pos.view(-1)).view(pos.shape).masked_fill_(bad, 0.0)
@@ -360,10 +373,10 @@ class DeMoReplicator(Replicator):
         return idx, pos, vals
 
     def _pack_payload(self, g: Group, idx: torch.Tensor, vals: torch.Tensor,
-                      buf: torch.Tensor) -> torch.Tensor:
+                      buf: torch.Tensor) -> torch.Tensor | None:
         """Pack the indices and code the values into the group's segments of ``buf``;
-        returns the values as the peers will decode them."""
-        if self._parts is not None:  # reduce="scatter": into the owners' parts instead
+        returns the values as the peers will decode them (None: ``reduce="shared"``)."""
+        if self._parts is not None:  # into the owners' parts (or this rank's index list)
             return self._parts.pack(g, idx, vals)
         pack_bits(idx, g.bits, buf[g.idx_off: g.val_off])
         return self.codec.encode(vals, buf[g.val_off: g.end])
@@ -478,6 +491,8 @@ class DeMoReplicator(Replicator):
         if not self.reports_sent:
             return super().sent_into(outs)
         plan = self.plan_step(outs, None)
+        if isinstance(ex := self._scattered(), SharedIndices):  # reduce="shared"
+            return ex.sent_into(plan, outs, self.staging_plans)
         write_own(self.layout, self.staging_plans, self.codec, self.send_buffers[0], plan, outs)
 
     def quorum_changed(self) -> None:

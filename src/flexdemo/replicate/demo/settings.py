@@ -80,7 +80,8 @@ def check_settings(*, topk, chunk, decay, values, transform, transform_dtype, sm
     if clip not in ("none", "median"):
         raise ValueError(f"clip must be 'none' or 'median' (each peer's contribution clipped "
                          f"to the median of the peers' norms), got {clip!r}")
-    _check_reduce(reduce, bucket=bucket, overlap=overlap, on_bad_peer=on_bad_peer, clip=clip)
+    _check_reduce(reduce, bucket=bucket, overlap=overlap, on_bad_peer=on_bad_peer, clip=clip,
+                  mean=mean)
     if not isinstance(offload, bool):
         raise ValueError(f"offload must be True or False, got {offload!r}")
     if offload and graphs is True:
@@ -126,22 +127,29 @@ def describe(rep) -> str:
             f"values={rep.values!r}, sign={rep.sign}{extra}")
 
 
-def _check_reduce(reduce, *, bucket, overlap, on_bad_peer, clip) -> None:
-    """``reduce``: ``"gather"``, or ``"scatter"`` where the other settings allow it."""
-    if reduce not in ("gather", "scatter"):
-        raise ValueError(f"reduce must be 'gather' (all-gather of the payloads) or 'scatter' "
-                         f"(reduce-scatter by block owners), got {reduce!r}")
-    if reduce != "scatter":
+def _check_reduce(reduce, *, bucket, overlap, on_bad_peer, clip, mean="replicas") -> None:
+    """``reduce``: ``"gather"``, or ``"scatter"`` / ``"shared"`` where the other settings
+    allow it."""
+    if reduce not in ("gather", "scatter", "shared"):
+        raise ValueError(f"reduce must be 'gather' (all-gather of the payloads), 'scatter' "
+                         f"(reduce-scatter by block owners) or 'shared' (one index set, the "
+                         f"values reduced by block owners), got {reduce!r}")
+    if reduce == "gather":
         return
     if overlap == "delayed":
-        raise ValueError("reduce='scatter' does not run with overlap='delayed'; use "
+        raise ValueError(f"reduce={reduce!r} does not run with overlap='delayed'; use "
                          "overlap='none' or reduce='gather'")
     if not bucket:
-        raise ValueError("reduce='scatter' needs bucket=True (one exchange of all groups)")
+        raise ValueError(f"reduce={reduce!r} needs bucket=True (one exchange of all groups)")
     if on_bad_peer == "drop":
-        raise ValueError("on_bad_peer='drop' needs reduce='gather' (with reduce='scatter' "
+        raise ValueError(f"on_bad_peer='drop' needs reduce='gather' (with reduce={reduce!r} "
                          "an owner could drop a peer from its blocks only); use "
                          "on_bad_peer='raise'")
     if clip != "none":
-        raise ValueError("clip='median' needs reduce='gather' (an owner sees only its blocks "
-                         "of each peer, not the peer's norm); use clip='none'")
+        raise ValueError(f"clip='median' needs reduce='gather' (an owner sees only its blocks "
+                         f"of each peer, not the peer's norm); use clip='none' with "
+                         f"reduce={reduce!r}")
+    if reduce == "shared" and mean != "replicas":
+        raise ValueError("mean='senders' needs reduce='gather' or 'scatter' (with "
+                         "reduce='shared' every replica sends every shared coefficient); use "
+                         "mean='replicas'")

@@ -7,57 +7,22 @@ from __future__ import annotations
 import pytest
 import torch
 from frontier_util import batch, loss_fn, tiny_model
+from sparse_exchange_util import EXACT, MIXED, PLAIN, K, blocks, grads_of, outcome, unblocks
+from sparse_exchange_util import exchange as exchange_by
 
 from flexdemo import SimulatedReplicas
 from flexdemo.replicate import CorruptPayloadError, DeMoReplicator, NonFiniteGradientError
-from flexdemo.simulate import run_replicas
-from flexdemo.transport import InProcessHub
 
-K = 5
-# tiling tensors in blocks of 8 x 8 (4 + 3 blocks), 4 x 8 (5 blocks) and 6 x 8 (4 blocks): no
-# block count divisible by 3 or 8, and 48-entry blocks whose 6-bit indices can leave the block
-EXACT = [torch.Size(s) for s in [(16, 16), (8, 24), (4, 40), (12, 16)]]
-# and tensors that are padded or batched as small ones
-MIXED = EXACT + [torch.Size(s) for s in [(100,), (30, 7), (5,)]]
-PLAIN = {"topk": K, "chunk": 8, "decay": 0.0, "sign": False, "scale_by_lr": False,
-         "values": "fp32", "transform": "none"}  # the input itself is selected
 SPARSELOCO = {"topk": 64, "chunk": 64, "values": "stat2", "transform": "none", "decay": 0.95,
               "mean": "senders"}
 
 
-def grads_of(r: int, shapes: list[torch.Size]) -> list[torch.Tensor]:
-    g = torch.Generator().manual_seed(11 + r)
-    return [torch.randn(s, generator=g) for s in shapes]
-
-
 def exchange(world: int, shapes=EXACT, before=None, reduce: str = "scatter", **kw) -> list:
-    """One step of ``grads_of(r)`` on ``world`` in-process replicas: per replica its output
-    (or the exception it raised) and its replicator. ``before(r, rep, grads)`` may return the
-    step to pass."""
-    hub = InProcessHub(world, timeout=30)
-
-    def work(r):
-        rep = DeMoReplicator(reduce=reduce, **kw)
-        rep.setup(shapes, torch.device("cpu"), hub.transport(r))
-        grads = grads_of(r, shapes)
-        step = before(r, rep, grads) if before is not None else None
-        try:
-            return rep(grads, [1.0] * len(shapes), step or 0), rep
-        except (NonFiniteGradientError, CorruptPayloadError) as e:
-            return e, rep
-
-    return run_replicas(hub, work)
+    """:func:`sparse_exchange_util.exchange`, by reduce-scatter unless ``reduce`` says."""
+    return exchange_by(world, shapes, before, reduce=reduce, **kw)
 
 
-def blocks(t: torch.Tensor, cr: int, cc: int) -> torch.Tensor:
-    """``t`` as its ``cr x cc`` blocks, ``(blocks, cr * cc)``, row-major over the block grid."""
-    r, c = t.shape
-    return t.reshape(r // cr, cr, c // cc, cc).permute(0, 2, 1, 3).reshape(-1, cr * cc)
 
-
-def unblocks(b: torch.Tensor, shape: torch.Size, cr: int, cc: int) -> torch.Tensor:
-    r, c = shape
-    return b.reshape(r // cr, c // cc, cr, cc).permute(0, 2, 1, 3).reshape(r, c)
 
 
 def keep_topk(b: torch.Tensor) -> torch.Tensor:
@@ -130,17 +95,18 @@ def test_bytes_are_exact_and_flat_in_the_group_size():
     assert sent[8, "scatter"] < sent[8, "gather"] / 3
 
 
-def outcome(out) -> list:
-    return [(type(e).__name__, getattr(e, "rank", None), getattr(e, "ranks", None))
-            for e, _ in out]
+# the bad-input cases of both reductions that are not a gather: the reduce-scatter and the
+# shared index set (tests/test_sparse_shared.py) reach the gathered path's outcome
+BY_OWNERS = pytest.mark.parametrize("reduce", ["scatter", "shared"])
 
 
-def test_a_nonfinite_input_raises_on_every_replica_and_undoes_error_feedback():
+@BY_OWNERS
+def test_a_nonfinite_input_raises_on_every_replica_and_undoes_error_feedback(reduce):
     def nan_on_2(r, rep, grads):
         if r == 2:
             grads[1][3, 4] = float("nan")
 
-    out = exchange(4, before=nan_on_2, **{**PLAIN, "decay": 0.9})
+    out = exchange(4, before=nan_on_2, reduce=reduce, **{**PLAIN, "decay": 0.9})
     for err, _ in out:
         assert isinstance(err, NonFiniteGradientError) and err.ranks == [2] and err.step == 0
     gathered = exchange(4, before=nan_on_2, reduce="gather", **{**PLAIN, "decay": 0.9})
@@ -149,7 +115,8 @@ def test_a_nonfinite_input_raises_on_every_replica_and_undoes_error_feedback():
         assert all(torch.equal(x, y) for x, y in zip(a.delta, b.delta))
 
 
-def test_a_corrupt_part_names_its_sender_on_every_replica():
+@BY_OWNERS
+def test_a_corrupt_part_names_its_sender_on_every_replica(reduce):
     def corrupt_on_1(r, rep, grads):
         if r != 1:
             return
@@ -164,20 +131,23 @@ def test_a_corrupt_part_names_its_sender_on_every_replica():
 
         rep.codec.encode = encode_then_break
 
-    out = exchange(4, before=corrupt_on_1, **PLAIN)
+    out = exchange(4, before=corrupt_on_1, reduce=reduce, **PLAIN)
     for err, _ in out:
         assert isinstance(err, CorruptPayloadError), err
-        assert err.rank == 1 and "corrupt payload from rank 1" in str(err)
-        assert "non-finite value" in str(err)
+        assert err.rank == 1 and "non-finite value" in str(err)
+        if reduce == "scatter":
+            assert "corrupt payload from rank 1" in str(err)
 
 
-def test_a_payload_for_another_step_raises_as_the_gathered_path():
+@BY_OWNERS
+def test_a_payload_for_another_step_raises_as_the_gathered_path(reduce):
     def late_2(r, rep, grads):
         return 1 if r == 2 else 0
 
-    out = exchange(4, before=late_2, **PLAIN)
+    out = exchange(4, before=late_2, reduce=reduce, **PLAIN)
     assert all(isinstance(e, CorruptPayloadError) for e, _ in out)
-    assert [e.rank for e, _ in out] == [2, 2, 0, 2]
+    if reduce == "scatter":
+        assert [e.rank for e, _ in out] == [2, 2, 0, 2]
     assert outcome(out) == outcome(exchange(4, before=late_2, reduce="gather", **PLAIN))
 
 

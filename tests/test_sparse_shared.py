@@ -1,7 +1,8 @@
 """DeMo's sparse mean over one shared index set (DeMoReplicator(reduce="shared")): the exact
 mean at the shared indices against a dense reference, error feedback that keeps exactly what
 was not sent, bytes sent and received exact and flat in the group size, one outcome on every
-replica for bad input, identical replicas on gloo ranks and a bitwise resume."""
+replica for bad input (with the reduce-scatter's cases, in test_demo_scatter.py), identical
+replicas on gloo ranks and a bitwise resume."""
 
 from __future__ import annotations
 
@@ -12,56 +13,19 @@ import pytest
 import torch
 from dist_util import run_world
 from frontier_util import batch, loss_fn, tiny_model
+from sparse_exchange_util import EXACT, MIXED, PLAIN, K, blocks, grads_of, unblocks
+from sparse_exchange_util import exchange as exchange_by
 
 from flexdemo import SimulatedReplicas
-from flexdemo.replicate import CorruptPayloadError, DeMoReplicator, NonFiniteGradientError
-from flexdemo.simulate import run_replicas
-from flexdemo.transport import InProcessHub
+from flexdemo.replicate import DeMoReplicator
 
-K = 5
-# tiling tensors in blocks of 8 x 8 (4 + 3 blocks), 4 x 8 (5 blocks) and 6 x 8 (4 blocks): no
-# block count divisible by 3, and 48-entry blocks whose 6-bit indices can leave the block
-EXACT = [torch.Size(s) for s in [(16, 16), (8, 24), (4, 40), (12, 16)]]
-CHUNKS = [(8, 8), (8, 8), (4, 8), (6, 8)]
-# and tensors that are padded or batched as small ones
-MIXED = EXACT + [torch.Size(s) for s in [(100,), (30, 7), (5,)]]
-PLAIN = {"topk": K, "chunk": 8, "decay": 0.0, "sign": False, "scale_by_lr": False,
-         "values": "fp32", "transform": "none"}  # the input itself is selected
-
-
-def grads_of(r: int, shapes: list[torch.Size]) -> list[torch.Tensor]:
-    g = torch.Generator().manual_seed(11 + r)
-    return [torch.randn(s, generator=g) for s in shapes]
+CHUNKS = [(8, 8), (8, 8), (4, 8), (6, 8)]  # EXACT's blocks
 
 
 def exchange(world: int, shapes=EXACT, before=None, reduce: str = "shared", **kw) -> list:
-    """One step of ``grads_of(r)`` on ``world`` in-process replicas: per replica its output
-    (or the exception it raised) and its replicator. ``before(r, rep, grads)`` may return the
-    step to pass."""
-    hub = InProcessHub(world, timeout=30)
-
-    def work(r):
-        rep = DeMoReplicator(reduce=reduce, **kw)
-        rep.setup(shapes, torch.device("cpu"), hub.transport(r))
-        grads = grads_of(r, shapes)
-        step = before(r, rep, grads) if before is not None else None
-        try:
-            return rep(grads, [1.0] * len(shapes), step or 0), rep
-        except (NonFiniteGradientError, CorruptPayloadError) as e:
-            return e, rep
-
-    return run_replicas(hub, work)
-
-
-def blocks(t: torch.Tensor, cr: int, cc: int) -> torch.Tensor:
-    """``t`` as its ``cr x cc`` blocks, ``(blocks, cr * cc)``, row-major over the block grid."""
-    r, c = t.shape
-    return t.reshape(r // cr, cr, c // cc, cc).permute(0, 2, 1, 3).reshape(-1, cr * cc)
-
-
-def unblocks(b: torch.Tensor, shape: torch.Size, cr: int, cc: int) -> torch.Tensor:
-    r, c = shape
-    return b.reshape(r // cr, c // cc, cr, cc).permute(0, 2, 1, 3).reshape(r, c)
+    """:func:`sparse_exchange_util.exchange`, over the shared index set unless ``reduce``
+    says."""
+    return exchange_by(world, shapes, before, reduce=reduce, **kw)
 
 
 def shared_mask(world: int, i: int) -> torch.Tensor:
@@ -211,55 +175,6 @@ def test_replicas_that_keep_their_unsent_progress_resume_bitwise(tmp_path):
     run(b, range(4, 9))
     for ma, mb in zip(a.models, b.models):
         assert all(torch.equal(p, q) for p, q in zip(ma.parameters(), mb.parameters()))
-
-
-def outcome(out) -> list:
-    return [(type(e).__name__, getattr(e, "rank", None), getattr(e, "ranks", None))
-            for e, _ in out]
-
-
-def test_a_nonfinite_input_raises_on_every_replica_and_undoes_error_feedback():
-    def nan_on_2(r, rep, grads):
-        if r == 2:
-            grads[1][3, 4] = float("nan")
-
-    out = exchange(4, before=nan_on_2, **{**PLAIN, "decay": 0.9})
-    for err, _ in out:
-        assert isinstance(err, NonFiniteGradientError) and err.ranks == [2] and err.step == 0
-    gathered = exchange(4, before=nan_on_2, reduce="gather", **{**PLAIN, "decay": 0.9})
-    assert outcome(out) == outcome(gathered)
-    for (_, a), (_, b) in zip(out, gathered):  # the momentum as after its update alone
-        assert all(torch.equal(x, y) for x, y in zip(a.delta, b.delta))
-
-
-def test_a_corrupt_value_part_names_its_sender_on_every_replica():
-    def corrupt_on_1(r, rep, grads):
-        if r != 1:
-            return
-        encode, calls = rep.codec.encode, []
-
-        def encode_then_break(x, out):  # rank 1 sends a NaN in the part rank 3 owns
-            vals = encode(x, out)
-            calls.append(1)
-            if len(calls) == 4:
-                out[:4].view(torch.float32).fill_(float("nan"))
-            return vals
-
-        rep.codec.encode = encode_then_break
-
-    out = exchange(4, before=corrupt_on_1, **PLAIN)
-    for err, _ in out:
-        assert isinstance(err, CorruptPayloadError), err
-        assert err.rank == 1 and "non-finite value" in str(err)
-
-
-def test_a_payload_for_another_step_raises_as_the_gathered_path():
-    def late_2(r, rep, grads):
-        return 1 if r == 2 else 0
-
-    out = exchange(4, before=late_2, **PLAIN)
-    assert all(isinstance(e, CorruptPayloadError) for e, _ in out)
-    assert outcome(out) == outcome(exchange(4, before=late_2, reduce="gather", **PLAIN))
 
 
 @pytest.mark.parametrize("kwargs, words", [

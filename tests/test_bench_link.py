@@ -124,7 +124,8 @@ def test_a_bench_run_whose_link_changes_halfway(netns, tmp_path, capsys):  # noq
                       ranks_per_node=1, steps=6, out=str(tmp_path), timeout=240,
                       overrides=["task.model=tiny", "task.corpus_bytes=100000",
                                  "train.batch=2", "train.eval_every=2", "train.eval_batches=1",
-                                 "train.warmup=1", "train.log_every=1"])
+                                 "train.warmup=1", "train.log_every=1",
+                                 "train.timeout=60"])  # a stall names its peer before 240 s
     results = run_bench(o)
     printed = capsys.readouterr().out
     assert [r["status"] for r in results] == ["ok", "ok"], [r.get("message") for r in results]

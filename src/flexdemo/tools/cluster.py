@@ -69,6 +69,12 @@ SWITCH_IF = "fdport{}"
 QUEUE_LATENCY = "50ms"        # tbf: longest a packet may wait in the shaper's queue
 BURST_MIN_BYTES = 10 * 1514   # ten full Ethernet frames
 BURST_SECONDS = 0.002         # or 2 ms worth of the rate, whichever is larger
+#: the largest packet (a TCP segmentation-offload batch) a link hands its shaper. tbf sends a
+#: packet only when its bucket holds the packet's size, so a packet queued at a high rate's
+#: large burst and bigger than a lower rate's burst would wait forever after `set_bandwidth`
+#: lowered the rate (seen: a run stalled for good right after 1 Gbit/s -> 10 Mbit/s). Capping
+#: offload batches below the smallest burst keeps every queued packet sendable at any rate.
+GSO_MAX_BYTES = 8192
 
 
 _counter_lock = threading.Lock()
@@ -245,6 +251,15 @@ class EmulatedCluster:
     def _ipn(self, ns: str, *args: str) -> None:
         netns.run_tool([self._ip, "-n", ns, *args])
 
+    def _cap_packets(self, ns: str, dev: str) -> None:
+        """Offload batches on ``dev`` at most :data:`GSO_MAX_BYTES`, so that no queued packet
+        outgrows a later, smaller burst (an iproute2 without the setting gets a fact line)."""
+        proc = netns.run_tool([self._ip, "-n", ns, "link", "set", dev, "gso_max_size",
+                               str(GSO_MAX_BYTES)], check=False)
+        if proc.returncode != 0:
+            self._fact(f"could not cap offload batches on {dev} in {ns} ({proc.stderr.strip()}"
+                       "): a link lowered during a run may stall")
+
     def _tbf_args(self) -> list[str]:
         assert self.rate_bps is not None
         burst = max(BURST_MIN_BYTES, math.ceil(self.rate_bps / 8 * BURST_SECONDS))
@@ -313,6 +328,8 @@ class EmulatedCluster:
             self._ipn(ns, "link", "set", dev, "addrgenmode", "none")
             self._ipn(ns, "addr", "add", f"{node.address}/{self.subnet.prefixlen}", "dev", dev)
             self._ipn(ns, "link", "set", dev, "up")
+            self._cap_packets(sw, port)
+            self._cap_packets(ns, dev)
             self._fact(f"created namespace {ns}: lo up, veth {dev} {node.address}/"
                        f"{self.subnet.prefixlen} <-> {port} on {BRIDGE} in {sw}")
             self._shape(ns, dev, f"node {node.index} -> switch")

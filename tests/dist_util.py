@@ -15,7 +15,11 @@ import torch
 from flexdemo.tools.ranks import free_port
 
 _CTX = mp.get_context("forkserver")
-_CTX.set_forkserver_preload(["torch", "torch.distributed"])
+# what every rank imports, imported once in the fork server: a rank then starts without the
+# second or two of CPU that torch.distributed.tensor (with sympy), FSDP and flexdemo cost it
+# (tests/test_agreement.py: 107 s -> 44 s on the 2-core machine under load)
+_CTX.set_forkserver_preload(["torch", "torch.distributed", "torch.distributed.fsdp",
+                             "torch.distributed.tensor", "flexdemo"])
 
 
 def spawn_ranks(world: int, args: list[str], timeout: float = 30,

@@ -62,6 +62,9 @@ def test_killed_node_leaves_and_heals_back(tmp_path):
     assert f["ft_share_of_step"] == pytest.approx(own / f["elastic_step_seconds"])
     assert 0 < f["ft_share_of_step"] < 1
     assert "the quorum, the vote and the undo copy take" in p.stdout
+    assert f["cpu_overhead"] == pytest.approx(f["elastic_cpu_seconds"] / f["plain_cpu_seconds"]
+                                              - 1)
+    assert f["plain_cpu_seconds"] > 0 and "in CPU time (rank 0" in p.stdout
     assert f["survivors_resume_step"] > f["kill_survivor_step"] >= 10
     assert f["joiner_first_step"] > f["restart_survivor_step"] >= 18
     node0 = data["elastic"]["metrics"]["node0"]

@@ -56,8 +56,9 @@ def test_gpt_run_writes_metrics_summary_and_logs(tmp_path, single_process, capsy
     rows = metrics(out)
     assert [r["step"] for r in rows] == list(range(1, 7))
     for key in ("loss", "lr", "bytes_sent", "bytes_received", "compute_seconds",
-                "comm_seconds", "step_seconds", "train_seconds"):
+                "comm_seconds", "step_seconds", "cpu_seconds", "train_seconds"):
         assert all(isinstance(r[key], (int, float)) for r in rows), key
+    assert all(r["cpu_seconds"] > 0 for r in rows)  # the step's work, on this process's clock
     assert "val_loss" in rows[4] and "val_loss" in rows[5] and "val_loss" not in rows[0]
     assert rows[-1]["loss"] < math.log(256) and rows[0]["lr"] < rows[2]["lr"]
     saved = json.loads((out / "summary.json").read_text())

@@ -266,6 +266,11 @@ def analyse(o: Any, plain: list[dict], run: dict) -> dict:
     out: dict[str, Any] = {
         "plain_step_seconds": plain_s, "elastic_step_seconds": ft_s,
         "overhead": ft_s / plain_s - 1 if plain_s == plain_s and plain_s > 0 else None,
+        # CPU time per step (rank 0, all its threads): what the step costs in work, which
+        # other jobs on a shared machine do not inflate as they do the wall-clock step
+        "plain_cpu_seconds": _mean([r["cpu_seconds"] for r in plain
+                                    if r["step"] in window and "cpu_seconds" in r]),
+        "elastic_cpu_seconds": _mean([r["cpu_seconds"] for r in before if "cpu_seconds" in r]),
         "quorum_seconds": _mean([r.get("quorum_seconds", 0.0) for r in before]),
         "commit_seconds": _mean([r.get("commit_seconds", 0.0) for r in before]),
         "snapshot_seconds": _mean([r.get("snapshot_seconds", 0.0) for r in before]),
@@ -275,6 +280,8 @@ def analyse(o: Any, plain: list[dict], run: dict) -> dict:
     # absorbs the skew between nodes that a plain step waits out in its collectives)
     own = out["quorum_seconds"] + out["commit_seconds"] + out["snapshot_seconds"]
     out["ft_share_of_step"] = own / ft_s if ft_s == ft_s and ft_s > 0 else None
+    pc, ec = out["plain_cpu_seconds"], out["elastic_cpu_seconds"]
+    out["cpu_overhead"] = ec / pc - 1 if pc == pc and ec == ec and pc > 0 else None
     kill, restart = run["events"].get("kill"), run["events"].get("restart")
     if kill:
         after = [r for r in m0 if r["time"] > kill["time"]]
@@ -319,6 +326,11 @@ def report_lines(o: Any, plain_summary: dict, figures: dict) -> list[str]:
         f"{f['steps_window'][0]}-{f['steps_window'][1]}, before the kill)" if over is not None
         else "- no step-time comparison (a run has too few steps)",
     ]
+    cpu = f.get("cpu_overhead")
+    if cpu is not None:
+        lines.append(f"- in CPU time (rank 0, all its threads) it costs {cpu * 100:+.1f}% per "
+                     f"step ({ms(f['plain_cpu_seconds'])} -> {ms(f['elastic_cpu_seconds'])}), "
+                     "a figure other jobs on the machine do not inflate")
     share = f.get("ft_share_of_step")
     if share is not None:
         lines.append(f"- the quorum, the vote and the undo copy take {share * 100:.1f}% of the "

@@ -21,7 +21,9 @@ writes; with several machines ``out`` must be a shared folder):
   ``bytes_sent``/``bytes_received`` (rank 0, over the replicate dimension: the slow link),
   ``comm_seconds`` (inside the replicators' collectives), ``compute_seconds`` (the rest of
   the step: data, forward, backward with FSDP's own traffic, the optimizer),
-  ``step_seconds``, ``train_seconds`` (cumulative, evaluation and checkpoints excluded) and
+  ``step_seconds``, ``cpu_seconds`` (the rank's CPU time in the step, all its threads: a
+  measure of work that another job on the machine does not inflate, unlike ``step_seconds``),
+  ``train_seconds`` (cumulative, evaluation and checkpoints excluded) and
   ``bytes_sent_total``; evaluation steps add ``val_loss`` (and ``val_accuracy``), averaged
   over all ranks. A step's line is written before its checkpoint, so after a crash and a
   resume every step appears exactly once;
@@ -228,18 +230,21 @@ class Trainer:
         return resume_from, sampler
 
     # ------------------------------------------------------------------ the loop
-    def _step(self, step: int, sampler: ShardSampler,
-              t0: float | None = None) -> dict[str, Any] | None:
+    def _step(self, step: int, sampler: ShardSampler, t0: float | None = None,
+              c0: float | None = None) -> dict[str, Any] | None:
         """One optimizer step; returns its metrics record, whose ``loss`` is still a tensor
         on the device (read in :meth:`_read_losses`, without a host read per step). None
         when fault tolerance undid the step (its commit vote failed). ``t0``: when the step
-        began, if before this call (the quorum under fault tolerance is part of the step)."""
+        began, if before this call (the quorum under fault tolerance is part of the step), and
+        ``c0`` the process's CPU time then."""
         tc, sc = self.cfg.train, self.cfg.strategy
         lr = lr_at(step - 1, tc.steps, sc.lr, tc.warmup_steps, tc.schedule, tc.min_lr)
         for g in self.opt.param_groups:
             g["lr"] = lr
         if t0 is None:
             t0 = time.perf_counter()
+        if c0 is None:
+            c0 = time.process_time()
         batch = to_device(self.task.train_batch(sampler.next(tc.batch)), self.device)
         skipped_before = self.opt.skipped_steps
         try:
@@ -265,6 +270,7 @@ class Trainer:
                 f"{tc.max_skipped:g} of train.steps={tc.steps}; the run is not training: "
                 "lower strategy.lr or clip gradients (or raise train.max_skipped)")
         dt = time.perf_counter() - t0
+        cpu = time.process_time() - c0
         s = self.state
         s.step = step
         s.train_seconds += dt
@@ -276,7 +282,8 @@ class Trainer:
                 "skipped_steps_total": self.opt.skipped_steps,
                 "bytes_sent": stats["bytes_sent"], "bytes_received": stats["bytes_received"],
                 "compute_seconds": dt - comm, "comm_seconds": comm, "step_seconds": dt,
-                "train_seconds": s.train_seconds, "bytes_sent_total": s.bytes_sent,
+                "cpu_seconds": cpu, "train_seconds": s.train_seconds,
+                "bytes_sent_total": s.bytes_sent,
                 "time": time.time(),
                 **{k: stats[k] for k in ELASTIC_METRICS + ("auto_choice",) if k in stats}}
 
@@ -366,16 +373,16 @@ class Trainer:
                                      record["bytes_sent_total"] / 1e6, record.get("val_loss"))
 
         while step < last:
-            t_step = None
+            t_step = c_step = None
             position = sampler.state_dict()
             try:
                 if elastic:  # the quorum first (a joiner heals here): the step is opt.steps + 1
-                    t_step = time.perf_counter()
+                    t_step, c_step = time.perf_counter(), time.process_time()
                     self.opt.zero_grad()
                     if self.opt.steps >= last:
                         break
                 record = self._step(self.opt.steps + 1 if elastic else step + 1, sampler,
-                                    t_step)
+                                    t_step, c_step)
             except LighthouseLostError as e:  # the step was not taken: save the one before
                 sampler.load_state_dict(position)
                 write(self._read_losses(pending) if pending else [])

@@ -6,14 +6,22 @@ same MLP on loopback and report the median step (zero_grad, forward, backward, s
 fault tolerance, the median quorum, commit vote and undo copy. CPU, one thread per process.
 
     python benchmarks/elastic_overhead.py --width 1024 --steps 40 --replicator demo
+
+Beside the wall-clock step it reports each step's CPU time (the process's, all its threads:
+the work, which other jobs on a shared machine do not inflate as they do the wall-clock
+time). ``--profile DIR`` runs every rank's loop under cProfile and writes
+``DIR/{plain,elastic}-{rank}.pstats``, then prints the functions whose own time per step
+grew most with fault tolerance (rank 0).
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
 import json
 import multiprocessing as mp
 import os
+import pstats
 import statistics
 import time
 
@@ -29,22 +37,37 @@ def _model(width: int) -> nn.Module:
                          nn.Linear(width, 16))
 
 
-def _train(opt, net, args, rank: int) -> dict:
-    times, extra = [], {"quorum_seconds": [], "commit_seconds": [], "snapshot_seconds": []}
+def _train(opt, net, args, rank: int, name: str) -> dict:
+    prof = cProfile.Profile() if args.profile else None
+    if prof is not None:
+        prof.enable()
+    try:
+        return _loop(opt, net, args, rank)
+    finally:
+        if prof is not None:
+            prof.disable()
+            prof.dump_stats(os.path.join(args.profile, f"{name}-{rank}.pstats"))
+
+
+def _loop(opt, net, args, rank: int) -> dict:
+    times, cpu = [], []
+    extra = {"quorum_seconds": [], "commit_seconds": [], "snapshot_seconds": []}
     g = torch.Generator().manual_seed(rank)
     while opt.steps < args.steps:
         x, y = torch.randn(32, args.width, generator=g), torch.randn(32, 16, generator=g)
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         opt.zero_grad()
         nn.functional.mse_loss(net(x), y).backward()
         opt.step()
         times.append(time.perf_counter() - t0)
+        cpu.append(time.process_time() - c0)
         s = opt.last_step_stats()
         for k in extra:
             if k in s:
                 extra[k].append(s[k])
     skip = min(5, len(times) // 4)  # warm-up
-    out = {"step_ms": 1e3 * statistics.median(times[skip:])}
+    out = {"step_ms": 1e3 * statistics.median(times[skip:]),
+           "cpu_ms": 1e3 * statistics.median(cpu[skip:])}
     out.update({k.replace("seconds", "ms"): 1e3 * statistics.median(v[skip:])
                 for k, v in extra.items() if v})
     return out
@@ -62,7 +85,7 @@ def _plain(rank: int, port: int, args, q) -> None:
 
     net, opt = flexdemo.prepare(_model(args.width), replicator=args.replicator,
                                 replicator_kwargs=_kwargs(args), lr=1e-3, device="cpu")
-    q.put(_train(opt, net, args, rank))
+    q.put(_train(opt, net, args, rank, "plain"))
 
 
 def _elastic(rank: int, url: str, args, q) -> None:
@@ -74,7 +97,7 @@ def _elastic(rank: int, url: str, args, q) -> None:
     net, opt = flexdemo.prepare(_model(args.width), replicator=args.replicator,
                                 replicator_kwargs=_kwargs(args), lr=1e-3, device="cpu",
                                 fault_tolerance=ft)
-    q.put(_train(opt, net, args, rank))
+    q.put(_train(opt, net, args, rank, "elastic"))
     opt.fault_tolerance.shutdown()
 
 
@@ -96,7 +119,10 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--replicator", default="demo", choices=("demo", "full"))
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds per run at most")
+    ap.add_argument("--profile", metavar="DIR", help="cProfile every rank's loop into DIR")
     args = ap.parse_args()
+    if args.profile:
+        os.makedirs(args.profile, exist_ok=True)
     from torchft.coordination import LighthouseServer
 
     plain = _run(_plain, free_port(), args)
@@ -110,9 +136,27 @@ def main() -> None:
     worst = lambda rs, k: max(r[k] for r in rs)  # noqa: E731 - the slower replica
     row = {"replicator": args.replicator, "params": params, "steps": args.steps,
            "plain_step_ms": worst(plain, "step_ms"), "ft_step_ms": worst(elastic, "step_ms"),
+           "plain_cpu_ms": worst(plain, "cpu_ms"), "ft_cpu_ms": worst(elastic, "cpu_ms"),
            **{k: worst(elastic, k) for k in ("quorum_ms", "commit_ms", "snapshot_ms")}}
     row["overhead"] = row["ft_step_ms"] / row["plain_step_ms"] - 1
+    row["cpu_overhead"] = row["ft_cpu_ms"] / row["plain_cpu_ms"] - 1
     print(json.dumps(row))
+    if args.profile:
+        _grown(args.profile, args.steps)
+
+
+def _grown(folder: str, steps: int, top: int = 15) -> None:
+    """The functions whose own time per step grew most from the plain to the elastic run."""
+    own = {}
+    for name in ("plain", "elastic"):
+        st = pstats.Stats(os.path.join(folder, f"{name}-0.pstats"))
+        own[name] = {f"{k[0].rsplit('/', 2)[-1]}:{k[1]}({k[2]})": v[2]
+                     for k, v in st.stats.items()}  # type: ignore[attr-defined]
+    diff = {k: own["elastic"].get(k, 0.0) - own["plain"].get(k, 0.0)
+            for k in set(own["plain"]) | set(own["elastic"])}
+    print(f"own time per step, rank 0 (ms): elastic - plain, top {top}")
+    for k, d in sorted(diff.items(), key=lambda kv: -kv[1])[:top]:
+        print(f"  {1e3 * d / steps:+8.2f}  {k}")
 
 
 if __name__ == "__main__":

@@ -81,10 +81,18 @@ def _replicator_copy(rep: Replicator) -> dict:
     return _clone(rep.state_dict())
 
 
-def snapshot(opt) -> Snapshot:
-    """Copy what ``opt.step()`` may change on this rank."""
+def snapshot(opt, spare: list[torch.Tensor] | None = None) -> Snapshot:
+    """Copy what ``opt.step()`` may change on this rank. ``spare``: the parameters' copies of
+    a snapshot no longer needed, written over when they still fit (no new allocation)."""
     with torch.no_grad():
-        params = [local_tensor(p).detach().clone() for p in opt.params]
+        live = [local_tensor(p).detach() for p in opt.params]
+        if spare is not None and len(spare) == len(live) and all(
+                s.shape == t.shape and s.dtype == t.dtype and s.device == t.device
+                for s, t in zip(spare, live)):
+            torch._foreach_copy_(spare, live)
+            params = spare
+        else:
+            params = [t.clone() for t in live]
     return Snapshot(params, _clone(opt.base.state_dict()),
                     [_replicator_copy(r) for r in opt.replicators], opt.steps,
                     opt.skipped_steps)

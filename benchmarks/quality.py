@@ -302,6 +302,17 @@ SETTINGS: dict[str, Setting] = {
               {**({"inner_steps": int(h[2:])} if h else {}),
                "exchange_kwargs": {"values": v, "error_feedback": 0.9}})
              for h in ("", "-h60") for v in ("int2", "stat2", "int3")),
+           # 1-bit codebook values (two bins split at the block mean) with error feedback:
+           # 4 bytes + 1 bit per block of 256 at H=30, or per block of 128 at H=40
+           ("muloco", "-stat1-ef", ", stat1 values (block 256) with error feedback (decay 0.9)",
+            {"exchange_kwargs": {"values": "stat1", "block": 256, "error_feedback": 0.9}}),
+           ("muloco", "-stat1-ef-h40", ", H=40, stat1 values (block 128) with error feedback "
+            "(decay 0.9)", {"inner_steps": 40, "exchange_kwargs": {
+                "values": "stat1", "error_feedback": 0.9}}),
+           ("muloco", "-stat1-ef-gather", ", stat1 values (block 256) with error feedback (decay "
+            "0.9), gathered: no second rounding of the mean by its owner (the same bytes at 2 "
+            "replicas)", {"exchange_kwargs": {"values": "stat1", "block": 256,
+                                              "error_feedback": 0.9, "reduce": "gather"}}),
            ("sparseloco", "", "", {}),
            ("sparseloco", "-int2", ", int2 values (lo/hi per block)",
             {"exchange_kwargs": {"values": "int2"}}),

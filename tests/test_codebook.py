@@ -1,5 +1,5 @@
-"""The int3 / int2 dense codecs and the statistical codebooks (stat3 / stat2, dense and sparse
-blocks) of flexdemo.compress.quant and flexdemo.compress.blocks."""
+"""The int3 / int2 dense codecs and the statistical codebooks (stat3 / stat2 / stat1, dense and
+sparse blocks) of flexdemo.compress.quant and flexdemo.compress.blocks."""
 
 import math
 
@@ -11,9 +11,9 @@ from flexdemo.compress.blocks import BlockValueCodec
 from flexdemo.compress.quant import ValueCodec
 
 SENTINEL = 0xA5
-DENSE = ["int2", "int3", "stat2", "stat3"]
-STATS = ["stat2", "stat3"]
-BITS = {"int2": 2, "int3": 3, "stat2": 2, "stat3": 3}
+DENSE = ["int2", "int3", "stat1", "stat2", "stat3"]
+STATS = ["stat1", "stat2", "stat3"]
+BITS = {"int2": 2, "int3": 3, "stat1": 1, "stat2": 2, "stat3": 3}
 
 
 def _gen(seed):
@@ -256,6 +256,31 @@ def test_new_formats_registered_and_sizes():
     assert ValueCodec("int2", 64).nbytes(101) == 26 + 2 * 4
     assert ValueCodec("stat3", 64).nbytes(101) == 2 * 8 * 2 + 38
     assert ValueCodec("stat2", 64).nbytes(101) == 2 * 4 * 2 + 26
+    assert ValueCodec("stat1", 64).nbytes(101) == 2 * 2 * 2 + 13  # 2 bf16 means + 1 bit
+    assert ValueCodec("stat1", 256).nbytes(2560) == 10 * 4 + 320  # 0.140625 B per value
     assert BlockValueCodec("stat3").nbytes(5, 7) == 2 * 8 * 5 + 14
     assert BlockValueCodec("stat2").nbytes(5, 7) == 2 * 4 * 5 + 9
+    assert BlockValueCodec("stat1").nbytes(5, 7) == 2 * 2 * 5 + 5
     assert ValueCodec("stat2").spread == BlockValueCodec("stat3").spread == 2.0
+
+
+@pytest.mark.parametrize("n,block", [(45, 16), (256, 256), (1000, 128)])
+def test_dense_stat1_splits_at_the_block_mean(n, block):
+    """One bit per value: set where the value is at least its block's mean; two levels per
+    block, the means of the values below and at-or-above it."""
+    codec = ValueCodec("stat1", block)
+    x = torch.randn(n, generator=_gen(n)) * 2 + 0.5
+    buf = _encode_dense(codec, x)
+    b = math.ceil(n / block)
+    codes = unpack_bits(buf[4 * b: codec.nbytes(n)], 1, n)
+    y = codec.decode(buf, n)
+    for start in range(0, n, block):
+        part, got = x[start: start + block], y[start: start + block]
+        high = part >= part.mean()
+        assert torch.equal(codes[start: start + block].bool(), high)
+        for side in (high, ~high):
+            level = got[side]
+            assert torch.equal(level, level[:1].expand_as(level))
+            torch.testing.assert_close(level[0], part[side].mean().to(torch.bfloat16).float())
+    mse = float((y - x).pow(2).mean()) / 4  # x has variance 4
+    assert mse < 0.38  # near Lloyd-Max's 0.3634 for 2 levels of a Gaussian

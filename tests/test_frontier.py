@@ -101,7 +101,7 @@ def test_peers_above_the_median_norm_are_clipped_to_it():
     assert unclipped[0][0].abs().max() > 2 * out[0][0].abs().max()
 
 
-@pytest.mark.parametrize("values", ["fp32", "int2", "stat2", "stat3"])
+@pytest.mark.parametrize("values", ["fp32", "int2", "stat2", "stat3", "stat1"])
 def test_error_feedback_keeps_what_was_not_sent(values):
     """A group of one decodes its own payload: the update plus the error-feedback buffer
     is the input, and everything not selected stays in the buffer exactly."""
@@ -146,9 +146,11 @@ def test_presets_are_diloco_with_their_documented_settings():
 
 
 EF2 = {"exchange_kwargs": {"values": "int2", "error_feedback": 0.9}}
+EF1 = {"exchange_kwargs": {"values": "stat1", "block": 16, "error_feedback": 0.9}}
 
 
-@pytest.mark.parametrize("preset,kw", [("muloco", {}), ("sparseloco", {}), ("muloco", EF2)])
+@pytest.mark.parametrize("preset,kw", [("muloco", {}), ("sparseloco", {}), ("muloco", EF2),
+                                       ("muloco", EF1)])
 def test_presets_keep_replicas_identical_and_resume_bitwise(preset, kw, tmp_path):
     def run(sim, steps):
         for s in steps:
@@ -231,17 +233,18 @@ def full_exchange(world: int, before=None, **kw) -> list:
     return run_replicas(hub, work)
 
 
+@pytest.mark.parametrize("values", ["int2", "stat1"])
 @pytest.mark.parametrize("reduce", ["gather", "scatter"])
-def test_dense_error_feedback_sends_the_residual_and_keeps_the_rest(reduce):
+def test_dense_error_feedback_sends_the_residual_and_keeps_the_rest(reduce, values):
     decay, world = 0.9, 3
-    hub_out = full_exchange(world, values="int2", block=16, reduce=reduce,
+    hub_out = full_exchange(world, values=values, block=16, reduce=reduce,
                             error_feedback=decay)
-    plain = full_exchange(world, values="int2", block=16, reduce=reduce)
+    plain = full_exchange(world, values=values, block=16, reduce=reduce)
     flat = [[torch.cat([t.reshape(-1) for t in o]) for o in outs] for outs, _ in hub_out]
     for r in range(1, world):  # bitwise one mean on every replica, at every step
         assert all(torch.equal(a, b) for a, b in zip(flat[0], flat[r]))
     x = [torch.cat([g.reshape(-1) for g in grads_of(r)]) for r in range(world)]
-    codec = ValueCodec("int2", 16)
+    codec = ValueCodec(values, 16)
     for r, (_, rep) in enumerate(hub_out):
         # step 0 sends Q(x); step 1 sends Q(decay * (x - Q(x)) + x / 2): the residual is what
         # the encoding lost, carried over

@@ -1,6 +1,6 @@
 """Value codecs for DeMo's sparse blocks, ``(blocks, k)`` values each: fp32, bf16, fp16, int8,
 int2 (sign and one magnitude bit over ``[min|v|, max|v|]``), sign (a magnitude per block), and
-stat2 / stat3 (a statistical codebook per block, :mod:`.codebook`). Each format is one class
+stat3 / stat2 / stat1 (a statistical codebook per block, :mod:`.codebook`). Each format is one class
 registered in :data:`BLOCK_CODECS`; ``BlockValueCodec(fmt)`` builds the registered one."""
 
 from __future__ import annotations
@@ -23,15 +23,16 @@ class BlockValueCodec:
     * ``int2``: per block bf16 ``lo = min|v|`` and ``hi = max|v|``; each value is its sign and
       one magnitude bit, decoded as ``lo + (hi - lo) / 4`` or ``lo + 3 (hi - lo) / 4``;
     * ``sign``: one bit per value and a bf16 magnitude per block, the mean ``|v|``;
-    * ``stat3`` / ``stat2``: a statistical codebook per block (see the module): ``L`` = 8 / 4
-      bf16 bin means, the mean of the block's values in each bin of ``mu +- 2 sd``, and a
-      3 / 2-bit bin code per value.
+    * ``stat3`` / ``stat2`` / ``stat1``: a statistical codebook per block (see the module):
+      ``L`` = 8 / 4 / 2 bf16 bin means, the mean of the block's values in each bin of
+      ``mu +- 2 sd`` (stat1: split at the block mean), and a 3 / 2 / 1-bit bin code per value.
 
     Bytes for ``b`` blocks of ``k`` values: fp32 ``4bk``, bf16/fp16 ``2bk``, int8 ``bk + 2b``,
     int2 ``ceil(2bk/8) + 4b``, sign ``ceil(bk/8) + 2b``, stat3 ``16b + ceil(3bk/8)``, stat2
-    ``8b + ceil(2bk/8)``. Scales (codebooks) come first. Decoding is elementwise arithmetic or
-    a codebook look-up, identical on every replica; ``encode`` returns the values the peers
-    will decode, built from the codes with the same arithmetic as ``decode``.
+    ``8b + ceil(2bk/8)``, stat1 ``4b + ceil(bk/8)``. Scales (codebooks) come first. Decoding
+    is elementwise arithmetic or a codebook look-up, identical on every replica; ``encode``
+    returns the values the peers will decode, built from the codes with the same arithmetic as
+    ``decode``.
     """
 
     fmt = ""
@@ -187,10 +188,14 @@ class _Stat2Blocks(_StatBlocks):
     bits = 2
 
 
+class _Stat1Blocks(_StatBlocks):
+    bits = 1
+
+
 BLOCK_CODECS: dict[str, type[BlockValueCodec]] = {
     "fp32": _Fp32Blocks, "bf16": _Bf16Blocks, "fp16": _Fp16Blocks,
     "int8": _Int8Blocks, "int2": _Int2Blocks, "sign": _SignBlocks,
-    "stat3": _Stat3Blocks, "stat2": _Stat2Blocks,
+    "stat3": _Stat3Blocks, "stat2": _Stat2Blocks, "stat1": _Stat1Blocks,
 }
 BLOCK_FORMATS = tuple(BLOCK_CODECS)
 

@@ -1,6 +1,6 @@
-"""The statistical codebook of :mod:`.quant` (dense stat2 / stat3) and :mod:`.blocks` (sparse
-stat2 / stat3): per row of values, bins over ``mean ± spread * std``, each decoded to the
-mean of its members."""
+"""The statistical codebook of :mod:`.quant` (dense stat3 / stat2 / stat1) and :mod:`.blocks`
+(sparse, the same): per row of values, bins over ``mean ± spread * std`` (one bit: two bins
+split at the mean), each decoded to the mean of its members."""
 
 from __future__ import annotations
 

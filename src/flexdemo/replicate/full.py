@@ -133,7 +133,7 @@ class FullReplicator(Replicator):
                              f"{error_feedback!r}")
         if error_feedback is not None and values == "fp32":
             raise ValueError("error_feedback is for quantised values (bf16, fp16, int8, int4, "
-                             "int3, int2, stat3, stat2): fp32 loses nothing; leave it out")
+                             "int3, int2, stat3, stat2, stat1): fp32 loses nothing; leave it out")
         self.error_feedback = None if error_feedback is None else float(error_feedback)
         self.feedback_decay = self.error_feedback or 0.0
         self.reports_sent = values != "fp32"  # a quantised payload it can decode again

@@ -95,9 +95,10 @@ def _worker(rank: int, world: int, port: int, cfg: dict, out: str) -> None:
                 mem.reset_peak()
                 opt.zero_grad()
                 model(x[:, :-1], x[:, 1:]).backward()
+                passes = mem.peak  # the step starts its own peak (its workspace)
                 opt.step()
                 if i:  # the first step creates the state and the replicators' buffers
-                    peak = max(peak, mem.peak)
+                    peak = max(peak, passes, mem.peak)
                     step_ws = max(step_ws, opt.last_step_stats()["step_workspace_bytes"])
             stats = opt.memory_stats()
             local = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel()

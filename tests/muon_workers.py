@@ -11,6 +11,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
 import flexdemo
+from flexdemo import LiveBytes
 from flexdemo.checkpoint import load_checkpoint, save_checkpoint
 from flexdemo.dtensor import local_tensor
 from flexdemo.muon import MuonAdamW
@@ -39,12 +40,15 @@ def optimizer_worker(rank: int, world: int, replicate: int, shard: int,
     kw = {"lr": 0.02, "weight_decay": 0.1}
     opt = MuonAdamW(list(zip(names, sharded)), **kw, ns_batch_numel=bound)
     ref = MuonAdamW(list(zip(names, plain)), **kw, ns_mode="per_matrix")  # torch's, per matrix
-    sent = []
+    sent, workspace = [], 0
     for step in range(3):
         for p, q, g in zip(sharded, plain, _full(step)):
             p.grad = distribute_tensor(g.clone(), mesh["shard"], [Shard(0)])
             q.grad = g.clone()
-        opt.step()
+        with LiveBytes() as mem:  # the step's transient bytes, after the first (the state)
+            opt.step()
+        if step:
+            workspace = max(workspace, mem.peak)
         ref.step()
         sent.append((opt.stats.last_bytes_sent, opt.stats.last_bytes_received,
                      opt.stats.last_collectives))
@@ -53,7 +57,8 @@ def optimizer_worker(rank: int, world: int, replicate: int, shard: int,
     rows = [torch.chunk(p.detach(), shard, dim=0) for p in plain]
     expected = [r[me].clone() if me < len(r) else p.detach()[:0].clone()
                 for r, p in zip(rows, plain)]
-    return {"mine": mine, "expected": expected, "sent": sent, "shard_rank": me}
+    return {"mine": mine, "expected": expected, "sent": sent, "shard_rank": me,
+            "workspace": workspace}
 
 
 def _model(seed: int = 0) -> torch.nn.Module:

@@ -16,7 +16,7 @@ from torch import nn
 
 from flexdemo import DeToNATION, DiLoCoReplicator, FullReplicator, LiveBytes
 from flexdemo.checkpoint import CheckpointMismatchError, load_checkpoint, save_checkpoint
-from flexdemo.memory import state_bytes, storage_bytes
+from flexdemo.memory import reachable_tensors, state_bytes, storage_bytes
 from flexdemo.replicate import DeMoReplicator
 from flexdemo.replicate.rounding import STATE_DTYPES, StochasticRounding
 from flexdemo.simulate import SimulatedReplicas
@@ -211,6 +211,24 @@ def test_diloco_forms_its_pseudo_gradients_in_the_parameters():
     assert not rep.in_place and rep.exchanges[0].buckets is None
     assert all(p.untyped_storage()._cdata == flat.untyped_storage()._cdata for p in rep.pseudo)
     assert P <= opt.memory_stats()["workspace_bytes"] < 1.2 * P
+
+
+def test_diloco_releases_its_codec_buffer_after_a_sync(monkeypatch):
+    """An int4 sync's codec buffer (a bucket of fp32 values) is dropped once the sync is
+    applied, not held for the H steps to the next one: the same bits as keeping it."""
+    kw = {"exchange_kwargs": {"values": "int4", "bucket_numel": 1 << 16}}
+    model, opt, P = _diloco_run(**kw)
+    ex = opt.replicators[0].exchanges[0]
+    assert opt.replicators[0].syncs[0] >= 1
+    def held() -> int:
+        return storage_bytes(reachable_tensors(opt.replicators[0]))
+
+    before = held()
+    ex.codec.workspace(1 << 16, torch.device("cpu"))  # what the sync used to leave behind
+    assert held() == before + 4 * (1 << 16)
+    monkeypatch.setattr(FullReplicator, "release_workspace", lambda self: None)
+    kept, _, _ = _diloco_run(**kw)
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), kept.parameters()))
 
 
 def test_bucket_numel_must_be_a_positive_integer():

@@ -176,12 +176,19 @@ def test_sharded_is_bitwise_the_unsharded_optimizer(replicate, shard):
 @pytest.mark.multiprocess
 def test_sharded_in_bounded_chunks_is_bitwise_the_unsharded_optimizer():
     """ns_batch_numel cuts the sharded matrices into chunks (one exchange there and back
-    each, owners balanced per chunk): the same bits as the unsharded optimizer."""
+    each, owners balanced per chunk, applied before the next): the same bits as the
+    unsharded optimizer, in a few bf16 copies of a chunk."""
     results = run_world(optimizer_worker, 2, 1, 2, 150)
     for res in results:
         for i, (a, b) in enumerate(zip(res["mine"], res["expected"])):
             assert torch.equal(a, b), f"shard rank {res['shard_rank']}: parameter {i} differs"
     assert all(r["sent"][step][2] > 2 for r in results for step in range(3))
+    # the step's transient bytes, counted exactly: at most 4 bf16 copies of a chunk (a rank's
+    # send and receive buffers, or the owner's stack, spare and products); the chunk is the
+    # bound on each of 2 ranks, or a larger matrix alone (33 x 16). Before the buffers were
+    # written in bf16 and dropped as they were spent, rank 0 peaked at 9,944 bytes
+    chunk = max(2 * 150, *(r * c for r, c in SHAPES))
+    assert all(0 < r["workspace"] <= 2 * 4 * chunk for r in results)
 
 
 @pytest.fixture(scope="module")

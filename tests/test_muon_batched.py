@@ -161,3 +161,79 @@ def test_ns_batch_numel_must_be_positive():
 
     with pytest.raises(ValueError, match="ns_batch_numel must be an integer >= 1"):
         MuonAdamW([torch.nn.Parameter(torch.zeros(4, 4))], ns_batch_numel=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("nesterov", [True, False])
+def test_updates_written_in_bf16_are_the_previous_path_bits(dtype, nesterov):
+    """write_updates rounds the fp32 update once as it stores it: the bits of forming the
+    update (torch's foreach lerp) and then stacking it in bf16, without the fp32 copy."""
+    from flexdemo.muon import write_updates
+    from flexdemo.newton_schulz import stack_bf16
+
+    g = torch.Generator().manual_seed(3)
+    grads = [torch.randn(48, 32, generator=g).to(dtype) for _ in range(3)]
+    bufs = [torch.randn(48, 32, generator=g).to(dtype) for _ in range(3)]
+    before = [b.clone() for b in bufs]
+    old = stack_bf16(list(torch._foreach_lerp(grads, bufs, 0.95)) if nesterov else bufs)
+    new = torch.empty_like(old)
+    write_updates(new.unbind(0), grads, bufs, 0.95, nesterov)
+    assert torch.equal(old, new)
+    assert all(torch.equal(a, b) for a, b in zip(bufs, before))
+
+
+def test_in_place_newton_schulz_is_bitwise_the_allocating_one():
+    """newton_schulz_ reuses its input's storage and one spare stack (square matrices: the
+    Gram product goes in the spare too): the bits of torch's per-matrix call."""
+    from flexdemo.newton_schulz import newton_schulz_
+
+    g = torch.Generator().manual_seed(1)
+    for shape in [(3, 64, 64), (2, 96, 32), (2, 32, 96), (1, 7, 5), (4, 12, 12)]:
+        x = torch.randn(shape, generator=g)
+        ref = torch.stack([_zeropower_via_newtonschulz(m.clone(), *NS) for m in x])
+        kept = x.clone()
+        assert torch.equal(newton_schulz(x, *NS), ref) and torch.equal(x, kept)
+        stack = x.bfloat16()
+        assert torch.equal(newton_schulz_(stack, *NS), ref), shape
+        for steps in (0, 1, 2):  # the buffers swap each step: even and odd counts
+            one = torch.stack([_zeropower_via_newtonschulz(m.clone(), NS[0], steps, EPS)
+                               for m in x])
+            assert torch.equal(newton_schulz_(x.bfloat16(), NS[0], steps, EPS), one)
+    with pytest.raises(ValueError, match="contiguous bf16 stack"):
+        newton_schulz_(torch.zeros(1, 3, 3), *NS)
+    with pytest.raises(ValueError, match="contiguous bf16 stack"):
+        newton_schulz_(torch.zeros(1, 3, 4, dtype=torch.bfloat16).mT, *NS)
+
+
+def test_step_workspace_is_a_few_bf16_copies_of_a_batch():
+    """The step's transient bytes, counted exactly: the update written in bf16 and
+    orthogonalised in place, so at most 4 bf16 copies of a batch (2 bytes x 4 x its
+    entries; 3 when square) where forming the fp32 update and allocating each product took
+    7. The default bound is the largest matrix's entries, at least 1M off CUDA."""
+    from flexdemo import LiveBytes
+    from flexdemo.newton_schulz import NS_BATCH_MIN
+
+    shapes = [(64, 64)] * 6 + [(48, 96)] * 3 + [(96, 48)] * 2
+    bound = 2 * 64 * 64
+    results = {}
+    for mode, numel in (("batched", bound), ("batched", None), ("per_matrix", None)):
+        g = torch.Generator().manual_seed(0)
+        params = [torch.nn.Parameter(torch.randn(s, generator=g)) for s in shapes]
+        opt = MuonAdamW(params, lr=1e-2, weight_decay=0.1, ns_mode=mode, ns_batch_numel=numel)
+        with LiveBytes() as mem:
+            for _ in range(2):
+                for p in params:
+                    p.grad = torch.randn(p.shape, generator=g)
+                start = mem.reset_peak()
+                opt.step()
+        results[mode, numel] = [p.detach() for p in params], mem.peak - start, opt
+    _, ws, _ = results["batched", bound]
+    assert ws <= 2 * 3 * bound  # the square batch: the stack, the spare and the product
+    _, ws_default, opt = results["batched", None]
+    assert opt.ns_batch_numel == NS_BATCH_MIN  # every matrix here is smaller
+    assert ws_default <= 2 * 4 * sum(64 * 64 for s in shapes if s == (64, 64))
+    ref = results["per_matrix", None][0]
+    for key in (("batched", bound), ("batched", None)):
+        assert all(torch.equal(a, b) for a, b in zip(results[key][0], ref)), key
+    big = [torch.nn.Parameter(torch.zeros(1200, 1000)), torch.nn.Parameter(torch.zeros(8, 8))]
+    assert MuonAdamW(big).ns_batch_numel == 1200 * 1000

@@ -28,7 +28,13 @@ import torch
 from torch import nn
 
 from .dtensor import local_tensor
-from .newton_schulz import NS_BATCH_NUMEL, NS_MODES, orthogonalise, shape_groups
+from .newton_schulz import (
+    NS_MODES,
+    default_batch_numel,
+    newton_schulz_,
+    orthogonalise,
+    shape_groups,
+)
 from .transport import CommStats, all_to_all, group_rank, group_size
 
 # name components of parameters that stay on AdamW although they are 2-D
@@ -43,7 +49,6 @@ class _Plan(NamedTuple):
     whole: list[int]  # matrices held whole by this rank
     batches: list[list[int]]  # those by shape, in batches of at most ns_batch_numel entries
     sharded: dict  # {process group: row-sharded matrices, in bounded chunks}
-    by_shape: list[list[int]]  # every matrix by (global) shape: one lr adjustment each
 
 
 def require_muon() -> None:
@@ -136,11 +141,13 @@ class MuonAdamW(torch.optim.Optimizer):
             batched Newton-Schulz call (:func:`flexdemo.newton_schulz.orthogonalise`); on CPU
             (torch 2.13) bitwise the same as ``"per_matrix"``, torch's function called once per
             matrix. Not stored in the state dict.
-        ns_batch_numel: the most entries a batch of whole matrices holds (default
-            :data:`NS_BATCH_NUMEL`, 4M: 16 MiB in fp32): each batch's update is formed,
-            orthogonalised and applied before the next, so the step's transient memory is
-            bounded by a batch, not the model (None: every matrix of a shape at once). A
-            matrix larger than the bound is a batch of its own. The same bits either way.
+        ns_batch_numel: the most entries a batch of whole matrices holds (per rank for
+            sharded ones): each batch's update is written in bf16, orthogonalised in place and
+            applied before the next, so the step's transient memory is about 3 bf16 copies
+            of a batch, not the model. Default (None):
+            :func:`~flexdemo.newton_schulz.default_batch_numel`, the largest Muon matrix's
+            entries, at least 1M (4M on CUDA). A matrix larger than the bound is a batch of
+            its own. The same bits whatever the bound.
     """
 
     def __init__(self, params: Iterable, lr: float = 1e-3, *, weight_decay: float = 0.0,
@@ -160,15 +167,16 @@ class MuonAdamW(torch.optim.Optimizer):
             raise ValueError(f"muon momentum must be in [0, 1), got {momentum!r}")
         if ns_mode not in NS_MODES:
             raise ValueError(f"ns_mode must be one of {NS_MODES}, got {ns_mode!r}")
-        if ns_batch_numel is None:
-            ns_batch_numel = NS_BATCH_NUMEL
-        if not isinstance(ns_batch_numel, int) or isinstance(ns_batch_numel, bool) \
-                or ns_batch_numel < 1:
+        if ns_batch_numel is not None and (not isinstance(ns_batch_numel, int) or isinstance(
+                ns_batch_numel, bool) or ns_batch_numel < 1):
             raise ValueError(f"ns_batch_numel must be an integer >= 1, got {ns_batch_numel!r}")
         if adjust_lr_fn not in (None, "original", "match_rms_adamw"):
             raise ValueError(f"adjust_lr_fn must be 'match_rms_adamw', 'original' or None, got "
                              f"{adjust_lr_fn!r}")
         muon, other = _split(params, muon_params)
+        if ns_batch_numel is None:
+            ns_batch_numel = default_batch_numel(
+                [p.shape for _, p in muon], muon[0][1].device if muon else torch.device("cpu"))
         groups = []
         if muon:
             groups.append({"params": [p for _, p in muon], "use_muon": True, "lr": lr,
@@ -186,7 +194,7 @@ class MuonAdamW(torch.optim.Optimizer):
         self.stats = CommStats()  # the intra-node all-to-alls of sharded matrices
         self.ns_mode, self.ns_batch_numel = ns_mode, ns_batch_numel
         self._plan_key: tuple[int, ...] = ()
-        self._plan_value = _Plan([], [], {}, [])
+        self._plan_value = _Plan([], [], {})
         self._link()
 
     def _link(self) -> None:
@@ -233,22 +241,35 @@ class MuonAdamW(torch.optim.Optimizer):
         if wd:
             torch._foreach_mul_(locals_, 1 - lr * wd)
 
-        def update(idx: list[int]) -> list[torch.Tensor]:  # Nesterov's look-ahead, or the buffer
-            g, b = [grads[i] for i in idx], [bufs[i] for i in idx]
-            return list(torch._foreach_lerp(g, b, mu)) if group["nesterov"] else b
+        def write(idx: list[int], outs: Sequence[torch.Tensor]) -> None:
+            write_updates(outs, [grads[i] for i in idx], [bufs[i] for i in idx], mu,
+                          group["nesterov"])
 
         def apply(idx: list[int], ortho: Sequence[torch.Tensor]) -> None:
             scale = _adjust_lr(lr, group["adjust_lr_fn"], params[idx[0]].shape)
             torch._foreach_add_([locals_[i] for i in idx], list(ortho), alpha=-scale)
 
         for idx in plan.batches:  # whole matrices: one bounded batch of one shape at a time
-            apply(idx, self._ns(update(idx), group, [list(range(len(idx)))]))
-        if plan.sharded:
-            out = self._orthogonalise_sharded(params, update, group, plan)
-            for idx in plan.by_shape:
-                idx = [i for i in idx if out[i] is not None]
-                if idx:
-                    apply(idx, [out[i] for i in idx])
+            if self.ns_mode == "per_matrix":  # torch's function on each update, as torch's Muon
+                g, b = [grads[i] for i in idx], [bufs[i] for i in idx]
+                ups = list(torch._foreach_lerp(g, b, mu)) if group["nesterov"] else b
+                apply(idx, orthogonalise(ups, group["ns_coefficients"], group["ns_steps"],
+                                         group["eps"], "per_matrix"))
+                continue
+            stack = torch.empty((len(idx), *params[idx[0]].shape), dtype=torch.bfloat16,
+                                device=locals_[idx[0]].device)
+            write(idx, stack.unbind(0))
+            apply(idx, self._ns(stack, group).unbind(0))
+            del stack  # the batch's bytes are free before the next one's
+        for pg, chunks in plan.sharded.items():  # bounded chunks: one exchange each way
+            for idx in chunks:  # applied before the next chunk: its rows are freed
+                rows = orthogonalise_sharded(
+                    [params[i].shape for i in idx], [grads[i] for i in idx],
+                    lambda order, outs, idx=idx: write([idx[j] for j in order], outs),
+                    pg, lambda stack: self._ns(stack, group), self.stats)
+                for same in shape_groups([params[i].shape for i in idx]):
+                    apply([idx[j] for j in same], [rows[j] for j in same])
+                del rows
 
     def _plan(self, params: list) -> _Plan:
         """Which of ``params`` are whole or sharded, grouped by shape; cached for the last
@@ -280,31 +301,29 @@ class MuonAdamW(torch.optim.Optimizer):
                 per = max(1, self.ns_batch_numel // max(1, params[whole[same[0]]].numel()))
                 batches += [[whole[j] for j in same[k: k + per]]
                             for k in range(0, len(same), per)]
-            self._plan_value = _Plan(whole, batches, sharded,
-                                     shape_groups([p.shape for p in params]))
+            self._plan_value = _Plan(whole, batches, sharded)
         return self._plan_value
 
-    def _ns(self, mats: Sequence[torch.Tensor], group: dict,
-            groups: list[list[int]] | None = None) -> list[torch.Tensor]:
-        """Newton-Schulz of ``mats`` (``ns_mode``; ``groups``: which share a batch)."""
-        return orthogonalise(mats, group["ns_coefficients"], group["ns_steps"], group["eps"],
-                             self.ns_mode, groups)
+    def _ns(self, stack: torch.Tensor, group: dict) -> torch.Tensor:
+        """Newton-Schulz of a bf16 stack of one shape, which it consumes (``ns_mode``)."""
+        coefficients, steps, eps = group["ns_coefficients"], group["ns_steps"], group["eps"]
+        if self.ns_mode == "batched":
+            return newton_schulz_(stack, coefficients, steps, eps)
+        return torch.stack(orthogonalise(stack.unbind(0), coefficients, steps, eps,
+                                         self.ns_mode))
 
-    def _orthogonalise_sharded(self, params: list, update, group: dict, plan: _Plan) -> list:
-        """Newton-Schulz of the row-sharded matrices (``update(indices)``: their updates),
-        each whole on one owner; each rank gets its rows back (None for the others)."""
-        def ns(mats: Sequence[torch.Tensor],
-               groups: list[list[int]] | None = None) -> list[torch.Tensor]:
-            return self._ns(mats, group, groups)
 
-        out: list = [None] * len(params)
-        for group_pg, chunks in plan.sharded.items():
-            for idx in chunks:  # bounded chunks: one all-to-all there and back each
-                results = orthogonalise_sharded([params[i].shape for i in idx], update(idx),
-                                                group_pg, ns, self.stats)
-                for i, r in zip(idx, results):
-                    out[i] = r
-        return out
+def write_updates(outs: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
+                  bufs: Sequence[torch.Tensor], momentum: float, nesterov: bool) -> None:
+    """Muon's update of each matrix into ``outs`` (bf16, what Newton-Schulz computes in):
+    Nesterov's look-ahead ``grad.lerp(buf, momentum)``, or the momentum buffer. The update
+    is computed as torch does (in its dtype) and rounded once as it is stored: the same bits
+    as forming it and then casting, without a copy of it in full precision."""
+    if nesterov:
+        for o, g, b in zip(outs, grads, bufs):
+            torch.lerp(g, b, momentum, out=o)
+    else:
+        torch._foreach_copy_(list(outs), list(bufs))
 
 
 def row_sharding(p: torch.Tensor):
@@ -344,15 +363,19 @@ def owners(shapes: list[torch.Size], parts: int) -> list[int]:
     return own
 
 
-def orthogonalise_sharded(shapes: list[torch.Size], local: list[torch.Tensor], group,
-                          ns: Callable[[list[torch.Tensor]], list[torch.Tensor]],
+def orthogonalise_sharded(shapes: list[torch.Size], local: list[torch.Tensor],
+                          write: Callable[[list[int], list[torch.Tensor]], None], group,
+                          ns: Callable[[torch.Tensor], torch.Tensor],
                           stats: CommStats) -> list[torch.Tensor]:
     """Orthogonalise row-sharded matrices whole: each on one owner rank of ``group``.
 
-    ``local[i]`` are this rank's rows of a matrix of ``shapes[i]``. One all-to-all sends every
-    owner the rows of its matrices (as bf16, the dtype the orthogonalisation computes in), the
-    owner runs ``ns`` on the list of its whole matrices (one batched call per shape in
-    :class:`MuonAdamW`'s default mode), and a second all-to-all returns each rank its rows.
+    ``local[i]`` has this rank's rows of a matrix of ``shapes[i]`` (its gradient: shape and
+    device); ``write(indices, outs)`` writes the updates of those matrices' rows into ``outs``
+    (bf16, the dtype the orthogonalisation computes in), here straight into the send buffer.
+    One all-to-all sends every owner the rows of its matrices, the owner copies them into one
+    stack per shape and runs ``ns`` on each (which may consume the stack), and a second
+    all-to-all returns each rank its rows. Each buffer is dropped once the next is made, so at
+    most two of the chunk's size are live besides the Newton-Schulz workspace.
     """
     n, me = group_size(group), group_rank(group)
     rows = [chunk_rows(s[0], n) for s in shapes]
@@ -367,35 +390,56 @@ def orthogonalise_sharded(shapes: list[torch.Size], local: list[torch.Tensor], g
     def size(r: int, owner: int) -> int:  # elements rank r holds of owner's matrices
         return sum(rows[i][r] * shapes[i][1] for i in range(len(shapes)) if own[i] == owner)
 
+    def views(flat: torch.Tensor, idx: list[int], r: int) -> list[torch.Tensor]:
+        """``flat`` cut into rank ``r``'s rows of matrices ``idx``, in order."""
+        parts = flat.split([rows[i][r] * shapes[i][1] for i in idx])
+        return [p.view(rows[i][r], shapes[i][1]) for i, p in zip(idx, parts)]
+
     to_owner = [size(me, o) for o in range(n)]
     from_ranks = [size(r, me) for r in range(n)]
     device = local[0].device
     order = sorted(range(len(shapes)), key=lambda i: own[i])  # grouped by owner, stable
-    send = torch.cat([local[i].reshape(-1).to(torch.bfloat16) for i in order])
+    send = torch.empty(sum(to_owner), dtype=torch.bfloat16, device=device)
+    write(order, views(send, order, me))
     recv = torch.empty(sum(from_ranks), dtype=torch.bfloat16, device=device)
     t0 = time.perf_counter()
     all_to_all(recv, send, from_ranks, to_owner, group)
     seconds = time.perf_counter() - t0
+    del send
     # recv: for each source rank, its rows of each of my matrices, in matrix order
-    pieces = list(recv.split(from_ranks))
-    whole: dict[int, list[torch.Tensor]] = {}
-    for r in range(n):
-        parts = pieces[r].split([rows[i][r] * shapes[i][1] for i in mine])
-        for i, part in zip(mine, parts):
-            whole.setdefault(i, []).append(part.view(rows[i][r], shapes[i][1]))
-    done = {i: r.to(torch.bfloat16) for i, r in zip(mine, ns([torch.cat(whole[i]) for i in mine]))}
-    back = torch.cat([done[i][sum(rows[i][:r]):sum(rows[i][:r + 1])].reshape(-1)
-                      for r in range(n) for i in mine]) if mine else recv.new_empty(0)
+    groups = [[mine[j] for j in g] for g in shape_groups([shapes[i] for i in mine])]
+    stacks = [torch.empty((len(g), *shapes[g[0]]), dtype=torch.bfloat16, device=device)
+              for g in groups]
+    dest = {i: stack[j] for g, stack in zip(groups, stacks) for j, i in enumerate(g)}
+    starts = [[sum(rows[i][:r]) for r in range(n)] for i in range(len(shapes))]
+
+    def rows_of(r: int, i: int, whole: torch.Tensor) -> torch.Tensor:  # rank r's rows of i
+        return whole[starts[i][r]:starts[i][r] + rows[i][r]]
+
+    pieces = recv.split(from_ranks)
+    if mine:
+        torch._foreach_copy_([rows_of(r, i, dest[i]) for r in range(n) for i in mine],
+                             [v for r in range(n) for v in views(pieces[r], mine, r)])
+    del recv, pieces, dest
+    done: dict[int, torch.Tensor] = {}
+    for g in groups:  # each stack handed over: ns may work in its storage
+        for i, r in zip(g, ns(stacks.pop(0)).unbind(0)):
+            done[i] = r
+    back = torch.empty(sum(from_ranks), dtype=torch.bfloat16, device=device)
+    if mine:
+        torch._foreach_copy_([v for r, part in enumerate(back.split(from_ranks))
+                              for v in views(part, mine, r)],
+                             [rows_of(r, i, done[i]) for r in range(n) for i in mine])
+    del done
     result = torch.empty(sum(to_owner), dtype=torch.bfloat16, device=device)
     t0 = time.perf_counter()
     all_to_all(result, back, to_owner, from_ranks, group)
     seconds += time.perf_counter() - t0
+    del back
     # bf16 (2 bytes) leaving and reaching this rank in both all-to-alls, not counting its own
-    sent = 2 * (send.numel() - to_owner[me] + back.numel() - from_ranks[me])
-    received = 2 * (recv.numel() - from_ranks[me] + result.numel() - to_owner[me])
-    stats.record(sent, received, seconds, collectives=2)
+    sent = 2 * (sum(to_owner) - to_owner[me] + sum(from_ranks) - from_ranks[me])
+    stats.record(sent, sent, seconds, collectives=2)
     out: list = [None] * len(shapes)
-    chunks = result.split([rows[i][me] * shapes[i][1] for i in order])
-    for i, c in zip(order, chunks):
-        out[i] = c.view(rows[i][me], shapes[i][1])
+    for i, v in zip(order, views(result, order, me)):
+        out[i] = v
     return out

@@ -14,15 +14,17 @@ transposed shape: made contiguous, its product rounds differently (one bf16 step
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
 
 # how MuonAdamW orthogonalises its matrices: one batched call per shape, or torch's per matrix
 NS_MODES = ("batched", "per_matrix")
-#: the most entries in one batch of whole matrices (16 MiB in fp32): bounds the step's
-#: transient memory (MuonAdamW's ``ns_batch_numel``)
+#: the least entries the default bound on a batch of whole matrices allows on CUDA (16 MiB in
+#: fp32; MuonAdamW's ``ns_batch_numel``), and off CUDA (:data:`NS_BATCH_MIN`)
 NS_BATCH_NUMEL = 1 << 22
+NS_BATCH_MIN = 1 << 20
 
 Coefficients = tuple[float, float, float]
 
@@ -31,23 +33,59 @@ def newton_schulz(x: torch.Tensor, coefficients: Coefficients, steps: int,
                   eps: float) -> torch.Tensor:
     """Orthogonalise each matrix of ``x`` (``n x rows x cols``); bf16, shape of ``x``.
 
-    The result of a tall stack (``rows > cols``) is a transposed view, as torch's is."""
+    The result of a tall stack (``rows > cols``) is a transposed view, as torch's is. ``x``
+    is left as it is (:func:`newton_schulz_` works in a contiguous bf16 copy)."""
+    _check(x, steps)
+    return newton_schulz_(torch.empty(x.shape, dtype=torch.bfloat16, device=x.device).copy_(x),
+                          coefficients, steps, eps)
+
+
+def newton_schulz_(x: torch.Tensor, coefficients: Coefficients, steps: int,
+                   eps: float) -> torch.Tensor:
+    """:func:`newton_schulz` of a contiguous bf16 stack ``x``, which it overwrites.
+
+    The iterations write into ``x``'s storage and one buffer of its size, plus the two
+    ``n x r x r`` products (``r``: the shorter side), one of them in the spare buffer when
+    the matrices are square: the same kernels and layouts as allocating each result, so the
+    same bits, in 3 stacks' bytes (square) or 2 plus the products. The result lives in one of
+    the two buffers."""
+    _check(x, steps)
+    if x.dtype != torch.bfloat16 or not x.is_contiguous():
+        raise ValueError("newton_schulz_ takes a contiguous bf16 stack (it works in place)")
+    a, b, c = coefficients
+    n, rows, cols = x.shape
+    tall = rows > cols
+    y = x.mT if tall else x
+    r, k = y.shape[1:]
+    y.div_(y.norm(dim=(1, 2), keepdim=True).clamp(min=eps))  # spectral norm <= 1
+    if not steps:
+        return x
+    buffers = (x.view(n, r, k), torch.empty_like(x).view(n, r, k))  # contiguous
+    poly = x.new_empty(n, r, r)
+    gram = None if r == k else x.new_empty(n, r, r)
+    for step in range(steps):
+        spare = buffers[(step + 1) % 2]  # the buffer y is not in
+        g = torch.bmm(y, y.mT, out=spare if gram is None else gram)
+        torch.baddbmm(g, g, g, beta=b, alpha=c, out=poly)
+        y = torch.baddbmm(y, poly, y, beta=a, out=spare)  # square: over the spent gram
+    return y.mT if tall else y
+
+
+def _check(x: torch.Tensor, steps: int) -> None:
     if x.ndim != 3:
         raise ValueError(f"newton_schulz takes a stack of matrices (n, rows, cols), got shape "
                          f"{tuple(x.shape)}")
     if steps >= 100:
         raise ValueError(f"ns_steps must be below 100 (torch's limit), got {steps}")
-    a, b, c = coefficients
-    y = x.bfloat16()
-    tall = x.size(1) > x.size(2)
-    if tall:
-        y = y.mT
-    y = y / y.norm(dim=(1, 2), keepdim=True).clamp(min=eps)  # spectral norm <= 1
-    for _ in range(steps):
-        gram = torch.bmm(y, y.mT)
-        poly = torch.baddbmm(gram, gram, gram, beta=b, alpha=c)
-        y = torch.baddbmm(y, poly, y, beta=a)
-    return y.mT if tall else y
+
+
+def default_batch_numel(shapes: Sequence[Sequence[int]], device: torch.device) -> int:
+    """MuonAdamW's default ``ns_batch_numel``: the entries of the largest matrix, at least
+    :data:`NS_BATCH_MIN` (:data:`NS_BATCH_NUMEL` on CUDA). A batch's buffers (at most 4 bf16
+    copies of it, 3 when square) are then about what the largest matrix needs alone, and
+    small matrices still share a call."""
+    floor = NS_BATCH_NUMEL if torch.device(device).type == "cuda" else NS_BATCH_MIN
+    return max([floor] + [math.prod(s) for s in shapes])
 
 
 def shape_groups(shapes: Sequence[Sequence[int]]) -> list[list[int]]:
@@ -81,7 +119,7 @@ def orthogonalise(mats: Sequence[torch.Tensor], coefficients: Coefficients, step
         raise ValueError(f"ns_mode must be one of {NS_MODES}, got {mode!r}")
     out: list = [None] * len(mats)
     for idx in groups if groups is not None else shape_groups([m.shape for m in mats]):
-        done = newton_schulz(stack_bf16([mats[i] for i in idx]), coefficients, steps, eps)
+        done = newton_schulz_(stack_bf16([mats[i] for i in idx]), coefficients, steps, eps)
         for i, r in zip(idx, done.unbind(0)):
             out[i] = r
     return out

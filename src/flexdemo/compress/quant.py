@@ -91,6 +91,11 @@ class ValueCodec:
             buf = self._buf = torch.empty(numel, dtype=torch.float32, device=device)
         return buf[:numel]
 
+    def release(self) -> None:
+        """Drop the :meth:`workspace` buffer (the next call makes a new one): for a codec
+        used rarely, such as a DiLoCo sync's, so that it is not held between uses."""
+        self._buf = None
+
     def max_error(self, x: torch.Tensor) -> torch.Tensor:
         """The documented bound on ``|x - decode(encode(x))|`` per value of ``x``."""
         raise NotImplementedError

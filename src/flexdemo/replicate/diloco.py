@@ -343,6 +343,9 @@ class DiLoCoReplicator(Replicator):
             handle, sync.handle = sync.handle, None
             try:
                 sync.result = ex.finish(handle)
+                release = getattr(ex, "release_workspace", None)
+                if release is not None:  # not held until the next sync, H steps away
+                    release()
             except NonFiniteGradientError as e:
                 sync.failed = e.ranks or []
                 raise

@@ -259,6 +259,11 @@ class FullReplicator(Replicator):
     def finish(self, pending):
         return self._finish(pending)
 
+    def release_workspace(self) -> None:
+        """Drop the codec's reused buffer until the next exchange (DiLoCo calls it after each
+        sync: a buffer kept for an exchange every H steps would be held between them)."""
+        self.codec.release()
+
     def replicate(self, grads, lrs, step, communicate):
         return self._finish(self._start(grads, step, communicate))
 

@@ -263,9 +263,12 @@ class MuonAdamW(torch.optim.Optimizer):
             del stack  # the batch's bytes are free before the next one's
         for pg, chunks in plan.sharded.items():  # bounded chunks: one exchange each way
             for idx in chunks:  # applied before the next chunk: its rows are freed
+                def write_chunk(order: list[int], outs: Sequence[torch.Tensor],
+                                idx: list[int] = idx) -> None:
+                    write([idx[j] for j in order], outs)
+
                 rows = orthogonalise_sharded(
-                    [params[i].shape for i in idx], [grads[i] for i in idx],
-                    lambda order, outs, idx=idx: write([idx[j] for j in order], outs),
+                    [params[i].shape for i in idx], [grads[i] for i in idx], write_chunk,
                     pg, lambda stack: self._ns(stack, group), self.stats)
                 for same in shape_groups([params[i].shape for i in idx]):
                     apply([idx[j] for j in same], [rows[j] for j in same])

@@ -86,9 +86,10 @@ class ValueCodec:
         """A reused fp32 buffer of ``numel`` entries on ``device`` (the codec's own, grown on
         demand: a fresh model-sized buffer page-faults on every call on a CPU); encoding with
         an int format uses it too, so a decode into it must follow the encode."""
-        buf = getattr(self, "_buf", None)
+        buf: torch.Tensor | None = getattr(self, "_buf", None)
         if buf is None or buf.numel() < numel or buf.device != torch.device(device):
-            buf = self._buf = torch.empty(numel, dtype=torch.float32, device=device)
+            buf = torch.empty(numel, dtype=torch.float32, device=device)
+            self._buf: torch.Tensor | None = buf
         return buf[:numel]
 
     def release(self) -> None:

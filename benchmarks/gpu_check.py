@@ -238,8 +238,8 @@ def check_app(precision: str, device: str = "cuda"):
     def check(rank, steps):
         import json
 
-        from flexdemo.app.config_files import load_config
-        from flexdemo.app.trainer import Trainer
+        from flexdemo.app.config.files import load_config
+        from flexdemo.app.train.trainer import Trainer
 
         with tempfile.TemporaryDirectory() as tmp:
             cfg_path = Path(tmp) / "gpt.toml"

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 import flexdemo.tools.netns as netns
-from flexdemo.app.bench import (
+from flexdemo.app.bench.report import comparison_lines, format_table
+from flexdemo.app.bench.run import (
     PRESETS,
     STRATEGIES,
     BenchError,
@@ -18,9 +19,8 @@ from flexdemo.app.bench import (
     run_bench,
     run_config,
 )
-from flexdemo.app.bench_report import comparison_lines, format_table
-from flexdemo.app.config import ConfigError
-from flexdemo.app.config_checks import config_from_dict, validate
+from flexdemo.app.config.checks import config_from_dict, validate
+from flexdemo.app.config.schema import ConfigError
 
 pytest.importorskip("matplotlib", reason="the bench's plots need matplotlib")
 
@@ -159,7 +159,7 @@ def test_step_time_says_slower_when_slower():
 
 
 def test_plots_from_results(tmp_path):
-    from flexdemo.app.plots import plot_all
+    from flexdemo.app.bench.plots import plot_all
 
     paths = plot_all(_fake_results(), tmp_path)
     assert [p.name for p in paths] == ["loss_vs_time.png", "loss_vs_bytes.png",
@@ -202,7 +202,7 @@ def test_tiny_sweep_without_root_falls_back_to_loopback(tmp_path, monkeypatch, c
 @pytest.mark.multiprocess
 def test_root_without_network_namespaces_falls_back(tmp_path, monkeypatch, capsys):
     """Root, but namespaces cannot be made (a container): the same fallback, with the reason."""
-    import flexdemo.app.bench as bench
+    import flexdemo.app.bench.run as bench
 
     enter = bench.EmulatedCluster.__enter__
 

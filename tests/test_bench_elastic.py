@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from flexdemo.app.bench import BenchError, bench_options
+from flexdemo.app.bench.run import BenchError, bench_options
 
 pytest.importorskip("torchft", reason="the elastic preset runs on torchft (pip install "
                                       "'flexdemo[ft]')")

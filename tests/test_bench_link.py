@@ -1,5 +1,5 @@
-"""Links that change during a bench run (flexdemo.app.bench_link), the time to a target loss
-(flexdemo.app.bench_report), and the bench's "auto" preset options."""
+"""Links that change during a bench run (flexdemo.app.bench.link), the time to a target loss
+(flexdemo.app.bench.report), and the bench's "auto" preset options."""
 
 import json
 import math
@@ -8,14 +8,14 @@ import threading
 import pytest
 from test_cluster import netns  # noqa: F401  (the fixture: skips without namespaces)
 
-from flexdemo.app.bench import BenchError, bench_options, run_bench
-from flexdemo.app.bench_link import StepWatch, dir_label, parse_link
-from flexdemo.app.bench_report import (
+from flexdemo.app.bench.link import StepWatch, dir_label, parse_link
+from flexdemo.app.bench.report import (
     default_target,
     retune_cost_lines,
     time_to_target,
     time_to_target_lines,
 )
+from flexdemo.app.bench.run import BenchError, bench_options, run_bench
 
 
 def test_parse_link():

@@ -11,11 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from flexdemo.app.bench import BenchError, bench_options, run_config
+from flexdemo.app.bench.run import BenchError, bench_options, run_config
 from flexdemo.app.cli import main
-from flexdemo.app.config import ConfigError
-from flexdemo.app.config_checks import config_from_dict, resolve, validate
-from flexdemo.app.config_files import load_config
+from flexdemo.app.config.checks import config_from_dict, resolve, validate
+from flexdemo.app.config.files import load_config
+from flexdemo.app.config.schema import ConfigError
 from flexdemo.app.outputs import strict_json
 from flexdemo.replicate import DeMoReplicator
 
@@ -52,7 +52,7 @@ def strict_load(path: Path):
     ("streaming-diloco:inner_steps=6", "sets fragments=4"),
 ])
 def test_simulate_bad_strategy_settings_are_one_line(capsys, monkeypatch, strategy, needle):
-    import flexdemo.app.simulate as simulate
+    import flexdemo.app.simulate.run as simulate
 
     def never(*args, **kwargs):
         raise AssertionError("replicas were built for a strategy that cannot work")
@@ -81,7 +81,7 @@ def test_simulate_too_little_text_is_one_line(capsys):
 
 
 def test_simulate_summary_is_strict_json(tmp_path, capsys, monkeypatch):
-    import flexdemo.app.simulate as simulate
+    import flexdemo.app.simulate.run as simulate
 
     monkeypatch.setattr(simulate, "val_loss", lambda *args, **kwargs: float("nan"))
     out = tmp_path / "sim.json"

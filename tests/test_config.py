@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 
 from flexdemo.app.cli import main
-from flexdemo.app.config import Config, ConfigError
-from flexdemo.app.config_checks import config_from_dict, validate
-from flexdemo.app.config_files import apply_overrides, load_config, parse_override, to_toml
+from flexdemo.app.config.checks import config_from_dict, validate
+from flexdemo.app.config.files import apply_overrides, load_config, parse_override, to_toml
+from flexdemo.app.config.schema import Config, ConfigError
 from flexdemo.app.tasks import GPTTaskConfig, TaskConfig
 from flexdemo.app.tasks.base import must
 
@@ -367,7 +367,7 @@ def test_the_executable_skips_finalisation_only_after_a_multi_rank_run(monkeypat
     """After a finished multi-rank ``train`` the executable leaves through ``os._exit`` with the
     run's code (no interpreter finalisation to abort in); a one-process run exits normally."""
     import flexdemo.app.cli as cli
-    import flexdemo.app.cli_train as cli_train
+    import flexdemo.app.train.cli as cli_train
 
     monkeypatch.setattr(cli_train, "LEAVE_AT_ONCE", cli_train.threading.Event())
     monkeypatch.setattr(cli_train, "train", lambda cfg, exit_on_lost_peer, handle_signals: {})
@@ -399,7 +399,7 @@ def test_fault_tolerance_section_maps_to_the_library(monkeypatch, tmp_path):
     and missing settings are one line naming the key."""
     pytest.importorskip("torchft")
     from flexdemo import FaultTolerance
-    from flexdemo.app.config_checks import fault_tolerance
+    from flexdemo.app.config.checks import fault_tolerance
 
     for name in ("TORCHFT_LIGHTHOUSE", "FLEXDEMO_REPLICA_ID", "REPLICA_GROUP_ID",
                  "FLEXDEMO_FT_HOSTNAME"):
@@ -476,7 +476,7 @@ def test_each_task_owns_its_keys(tmp_path):
     """A [task] key that only another task reads is one line naming this task's keys; an
     override that switches the task drops the file's keys of the old one; the resolved
     config writes the task's own keys only (and reads back equal)."""
-    from flexdemo.app.config_files import config_to_dict
+    from flexdemo.app.config.files import config_to_dict
 
     root = Path(__file__).parent.parent
     text = error_of({"task": {"name": "gpt", "patch": 2}})

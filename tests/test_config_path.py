@@ -10,16 +10,17 @@ import inspect
 
 import pytest
 
-from flexdemo.app import config_checks, config_files
-from flexdemo.app.config import Config, ConfigError, FaultToleranceConfig, TrainConfig
-from flexdemo.app.config_checks import (
+from flexdemo.app.config import checks as config_checks
+from flexdemo.app.config import files as config_files
+from flexdemo.app.config.checks import (
     Environment,
     config_from_dict,
     read_environment,
     resolve,
     validate,
 )
-from flexdemo.app.config_files import load_config, to_toml
+from flexdemo.app.config.files import load_config, to_toml
+from flexdemo.app.config.schema import Config, ConfigError, FaultToleranceConfig, TrainConfig
 from flexdemo.ft.config import FaultToleranceSettings
 
 ENV_NAMES = ("RANK", "WORLD_SIZE", "TORCHFT_LIGHTHOUSE", "FLEXDEMO_REPLICA_ID",
@@ -162,7 +163,7 @@ def test_unset_is_none_and_a_files_empty_or_zero_still_means_unset(clean_env):
 
 def test_fault_tolerance_passes_the_settings_unchanged(clean_env):
     pytest.importorskip("torchft")
-    from flexdemo.app.config_checks import fault_tolerance
+    from flexdemo.app.config.checks import fault_tolerance
 
     cfg = load_config(None, ["fault_tolerance.enabled=true", "fault_tolerance.lighthouse=h:1",
                              "fault_tolerance.replica_id=A", "fault_tolerance.timeout=20",

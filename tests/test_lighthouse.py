@@ -22,7 +22,7 @@ from test_elastic import (
     procs,  # noqa: F401 - the fixture
 )
 
-from flexdemo.app.preempt import PREEMPTED_EXIT_CODE
+from flexdemo.app.train.preempt import PREEMPTED_EXIT_CODE
 from flexdemo.checkpoint import check_checkpoint
 
 pytest.importorskip("torchft")

@@ -15,9 +15,9 @@ import pytest
 from dist_util import reap, run_world, spawn_ranks
 from test_train import GPT_QUICK, _train_worker, _wait_for_metrics, metrics
 
-from flexdemo.app.config_files import load_config
-from flexdemo.app.preempt import PREEMPTED_EXIT_CODE
-from flexdemo.app.trainer import train
+from flexdemo.app.config.files import load_config
+from flexdemo.app.train.preempt import PREEMPTED_EXIT_CODE
+from flexdemo.app.train.trainer import train
 from flexdemo.checkpoint import MARKER_FILE
 
 ROOT = Path(__file__).parent.parent

@@ -16,8 +16,8 @@ import pytest
 from dist_util import reap, spawn_ranks
 
 from flexdemo.app.cli import main
-from flexdemo.app.config_files import load_config
-from flexdemo.app.trainer import train
+from flexdemo.app.config.files import load_config
+from flexdemo.app.train.trainer import train
 from flexdemo.tools.ranks import free_port
 
 ROOT = Path(__file__).parent.parent

@@ -1,4 +1,4 @@
-"""The trainer (flexdemo.app.trainer) and its schedule: a short run per task, checkpoints and
+"""The trainer (flexdemo.app.train.trainer) and its schedule: a short run per task, checkpoints and
 resume, FLEXDEMO_TIMEOUT, storage faults, and ranks killed mid-run."""
 
 from __future__ import annotations
@@ -18,10 +18,10 @@ import torch
 import torch.distributed as dist
 from dist_util import reap, run_world, spawn_ranks
 
-from flexdemo.app.config_files import load_config
+from flexdemo.app.config.files import load_config
 from flexdemo.app.tasks import have_transformers
-from flexdemo.app.trainer import TrainingError, UsageError, lr_at, train
-from flexdemo.app.trainer_setup import timeout_seconds
+from flexdemo.app.train.setup import timeout_seconds
+from flexdemo.app.train.trainer import TrainingError, UsageError, lr_at, train
 from flexdemo.tools.ranks import free_port
 
 ROOT = Path(__file__).parent.parent
@@ -257,7 +257,7 @@ class _FakeEvents:
 def test_a_crash_right_after_a_checkpoint_loses_no_metrics_line(tmp_path, single_process,
                                                                  monkeypatch):
     import flexdemo.app.outputs as outputs
-    import flexdemo.app.trainer_setup as trainer
+    import flexdemo.app.train.setup as trainer
 
     monkeypatch.setattr(outputs, "summary_writer", lambda: _FakeEvents)
     real_save = trainer.save_checkpoint
@@ -299,7 +299,7 @@ def test_full_disk_during_a_save_then_resume_from_the_previous_checkpoint(
         tmp_path, single_process, monkeypatch):
     import torch.distributed.checkpoint.filesystem as dcp_filesystem
 
-    import flexdemo.app.trainer_setup as trainer
+    import flexdemo.app.train.setup as trainer
 
     out = tmp_path / "run"
     base = GPT_QUICK + ["train.steps=6", "train.checkpoint_every=2", "train.progress=false",
@@ -488,7 +488,7 @@ def test_heartbeat_verdict_is_shared_and_reaches_a_rank_blocked_in_a_collective(
     """Four ranks' heartbeats over one store: rank 2 dies; rank 3 noticed the failure first
     and left (its heartbeat stopped, but it is not lost); rank 0 diagnoses; rank 1, blocked in
     a collective, learns the verdict from its heartbeat thread."""
-    from flexdemo.app.liveness import Heartbeat
+    from flexdemo.app.train.liveness import Heartbeat
 
     port = free_port()
     server = dist.TCPStore("127.0.0.1", port, 4, is_master=True, wait_for_workers=False)
@@ -548,7 +548,7 @@ def _local_tensors(model) -> list:
 def _bf16_worker(rank: int, world: int, path: str, overrides: list[str]) -> dict:
     import torch
 
-    from flexdemo.app.trainer import Trainer
+    from flexdemo.app.train.trainer import Trainer
 
     lines: list[str] = []
     trainer = Trainer(load_config(path, overrides), echo=lines.append)
@@ -583,7 +583,7 @@ def _default_mesh_worker(rank: int, world: int, path: str, overrides: list[str],
                          example_args: list[str], none_out: str) -> dict:
     import importlib.util
 
-    from flexdemo.app.trainer import Trainer
+    from flexdemo.app.train.trainer import Trainer
 
     lines: list[str] = []
     summary = Trainer(load_config(path, overrides), echo=lines.append).run()
@@ -629,7 +629,7 @@ def test_losses_read_in_windows_give_the_same_metrics(tmp_path, single_process):
     """The CUDA loop reads losses once every log_every steps instead of after each step;
     run on the CPU with that window (3, with evaluations and checkpoints in between), the
     metrics lines are those of the per-step loop: every step once, in order, same losses."""
-    from flexdemo.app.trainer import Trainer
+    from flexdemo.app.train.trainer import Trainer
 
     runs = {}
     for every in (1, 3):

@@ -1,7 +1,7 @@
 """Heartbeats in the rendezvous store, to tell a dead peer from a slow one: a daemon thread
 bumps this rank's counter every :data:`BEAT_SECONDS`, and a peer whose counter stopped
 moving for :data:`STALE_SECONDS` died. The join (:mod:`flexdemo.join`) and ``flexdemo
-train``'s set-up (:mod:`flexdemo.app.liveness`) both use them."""
+train``'s set-up (:mod:`flexdemo.app.train.liveness`) both use them."""
 
 from __future__ import annotations
 

@@ -1,11 +1,11 @@
 """Command line: ``flexdemo train|bench|cluster|simulate|checkpoint ...`` (also
 ``python -m flexdemo ...``).
 
-A thin user of the library: ``train`` reads a config and calls :func:`flexdemo.app.trainer.train`,
-``bench`` calls :func:`flexdemo.app.bench.run_bench`, ``cluster`` runs
-:class:`flexdemo.tools.cluster.EmulatedCluster`. Each command (its sub-parser and handler) is a
-module of its own: ``cli_cluster``, ``cli_train``, ``cli_bench``, ``cli_simulate``; this one
-puts the parser together and runs it.
+A thin user of the library: ``train`` reads a config and calls
+:func:`flexdemo.app.train.trainer.train`, ``bench`` calls :func:`flexdemo.app.bench.run.run_bench`,
+``cluster`` runs :class:`flexdemo.tools.cluster.EmulatedCluster`. Each command (its sub-parser
+and handler) is a module of its own: ``train.cli``, ``bench.cli``, ``simulate.cli``, ``cluster``
+and ``checkpoints``; this one puts the parser together and runs it.
 """
 
 from __future__ import annotations
@@ -17,12 +17,12 @@ import sys
 from collections.abc import Sequence
 
 from ..ft.lighthouse import add_parser as add_lighthouse_parser
-from . import cli_train
+from .bench.cli import add_bench_parser
 from .checkpoints import add_checkpoint_parser
-from .cli_bench import add_bench_parser
-from .cli_cluster import add_cluster_parser
-from .cli_simulate import add_simulate_parser
-from .cli_train import add_train_parser, cmd_train
+from .cluster import add_cluster_parser
+from .simulate.cli import add_simulate_parser
+from .train import cli as train_cli
+from .train.cli import add_train_parser, cmd_train
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -93,7 +93,7 @@ def entry() -> None:
     finished run into a failed exit code.
     """
     code = main()
-    if cli_train.LEAVE_AT_ONCE.is_set():
+    if train_cli.LEAVE_AT_ONCE.is_set():
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)

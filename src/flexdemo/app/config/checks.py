@@ -1,9 +1,9 @@
-"""Checking a configuration, in three steps that :func:`~flexdemo.app.config_files.load_config`
+"""Checking a configuration, in three steps that :func:`~flexdemo.app.config.files.load_config`
 runs in order: :func:`config_from_dict` builds the sections from raw data (names and types),
 :func:`resolve` fills in what the file left open (the environment's values, read once by
 :func:`read_environment`, and the warm-up cut to the run: the config's one clamp), and
 :func:`validate` checks ranges and choices without changing or printing anything. Errors are
-one-line :class:`~flexdemo.app.config.ConfigError` messages that name the key and, for a
+one-line :class:`~flexdemo.app.config.schema.ConfigError` messages that name the key and, for a
 misspelt key, the closest valid one. :func:`fault_tolerance` builds the library's
 :class:`flexdemo.FaultTolerance` from ``[fault_tolerance]``, the only place that does."""
 
@@ -22,17 +22,19 @@ from urllib.parse import urlsplit
 
 import torch
 
-from ..ft.config import (
+from ...ft.config import (
     HOSTNAME_ENV,
     LIGHTHOUSE_ENV,
     REPLICA_ID_ENVS,
     FaultTolerance,
     FaultToleranceSettings,
 )
-from ..mesh import mesh_shape
-from ..optim import make_base_optimizer
-from ..replicate import make_replicator
-from .config import (
+from ...mesh import mesh_shape
+from ...optim import make_base_optimizer
+from ...replicate import make_replicator
+from ..device import check_device
+from ..tasks import TASKS, TaskConfig, task_options, task_presets
+from .schema import (
     SECTIONS,
     TOP_LEVEL,
     Config,
@@ -42,8 +44,6 @@ from .config import (
     StrategyConfig,
     choices,
 )
-from .device import check_device
-from .tasks import TASKS, TaskConfig, task_options, task_presets
 
 __all__ = ["Environment", "check_mesh", "config_from_dict", "fault_tolerance",
            "read_environment", "resolve", "validate"]
@@ -193,7 +193,7 @@ def resolve(cfg: Config, given: Mapping[str, Any] | None = None,
 
     ``given`` is the raw data ``cfg`` was built from: a ``train.warmup`` longer than
     ``train.steps`` is cut to the run (the config's one clamp, :attr:`TrainConfig.warmup_steps
-    <flexdemo.app.config.TrainConfig.warmup_steps>`), silently for the default, with a note
+    <flexdemo.app.config.schema.TrainConfig.warmup_steps>`), silently for the default, with a note
     when ``given`` sets it. ``env`` (:func:`read_environment`) fills an enabled
     ``[fault_tolerance]``'s unset lighthouse, replica id and hostname; a malformed
     ``$TORCHFT_LIGHTHOUSE`` is a :class:`ConfigError` naming it."""

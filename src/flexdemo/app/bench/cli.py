@@ -1,13 +1,14 @@
-"""``flexdemo bench``: sweep strategies x bandwidths (:func:`flexdemo.app.bench.run_bench`)."""
+"""``flexdemo bench``: sweep strategies x bandwidths (:func:`flexdemo.app.bench.run.run_bench`)."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 
-from ..strategies import STRATEGIES
-from .args import positive_float, positive_int, seconds_arg
-from .bench import (
+from ...strategies import STRATEGIES
+from ..args import positive_float, positive_int, seconds_arg
+from ..config.schema import ConfigError
+from .run import (
     DEFAULT_BANDWIDTHS,
     DEFAULT_STRATEGIES,
     PRESETS,
@@ -15,7 +16,6 @@ from .bench import (
     bench_options,
     run_bench,
 )
-from .config import ConfigError
 
 BENCH_DESCRIPTION = """\
 Sweep strategies x bandwidths on an emulated cluster (flexdemo cluster): for every pair, run

@@ -11,8 +11,8 @@ from collections.abc import Callable
 
 import torch.distributed as dist
 
-from ..heartbeat import BEAT_SECONDS, Beat, StallWatch
-from ..transport import PeerLostError
+from ...heartbeat import BEAT_SECONDS, Beat, StallWatch
+from ...transport import PeerLostError
 
 __all__ = ["COMM_ERRORS", "GLOO_MESSAGES", "Heartbeat", "is_comm_error", "short_error"]
 

@@ -1,4 +1,4 @@
-"""The steps of a :class:`~flexdemo.app.trainer.Trainer`'s set-up, each with its own
+"""The steps of a :class:`~flexdemo.app.train.trainer.Trainer`'s set-up, each with its own
 arguments: joining the process group (:func:`join_group`), checking the batch against the
 data (:func:`check_batch`), the model and the optimizer (:func:`prepare_model`, through
 :func:`flexdemo.prepare`) and the checkpointer (:func:`new_checkpointer`); and
@@ -15,22 +15,22 @@ from pathlib import Path
 
 import torch
 
-from ..checkpoint import save_checkpoint
-from ..ft.session import LighthouseUnreachableError, TorchFTVersionError
-from ..heartbeat import STALE_SECONDS
-from ..join import JoinError
-from ..mesh import init_distributed, is_timeout, timeout_from_env, timeout_note
-from ..sharding import prepare
-from ..transport import PeerLostError
+from ...checkpoint import save_checkpoint
+from ...ft.session import LighthouseUnreachableError, TorchFTVersionError
+from ...heartbeat import STALE_SECONDS
+from ...join import JoinError
+from ...mesh import init_distributed, is_timeout, timeout_from_env, timeout_note
+from ...sharding import prepare
+from ...transport import PeerLostError
+from ..config.checks import fault_tolerance
+from ..config.schema import Config, ConfigError
+from ..errors import StartupError, TrainingError, UsageError
+from ..tasks import ShardSampler, Task, build_task, task_options
 from .checkpointer import (
     Checkpointer,
     checkpoint_meta,
 )
-from .config import Config, ConfigError
-from .config_checks import fault_tolerance
-from .errors import StartupError, TrainingError, UsageError
 from .liveness import Heartbeat, is_comm_error, short_error
-from .tasks import ShardSampler, Task, build_task, task_options
 
 __all__ = ["Echo", "LostPeers", "build_task_for", "check_batch", "join_group", "new_checkpointer",
            "prepare_model", "single_replica_note", "timeout_seconds"]

@@ -31,15 +31,15 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ..ft.config import TorchFTMissingError, require_torchft
-from ..ft.lighthouse import binary as lighthouse_binary
-from ..strategies import STRATEGIES
-from ..tools.cluster import EmulatedCluster
-from ..tools.netns import ClusterError, ShapingUnavailableError
-from ..tools.ranks import OutputPump, free_port, signal_group
-from ..tools.rates import format_rate, parse_bandwidth
-from .config_files import to_toml
-from .outputs import read_metrics, strict_json
+from ...ft.config import TorchFTMissingError, require_torchft
+from ...ft.lighthouse import binary as lighthouse_binary
+from ...strategies import STRATEGIES
+from ...tools.cluster import EmulatedCluster
+from ...tools.netns import ClusterError, ShapingUnavailableError
+from ...tools.ranks import OutputPump, free_port, signal_group
+from ...tools.rates import format_rate, parse_bandwidth
+from ..config.files import to_toml
+from ..outputs import read_metrics, strict_json
 
 __all__ = ["LIGHTHOUSE_FLAGS", "elastic_problem", "run_elastic"]
 
@@ -53,7 +53,7 @@ FT_TIMEOUT = 30.0
 
 
 def elastic_problem(o: Any) -> str | None:
-    """Why options ``o`` (a :class:`~flexdemo.app.bench.BenchOptions`) cannot run the
+    """Why options ``o`` (a :class:`~flexdemo.app.bench.run.BenchOptions`) cannot run the
     elastic preset, in one line; None when they can."""
     try:
         require_torchft()
@@ -413,7 +413,7 @@ def plot_elastic(o: Any, plain: list[dict], run: dict, path: Path) -> Path:
 def run_elastic(o: Any, one_run: Callable[..., dict],
                 echo: Callable[[str], None] | None = None) -> list[dict]:
     """The elastic preset; ``one_run`` is the bench's run of one strategy as one job
-    (:func:`flexdemo.app.bench._one_run`). Returns the plain run's record and the elastic
+    (:func:`flexdemo.app.bench.run._one_run`). Returns the plain run's record and the elastic
     run's, as the bench does."""
     echo = echo or (lambda text: print(text, flush=True))
     out = Path(o.out).resolve()

@@ -5,13 +5,13 @@ replica, the configured replicator across replicas), and runs the loop: learning
 and schedule, each rank reading its own data shard, evaluation every ``eval_every`` steps,
 checkpoints every ``checkpoint_every`` steps. Its parts: :class:`TrainState` (what the loop
 carries from step to step and across a resume) and :class:`Checkpointer` (which checkpoint
-to resume from, when to save, atomic saves, pruning) in :mod:`flexdemo.app.checkpointer`, the
+to resume from, when to save, atomic saves, pruning) in :mod:`flexdemo.app.train.checkpointer`, the
 errors in :mod:`flexdemo.app.errors`, rank 0's outputs (:mod:`flexdemo.app.outputs`) and the
-heartbeats that tell which rank was lost (:mod:`flexdemo.app.liveness`). :func:`train` is the
+heartbeats that tell which rank was lost (:mod:`flexdemo.app.train.liveness`). :func:`train` is the
 thin function for callers. Run it under ``torchrun``, under ``flexdemo cluster``, or as a
 single process. The steps of the set-up (process group, task, model, checkpointer) and the
-heartbeats that name a lost peer (:class:`~flexdemo.app.trainer_setup.LostPeers`, which the
-trainer owns) are in :mod:`flexdemo.app.trainer_setup`.
+heartbeats that name a lost peer (:class:`~flexdemo.app.train.setup.LostPeers`, which the
+trainer owns) are in :mod:`flexdemo.app.train.setup`.
 
 Outputs under ``train.out`` (written by rank 0, except the checkpoints, which every rank
 writes; with several machines ``out`` must be a shared folder):
@@ -62,23 +62,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..checkpoint import describe_os_error
-from ..ft.session import DuplicateReplicaIdError, LighthouseLostError, QuorumTimeoutError
-from ..replicate import NonFiniteGradientError
-from ..sharding import NoReplicationWarning
-from ..transport import PeerLostError
-from .checkpointer import (
-    Checkpointer,
-    TrainState,
-    rank0_decides,
-    sum_over_ranks,
-)
-from .config import Config
-from .config_files import config_to_dict, to_toml
-from .device import resolve_device, to_device
-from .errors import StartupError, TrainingError, UsageError, nonfinite_message
-from .liveness import is_comm_error
-from .outputs import (
+from ...checkpoint import describe_os_error
+from ...ft.session import DuplicateReplicaIdError, LighthouseLostError, QuorumTimeoutError
+from ...replicate import NonFiniteGradientError
+from ...sharding import NoReplicationWarning
+from ...transport import PeerLostError
+from ..config.files import config_to_dict, to_toml
+from ..config.schema import Config
+from ..device import resolve_device, to_device
+from ..errors import StartupError, TrainingError, UsageError, nonfinite_message
+from ..outputs import (
     MetricsLog,
     Progress,
     check_output_folder,
@@ -86,10 +79,17 @@ from .outputs import (
     strict_json,
     write_atomic,
 )
+from ..schedule import lr_at
+from ..tasks import ShardSampler, Task
+from .checkpointer import (
+    Checkpointer,
+    TrainState,
+    rank0_decides,
+    sum_over_ranks,
+)
+from .liveness import is_comm_error
 from .preempt import LighthouseLost, Preempted, StopRequest
-from .schedule import lr_at
-from .tasks import ShardSampler, Task
-from .trainer_setup import (
+from .setup import (
     Echo,
     LostPeers,
     build_task_for,

@@ -7,8 +7,8 @@ seed. Each run's config, log, metrics and summary stay in ``out/runs/<strategy>@
 the sweep writes ``results.json`` (with the loss curves), ``results.csv`` (one row per run),
 ``loss_vs_time.png``, ``loss_vs_bytes.png`` and ``step_time.png`` to ``out`` and prints a
 table. Without root (or with ``unshaped``) the runs happen on loopback with no shaping.
-The table and the comparisons are :mod:`flexdemo.app.bench_report`'s, the plots
-:mod:`flexdemo.app.plots`'s.
+The table and the comparisons are :mod:`flexdemo.app.bench.report`'s, the plots
+:mod:`flexdemo.app.bench.plots`'s.
 """
 
 from __future__ import annotations
@@ -28,25 +28,25 @@ from typing import IO, Any
 
 import torch
 
-from ..strategies import STRATEGIES, parse_strategy
-from ..tools.cluster import EmulatedCluster
-from ..tools.netns import ClusterError, ShapingUnavailableError, cleanup_stale
-from ..tools.rates import format_rate, parse_bandwidth
-from .bench_elastic import elastic_problem, run_elastic
-from .bench_link import StepWatch, dir_label, parse_link
-from .bench_report import (
+from ...strategies import STRATEGIES, parse_strategy
+from ...tools.cluster import EmulatedCluster
+from ...tools.netns import ClusterError, ShapingUnavailableError, cleanup_stale
+from ...tools.rates import format_rate, parse_bandwidth
+from ..config.checks import config_from_dict, validate
+from ..config.files import apply_overrides, read_config_file, to_toml
+from ..config.schema import ConfigError
+from ..device import BY_RANK_ENV, DEVICES
+from ..outputs import read_metrics, strict_json
+from .elastic import elastic_problem, run_elastic
+from .link import StepWatch, dir_label, parse_link
+from .plots import plot_all
+from .report import (
     comparison_lines,
     format_table,
     is_finite,
     retune_cost_lines,
     time_to_target_lines,
 )
-from .config import ConfigError
-from .config_checks import config_from_dict, validate
-from .config_files import apply_overrides, read_config_file, to_toml
-from .device import BY_RANK_ENV, DEVICES
-from .outputs import read_metrics, strict_json
-from .plots import plot_all
 
 __all__ = ["DEFAULT_BANDWIDTHS", "DEFAULT_STRATEGIES", "PRESETS", "STRATEGIES", "BenchError",
            "BenchOptions", "bench_options", "run_bench"]
@@ -140,7 +140,7 @@ def bench_options(*, preset: str | None = None, strategies: str | list[str] | No
                   kill_at: int | None = None, restart_at: int | None = None,
                   target: float | None = None) -> BenchOptions:
     """Resolve and check a sweep's options; raises :class:`BenchError` or
-    :class:`~flexdemo.app.config.ConfigError` with a one-line message."""
+    :class:`~flexdemo.app.config.schema.ConfigError` with a one-line message."""
     p = PRESETS.get(preset or "", {})
     if preset and not p:
         raise BenchError(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")

@@ -8,7 +8,7 @@ import math
 from collections.abc import Callable
 from typing import Any
 
-from ..strategies import STRATEGIES
+from ...strategies import STRATEGIES
 from .plots import smooth
 
 __all__ = ["comparison_lines", "default_target", "equal_time_losses", "equal_time_val_losses",

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..checkpoint import (
+from ...checkpoint import (
     MARKER_FILE,
     META_FILE,
     UNREADABLE,
@@ -30,9 +30,9 @@ from ..checkpoint import (
     save_checkpoint,
     verify_checkpoint,
 )
-from .config import Config
-from .errors import TrainingError, UsageError
-from .tasks import ShardSampler
+from ..config.schema import Config
+from ..errors import TrainingError, UsageError
+from ..tasks import ShardSampler
 
 __all__ = ["Checkpointer", "TrainState"]
 

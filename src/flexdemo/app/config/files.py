@@ -1,8 +1,8 @@
 """Reading and writing configuration files (TOML, YAML, JSON), ``section.key=value``
 overrides, and :func:`load_config`, which puts them together with the checks: raw data, then
-one typed tree (:func:`~flexdemo.app.config_checks.config_from_dict`), resolved once against
-the environment (:func:`~flexdemo.app.config_checks.resolve`), then checked
-(:func:`~flexdemo.app.config_checks.validate`)."""
+one typed tree (:func:`~flexdemo.app.config.checks.config_from_dict`), resolved once against
+the environment (:func:`~flexdemo.app.config.checks.resolve`), then checked
+(:func:`~flexdemo.app.config.checks.validate`)."""
 
 from __future__ import annotations
 
@@ -14,9 +14,9 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from .config import Config, ConfigError
-from .config_checks import _describe, config_from_dict, read_environment, resolve, validate
-from .tasks import task_options
+from ..tasks import task_options
+from .checks import _describe, config_from_dict, read_environment, resolve, validate
+from .schema import Config, ConfigError
 
 __all__ = ["apply_overrides", "config_to_dict", "load_config", "parse_override",
            "read_config_file", "to_toml"]
@@ -127,7 +127,7 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] | No
                 environ: Mapping[str, str] | None = None) -> Config:
     """Read ``path`` (or start from the defaults), apply ``overrides``, resolve against
     ``environ`` (default ``os.environ``, read once; ``world_size`` default ``WORLD_SIZE``)
-    and validate. The notes of :func:`~flexdemo.app.config_checks.resolve` go to stderr on
+    and validate. The notes of :func:`~flexdemo.app.config.checks.resolve` go to stderr on
     rank 0."""
     data = read_config_file(path) if path is not None else {}
     overrides = list(overrides or [])

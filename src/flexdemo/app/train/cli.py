@@ -11,10 +11,10 @@ import threading
 
 import torch.distributed as dist
 
-from ..mesh import timeout_from_env
-from ..transport import PeerLostError
-from .config import ConfigError
-from .config_files import load_config, to_toml
+from ...mesh import timeout_from_env
+from ...transport import PeerLostError
+from ..config.files import load_config, to_toml
+from ..config.schema import ConfigError
 from .preempt import PREEMPTED_EXIT_CODE, LighthouseLost, Preempted
 from .trainer import StartupError, TrainingError, UsageError, train
 

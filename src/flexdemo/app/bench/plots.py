@@ -12,7 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from ..strategies import STRATEGIES
+from ...strategies import STRATEGIES
 
 __all__ = ["plot_all", "plot_loss_vs_bytes", "plot_loss_vs_time", "plot_step_time", "smooth"]
 

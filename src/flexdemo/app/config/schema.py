@@ -30,7 +30,7 @@ Every key has a default (:class:`Config`); overrides ``section.key=value`` (the 
 syntax, bare words are strings) replace single keys. An override that switches
 ``strategy.replicator`` (or ``strategy.optimizer``) to another one also drops the file's
 ``replicator_kwargs`` (``optimizer_kwargs``), which belong to the old one, unless the overrides
-set them too. :func:`~flexdemo.app.config_files.load_config` checks names, types
+set them too. :func:`~flexdemo.app.config.files.load_config` checks names, types
 and ranges and raises :class:`ConfigError` with a one-line message that names the key and, for
 a misspelt key, the closest valid one.
 
@@ -38,20 +38,20 @@ Each task owns its ``[task]`` keys: a :class:`~flexdemo.app.tasks.TaskConfig` su
 task's module, named in its :data:`~flexdemo.app.tasks.TASKS` entry.
 
 This module holds the sections (dataclasses with the defaults); reading, overrides and
-writing are in :mod:`~flexdemo.app.config_files`, the checks in
-:mod:`~flexdemo.app.config_checks`.
+writing are in :mod:`~flexdemo.app.config.files`, the checks in
+:mod:`~flexdemo.app.config.checks`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
 
-from ..ft.config import FaultToleranceSettings
-from ..optim import BASE_OPTIMIZERS
-from ..replicate import REPLICATORS
-from .device import DEVICES, PRECISIONS
-from .schedule import SCHEDULES
-from .tasks import TASKS, GPTTaskConfig, TaskConfig
+from ...ft.config import FaultToleranceSettings
+from ...optim import BASE_OPTIMIZERS
+from ...replicate import REPLICATORS
+from ..device import DEVICES, PRECISIONS
+from ..schedule import SCHEDULES
+from ..tasks import TASKS, GPTTaskConfig, TaskConfig
 
 __all__ = ["Config", "ConfigError", "FaultToleranceConfig", "MeshConfig", "StrategyConfig",
            "TrainConfig", "choices"]
@@ -148,7 +148,7 @@ class TrainConfig:
     @property
     def warmup_steps(self) -> int:
         """The warm-up as run: ``warmup``, at most ``steps`` (the config's one clamp; applied
-        by :func:`~flexdemo.app.config_checks.resolve`, read by the trainer)."""
+        by :func:`~flexdemo.app.config.checks.resolve`, read by the trainer)."""
         return min(self.warmup, max(self.steps, 0))
 
 
@@ -158,8 +158,8 @@ class FaultToleranceConfig(FaultToleranceSettings):
     :class:`flexdemo.ft.config.FaultToleranceSettings` (so the keys, their types and defaults
     are :class:`flexdemo.FaultTolerance`'s), plus ``enabled``. An omitted key is unset
     (``None``): the library's default, or the environment variable it names, filled in by
-    :func:`~flexdemo.app.config_checks.resolve`. Built into a
-    :class:`flexdemo.FaultTolerance` by :func:`~flexdemo.app.config_checks.fault_tolerance`,
+    :func:`~flexdemo.app.config.checks.resolve`. Built into a
+    :class:`flexdemo.FaultTolerance` by :func:`~flexdemo.app.config.checks.fault_tolerance`,
     only there."""
 
     enabled: bool = False

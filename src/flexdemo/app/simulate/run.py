@@ -16,11 +16,11 @@ from typing import Any
 
 import torch
 
-from ..simulate import SimulatedReplicas
-from ..strategies import check_strategy
-from .outputs import strict_json
-from .schedule import lr_at
-from .tasks.gpt import (
+from ...simulate import SimulatedReplicas
+from ...strategies import check_strategy
+from ..outputs import strict_json
+from ..schedule import lr_at
+from ..tasks.gpt import (
     GPT,
     MIN_CORPUS_BYTES,
     data_generator,

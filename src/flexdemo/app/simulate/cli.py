@@ -1,5 +1,5 @@
 """``flexdemo simulate``: N replicas of the GPT task in one process
-(:func:`flexdemo.app.simulate.run_simulation`)."""
+(:func:`flexdemo.app.simulate.run.run_simulation`)."""
 
 from __future__ import annotations
 
@@ -8,10 +8,10 @@ import sys
 
 import torch
 
-from ..strategies import check_strategy
-from .args import positive_int
-from .simulate import SimulateOptions, run_simulation, write_summary
-from .tasks.gpt import MIN_CORPUS_BYTES
+from ...strategies import check_strategy
+from ..args import positive_int
+from ..tasks.gpt import MIN_CORPUS_BYTES
+from .run import SimulateOptions, run_simulation, write_summary
 
 
 def add_simulate_parser(sub) -> None:

@@ -1,7 +1,7 @@
 """Links that change during a bench run: a bandwidth written ``"1gbit>10mbit"`` is a link
 shaped to the first rate until rank 0 logs half the run's steps, then to the second (``tc``
 changed while the ranks train). The time each run took to reach a target loss is
-:mod:`flexdemo.app.bench_report`'s."""
+:mod:`flexdemo.app.bench.report`'s."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ..tools.rates import parse_bandwidth
+from ...tools.rates import parse_bandwidth
 
 CHANGE = ">"
 _STEP_LINE = re.compile(r"^\[rank 0\] step\s+(\d+)/")

@@ -215,7 +215,10 @@ def _elastic_run(o: Any, cluster: EmulatedCluster, base: dict, out: Path,
             together = bool(rows) and rows[-1].get("replicas", o.nodes) >= o.nodes
             # the kill waits for every node in the quorum: a node slow to start (a loaded
             # machine) must be there to be killed, or the run measures nothing
-            if "kill" not in events and step >= o.kill_at and together:
+            # ... and for node 0 to have taken steps of its own past its warm-up (one that
+            # started late heals to its peer's step): they are the per-step cost's window
+            own_steps = len(rows) > WARM_STEPS + 2
+            if "kill" not in events and step >= o.kill_at and together and own_steps:
                 events["kill"] = {"time": time.time(), "survivor_step": step}
                 echo(f"  elastic: SIGKILL to node {last}'s ranks (node 0 at step {step})")
                 nodes[f"node{last}"].kill()
@@ -259,7 +262,10 @@ def analyse(o: Any, plain: list[dict], run: dict) -> dict:
     """The figures of the elastic run against the plain one (see the module's docstring)."""
     last = o.nodes - 1
     m0 = run["metrics"].get("node0", [])
-    window = range(WARM_STEPS + 1, o.kill_at)
+    kill = run["events"].get("kill")
+    # node 0's own steps after its warm-up, up to the kill (it may have healed in late)
+    first = m0[0]["step"] + WARM_STEPS if m0 else WARM_STEPS + 1
+    window = range(max(WARM_STEPS + 1, first), kill["survivor_step"] if kill else o.kill_at)
     plain_s = _mean([r["step_seconds"] for r in plain if r["step"] in window])
     before = [r for r in m0 if r["step"] in window]
     ft_s = _mean([r["step_seconds"] for r in before])

@@ -274,9 +274,8 @@ def analyse(o: Any, plain: list[dict], run: dict) -> dict:
         "overhead": ft_s / plain_s - 1 if plain_s == plain_s and plain_s > 0 else None,
         # CPU time per step (rank 0, all its threads): what the step costs in work, which
         # other jobs on a shared machine do not inflate as they do the wall-clock step
-        "plain_cpu_seconds": _mean([r["cpu_seconds"] for r in plain
-                                    if r["step"] in window and "cpu_seconds" in r]),
-        "elastic_cpu_seconds": _mean([r["cpu_seconds"] for r in before if "cpu_seconds" in r]),
+        "plain_cpu_seconds": _mean([r["cpu_seconds"] for r in plain if r["step"] in window]),
+        "elastic_cpu_seconds": _mean([r["cpu_seconds"] for r in before]),
         "quorum_seconds": _mean([r.get("quorum_seconds", 0.0) for r in before]),
         "commit_seconds": _mean([r.get("commit_seconds", 0.0) for r in before]),
         "snapshot_seconds": _mean([r.get("snapshot_seconds", 0.0) for r in before]),
@@ -288,7 +287,7 @@ def analyse(o: Any, plain: list[dict], run: dict) -> dict:
     out["ft_share_of_step"] = own / ft_s if ft_s == ft_s and ft_s > 0 else None
     pc, ec = out["plain_cpu_seconds"], out["elastic_cpu_seconds"]
     out["cpu_overhead"] = ec / pc - 1 if pc == pc and ec == ec and pc > 0 else None
-    kill, restart = run["events"].get("kill"), run["events"].get("restart")
+    restart = run["events"].get("restart")
     if kill:
         after = [r for r in m0 if r["time"] > kill["time"]]
         alone = next((r for r in after if r.get("replicas", o.nodes) < o.nodes), None)

@@ -9,7 +9,8 @@ WORLD_SIZE, MASTER_ADDR/PORT of the group) a group has several ranks, and FSDP2 
 over them. Choreography options for the tests:
 ``--die-at K`` kills this process (SIGKILL) in its step K, once in its quorum;
 ``--hold M:F[,G...]`` (repeatable) waits, bounded, before step M until the files exist;
-``--fail-commit K`` makes step K's commit vote fail (a real Manager error) on its first attempt;
+``--fail-commit K`` (repeatable) makes step K's commit vote fail (a real Manager error) on its
+first attempt; ``--optimizer`` is the base optimizer (default SGD, stateless);
 ``--verbose`` keeps torchft's own logs in full;
 ``--heal-late`` forms this group's first quorum behind its forward pass (the fallback a group
 that torchft heals late takes: it sends zeros and votes no); ``--ready-file F`` is written once
@@ -65,7 +66,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", required=True)
     ap.add_argument("--die-at", type=int, default=-1)
     ap.add_argument("--hold", action="append", default=[])
-    ap.add_argument("--fail-commit", type=int, default=-1)
+    ap.add_argument("--fail-commit", type=int, action="append", default=[])
+    ap.add_argument("--optimizer", default="sgd")
     ap.add_argument("--heal-late", action="store_true")
     ap.add_argument("--order", default="zero-first", choices=sorted(ORDERS))
     ap.add_argument("--ready-file", default="")
@@ -89,7 +91,8 @@ def main(argv: list[str] | None = None) -> int:
                                  hostname="127.0.0.1", verbose=a.verbose)
     name = a.replicator.split("-")[0]  # demo-delayed: demo; diloco-int4-rs: diloco
     net, opt = flexdemo.prepare(model(), replicator=name, replicator_kwargs=kwargs,
-                                lr=0.05, device="cpu", fault_tolerance=ft)
+                                optimizer=a.optimizer, lr=0.05, device="cpu",
+                                fault_tolerance=ft)
     session = opt.fault_tolerance
     if a.resume:
         flexdemo.load_checkpoint(a.resume, net, opt)
@@ -98,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
         Path(a.ready_file + (f".r{r}" if r else "")).write_text("ready\n")
     if a.heal_late:  # its first quorum runs behind the forward pass (as if this group had
         session.begin(heal_now=False)  # started before), so torchft heals it after that pass
-    failed_once = False
+    fail_at = set(a.fail_commit)  # each step's vote fails once, at its first attempt
     rank = int(os.environ.get("RANK", "0"))  # several ranks per group: FSDP2 shards
     progress = open(out / f"progress{rank}", "a", buffering=1)
     holds = {int(h.split(":", 1)[0]): h.split(":", 1)[1].split(",") for h in a.hold}
@@ -124,8 +127,8 @@ def main(argv: list[str] | None = None) -> int:
             opt.zero_grad(set_to_none=a.order == "forward-zero")
         loss.backward()
         hook = None
-        if step == a.fail_commit and not failed_once:
-            failed_once = True  # a real Manager error after the exchange, before the vote
+        if step in fail_at:
+            fail_at.discard(step)  # a real Manager error after the exchange, before the vote
             hook = opt.register_step_post_hook(lambda *_: session.manager.report_error(
                 RuntimeError("injected failure")))
         ran = opt.steps  # the step that step() runs (a joiner healed to its peers' step)
@@ -148,6 +151,9 @@ def main(argv: list[str] | None = None) -> int:
         state["delta"] = [d.clone() for d in rep.delta]
     if hasattr(rep, "buffers"):  # Random, Striding, Slicing: their momenta
         state["buffers"] = [b.clone() for b in rep.buffers]
+    state["moments"] = [getattr(t, "_local_tensor", t).detach().clone()  # the base's state
+                        for st in opt.state.values()
+                        for t in st.values() if isinstance(t, torch.Tensor)]
     if hasattr(rep, "global_params"):
         state["global"] = [g.clone() for g in rep.global_params]
     torch.save(state, out / f"final{rank}.pt")

@@ -27,6 +27,8 @@ from flexdemo.transport import Pending, Transport
 pytest.importorskip("torchft")
 
 HERE = Path(__file__).parent
+# the workers import this checkout's flexdemo (not whichever one is installed)
+PYTHONPATH = os.pathsep.join([str(HERE), str(HERE.parent / "src")])
 WAIT = 180  # seconds any one process may run
 
 
@@ -85,7 +87,7 @@ def procs():
 
 def _worker(procs: list, tmp: Path, url: str, rid: str, out: str, *args: str,
             log: str | None = None) -> subprocess.Popen:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(HERE))
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=PYTHONPATH)
     logf = open(tmp / f"{log or out}.log", "w")
     p = subprocess.Popen([sys.executable, "-m", "elastic_workers", "--lighthouse", url,
                           "--replica-id", rid, "--out", str(tmp / out), *args], env=env,
@@ -99,7 +101,7 @@ def _group(procs: list, tmp: Path, url: str, rid: str, out: str, ranks: int,
     """One replica group of ``ranks`` processes (torchrun's variables, its own store port)."""
     port, group = free_port(), []
     for r in range(ranks):
-        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(HERE), RANK=str(r),
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=PYTHONPATH, RANK=str(r),
                    LOCAL_RANK=str(r), WORLD_SIZE=str(ranks), LOCAL_WORLD_SIZE=str(ranks),
                    MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
         name = f"{out}-r{r}"
@@ -316,20 +318,9 @@ def test_failed_commit_is_undone_exactly(tmp_path, procs, replicator, fail, step
     quorum after a failed vote, so the exchange in flight into the failed step is dropped
     (``quorum_changed``; DeMo returns its own part to its momentum); the groups stay bitwise
     identical (streaming DiLoCo: their global copies)."""
-    for run, extra in (("fail", ["--fail-commit", str(fail)]), ("clean", [])):
-        lh = Lighthouse(2, tmp_path / f"lighthouse-{run}.log")
-        try:
-            common = ["--replicator", replicator, "--steps", str(steps), "--min-replicas", "2",
-                      *extra]
-            ws = [(_worker(procs, tmp_path, lh.url, r, f"{run}-{r}", *common), f"{run}-{r}")
-                  for r in ("A", "B")]
-            for p, name in ws:
-                _ok(p, tmp_path, name)
-        finally:
-            lh.stop()
+    _failed_and_clean_runs(tmp_path, procs, [fail], "--replicator", replicator, "--steps",
+                           str(steps))
     for r in ("A", "B"):
-        failed, clean = _progress(tmp_path, f"fail-{r}"), _progress(tmp_path, f"clean-{r}")
-        assert (fail, 2, 0) in failed and len(failed) == len(clean) + 1
         f, c = _final(tmp_path, f"fail-{r}"), _final(tmp_path, f"clean-{r}")
         assert f["step"] == c["step"] == steps
         if replicator in ("demo-delayed", "diloco-streaming"):  # the exchange in flight into
@@ -343,6 +334,45 @@ def test_failed_commit_is_undone_exactly(tmp_path, procs, replicator, fail, step
         assert _same(fa["global"], fb["global"])
     else:
         assert _same(fa["params"], fb["params"])
+
+
+def _failed_and_clean_runs(tmp: Path, procs: list, fails: list[int], *args: str) -> None:
+    """Two groups (min_replicas 2) train with ``args`` twice: with the commit votes of steps
+    ``fails`` failing once (on both groups) as ``fail-{A,B}``, and without as
+    ``clean-{A,B}``; each failed step was attempted once more."""
+    for run, extra in (("fail", [x for k in fails for x in ("--fail-commit", str(k))]),
+                       ("clean", [])):
+        lh = Lighthouse(2, tmp / f"lighthouse-{run}.log")
+        try:
+            common = [*args, "--min-replicas", "2", *extra]
+            ws = [(_worker(procs, tmp, lh.url, r, f"{run}-{r}", *common), f"{run}-{r}")
+                  for r in ("A", "B")]
+            for p, name in ws:
+                _ok(p, tmp, name)
+        finally:
+            lh.stop()
+    for r in ("A", "B"):
+        failed, clean = _progress(tmp, f"fail-{r}"), _progress(tmp, f"clean-{r}")
+        assert all((k, 2, 0) in failed for k in fails), failed
+        assert len(failed) == len(clean) + len(fails), (failed, clean)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_failed_votes_after_a_restore_are_undone_exactly(tmp_path, procs):
+    """A restore hands the undo copy's tensors to the optimizer's state (AdamW's
+    ``load_state_dict`` keeps them): the undo copies after it must not be written into them.
+    Steps 3 and 5 fail (real Manager errors): the run is bitwise the run without failures,
+    AdamW's moments and DeMo's momenta included (with an undo copy that aliased the live
+    state, step 5's undo would keep its moments)."""
+    _failed_and_clean_runs(tmp_path, procs, [3, 5], "--replicator", "demo", "--optimizer",
+                           "adamw", "--steps", "8")
+    for r in ("A", "B"):
+        f, c = _final(tmp_path, f"fail-{r}"), _final(tmp_path, f"clean-{r}")
+        assert f["step"] == c["step"] == 8
+        for key in ("params", "delta", "moments"):
+            assert _same(f[key], c[key]), key
+    assert _same(_final(tmp_path, "fail-A")["params"], _final(tmp_path, "fail-B")["params"])
 
 
 @pytest.mark.multiprocess

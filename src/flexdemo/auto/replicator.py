@@ -448,16 +448,22 @@ class AutoReplicator(Replicator):
             self._start or [])
 
     def state_dict(self) -> dict:
+        return self._state(copy=True)
+
+    def live_state(self) -> dict:
+        return self._state(copy=False)
+
+    def _state(self, copy: bool) -> dict:
         sd = super().state_dict()
         sd["history"] = list(self.history)
         sd["retune"] = self._retuner.state_dict()
         if self.chosen is not None and self.decision is not None:
             sd["decision"] = self.decision.as_dict()
-            sd["chosen"] = self.chosen.state_dict()
+            sd["chosen"] = self.chosen.state_dict() if copy else self.chosen.live_state()
         else:
             sd["periods"] = list(self._periods)
             sd["bad"] = self._bad
-            sd["start"] = [t.clone() for t in self._start or []]
+            sd["start"] = [t.clone() if copy else t for t in self._start or []]
         return sd
 
     def load_state_dict(self, state: dict) -> None:

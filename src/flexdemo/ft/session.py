@@ -28,7 +28,15 @@ from ..transport import ManagerTransport, PeerLostError
 from .config import FaultTolerance
 from .lighthouse import lighthouse_answers
 from .phase import NEXT, Phase, StepUndo
-from .state import check_supported, heal_state, load_heal_state, rebind, restore, snapshot
+from .state import (
+    Snapshot,
+    check_supported,
+    heal_state,
+    load_heal_state,
+    rebind,
+    restore,
+    snapshot,
+)
 from .torchft_api import (
     TorchFTVersionError,
     apply_late_heal,
@@ -142,7 +150,7 @@ class ElasticSession:
         self.quorum_seconds = 0.0
         self.commit_seconds = 0.0
         self.snapshot_seconds = 0.0
-        self._spare: list[torch.Tensor] | None = None  # the last undo's parameter copies
+        self._spare: Snapshot | None = None  # the last undo copy: the next one reuses it
         try:
             self.manager, pg, self._recorder = new_manager(
                 lighthouse=lighthouse, replica_id=replica_id, hostname=hostname,
@@ -499,10 +507,10 @@ class ElasticSession:
         self.committed = committed
         self.commit_seconds = time.perf_counter() - t0
         if not committed:
-            restore(opt, undo.snapshot)
+            restore(opt, undo.snapshot)  # (then the next undo copy reuses only its parameters)
             self.failed_commits += 1
             self._arm()  # it may heal at its next quorum: before the next forward pass
-        self._spare = undo.snapshot.params  # kept or put back: the next snapshot reuses them
+        self._spare = undo.snapshot  # kept or put back: the next undo copy writes into it
         return committed
 
     def stats(self) -> dict:

@@ -4,7 +4,9 @@
 everything the step may change (the rank-local parameters, the base optimizer's state, every
 replicator's state, the step counters) and :func:`restore` puts it back bit for bit. DeMo's
 error feedback thus gets back what it subtracted, and a DiLoCo sync runs again at the next
-quorum. The cost is one copy of that state per step.
+quorum. The cost is one copy of that state per step, written into the last undo copy's
+tensors (no allocation once the state's shapes are settled). A restored copy lends only its
+parameters' tensors: ``load_state_dict`` may keep the others as the live state.
 
 *Healing.* A joiner fetches :func:`heal_state` from a healthy peer (the same rank of another
 replica group): parameters, base optimizer state, step counters, and the replicators'
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -29,6 +32,52 @@ from ..replicate import REPLICATORS, Replicator
 def _clone(tree):
     """A deep copy with every tensor cloned (detached)."""
     return copy.deepcopy(tree)
+
+
+def _fits(old: Any, new: torch.Tensor) -> bool:
+    """Whether tensor ``old`` can hold a copy of ``new`` (a DTensor: of the same layout)."""
+    if (type(old) is not type(new) or old.shape != new.shape or old.dtype != new.dtype
+            or old.device != new.device):
+        return False
+    if hasattr(new, "_local_tensor"):  # a DTensor: its local shard is what is copied
+        return (getattr(old, "placements", None) == getattr(new, "placements", None)
+                and getattr(old, "device_mesh", None) == getattr(new, "device_mesh", None)
+                and local_tensor(old).shape == local_tensor(new).shape)
+    return True
+
+
+def _copy_tree(tree: Any, spare: Any, dst: list[torch.Tensor], src: list[torch.Tensor]) -> Any:
+    """``tree`` (dicts, lists and tuples of tensors and plain values) with every tensor
+    copied: into ``spare``'s tensor at the same place where it fits (queued on ``dst`` /
+    ``src`` for one batched copy), else cloned; other values deep-copied."""
+    if isinstance(tree, torch.Tensor):
+        if isinstance(spare, torch.Tensor) and _fits(spare, tree):
+            dst.append(local_tensor(spare))
+            src.append(local_tensor(tree).detach())
+            return spare
+        out = tree.detach().clone()
+        return out.requires_grad_() if tree.requires_grad else out
+    kind = type(tree)
+    if kind is dict:
+        keyed: dict = spare if type(spare) is dict else {}
+        return {k: _copy_tree(v, keyed.get(k), dst, src) for k, v in tree.items()}
+    if kind is list or kind is tuple:
+        olds = spare if type(spare) is kind and len(spare) == len(tree) else (None,) * len(tree)
+        return kind(_copy_tree(v, o, dst, src) for v, o in zip(tree, olds))
+    return copy.deepcopy(tree)
+
+
+def copy_into(tree: Any, spare: Any = None) -> Any:
+    """A copy of ``tree`` as :func:`copy.deepcopy` makes it (tensors detached), written into
+    the tensors of ``spare`` (an earlier copy of the same structure, no longer needed and
+    aliasing no live state) wherever they fit, in one batched copy."""
+    dst: list[torch.Tensor] = []
+    src: list[torch.Tensor] = []
+    out = _copy_tree(tree, spare, dst, src)
+    if dst:
+        with torch.no_grad():
+            torch._foreach_copy_(dst, src)
+    return out
 
 
 def _supported_names() -> str:
@@ -63,46 +112,38 @@ def rebind(rep: Replicator) -> None:
 # ---------------------------------------------------------------------- undo
 @dataclass
 class Snapshot:
-    """The state of one rank before a step (see :func:`snapshot`)."""
+    """The state of one rank before a step (see :func:`snapshot`). ``restored``: put back
+    by :func:`restore`, after which only ``params`` are its own (the base optimizer's and the
+    replicators' ``load_state_dict`` may have kept the other tensors as live state)."""
 
     params: list[torch.Tensor]
     base: dict
     replicators: list[dict]
     steps: int
     skipped_steps: int
+    restored: bool = False
 
 
-def _replicator_copy(rep: Replicator) -> dict:
-    """``rep``'s state, copied once: a ``state_dict()`` that clones its tensors already
-    (:attr:`~flexdemo.replicate.Replicator.state_dict_copies`) is kept; the others' may hold
-    references (DiLoCo's outer optimizer)."""
-    if rep.state_dict_copies:
-        return rep.state_dict()
-    return _clone(rep.state_dict())
-
-
-def snapshot(opt, spare: list[torch.Tensor] | None = None) -> Snapshot:
-    """Copy what ``opt.step()`` may change on this rank. ``spare``: the parameters' copies of
-    a snapshot no longer needed, written over when they still fit (no new allocation)."""
+def snapshot(opt, spare: Snapshot | None = None) -> Snapshot:
+    """Copy what ``opt.step()`` may change on this rank. ``spare``: a snapshot no longer
+    needed, whose tensors are written over where they still fit (no new allocation): all of
+    them, or after a :func:`restore` of it only its parameters' copies."""
     with torch.no_grad():
-        live = [local_tensor(p).detach() for p in opt.params]
-        if spare is not None and len(spare) == len(live) and all(
-                s.shape == t.shape and s.dtype == t.dtype and s.device == t.device
-                for s, t in zip(spare, live)):
-            torch._foreach_copy_(spare, live)
-            params = spare
-        else:
-            params = [t.clone() for t in live]
-    return Snapshot(params, _clone(opt.base.state_dict()),
-                    [_replicator_copy(r) for r in opt.replicators], opt.steps,
-                    opt.skipped_steps)
+        params = copy_into([local_tensor(p).detach() for p in opt.params],
+                           None if spare is None else spare.params)
+    own = spare if spare is not None and not spare.restored else None
+    base = copy_into(opt.base.state_dict(), None if own is None else own.base)
+    olds = [None] * len(opt.replicators) if own is None else own.replicators
+    reps = [copy_into(r.live_state(), old) for r, old in zip(opt.replicators, olds)]
+    return Snapshot(params, base, reps, opt.steps, opt.skipped_steps)
 
 
 def restore(opt, snap: Snapshot) -> None:
-    """Put ``snap`` back: the step it was taken before never happened (bitwise)."""
+    """Put ``snap`` back: the step it was taken before never happened (bitwise). Marks it
+    ``restored``: a later :func:`snapshot` reuses only its parameters' copies."""
+    snap.restored = True
     with torch.no_grad():
-        for p, v in zip(opt.params, snap.params):
-            local_tensor(p).copy_(v)
+        torch._foreach_copy_([local_tensor(p) for p in opt.params], snap.params)
     opt.base.load_state_dict(snap.base)
     opt.share_state()
     for r, s in zip(opt.replicators, snap.replicators):

@@ -84,6 +84,8 @@ class Replicator(ABC):
       fixed-shape tensors (stored per rank as DCP tensors); :meth:`shared_state` /
       :meth:`load_shared_state`: the state equal on every replica (what a joining replica
       fetches) and :meth:`reset_replica_state`: the per-replica rest, which starts from zero;
+    * :meth:`live_state`: the state with its live tensors (fault tolerance copies it once
+      per step into buffers of its own);
     * :meth:`reset_withheld`: forget a non-finite step withheld for the next exchange;
     * :attr:`on_bad_peer` and :attr:`dropped_payloads`: the bad-peer policy and its counter
       (:meth:`bad_peer` applies them);
@@ -109,9 +111,6 @@ class Replicator(ABC):
     keeps_replica_state: bool = False
     #: settings it takes by default as DiLoCo's exchange (given by name)
     exchange_settings: dict = {}
-    #: :meth:`state_dict` returns fresh tensors (no references into live state): a snapshot
-    #: need not copy it again
-    state_dict_copies: bool = False
     #: it can tell what it sent in its last exchange (:meth:`sent_into`)
     reports_sent: bool = False
     #: the decay of its error feedback (``residual = decay * residual + input - sent``;
@@ -358,6 +357,13 @@ class Replicator(ABC):
 
     def load_state_dict(self, state: dict) -> None:
         self.stats.load(state.get("stats", {}))
+
+    def live_state(self) -> dict:
+        """:meth:`state_dict` with the live tensors where it copies them (no allocation):
+        fault tolerance's undo copy copies them once, into buffers it reuses every step.
+        Valid until the next step; :meth:`load_state_dict` must accept a copy of it. A
+        replicator whose ``state_dict`` clones overrides it (the default is ``state_dict``)."""
+        return self.state_dict()
 
     def input_views(self) -> list[torch.Tensor] | None:
         """After set-up: the fp32 buffers its step copies its input into, one per tensor (None:

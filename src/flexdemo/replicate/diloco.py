@@ -503,6 +503,14 @@ class DiLoCoReplicator(Replicator):
     def state_dict(self, wait: bool = True) -> dict:
         """The state; a sync in flight is completed and stored, or left out when not
         ``wait``."""
+        return self._state(wait, copy=True)
+
+    def live_state(self) -> dict:
+        """:meth:`state_dict` (a sync in flight completed) with the live tensors."""
+        return self._state(True, copy=False)
+
+    def _state(self, wait: bool, copy: bool) -> dict:
+        keep = (lambda t: t.clone()) if copy else (lambda t: t)
         sd = super().state_dict()
         pending = {}
         for p in sorted(self.pending):
@@ -511,18 +519,19 @@ class DiLoCoReplicator(Replicator):
                 continue
             try:  # a sync in flight is completed and stored (or stored as failed)
                 pending[p] = {"apply_at": sync.apply_at,
-                              "result": [t.clone() for t in self._result(p)]}
+                              "result": [keep(t) for t in self._result(p)]}
             except NonFiniteGradientError:
                 pending[p] = {"apply_at": sync.apply_at, "failed": sync.failed}
         sd.update({
-            "global": [g.clone() for g in self.global_params],
+            "global": [keep(g) for g in self.global_params],
             "outer": self.outer.state_dict(),
-            "exchanges": [ex.state_dict() for ex in self.exchanges],
+            "exchanges": [ex.state_dict() if copy else ex.live_state()
+                          for ex in self.exchanges],
             "syncs": list(self.syncs),
             "pending": pending,
         })
         if self.keep_unsent:
-            sd["residual"] = [t.clone() for t in self.residual]
+            sd["residual"] = [keep(t) for t in self.residual]
         return sd
 
     def state_tensors(self) -> list[torch.Tensor]:

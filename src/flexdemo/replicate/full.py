@@ -484,10 +484,15 @@ class FullReplicator(Replicator):
             self.residual.zero_()
 
     def state_dict(self) -> dict:
-        sd = super().state_dict()
-        sd["dropped_payloads"] = self.dropped_payloads
+        return self._state(copy=True)
+
+    def live_state(self) -> dict:
+        return self._state(copy=False)
+
+    def _state(self, copy: bool) -> dict:
+        sd = {**super().state_dict(), "dropped_payloads": self.dropped_payloads}
         if self.residual is not None:
-            sd["residual"] = [self.residual.clone()]
+            sd["residual"] = [self.residual.clone() if copy else self.residual]
         return sd
 
     def state_tensors(self) -> list[torch.Tensor]:

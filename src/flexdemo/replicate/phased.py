@@ -136,6 +136,9 @@ class PhasedReplicator(Replicator):
         sd["active"] = self.active.state_dict()
         return sd
 
+    def live_state(self) -> dict:
+        return {**super().state_dict(), "phase": self.phase, "active": self.active.live_state()}
+
     def state_tensors(self) -> list[torch.Tensor]:
         return self.active.state_tensors()
 

@@ -49,7 +49,6 @@ class _SubsetReplicator(Replicator):
     syncs_replicas = True
     state_tensor_keys = ("buffers",)  # the momenta (error feedback): per replica
     fault_tolerant = True
-    state_dict_copies = True
 
     def _group_resized(self) -> None:  # the bucket's trailer; the momenta stay
         self._bucket = torch.zeros(self._total + Agreement.trailer_size(self.world),
@@ -182,6 +181,9 @@ class _SubsetReplicator(Replicator):
         sd = super().state_dict()
         sd["buffers"] = [b.clone() for b in self.buffers]
         return sd
+
+    def live_state(self) -> dict:
+        return {**super().state_dict(), "buffers": list(self.buffers)}
 
     def state_tensors(self) -> list[torch.Tensor]:
         return list(self.buffers)

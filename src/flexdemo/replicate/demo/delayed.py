@@ -152,19 +152,21 @@ class InFlight:
         return [sent.payloads] if sent is not None and isinstance(sent.payloads,
                                                                   torch.Tensor) else []
 
-    def save(self, sd: dict) -> dict:
+    def save(self, sd: dict, copy: bool = True) -> dict:
         """``sd`` with the exchange in flight (waited for: its payloads) and the verdict not
-        yet judged, so a resumed run has the bits of an uninterrupted one."""
+        yet judged, so a resumed run has the bits of an uninterrupted one (copied, or the
+        live tensors when not ``copy``)."""
         if self.sent is not None:
             step, handle, plan, row = self.sent
             gathered = handle.wait() if isinstance(handle, Pending) else handle
             self.sent = Exchange(step, gathered, plan, row)
             present = plan.key[0]
-            sd["inflight"] = {"step": step, "gathered": gathered.clone(), "code": plan.code,
+            sd["inflight"] = {"step": step, "gathered": gathered.clone() if copy else gathered,
+                              "code": plan.code,
                               "present": list(present), "row": row}
         if self.verdict is not None:  # a verdict not yet judged: judged after a resume
             step, code, host = arrived(self.verdict)
-            sd["verdict"] = {"step": step, "code": code, "rows": host.clone()}
+            sd["verdict"] = {"step": step, "code": code, "rows": host.clone() if copy else host}
         return sd
 
     def load(self, sd: dict[str, Any], nparams: int, rank: int) -> None:

@@ -44,7 +44,6 @@ class DeMoReplicator(Replicator):
     state_tensor_keys = ("delta",)  # the momentum (error feedback): per replica
     fault_tolerant = True
     exchange_settings = {"decay": 1.0, "sign": False, "scale_by_lr": False}  # plain EF
-    state_dict_copies = True
     state_tensors = state.live_tensors  # the momentum, without the copies of state_dict
 
     def __init__(self, topk: int = 16, chunk: int = 64, decay: float = 0.999, *,
@@ -505,6 +504,10 @@ class DeMoReplicator(Replicator):
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict:
         return self.inflight.save(state.save(self, super().state_dict()))
+
+    def live_state(self) -> dict:
+        return self.inflight.save(state.save(self, super().state_dict(), copy=False),
+                                  copy=False)
 
     def load_state_dict(self, sd: dict) -> None:
         deltas = state.check_loadable(self, sd)

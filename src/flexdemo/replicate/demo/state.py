@@ -15,10 +15,12 @@ from ...compress import BlockDCT
 DeMo = Any
 
 
-def save(rep: DeMo, sd: dict) -> dict:
-    """``sd`` (the base class's state) with ``rep``'s momentum and counter."""
+def save(rep: DeMo, sd: dict, copy: bool = True) -> dict:
+    """``sd`` (the base class's state) with ``rep``'s momentum (copied, or views of the live
+    buffers when not ``copy``) and counter."""
     rep.host_momentum.settle()  # offload=True: every host copy complete
-    sd["delta"] = [d.reshape(d.shape[0], -1).clone() for d in rep.delta]
+    flat = [d.reshape(d.shape[0], -1) for d in rep.delta]
+    sd["delta"] = [d.clone() for d in flat] if copy else flat
     sd["dropped_payloads"] = rep.dropped_payloads
     return sd
 

@@ -1,0 +1,99 @@
+"""The undo copy of a fault-tolerant step (``flexdemo.ft.state``), in one process: it reuses
+the last copy's tensors, is bitwise what a fresh deep copy would be, and never writes into
+tensors that a restore made live state. (The failed votes of real runs: test_elastic.py.)"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+from torch.utils._pytree import tree_leaves
+
+from flexdemo import DeToNATION
+from flexdemo.ft.state import copy_into, restore, snapshot
+from flexdemo.replicate import make_replicator
+
+REPLICATORS = {"demo": {"topk": 4, "chunk": 16}, "full": {}, "random": {"rate": 0.25},
+               "diloco": {"inner_steps": 2}}
+
+
+def _opt(name: str) -> tuple[nn.Module, DeToNATION]:
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 4))
+    rep = make_replicator(name, **REPLICATORS[name])
+    return net, DeToNATION(net.parameters(), rep, base="adamw", lr=1e-2)
+
+
+def _step(net: nn.Module, opt: DeToNATION, i: int) -> None:
+    g = torch.Generator().manual_seed(i)
+    x, y = torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)
+    opt.zero_grad()
+    nn.functional.mse_loss(net(x), y).backward()
+    opt.step()
+
+
+def _tensors(snap) -> list[torch.Tensor]:
+    return [t for t in tree_leaves([snap.params, snap.base, snap.replicators])
+            if isinstance(t, torch.Tensor)]
+
+
+def _live(opt: DeToNATION) -> set[int]:
+    """The storages of every tensor of the optimizer's live state."""
+    trees = [[p.detach() for p in opt.params], opt.base.state_dict()]
+    trees += [r.live_state() for r in opt.replicators]
+    return {t.untyped_storage().data_ptr() for t in tree_leaves(trees)
+            if isinstance(t, torch.Tensor) and t.numel()}
+
+
+def _equal(a, b) -> bool:
+    la, lb = tree_leaves(a), tree_leaves(b)
+    return len(la) == len(lb) and all(
+        torch.equal(x, y) and x.dtype == y.dtype if isinstance(x, torch.Tensor) else x == y
+        for x, y in zip(la, lb))
+
+
+@pytest.mark.parametrize("name", sorted(REPLICATORS))
+def test_the_undo_copy_reuses_the_last_ones_tensors(name):
+    """From the second step on, every tensor of the undo copy is the last copy's (no
+    allocation), holding bitwise what a fresh copy of the state holds."""
+    net, opt = _opt(name)
+    _step(net, opt, 0)  # the state's shapes are settled (AdamW's moments exist)
+    first = snapshot(opt)
+    _step(net, opt, 1)
+    ids = [id(t) for t in _tensors(first)]
+    again = snapshot(opt, first)
+    assert [id(t) for t in _tensors(again)] == ids
+    fresh = snapshot(opt)
+    assert _equal([again.params, again.base, again.replicators],
+                  [fresh.params, fresh.base, fresh.replicators])
+    assert not {t.untyped_storage().data_ptr() for t in _tensors(again)} & _live(opt)
+
+
+@pytest.mark.parametrize("name", sorted(REPLICATORS))
+def test_a_restored_copy_lends_only_its_parameters(name):
+    """After a restore, ``load_state_dict`` may keep the copy's tensors as the live state
+    (torch's optimizers do): the next copy reuses only the parameters' copies and writes into
+    no live tensor, so a second undo is exact."""
+    net, opt = _opt(name)
+    _step(net, opt, 0)
+    snap = snapshot(opt)
+    before = copy.deepcopy([snap.params, snap.base, snap.replicators])
+    _step(net, opt, 1)
+    restore(opt, snap)  # a failed vote
+    again = snapshot(opt, snap)
+    assert [id(t) for t in again.params] == [id(t) for t in snap.params]
+    assert not {t.untyped_storage().data_ptr() for t in _tensors(again)} & _live(opt)
+    _step(net, opt, 1)  # the retried step, voted down again
+    restore(opt, again)
+    now = snapshot(opt)
+    assert _equal([now.params, now.base, now.replicators], before)
+
+
+def test_copy_into_falls_back_to_a_clone_where_the_spare_does_not_fit():
+    a = {"x": [torch.ones(3), torch.zeros(2)], "n": 3, "t": (torch.ones(1),)}
+    spare = {"x": [torch.empty(3), torch.empty(4)], "t": None}
+    out = copy_into(a, spare)
+    assert out["x"][0] is spare["x"][0] and out["x"][1] is not spare["x"][1]
+    assert _equal(out, a) and out["t"][0] is not a["t"][0]

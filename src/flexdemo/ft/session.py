@@ -44,6 +44,7 @@ from .torchft_api import (
     new_manager,
     set_async_quorum,
 )
+from .watcher import QuorumWatcher
 
 if TYPE_CHECKING:
     from ..checkpoint import FlexOptimizer
@@ -136,12 +137,8 @@ class ElasticSession:
         self._armed: list[Any] = []  # the armed forward pre-hooks' handles
         self._quorum_id = None
         self._lighthouse_lost = False  # said that the lighthouse does not answer
-        # one watcher thread for every quorum wait (a thread started per step cost rank 0
-        # about 1.7 ms of CPU a step): _waiting hands it a job, waits until it is idle again
-        self._watcher: threading.Thread | None = None
-        self._watch_job: tuple[threading.Event, threading.Event] | None = None
-        self._watch_wake, self._watch_idle = threading.Event(), threading.Event()
-        self._watch_closed = False
+        # one thread watches every quorum wait (_waiting hands it the wait's job)
+        self._watcher = QuorumWatcher(self._watcher_failed)
         self.participants = 0
         # the last step's vote (None before the first): a result, read by stats() and by the
         # next begin() (a group whose vote failed may have to heal), not a phase of the cycle
@@ -385,39 +382,19 @@ class ElasticSession:
         answer (and that it is back once the quorum forms), or once, if the wait is long,
         that this group is waiting for the others."""
         told, done = threading.Event(), threading.Event()
-        watched = not self._watch_closed
-        if watched:
-            if self._watcher is None:
-                self._watcher = threading.Thread(target=self._watch_jobs, daemon=True,
-                                                 name="flexdemo-quorum-watch")
-                self._watcher.start()
-            self._watch_idle.clear()
-            self._watch_job = (told, done)
-            self._watch_wake.set()
+        watched = self._watcher.submit(lambda: self._watch(told, done))
         try:
             yield told
         finally:
             done.set()
             if watched:  # its last check is said before the lighthouse is said to be back
-                self._watch_idle.wait()
+                self._watcher.wait()
         self._say_back()
 
-    def _watch_jobs(self) -> None:
-        """The watcher thread: each job handed by :meth:`_waiting`, until :meth:`shutdown`."""
-        while True:
-            self._watch_wake.wait()
-            self._watch_wake.clear()
-            job = self._watch_job
-            try:
-                if job is not None:
-                    self._watch(*job)
-            except Exception as e:  # it must live on: the next wait would have no watcher
-                _say(f"the quorum watcher of replica group {self.config.replica_id!r} failed "
-                     f"({_first_line(e)}); going on")
-            finally:
-                self._watch_idle.set()
-            if job is None:
-                return
+    def _watcher_failed(self, e: Exception) -> None:
+        """A watch that raised: said in one line; the watcher lives on for the next wait."""
+        _say(f"the quorum watcher of replica group {self.config.replica_id!r} failed "
+             f"({_first_line(e)}); going on")
 
     def _watch(self, told: threading.Event, done: threading.Event) -> None:
         """While a quorum is awaited (until ``done``): every 0.5 s, is the lighthouse there?"""
@@ -522,8 +499,7 @@ class ElasticSession:
 
     def shutdown(self) -> None:
         """Stop this group's Manager (its server and checkpoint transport) and the watcher."""
-        self._watch_closed, self._watch_job = True, None
-        self._watch_wake.set()
+        self._watcher.close()
         self.manager.shutdown(wait=False)
 
 

@@ -16,7 +16,7 @@ from torch import nn
 
 from flexdemo import DeToNATION, DiLoCoReplicator, FullReplicator, LiveBytes
 from flexdemo.checkpoint import CheckpointMismatchError, load_checkpoint, save_checkpoint
-from flexdemo.memory import reachable_tensors, state_bytes, storage_bytes
+from flexdemo.memory import ReleasableStorages, reachable_tensors, state_bytes, storage_bytes
 from flexdemo.replicate import DeMoReplicator
 from flexdemo.replicate.rounding import STATE_DTYPES, StochasticRounding
 from flexdemo.simulate import SimulatedReplicas
@@ -36,6 +36,25 @@ def test_live_bytes_counts_storages_as_they_live():
         made_before = torch.ones(10, dtype=torch.float64)
     mem.track([made_before, v])  # counted once per storage
     assert mem.current == 4080
+
+
+def test_released_storages_keep_their_views_and_are_counted():
+    """A released storage holds no bytes while its views keep their shapes; restored, it
+    holds its bytes again, zeroed, and the live-bytes count follows both."""
+    with LiveBytes() as mem:
+        a = torch.ones(1000)
+        views = [a.view(10, 100)[2:], a[:10]]
+        spare = ReleasableStorages([a, *views])  # one storage
+        assert spare.nbytes == 4000 and mem.current == 4000
+        spare.release()
+        assert a.untyped_storage().nbytes() == 0 and views[0].shape == (8, 100)
+        assert mem.current == 0 and storage_bytes([a]) == 0
+        spare.restore()
+        assert mem.current == 4000 and mem.peak == 4000
+        views[0].add_(1)  # the views write into the restored storage
+        assert a[:200].eq(0).all() and a[200:].eq(1).all()
+        spare.restore()  # a no-op unless released
+        assert a.sum() == 800
 
 
 def test_storage_bytes_counts_each_storage_once():
@@ -228,6 +247,44 @@ def test_diloco_releases_its_codec_buffer_after_a_sync(monkeypatch):
     assert held() == before + 4 * (1 << 16)
     monkeypatch.setattr(FullReplicator, "release_workspace", lambda self: None)
     kept, _, _ = _diloco_run(**kw)
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), kept.parameters()))
+
+
+@pytest.mark.parametrize("keep", [False, True])
+def test_diloco_with_demo_gives_back_its_scratch_between_syncs(monkeypatch, keep):
+    """The sparse exchange's scratch (its staging rows, transform products and decode
+    buffers: several copies of its largest group) is given back after each sync and made
+    again at the next, not held for the H steps between: the same bits as keeping it,
+    with or without the replicas keeping their unsent progress."""
+    kw = {"exchange": "demo", "keep_unsent": keep,
+          "exchange_kwargs": {"topk": 8, "chunk": 64, "values": "stat2", "decay": 0.95}}
+
+    def run(steps):
+        with LiveBytes():
+            model = _model()
+            P = 4 * sum(p.numel() for p in model.parameters())
+            opt = DeToNATION(model.parameters(), DiLoCoReplicator(inner_steps=2, **kw),
+                             base="adamw", lr=1e-3)
+            for _ in range(steps):
+                opt.zero_grad()
+                model(torch.randn(4, 512, generator=gen)).square().mean().backward()
+                opt.step()
+        return model, opt, P
+
+    gen = torch.Generator().manual_seed(0)
+    model, opt, P = run(1)  # before the first sync: only what the replicas hold themselves
+    own = opt.memory_stats()["workspace_bytes"]  # (keep_unsent: the pseudo-gradients' home)
+    assert own < (1.1 if keep else 0.1) * P
+    gen = torch.Generator().manual_seed(0)
+    model, opt, P = run(5)  # after two syncs
+    ex = opt.replicators[0].exchanges[0]
+    assert opt.replicators[0].syncs[0] == 2 and ex.layout.scratch_storages.released
+    assert ex.layout.scratch_storages.nbytes > 2 * P  # what it used to hold
+    assert opt.memory_stats()["workspace_bytes"] == own
+    monkeypatch.setattr(DeMoReplicator, "release_workspace", lambda self: None)
+    gen = torch.Generator().manual_seed(0)
+    kept, opt, _ = run(5)
+    assert opt.memory_stats()["workspace_bytes"] > own + 2 * P
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), kept.parameters()))
 
 

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from flexdemo.app.config.files import load_config
-from flexdemo.app.train.trainer import TrainingError, UsageError, train
+from flexdemo.app.errors import TrainingError, UsageError
+from flexdemo.app.train.trainer import train
 
 ROOT = Path(__file__).parent.parent
 QUICK = ["task.model=tiny", "task.corpus_bytes=200000", "train.batch=2", "train.warmup=0",

@@ -19,9 +19,11 @@ import torch.distributed as dist
 from dist_util import reap, run_world, spawn_ranks
 
 from flexdemo.app.config.files import load_config
+from flexdemo.app.errors import TrainingError, UsageError
+from flexdemo.app.schedule import lr_at
 from flexdemo.app.tasks import have_transformers
 from flexdemo.app.train.setup import timeout_seconds
-from flexdemo.app.train.trainer import TrainingError, UsageError, lr_at, train
+from flexdemo.app.train.trainer import train
 from flexdemo.tools.ranks import free_port
 
 ROOT = Path(__file__).parent.parent

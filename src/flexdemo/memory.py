@@ -30,7 +30,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-__all__ = ["LiveBytes", "active", "reachable_tensors", "state_bytes", "storage_bytes"]
+__all__ = ["LiveBytes", "ReleasableStorages", "active", "reachable_tensors", "state_bytes",
+           "storage_bytes"]
 
 _ACTIVE: list[LiveBytes] = []
 
@@ -92,6 +93,15 @@ class LiveBytes(TorchDispatchMode):
         seen = self._live.pop(key, None)
         if seen is not None:
             self.current -= seen[1]
+
+    def resized(self, storage: torch.UntypedStorage) -> None:
+        """Recount a counted storage whose size changed outside an operator (a
+        :class:`ReleasableStorages` giving it back)."""
+        seen = self._live.get(storage._cdata)
+        if seen is not None:
+            self.current += storage.nbytes() - seen[1]
+            self._live[storage._cdata] = (seen[0], storage.nbytes())
+            self.peak = max(self.peak, self.current)
 
     def reset_peak(self) -> int:
         """Start a new peak at the bytes live now; returns them."""
@@ -158,3 +168,45 @@ def reachable_tensors(obj: Any) -> list[torch.Tensor]:
         elif type(x).__module__.startswith("flexdemo") and hasattr(x, "__dict__"):
             todo.extend(vars(x).values())
     return out
+
+
+class ReleasableStorages:
+    """Scratch buffers that can be given back between uses while every view made of them
+    stays valid: :meth:`release` resizes their storages to nothing, :meth:`restore` gives
+    each its bytes back, zeroed as when it was made. For buffers an exchange needs only
+    every H steps (a DiLoCo sync), which would otherwise be held between uses. Not for
+    buffers captured by a CUDA graph (a restored storage has a new address)."""
+
+    def __init__(self, tensors: Iterable[torch.Tensor]) -> None:
+        storages: dict[int, tuple[torch.UntypedStorage, int]] = {}
+        for t in tensors:
+            st = t.untyped_storage()
+            storages[st._cdata] = (st, st.nbytes())
+        self._storages = list(storages.values())
+        self.released = False
+
+    @property
+    def nbytes(self) -> int:
+        """The bytes the storages hold when in use."""
+        return sum(n for _, n in self._storages)
+
+    def release(self) -> None:
+        """Free every storage (its views keep their shapes and strides)."""
+        if self.released:
+            return
+        for st, _ in self._storages:
+            st.resize_(0)
+            for mem in _ACTIVE:
+                mem.resized(st)
+        self.released = True
+
+    def restore(self) -> None:
+        """Give every storage its bytes back, zeroed; a no-op unless released."""
+        if not self.released:
+            return
+        for st, n in self._storages:
+            st.resize_(n)
+            for mem in _ACTIVE:
+                mem.resized(st)
+            torch.empty(0, dtype=torch.uint8, device=st.device).set_(st).zero_()
+        self.released = False

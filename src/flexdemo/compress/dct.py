@@ -69,6 +69,10 @@ class Scratch:
             self._bufs[key] = buf
         return buf[:numel]
 
+    def clear(self) -> None:
+        """Drop every buffer (the next :meth:`get` makes a new one)."""
+        self._bufs.clear()
+
 
 class BlockDCT:
     """The blocked DCT of one tensor plan on one device (``basis="identity"``: no transform,

@@ -121,6 +121,14 @@ def _batches(sizes: list[int], limit: int | None) -> list[list[int]]:
     return out
 
 
+def _release_workspace(exchange: Replicator) -> None:
+    """Let an exchange give back its scratch buffers, where it can (``release_workspace``):
+    DiLoCo uses them once every H steps."""
+    release = getattr(exchange, "release_workspace", None)
+    if release is not None:
+        release()
+
+
 class _Sync:
     """One fragment's exchange in flight (or completed, when restored from a checkpoint)."""
 
@@ -224,6 +232,7 @@ class DiLoCoReplicator(Replicator):
                 ex.bucket_numel = None  # its flat buffer is the pseudo-gradients' home
             ex.setup([self._local_shapes[i] for i in part], self.device, self.group,
                      nonfinite=self.nonfinite)
+            _release_workspace(ex)  # not held until the first sync, H steps away
         # the pseudo-gradients: formed in the replica's own parameters (which the restart
         # overwrites), else where the exchange copies its input, if it has such buffers (a
         # dense exchange's flat buffer), else their own
@@ -343,9 +352,7 @@ class DiLoCoReplicator(Replicator):
             handle, sync.handle = sync.handle, None
             try:
                 sync.result = ex.finish(handle)
-                release = getattr(ex, "release_workspace", None)
-                if release is not None:  # not held until the next sync, H steps away
-                    release()
+                _release_workspace(ex)  # not held until the next sync, H steps away
             except NonFiniteGradientError as e:
                 sync.failed = e.ranks or []
                 raise

@@ -15,8 +15,9 @@ from ...mesh import timeout_from_env
 from ...transport import PeerLostError
 from ..config.files import load_config, to_toml
 from ..config.schema import ConfigError
+from ..errors import StartupError, TrainingError, UsageError
 from .preempt import PREEMPTED_EXIT_CODE, LighthouseLost, Preempted
-from .trainer import StartupError, TrainingError, UsageError, train
+from .trainer import train
 
 TRAIN_DESCRIPTION = """\
 Train one model as a config file says: task and model size, strategy (replicator, base

@@ -14,6 +14,7 @@ from ...compress import BlockDCT, ChunkPlan, Scratch, plan_chunks
 from ...compress.bits import packed_nbytes
 from ...compress.blocks import BlockValueCodec
 from ...compress.dct import BatchedDCT, block_rows
+from ...memory import ReleasableStorages
 from ..agreement import HEADER_BYTES
 
 
@@ -289,6 +290,10 @@ class BlockLayout:
         self.bucket_bytes = off
         self.work = Workspace(self.groups, device, compute_dtype)
         self._make_views()
+        # the step's scratch (no state lives in it), given back between DiLoCo's syncs
+        w = self.work
+        self.scratch_storages = ReleasableStorages(
+            t for t in (self.staging_rows, w.x, w.z, w.out, w.xc, w.yc, w.zc) if t is not None)
 
     def _make_unit(self, members: list[int], plan: ChunkPlan,
                    part: tuple[int, int] | None = None) -> Unit:

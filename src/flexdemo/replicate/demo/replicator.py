@@ -203,6 +203,7 @@ class DeMoReplicator(Replicator):
 
         Steps 1-3 are :meth:`encode_payload`. ``overlap="delayed"`` applies step 5 to the
         payloads of the step before (:meth:`_replicate_delayed`)."""
+        self.layout.scratch_storages.restore()  # given back after the last sync, if so
         if self.overlap == "delayed":
             return self._replicate_delayed(grads, lrs, step)
         if self.reduce != "gather" and communicate:  # block owners reduce (.scatter, .shared)
@@ -261,6 +262,7 @@ class DeMoReplicator(Replicator):
         device: the flag is found first (least and largest staged input), the staged input
         is zeroed and the decay factor is 1 where it is set, and the selected values are
         sent as zeros (so error feedback changes nothing); the header carries the flag."""
+        self.layout.scratch_storages.restore()
         plan = self.plan_step(grads, lrs)
         self.host_momentum.begin(step, self.rank)  # bf16: the key of its rounding
         if self.layout.shared_staging:  # each group staged just before its encode
@@ -489,10 +491,18 @@ class DeMoReplicator(Replicator):
         """What this rank sent in its last exchange, as the peers decode it, into ``outs``."""
         if not self.reports_sent:
             return super().sent_into(outs)
+        self.layout.scratch_storages.restore()
         plan = self.plan_step(outs, None)
         if isinstance(ex := self._scattered(), SharedIndices):  # reduce="shared"
             return ex.sent_into(plan, outs, self.staging_plans)
         write_own(self.layout, self.staging_plans, self.codec, self.send_buffers[0], plan, outs)
+
+    def release_workspace(self) -> None:
+        """Give back the step's scratch buffers until the next step (DiLoCo calls it after
+        each sync, H steps apart); kept under CUDA graphs, which captured their addresses."""
+        if not self._graphed:
+            self.layout.scratch_storages.release()
+            self.layout.scratch.clear()
 
     def quorum_changed(self) -> None:
         self.inflight.drop()

@@ -36,6 +36,12 @@ __all__ = ["LiveBytes", "ReleasableStorages", "active", "reachable_tensors", "st
 _ACTIVE: list[LiveBytes] = []
 
 
+def _storage_key(storage: torch.UntypedStorage) -> int:
+    """The identity of a storage, shared by every tensor viewing it (torch has no public
+    name for it)."""
+    return storage._cdata
+
+
 def active() -> LiveBytes | None:
     """The innermost :class:`LiveBytes` in force, or None."""
     return _ACTIVE[-1] if _ACTIVE else None
@@ -77,7 +83,7 @@ class LiveBytes(TorchDispatchMode):
             if x.device.type == "meta" or (self.device and x.device.type != self.device):
                 continue
             st = x.untyped_storage()
-            key, nbytes = st._cdata, st.nbytes()
+            key, nbytes = _storage_key(st), st.nbytes()
             seen = self._live.get(key)
             if seen is not None:
                 if seen[1] == nbytes:
@@ -97,10 +103,10 @@ class LiveBytes(TorchDispatchMode):
     def resized(self, storage: torch.UntypedStorage) -> None:
         """Recount a counted storage whose size changed outside an operator (a
         :class:`ReleasableStorages` giving it back)."""
-        seen = self._live.get(storage._cdata)
+        seen = self._live.get(_storage_key(storage))
         if seen is not None:
             self.current += storage.nbytes() - seen[1]
-            self._live[storage._cdata] = (seen[0], storage.nbytes())
+            self._live[_storage_key(storage)] = (seen[0], storage.nbytes())
             self.peak = max(self.peak, self.current)
 
     def reset_peak(self) -> int:
@@ -136,7 +142,7 @@ def storage_bytes(tree: Any, device: str | None = None) -> int:
             if x.device.type == "meta" or (device and x.device.type != device):
                 continue
             st = x.untyped_storage()
-            seen[st._cdata] = st.nbytes()
+            seen[_storage_key(st)] = st.nbytes()
     return sum(seen.values())
 
 
@@ -181,7 +187,7 @@ class ReleasableStorages:
         storages: dict[int, tuple[torch.UntypedStorage, int]] = {}
         for t in tensors:
             st = t.untyped_storage()
-            storages[st._cdata] = (st, st.nbytes())
+            storages[_storage_key(st)] = (st, st.nbytes())
         self._storages = list(storages.values())
         self.released = False
 

@@ -317,7 +317,8 @@ def test_buckets_give_the_same_bits_on_three_simulated_replicas():
         return [p.detach().clone() for p in sim.models[0].parameters()]
     for kw in ({"values": "int4", "block": 16, "reduce": "scatter"},
                {"values": "int4", "block": 16, "error_feedback": 0.9},
-               {"values": "int2", "block": 16, "reduce": "scatter", "error_feedback": 0.9}):
+               {"values": "int2", "block": 16, "reduce": "scatter", "error_feedback": 0.9,
+                "owner_error_feedback": True}):
         whole, cut = run(None, **kw), run(48, **kw)
         assert all(torch.equal(p, q) for p, q in zip(whole, cut)), kw
 

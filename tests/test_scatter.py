@@ -197,12 +197,11 @@ def test_owner_error_feedback_keeps_what_the_owners_coding_lost(values):
         assert owner[1].abs().max() > 0
 
 
-def test_owner_error_feedback_follows_the_replicas_decay_by_default():
-    """``True`` (the default) takes error_feedback's decay under reduce='scatter', and is
-    off without error feedback or under the gather; the replica's own residual is as
-    without it (its first coding does not change)."""
+def test_owner_error_feedback_true_follows_the_replicas_decay():
+    """``True`` takes error_feedback's decay under reduce='scatter', and is off without
+    error feedback or under the gather; the default is off."""
     world = 3
-    fed = two_steps(world, values="stat1", error_feedback=0.9)
+    fed = two_steps(world, values="stat1", error_feedback=0.9, owner_error_feedback=True)
     plain = two_steps(world, values="stat1", error_feedback=0.9, owner_error_feedback=False)
     for (outs, rep, owner), (p_outs, p_rep, _) in zip(fed, plain):
         assert rep.owner_decay == 0.9 and p_rep.owner_decay is None
@@ -211,7 +210,10 @@ def test_owner_error_feedback_follows_the_replicas_decay_by_default():
         assert owner[1].abs().max() > 0
         assert rep.state_tensor_keys == ("residual", "owner_residual")
         assert p_rep.state_tensor_keys == ("residual",)
-    assert FullReplicator(values="int4", reduce="scatter").owner_decay is None
+    assert FullReplicator(values="int4", reduce="scatter", error_feedback=0.9).owner_decay \
+        is None  # the default: off
+    assert FullReplicator(values="int4", reduce="scatter", owner_error_feedback=True
+                          ).owner_decay is None  # no error_feedback to follow
     assert FullReplicator(values="int4", error_feedback=0.9).owner_decay is None  # gather
     assert FullReplicator(values="int4", reduce="scatter",
                           owner_error_feedback=0.5).owner_decay == 0.5
@@ -247,7 +249,7 @@ def test_owner_error_feedback_settings_that_cannot_work_are_refused(kwargs, word
 def test_owner_residual_is_saved_loaded_and_reset():
     """In the state (per rank, a DCP tensor key), counted as persistent state, loaded back
     exactly, refused when the state lacks it, zeroed for a joiner."""
-    out = two_steps(2, values="int2", error_feedback=0.9)
+    out = two_steps(2, values="int2", error_feedback=0.9, owner_error_feedback=True)
     rep = out[1][1]
     sd = rep.state_dict()
     assert torch.equal(sd["owner_residual"][0], rep.owner_residual)
@@ -256,7 +258,8 @@ def test_owner_residual_is_saved_loaded_and_reset():
     hub = InProcessHub(2, timeout=30)
 
     def load(r):
-        other = FullReplicator(values="int2", block=16, reduce="scatter", error_feedback=0.9)
+        other = FullReplicator(values="int2", block=16, reduce="scatter", error_feedback=0.9,
+                               owner_error_feedback=True)
         other.setup(SHAPES, torch.device("cpu"), hub.transport(r))
         other.load_state_dict(out[r][1].state_dict())
         assert torch.equal(other.owner_residual, out[r][1].owner_residual)

@@ -98,11 +98,12 @@ class FullReplicator(Replicator):
     the mean: each owner keeps ``owner_residual``, what its coding of its chunk of the mean
     lost (``chunk`` values per bucket: 1/n of the values), encodes ``decay * owner_residual +
     mean`` instead of the mean and keeps the new loss once the step stands. Every replica
-    still decodes the same all-gathered bytes, and not a byte more is sent. ``True`` (the
-    default) uses ``error_feedback``'s decay where that is on and is off without it; a
-    float is its own decay (with or without ``error_feedback``); ``None`` or ``False``:
-    off. Per-rank state like the residual (checkpointed per rank, zeroed for a joiner and
-    when the group changes size, as chunk ownership moves).
+    still decodes the same all-gathered bytes, and not a byte more is sent. ``True`` uses
+    ``error_feedback``'s decay (off without it); a float is its own decay (with or without
+    ``error_feedback``); ``None`` (default) or ``False``: off. Off by default because it
+    measured worse (benchmarks/RESULTS.md, "Owner-side error feedback"). Per-rank state like
+    the residual (checkpointed per rank, zeroed for a joiner and when the group changes
+    size, as chunk ownership moves).
 
     Received low-precision payloads are checked (header, finite values: an fp16 overflow or a
     corrupt peer): a bad one raises :class:`CorruptPayloadError` naming the sender on every
@@ -130,7 +131,7 @@ class FullReplicator(Replicator):
 
     def __init__(self, values: str = "fp32", block: int = 128, *, reduce: str = "gather",
                  error_feedback: float | None = None,
-                 owner_error_feedback: bool | float | None = True, on_bad_peer: str = "raise",
+                 owner_error_feedback: bool | float | None = None, on_bad_peer: str = "raise",
                  bucket_numel: int | str | None = "auto", **schedule) -> None:
         super().__init__(**schedule)
         self.codec = ValueCodec(values, block)  # validates
@@ -189,9 +190,7 @@ class FullReplicator(Replicator):
             parts.append(f"reduce={self.reduce!r}")
         if self.error_feedback is not None:
             parts.append(f"error_feedback={self.error_feedback}")
-        if self.owner_decay is not None and self.owner_decay != self.error_feedback:
-            parts.append(f"owner_error_feedback={self.owner_decay}")
-        elif self.owner_decay is None and self.owner_error_feedback is not True:
+        if self.owner_decay is not None:
             parts.append(f"owner_error_feedback={self.owner_error_feedback}")
         if self.bucket_numel != "auto":
             parts.append(f"bucket_numel={self.bucket_numel!r}")

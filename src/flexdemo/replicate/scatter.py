@@ -13,6 +13,9 @@ equal chunks (whole quantisation blocks); rank ``c`` *owns* chunk ``c``:
 
 Per rank that is ``2 (n - 1) / n`` payloads sent (and received), at most two whatever the group
 size, against ``n - 1`` for the gathered exchange; the price is a second rounding of the mean.
+With owner error feedback (``FullReplicator(owner_error_feedback=...)``) each owner keeps what
+that rounding lost for its chunk and adds it, decayed, to the next mean it encodes: the same
+bytes, and every replica still decodes the same ones.
 
 Every payload carries the 32-byte header of :mod:`.agreement`. An owner judges the ``n``
 headers and decoded values of its chunk and sends its verdict on each sender (a flag per

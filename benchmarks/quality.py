@@ -313,6 +313,15 @@ SETTINGS: dict[str, Setting] = {
             "0.9), gathered: no second rounding of the mean by its owner (the same bytes at 2 "
             "replicas)", {"exchange_kwargs": {"values": "stat1", "block": 256,
                                               "error_feedback": 0.9, "reduce": "gather"}}),
+           # the owner's second coding of the mean (reduce-scatter) with and without its own
+           # error feedback (owner_error_feedback: the replicas' decay, 0.9, or 0.5); the same bytes
+           *(("muloco", f"-{v}-ef-{tag}", f", {v} values{about} with error feedback (decay 0.9), "
+              + (f"the owner's error feedback (decay {0.9 if on is True else on})" if on else
+                 "without the owner's error feedback"),
+              {"exchange_kwargs": {"values": v, **extra, "error_feedback": 0.9,
+                                   "owner_error_feedback": on}})
+             for v, about, extra in (("stat1", " (block 256)", {"block": 256}), ("int2", "", {}))
+             for tag, on in (("oef", True), ("nooef", None), ("oef-d0.5", 0.5))),
            ("sparseloco", "", "", {}),
            ("sparseloco", "-int2", ", int2 values (lo/hi per block)",
             {"exchange_kwargs": {"values": "int2"}}),

@@ -30,6 +30,14 @@ CASES = {
         "adamw", 0.01),
     "full-int8-scatter": (lambda: [FullReplicator(values="int8", block=8, reduce="scatter")],
                           "sgd", 0.05),
+    # the owner's coding of the mean fed back (owner_error_feedback), with and without the
+    # replicas' own error feedback
+    "full-int2-scatter-oef": (lambda: [FullReplicator(
+        values="int2", block=8, reduce="scatter", error_feedback=0.9, owner_error_feedback=True)],
+        "sgd", 0.05),
+    "diloco-stat1-scatter-oef": (lambda: [DiLoCoReplicator(
+        inner_steps=2, exchange_kwargs={"values": "stat1", "block": 16, "reduce": "scatter",
+                                        "owner_error_feedback": 0.8})], "adamw", 0.01),
 }
 STEPS = 5
 

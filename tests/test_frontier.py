@@ -145,12 +145,14 @@ def test_presets_are_diloco_with_their_documented_settings():
         make_replicator("sparseloco", topk=3)
 
 
-EF2 = {"exchange_kwargs": {"values": "int2", "error_feedback": 0.9}}
+EF2 = {"exchange_kwargs": {"values": "int2", "error_feedback": 0.9,
+                           "owner_error_feedback": True}}
 EF1 = {"exchange_kwargs": {"values": "stat1", "block": 16, "error_feedback": 0.9}}
+OWNER = {"exchange_kwargs": {"values": "int4", "block": 16, "owner_error_feedback": 0.7}}
 
 
 @pytest.mark.parametrize("preset,kw", [("muloco", {}), ("sparseloco", {}), ("muloco", EF2),
-                                       ("muloco", EF1)])
+                                       ("muloco", EF1), ("muloco", OWNER)])
 def test_presets_keep_replicas_identical_and_resume_bitwise(preset, kw, tmp_path):
     def run(sim, steps):
         for s in steps:
@@ -170,6 +172,11 @@ def test_presets_keep_replicas_identical_and_resume_bitwise(preset, kw, tmp_path
     for ma, mb in zip(a.models, b.models):
         assert all(torch.equal(p, q) for p, q in zip(ma.parameters(), mb.parameters()))
     assert a.bytes_sent == b.bytes_sent and a.bytes_received == b.bytes_received
+    if kw in (EF2, OWNER):  # the owners' residuals (owner error feedback) came back too
+        for oa, ob in zip(a.optimizers, b.optimizers):
+            ra, rb = oa.replicators[0].exchanges[0], ob.replicators[0].exchanges[0]
+            assert ra.owner_residual.abs().max() > 0
+            assert torch.equal(ra.owner_residual, rb.owner_residual)
 
 
 @pytest.mark.parametrize("preset", ["muloco", "sparseloco"])

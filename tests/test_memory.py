@@ -4,6 +4,7 @@ dense exchanges' (bucket_numel)."""
 from __future__ import annotations
 
 import copy
+import math
 
 import memory_workers
 import pytest
@@ -131,6 +132,32 @@ def test_state_bytes_match_what_a_checkpoint_keeps(rep, base):
     stats = opt.last_step_stats()
     assert stats["state_bytes"] == state_bytes(opt) > 0
     assert "step_workspace_bytes" not in stats  # measured only under LiveBytes
+
+
+def test_the_owners_residual_is_persistent_state_of_a_chunk_per_bucket():
+    """Owner error feedback keeps one chunk (1/n of a bucket, whole blocks) per bucket:
+    counted in state_bytes, what a checkpoint keeps; nothing more without it."""
+    def state(bucket_numel, owner):
+        def opt_fn(params, group):
+            return DeToNATION(params, [FullReplicator(
+                values="int2", block=16, reduce="scatter", error_feedback=0.9,
+                owner_error_feedback=owner, bucket_numel=bucket_numel)],
+                base="sgd", lr=0.05, group=group)
+        sim = SimulatedReplicas(tiny_model, tiny_loss, replicas=3, optimizer_fn=opt_fn)
+        for s in range(2):
+            sim.step([tiny_batch(r, s) for r in range(3)])
+        opt = sim.optimizers[1]
+        stats = opt.last_step_stats()
+        assert stats["state_bytes"] == state_bytes(opt)
+        return stats["state_bytes"], opt.replicators[0]
+    for bucket_numel in (None, 48):
+        plain, _ = state(bucket_numel, None)
+        fed, rep = state(bucket_numel, True)
+        sizes = [rep._total] if rep.buckets is None else [hi - lo for lo, hi in
+                                                          rep.buckets.bounds]
+        chunks = sum(math.ceil(math.ceil(n / 3) / 16) * 16 for n in sizes)
+        assert rep.owner_residual.numel() == chunks
+        assert fed - plain == 4 * chunks
 
 
 def test_group_numel_must_be_a_positive_integer():
@@ -346,7 +373,9 @@ def test_buckets_give_the_same_bits_on_three_simulated_replicas():
         assert (rep.buckets is None) == (bucket_numel is None)
         return [p.detach().clone() for p in sim.models[0].parameters()]
     for kw in ({"values": "int4", "block": 16, "reduce": "scatter"},
-               {"values": "int4", "block": 16, "error_feedback": 0.9}):
+               {"values": "int4", "block": 16, "error_feedback": 0.9},
+               {"values": "int2", "block": 16, "reduce": "scatter", "error_feedback": 0.9,
+                "owner_error_feedback": True}):
         whole, cut = run(None, **kw), run(48, **kw)
         assert all(torch.equal(p, q) for p, q in zip(whole, cut)), kw
 

@@ -4,6 +4,8 @@ Bitwise equality with real gloo processes (2 and 4 ranks) is in tests/test_simul
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -108,3 +110,162 @@ def test_settings_that_cannot_work_are_refused_in_one_line(kwargs, words):
     with pytest.raises(ValueError, match=words) as e:
         FullReplicator(**kwargs)
     assert "\n" not in str(e.value)
+
+
+# ---------------------------------------------------------------------- owner error feedback
+QUANTISED = ["bf16", "fp16", "int8", "int4", "int3", "int2", "stat3", "stat2", "stat1"]
+
+
+def two_steps(world: int, before=None, **kw) -> list:
+    """Two reduce-scatter exchanges of ``inputs(r)`` (the second scaled by 0.5 and shifted)
+    on ``world`` in-process replicas: per replica its outputs (flat, or the error it
+    raised), its replicator and the owner's residual after each step."""
+    hub = InProcessHub(world, timeout=30)
+
+    def work(r):
+        rep = FullReplicator(block=16, reduce="scatter", **kw)
+        rep.setup(SHAPES, torch.device("cpu"), hub.transport(r))
+        outs, owner = [], []
+        for step in range(2):
+            grads = [g * (1.0 - 0.5 * step) + 0.1 * step for g in inputs(r)]
+            if before is not None:
+                before(r, step, grads)
+            try:
+                outs.append(torch.cat([t.reshape(-1) for t in rep(grads, [1.0] * 3, step)]))
+            except NonFiniteGradientError as e:
+                outs.append(e)
+            owner.append(None if rep.owner_residual is None else rep.owner_residual.clone())
+        return outs, rep, owner
+
+    return run_replicas(hub, work)
+
+
+def owner_reference(values: str, world: int, decay: float, steps: int = 2) -> list:
+    """By hand, per owner: ``mean + decay * residual`` coded again, the residual what that
+    coding lost (zero past the values), the first coding plain (no replica feedback)."""
+    codec = ValueCodec(values, 16)
+    total = sum(s.numel() for s in SHAPES)
+    chunk = math.ceil(math.ceil(total / world) / 16) * 16
+
+    def coded(x: torch.Tensor) -> torch.Tensor:
+        buf = torch.zeros(codec.nbytes(x.numel()), dtype=torch.uint8)
+        codec.encode(x, buf)
+        return codec.decode(buf, x.numel())
+
+    res = [torch.zeros(chunk) for _ in range(world)]
+    out = []
+    for step in range(steps):
+        padded = torch.zeros(world, world * chunk)
+        for r in range(world):
+            padded[r, :total] = torch.cat([(g * (1.0 - 0.5 * step) + 0.1 * step).reshape(-1)
+                                           for g in inputs(r)])
+        for c in range(world):
+            parts = [coded(padded[r, c * chunk:(c + 1) * chunk]) for r in range(world)]
+            mean = parts[0].clone()
+            for p in parts[1:]:  # rank order
+                mean.add_(p)
+            mean.div_(world).add_(res[c], alpha=decay)
+            res[c] = mean - coded(mean)
+            res[c][max(0, total - c * chunk):].zero_()
+        out.append([r.clone() for r in res])
+    return out
+
+
+@pytest.mark.parametrize("values", QUANTISED)
+def test_owner_error_feedback_keeps_what_the_owners_coding_lost(values):
+    """Every quantised format: the owner codes ``mean + decay * residual`` and keeps what
+    that coding lost (by hand, exactly; zero past the values); every replica decodes the
+    same bits at every step; the first step (an empty residual) is the plain exchange's,
+    the second differs; not a byte more is sent."""
+    world, decay = 3, 0.5
+    fed = two_steps(world, values=values, owner_error_feedback=decay)
+    plain = two_steps(world, values=values, owner_error_feedback=None)
+    want = owner_reference(values, world, decay)
+    for r, (outs, rep, owner) in enumerate(fed):
+        assert rep.residual is None and rep.owner_decay == decay
+        assert rep.owner_residual is not None and rep.owner_residual.numel() == rep._scatter.chunk
+        for step in range(2):
+            assert torch.equal(outs[step], fed[0][0][step])  # bitwise, every replica
+            torch.testing.assert_close(owner[step], want[step][r], rtol=0, atol=1e-6)
+        assert rep.stats.bytes_sent == plain[r][1].stats.bytes_sent == 2 * rep.exchange_bytes()
+        assert rep.stats.bytes_received == plain[r][1].stats.bytes_received
+        assert rep.payload_bytes() == plain[r][1].payload_bytes()
+    assert torch.equal(fed[0][0][0], plain[0][0][0])
+    assert plain[0][1].owner_residual is None
+    assert not torch.equal(fed[0][0][1], plain[0][0][1])  # the residual went in
+    for _, _, owner in fed:
+        assert owner[1].abs().max() > 0
+
+
+def test_owner_error_feedback_true_follows_the_replicas_decay():
+    """``True`` takes error_feedback's decay under reduce='scatter', and is off without
+    error feedback or under the gather; the default is off."""
+    world = 3
+    fed = two_steps(world, values="stat1", error_feedback=0.9, owner_error_feedback=True)
+    plain = two_steps(world, values="stat1", error_feedback=0.9, owner_error_feedback=False)
+    for (outs, rep, owner), (p_outs, p_rep, _) in zip(fed, plain):
+        assert rep.owner_decay == 0.9 and p_rep.owner_decay is None
+        assert torch.equal(outs[0], p_outs[0]) and not torch.equal(outs[1], p_outs[1])
+        assert torch.equal(outs[1], fed[0][0][1])
+        assert owner[1].abs().max() > 0
+        assert rep.state_tensor_keys == ("residual", "owner_residual")
+        assert p_rep.state_tensor_keys == ("residual",)
+    assert FullReplicator(values="int4", reduce="scatter", error_feedback=0.9).owner_decay \
+        is None  # the default: off
+    assert FullReplicator(values="int4", reduce="scatter", owner_error_feedback=True
+                          ).owner_decay is None  # no error_feedback to follow
+    assert FullReplicator(values="int4", error_feedback=0.9).owner_decay is None  # gather
+    assert FullReplicator(values="int4", reduce="scatter",
+                          owner_error_feedback=0.5).owner_decay == 0.5
+    assert "owner_error_feedback=0.5" in repr(
+        FullReplicator(values="int4", reduce="scatter", error_feedback=0.9,
+                       owner_error_feedback=0.5))
+
+
+def test_a_failed_step_leaves_the_owners_residual_as_it_was():
+    def nan_at_step_1_on_rank_1(r, step, grads):
+        if r == 1 and step == 1:
+            grads[0][0, 0] = float("nan")
+
+    out = two_steps(3, before=nan_at_step_1_on_rank_1, values="int2",
+                    owner_error_feedback=0.9)
+    for outs, _rep, owner in out:
+        assert isinstance(outs[1], NonFiniteGradientError) and outs[1].ranks == [1]
+        assert owner[0].abs().max() > 0 and torch.equal(owner[1], owner[0])
+
+
+@pytest.mark.parametrize("kwargs, words", [
+    ({"values": "int4", "owner_error_feedback": 0.9}, "reduce='scatter'"),
+    ({"values": "fp32", "owner_error_feedback": 0.9}, "reduce='scatter'"),
+    ({"values": "int4", "reduce": "scatter", "owner_error_feedback": 1.5}, "a decay in"),
+    ({"values": "int4", "reduce": "scatter", "owner_error_feedback": "on"}, "a decay in"),
+])
+def test_owner_error_feedback_settings_that_cannot_work_are_refused(kwargs, words):
+    with pytest.raises(ValueError, match=words) as e:
+        FullReplicator(**kwargs)
+    assert "\n" not in str(e.value)
+
+
+def test_owner_residual_is_saved_loaded_and_reset():
+    """In the state (per rank, a DCP tensor key), counted as persistent state, loaded back
+    exactly, refused when the state lacks it, zeroed for a joiner."""
+    out = two_steps(2, values="int2", error_feedback=0.9, owner_error_feedback=True)
+    rep = out[1][1]
+    sd = rep.state_dict()
+    assert torch.equal(sd["owner_residual"][0], rep.owner_residual)
+    assert "owner_residual" in rep.tensor_state_keys()
+    assert any(t is rep.owner_residual for t in rep.state_tensors())
+    hub = InProcessHub(2, timeout=30)
+
+    def load(r):
+        other = FullReplicator(values="int2", block=16, reduce="scatter", error_feedback=0.9,
+                               owner_error_feedback=True)
+        other.setup(SHAPES, torch.device("cpu"), hub.transport(r))
+        other.load_state_dict(out[r][1].state_dict())
+        assert torch.equal(other.owner_residual, out[r][1].owner_residual)
+        with pytest.raises(ValueError, match="no owner error-feedback residual"):
+            other.load_state_dict({k: v for k, v in sd.items() if k != "owner_residual"})
+        other.reset_replica_state()
+        return other.owner_residual.abs().max()
+
+    assert all(m == 0 for m in run_replicas(hub, load))

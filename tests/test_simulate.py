@@ -40,6 +40,14 @@ def assert_same_as_gloo(gloo: list[dict], world: int, cases) -> None:
     for case in cases:
         sim = simulated_trace(case, world)
         for s in range(STEPS):
+            if case.startswith("full"):  # every step syncs: the gloo ranks are identical
+                for r in range(1, world):
+                    assert all(torch.equal(a, b) for a, b in zip(
+                        gloo[0][case][s]["params"], gloo[r][case][s]["params"])), (case, s, r)
+            if case.startswith("diloco") and s % 2 == 1:  # a sync step (H=2)
+                for r in range(1, world):
+                    assert all(torch.equal(a, b) for a, b in zip(
+                        gloo[0][case][s]["params"], gloo[r][case][s]["params"])), (case, s, r)
             for r in range(world):
                 want, got = gloo[r][case][s], sim[s][r]
                 assert want["sent"] == got["sent"] and want["received"] == got["received"], \
@@ -60,7 +68,7 @@ def test_two_replicas_bitwise_equal_to_two_gloo_processes(one_thread):
 def test_four_replicas_bitwise_equal_to_four_gloo_processes(one_thread):
     # all-reduce (full, striding) sums in gloo's ring order: bitwise equal on 4 ranks too
     cases = ["demo", "full", "striding", "diloco-full", "diloco-int4-scatter",
-             "full-int8-scatter"]
+             "full-int8-scatter", "full-int2-scatter-oef", "diloco-stat1-scatter-oef"]
     gloo = run_world(gloo_worker, 4, cases)
     assert_same_as_gloo(gloo, 4, cases)
 

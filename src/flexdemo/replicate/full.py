@@ -88,12 +88,22 @@ class FullReplicator(Replicator):
 
     ``error_feedback`` (quantised formats; default None: off) keeps on each replica what its
     quantisation lost: ``residual = error_feedback * residual + input``, the residual is
-    encoded and sent, and what the peers will decode of it is subtracted (its first encoding:
-    under ``reduce="scatter"`` the owner's second rounding of the mean is not fed back). A
-    decay of 1.0 is classic error feedback; a lower one forgets old residuals. The residual is
-    per-replica state (checkpointed per rank, zeroed for a joiner); a step that fails on every
-    replica adds back what it sent, so the residual then holds the input as if it had not
-    been sent.
+    encoded and sent, and what the peers will decode of it is subtracted (its first encoding).
+    A decay of 1.0 is classic error feedback; a lower one forgets old residuals. The residual
+    is per-replica state (checkpointed per rank, zeroed for a joiner); a step that fails on
+    every replica adds back what it sent, so the residual then holds the input as if it had
+    not been sent.
+
+    ``owner_error_feedback`` (``reduce="scatter"``) feeds back the owner's second rounding of
+    the mean: each owner keeps ``owner_residual``, what its coding of its chunk of the mean
+    lost (``chunk`` values per bucket: 1/n of the values), encodes ``decay * owner_residual +
+    mean`` instead of the mean and keeps the new loss once the step stands. Every replica
+    still decodes the same all-gathered bytes, and not a byte more is sent. ``True`` uses
+    ``error_feedback``'s decay (off without it); a float is its own decay (with or without
+    ``error_feedback``); ``None`` (default) or ``False``: off. Off by default because it
+    measured worse (benchmarks/RESULTS.md, "Owner-side error feedback"). Per-rank state like
+    the residual (checkpointed per rank, zeroed for a joiner and when the group changes
+    size, as chunk ownership moves).
 
     Received low-precision payloads are checked (header, finite values: an fp16 overflow or a
     corrupt peer): a bad one raises :class:`CorruptPayloadError` naming the sender on every
@@ -120,7 +130,8 @@ class FullReplicator(Replicator):
     fault_tolerant = True
 
     def __init__(self, values: str = "fp32", block: int = 128, *, reduce: str = "gather",
-                 error_feedback: float | None = None, on_bad_peer: str = "raise",
+                 error_feedback: float | None = None,
+                 owner_error_feedback: bool | float | None = None, on_bad_peer: str = "raise",
                  bucket_numel: int | str | None = "auto", **schedule) -> None:
         super().__init__(**schedule)
         self.codec = ValueCodec(values, block)  # validates
@@ -137,9 +148,13 @@ class FullReplicator(Replicator):
         self.error_feedback = None if error_feedback is None else float(error_feedback)
         self.feedback_decay = self.error_feedback or 0.0
         self.reports_sent = values != "fp32"  # a quantised payload it can decode again
-        if self.error_feedback is not None:  # per-replica state: the residual
+        self.owner_decay = self._owner_decay(owner_error_feedback, values, reduce)
+        self.owner_error_feedback = owner_error_feedback
+        keys = (("residual",) if self.error_feedback is not None else ()) + (
+            ("owner_residual",) if self.owner_decay is not None else ())
+        if keys:  # per-replica state: the residuals
             self.keeps_replica_state = True
-            self.state_tensor_keys = ("residual",)
+            self.state_tensor_keys = keys
         if on_bad_peer not in ("raise", "drop"):
             raise ValueError(f"on_bad_peer must be 'raise' or 'drop', got {on_bad_peer!r}")
         if reduce not in ("gather", "scatter"):
@@ -154,12 +169,29 @@ class FullReplicator(Replicator):
         self.values, self.on_bad_peer, self.reduce = values, on_bad_peer, reduce
         self.dropped_payloads = 0
 
+    def _owner_decay(self, setting: bool | float | None, values: str,
+                     reduce: str) -> float | None:
+        """The decay of the owner's error feedback (None: off), checked."""
+        if setting is None or setting is False:
+            return None
+        if setting is True:
+            return self.error_feedback if reduce == "scatter" else None
+        if not isinstance(setting, (int, float)) or not 0.0 < setting <= 1.0:
+            raise ValueError(f"owner_error_feedback must be True (error_feedback's decay), "
+                             f"None/False (off) or a decay in (0, 1], got {setting!r}")
+        if reduce != "scatter" or values == "fp32":
+            raise ValueError("owner_error_feedback feeds back the owner's second coding of "
+                             "the mean: it needs a quantised reduce='scatter'")
+        return float(setting)
+
     def extra_repr(self) -> str:
         parts = [] if self.values == "fp32" else [f"values={self.values!r}"]
         if self.reduce != "gather":
             parts.append(f"reduce={self.reduce!r}")
         if self.error_feedback is not None:
             parts.append(f"error_feedback={self.error_feedback}")
+        if self.owner_decay is not None:
+            parts.append(f"owner_error_feedback={self.owner_error_feedback}")
         if self.bucket_numel != "auto":
             parts.append(f"bucket_numel={self.bucket_numel!r}")
         return ", ".join(parts)
@@ -176,11 +208,13 @@ class FullReplicator(Replicator):
         self.residual = None if self.error_feedback is None else torch.zeros(
             self._total, dtype=torch.float32, device=self.device)
         self._decay = torch.tensor(self.error_feedback or 1.0, device=self.device)
+        self.owner_residual: torch.Tensor | None = None
         if numel is not None:
             self._setup_buckets(numel)
             return
         if self.reduce == "scatter" and self.world > 1:
             self._scatter = ScatterExchange(self.codec, self._total, self.world, self.device)
+            self._setup_owner([self._total])
             flat = self._scatter.flat
         elif self.values == "fp32":
             self._bucket = torch.zeros(self._total + Agreement.trailer_size(self.world),
@@ -198,6 +232,7 @@ class FullReplicator(Replicator):
         self.layout = None
         if self.reduce == "scatter" and self.world > 1:
             self._scatter = ScatterExchange(self.codec, numel, self.world, self.device)
+            self._setup_owner(self._bucket_sizes())
             self._stage = self._scatter.padded[:numel]
         elif self.values == "fp32":  # the first bucket carries the agreement's trailer
             self._bucket = torch.zeros(numel + Agreement.trailer_size(self.world),
@@ -207,6 +242,24 @@ class FullReplicator(Replicator):
             self._bucket = torch.zeros(self._payload_size(numel), dtype=torch.uint8,
                                        device=self.device)
             self._stage = torch.zeros(numel, dtype=torch.float32, device=self.device)
+
+    def _setup_owner(self, sizes: list[int]) -> None:
+        """The owner's residual (owner error feedback): one chunk per bucket of ``sizes``
+        values, laid end to end; ``_owner_at[b]`` is where bucket ``b``'s chunk starts."""
+        if self.owner_decay is None or self._scatter is None:
+            return
+        chunks = [self._scatter.sizes(n)[0] for n in sizes]
+        self._owner_at = [sum(chunks[:b]) for b in range(len(chunks) + 1)]
+        self.owner_residual = torch.zeros(self._owner_at[-1], dtype=torch.float32,
+                                          device=self.device)
+
+    def _owner_feedback(self, b: int) -> dict:
+        """The owner-feedback arguments of :meth:`ScatterExchange.finish` for bucket ``b``."""
+        if self.owner_residual is None:
+            return {}
+        lo, hi = self._owner_at[b], self._owner_at[b + 1]
+        return {"owner_residual": self.owner_residual[lo:hi],
+                "owner_decay": self.owner_decay, "rank": self.rank}
 
     def _payload_size(self, n: int) -> int:
         """Bytes of a gathered payload of ``n`` values (rows stay 8-byte aligned)."""
@@ -339,7 +392,7 @@ class FullReplicator(Replicator):
         flat = self.layout.flat
         if self._scatter is not None:
             self._scatter.finish(handle, step, code, self.name, self.transport, self.stats,
-                                 self.bad_peer)
+                                 self.bad_peer, **self._owner_feedback(0))
         elif self.values == "fp32":
             buf = handle.wait()
             self.agreement.read_trailer(buf[self._total:], code, step)
@@ -380,7 +433,7 @@ class FullReplicator(Replicator):
                     buckets.fill(b, grads, x)
                 self._take_in(x, lo, hi, flag)
                 taken = k
-                self._exchange_bucket(k == 0, x, step, flag, code)
+                self._exchange_bucket(k == 0, x, step, flag, code, b)
                 if self.residual is not None:  # what it sent leaves the residual
                     self.residual[lo:hi].sub_(self._sent_bucket(hi - lo))
                 buckets.scatter(b, grads, x)
@@ -404,15 +457,16 @@ class FullReplicator(Replicator):
         x.copy_(r)
 
     def _exchange_bucket(self, first: bool, x: torch.Tensor, step: int, flag: torch.Tensor,
-                         code: int) -> None:
-        """Average a bucket (its ``x.numel()`` values in ``x``) over the group, in place;
+                         code: int, b: int) -> None:
+        """Average bucket ``b`` (its ``x.numel()`` values in ``x``) over the group, in place;
         the ``first`` one carries the agreement."""
         n = x.numel()
         if self._scatter is not None:
             sx = self._scatter
             sx.use(n)
             handle = sx.start(step, flag, code, self.transport, self.stats)
-            sx.finish(handle, step, code, self.name, self.transport, self.stats, self.bad_peer)
+            sx.finish(handle, step, code, self.name, self.transport, self.stats, self.bad_peer,
+                      **self._owner_feedback(b))
         elif self.values == "fp32":
             trailer = Agreement.trailer_size(self.world) if first else 0
             if trailer:
@@ -480,8 +534,8 @@ class FullReplicator(Replicator):
 
     # ------------------------------------------------------------------ state
     def reset_replica_state(self) -> None:
-        if self.residual is not None:
-            self.residual.zero_()
+        for t in self.state_tensors():
+            t.zero_()
 
     def state_dict(self) -> dict:
         return self._state(copy=True)
@@ -493,10 +547,12 @@ class FullReplicator(Replicator):
         sd = {**super().state_dict(), "dropped_payloads": self.dropped_payloads}
         if self.residual is not None:
             sd["residual"] = [self.residual.clone() if copy else self.residual]
+        if self.owner_residual is not None:
+            sd["owner_residual"] = [self.owner_residual.clone() if copy else self.owner_residual]
         return sd
 
     def state_tensors(self) -> list[torch.Tensor]:
-        return [] if self.residual is None else [self.residual]
+        return [t for t in (self.residual, self.owner_residual) if t is not None]
 
     def input_views(self) -> list[torch.Tensor] | None:
         return None if self.layout is None else self.layout.views
@@ -509,6 +565,15 @@ class FullReplicator(Replicator):
                                  f"{self._total} values (saved without error_feedback, or "
                                  "for another model?)")
             self.residual.copy_(theirs[0])
+        if self.owner_residual is not None:
+            theirs = state.get("owner_residual")
+            if not theirs or theirs[0].shape != self.owner_residual.shape:
+                raise ValueError(f"{self.name}: the state has no owner error-feedback residual "
+                                 f"of {self.owner_residual.numel()} values (saved without "
+                                 "owner_error_feedback, by an older flexdemo, or for another "
+                                 "model or group size?); pass owner_error_feedback=None to "
+                                 "load it without")
+            self.owner_residual.copy_(theirs[0])
         super().load_state_dict(state)
         self.dropped_payloads = int(state.get("dropped_payloads", 0))
 

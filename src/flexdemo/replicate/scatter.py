@@ -13,6 +13,9 @@ equal chunks (whole quantisation blocks); rank ``c`` *owns* chunk ``c``:
 
 Per rank that is ``2 (n - 1) / n`` payloads sent (and received), at most two whatever the group
 size, against ``n - 1`` for the gathered exchange; the price is a second rounding of the mean.
+With owner error feedback (``FullReplicator(owner_error_feedback=...)``) each owner keeps what
+that rounding lost for its chunk and adds it, decayed, to the next mean it encodes: the same
+bytes, and every replica still decodes the same ones.
 
 Every payload carries the 32-byte header of :mod:`.agreement`. An owner judges the ``n``
 headers and decoded values of its chunk and sends its verdict on each sender (a flag per
@@ -111,9 +114,16 @@ class ScatterExchange:
         return all_to_all_equal(self.recv, self.send, transport, stats, async_op=True)
 
     def finish(self, pending: Pending, step: int, code: int, name: str, transport,
-               stats: CommStats, bad_peer) -> None:
+               stats: CommStats, bad_peer, owner_residual: torch.Tensor | None = None,
+               owner_decay: float = 1.0, rank: int = 0) -> None:
         """Complete the exchange: the owner's mean, its all-gather, the checks, and the
-        decoded mean of every chunk in :attr:`flat`. ``bad_peer(r, step, reason)`` raises."""
+        decoded mean of every chunk in :attr:`flat`. ``bad_peer(r, step, reason)`` raises.
+
+        ``owner_residual`` (``chunk`` values of the chunk this rank, ``rank``, owns): error
+        feedback of the owner's coding of the mean. The owner encodes ``owner_decay *
+        owner_residual + mean`` instead of the mean and, once every check has passed, keeps
+        what that coding lost (zero past the end of the values); a step that raises leaves
+        it as it was. Not a byte more goes on the wire."""
         recv = pending.wait()
         n, size = self.world, self.chunk
         values = self.codec.decode(recv[:, HEADER_BYTES:], size)  # (n, chunk)
@@ -126,6 +136,8 @@ class ScatterExchange:
         for r in range(1, n):  # rank order
             total.add_(values[r])
         total.div_(n)
+        if owner_residual is not None:  # what earlier codings of this chunk's mean lost
+            total.add_(owner_residual, alpha=owner_decay)
         write_header(self.mean, step, False, code)
         self.mean[self.verdict_at: self.mean_at].view(torch.int64).copy_(
             torch.tensor(verdict, dtype=torch.int64))
@@ -137,6 +149,9 @@ class ScatterExchange:
         verdicts = gathered[:, self.verdict_at: self.mean_at].view(torch.int64)
         read = torch.cat([heads2.reshape(-1), verdicts.reshape(-1), ends]).tolist()
         self._raise_on_verdicts(read, step, code, name, transport, bad_peer)
+        if owner_residual is not None:  # the step stands: keep what the coding lost
+            torch.sub(total, means[rank], out=owner_residual)
+            owner_residual[max(0, min(size, self.total - rank * size)):].zero_()  # padding
         self.padded.view(n, size).copy_(means)
 
     def _judge(self, heads: list[list[int]], finite: list[int], step: int,

@@ -260,8 +260,9 @@ def test_diloco_forms_its_pseudo_gradients_in_the_parameters():
 
 
 def test_diloco_releases_its_codec_buffer_after_a_sync(monkeypatch):
-    """An int4 sync's codec buffer (a bucket of fp32 values) is dropped once the sync is
-    applied, not held for the H steps to the next one: the same bits as keeping it."""
+    """An int4 sync's codec buffer (a bucket of fp32 values) and its bucket's buffers are
+    given back once the sync is applied, not held for the H steps to the next one: the same
+    bits as keeping them."""
     kw = {"exchange_kwargs": {"values": "int4", "bucket_numel": 1 << 16}}
     model, opt, P = _diloco_run(**kw)
     ex = opt.replicators[0].exchanges[0]
@@ -270,6 +271,7 @@ def test_diloco_releases_its_codec_buffer_after_a_sync(monkeypatch):
         return storage_bytes(reachable_tensors(opt.replicators[0]))
 
     before = held()
+    assert opt.memory_stats()["workspace_bytes"] < 4 * (1 << 16) // 8  # nor a bucket
     ex.codec.workspace(1 << 16, torch.device("cpu"))  # what the sync used to leave behind
     assert held() == before + 4 * (1 << 16)
     monkeypatch.setattr(FullReplicator, "release_workspace", lambda self: None)

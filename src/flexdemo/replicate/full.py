@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from ..compress.quant import ValueCodec
+from ..memory import ReleasableStorages
 from ..transport import all_gather, all_reduce_bytes, all_reduce_sum
 from .agreement import (
     HEADER_BYTES,
@@ -67,6 +68,37 @@ class FlatLayout:
         present, views, _ = self.plan(grads)
         if present and not all(grads[i] is v for i, v in zip(present, views)):
             torch._foreach_copy_([grads[i] for i in present], views)
+
+
+def _check_reduce(values: str, reduce: str, on_bad_peer: str) -> None:
+    """Refuse a ``reduce`` / ``on_bad_peer`` setting that does not fit ``values``."""
+    if on_bad_peer not in ("raise", "drop"):
+        raise ValueError(f"on_bad_peer must be 'raise' or 'drop', got {on_bad_peer!r}")
+    if reduce not in ("gather", "scatter"):
+        raise ValueError(f"reduce must be 'gather' or 'scatter', got {reduce!r}")
+    if reduce == "scatter" and values == "fp32":
+        raise ValueError("reduce='scatter' is for quantised values (bf16, fp16, int8, "
+                         "int4); values='fp32' all-reduces, already flat in the group "
+                         "size: leave reduce out")
+    if reduce == "scatter" and on_bad_peer == "drop":
+        raise ValueError("on_bad_peer='drop' needs reduce='gather' (with reduce='scatter' "
+                         "a bad payload would be dropped from some chunks only)")
+
+
+def _owner_decay(setting: bool | float | None, error_feedback: float | None, values: str,
+                 reduce: str) -> float | None:
+    """The decay of the owner's error feedback (None: off), checked."""
+    if setting is None or setting is False:
+        return None
+    if setting is True:
+        return error_feedback if reduce == "scatter" else None
+    if not isinstance(setting, (int, float)) or not 0.0 < setting <= 1.0:
+        raise ValueError(f"owner_error_feedback must be True (error_feedback's decay), "
+                         f"None/False (off) or a decay in (0, 1], got {setting!r}")
+    if reduce != "scatter" or values == "fp32":
+        raise ValueError("owner_error_feedback feeds back the owner's second coding of "
+                         "the mean: it needs a quantised reduce='scatter'")
+    return float(setting)
 
 
 class FullReplicator(Replicator):
@@ -148,41 +180,17 @@ class FullReplicator(Replicator):
         self.error_feedback = None if error_feedback is None else float(error_feedback)
         self.feedback_decay = self.error_feedback or 0.0
         self.reports_sent = values != "fp32"  # a quantised payload it can decode again
-        self.owner_decay = self._owner_decay(owner_error_feedback, values, reduce)
+        self.owner_decay = _owner_decay(owner_error_feedback, self.error_feedback, values,
+                                        reduce)
         self.owner_error_feedback = owner_error_feedback
         keys = (("residual",) if self.error_feedback is not None else ()) + (
             ("owner_residual",) if self.owner_decay is not None else ())
         if keys:  # per-replica state: the residuals
             self.keeps_replica_state = True
             self.state_tensor_keys = keys
-        if on_bad_peer not in ("raise", "drop"):
-            raise ValueError(f"on_bad_peer must be 'raise' or 'drop', got {on_bad_peer!r}")
-        if reduce not in ("gather", "scatter"):
-            raise ValueError(f"reduce must be 'gather' or 'scatter', got {reduce!r}")
-        if reduce == "scatter" and values == "fp32":
-            raise ValueError("reduce='scatter' is for quantised values (bf16, fp16, int8, "
-                             "int4); values='fp32' all-reduces, already flat in the group "
-                             "size: leave reduce out")
-        if reduce == "scatter" and on_bad_peer == "drop":
-            raise ValueError("on_bad_peer='drop' needs reduce='gather' (with reduce='scatter' "
-                             "a bad payload would be dropped from some chunks only)")
+        _check_reduce(values, reduce, on_bad_peer)
         self.values, self.on_bad_peer, self.reduce = values, on_bad_peer, reduce
         self.dropped_payloads = 0
-
-    def _owner_decay(self, setting: bool | float | None, values: str,
-                     reduce: str) -> float | None:
-        """The decay of the owner's error feedback (None: off), checked."""
-        if setting is None or setting is False:
-            return None
-        if setting is True:
-            return self.error_feedback if reduce == "scatter" else None
-        if not isinstance(setting, (int, float)) or not 0.0 < setting <= 1.0:
-            raise ValueError(f"owner_error_feedback must be True (error_feedback's decay), "
-                             f"None/False (off) or a decay in (0, 1], got {setting!r}")
-        if reduce != "scatter" or values == "fp32":
-            raise ValueError("owner_error_feedback feeds back the owner's second coding of "
-                             "the mean: it needs a quantised reduce='scatter'")
-        return float(setting)
 
     def extra_repr(self) -> str:
         parts = [] if self.values == "fp32" else [f"values={self.values!r}"]
@@ -209,6 +217,7 @@ class FullReplicator(Replicator):
             self._total, dtype=torch.float32, device=self.device)
         self._decay = torch.tensor(self.error_feedback or 1.0, device=self.device)
         self.owner_residual: torch.Tensor | None = None
+        self._spare: ReleasableStorages | None = None  # a bucket's buffers, between syncs
         if numel is not None:
             self._setup_buckets(numel)
             return
@@ -242,6 +251,9 @@ class FullReplicator(Replicator):
             self._bucket = torch.zeros(self._payload_size(numel), dtype=torch.uint8,
                                        device=self.device)
             self._stage = torch.zeros(numel, dtype=torch.float32, device=self.device)
+        # one bucket's buffers: given back between DiLoCo's syncs (release_workspace)
+        self._spare = ReleasableStorages(self._scatter.buffers() if self._scatter is not None
+                                         else [self._bucket, self._stage])
 
     def _setup_owner(self, sizes: list[int]) -> None:
         """The owner's residual (owner error feedback): one chunk per bucket of ``sizes``
@@ -314,13 +326,19 @@ class FullReplicator(Replicator):
 
     def release_workspace(self) -> None:
         """Drop the codec's reused buffer until the next exchange (DiLoCo calls it after each
-        sync: a buffer kept for an exchange every H steps would be held between them)."""
+        sync: a buffer kept for an exchange every H steps would be held between them), and
+        the bucket's buffers where it works bucket by bucket (made again, zeroed, at the next
+        exchange)."""
         self.codec.release()
+        if self._spare is not None:
+            self._spare.release()
 
     def replicate(self, grads, lrs, step, communicate):
         return self._finish(self._start(grads, step, communicate))
 
     def _start(self, grads, step, communicate):
+        if self._spare is not None:
+            self._spare.restore()
         if not communicate:
             flag = nonfinite_flag(grads, self.device)
             self.agreement.check_local(flag, step)

@@ -89,6 +89,10 @@ class ScatterExchange:
         self.recv = self._recv[: n * self.part].view(n, self.part)
         self.mean = self._mean[: self.reply]
 
+    def buffers(self) -> list[torch.Tensor]:
+        """Every buffer it keeps (the views of :meth:`use` are of these)."""
+        return [self._padded, self._send, self._recv, self._mean]
+
     @property
     def flat(self) -> torch.Tensor:
         """The input (and, after :meth:`finish`, the mean): ``total`` fp32 values."""

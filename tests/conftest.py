@@ -4,10 +4,18 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(__file__))
 _HERE = Path(__file__).resolve().parent
+
+# Each pytest process computes on one thread (the processes it starts choose their own, as
+# before): the suite runs 4 xdist workers on 2 cores, and with torch's default of a thread
+# per core each, OpenMP's waiting threads spin on cores another worker needs
+# (test_demo_batched.py and test_muon_batched.py in one process: 51 -> 12 s of CPU on the
+# loaded 2-core machine, the same results)
+torch.set_num_threads(1)
 
 
 @pytest.fixture

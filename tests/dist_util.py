@@ -17,9 +17,13 @@ from flexdemo.tools.ranks import free_port
 _CTX = mp.get_context("forkserver")
 # what every rank imports, imported once in the fork server: a rank then starts without the
 # second or two of CPU that torch.distributed.tensor (with sympy), FSDP and flexdemo cost it
-# (tests/test_agreement.py: 107 s -> 44 s on the 2-core machine under load)
+# (tests/test_agreement.py: 107 s -> 44 s on the 2-core machine under load); torch._dynamo
+# too, which every torch optimizer imports when it is built (add_param_group is wrapped in
+# torch._disable_dynamo): 0.7 s of CPU in each rank that steps an optimizer; and DCP, which
+# flexdemo imports only to save or load
 _CTX.set_forkserver_preload(["torch", "torch.distributed", "torch.distributed.fsdp",
-                             "torch.distributed.tensor", "flexdemo"])
+                             "torch.distributed.tensor", "torch._dynamo",
+                             "torch.distributed.checkpoint", "flexdemo"])
 
 
 def spawn_ranks(world: int, args: list[str], timeout: float = 30,

@@ -190,6 +190,29 @@ def test_the_transport_loads_torchft_s_group_on_first_use():
     assert out.returncode == 0, out.stderr[-2000:]
 
 
+def test_dcp_fsdp_and_dtensor_load_on_first_use():
+    """``import flexdemo`` (and the CLI's) loads neither torch.distributed.checkpoint, FSDP
+    nor DTensor (with sympy, about a second of CPU in every process); ``is_dtensor`` tells a
+    plain tensor without loading DTensor, and a DTensor once it exists."""
+    code = ("import sys, torch, flexdemo, flexdemo.app.cli\n"
+            "from flexdemo.dtensor import is_dtensor\n"
+            "heavy = ('torch.distributed.checkpoint', 'torch.distributed.fsdp',\n"
+            "         'torch.distributed.tensor', 'sympy')\n"
+            "assert not [m for m in heavy if m in sys.modules], heavy\n"
+            "assert not is_dtensor(torch.zeros(1)) and 'torch.distributed.tensor' not in "
+            "sys.modules\n"
+            "from torch.distributed.tensor import DTensor, Replicate, init_device_mesh\n"
+            "import torch.distributed as dist\n"
+            "dist.init_process_group('gloo', init_method='tcp://127.0.0.1:0', rank=0, "
+            "world_size=1)\n"
+            "d = DTensor.from_local(torch.zeros(2), init_device_mesh('cpu', (1,)), "
+            "[Replicate()])\n"
+            "assert is_dtensor(d) and not is_dtensor(torch.zeros(1))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env={"PYTHONPATH": str(SRC), "PATH": ""}, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+
+
 def test_demo_is_a_package_of_modules_of_one_job():
     """DeMo is a package of modules of one job each (the replicator, its layout, staging,
     graphs, checks, delayed mode, state), not one module."""

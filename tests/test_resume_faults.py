@@ -51,13 +51,42 @@ def trained(out: Path, steps: int, *more: str) -> None:
     assert run.returncode == 0, run.stderr[-3000:]
 
 
+def two_rank_args(out: Path) -> list[str]:
+    """``flexdemo train`` on 2 replicas of 1 rank for 4 steps (checkpoints at 2 and 4)."""
+    return ["train", *SMALL, "train.steps=4", "mesh.replicate=2", "mesh.shard=1",
+            f"train.out={out}"]
+
+
+@pytest.fixture(scope="module")
+def trained_copy(tmp_path_factory):
+    """``copy(out, steps, ranks=1)``: a run trained for ``steps`` on ``ranks`` ranks, as
+    :func:`trained` (1 rank) or :func:`two_rank_args` (2) leave it, copied to ``out``. Each
+    kind is trained once for the module (a process costs seconds of CPU in imports alone) and
+    every test damages its own copy of the files."""
+    made: dict[tuple[int, int], Path] = {}
+
+    def copy(out: Path, steps: int, ranks: int = 1) -> None:
+        if (steps, ranks) not in made:
+            src = tmp_path_factory.mktemp(f"trained-{steps}-{ranks}") / "run"
+            if ranks == 1:
+                trained(src, steps)
+            else:
+                assert steps == 4, steps
+                _run_ok(ranks, two_rank_args(src))
+            made[steps, ranks] = src
+        shutil.copytree(made[steps, ranks], out)
+
+    return copy
+
+
 # ---------------------------------------------------------------------- item 1: requeues
 @pytest.mark.multiprocess
-def test_a_requeued_resume_after_every_checkpoint_was_damaged_refuses_again(tmp_path):
+def test_a_requeued_resume_after_every_checkpoint_was_damaged_refuses_again(tmp_path,
+                                                                          trained_copy):
     """The first resume sets the damaged checkpoints aside and exits 2; the same command
     again (a requeue loop) used to say "no checkpoint yet; starting at step 0" and exit 0."""
     out = tmp_path / "run"
-    trained(out, 4)
+    trained_copy(out, 4)
     for ckpt in (out / "checkpoints").iterdir():
         (ckpt / "flexdemo.json").write_text("garbage")
     again = ["train", *SMALL, "train.steps=4", f"train.out={out}", "--resume"]
@@ -91,11 +120,11 @@ def test_a_resume_with_logged_steps_and_no_checkpoint_refuses(tmp_path):
 
 # ---------------------------------------------------------------------- item 2: no marker
 @pytest.mark.multiprocess
-def test_a_checkpoint_folder_without_its_marker_is_damaged(tmp_path):
+def test_a_checkpoint_folder_without_its_marker_is_damaged(tmp_path, trained_copy):
     """A step_NNNNNN folder is only ever named so by a save that wrote its COMPLETE marker;
     one without it used to be skipped silently and overwritten by the next save."""
     out = tmp_path / "run"
-    trained(out, 4)
+    trained_copy(out, 4)
     newest = out / "checkpoints" / "step_000004"
     (newest / "COMPLETE").unlink()
     base = ["train", *SMALL, "train.steps=6", f"train.out={out}", "--resume"]
@@ -175,13 +204,13 @@ def _run_ok(world: int, args: list[str]) -> tuple[list[subprocess.Popen], list[s
 
 
 @pytest.mark.multiprocess
-def test_a_file_this_user_may_not_read_is_permission_not_damage(tmp_path, unprivileged):
+def test_a_file_this_user_may_not_read_is_permission_not_damage(tmp_path, unprivileged,
+                                                                trained_copy):
     """2 ranks; the unreadable file is in rank 1's share of the digests. It used to be
     called damaged, and the checkpoint renamed step_000004.damaged."""
     out = tmp_path / "run"
-    args = ["train", *SMALL, "train.steps=4", "mesh.replicate=2", "mesh.shard=1",
-            f"train.out={out}"]
-    _run_ok(2, args)
+    args = two_rank_args(out)
+    trained_copy(out, 4, ranks=2)
     newest = out / "checkpoints" / "step_000004"
     files = sorted(json.loads((newest / "COMPLETE").read_text())["files"])
     locked = newest / next(f for f in files[1::2] if f.endswith(".distcp"))  # rank 1 checks it
@@ -206,9 +235,9 @@ def test_a_file_this_user_may_not_read_is_permission_not_damage(tmp_path, unpriv
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("locked", ["run", "checkpoints", "step_000002", "COMPLETE"])
 def test_verify_of_a_folder_this_user_may_not_read_is_one_line(tmp_path, unprivileged,
-                                                              locked):
+                                                              trained_copy, locked):
     out = tmp_path / "run"
-    trained(out, 2)
+    trained_copy(out, 2)
     target = {"run": out, "checkpoints": out / "checkpoints",
               "step_000002": out / "checkpoints" / "step_000002",
               "COMPLETE": out / "checkpoints" / "step_000002" / "COMPLETE"}[locked]
@@ -265,12 +294,11 @@ def test_a_checkpoint_without_digests_loads_after_one_warning(tmp_path, single_p
 
 # ---------------------------------------------------------------------- item 6: said once
 @pytest.mark.multiprocess
-def test_each_damage_reason_is_named_once_on_two_ranks(tmp_path):
+def test_each_damage_reason_is_named_once_on_two_ranks(tmp_path, trained_copy):
     """Every rank reads the marker: a bad one was named once per rank."""
     out = tmp_path / "run"
-    args = ["train", *SMALL, "train.steps=4", "mesh.replicate=2", "mesh.shard=1",
-            f"train.out={out}"]
-    _run_ok(2, args)
+    args = two_rank_args(out)
+    trained_copy(out, 4, ranks=2)
     (out / "checkpoints" / "step_000004" / "COMPLETE").write_text("{ garbage")
     procs = spawn_ranks(2, [*args, "train.steps=6", "--resume", "train.resume_fallback=false"])
     outputs = _communicate(procs)

@@ -1,11 +1,26 @@
 """The rank-local part of a tensor that may be a DTensor (FSDP2's sharded parameters and
-gradients), without importing ``torch.distributed.tensor``."""
+gradients), and whether it is one, without importing ``torch.distributed.tensor`` (with sympy,
+about a second of CPU in every process that imports flexdemo; it loads with DCP or FSDP)."""
 
 from __future__ import annotations
 
+import sys
+from typing import TYPE_CHECKING, TypeGuard
+
 import torch
 
-__all__ = ["local_tensor"]
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
+
+__all__ = ["is_dtensor", "local_tensor"]
+
+
+def is_dtensor(t: object) -> TypeGuard[DTensor]:
+    """``isinstance(t, DTensor)``. No DTensor exists before ``torch.distributed.tensor`` is
+    imported (FSDP2, DCP and DTensor's own constructors import it), so when it is not loaded
+    the answer is False, and this does not load it."""
+    mod = sys.modules.get("torch.distributed.tensor")
+    return mod is not None and isinstance(t, mod.DTensor)
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:

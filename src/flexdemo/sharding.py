@@ -12,6 +12,7 @@ same numbers for differently laid out shards, which a broadcast does not need to
 from __future__ import annotations
 
 import inspect
+import sys
 import warnings
 from collections.abc import Callable, Sequence
 from datetime import timedelta
@@ -21,7 +22,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from .buffers import BUFFER_POLICIES
 from .dtensor import local_tensor
@@ -95,12 +95,21 @@ def _check_replicators(replicator) -> None:
                         f"list of them, got {what}: {bad[0] if bad else replicator!r}")
 
 
+def _loaded_fsdp():
+    """``torch.distributed.fsdp`` if it is loaded, else None. No module is wrapped in FSDP or
+    sharded with ``fully_shard`` before it is; prepare() imports it only to shard, since it
+    brings DTensor and sympy (about a second of CPU in each process)."""
+    return sys.modules.get("torch.distributed.fsdp")
+
+
 def _wrapper(model: nn.Module) -> str | None:
     """The name of a data-parallel wrapper (DDP, FSDP1, DataParallel) in ``model``, if any."""
-    from torch.distributed.fsdp import FullyShardedDataParallel
     from torch.nn.parallel import DataParallel, DistributedDataParallel
 
-    kinds = (DistributedDataParallel, FullyShardedDataParallel, DataParallel)
+    fsdp = _loaded_fsdp()
+    kinds: tuple[type, ...] = (DistributedDataParallel, DataParallel)
+    if fsdp is not None:
+        kinds += (fsdp.FullyShardedDataParallel,)
     for m in model.modules():
         if isinstance(m, kinds):
             return type(m).__name__
@@ -118,7 +127,8 @@ def _check_model(model: nn.Module) -> None:
         raise ValueError(f"the model is wrapped in {wrapped}, which synchronises gradients "
                          "itself (every gradient crosses the link in full, on top of the "
                          "replicator); pass the unwrapped model (model.module) to prepare()")
-    if isinstance(model, FSDPModule) or any(isinstance(m, FSDPModule) for m in model.modules()):
+    fsdp = _loaded_fsdp()
+    if fsdp is not None and any(isinstance(m, fsdp.FSDPModule) for m in model.modules()):
         raise ValueError("the model is already sharded with fully_shard; give prepare() the "
                          "unsharded model, or build flexdemo.DeToNATION over your sharded model")
     params = list(model.named_parameters())
@@ -163,17 +173,22 @@ def target_device(current: torch.device, device) -> torch.device:
 
 def _fsdp_options(fsdp_kwargs: dict | None, precision: str | None) -> dict:
     opts = dict(fsdp_kwargs or {})
-    allowed = set(inspect.signature(fully_shard).parameters) - {"module", "mesh"}
-    odd = sorted(set(opts) - allowed)
-    if odd:
-        raise ValueError(f"fsdp_kwargs {odd} are not fully_shard options; accepted: "
-                         f"{sorted(allowed)} (the mesh comes from prepare())")
+    if opts:
+        from torch.distributed.fsdp import fully_shard
+
+        allowed = set(inspect.signature(fully_shard).parameters) - {"module", "mesh"}
+        odd = sorted(set(opts) - allowed)
+        if odd:
+            raise ValueError(f"fsdp_kwargs {odd} are not fully_shard options; accepted: "
+                             f"{sorted(allowed)} (the mesh comes from prepare())")
     if precision not in (None, *PRECISIONS):
         raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
     if precision == "bf16":
         if "mp_policy" in opts:
             raise ValueError("give either precision='bf16' or fsdp_kwargs['mp_policy'], not "
                              "both")
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
         # bf16 copies of the parameters for forward/backward; gradients reduced and kept in
         # fp32 next to the fp32 master weights, so replicators and the optimizer see fp32
         opts["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16,
@@ -325,6 +340,8 @@ def prepare(model: nn.Module, replicator: str | Replicator | Sequence = "demo",
         if sync_init:  # one copy of the whole model before sharding
             broadcast_module(model)
     if mesh["shard"].size() > 1 or fsdp_opts:
+        from torch.distributed.fsdp import fully_shard
+
         units = (shard_units or default_shard_units)(model)
         for unit in units:
             if unit is not model:

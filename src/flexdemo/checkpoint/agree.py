@@ -3,13 +3,12 @@ storage failure becomes the same :class:`CheckpointError` (one line, its cause) 
 
 from __future__ import annotations
 
+import sys
 import warnings
 from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.api import CheckpointException
 
 from .integrity import DAMAGED, IO, storage_cause
 
@@ -41,7 +40,9 @@ def _storage_cause(e: BaseException) -> BaseException | None:
     """The storage error behind ``e``: an OSError itself, or the first one DCP collected."""
     if isinstance(e, OSError):
         return e
-    if isinstance(e, CheckpointException):
+    # DCP's exception exists only once DCP is loaded (this does not load it)
+    api = sys.modules.get("torch.distributed.checkpoint.api")
+    if api is not None and isinstance(e, api.CheckpointException):
         for _rank, (exc, _trace) in sorted(e.failures.items()):
             return exc
     return None
@@ -103,6 +104,9 @@ def dcp_call(fn, state: dict, action: str, directory: Path, **kwargs) -> None:
     ``CheckpointException`` derives from ``BaseException`` and holds every rank's traceback;
     it becomes one :class:`CheckpointError` naming the cause (a full disk that torch's writer
     reports as a RuntimeError is told apart by a probe write into ``directory``)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         try:

@@ -44,15 +44,13 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.checkpoint._nested_dict import flatten_state_dict
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from ..dtensor import local_tensor
 from ..transport import group_rank
 from .mismatch import check_base, check_mesh, check_model, check_replicators
 
+# torch.distributed.checkpoint (and with it DTensor and sympy, about a second of CPU) is
+# imported by the functions that read or load a checkpoint, not by ``import flexdemo``
 if TYPE_CHECKING:
     from ..buffers import BufferSync
     from ..replicate.base import Replicator
@@ -339,6 +337,10 @@ def check_load(state_dict: dict, checkpoint_id: str | os.PathLike) -> None:
     replicators. Raises :class:`~flexdemo.checkpoint.CheckpointMismatchError` with the same line
     as :func:`flexdemo.load_checkpoint`; does nothing for state dicts without flexdemo's
     optimizer. Reads only the checkpoint's metadata and one small entry; not collective."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
     flat, _ = flatten_state_dict(state_dict)
     mine = [(k, m) for k in flat if (m := _BLOB.match(k))]
     if not mine:
@@ -377,6 +379,8 @@ def check_load(state_dict: dict, checkpoint_id: str | os.PathLike) -> None:
 
 def _read_entry(checkpoint_id: str | os.PathLike, key: str) -> dict:
     """One rank's replicator-chain entry of a DCP checkpoint, read by this rank alone."""
+    import torch.distributed.checkpoint as dcp
+
     one: dict = {key: b""}
     dcp.load(one, checkpoint_id=checkpoint_id, no_dist=True)
     value = one[key]
@@ -387,5 +391,7 @@ def load(state_dict: dict, *, checkpoint_id: str | os.PathLike, **kwargs) -> Non
     """``torch.distributed.checkpoint.load`` after :func:`check_load`: a checkpoint this job
     cannot resume raises :class:`~flexdemo.checkpoint.CheckpointMismatchError` (one line, old
     value against new) before DCP reads anything. Collective, like ``dcp.load``."""
+    import torch.distributed.checkpoint as dcp
+
     check_load(state_dict, checkpoint_id)
     dcp.load(state_dict, checkpoint_id=checkpoint_id, **kwargs)

@@ -45,10 +45,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
-from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
 from ..dtensor import local_tensor
 from ..version import __version__
@@ -150,6 +147,11 @@ def save_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer, *, ste
     written atomically and replaces an existing checkpoint of the same name; its marker
     records the SHA-256 of every file (:mod:`flexdemo.checkpoint.integrity`). Returns ``path``.
     """
+    # DCP (with DTensor and sympy) loads on first use, not with ``import flexdemo``
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemWriter
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
     final = Path(path)
     rank, world = rank_world()
     base, reps = optimizer_parts(optimizer)
@@ -317,6 +319,11 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer, *,
         if status.state == "damaged":
             raise CheckpointError(f"loading checkpoint {path}: it is damaged: "
                                   f"{status.reason}", DAMAGED)
+    # DCP loads here, past the checks of the files (a refused checkpoint never needs it)
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
     try:
         meta = require_complete(path)
         mesh_shape = mesh_shape_of(model, optimizer)

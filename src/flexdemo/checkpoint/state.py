@@ -10,9 +10,8 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 
-from ..dtensor import local_tensor
+from ..dtensor import is_dtensor, local_tensor
 from .agree import rank_world
 
 
@@ -53,7 +52,7 @@ def mesh_shape_of(model: nn.Module, optimizer) -> tuple[int, int]:
         r, s = (int(n) for n in mesh.mesh.shape)
         return r, s
     for p in model.parameters():
-        if isinstance(p, DTensor):  # sharded without prepare(): the parameters' mesh is a shard
+        if is_dtensor(p):  # sharded without prepare(): the parameters' mesh is a shard
             size = p.device_mesh.size()
             return world // size, size
     return world, 1
@@ -67,7 +66,7 @@ def fingerprints(tensors: dict[str, torch.Tensor]) -> dict[tuple, str]:
     for key in sorted(tensors):
         t = tensors[key]
         ident: tuple = ()
-        if isinstance(t, DTensor):
+        if is_dtensor(t):
             coord = t.device_mesh.get_coordinate() or ()
             ident = tuple(c for c, pl in zip(coord, t.placements) if pl.is_shard())
         loc = local_tensor(t).detach()
@@ -91,7 +90,7 @@ def replicas_identical(prints: list[dict[tuple, str]]) -> bool:
 def split_state(obj: Any, prefix: str, tensors: dict[str, torch.Tensor], where: str) -> Any:
     """Replace every tensor in nested dicts/lists/tuples by a :class:`_Ref` (key ``prefix<i>``)
     and collect the tensors in ``tensors``."""
-    if isinstance(obj, DTensor):
+    if is_dtensor(obj):
         raise ValueError(f"{where} holds a DTensor; per-rank state must hold plain tensors "
                          "(pass t.to_local() or t.full_tensor())")
     if isinstance(obj, torch.Tensor):
@@ -184,9 +183,9 @@ def split_optimizer(model: nn.Module, base: torch.optim.Optimizer, rank: int,
             if isinstance(v, torch.Tensor):
                 key = f"optim/{fqn}/{k}"
                 like = None
-                if isinstance(v, DTensor):
+                if is_dtensor(v):
                     p = params[fqn]
-                    if not (isinstance(p, DTensor) and v.shape == p.shape
+                    if not (is_dtensor(p) and v.shape == p.shape
                             and v.device_mesh == p.device_mesh and v.placements == p.placements):
                         raise ValueError(f"optimizer state {fqn}/{k} is a DTensor sharded unlike "
                                          "its parameter; this is not supported")

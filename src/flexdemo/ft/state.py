@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from ..dtensor import local_tensor
+from ..dtensor import is_dtensor, local_tensor
 from ..replicate import REPLICATORS, Replicator
 
 
@@ -39,7 +39,7 @@ def _fits(old: Any, new: torch.Tensor) -> bool:
     if (type(old) is not type(new) or old.shape != new.shape or old.dtype != new.dtype
             or old.device != new.device):
         return False
-    if hasattr(new, "_local_tensor"):  # a DTensor: its local shard is what is copied
+    if is_dtensor(new):  # (so is ``old``, of the same type): its local shard is copied
         return (getattr(old, "placements", None) == getattr(new, "placements", None)
                 and getattr(old, "device_mesh", None) == getattr(new, "device_mesh", None)
                 and local_tensor(old).shape == local_tensor(new).shape)

@@ -34,6 +34,7 @@ import torch
 from torch import nn
 
 import flexdemo
+from flexdemo.dtensor import local_tensor
 
 ORDERS = {
     "zero-first": "zero_grad, forward, backward, step (the default)",
@@ -144,14 +145,14 @@ def main(argv: list[str] | None = None) -> int:
             for p in net.parameters():
                 p.grad = None
     state = {"step": opt.steps,  # this rank's shards
-             "params": [getattr(p, "_local_tensor", p).detach().clone()
+             "params": [local_tensor(p).detach().clone()
                         for p in net.parameters()]}
     rep = opt.replicators[0]
     if hasattr(rep, "delta"):
         state["delta"] = [d.clone() for d in rep.delta]
     if hasattr(rep, "buffers"):  # Random, Striding, Slicing: their momenta
         state["buffers"] = [b.clone() for b in rep.buffers]
-    state["moments"] = [getattr(t, "_local_tensor", t).detach().clone()  # the base's state
+    state["moments"] = [local_tensor(t).detach().clone()  # the base's state
                         for st in opt.state.values()
                         for t in st.values() if isinstance(t, torch.Tensor)]
     if hasattr(rep, "global_params"):

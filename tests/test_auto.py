@@ -17,11 +17,13 @@ from torch import nn
 import flexdemo
 from flexdemo.auto import (
     FALLBACK_LINK,
+    PROBE_BYTES,
     AutoReplicator,
     Link,
     choose,
     load_ranking,
     parse_link,
+    probe_link,
     size_candidate,
 )
 from flexdemo.transport import Transport
@@ -270,6 +272,38 @@ def test_probe_that_times_out_falls_back_on_both_ranks():
     assert d["link"]["source"] == "fallback"
     assert res[0]["lines"] == res[1]["lines"] and len(res[0]["lines"]) == 1
     assert "assuming 10 Mbit/s, 50 ms (probe timed out after 1 s)" in res[0]["lines"][0]
+
+
+class RatedLink:
+    """A two-member group whose collectives take their bytes' time at ``rate`` bytes/s (a sleep;
+    None: no wait), noting each buffer's bytes: the probe's choices, not a real peer."""
+
+    size, rank = 2, 0
+
+    def __init__(self, rate: float | None) -> None:
+        self.rate, self.issued = rate, []
+
+    def all_reduce_sum_(self, buf, async_op=False):
+        nbytes = buf.numel() * buf.element_size()
+        self.issued.append(nbytes)
+        if self.rate:
+            time.sleep(nbytes / self.rate)  # each member sends its whole buffer at n = 2
+
+
+@pytest.mark.parametrize("rate", [None, 1.25e6], ids=["fast", "10mbit"])
+def test_the_probe_ends_with_the_largest_buffer_that_fits(rate):
+    """After each buffer the members vote on the next: at 10 Mbit/s the 4 MiB one (3.4 s) would
+    not fit the 2 s bound after the 1 MiB one, so it is never issued (nothing is left to finish
+    in the background but the last vote); on a fast link every buffer runs."""
+    link = RatedLink(rate)
+    measured, inflight = probe_link(link, 2.0)
+    big = [b for b in link.issued if b > 4 << 10]
+    assert not measured.timed_out and measured.source == "probe"
+    if rate is None:
+        assert big == [b for b in PROBE_BYTES if b > 64] and not inflight
+    else:
+        assert max(big) <= 1 << 20 and len(inflight) == 1  # the vote to stop
+        assert 0.5 * rate < measured.bandwidth <= rate
 
 
 class SlowLink(Transport):

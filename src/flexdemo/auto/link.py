@@ -5,11 +5,16 @@ latency: one collective's time, which includes the ring's hops for this group si
 buffers of 64 KiB, 256 KiB, 1 MiB and 4 MiB (the bandwidth: bytes one rank sends, by the ring
 formula of :mod:`flexdemo.transport`, over the time of the largest buffer that finished; its
 latency is not taken off, which errs on the slow side and keeps a noisy latency from making
-the bandwidth absurd). It waits at most ``seconds`` in all. Every rank issues every collective
-of the sequence, also after its deadline (without waiting for them then), so the sequences of
-collectives stay paired on every rank and a late peer never meets a collective that is not
-there; what is still in flight finishes in the background. A probe that ends before any
-buffer finished reports ``timed_out`` and the caller falls back (:data:`FALLBACK_LINK`).
+the bandwidth absurd). It waits at most ``seconds`` in all. After each buffer of the bandwidth
+phase the ranks vote in a 4-byte all-reduce whether to go on: a rank votes to stop when it
+gave up waiting, or when the next buffer, four times as large, would not finish in time at the
+rate it just measured; one vote to stop stops every rank. So on a slow link the probe ends
+with the largest buffer that fits (at 10 Mbit/s, 1 MiB) rather than leaving a 4 MiB one to
+finish in the background, and the sequences of collectives stay paired on every rank: a late
+peer never meets a collective that is not there. A rank that gave up still issues what its
+peers will issue (the buffer and the vote), without waiting; what is in flight finishes in the
+background. A probe that ends before any buffer finished reports ``timed_out`` and the caller
+falls back (:data:`FALLBACK_LINK`).
 
 Ranks measure on their own; :mod:`flexdemo.auto.replicator` makes them agree (the slowest
 bandwidth, the largest latency, any time-out) before anything is decided.
@@ -17,6 +22,7 @@ bandwidth, the largest latency, any time-out) before anything is decided.
 
 from __future__ import annotations
 
+import math
 import re
 import time
 from dataclasses import asdict, dataclass, replace
@@ -130,15 +136,31 @@ def probe_link(group: Transport, seconds: float = 2.0, sizes: tuple[int, ...] = 
     late = False
     inflight: list = []
     times: list[tuple[int, float]] = []
-    for size in sizes:
+    for i, size in enumerate(sizes):
         buf = torch.zeros(max(1, size // 4), dtype=torch.float32, device=device)
         start = time.perf_counter()
         work = group.all_reduce_sum_(buf, async_op=True)
         if late or not _wait(work, deadline):
-            late = True  # issued all the same: every rank runs the whole sequence
+            late = True
             inflight.append((work, buf))
+        else:
+            times.append((buf.numel(), time.perf_counter() - start))
+        if size <= 64 or i + 1 == len(sizes):
             continue
-        times.append((buf.numel(), time.perf_counter() - start))
+        # the next buffer only if every rank expects it to finish in time (one vote: a 4-byte
+        # all-reduce that every rank issues after each buffer of the bandwidth phase)
+        next_t = times[-1][1] * sizes[i + 1] / size if not late else math.inf
+        stop = late or time.perf_counter() + next_t > deadline
+        vote = torch.tensor([1.0 if stop else 0.0], device=device)
+        vwork = group.all_reduce_sum_(vote, async_op=True)
+        if stop:  # the sum is > 0 whatever the peers said: no need to wait for it
+            inflight.append((vwork, vote))
+            break
+        if not _wait(vwork, max(deadline, time.perf_counter() + 1.0)):
+            inflight.append((vwork, vote))  # a peer is gone: what follows will say so
+            break
+        if float(vote[0]) > 0:
+            break
     took = time.perf_counter() - t0
     small = sorted(t for numel, t in times if numel * 4 <= 64)
     big = [(numel, t) for numel, t in times if numel * 4 > 64]

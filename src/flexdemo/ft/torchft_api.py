@@ -54,8 +54,8 @@ HEARTBEAT_INTERVAL = 0.5
 Each one wakes the Manager server's threads and the lighthouse's on the machines that train:
 at 0.1 s they cost rank 0 a few ms of CPU per step. The lighthouse counts a group dead after
 ``--heartbeat_timeout_ms`` (torchft: 5 s, the bench's and the tests' 3 s) without one, so
-0.5 s keeps 6 to 10 heartbeats within that; a dead group is seen at most 0.5 s sooner than
-the timeout says, as before at most 0.1 s."""
+0.5 s keeps 6 to 10 heartbeats within that (a timeout under 2 s would leave a loaded machine
+little room); a dead group is seen at most 0.5 s sooner than the timeout says (before: 0.1 s)."""
 LOGGERS = ("torchft", "torchft_quorums", "torchft_commits", "torchft_errors")
 """torchft's Python loggers (``torchft`` is the parent of its modules' loggers)."""
 IGNORED = ("Unable to reset NCCL flight recorder",)

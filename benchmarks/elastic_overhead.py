@@ -9,8 +9,10 @@ fault tolerance, the median quorum, commit vote and undo copy. CPU, one thread p
 
 Beside the wall-clock step it reports each step's CPU time (the process's, all its threads:
 the work, which other jobs on a shared machine do not inflate as they do the wall-clock
-time). ``--profile DIR`` runs every rank's loop under cProfile and writes
-``DIR/{plain,elastic}-{rank}.pstats``, then prints the functions whose own time per step
+time), and that CPU time by thread (``threads_ms``: the main thread, gloo's, torchft's; Linux).
+``--profile DIR`` runs every rank's loop under cProfile, timed by the main thread's CPU time
+(so other jobs on the machine and the waits in collectives do not count), writes
+``DIR/{plain,elastic}-{rank}.pstats``, then prints the functions whose own CPU time per step
 grew most with fault tolerance (rank 0).
 """
 
@@ -38,7 +40,7 @@ def _model(width: int) -> nn.Module:
 
 
 def _train(opt, net, args, rank: int, name: str) -> dict:
-    prof = cProfile.Profile() if args.profile else None
+    prof = cProfile.Profile(time.thread_time) if args.profile else None
     if prof is not None:
         prof.enable()
     try:
@@ -49,11 +51,35 @@ def _train(opt, net, args, rank: int, name: str) -> dict:
             prof.dump_stats(os.path.join(args.profile, f"{name}-{rank}.pstats"))
 
 
+def _thread_cpu() -> dict[str, float]:
+    """CPU seconds of each of this process's threads so far, summed by name (its digits
+    dropped: ``gloo_tcp_loop``, ``torchft-manager``, ...); empty where /proc has none."""
+    out: dict[str, float] = {}
+    tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    try:
+        tids = os.listdir("/proc/self/task")
+    except OSError:
+        return out
+    for tid in tids:
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                name = f.read().strip().rstrip("0123456789").rstrip("-_ ") or "thread"
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:  # a thread that ended meanwhile
+            continue
+        out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / tick
+    return out
+
+
 def _loop(opt, net, args, rank: int) -> dict:
     times, cpu = [], []
+    threads0: dict[str, float] = {}
     extra = {"quorum_seconds": [], "commit_seconds": [], "snapshot_seconds": []}
     g = torch.Generator().manual_seed(rank)
     while opt.steps < args.steps:
+        if len(times) == min(5, args.steps // 4):  # after the warm-up
+            threads0 = _thread_cpu()
         x, y = torch.randn(32, args.width, generator=g), torch.randn(32, 16, generator=g)
         t0, c0 = time.perf_counter(), time.process_time()
         opt.zero_grad()
@@ -65,11 +91,16 @@ def _loop(opt, net, args, rank: int) -> dict:
         for k in extra:
             if k in s:
                 extra[k].append(s[k])
+    threads1 = _thread_cpu()
     skip = min(5, len(times) // 4)  # warm-up
-    out = {"step_ms": 1e3 * statistics.median(times[skip:]),
+    out = {"rank": rank, "step_ms": 1e3 * statistics.median(times[skip:]),
            "cpu_ms": 1e3 * statistics.median(cpu[skip:])}
     out.update({k.replace("seconds", "ms"): 1e3 * statistics.median(v[skip:])
                 for k, v in extra.items() if v})
+    n = max(1, len(times) - skip)  # steps since threads0 (clock ticks: 10 ms, summed)
+    out["threads_ms"] = {k: round(1e3 * (v - threads0.get(k, 0.0)) / n, 2)
+                         for k, v in sorted(threads1.items(), key=lambda kv: -kv[1])
+                         if v - threads0.get(k, 0.0) > 0}
     return out
 
 
@@ -140,6 +171,9 @@ def main() -> None:
            **{k: worst(elastic, k) for k in ("quorum_ms", "commit_ms", "snapshot_ms")}}
     row["overhead"] = row["ft_step_ms"] / row["plain_step_ms"] - 1
     row["cpu_overhead"] = row["ft_cpu_ms"] / row["plain_cpu_ms"] - 1
+    rank0 = lambda rs: next(r for r in rs if r["rank"] == 0)  # noqa: E731
+    row["plain_threads_ms"] = rank0(plain).get("threads_ms")
+    row["ft_threads_ms"] = rank0(elastic).get("threads_ms")
     print(json.dumps(row))
     if args.profile:
         _grown(args.profile, args.steps)
@@ -154,7 +188,7 @@ def _grown(folder: str, steps: int, top: int = 15) -> None:
                      for k, v in st.stats.items()}  # type: ignore[attr-defined]
     diff = {k: own["elastic"].get(k, 0.0) - own["plain"].get(k, 0.0)
             for k in set(own["plain"]) | set(own["elastic"])}
-    print(f"own time per step, rank 0 (ms): elastic - plain, top {top}")
+    print(f"own CPU time per step, rank 0's main thread (ms): elastic - plain, top {top}")
     for k, d in sorted(diff.items(), key=lambda kv: -kv[1])[:top]:
         print(f"  {1e3 * d / steps:+8.2f}  {k}")
 

@@ -65,6 +65,8 @@ def test_killed_node_leaves_and_heals_back(tmp_path):
     assert f["cpu_overhead"] == pytest.approx(f["elastic_cpu_seconds"] / f["plain_cpu_seconds"]
                                               - 1)
     assert f["plain_cpu_seconds"] > 0 and "in CPU time (rank 0" in p.stdout
+    if sys.platform == "linux":  # torchft's threads' CPU, read from /proc in the run itself
+        assert 0 < f["ft_threads_share"] < 1 and "torchft's threads" in p.stdout, f
     assert f["survivors_resume_step"] > f["kill_survivor_step"] >= 10
     assert f["joiner_first_step"] > f["restart_survivor_step"] >= 18
     node0 = data["elastic"]["metrics"]["node0"]

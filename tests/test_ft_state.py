@@ -97,3 +97,23 @@ def test_copy_into_falls_back_to_a_clone_where_the_spare_does_not_fit():
     out = copy_into(a, spare)
     assert out["x"][0] is spare["x"][0] and out["x"][1] is not spare["x"][1]
     assert _equal(out, a) and out["t"][0] is not a["t"][0]
+
+
+def test_copy_into_is_a_deep_copy_of_plain_values_and_parameters():
+    """Plain leaves come back as deepcopy gives them (the same immutable objects), mutable
+    ones copied; a tensor that needs its gradient is cloned with the flag kept."""
+    w = nn.Parameter(torch.randn(3))
+    tree = {"step": 7, "lr": 1e-3, "name": "adamw", "flag": None, "dtype": torch.float32,
+            "betas": (0.9, 0.99), "hist": [1, 2], "w": w, "nested": {"t": [torch.arange(4.0)]}}
+    first = copy_into(tree)
+    assert _equal(first, tree) and first == copy.deepcopy(tree) | {"w": first["w"],
+                                                                    "nested": first["nested"]}
+    assert first["name"] is tree["name"] and first["betas"] == (0.9, 0.99)
+    assert first["hist"] is not tree["hist"]  # a list: copied, as deepcopy does
+    assert first["w"] is not w and first["w"].requires_grad
+    with torch.no_grad():
+        w.add_(1.0)
+    tree["nested"]["t"][0].mul_(2.0)
+    again = copy_into(tree, first)
+    assert again["nested"]["t"][0] is first["nested"]["t"][0]
+    assert _equal(again, tree)

@@ -42,6 +42,7 @@ from .torchft_api import (
     apply_late_heal,
     count_every_group,
     new_manager,
+    quorum_formed,
     set_async_quorum,
 )
 from .watcher import QuorumWatcher
@@ -100,7 +101,7 @@ class _HealBeforeForward:
         self.session = session
 
     def __call__(self, module, args) -> None:
-        if self.session is not None and self.session._armed:
+        if self.session is not None and self.session.armed:
             self.session.begin()
 
     def __deepcopy__(self, memo) -> _HealBeforeForward:
@@ -169,6 +170,12 @@ class ElasticSession:
     def phase(self) -> Phase:
         """Where this session is in its step (:class:`Phase`)."""
         return self._phase
+
+    @property
+    def armed(self) -> bool:
+        """Whether the next forward pass of a watched model forms the quorum first
+        (:meth:`watch`)."""
+        return bool(self._armed)
 
     def _advance(self, to: Phase) -> None:
         if to not in NEXT[self._phase]:
@@ -276,22 +283,19 @@ class ElasticSession:
         assert quorum_timeout is not None  # filled in by the config
         t0 = time.perf_counter()
         deadline = time.monotonic() + quorum_timeout
-        with self._waiting() as told:
-            while True:
-                self._wait_quorum()
-                quorum = self._recorder.last
-                # every group of the quorum, a healing one too (the Manager's participants
-                # leave a healing group out when the quorum ran behind the forward pass)
-                self.participants = quorum.replica_world_size
-                if self.participants >= self.config.min_replicas:
-                    break
-                if time.monotonic() >= deadline:
-                    raise self._timeout_error(self.participants)
-                if not told.is_set():
-                    self._say_waiting(told)
-                time.sleep(0.2)
-                set_async_quorum(self.manager, False)
-                self._quorum()
+        # formed already with enough groups (behind the forward pass, the usual case): there
+        # is nothing to watch, and no hand-over to the watcher thread and back in the step
+        if not (quorum_formed(self.manager) and self._enough_groups()):
+            with self._waiting() as told:
+                while not self._enough_groups():
+                    if time.monotonic() >= deadline:
+                        raise self._timeout_error(self.participants)
+                    if not told.is_set():
+                        self._say_waiting(told)
+                    time.sleep(0.2)
+                    set_async_quorum(self.manager, False)
+                    self._quorum()
+        quorum = self._recorder.last
         # healed after its forward pass: its gradients are not the peers'
         stale = apply_late_heal(self.manager)
         self._check_unique_ids()
@@ -312,6 +316,14 @@ class ElasticSession:
         self._after_membership_change()
         self.quorum_seconds = self._launch_seconds + time.perf_counter() - t0
         self._advance(Phase.STALE if stale else Phase.JOINED)
+
+    def _enough_groups(self) -> bool:
+        """Wait for the quorum started last; whether it has ``min_replicas`` groups. Every
+        group of the quorum counts, a healing one too (``participants``; the Manager's leave a
+        healing group out when the quorum ran behind the forward pass)."""
+        self._wait_quorum()
+        self.participants = self._recorder.last.replica_world_size
+        return self.participants >= self.config.min_replicas
 
     def _check_unique_ids(self) -> None:
         """Raise :class:`DuplicateReplicaIdError` (one line) when another live group of this

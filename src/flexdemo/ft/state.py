@@ -34,11 +34,18 @@ def _clone(tree):
     return copy.deepcopy(tree)
 
 
+_ATOMIC = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device)
+"""Leaf types that :func:`copy.deepcopy` returns as they are: the undo copy keeps them without
+going through it (a step's state holds dozens: steps, flags, hyperparameters)."""
+
+
 def _fits(old: Any, new: torch.Tensor) -> bool:
     """Whether tensor ``old`` can hold a copy of ``new`` (a DTensor: of the same layout)."""
     if (type(old) is not type(new) or old.shape != new.shape or old.dtype != new.dtype
             or old.device != new.device):
         return False
+    if type(new) is torch.Tensor:  # the common case: no DTensor attributes to compare
+        return True
     if is_dtensor(new):  # (so is ``old``, of the same type): its local shard is copied
         return (getattr(old, "placements", None) == getattr(new, "placements", None)
                 and getattr(old, "device_mesh", None) == getattr(new, "device_mesh", None)
@@ -50,6 +57,15 @@ def _copy_tree(tree: Any, spare: Any, dst: list[torch.Tensor], src: list[torch.T
     """``tree`` (dicts, lists and tuples of tensors and plain values) with every tensor
     copied: into ``spare``'s tensor at the same place where it fits (queued on ``dst`` /
     ``src`` for one batched copy), else cloned; other values deep-copied."""
+    kind = type(tree)
+    if kind in _ATOMIC:  # as deepcopy gives them back
+        return tree
+    if kind is torch.Tensor and type(spare) is torch.Tensor:  # the common case, inlined
+        if (spare.shape == tree.shape and spare.dtype == tree.dtype
+                and spare.device == tree.device):
+            dst.append(spare)
+            src.append(tree.detach())
+            return spare
     if isinstance(tree, torch.Tensor):
         if isinstance(spare, torch.Tensor) and _fits(spare, tree):
             dst.append(local_tensor(spare))
@@ -57,13 +73,12 @@ def _copy_tree(tree: Any, spare: Any, dst: list[torch.Tensor], src: list[torch.T
             return spare
         out = tree.detach().clone()
         return out.requires_grad_() if tree.requires_grad else out
-    kind = type(tree)
     if kind is dict:
         keyed: dict = spare if type(spare) is dict else {}
         return {k: _copy_tree(v, keyed.get(k), dst, src) for k, v in tree.items()}
     if kind is list or kind is tuple:
         olds = spare if type(spare) is kind and len(spare) == len(tree) else (None,) * len(tree)
-        return kind(_copy_tree(v, o, dst, src) for v, o in zip(tree, olds))
+        return kind([_copy_tree(v, o, dst, src) for v, o in zip(tree, olds)])
     return copy.deepcopy(tree)
 
 

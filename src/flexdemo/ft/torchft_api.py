@@ -8,7 +8,8 @@ process group it builds here. What torchft offers no public way to do is below, 
 named in :data:`INTERNALS` and checked by :func:`check_internals` when a session starts, so a
 torchft that renamed one is refused in one line instead of failing mid-run:
 
-* the quorum behind the forward pass, chosen per quorum (``Manager._use_async_quorum``);
+* the quorum behind the forward pass, chosen per quorum (``Manager._use_async_quorum``), and
+  whether it has formed yet (``Manager._quorum_future``);
 * a heal torchft made after the forward pass, applied at once (``Manager._healing``,
   ``Manager._apply_pending_state_dict``);
 * every group of the quorum counted as a participant, a healing one too
@@ -40,13 +41,21 @@ from typing import Any
 
 INTERNALS: dict[str, tuple[str, ...]] = {
     "Manager": ("_client", "_use_async_quorum", "_healing", "_apply_pending_state_dict",
-                "_participating_replica_rank", "_participating_replica_world_size"),
+                "_participating_replica_rank", "_participating_replica_world_size",
+                "_quorum_future"),
     "ManagerClient": ("_quorum",),
     "HTTPTransport": ("_server",),
 }
 """Every torchft internal flexdemo uses, by torchft class, as torchft 0.2 has them."""
 
 SUPPORTED = "torchft>=0.2,<0.3"
+HEARTBEAT_INTERVAL = 0.5
+"""Seconds between a replica group's heartbeats to the lighthouse (torchft's default: 0.1).
+Each one wakes the Manager server's threads and the lighthouse's on the machines that train:
+at 0.1 s they cost rank 0 a few ms of CPU per step. The lighthouse counts a group dead after
+``--heartbeat_timeout_ms`` (torchft: 5 s, the bench's and the tests' 3 s) without one, so
+0.5 s keeps 6 to 10 heartbeats within that (a timeout under 2 s would leave a loaded machine
+little room); a dead group is seen at most 0.5 s sooner than the timeout says (before: 0.1 s)."""
 LOGGERS = ("torchft", "torchft_quorums", "torchft_commits", "torchft_errors")
 """torchft's Python loggers (``torchft`` is the parent of its modules' loggers)."""
 IGNORED = ("Unable to reset NCCL flight recorder",)
@@ -219,7 +228,8 @@ def new_manager(*, lighthouse: str, replica_id: str, hostname: str, min_replicas
         rank=rank, world_size=world, store_addr=store_addr, store_port=store_port,
         lighthouse_addr=lighthouse, replica_id=replica_id, hostname=hostname,
         checkpoint_transport=transport, max_retries=max_failed_commits,
-        quorum_retries=quorum_retries(quorum_timeout))
+        quorum_retries=quorum_retries(quorum_timeout),
+        heartbeat_interval=timedelta(seconds=HEARTBEAT_INTERVAL))
     try:
         check_internals({"Manager": manager, "ManagerClient": manager._client,
                          "HTTPTransport": transport})
@@ -234,6 +244,13 @@ def set_async_quorum(manager, behind_forward: bool) -> None:
     """Whether the next ``start_quorum`` runs behind the forward pass (torchft reads this
     Manager setting at each quorum)."""
     manager._use_async_quorum = behind_forward
+
+
+def quorum_formed(manager) -> bool:
+    """Whether the quorum started last has formed (or failed): ``wait_quorum`` would return
+    (or raise) at once."""
+    future = manager._quorum_future
+    return future is not None and future.done()
 
 
 def apply_late_heal(manager) -> bool:

@@ -11,9 +11,11 @@ Two runs of one strategy on one emulated cluster (:class:`~flexdemo.tools.cluste
    and trains on.
 
 From the ``metrics.jsonl`` of both runs it reports the per-step cost of fault tolerance (the
-quorum and the commit vote, steps 5 to ``kill_at``), how long the survivors took to commit
-a step without the dead node, how long the restarted node took to train again and which
-step it began at, and the final validation losses. It prints a table, writes
+quorum and the commit vote, steps 5 to ``kill_at``), the CPU that torchft's threads took on
+node 0's rank 0 in the same steps of the same run (read from ``/proc``, Linux; unlike the
+comparison of two runs, other jobs on the machine do not move it), how long the survivors
+took to commit a step without the dead node, how long the restarted node took to train again
+and which step it began at, and the final validation losses. It prints a table, writes
 ``elastic.json`` and draws ``elastic.png`` (loss and participating replicas against time).
 """
 
@@ -50,6 +52,29 @@ WARM_STEPS = 5
 """Steps left out of the step-time means (start-up, first allocations)."""
 FT_TIMEOUT = 30.0
 """``fault_tolerance.timeout`` of the elastic run: the bound on one collective."""
+FT_THREADS = ("torchft", "TimeoutManager", "async_quorum", "flexdemo-quorum-watch")
+"""Name prefixes of the threads fault tolerance adds to a rank: torchft's Manager server and
+client (Rust), its quorum thread and future timeouts, flexdemo's quorum watcher."""
+
+
+def thread_cpu(pid: int) -> dict[str, float]:
+    """CPU seconds each thread of process ``pid`` has used so far, summed by thread name
+    (trailing digits dropped); empty where ``/proc`` does not tell (not Linux, or ended)."""
+    out: dict[str, float] = {}
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return out
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/comm") as f:
+                name = f.read().strip().rstrip("0123456789").rstrip("-_ ") or "thread"
+            with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+                ns = int(f.read().split()[0])
+        except (OSError, ValueError, IndexError):  # a thread that ended meanwhile
+            continue
+        out[name] = out.get(name, 0.0) + ns / 1e9
+    return out
 
 
 def elastic_problem(o: Any) -> str | None:
@@ -218,7 +243,12 @@ def _elastic_run(o: Any, cluster: EmulatedCluster, base: dict, out: Path,
             # ... and for node 0 to have taken steps of its own past its warm-up (one that
             # started late heals to its peer's step): they are the per-step cost's window
             own_steps = len(rows) > WARM_STEPS + 2
+            if "cpu_from" not in events and len(rows) > WARM_STEPS and together:
+                events["cpu_from"] = {"step": step,
+                                      "threads": thread_cpu(nodes["node0"].procs[0].pid)}
             if "kill" not in events and step >= o.kill_at and together and own_steps:
+                events["cpu_to"] = {"step": step,
+                                    "threads": thread_cpu(nodes["node0"].procs[0].pid)}
                 events["kill"] = {"time": time.time(), "survivor_step": step}
                 echo(f"  elastic: SIGKILL to node {last}'s ranks (node 0 at step {step})")
                 nodes[f"node{last}"].kill()
@@ -287,6 +317,16 @@ def analyse(o: Any, plain: list[dict], run: dict) -> dict:
     out["ft_share_of_step"] = own / ft_s if ft_s == ft_s and ft_s > 0 else None
     pc, ec = out["plain_cpu_seconds"], out["elastic_cpu_seconds"]
     out["cpu_overhead"] = ec / pc - 1 if pc == pc and ec == ec and pc > 0 else None
+    a, b = run["events"].get("cpu_from"), run["events"].get("cpu_to")
+    if a and b and b["step"] > a["step"] and b["threads"]:  # node 0's rank 0, these steps
+        n = b["step"] - a["step"]
+        per = {k: (v - a["threads"].get(k, 0.0)) / n for k, v in b["threads"].items()}
+        ft = sum(v for k, v in per.items() if k.startswith(FT_THREADS))
+        out["threads_cpu_seconds"] = per
+        out["threads_steps"] = [a["step"] + 1, b["step"]]
+        out["ft_threads_cpu_seconds"] = ft
+        total = sum(per.values())
+        out["ft_threads_share"] = ft / total if total > 0 else None
     restart = run["events"].get("restart")
     if kill:
         after = [r for r in m0 if r["time"] > kill["time"]]
@@ -336,6 +376,12 @@ def report_lines(o: Any, plain_summary: dict, figures: dict) -> list[str]:
         lines.append(f"- in CPU time (rank 0, all its threads) it costs {cpu * 100:+.1f}% per "
                      f"step ({ms(f['plain_cpu_seconds'])} -> {ms(f['elastic_cpu_seconds'])}), "
                      "a figure other jobs on the machine do not inflate")
+    threads = f.get("ft_threads_share")
+    if threads is not None:
+        lines.append(f"- torchft's threads and the quorum watcher used "
+                     f"{f['ft_threads_cpu_seconds'] * 1e3:.1f} ms of CPU per step on node 0's "
+                     f"rank 0, {threads * 100:.1f}% of its CPU (steps {f['threads_steps'][0]}-"
+                     f"{f['threads_steps'][1]}, in the run itself)")
     share = f.get("ft_share_of_step")
     if share is not None:
         lines.append(f"- the quorum, the vote and the undo copy take {share * 100:.1f}% of the "

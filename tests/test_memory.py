@@ -97,7 +97,7 @@ def test_demo_workspace_is_bounded_by_group_numel():
     assert stats["workspace_bytes"] <= 5 * (4 * n) < 0.2 * P
     assert stats["step_workspace_bytes"] <= 2 * (4 * n)
     _, free, _ = _train(None)
-    assert free.memory_stats()["workspace_bytes"] > 3 * P
+    assert free.memory_stats()["workspace_bytes"] > 2 * P
 
 
 @pytest.mark.parametrize("kw", [{}, {"transform": "none", "sign": False, "values": "stat2"}])
@@ -310,7 +310,7 @@ def test_diloco_with_demo_gives_back_its_scratch_between_syncs(monkeypatch, keep
     ex = opt.replicators[0].exchanges[0]
     assert opt.replicators[0].syncs[0] == 2 and ex.layout.scratch_storages.released
     scratch = ex.layout.scratch_storages.nbytes  # what it would hold: a few buffers of a
-    assert 0.1 * P < scratch < 0.3 * P  # group sized for a sync (here a 512-wide block row)
+    assert 0.05 * P < scratch < 0.2 * P  # group sized for a sync (here a 512-wide block row)
     assert opt.memory_stats()["workspace_bytes"] == own
     monkeypatch.setattr(DeMoReplicator, "release_workspace", lambda self: None)
     gen = torch.Generator().manual_seed(0)

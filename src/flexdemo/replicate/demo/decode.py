@@ -19,10 +19,13 @@ def dense_inverse(lay: BlockLayout, g: Group, s: Segment, parts: list, n: int,
     (summed in order, divided by ``div``, default ``n``, when ``n > 1``; ``senders``: each
     coefficient divided by the number of parts that sent it a non-zero value instead), as
     ``(blocks, cr, cc)``."""
-    w = lay.work
+    w, bn = lay.work, g.block_numel
     nb = s.rows.stop - s.rows.start
-    numel = nb * g.block_numel
-    coef = w.x[:numel].view(nb, g.block_numel).zero_()
+    numel = nb * bn  # the coefficients in the segment's rows of the staging buffer (free
+    # once encoded), where the inverse's second product writes ``out`` or its copy (blocks
+    # of one row: one product, from ``z``)
+    rows = g.xh.view(-1)[s.rows.start * bn: s.rows.stop * bn] if g.chunk[0] > 1 else w.z
+    coef = rows[:numel].view(nb, bn).zero_()
     for idx, vals in parts:  # rank order: every replica sums alike
         coef.scatter_add_(1, idx, vals)
     if senders:  # the count is exact in fp32, so every replica divides alike

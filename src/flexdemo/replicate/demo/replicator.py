@@ -360,7 +360,7 @@ class DeMoReplicator(Replicator):
                 torch.index_select(g.img.view(-1, cc), 0, g.img_rows, out=g.xh.view(-1, cc))
             else:
                 rows = torch.index_select(g.img.view(-1, cc), 0, g.img_rows,
-                                          out=w.x[: g.img_rows.numel() * cc].view(-1, cc))
+                                          out=w.z[: g.img_rows.numel() * cc].view(-1, cc))
                 g.xh.view(-1, cc).index_copy_(0, g.img_dst, rows)
         x = g.xh
         if w.xc is not None:  # a non-finite input is zeroed in the compute dtype's copy
@@ -384,7 +384,7 @@ class DeMoReplicator(Replicator):
         k = g.k if not isinstance(self._parts, SharedIndices) else self._parts.k_of(g)
         idx_pos = self._compiled(g) if self.compile and k == g.k else None
         if idx_pos is None:
-            idx_pos = topk_blocks_rowmajor(g.coef, k, self._work.x[: g.coef.numel()],
+            idx_pos = topk_blocks_rowmajor(g.coef, k, self._work.z[: g.coef.numel()],
                                            self.scratch)
         idx, pos = idx_pos
         vals = g.coef.view(-1).index_select(0, pos.view(-1)).view(pos.shape).masked_fill_(bad, 0.0)

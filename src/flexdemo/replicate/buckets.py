@@ -27,10 +27,11 @@ def check_bucket_numel(bucket_numel) -> None:
 
 
 def resolve_bucket_numel(bucket_numel, device: torch.device, shapes: list[torch.Size],
-                         align: int) -> int | None:
+                         align: int, parts: int | None = None) -> int | None:
     """Values per bucket (a multiple of ``align``), or None for one bucket of the whole
-    model (``bucket_numel=None``, or a model that fits one bucket)."""
-    n = resolve_group_numel(bucket_numel, device, shapes)
+    model (``bucket_numel=None``, or a model that fits one bucket); ``parts``: "auto" is at
+    most a ``parts``-th of the model (:func:`~.demo.settings.resolve_group_numel`)."""
+    n = resolve_group_numel(bucket_numel, device, shapes, parts)
     total = sum(s.numel() for s in shapes)
     if n is None or n >= total:
         return None

@@ -121,6 +121,14 @@ def _batches(sizes: list[int], limit: int | None) -> list[list[int]]:
     return out
 
 
+def _favour_memory(exchange: Replicator) -> None:
+    """Tell an exchange, before its set-up, that it runs once every H steps, where it has
+    the setting (``memory_first``: DeMo's smaller groups and one group's payloads unpacked at
+    a time): its workspace comes on top of all the state and gradients at a sync."""
+    if hasattr(exchange, "memory_first"):
+        setattr(exchange, "memory_first", True)  # noqa: B010 (a setting not all exchanges have)
+
+
 def _release_workspace(exchange: Replicator) -> None:
     """Let an exchange give back its scratch buffers, where it can (``release_workspace``):
     DiLoCo uses them once every H steps."""
@@ -230,6 +238,7 @@ class DiLoCoReplicator(Replicator):
             ex.group = group
             if not self.in_place and hasattr(ex, "bucket_numel"):
                 ex.bucket_numel = None  # its flat buffer is the pseudo-gradients' home
+            _favour_memory(ex)
             ex.setup([self._local_shapes[i] for i in part], self.device, self.group,
                      nonfinite=self.nonfinite)
             _release_workspace(ex)  # not held until the first sync, H steps away

@@ -19,6 +19,7 @@ from .agreement import (
 )
 from .base import Replicator
 from .buckets import FlatBuckets, check_bucket_numel, resolve_bucket_numel
+from .demo.settings import RARE_BUCKETS
 from .scatter import ScatterExchange, _aligned
 
 
@@ -191,6 +192,7 @@ class FullReplicator(Replicator):
         _check_reduce(values, reduce, on_bad_peer)
         self.values, self.on_bad_peer, self.reduce = values, on_bad_peer, reduce
         self.dropped_payloads = 0
+        self.memory_first = False  # (DiLoCo, before the set-up) smaller "auto" buckets
 
     def extra_repr(self) -> str:
         parts = [] if self.values == "fp32" else [f"values={self.values!r}"]
@@ -211,7 +213,8 @@ class FullReplicator(Replicator):
         self._total = sum(s.numel() for s in self._local_shapes)
         self._scatter = None
         numel = resolve_bucket_numel(self.bucket_numel, self.device, self._local_shapes,
-                                     self.codec.block)
+                                     self.codec.block,
+                                     RARE_BUCKETS if self.memory_first else None)
         self.buckets = None if numel is None else FlatBuckets(self._local_shapes, numel)
         self.residual = None if self.error_feedback is None else torch.zeros(
             self._total, dtype=torch.float32, device=self.device)
@@ -441,6 +444,8 @@ class FullReplicator(Replicator):
         exchange's does."""
         buckets, stage = self.buckets, self._stage
         assert buckets is not None
+        if self._scatter is None and self.values != "fp32":  # the codec's buffer at its
+            self.codec.workspace(buckets.numel, stage.device)  # largest: never grown
         order = list(range(len(buckets)))[::-1]
         taken = -1
         try:

@@ -6,7 +6,7 @@ one step later."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -23,23 +23,53 @@ RANGE, REPEAT, NONFINITE = 1, 2, 3
 VERDICT_COLUMNS = ("magic", "step", "flag", "code", "reason", "group", "top")
 
 
+def unpack_group(gathered: torch.Tensor, g: Group,
+                 codec: BlockValueCodec) -> tuple[torch.Tensor, torch.Tensor]:
+    """Group ``g``'s ``(peers, blocks, k)`` indices (int64) and values in the payloads
+    ``gathered`` ``(peers, bytes)``."""
+    idx = unpack_bits(gathered[:, g.idx_off: g.val_off], g.bits, g.n_sel)
+    return (idx.view(gathered.shape[0], g.blocks, g.k),
+            codec.decode(gathered[:, g.val_off: g.end], g.blocks, g.k))
+
+
+class GroupPayloads(Sequence):
+    """The decoded payloads per group, as :func:`check_payloads` returns them, unpacked from
+    ``gathered`` when a group is asked for and not held: a step then keeps one group's
+    indices and values at a time instead of every group's (unpacked twice: for the check
+    and for the decode, the same bits)."""
+
+    def __init__(self, gathered: torch.Tensor, groups: list[Group], codec: BlockValueCodec,
+                 plan: StepPlan) -> None:
+        self.gathered, self.groups, self.codec, self.plan = gathered, groups, codec, plan
+
+    def __len__(self) -> int:
+        return len(self.groups)
+
+    def __getitem__(self, gi):
+        if not self.plan.group_on[gi]:
+            return None
+        return unpack_group(self.gathered, self.groups[gi], self.codec)
+
+
 def check_payloads(gathered: torch.Tensor, groups: list[Group], codec: BlockValueCodec,
-                   plan: StepPlan):
+                   plan: StepPlan, keep: bool = True):
     """Every peer's payload checked on the device: the verdict, ``(peers, 7)`` int64 rows
     (:data:`VERDICT_COLUMNS`), and per group with gradients the decoded
-    ``(peers, blocks, k)`` indices and values."""
+    ``(peers, blocks, k)`` indices and values (``keep=False``: a :class:`GroupPayloads`
+    that unpacks them again when asked, so that no more than one group's are live)."""
     n = gathered.shape[0]
     heads = gathered[:, :HEADER_BYTES].contiguous().view(torch.int64)
     reason = which = top = torch.zeros(n, dtype=torch.int64, device=gathered.device)
-    decoded: list = [None] * len(groups)
+    decoded: list | GroupPayloads = (
+        [None] * len(groups) if keep else GroupPayloads(gathered, groups, codec, plan))
     found = []
     for gi, g in enumerate(groups):
         if not plan.group_on[gi]:
             continue
-        idx = unpack_bits(gathered[:, g.idx_off: g.val_off], g.bits, g.n_sel)
-        idx = idx.view(n, g.blocks, g.k)
-        vals = codec.decode(gathered[:, g.val_off: g.end], g.blocks, g.k)
-        decoded[gi] = (idx, vals)
+        idx, vals = unpack_group(gathered, g, codec)
+        if keep:
+            assert isinstance(decoded, list)
+            decoded[gi] = (idx, vals)
         why = torch.where(torch.isfinite(vals).flatten(1).all(1), 0, NONFINITE)
         if g.k > 1:
             srt = idx.sort(dim=2).values

@@ -3,10 +3,12 @@ parameters' domain through the inverse transform, and the peers' mean (then ``si
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
-from .checks import check_payloads
-from .layout import BlockLayout, Group, Segment
+from .checks import check_payloads, unpack_group
+from .layout import BlockLayout, Group, Segment, block_positions
 
 SENDERS_SLOT = 11  # the scratch slot of the per-coefficient count of senders
 
@@ -17,10 +19,13 @@ def dense_inverse(lay: BlockLayout, g: Group, s: Segment, parts: list, n: int,
     (summed in order, divided by ``div``, default ``n``, when ``n > 1``; ``senders``: each
     coefficient divided by the number of parts that sent it a non-zero value instead), as
     ``(blocks, cr, cc)``."""
-    w = lay.work
+    w, bn = lay.work, g.block_numel
     nb = s.rows.stop - s.rows.start
-    numel = nb * g.block_numel
-    coef = w.x[:numel].view(nb, g.block_numel).zero_()
+    numel = nb * bn  # the coefficients in the segment's rows of the staging buffer (free
+    # once encoded), where the inverse's second product writes ``out`` or its copy (blocks
+    # of one row: one product, from ``z``)
+    rows = g.xh.view(-1)[s.rows.start * bn: s.rows.stop * bn] if g.chunk[0] > 1 else w.z
+    coef = rows[:numel].view(nb, bn).zero_()
     for idx, vals in parts:  # rank order: every replica sums alike
         coef.scatter_add_(1, idx, vals)
     if senders:  # the count is exact in fp32, so every replica divides alike
@@ -128,3 +133,17 @@ def write_own(lay: BlockLayout, staging, codec, own: torch.Tensor, plan, outs) -
         if pieces and decoded[gi] is not None:
             decode_mean(lay, g, *decoded[gi], sign=False)
             staging.write_back(outs, pieces, views)
+
+
+def add_back_own(add_to_momentum: Callable, groups: list[Group], codec, own: torch.Tensor,
+                 plan) -> None:
+    """Add this rank's payload ``own`` (its bucket, as the peers decode it) back to its
+    momentum (``add_to_momentum(g, idx, pos, vals, sign=1.0)``), group by group: undoes the
+    error feedback of an exchange that was not applied. Rebuilt from the bytes sent (the
+    values the encode fed back, the same bits), so the encode keeps nothing for it."""
+    rows = own.unsqueeze(0)
+    for gi, g in enumerate(groups):
+        if plan.group_on[gi]:
+            idx, vals = unpack_group(rows, g, codec)
+            add_to_momentum(g, idx[0], block_positions(g.coef.shape, idx[0]), vals[0],
+                            sign=1.0)

@@ -12,7 +12,8 @@ import torch
 
 from ...transport import Pending, all_gather
 from .checks import VerdictToHost, arrived, check_payloads, kept_peers
-from .layout import Group, block_positions
+from .decode import add_back_own
+from .layout import Group
 from .staging import Staging, StepPlan
 
 __all__ = ["Exchange", "InFlight", "Stages"]
@@ -134,12 +135,7 @@ class InFlight:
         step, handle, plan, row = self.sent
         self.sent = None
         own = handle[row] if isinstance(handle, torch.Tensor) else self.buffers[step % 2]
-        _, decoded = check_payloads(own.unsqueeze(0), self.groups, self.codec, plan)
-        for g, sent in zip(self.groups, decoded):
-            if sent is not None:
-                idx, vals = sent[0][0], sent[1][0]
-                pos = block_positions(g.coef.shape, idx)
-                self.owner.add_to_momentum(g, idx, pos, vals, sign=1.0)
+        add_back_own(self.owner.add_to_momentum, self.groups, self.codec, own, plan)
 
     # ------------------------------------------------------------------ state
     def clear(self) -> None:

@@ -174,10 +174,12 @@ def block_positions(coef_shape: torch.Size, idx: torch.Tensor) -> torch.Tensor:
 
 class Workspace:
     """Scratch buffers shared by the groups, sized for the largest one at set-up (so views of
-    them can be built once). The first product of the transform goes to ``z``; the decoded
-    blocks go to the group's own staging buffer ``xh``, free once its step is encoded, and
-    from there into the image they were staged in (``out`` for padded units, whose image
-    holds their momentum)."""
+    them can be built once). The first product of the transform goes to ``z``, then the
+    magnitudes of the top-k selection (and image rows on their way to the staging buffer
+    before it); the decoded blocks go to the group's own staging buffer ``xh``, free once its
+    step is encoded (their coefficients first, then the inverse's product through ``z``),
+    and from there into the image they were staged in (``out`` for padded units, whose image
+    holds their momentum). One group-sized fp32 buffer besides the staging rows."""
 
     def __init__(self, groups: list[Group], device: torch.device,
                  compute_dtype: torch.dtype) -> None:
@@ -187,7 +189,7 @@ class Workspace:
         def buf(numel, dtype=torch.float32):
             return torch.zeros(numel, dtype=dtype, device=device)
 
-        self.x, self.z, self.out = buf(n), buf(n), buf(img)
+        self.z, self.out = buf(n), buf(img)
         low = compute_dtype != torch.float32
         self.xc = buf(n, compute_dtype) if low else None
         self.yc = buf(n, compute_dtype) if low else None
@@ -293,7 +295,7 @@ class BlockLayout:
         # the step's scratch (no state lives in it), given back between DiLoCo's syncs
         w = self.work
         self.scratch_storages = ReleasableStorages(
-            t for t in (self.staging_rows, w.x, w.z, w.out, w.xc, w.yc, w.zc) if t is not None)
+            t for t in (self.staging_rows, w.z, w.out, w.xc, w.yc, w.zc) if t is not None)
 
     def _make_unit(self, members: list[int], plan: ChunkPlan,
                    part: tuple[int, int] | None = None) -> Unit:

@@ -15,13 +15,27 @@ from ..base import Replicator
 from ..rounding import STATE_DTYPES
 from . import state
 from .checks import check_payloads, good_peers
-from .decode import blocks_into_image, clip_to_median_norm, decode_mean, dense_inverse, write_own
+from .decode import (
+    add_back_own,
+    blocks_into_image,
+    clip_to_median_norm,
+    decode_mean,
+    dense_inverse,
+    write_own,
+)
 from .delayed import InFlight
 from .graphs import CompiledSelection, StepGraphs
 from .layout import BlockLayout, Group
 from .offload import HostMomentum
 from .scatter import SparseScatter
-from .settings import PRESETS, TRANSFORM_DTYPES, check_settings, describe, resolve_group_numel
+from .settings import (
+    PRESETS,
+    TRANSFORM_DTYPES,
+    check_settings,
+    describe,
+    rare_groups,
+    resolve_group_numel,
+)
 from .shared import SharedIndices
 from .staging import MomentumRun, Sent, Staging, StepPlan
 
@@ -79,6 +93,7 @@ class DeMoReplicator(Replicator):
         # CUDA graphs of the device work between the host's steps (no effect off CUDA)
         self.graphs, self.staging = graphs, staging
         self.reports_sent = reduce != "scatter" and overlap == "none"  # (sent_into)
+        self.memory_first = False  # (DiLoCo, before the set-up) see settings.rare_groups
 
     @classmethod
     def preset(cls, name: str, **overrides) -> DeMoReplicator:
@@ -118,7 +133,8 @@ class DeMoReplicator(Replicator):
             self._local_shapes, topk=self.topk, chunk=self.chunk,
             small_numel=self.small_numel if self.small == "batch" else None, basis=basis,
             compute_dtype=compute_dtype, bucket=self.bucket,
-            group_numel=resolve_group_numel(self.group_numel, self.device, self._local_shapes),
+            group_numel=resolve_group_numel(self.group_numel, self.device, self._local_shapes,
+                                            rare_groups(self)),
             images=self._stages_through_images, codec=self.codec, device=self.device,
             shared_staging=not self._graphed, offload=self.offload,  # graphs: fixed buffers
             momentum_dtype=STATE_DTYPES[self.momentum_dtype])
@@ -210,14 +226,15 @@ class DeMoReplicator(Replicator):
             return self._replicate_scattered(grads, lrs, step)
         plan = self.plan_step(grads, lrs)
         buf = self.send_buffers[0]
-        # decay + encode, select, code, error feedback: this rank's payload
-        sent = self.encode_payload(grads, lrs, step, buf)
+        # decay + encode, select, code, error feedback: this rank's payload (what it fed
+        # back is not kept: should the exchange fail, it is added back from ``buf``)
+        self.encode_payload(grads, lrs, step, buf)
         # exchange (a group of one, or a step the schedule skips, keeps its own)
         gathered = self._exchange(buf) if communicate else buf.unsqueeze(0)
         try:  # check every payload on the device; the step's one read of the verdict
             good, decoded = self._check_now(gathered, step, plan)
         except Exception:
-            self._undo_error_feedback(sent)
+            add_back_own(self.add_to_momentum, self.groups, self.codec, buf, plan)
             raise
         # decode the mean of the good payloads, inverse DCT, sign, write into the gradients
         self.write_mean(decoded, good, plan, plan, grads)
@@ -256,7 +273,8 @@ class DeMoReplicator(Replicator):
     # ------------------------------------------------------------------ encode
     def encode_payload(self, grads, lrs, step: int, buf: torch.Tensor) -> list:
         """This rank's payload for ``step`` in ``buf``; returns per group the sent
-        (indices, positions, values), or None for groups without gradients.
+        (indices, positions, values) where ``reduce="scatter"`` or CUDA graphs keep them,
+        else None (each group's freed once encoded: a failed gather adds back ``buf``).
 
         A rank whose input holds a NaN or Inf leaves its momentum as it was, decided on the
         device: the flag is found first (least and largest staged input), the staged input
@@ -291,6 +309,7 @@ class DeMoReplicator(Replicator):
         else:  # each group's input is zeroed as it is staged
             bad = st.nonfinite_grad_flag(grads, plan)
         decay = torch.where(bad, self._one, self._decay_factor)
+        keep = self._graphed or self._parts is not None  # (see encode_payload)
         sent: list[Sent | None] = []
         for gi, g in enumerate(self.groups):
             if not plan.group_on[gi]:
@@ -308,7 +327,7 @@ class DeMoReplicator(Replicator):
                 sent.append(None)
                 continue
             self.add_to_momentum(g, idx, pos, seen, sign=-1.0)  # delta -= what peers see
-            sent.append((idx, pos, seen))
+            sent.append((idx, pos, seen) if keep else None)
         write_header(buf, step, bad, plan.code)  # on the device: no host round trip
         return sent
 
@@ -341,7 +360,7 @@ class DeMoReplicator(Replicator):
                 torch.index_select(g.img.view(-1, cc), 0, g.img_rows, out=g.xh.view(-1, cc))
             else:
                 rows = torch.index_select(g.img.view(-1, cc), 0, g.img_rows,
-                                          out=w.x[: g.img_rows.numel() * cc].view(-1, cc))
+                                          out=w.z[: g.img_rows.numel() * cc].view(-1, cc))
                 g.xh.view(-1, cc).index_copy_(0, g.img_dst, rows)
         x = g.xh
         if w.xc is not None:  # a non-finite input is zeroed in the compute dtype's copy
@@ -365,7 +384,7 @@ class DeMoReplicator(Replicator):
         k = g.k if not isinstance(self._parts, SharedIndices) else self._parts.k_of(g)
         idx_pos = self._compiled(g) if self.compile and k == g.k else None
         if idx_pos is None:
-            idx_pos = topk_blocks_rowmajor(g.coef, k, self._work.x[: g.coef.numel()],
+            idx_pos = topk_blocks_rowmajor(g.coef, k, self._work.z[: g.coef.numel()],
                                            self.scratch)
         idx, pos = idx_pos
         vals = g.coef.view(-1).index_select(0, pos.view(-1)).view(pos.shape).masked_fill_(bad, 0.0)
@@ -427,9 +446,10 @@ class DeMoReplicator(Replicator):
     def _check_now(self, gathered: torch.Tensor, step: int, plan: StepPlan):
         """Check the gathered payloads and read the verdict; raise or drop bad ones. Returns
         the good peers and the decoded payloads."""
+        keep = self._graphed or not self.memory_first  # else unpacked again to decode
         verdict, decoded = self.on_payloads(
-            ("check", plan.key), lambda x: check_payloads(x, self.groups, self.codec, plan),
-            gathered)
+            ("check", plan.key), lambda x: check_payloads(x, self.groups, self.codec, plan,
+                                                          keep), gathered)
         rows = verdict.tolist()  # the one read of the device in a step
         return self.good_peers_of(rows, step, plan.code), decoded
 

@@ -26,6 +26,17 @@ GROUP_NUMEL = 1 << 22
 #: whole 124M model in groups of 4M coefficients: 45 groups, 5,581 operations per graphed
 #: step; in 8ths: 10 groups, 1,276, for half a P more at the step's peak)
 CUDA_GROUPS = 8
+#: for an exchange run once every many steps (a DiLoCo sync, ``memory_first``) "auto" makes
+#: DeMo's groups at most this fraction of the model: the sync's scratch (a few buffers of a
+#: group) comes on top of all the state and gradients, and its speed matters once every H
+#: steps; more groups cost no more collectives (85M GPT: groups of 0.67M coefficients, the
+#: sync's scratch about 0.03 P instead of 0.18 P)
+RARE_GROUPS = 128
+#: ... and a dense exchange's buckets (each bucket is a collective of its own, so fewer:
+#: 85M GPT, buckets of 2.7M values, 33 collectives per sync instead of 21)
+RARE_BUCKETS = 32
+#: ... but groups and buckets of at least this many values (4 blocks of 64 x 64)
+RARE_GROUP_NUMEL = 1 << 14
 
 
 def check_settings(*, topk, chunk, decay, values, transform, transform_dtype, small,
@@ -101,14 +112,32 @@ def check_settings(*, topk, chunk, decay, values, transform, transform_dtype, sm
 
 
 def resolve_group_numel(group_numel: int | str | None, device: torch.device | None,
-                        shapes: Sequence[torch.Size] = ()) -> int | None:
+                        shapes: Sequence[torch.Size] = (),
+                        parts: int | None = None) -> int | None:
     """``group_numel`` with ``"auto"`` resolved for ``device`` and a model of local
-    ``shapes``: ``GROUP_NUMEL``, or on CUDA a ``CUDA_GROUPS``-th of the model if larger."""
+    ``shapes``: ``GROUP_NUMEL``, or on CUDA a ``CUDA_GROUPS``-th of the model if larger;
+    ``parts`` (an exchange run once every many steps, :data:`RARE_GROUPS`): at most a
+    ``parts``-th of the model, and at least ``RARE_GROUP_NUMEL``."""
     if group_numel != "auto":
         return None if group_numel is None else int(group_numel)
+    total = sum(s.numel() for s in shapes)
+    n = GROUP_NUMEL
     if device is not None and device.type == "cuda":
-        return max(GROUP_NUMEL, -(-sum(s.numel() for s in shapes) // CUDA_GROUPS))
-    return GROUP_NUMEL
+        n = max(GROUP_NUMEL, -(-total // CUDA_GROUPS))
+    if parts is not None:
+        n = min(n, max(RARE_GROUP_NUMEL, -(-total // parts)))
+    return n
+
+
+def rare_groups(rep) -> int | None:
+    """The ``parts`` of :func:`resolve_group_numel` for DeMo replicator ``rep``: where
+    ``rep.memory_first`` is set (by DiLoCo, before the set-up: it runs once every H steps, on
+    top of all the state) and smaller groups give the same bits (the gathered mean without
+    ``clip``, whose norm adds the groups' sums in order), :data:`RARE_GROUPS`; else None.
+    ``memory_first`` also has its step unpack each group's payloads again as it decodes
+    them, rather than holding every group's from the check."""
+    same = rep.reduce == "gather" and rep.clip == "none"
+    return RARE_GROUPS if rep.memory_first and same else None
 
 
 def describe(rep) -> str:

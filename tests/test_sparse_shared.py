@@ -56,6 +56,23 @@ def test_the_mean_at_the_shared_indices_is_exact_against_a_dense_reference(world
     assert overlap  # some replicas picked the same coefficient: it counts once
 
 
+def test_shared_slots_that_are_not_k_take_the_sparse_decode_at_3_replicas():
+    """At 3 replicas the shared set has 3 x ceil(5 / 3) = 6 slots per block, not k = 5; with
+    16 x 16 blocks that few slots are decoded sparsely, whose scratch was sized for k (a shape
+    error on every replica); the mean is exact against a dense reference."""
+    shapes, c = [torch.Size((32, 32)), torch.Size((16, 48))], 16
+    out = exchange(3, shapes, **{**PLAIN, "chunk": c})
+    for i, shape in enumerate(shapes):
+        picks = [blocks(grads_of(r, shapes)[i], c, c) for r in range(3)]
+        mask = torch.zeros_like(picks[0], dtype=torch.bool)
+        for b in picks:
+            mask.scatter_(1, b.abs().topk(2, dim=1).indices, True)
+        want = unblocks(torch.where(mask, (picks[0] + picks[1] + picks[2]) / 3, 0.0), shape, c, c)
+        for r in range(3):
+            assert not isinstance(out[r][0], Exception), out[r][0]
+            assert torch.equal(out[r][0][i], want), (i, r)
+
+
 @pytest.mark.parametrize("values", ["fp32", "stat2", "int2"])
 def test_error_feedback_keeps_exactly_what_was_not_sent(values):
     """Each replica's buffer loses exactly its own values at the shared indices, as decoded

@@ -66,7 +66,7 @@ def decode_mean(lay: BlockLayout, g: Group, idx: torch.Tensor, vals: torch.Tenso
     bits.
     """
     n, (cr, cc) = idx.shape[0], g.chunk
-    m = g.k * n
+    m = idx.shape[-1] * n  # k per peer, or the shared slots (world * ceil(k / world))
     div: int | torch.Tensor = n
     if kept is not None:
         keep, count = kept

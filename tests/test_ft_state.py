@@ -117,3 +117,24 @@ def test_copy_into_is_a_deep_copy_of_plain_values_and_parameters():
     again = copy_into(tree, first)
     assert again["nested"]["t"][0] is first["nested"]["t"][0]
     assert _equal(again, tree)
+
+
+def test_demos_live_state_is_its_momentum_not_a_copy():
+    """DeMo's momentum lives as strided views of its blocks (not contiguous for a 64 x 128
+    weight); the live state hands over those tensors themselves, so an undo copy copies each
+    once (a reshape to rows would copy them first), and a restore loads them back exactly."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(64, 128), nn.Tanh(), nn.Linear(128, 4))
+    rep = make_replicator("demo")
+    opt = DeToNATION(net.parameters(), rep, base="sgd", lr=1e-2)
+    net(torch.randn(2, 64)).sum().backward()
+    opt.step()
+    assert not all(d.is_contiguous() for d in rep.delta)  # the case that a reshape copies
+    live = rep.live_state()["delta"]
+    assert all(a is b for a, b in zip(live, rep.delta)) and len(live) == len(rep.delta)
+    saved = rep.state_dict()
+    for d in rep.delta:
+        d.zero_()
+    rep.load_state_dict(saved)
+    assert all(torch.equal(d.reshape(d.shape[0], -1), s) for d, s in zip(rep.delta,
+                                                                         saved["delta"]))

@@ -16,11 +16,12 @@ DeMo = Any
 
 
 def save(rep: DeMo, sd: dict, copy: bool = True) -> dict:
-    """``sd`` (the base class's state) with ``rep``'s momentum (copied, or views of the live
-    buffers when not ``copy``) and counter."""
+    """``sd`` (the base class's state) with ``rep``'s momentum (copied as ``(rows, -1)``, or
+    the live buffers themselves when not ``copy``: a reshape of a non-contiguous buffer would
+    copy it; :func:`check_loadable` takes either) and counter."""
     rep.host_momentum.settle()  # offload=True: every host copy complete
-    flat = [d.reshape(d.shape[0], -1) for d in rep.delta]
-    sd["delta"] = [d.clone() for d in flat] if copy else flat
+    sd["delta"] = ([d.reshape(d.shape[0], -1).clone() for d in rep.delta] if copy
+                   else list(rep.delta))
     sd["dropped_payloads"] = rep.dropped_payloads
     return sd
 

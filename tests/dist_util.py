@@ -55,39 +55,44 @@ def reap(procs: list) -> None:
 
 
 # ------------------------------------------------------------------ `python ...` forked
-# A test that starts `python -m MODULE ...` or `python -c CODE` pays its interpreter's start-up
-# and imports (about 4 s of CPU with torch and flexdemo) in every process. `Forked` runs the
-# same command line in a process forked from the fork server above instead, which has them
-# imported: a real process all the same (its own pid, exit status, environment, working
-# folder and output files; a SIGKILL kills it, a SIGKILL it sends itself ends it with -9),
-# and what the command runs it runs from the start, as the fresh interpreter would
-# (`runpy`, or the code as __main__), then the interpreter's exit (its threads joined, its
-# atexit functions). What differs is what no test here reads: the modules the server
-# preloaded are already imported (torch's thread count is set from OMP_NUM_THREADS as the
-# fresh interpreter would read it), and sys.executable is the server's, the same Python.
+# A test that starts `python -m MODULE ...`, `python -c CODE` or `python SCRIPT` pays its
+# interpreter's start-up and imports (about 4 s of CPU with torch and flexdemo) in every
+# process. `Forked` runs the same command line in a process forked from the fork server above
+# instead, which has them imported: a real process all the same (its own pid, exit status,
+# environment, working folder and output files; a SIGKILL kills it, a SIGKILL it sends itself
+# ends it with -9, a SIGTERM reaches its handlers), and what the command runs it runs from the
+# start, as the fresh interpreter would (`runpy`, or the code as __main__), then the
+# interpreter's exit (its threads joined, its atexit functions). What differs is what no test
+# that uses it reads: the modules the server preloaded are already imported (torch's thread
+# count is set from OMP_NUM_THREADS as a fresh interpreter reads it at torch's import), and
+# sys.path (the command's entry first, then the pytest process's), the signal dispositions and
+# sys.flags are the server's. A test about a fresh interpreter itself (what an import does, a
+# variable read at import, a script alone in a folder) starts a real one.
 
 
 class Forked:
-    """``python ARGS`` (``-m MODULE ...`` or ``-c CODE ...``) in a process forked from the fork
-    server, with subprocess.Popen's ``pid``, ``args``, ``returncode``, ``poll``, ``wait``,
-    ``communicate``, ``kill``, ``terminate`` and ``send_signal``. ``env``: its whole
-    environment (as Popen's); ``cwd``: its working folder; ``stdout``: the file its standard
-    output goes to (created empty here, before it starts), None for a file of its own that
-    :meth:`communicate` returns (Popen's ``stdout=PIPE``); ``stderr``: another file, or None
-    for stdout's (Popen's ``stderr=STDOUT``)."""
+    """``python ARGS`` (``-m MODULE ...``, ``-c CODE ...`` or ``SCRIPT ...``) in a process
+    forked from the fork server, with subprocess.Popen's ``pid``, ``args``, ``returncode``,
+    ``poll``, ``wait``, ``communicate``, ``kill``, ``terminate`` and ``send_signal``. ``env``:
+    its whole environment (as Popen's); ``cwd``: its working folder; ``stdout``, ``stderr``:
+    the file each goes to (created empty here, before it starts), or ``subprocess.PIPE``: a
+    file of its own, whose text :meth:`communicate` returns; ``stderr=subprocess.STDOUT``
+    (the default): stdout's file."""
 
-    def __init__(self, args: list[str], *, stdout: str | os.PathLike | None = None,
-                 stderr: str | os.PathLike | None = None, env: dict | None = None,
+    def __init__(self, args: list[str], *, stdout: str | os.PathLike | int = subprocess.PIPE,
+                 stderr: str | os.PathLike | int = subprocess.STDOUT, env: dict | None = None,
                  cwd: str | os.PathLike | None = None) -> None:
-        if not args or args[0] not in ("-m", "-c") or len(args) < 2:
-            raise ValueError(f"Forked runs `python -m MODULE ...` or `python -c CODE ...`, "
-                             f"not {args}")
+        if not args or (args[0] in ("-m", "-c") and len(args) < 2) or (
+                args[0].startswith("-") and args[0] not in ("-m", "-c")):
+            raise ValueError(f"Forked runs `python -m MODULE ...`, `python -c CODE ...` or "
+                             f"`python SCRIPT ...`, not {args}")
         self.args = [sys.executable, *args]
         self._scratch = None
-        if stdout is None:
+        if subprocess.PIPE in (stdout, stderr):
             self._scratch = tempfile.TemporaryDirectory(prefix="forked-")
-            stdout = os.path.join(self._scratch.name, "stdout")
-        self._outs = [str(stdout)] + ([] if stderr is None else [str(stderr)])
+        self._outs = [self._file(stdout, "stdout")]
+        if stderr != subprocess.STDOUT:
+            self._outs.append(self._file(stderr, "stderr"))
         for path in self._outs:
             open(path, "wb").close()
         self._proc = _CTX.Process(target=_as_python, name=" ".join(args[:2]),
@@ -95,6 +100,14 @@ class Forked:
                                         None if cwd is None else str(cwd), self._outs))
         self._proc.start()
         self.pid = self._proc.pid
+
+    def _file(self, where: str | os.PathLike | int, name: str) -> str:
+        if where == subprocess.PIPE:
+            assert self._scratch is not None
+            return os.path.join(self._scratch.name, name)
+        if isinstance(where, int):
+            raise ValueError(f"Forked writes to files or subprocess.PIPE, not {where}")
+        return str(where)
 
     @property
     def returncode(self) -> int | None:
@@ -135,17 +148,14 @@ def run_python(args: list[str], *, timeout: float, env: dict | None = None,
                cwd: str | os.PathLike | None = None) -> subprocess.CompletedProcess:
     """subprocess.run([sys.executable, *args], capture_output=True, text=True, ...) with
     :class:`Forked`; killed, and TimeoutExpired raised, after ``timeout`` s."""
-    with tempfile.TemporaryDirectory() as d:
-        out, err = os.path.join(d, "stdout"), os.path.join(d, "stderr")
-        p = Forked(args, stdout=out, stderr=err, env=env, cwd=cwd)
-        try:
-            code = p.wait(timeout)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
-            raise
-        with open(out) as fo, open(err) as fe:
-            return subprocess.CompletedProcess(p.args, code, fo.read(), fe.read())
+    p = Forked(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, cwd=cwd)
+    try:
+        out, err = p.communicate(timeout)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        p.wait()
+        raise
+    return subprocess.CompletedProcess(p.args, p.wait(), out, err)
 
 
 def _as_python(args: list[str], env: dict, cwd: str | None, outs: list[str]) -> None:
@@ -172,12 +182,16 @@ def _as_python(args: list[str], env: dict, cwd: str | None, outs: list[str]) -> 
             sys.argv = [args[1], *args[2:]]  # (runpy puts the module's file first)
             sys.path.insert(0, os.getcwd())
             runpy.run_module(args[1], run_name="__main__", alter_sys=True)
-        else:
+        elif args[0] == "-c":
             sys.argv = ["-c", *args[2:]]
             sys.path.insert(0, "")
             main = types.ModuleType("__main__")
             sys.modules["__main__"] = main
             exec(compile(args[1], "<string>", "exec"), main.__dict__)
+        else:  # a script: its folder first on the path (runpy puts it first in argv)
+            sys.argv = list(args)
+            sys.path.insert(0, os.path.dirname(os.path.realpath(args[0])))
+            runpy.run_path(args[0], run_name="__main__")
     except SystemExit as e:
         code = e.code
     except BaseException:  # the interpreter's report of an uncaught exception, exit status 1

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -28,11 +29,12 @@ _CTX.set_forkserver_preload(["torch", "torch.distributed", "torch.distributed.fs
 
 def spawn_ranks(world: int, args: list[str], timeout: float = 30,
                 ranks: list[int] | None = None, port: int | None = None,
-                env: dict | None = None) -> list[subprocess.Popen]:
+                env: dict | None = None) -> list[Forked]:
     """``world`` bare processes of ``python -m flexdemo ARGS`` with torchrun's variables, one
     rank per launcher (``LOCAL_WORLD_SIZE=1``), collectives timing out after ``timeout`` s;
-    stdout and stderr together in each one's ``stdout`` pipe. ``ranks``: start only these
-    (a job whose other ranks never arrive); ``env``: more variables."""
+    stdout and stderr together, what ``communicate()`` returns. ``ranks``: start only these
+    (a job whose other ranks never arrive); ``env``: more variables. Each is forked from the
+    fork server (:class:`Forked`: a real process, without 4 s of imports)."""
     port = port or free_port()
     procs = []
     for rank in range(world) if ranks is None else ranks:
@@ -40,18 +42,167 @@ def spawn_ranks(world: int, args: list[str], timeout: float = 30,
                      LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                      OMP_NUM_THREADS="1", FLEXDEMO_TIMEOUT=str(timeout))
         env_r.update(env or {})
-        procs.append(subprocess.Popen([sys.executable, "-m", "flexdemo", *args], env=env_r,
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                      text=True))
+        procs.append(Forked(["-m", "flexdemo", *args], env=env_r))
     return procs
 
 
-def reap(procs: list[subprocess.Popen]) -> None:
+def reap(procs: list) -> None:
     """Kill and wait for every process of ``procs`` still running (a test's clean-up)."""
     for p in procs:
         if p.poll() is None:
             p.kill()
             p.communicate()
+
+
+# ------------------------------------------------------------------ `python ...` forked
+# A test that starts `python -m MODULE ...`, `python -c CODE` or `python SCRIPT` pays its
+# interpreter's start-up and imports (about 4 s of CPU with torch and flexdemo) in every
+# process. `Forked` runs the same command line in a process forked from the fork server above
+# instead, which has them imported: a real process all the same (its own pid, exit status,
+# environment, working folder and output files; a SIGKILL kills it, a SIGKILL it sends itself
+# ends it with -9, a SIGTERM reaches its handlers), and what the command runs it runs from the
+# start, as the fresh interpreter would (`runpy`, or the code as __main__), then the
+# interpreter's exit (its threads joined, its atexit functions). What differs is what no test
+# that uses it reads: the modules the server preloaded are already imported (torch's thread
+# count is set from OMP_NUM_THREADS as a fresh interpreter reads it at torch's import), and
+# sys.path (the command's entry first, then the pytest process's), the signal dispositions and
+# sys.flags are the server's. A test about a fresh interpreter itself (what an import does, a
+# variable read at import, a script alone in a folder) starts a real one.
+
+
+class Forked:
+    """``python ARGS`` (``-m MODULE ...``, ``-c CODE ...`` or ``SCRIPT ...``) in a process
+    forked from the fork server, with subprocess.Popen's ``pid``, ``args``, ``returncode``,
+    ``poll``, ``wait``, ``communicate``, ``kill``, ``terminate`` and ``send_signal``. ``env``:
+    its whole environment (as Popen's); ``cwd``: its working folder; ``stdout``, ``stderr``:
+    the file each goes to (created empty here, before it starts), or ``subprocess.PIPE``: a
+    file of its own, whose text :meth:`communicate` returns; ``stderr=subprocess.STDOUT``
+    (the default): stdout's file."""
+
+    def __init__(self, args: list[str], *, stdout: str | os.PathLike | int = subprocess.PIPE,
+                 stderr: str | os.PathLike | int = subprocess.STDOUT, env: dict | None = None,
+                 cwd: str | os.PathLike | None = None) -> None:
+        if not args or (args[0] in ("-m", "-c") and len(args) < 2) or (
+                args[0].startswith("-") and args[0] not in ("-m", "-c")):
+            raise ValueError(f"Forked runs `python -m MODULE ...`, `python -c CODE ...` or "
+                             f"`python SCRIPT ...`, not {args}")
+        self.args = [sys.executable, *args]
+        self._scratch = None
+        if subprocess.PIPE in (stdout, stderr):
+            self._scratch = tempfile.TemporaryDirectory(prefix="forked-")
+        self._outs = [self._file(stdout, "stdout")]
+        if stderr != subprocess.STDOUT:
+            self._outs.append(self._file(stderr, "stderr"))
+        for path in self._outs:
+            open(path, "wb").close()
+        self._proc = _CTX.Process(target=_as_python, name=" ".join(args[:2]),
+                                  args=(list(args), dict(os.environ if env is None else env),
+                                        None if cwd is None else str(cwd), self._outs))
+        self._proc.start()
+        self.pid = self._proc.pid
+
+    def _file(self, where: str | os.PathLike | int, name: str) -> str:
+        if where == subprocess.PIPE:
+            assert self._scratch is not None
+            return os.path.join(self._scratch.name, name)
+        if isinstance(where, int):
+            raise ValueError(f"Forked writes to files or subprocess.PIPE, not {where}")
+        return str(where)
+
+    @property
+    def returncode(self) -> int | None:
+        return self._proc.exitcode
+
+    def poll(self) -> int | None:
+        return self._proc.exitcode
+
+    def wait(self, timeout: float | None = None) -> int:
+        self._proc.join(timeout)
+        code = self._proc.exitcode
+        if code is None:
+            raise subprocess.TimeoutExpired(self.args, timeout or 0)
+        return code
+
+    def communicate(self, timeout: float | None = None) -> tuple[str, str | None]:
+        """Wait for it to end (after ``timeout`` s TimeoutExpired, as Popen's, and it runs
+        on), then its output: stdout's text, and stderr's (None when it went to stdout)."""
+        self.wait(timeout)
+        texts = []
+        for path in self._outs:
+            with open(path, errors="replace") as f:
+                texts.append(f.read())
+        return texts[0], texts[1] if len(texts) > 1 else None
+
+    def send_signal(self, sig: int) -> None:
+        if self._proc.exitcode is None:
+            os.kill(self.pid, sig)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+
+def run_python(args: list[str], *, timeout: float, env: dict | None = None,
+               cwd: str | os.PathLike | None = None) -> subprocess.CompletedProcess:
+    """subprocess.run([sys.executable, *args], capture_output=True, text=True, ...) with
+    :class:`Forked`; killed, and TimeoutExpired raised, after ``timeout`` s."""
+    p = Forked(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, cwd=cwd)
+    try:
+        out, err = p.communicate(timeout)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        p.wait()
+        raise
+    return subprocess.CompletedProcess(p.args, p.wait(), out, err)
+
+
+def _as_python(args: list[str], env: dict, cwd: str | None, outs: list[str]) -> None:
+    """In the forked process: become ``python ARGS`` (see :class:`Forked`)."""
+    import atexit
+    import runpy
+    import threading
+    import types
+
+    os.environ.clear()
+    os.environ.update(env)
+    if cwd is not None:
+        os.chdir(cwd)
+    fds = [os.open(path, os.O_WRONLY | os.O_APPEND) for path in outs]
+    os.dup2(fds[0], 1)
+    os.dup2(fds[-1], 2)
+    for fd in fds:
+        os.close(fd)
+    if "OMP_NUM_THREADS" in env:  # what torch read at its import in a fresh interpreter
+        torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
+    code = 0
+    try:
+        if args[0] == "-m":
+            sys.argv = [args[1], *args[2:]]  # (runpy puts the module's file first)
+            sys.path.insert(0, os.getcwd())
+            runpy.run_module(args[1], run_name="__main__", alter_sys=True)
+        elif args[0] == "-c":
+            sys.argv = ["-c", *args[2:]]
+            sys.path.insert(0, "")
+            main = types.ModuleType("__main__")
+            sys.modules["__main__"] = main
+            exec(compile(args[1], "<string>", "exec"), main.__dict__)
+        else:  # a script: its folder first on the path (runpy puts it first in argv)
+            sys.argv = list(args)
+            sys.path.insert(0, os.path.dirname(os.path.realpath(args[0])))
+            runpy.run_path(args[0], run_name="__main__")
+    except SystemExit as e:
+        code = e.code
+    except BaseException:  # the interpreter's report of an uncaught exception, exit status 1
+        kind, error, tb = sys.exc_info()
+        sys.excepthook(kind, error, tb.tb_next if tb is not None else None)  # (not this frame)
+        code = 1
+    # the interpreter's exit: its threads' exit (executors told to stop, the other non-daemon
+    # threads joined), then its atexit functions
+    threading._shutdown()
+    atexit._run_exitfuncs()
+    raise SystemExit(code)
 
 
 def _entry(fn, rank, world, port, outdir, args, env):

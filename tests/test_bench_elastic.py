@@ -4,11 +4,10 @@ SIGKILL and restarted (torchft's lighthouse, gloo, unshaped loopback)."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from dist_util import run_python
 
 from flexdemo.app.bench.run import BenchError, bench_options
 
@@ -47,12 +46,13 @@ def test_killed_node_leaves_and_heals_back(tmp_path):
     """The command as a user runs it: the survivors go on alone after the kill, the restarted
     node heals to their step and trains with them, and both end with the same parameters."""
     out = tmp_path / "el"
-    cmd = [sys.executable, "-m", "flexdemo", "bench", "--preset", "elastic", "--unshaped",
+    # `python -m flexdemo bench ...`, forked from the preloaded fork server (its nodes' ranks
+    # are the bench's own `python -m flexdemo train` processes)
+    cmd = ["-m", "flexdemo", "bench", "--preset", "elastic", "--unshaped",
            "--ranks-per-node", "1", "--steps", "100", "--kill-at", "10", "--restart-at", "18",
            "--timeout", "300", "--out", str(out), "train.eval_every=30",
            "train.eval_batches=2"]
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=600,
-                       cwd=Path(__file__).parent.parent)
+    p = run_python(cmd, timeout=600, cwd=Path(__file__).parent.parent)
     assert p.returncode == 0, (p.stdout + p.stderr)[-3000:]
     assert "fault tolerance costs" in p.stdout and "to the bit" in p.stdout, p.stdout[-2000:]
     data = json.loads((out / "elastic.json").read_text())

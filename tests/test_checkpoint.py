@@ -5,7 +5,6 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
@@ -20,7 +19,7 @@ from ckpt_workers import (
     resume_worker,
     run_steps,
 )
-from dist_util import run_world
+from dist_util import run_python, run_world
 
 import flexdemo
 import flexdemo.checkpoint as ckpt
@@ -139,8 +138,7 @@ def test_killed_during_save_leaves_previous_checkpoint(tmp_path):
         save_load._commit = lambda tmp, final: os._exit(17)
         ckpt.save_checkpoint({str(tmp_path)!r} + "/step_000004", model, opt, step=4)
     """)
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          timeout=120)
+    proc = run_python(["-c", code], timeout=120)  # (forked from the preloaded fork server)
     assert proc.returncode == 17, proc.stderr
     stale = [d for d in os.listdir(tmp_path) if ".tmp-" in d]
     assert len(stale) == 1 and (tmp_path / stale[0] / ckpt.MARKER_FILE).exists()
@@ -387,7 +385,6 @@ def test_full_tmpfs_is_no_space_and_keeps_the_previous_checkpoint(small_tmpfs):
 
 
 def test_read_only_file_system_is_permission(small_tmpfs):
-    import subprocess
 
     root = small_tmpfs / "checkpoints"
     model, opt = make_single("demo", 0)

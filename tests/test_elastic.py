@@ -1,7 +1,9 @@
 """Elastic, fault-tolerant replication on torchft: real processes, a real lighthouse, real kills.
 
 Every replica group is one process (tests/elastic_workers.py) on CPU and gloo; the lighthouse
-is the ``torchft_lighthouse`` binary from the wheel on 127.0.0.1. Every wait is bounded.
+is torchft's on 127.0.0.1 (tests/lighthouse_main.py). Every wait is bounded. The processes
+that run Python are forked from the preloaded fork server (tests/dist_util.py's ``Forked``):
+real processes, killed with real signals, without 4 s of imports each.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from dist_util import Forked, run_python
 
 import flexdemo
 from flexdemo.ft import lighthouse
@@ -39,45 +42,83 @@ def _lighthouse_binary() -> str:
         pytest.skip("the torchft_lighthouse binary is not installed")
 
 
+def _listening_port(pid: int) -> int | None:
+    """The TCP port that process ``pid`` listens on (Linux's /proc), None while it listens on
+    none."""
+    try:
+        sockets = set()
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            try:
+                link = os.readlink(f"/proc/{pid}/fd/{fd}")
+            except OSError:  # closed meanwhile
+                continue
+            if link.startswith("socket:["):
+                sockets.add(link[len("socket:["):-1])
+        for table in ("tcp", "tcp6"):
+            with open(f"/proc/{pid}/net/{table}") as f:
+                for row in f.read().splitlines()[1:]:
+                    cols = row.split()
+                    if cols[3] == "0A" and cols[9] in sockets:  # LISTEN, one of its sockets
+                        return int(cols[1].rsplit(":", 1)[1], 16)
+    except OSError:  # it exited
+        return None
+    return None
+
+
 class Lighthouse:
-    """``torchft_lighthouse`` on 127.0.0.1 and a free port, or ``port`` (stopped by
+    """torchft's lighthouse on 127.0.0.1 and a port of its own choice, or ``port`` (stopped by
     :meth:`stop`). A group counts as dead after 3 s without a heartbeat: long enough for a
-    loaded machine."""
+    loaded machine.
+
+    It is torchft's ``lighthouse_main`` (what the wheel's ``torchft_lighthouse`` script runs)
+    in a Python that loads torchft's extension alone (tests/lighthouse_main.py); that script
+    imports torch first, about 1.5 s of CPU, and on the loaded 2-core machine its lighthouse
+    once took over the 30 s bound to listen. ``cli``: through `flexdemo lighthouse`, which
+    becomes the wheel's script (forked, :class:`dist_util.Forked`). It binds port 0, and the
+    port is read from /proc: no other process can take the port between its choice and the
+    bind (the lighthouse does not exit when its port is taken: it spins, silent)."""
 
     def __init__(self, min_replicas: int, log: Path, cli: bool = False,
                  port: int | None = None) -> None:
-        port = port or free_port()
-        self.port = port
-        self.url = f"http://127.0.0.1:{port}"
-        self._log = open(log, "w")
-        # the binary itself, or through `flexdemo lighthouse` (which becomes that binary)
-        head = [sys.executable, "-m", "flexdemo", "lighthouse"] if cli \
-            else [_lighthouse_binary()]
-        self.proc = subprocess.Popen(
-            [*head, "--bind", f"127.0.0.1:{port}", "--min_replicas", str(min_replicas),
-             "--join_timeout_ms", "2000", "--heartbeat_timeout_ms", "3000",
-             "--quorum_tick_ms", "50"], stdout=self._log, stderr=subprocess.STDOUT)
+        _lighthouse_binary()  # (skips without it)
+        flags = ["--bind", f"127.0.0.1:{port or 0}", "--min_replicas", str(min_replicas),
+                 "--join_timeout_ms", "2000", "--heartbeat_timeout_ms", "3000",
+                 "--quorum_tick_ms", "50"]
+        self._log = None
+        if cli:
+            self.proc: subprocess.Popen | Forked = Forked(
+                ["-m", "flexdemo", "lighthouse", *flags], stdout=log)
+        else:
+            self._log = open(log, "w")
+            self.proc = subprocess.Popen([sys.executable, str(HERE / "lighthouse_main.py"),
+                                          *flags], stdout=self._log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 30
         while True:
+            found = _listening_port(self.proc.pid) if port is None else port
             try:
-                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                if found is None:
+                    raise OSError("not listening yet")
+                socket.create_connection(("127.0.0.1", found), timeout=1).close()
                 break
             except OSError:
                 if time.monotonic() > deadline or self.proc.poll() is not None:
                     self.stop()
                     raise RuntimeError(f"the lighthouse did not start; see {log}") from None
                 time.sleep(0.05)
+        self.port = found
+        self.url = f"http://127.0.0.1:{found}"
 
     def stop(self) -> None:
         if self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait(timeout=30)
-        self._log.close()
+        if self._log is not None:
+            self._log.close()
 
 
 @pytest.fixture
 def procs():
-    started: list[subprocess.Popen] = []
+    started: list[Forked] = []
     yield started
     for p in started:
         if p.poll() is None:
@@ -86,18 +127,18 @@ def procs():
 
 
 def _worker(procs: list, tmp: Path, url: str, rid: str, out: str, *args: str,
-            log: str | None = None) -> subprocess.Popen:
+            log: str | None = None) -> Forked:
+    """``python -m elastic_workers ...`` as replica group ``rid``, writing to ``tmp/out``;
+    its output in ``tmp/{log or out}.log``."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=PYTHONPATH)
-    logf = open(tmp / f"{log or out}.log", "w")
-    p = subprocess.Popen([sys.executable, "-m", "elastic_workers", "--lighthouse", url,
-                          "--replica-id", rid, "--out", str(tmp / out), *args], env=env,
-                         cwd=HERE, stdout=logf, stderr=subprocess.STDOUT)
+    p = Forked(["-m", "elastic_workers", "--lighthouse", url, "--replica-id", rid, "--out",
+                str(tmp / out), *args], env=env, cwd=HERE, stdout=tmp / f"{log or out}.log")
     procs.append(p)
     return p
 
 
 def _group(procs: list, tmp: Path, url: str, rid: str, out: str, ranks: int,
-           *args: str) -> list[tuple[subprocess.Popen, str]]:
+           *args: str) -> list[tuple[Forked, str]]:
     """One replica group of ``ranks`` processes (torchrun's variables, its own store port)."""
     port, group = free_port(), []
     for r in range(ranks):
@@ -105,16 +146,15 @@ def _group(procs: list, tmp: Path, url: str, rid: str, out: str, ranks: int,
                    LOCAL_RANK=str(r), WORLD_SIZE=str(ranks), LOCAL_WORLD_SIZE=str(ranks),
                    MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
         name = f"{out}-r{r}"
-        logf = open(tmp / f"{name}.log", "w")
-        p = subprocess.Popen([sys.executable, "-m", "elastic_workers", "--lighthouse", url,
-                              "--replica-id", rid, "--out", str(tmp / out), *args], env=env,
-                             cwd=HERE, stdout=logf, stderr=subprocess.STDOUT)
+        p = Forked(["-m", "elastic_workers", "--lighthouse", url, "--replica-id", rid,
+                    "--out", str(tmp / out), *args], env=env, cwd=HERE,
+                   stdout=tmp / f"{name}.log")
         procs.append(p)
         group.append((p, name))
     return group
 
 
-def _wait(p: subprocess.Popen, tmp: Path, name: str) -> int:
+def _wait(p: Forked, tmp: Path, name: str) -> int:
     try:
         return p.wait(timeout=WAIT)
     except subprocess.TimeoutExpired:
@@ -124,7 +164,7 @@ def _wait(p: subprocess.Popen, tmp: Path, name: str) -> int:
                              f"{(tmp / f'{name}.log').read_text()[-3000:]}") from None
 
 
-def _ok(p: subprocess.Popen, tmp: Path, name: str) -> None:
+def _ok(p: Forked, tmp: Path, name: str) -> None:
     rc = _wait(p, tmp, name)
     assert rc == 0, f"{name} exited with {rc}; log:\n{(tmp / f'{name}.log').read_text()[-3000:]}"
 
@@ -531,8 +571,7 @@ def test_a_hand_built_optimizer_needs_its_model_watched(tmp_path):
         "print(opt.steps, opt.last_step_stats()['committed'])\n"
         "opt.fault_tolerance.shutdown()\n")
     try:
-        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                           timeout=WAIT, env=dict(os.environ, OMP_NUM_THREADS="1"))
+        r = run_python(["-c", code], timeout=WAIT, env=dict(os.environ, OMP_NUM_THREADS="1"))
     finally:
         lh.stop()
     assert r.returncode == 0, r.stderr[-3000:]
@@ -595,9 +634,8 @@ def test_the_session_wraps_the_optimizer_whose_step_runs_once(tmp_path):
     move outside the cycle refused."""
     lh = Lighthouse(1, tmp_path / "lighthouse.log")
     try:
-        r = subprocess.run([sys.executable, "-c", f"URL = {lh.url!r}\n" + COMPOSED],
-                           capture_output=True, text=True, timeout=WAIT,
-                           env=dict(os.environ, OMP_NUM_THREADS="1"))
+        r = run_python(["-c", f"URL = {lh.url!r}\n" + COMPOSED], timeout=WAIT,
+                       env=dict(os.environ, OMP_NUM_THREADS="1"))
     finally:
         lh.stop()
     assert r.returncode == 0, r.stderr[-3000:]
@@ -647,8 +685,9 @@ BLOCK_TORCHFT = "import sys; sys.modules['torchft'] = None\n"
 
 
 def _python(code: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", BLOCK_TORCHFT + code], capture_output=True,
-                          text=True, timeout=WAIT, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    """``python -c CODE`` without torchft (forked: the fork server does not import it)."""
+    return run_python(["-c", BLOCK_TORCHFT + code], timeout=WAIT,
+                      env=dict(os.environ, OMP_NUM_THREADS="1"))
 
 
 @pytest.mark.multiprocess
@@ -770,13 +809,12 @@ def test_delayed_demo_returns_its_exchange_in_flight(arrived):
 
 
 def _train(procs: list, tmp: Path, url: str, rid: str, out: str, steps: int,
-           quorum_timeout: int = 120) -> subprocess.Popen:
+           quorum_timeout: int = 120) -> Forked:
     """``flexdemo train`` as replica group ``rid`` (one process), full sync, quorums of 2."""
     env = dict(os.environ, OMP_NUM_THREADS="1")
     env.pop("WORLD_SIZE", None)
-    logf = open(tmp / f"{out}.log", "w")
-    p = subprocess.Popen(
-        [sys.executable, "-m", "flexdemo", "train", str(HERE.parent / "configs/gpt.toml"),
+    p = Forked(
+        ["-m", "flexdemo", "train", str(HERE.parent / "configs/gpt.toml"),
          "task.model=tiny", "task.corpus_bytes=200000", "train.batch=4", "train.warmup=2",
          "train.eval_every=10", "train.eval_batches=2", "train.log_every=5",
          "train.tensorboard=false", "train.checkpoint_every=0", f"train.steps={steps}",
@@ -786,12 +824,12 @@ def _train(procs: list, tmp: Path, url: str, rid: str, out: str, steps: int,
          "fault_tolerance.min_replicas=2", "fault_tolerance.timeout=20",
          f"fault_tolerance.quorum_timeout={quorum_timeout}",
          "fault_tolerance.hostname=127.0.0.1"],
-        env=env, cwd=tmp, stdout=logf, stderr=subprocess.STDOUT)
+        env=env, cwd=tmp, stdout=tmp / f"{out}.log")
     procs.append(p)
     return p
 
 
-def _kill_after(p: subprocess.Popen, tmp: Path, out: str, steps: int) -> None:
+def _kill_after(p: Forked, tmp: Path, out: str, steps: int) -> None:
     """SIGKILL the `flexdemo train` process ``p`` once it has logged ``steps`` steps."""
     deadline = time.monotonic() + WAIT
     while len(_metrics(tmp, out)) < steps:
@@ -885,8 +923,7 @@ def test_flexdemo_train_with_a_torchft_lacking_an_internal_is_one_line(tmp_path,
     try:
         env = dict(os.environ, OMP_NUM_THREADS="1")
         env.pop("WORLD_SIZE", None)
-        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                           timeout=WAIT, env=env, cwd=tmp_path)
+        r = run_python(["-c", code], timeout=WAIT, env=env, cwd=tmp_path)
     finally:
         lh.stop()
     lines = [line for line in r.stderr.splitlines() if line.startswith("flexdemo train: ")]
@@ -905,12 +942,11 @@ def test_flexdemo_train_without_its_lighthouse_is_one_line(tmp_path):
     url = f"http://127.0.0.1:{free_port()}"
     env = dict(os.environ, OMP_NUM_THREADS="1")
     env.pop("WORLD_SIZE", None)
-    r = subprocess.run([sys.executable, "-m", "flexdemo", "train", "task.corpus_bytes=20000",
-                        "train.steps=2", f"train.out={tmp_path / 'run'}",
-                        "fault_tolerance.enabled=true", f"fault_tolerance.lighthouse={url}",
-                        "fault_tolerance.replica_id=A", "fault_tolerance.hostname=127.0.0.1",
-                        "fault_tolerance.timeout=3"],
-                       capture_output=True, text=True, timeout=WAIT, env=env, cwd=tmp_path)
+    r = run_python(["-m", "flexdemo", "train", "task.corpus_bytes=20000", "train.steps=2",
+                    f"train.out={tmp_path / 'run'}", "fault_tolerance.enabled=true",
+                    f"fault_tolerance.lighthouse={url}", "fault_tolerance.replica_id=A",
+                    "fault_tolerance.hostname=127.0.0.1", "fault_tolerance.timeout=3"],
+                   timeout=WAIT, env=env, cwd=tmp_path)
     lines = [line for line in r.stderr.splitlines() if line.startswith("flexdemo train: ")]
     assert r.returncode == 1 and len(lines) == 1, r.stderr[-3000:]
     assert lines[0].startswith(f"flexdemo train: error: replica group 'A' could not reach the "

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from dist_util import Forked, run_python
 
 from flexdemo.tools.ranks import free_port
 
@@ -39,6 +40,10 @@ def _env(**extra: str) -> dict[str, str]:
 
 
 def _run(args: list[str], timeout: float = 120, **extra: str) -> subprocess.CompletedProcess:
+    """``python ARGS``: a script forked from the preloaded fork server (dist_util.run_python);
+    torchrun (``-m torch.distributed.run``), which starts its ranks itself, as a real one."""
+    if args[0] != "-m":
+        return run_python(list(map(str, args)), timeout=timeout, env=_env(**extra), cwd=ROOT)
     return subprocess.run([sys.executable, *map(str, args)], capture_output=True, text=True,
                           timeout=timeout, env=_env(**extra), cwd=ROOT)
 
@@ -48,12 +53,12 @@ def _ranks(args: list[str], world: int = 2, timeout: float = 120) -> list[tuple[
     """``world`` bare ranks of ``python ARGS`` with torchrun's variables, started together;
     each one's exit code and stderr."""
     port = str(free_port())
-    procs = [subprocess.Popen([sys.executable, *map(str, args)], cwd=ROOT, text=True,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              env=_env(RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(world),
-                                       LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
-                                       MASTER_PORT=port))
-             for r in range(world)]
+    procs = [Forked(list(map(str, args)), cwd=ROOT, stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE,
+                    env=_env(RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(world),
+                             LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
+                             MASTER_PORT=port))
+             for r in range(world)]  # (forked from the preloaded fork server)
     try:
         outs = [p.communicate(timeout=timeout) for p in procs]
     finally:

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from dist_util import run_python
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "benchmarks" / "gpu_evidence.py"
@@ -21,10 +22,11 @@ QUALITY = ["adamw", "muon", "muloco", "demo-muon"]
 
 
 def _run(out: Path, *extra: str, timeout: float = 150) -> subprocess.CompletedProcess:
-    """The script as a GPU user runs it: ``PYTHONPATH=src`` from the repository root."""
+    """The script as a GPU user runs it: ``PYTHONPATH=src`` from the repository root (forked
+    from the preloaded fork server, dist_util.run_python)."""
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "CUDA_VISIBLE_DEVICES": ""}
-    return subprocess.run([sys.executable, str(SCRIPT), "--smoke", "--out", str(out), *extra],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    return run_python([str(SCRIPT), "--smoke", "--out", str(out), *extra], cwd=ROOT, env=env,
+                      timeout=timeout)
 
 
 @pytest.mark.multiprocess

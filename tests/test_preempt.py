@@ -7,12 +7,10 @@ from __future__ import annotations
 import os
 import re
 import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from dist_util import reap, run_world, spawn_ranks
+from dist_util import Forked, reap, run_world, spawn_ranks
 from test_train import GPT_QUICK, _train_worker, _wait_for_metrics, metrics
 
 from flexdemo.app.config.files import load_config
@@ -110,9 +108,8 @@ def test_one_process_sigterm_saves_even_without_periodic_checkpoints(tmp_path,
     common = GPT_QUICK + ["train.steps=300", "train.checkpoint_every=0", "train.progress=false"]
     env = {k: v for k, v in os.environ.items()
            if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
-    proc = subprocess.Popen([sys.executable, "-m", "flexdemo", "train", CFG, *common,
-                             f"train.out={run}"], env=dict(env, OMP_NUM_THREADS="1"),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = Forked(["-m", "flexdemo", "train", CFG, *common, f"train.out={run}"],
+                  env=dict(env, OMP_NUM_THREADS="1"))
     try:
         _wait_for_metrics([proc], run / "metrics.jsonl", 5)
         finished = len(metrics(run))

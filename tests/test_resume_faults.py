@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from dist_util import reap, spawn_ranks
+from dist_util import reap, run_python, spawn_ranks
 
 from flexdemo.app.cli import main
 from flexdemo.app.config.files import load_config
@@ -31,11 +31,14 @@ DROP = "cap_dac_override,cap_dac_read_search"
 
 def flexdemo(args: list[str], prefix: tuple[str, ...] = (), env: dict | None = None,
              timeout: float = 120) -> subprocess.CompletedProcess:
-    """``python -m flexdemo ARGS`` as one process (optionally under ``prefix``)."""
+    """``python -m flexdemo ARGS`` as one process (optionally under ``prefix``, a real exec;
+    without, forked from the preloaded fork server: dist_util.run_python)."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", **(env or {}))
+    if not prefix:
+        return run_python(["-m", "flexdemo", *args], timeout=timeout, env=env)
     cmd = [sys.executable, "-m", "flexdemo", *args]
-    full = [*prefix, shlex.join(cmd)] if prefix else cmd
-    return subprocess.run(full, capture_output=True, text=True, timeout=timeout,
-                          env=dict(os.environ, OMP_NUM_THREADS="1", **(env or {})))
+    return subprocess.run([*prefix, shlex.join(cmd)], capture_output=True, text=True,
+                          timeout=timeout, env=env)
 
 
 def one_error(run: subprocess.CompletedProcess, command: str = "train") -> str:

@@ -131,13 +131,14 @@ class PhasedReplicator(Replicator):
         return tuple(r for r in (self.first, self.then) if r is not None)
 
     def state_dict(self) -> dict:
-        sd = super().state_dict()
-        sd["phase"] = self.phase
-        sd["active"] = self.active.state_dict()
-        return sd
+        return self._state(copy=True)
 
     def live_state(self) -> dict:
-        return {**super().state_dict(), "phase": self.phase, "active": self.active.live_state()}
+        return self._state(copy=False)
+
+    def _state(self, copy: bool) -> dict:
+        active = self.active.state_dict() if copy else self.active.live_state()
+        return {**super().state_dict(), "phase": self.phase, "active": active}
 
     def state_tensors(self) -> list[torch.Tensor]:
         return self.active.state_tensors()

@@ -178,12 +178,14 @@ class _SubsetReplicator(Replicator):
         return grads
 
     def state_dict(self) -> dict:
-        sd = super().state_dict()
-        sd["buffers"] = [b.clone() for b in self.buffers]
-        return sd
+        return self._state(copy=True)
 
     def live_state(self) -> dict:
-        return {**super().state_dict(), "buffers": list(self.buffers)}
+        return self._state(copy=False)
+
+    def _state(self, copy: bool) -> dict:
+        return {**super().state_dict(),
+                "buffers": [b.clone() if copy else b for b in self.buffers]}
 
     def state_tensors(self) -> list[torch.Tensor]:
         return list(self.buffers)

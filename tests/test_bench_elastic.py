@@ -4,6 +4,7 @@ SIGKILL and restarted (torchft's lighthouse, gloo, unshaped loopback)."""
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import pytest

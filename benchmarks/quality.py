@@ -352,6 +352,9 @@ SETTINGS: dict[str, Setting] = {
            ("sparseloco", "-shared-k112", ", one shared index set of 112 per block (the "
             "gather's bytes at 2 replicas)", {"exchange_kwargs": {"reduce": "shared",
                                                                  "topk": 112}}),
+           ("sparseloco", "-shared-k112-keep", ", one shared index set of 112 per block, "
+            "replicas keep their unsent progress", {"keep_unsent": True, "exchange_kwargs": {
+                "reduce": "shared", "topk": 112}}),
            # replicas that keep their own unsent progress (keep_unsent)
            ("sparseloco", "-keep", ", replicas keep their unsent progress",
             {"keep_unsent": True}),

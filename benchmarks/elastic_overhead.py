@@ -30,6 +30,7 @@ import time
 import torch
 from torch import nn
 
+from flexdemo.app.bench.elastic import thread_cpu
 from flexdemo.tools.ranks import free_port
 
 
@@ -51,27 +52,6 @@ def _train(opt, net, args, rank: int, name: str) -> dict:
             prof.dump_stats(os.path.join(args.profile, f"{name}-{rank}.pstats"))
 
 
-def _thread_cpu() -> dict[str, float]:
-    """CPU seconds of each of this process's threads so far, summed by name (its digits
-    dropped: ``gloo_tcp_loop``, ``torchft-manager``, ...); empty where /proc has none."""
-    out: dict[str, float] = {}
-    tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
-    try:
-        tids = os.listdir("/proc/self/task")
-    except OSError:
-        return out
-    for tid in tids:
-        try:
-            with open(f"/proc/self/task/{tid}/comm") as f:
-                name = f.read().strip().rstrip("0123456789").rstrip("-_ ") or "thread"
-            with open(f"/proc/self/task/{tid}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:  # a thread that ended meanwhile
-            continue
-        out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / tick
-    return out
-
-
 def _loop(opt, net, args, rank: int) -> dict:
     times, cpu = [], []
     threads0: dict[str, float] = {}
@@ -79,7 +59,7 @@ def _loop(opt, net, args, rank: int) -> dict:
     g = torch.Generator().manual_seed(rank)
     while opt.steps < args.steps:
         if len(times) == min(5, args.steps // 4):  # after the warm-up
-            threads0 = _thread_cpu()
+            threads0 = thread_cpu(os.getpid())
         x, y = torch.randn(32, args.width, generator=g), torch.randn(32, 16, generator=g)
         t0, c0 = time.perf_counter(), time.process_time()
         opt.zero_grad()
@@ -91,7 +71,7 @@ def _loop(opt, net, args, rank: int) -> dict:
         for k in extra:
             if k in s:
                 extra[k].append(s[k])
-    threads1 = _thread_cpu()
+    threads1 = thread_cpu(os.getpid())
     skip = min(5, len(times) // 4)  # warm-up
     out = {"rank": rank, "step_ms": 1e3 * statistics.median(times[skip:]),
            "cpu_ms": 1e3 * statistics.median(cpu[skip:])}

@@ -43,7 +43,7 @@ from ...tools.rates import format_rate, parse_bandwidth
 from ..config.files import to_toml
 from ..outputs import read_metrics, strict_json
 
-__all__ = ["LIGHTHOUSE_FLAGS", "elastic_problem", "run_elastic"]
+__all__ = ["FT_THREADS", "LIGHTHOUSE_FLAGS", "elastic_problem", "run_elastic", "thread_cpu"]
 
 LIGHTHOUSE_FLAGS = ("--join_timeout_ms", "2000", "--heartbeat_timeout_ms", "3000",
                     "--quorum_tick_ms", "50")

@@ -44,8 +44,6 @@ def _fits(old: Any, new: torch.Tensor) -> bool:
     if (type(old) is not type(new) or old.shape != new.shape or old.dtype != new.dtype
             or old.device != new.device):
         return False
-    if type(new) is torch.Tensor:  # the common case: no DTensor attributes to compare
-        return True
     if is_dtensor(new):  # (so is ``old``, of the same type): its local shard is copied
         return (getattr(old, "placements", None) == getattr(new, "placements", None)
                 and getattr(old, "device_mesh", None) == getattr(new, "device_mesh", None)
@@ -60,7 +58,7 @@ def _copy_tree(tree: Any, spare: Any, dst: list[torch.Tensor], src: list[torch.T
     kind = type(tree)
     if kind in _ATOMIC:  # as deepcopy gives them back
         return tree
-    if kind is torch.Tensor and type(spare) is torch.Tensor:  # the common case, inlined
+    if kind is torch.Tensor and type(spare) is torch.Tensor:  # the common case: _fits inlined
         if (spare.shape == tree.shape and spare.dtype == tree.dtype
                 and spare.device == tree.device):
             dst.append(spare)

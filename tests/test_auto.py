@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import json
+import threading
 import time
 from pathlib import Path
 
@@ -306,9 +307,31 @@ def test_the_probe_ends_with_the_largest_buffer_that_fits(rate):
         assert 0.5 * rate < measured.bandwidth <= rate
 
 
+class VirtualClock:
+    """``time`` for the modules that time a step and its exchanges, with a ``perf_counter``
+    that reads each replica's own virtual seconds (its thread's name, ``flexdemo-replica-R``,
+    is the same every step): only the link's waits and a fixed compute per step move it, so a
+    loaded machine's scheduling delays cannot look like a slow link (they once made the fast
+    phase measure a link 200x slower, and the retune came a check early)."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+
+    def perf_counter(self) -> float:
+        return self.seconds.get(threading.current_thread().name, 0.0)
+
+    def advance(self, seconds: float, name: str | None = None) -> None:
+        name = name or threading.current_thread().name
+        self.seconds[name] = self.seconds.get(name, 0.0) + seconds
+
+    def __getattr__(self, name):  # everything else is the real clock
+        return getattr(time, name)
+
+
 class SlowLink(Transport):
     """The simulation's group behind a link that can turn slow: after every collective each
-    replica waits for its bytes at ``state["rate"]`` bytes/s (None: no wait)."""
+    replica waits for its bytes at ``state["rate"]`` bytes/s (None: no wait) on its virtual
+    clock ``state["clock"]``."""
 
     def __init__(self, inner: Transport, state: dict) -> None:
         self.inner, self.state, self.size, self.rank = inner, state, inner.size, inner.rank
@@ -318,7 +341,7 @@ class SlowLink(Transport):
 
     def _wait(self, nbytes: float) -> None:
         if self.state["rate"]:
-            time.sleep(nbytes / self.state["rate"])
+            self.state["clock"].advance(nbytes / self.state["rate"])
 
     def all_reduce_sum_(self, buf, async_op=False):
         out = self.inner.all_reduce_sum_(buf, async_op)
@@ -341,13 +364,8 @@ class SlowLink(Transport):
 
 def slow_sim(state: dict) -> flexdemo.SimulatedReplicas:
     def build(params, group):
-        # compute given: the first pick must not depend on how loaded the machine is; a
-        # change counts only at 200x (the slow link is ~1000x): on a loaded machine a few ms
-        # of scheduling inside the fast phase's tiny all-reduces once measured as a link 2x
-        # slower, and the retune came at step 19, not 29
         auto = AutoReplicator(link="1gbit,0.1ms", retune=True, verbose=False,
-                              candidates=["full", "diloco-h20-int4"], compute_seconds=0.05,
-                              retune_factor=200.0)
+                              candidates=["full", "diloco-h20-int4"], compute_seconds=0.05)
         return flexdemo.DeToNATION(params, auto, base="adamw", lr=1e-2,
                                    group=SlowLink(group, state))
     return flexdemo.SimulatedReplicas(tiny, loss, replicas=2, optimizer_fn=build, seed=0)
@@ -356,16 +374,21 @@ def slow_sim(state: dict) -> flexdemo.SimulatedReplicas:
 def run_slow(sim, state, start, stop, slow_from=10):
     for step in range(start, stop):
         state["rate"] = 1e5 if step >= slow_from else None  # ~30 ms per full all-reduce
+        for r in range(len(sim.models)):  # 50 ms of compute a step
+            state["clock"].advance(0.05, f"flexdemo-replica-{r}")
         sim.step(batches(step))
     return sim
 
 
-def test_retune_when_the_link_drops_switches_every_replica_at_one_step():
+def test_retune_when_the_link_drops_switches_every_replica_at_one_step(monkeypatch):
     """Full sync on a fast link; from step 10 the link is ~1000x slower: the checks at steps
     19 and 29 see it, and at step 29 every replica switches to DiLoCo at once (one line);
     its first sync (step 39) leaves them bitwise equal. A checkpoint taken before the switch
-    (step 25, the window and the strike kept) or after it (step 35) resumes bitwise."""
-    state: dict = {"rate": None}
+    (step 25, the window and the strike kept) or after it (step 35) resumes bitwise. The
+    step and its exchanges are timed on a virtual clock (:class:`VirtualClock`)."""
+    state: dict = {"rate": None, "clock": VirtualClock()}
+    for module in (flexdemo.transport.core, flexdemo.auto.replicator):
+        monkeypatch.setattr(module, "time", state["clock"])
     straight, saved = slow_sim(state), {}
     for start, stop in ((0, 25), (25, 35), (35, 40)):
         run_slow(straight, state, start, stop)

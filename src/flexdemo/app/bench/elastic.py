@@ -246,7 +246,11 @@ def _elastic_run(o: Any, cluster: EmulatedCluster, base: dict, out: Path,
             if "cpu_from" not in events and len(rows) > WARM_STEPS and together:
                 events["cpu_from"] = {"step": step,
                                       "threads": thread_cpu(nodes["node0"].procs[0].pid)}
-            if "kill" not in events and step >= o.kill_at and together and own_steps:
+            # ... and past the step the CPU window opened at (on a loaded machine one poll
+            # can see both thresholds crossed at once, which left the window empty)
+            opened = "cpu_from" in events and step > events["cpu_from"]["step"]
+            if "kill" not in events and step >= o.kill_at and together and own_steps \
+                    and opened:
                 events["cpu_to"] = {"step": step,
                                     "threads": thread_cpu(nodes["node0"].procs[0].pid)}
                 events["kill"] = {"time": time.time(), "survivor_step": step}

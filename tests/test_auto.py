@@ -371,9 +371,9 @@ def slow_sim(state: dict) -> flexdemo.SimulatedReplicas:
     return flexdemo.SimulatedReplicas(tiny, loss, replicas=2, optimizer_fn=build, seed=0)
 
 
-def run_slow(sim, state, start, stop, slow_from=10):
+def run_slow(sim, state, start, stop, slow_from=10, rate=1e5):
     for step in range(start, stop):
-        state["rate"] = 1e5 if step >= slow_from else None  # ~30 ms per full all-reduce
+        state["rate"] = rate if step >= slow_from else None  # 1e5: ~30 ms per all-reduce
         for r in range(len(sim.models)):  # 50 ms of compute a step
             state["clock"].advance(0.05, f"flexdemo-replica-{r}")
         sim.step(batches(step))
@@ -411,3 +411,18 @@ def test_retune_when_the_link_drops_switches_every_replica_at_one_step(monkeypat
         for a, b in zip(straight.models[1].parameters(), resumed.models[1].parameters()):
             assert torch.equal(a, b), save_at
         assert [h["step"] for h in resumed.optimizers[0].replicators[0].history] == [0, 29]
+
+
+def test_a_collapsed_link_retunes_at_the_first_check(monkeypatch):
+    """A link ~10,000x slower whose waits are most of the step (~300 ms of 350) is a collapse:
+    the first check after the drop (step 19) switches, where the ~30 ms waits above, under
+    half of the step, take two checks (29); the replicas end bitwise equal."""
+    state: dict = {"rate": None, "clock": VirtualClock()}
+    for module in (flexdemo.transport.core, flexdemo.auto.replicator):
+        monkeypatch.setattr(module, "time", state["clock"])
+    sim = run_slow(slow_sim(state), state, 0, 40, rate=1e4)
+    assert sim.identical()
+    for o in sim.optimizers:
+        a = o.replicators[0]
+        assert [(h["event"], h["step"], h["name"]) for h in a.history] == [
+            ("decision", 0, "full"), ("retune", 19, "diloco-h20-int4")]

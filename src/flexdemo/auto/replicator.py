@@ -26,7 +26,8 @@ The life of an :class:`AutoReplicator` (``prepare(model, "auto", optimizer=...)`
 5. **Retuning** (:mod:`.retune`; on by default when the link was probed): the exchanges' own
    times, agreed at a safe boundary (a DiLoCo period with no sync in flight, every 10 steps
    of full sync), show a link more than 2x slower (and costing over the budget) or faster at
-   2 checks in a row; every rank then decides again at that step and, if the choice changes,
+   2 checks in a row (a collapse, over 10x slower and over half of the steps exposed: at the
+   first); every rank then decides again at that step and, if the choice changes,
    hands over as in 3. (a DiLoCo-family choice starts from the old global copy, full sync
    from the first replica's state).
 

@@ -12,7 +12,11 @@ One all-gather makes the ranks agree: the largest bandwidth and the smallest exp
 (the rank that waited least arrived last, so its wait is the link's and not a slower peer's),
 the largest compute. A link more than ``factor`` (2) times faster than the one the decision
 assumed, or slower with an exposed share over the budget, at ``checks`` (2) checks in a row,
-takes a new decision at that check, on every rank at the same step.
+takes a new decision at that check, on every rank at the same step. A link that
+**collapses** (more than ``COLLAPSE_RATIO`` (10) times slower, with over ``COLLAPSE_SHARE``
+(half) of the steps exposed) takes it at the first check: a second check would cost another
+window of steps at that price (full sync on a link that fell from 1 Gbit/s to 10 Mbit/s: 10
+steps at three times their time).
 """
 
 from __future__ import annotations
@@ -23,11 +27,15 @@ from dataclasses import dataclass, field
 from .choose import Sizing
 from .link import Link
 
-__all__ = ["MIN_WIRE_SECONDS", "Retuner", "Window"]
+__all__ = ["COLLAPSE_RATIO", "COLLAPSE_SHARE", "MIN_WIRE_SECONDS", "Retuner", "Window"]
 
 #: a window whose bytes take less than this on the wire (measured or assumed) tells the
 #: latency, not the bandwidth: it does not count
 MIN_WIRE_SECONDS = 0.005
+#: a link this many times slower than assumed, with this share of the steps exposed, has
+#: collapsed: one check decides (a loaded machine's noise measured at most 6.6x and 12%)
+COLLAPSE_RATIO = 10.0
+COLLAPSE_SHARE = 0.5
 
 
 @dataclass
@@ -95,7 +103,8 @@ class Retuner:
             return False
         self.strikes = self.strikes + 1 if direction == self.direction else 1
         self.direction = direction
-        if self.strikes >= self.checks:
+        collapsed = slower and ratio > COLLAPSE_RATIO and share > COLLAPSE_SHARE
+        if self.strikes >= self.checks or collapsed:
             self.strikes, self.direction = 0, 0
             return True
         return False

@@ -1,7 +1,7 @@
 """Elastic, fault-tolerant replication on torchft: real processes, a real lighthouse, real kills.
 
 Every replica group is one process (tests/elastic_workers.py) on CPU and gloo; the lighthouse
-is torchft's on 127.0.0.1 (tests/lighthouse_main.py). Every wait is bounded. The processes
+is torchft's on 127.0.0.1 (flexdemo.ft.lighthouse.launcher). Every wait is bounded. The processes
 that run Python are forked from the preloaded fork server (tests/dist_util.py's ``Forked``):
 real processes, killed with real signals, without 4 s of imports each.
 """
@@ -13,7 +13,6 @@ import json
 import os
 import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -35,11 +34,12 @@ PYTHONPATH = os.pathsep.join([str(HERE), str(HERE.parent / "src")])
 WAIT = 180  # seconds any one process may run
 
 
-def _lighthouse_binary() -> str:
+def _lighthouse_binary() -> list[str]:
     try:
-        return lighthouse.binary()
+        return lighthouse.launcher()
     except TorchFTMissingError:
-        pytest.skip("the torchft_lighthouse binary is not installed")
+        pytest.skip("neither torchft's extension module nor its torchft_lighthouse binary is "
+                    "installed")
 
 
 def _listening_port(pid: int) -> int | None:
@@ -71,10 +71,11 @@ class Lighthouse:
     loaded machine.
 
     It is torchft's ``lighthouse_main`` (what the wheel's ``torchft_lighthouse`` script runs)
-    in a Python that loads torchft's extension alone (tests/lighthouse_main.py); that script
-    imports torch first, about 1.5 s of CPU, and on the loaded 2-core machine its lighthouse
-    once took over the 30 s bound to listen. ``cli``: through `flexdemo lighthouse`, which
-    becomes the wheel's script (forked, :class:`dist_util.Forked`). It binds port 0, and the
+    in a Python that loads torchft's extension alone (``lighthouse.launcher()``, as `flexdemo
+    lighthouse` and the elastic bench run it); the wheel's script imports torch first, about
+    1.5 s of CPU, and on the loaded 2-core machine its lighthouse once took over the 30 s
+    bound to listen. ``cli``: through `flexdemo lighthouse` itself (forked,
+    :class:`dist_util.Forked`). It binds port 0, and the
     port is read from /proc: no other process can take the port between its choice and the
     bind (the lighthouse does not exit when its port is taken: it spins, silent)."""
 
@@ -90,8 +91,8 @@ class Lighthouse:
                 ["-m", "flexdemo", "lighthouse", *flags], stdout=log)
         else:
             self._log = open(log, "w")
-            self.proc = subprocess.Popen([sys.executable, str(HERE / "lighthouse_main.py"),
-                                          *flags], stdout=self._log, stderr=subprocess.STDOUT)
+            self.proc = subprocess.Popen([*lighthouse.launcher(), *flags], stdout=self._log,
+                                         stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 30
         while True:
             found = _listening_port(self.proc.pid) if port is None else port

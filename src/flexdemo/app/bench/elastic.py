@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from ...ft.config import TorchFTMissingError, require_torchft
-from ...ft.lighthouse import binary as lighthouse_binary
+from ...ft.lighthouse import launcher as lighthouse_launcher
 from ...strategies import STRATEGIES
 from ...tools.cluster import EmulatedCluster
 from ...tools.netns import ClusterError, ShapingUnavailableError
@@ -176,13 +176,13 @@ def _lighthouse(cluster: EmulatedCluster, out: Path) -> tuple[subprocess.Popen[b
     """torchft's lighthouse in node 0's namespace, on node 0's address; waits until it
     listens (at most 30 s)."""
     try:
-        found = lighthouse_binary()
+        found = lighthouse_launcher()
     except TorchFTMissingError as e:
         raise ClusterError(str(e)) from None
     addr, port = cluster.node_info[0].address, free_port()
     with (out / "lighthouse.log").open("w") as log:  # the lighthouse keeps its own copy
         proc = subprocess.Popen(
-            cluster.node_command(0, [found, "--bind", f"{addr}:{port}", "--min_replicas", "1",
+            cluster.node_command(0, [*found, "--bind", f"{addr}:{port}", "--min_replicas", "1",
                                      *LIGHTHOUSE_FLAGS]),
             stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
             start_new_session=True)

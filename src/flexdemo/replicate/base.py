@@ -92,7 +92,10 @@ class Replicator(ABC):
     * :attr:`transport`: the group's transport, bound once in :meth:`setup`;
     * :meth:`inner_replicators`: replicators this one runs inside itself (DiLoCo's
       exchanges, a phased replicator's phases);
-    * :meth:`fault_tolerance_problem`: why the replicator cannot run under fault tolerance.
+    * :meth:`fault_tolerance_problem`: why the replicator cannot run under fault tolerance;
+    * :attr:`memory_first` and :meth:`release_workspace`: for an exchange that runs once
+      every many steps (DiLoCo's sync), workspace sized for memory rather than speed, and
+      given back between uses.
     """
 
     name = "replicator"
@@ -116,6 +119,11 @@ class Replicator(ABC):
     #: the decay of its error feedback (``residual = decay * residual + input - sent``;
     #: 0: none, what it does not send is dropped)
     feedback_decay: float = 0.0
+    #: set before :meth:`setup` by a caller that runs it once every many steps (DiLoCo's
+    #: sync, whose workspace comes on top of all the state and gradients): where it has the
+    #: choice, it sizes its workspace for memory rather than speed (DeMo: smaller "auto"
+    #: groups, one group's payloads unpacked at a time; full sync: smaller "auto" buckets)
+    memory_first: bool = False
 
     def __init__(self, *, group: dist.ProcessGroup | Transport | None = None,
                  replicate_every: int = 1, skip_every: int = 0) -> None:
@@ -158,6 +166,10 @@ class Replicator(ABC):
 
     def _setup_state(self) -> None:  # noqa: B027 - optional hook
         """Allocate per-parameter state (override)."""
+
+    def release_workspace(self) -> None:  # noqa: B027 - optional hook
+        """Give back scratch buffers until the next exchange, which makes them again
+        (override; DiLoCo calls it after each sync, H steps apart)."""
 
     def _check_group_shapes(self) -> None:
         """All ranks of the group must hold the same local shapes (one tiny collective; none

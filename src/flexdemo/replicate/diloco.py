@@ -121,22 +121,6 @@ def _batches(sizes: list[int], limit: int | None) -> list[list[int]]:
     return out
 
 
-def _favour_memory(exchange: Replicator) -> None:
-    """Tell an exchange, before its set-up, that it runs once every H steps, where it has
-    the setting (``memory_first``: DeMo's smaller groups and one group's payloads unpacked at
-    a time): its workspace comes on top of all the state and gradients at a sync."""
-    if hasattr(exchange, "memory_first"):
-        setattr(exchange, "memory_first", True)  # noqa: B010 (a setting not all exchanges have)
-
-
-def _release_workspace(exchange: Replicator) -> None:
-    """Let an exchange give back its scratch buffers, where it can (``release_workspace``):
-    DiLoCo uses them once every H steps."""
-    release = getattr(exchange, "release_workspace", None)
-    if release is not None:
-        release()
-
-
 class _Sync:
     """One fragment's exchange in flight (or completed, when restored from a checkpoint)."""
 
@@ -238,10 +222,10 @@ class DiLoCoReplicator(Replicator):
             ex.group = group
             if not self.in_place and hasattr(ex, "bucket_numel"):
                 ex.bucket_numel = None  # its flat buffer is the pseudo-gradients' home
-            _favour_memory(ex)
+            ex.memory_first = True  # its sync runs once every H steps
             ex.setup([self._local_shapes[i] for i in part], self.device, self.group,
                      nonfinite=self.nonfinite)
-            _release_workspace(ex)  # not held until the first sync, H steps away
+            ex.release_workspace()  # not held until the first sync, H steps away
         # the pseudo-gradients: formed in the replica's own parameters (which the restart
         # overwrites), else where the exchange copies its input, if it has such buffers (a
         # dense exchange's flat buffer), else their own
@@ -361,7 +345,7 @@ class DiLoCoReplicator(Replicator):
             handle, sync.handle = sync.handle, None
             try:
                 sync.result = ex.finish(handle)
-                _release_workspace(ex)  # not held until the next sync, H steps away
+                ex.release_workspace()  # not held until the next sync, H steps away
             except NonFiniteGradientError as e:
                 sync.failed = e.ranks or []
                 raise

@@ -192,7 +192,6 @@ class FullReplicator(Replicator):
         _check_reduce(values, reduce, on_bad_peer)
         self.values, self.on_bad_peer, self.reduce = values, on_bad_peer, reduce
         self.dropped_payloads = 0
-        self.memory_first = False  # (DiLoCo, before the set-up) smaller "auto" buckets
 
     def extra_repr(self) -> str:
         parts = [] if self.values == "fp32" else [f"values={self.values!r}"]

@@ -93,7 +93,6 @@ class DeMoReplicator(Replicator):
         # CUDA graphs of the device work between the host's steps (no effect off CUDA)
         self.graphs, self.staging = graphs, staging
         self.reports_sent = reduce != "scatter" and overlap == "none"  # (sent_into)
-        self.memory_first = False  # (DiLoCo, before the set-up) see settings.rare_groups
 
     @classmethod
     def preset(cls, name: str, **overrides) -> DeMoReplicator:

@@ -190,6 +190,12 @@ MAGIC = 0x0DE70002  # wire format 2: tiling units before padded ones in a group
 HEADER_BYTES = 32
 
 
+def align8(n: int) -> int:
+    """``n`` rounded up to a multiple of 8 (every payload segment, and every row of a
+    gathered uint8 tensor, is 8-byte aligned)."""
+    return (n + 7) // 8 * 8
+
+
 def write_header(buf: torch.Tensor, step: int | torch.Tensor, bad: bool | torch.Tensor,
                  code: int) -> None:
     """The 32-byte header of a gathered payload: magic, step, non-finite flag, presence.

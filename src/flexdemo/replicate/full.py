@@ -11,6 +11,7 @@ from .agreement import (
     HEADER_BYTES,
     Agreement,
     NonFiniteGradientError,
+    align8,
     check_flags,
     global_rank_of,
     header_problems,
@@ -20,7 +21,7 @@ from .agreement import (
 from .base import Replicator
 from .buckets import FlatBuckets, check_bucket_numel, resolve_bucket_numel
 from .demo.settings import RARE_BUCKETS
-from .scatter import ScatterExchange, _aligned
+from .scatter import ScatterExchange
 
 
 class FlatLayout:
@@ -277,7 +278,7 @@ class FullReplicator(Replicator):
 
     def _payload_size(self, n: int) -> int:
         """Bytes of a gathered payload of ``n`` values (rows stay 8-byte aligned)."""
-        return _aligned(HEADER_BYTES + self.codec.nbytes(n))
+        return align8(HEADER_BYTES + self.codec.nbytes(n))
 
     def _bucket_sizes(self) -> list[int]:
         """Values per exchange: each bucket's (the fp32 trailer in the first), or the

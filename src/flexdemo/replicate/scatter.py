@@ -36,6 +36,7 @@ from ..compress.quant import ValueCodec
 from ..transport import CommStats, Pending, all_gather, all_to_all_equal
 from .agreement import (
     HEADER_BYTES,
+    align8,
     check_flags,
     header_fault,
     header_problems,
@@ -44,10 +45,6 @@ from .agreement import (
 
 # an owner's verdict on one sender's chunk
 OK, FLAGGED, OTHER_PARAMS, BAD_MAGIC, WRONG_STEP, NONFINITE = range(6)
-
-
-def _aligned(nbytes: int) -> int:
-    return nbytes + -nbytes % 8  # rows of a gathered uint8 tensor stay 8-byte aligned
 
 
 class ScatterExchange:
@@ -73,8 +70,8 @@ class ScatterExchange:
         owner's mean) for an exchange of ``total`` values."""
         blocks = math.ceil(math.ceil(total / self.world) / self.codec.block)
         chunk = blocks * self.codec.block
-        part = _aligned(HEADER_BYTES + self.codec.nbytes(chunk))
-        reply = _aligned(HEADER_BYTES + 8 * self.world + self.codec.nbytes(chunk))
+        part = align8(HEADER_BYTES + self.codec.nbytes(chunk))
+        reply = align8(HEADER_BYTES + 8 * self.world + self.codec.nbytes(chunk))
         return chunk, part, reply
 
     def use(self, total: int) -> None:

@@ -45,7 +45,7 @@ from .schema import (
     choices,
 )
 
-__all__ = ["Environment", "check_mesh", "config_from_dict", "fault_tolerance",
+__all__ = ["Environment", "check_mesh", "config_from_dict", "describe", "fault_tolerance",
            "read_environment", "resolve", "validate"]
 
 
@@ -56,7 +56,8 @@ def _suggest(key: str, valid: list[str], prefix: str = "") -> str:
     return f"; valid keys: {', '.join(valid)}"
 
 
-def _describe(value: Any) -> str:
+def describe(value: Any) -> str:
+    """``value`` and its TOML kind, for a message: ``'x' (a string)``."""
     names = {bool: "a boolean", int: "an integer", float: "a number", str: "a string",
              dict: "a table", list: "an array"}
     return f"{value!r} ({names.get(type(value), type(value).__name__)})"
@@ -79,32 +80,32 @@ def _coerce(value: Any, annotation: Any, where: str) -> Any:
             except ConfigError as e:
                 errors.append(e)
         wanted = " or ".join("'auto'" if o is type(None) else _type_name(o) for o in options)
-        raise ConfigError(f"{where}: expected {wanted}, got {_describe(value)}")
+        raise ConfigError(f"{where}: expected {wanted}, got {describe(value)}")
     if annotation is bool:
         if isinstance(value, bool):
             return value
-        raise ConfigError(f"{where}: expected true or false, got {_describe(value)}")
+        raise ConfigError(f"{where}: expected true or false, got {describe(value)}")
     if annotation is int:
         if isinstance(value, int) and not isinstance(value, bool):
             return value
         if isinstance(value, float) and value.is_integer() and abs(value) < 2**53:
             return int(value)
-        raise ConfigError(f"{where}: expected an integer, got {_describe(value)}")
+        raise ConfigError(f"{where}: expected an integer, got {describe(value)}")
     if annotation is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             if not math.isfinite(value):
                 raise ConfigError(f"{where}: expected a finite number, got {value!r}")
             return float(value)
-        raise ConfigError(f"{where}: expected a number, got {_describe(value)}")
+        raise ConfigError(f"{where}: expected a number, got {describe(value)}")
     if annotation is str:
         if isinstance(value, str):
             return value
-        raise ConfigError(f"{where}: expected a string, got {_describe(value)}")
+        raise ConfigError(f"{where}: expected a string, got {describe(value)}")
     if annotation is dict:
         if isinstance(value, dict):
             return dict(value)
         raise ConfigError(f"{where}: expected a table (e.g. {{ topk = 16 }}), got "
-                          f"{_describe(value)}")
+                          f"{describe(value)}")
     raise TypeError(f"unsupported config annotation {annotation!r}")  # a bug, not user input
 
 
@@ -116,7 +117,7 @@ def _type_name(t: Any) -> str:
 def _build_section(cls: type, raw: Any, name: str) -> Any:
     """``cls`` from the ``[name]`` table ``raw``; an unknown key names the fields of ``cls``."""
     if not isinstance(raw, dict):
-        raise ConfigError(f"[{name}] must be a table of keys, got {_describe(raw)}")
+        raise ConfigError(f"[{name}] must be a table of keys, got {describe(raw)}")
     hints = typing.get_type_hints(cls)
     valid = [f.name for f in dataclasses.fields(cls)]
     kwargs = {}
@@ -131,7 +132,7 @@ def config_from_dict(data: dict) -> Config:
     """A :class:`Config` from a raw mapping: names and types are checked, ranges are not
     (see :func:`validate`)."""
     if not isinstance(data, dict):
-        raise ConfigError(f"the config must be a mapping of sections, got {_describe(data)}")
+        raise ConfigError(f"the config must be a mapping of sections, got {describe(data)}")
     kwargs: dict[str, Any] = {}
     valid = list(SECTIONS) + list(TOP_LEVEL)
     for key, value in data.items():
@@ -142,7 +143,7 @@ def config_from_dict(data: dict) -> Config:
         elif key == "resume":
             if not isinstance(value, (bool, str)):
                 raise ConfigError(f"resume: expected true, false or a checkpoint path, got "
-                                  f"{_describe(value)}")
+                                  f"{describe(value)}")
             kwargs[key] = value
         else:
             what = "section" if isinstance(value, dict) else "key"
@@ -222,7 +223,7 @@ def _task_section(raw: Any) -> TaskConfig:
     :attr:`~flexdemo.app.tasks.TaskSpec.config`); a key that only other tasks read is refused
     naming the keys this task takes."""
     if not isinstance(raw, dict):
-        raise ConfigError(f"[task] must be a table of keys, got {_describe(raw)}")
+        raise ConfigError(f"[task] must be a table of keys, got {describe(raw)}")
     name = _coerce(raw.get("name", TaskConfig.name), str, "task.name")
     _check_choice("task.name", name, tuple(TASKS))
     own = task_options(name)

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from ..tasks import task_options
-from .checks import _describe, config_from_dict, read_environment, resolve, validate
+from .checks import config_from_dict, describe, read_environment, resolve, validate
 from .schema import Config, ConfigError
 
 __all__ = ["apply_overrides", "config_to_dict", "load_config", "parse_override",
@@ -113,7 +113,7 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
             if not isinstance(nxt, dict):
                 if nxt is not None:  # never replace a malformed section silently
                     where = ".".join(parts[: i + 1])
-                    raise ConfigError(f"override {text!r}: {where} is {_describe(nxt)}, not a "
+                    raise ConfigError(f"override {text!r}: {where} is {describe(nxt)}, not a "
                                       f"table; fix [{where}] in the config file first")
                 nxt = {}
                 node[part] = nxt

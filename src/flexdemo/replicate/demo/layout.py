@@ -15,12 +15,7 @@ from ...compress.bits import packed_nbytes
 from ...compress.blocks import BlockValueCodec
 from ...compress.dct import BatchedDCT, block_rows
 from ...memory import ReleasableStorages
-from ..agreement import HEADER_BYTES
-
-
-def align8(n: int) -> int:
-    """``n`` rounded up to a multiple of 8 (every payload segment is 8-byte aligned)."""
-    return (n + 7) // 8 * 8
+from ..agreement import HEADER_BYTES, align8
 
 
 @dataclass

@@ -49,10 +49,10 @@ from ...transport import (
     all_to_all_bytes,
     all_to_all_equal,
 )
-from ..agreement import HEADER_BYTES, MAGIC, header_problems, write_header
+from ..agreement import HEADER_BYTES, MAGIC, align8, header_problems, write_header
 from .checks import check_payloads, describe_problem, good_peers
 from .decode import decode_mean
-from .layout import BlockLayout, Group, align8
+from .layout import BlockLayout, Group
 from .staging import Staging, StepPlan
 
 VERDICT = 3  # int64 per sender in an owner's part: status, value, presence code

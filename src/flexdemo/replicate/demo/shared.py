@@ -46,10 +46,10 @@ from ...transport import (
     all_to_all_bytes,
     all_to_all_equal,
 )
-from ..agreement import HEADER_BYTES
+from ..agreement import HEADER_BYTES, align8
 from .checks import NONFINITE, RANGE, REPEAT, good_peers
 from .decode import decode_mean
-from .layout import BlockLayout, Group, align8
+from .layout import BlockLayout, Group
 from .staging import Sent, Staging, StepPlan
 
 

@@ -371,6 +371,16 @@ def slow_sim(state: dict) -> flexdemo.SimulatedReplicas:
     return flexdemo.SimulatedReplicas(tiny, loss, replicas=2, optimizer_fn=build, seed=0)
 
 
+@pytest.fixture
+def link_state(monkeypatch) -> dict:
+    """The slow link's state: its rate (None until it turns slow) and the virtual clock that
+    times the steps and exchanges (patched into the modules that read the time)."""
+    state: dict = {"rate": None, "clock": VirtualClock()}
+    for module in (flexdemo.transport.core, flexdemo.auto.replicator):
+        monkeypatch.setattr(module, "time", state["clock"])
+    return state
+
+
 def run_slow(sim, state, start, stop, slow_from=10, rate=1e5):
     for step in range(start, stop):
         state["rate"] = rate if step >= slow_from else None  # 1e5: ~30 ms per all-reduce
@@ -380,15 +390,13 @@ def run_slow(sim, state, start, stop, slow_from=10, rate=1e5):
     return sim
 
 
-def test_retune_when_the_link_drops_switches_every_replica_at_one_step(monkeypatch):
+def test_retune_when_the_link_drops_switches_every_replica_at_one_step(link_state):
     """Full sync on a fast link; from step 10 the link is ~1000x slower: the checks at steps
     19 and 29 see it, and at step 29 every replica switches to DiLoCo at once (one line);
     its first sync (step 39) leaves them bitwise equal. A checkpoint taken before the switch
     (step 25, the window and the strike kept) or after it (step 35) resumes bitwise. The
     step and its exchanges are timed on a virtual clock (:class:`VirtualClock`)."""
-    state: dict = {"rate": None, "clock": VirtualClock()}
-    for module in (flexdemo.transport.core, flexdemo.auto.replicator):
-        monkeypatch.setattr(module, "time", state["clock"])
+    state = link_state
     straight, saved = slow_sim(state), {}
     for start, stop in ((0, 25), (25, 35), (35, 40)):
         run_slow(straight, state, start, stop)
@@ -413,13 +421,11 @@ def test_retune_when_the_link_drops_switches_every_replica_at_one_step(monkeypat
         assert [h["step"] for h in resumed.optimizers[0].replicators[0].history] == [0, 29]
 
 
-def test_a_collapsed_link_retunes_at_the_first_check(monkeypatch):
+def test_a_collapsed_link_retunes_at_the_first_check(link_state):
     """A link ~10,000x slower whose waits are most of the step (~300 ms of 350) is a collapse:
     the first check after the drop (step 19) switches, where the ~30 ms waits above, under
     half of the step, take two checks (29); the replicas end bitwise equal."""
-    state: dict = {"rate": None, "clock": VirtualClock()}
-    for module in (flexdemo.transport.core, flexdemo.auto.replicator):
-        monkeypatch.setattr(module, "time", state["clock"])
+    state = link_state
     sim = run_slow(slow_sim(state), state, 0, 40, rate=1e4)
     assert sim.identical()
     for o in sim.optimizers:

@@ -34,7 +34,7 @@ PYTHONPATH = os.pathsep.join([str(HERE), str(HERE.parent / "src")])
 WAIT = 180  # seconds any one process may run
 
 
-def _lighthouse_binary() -> list[str]:
+def _lighthouse_launcher() -> list[str]:
     try:
         return lighthouse.launcher()
     except TorchFTMissingError:
@@ -81,7 +81,7 @@ class Lighthouse:
 
     def __init__(self, min_replicas: int, log: Path, cli: bool = False,
                  port: int | None = None) -> None:
-        _lighthouse_binary()  # (skips without it)
+        launcher = _lighthouse_launcher()  # (skips without it)
         flags = ["--bind", f"127.0.0.1:{port or 0}", "--min_replicas", str(min_replicas),
                  "--join_timeout_ms", "2000", "--heartbeat_timeout_ms", "3000",
                  "--quorum_tick_ms", "50"]
@@ -91,7 +91,7 @@ class Lighthouse:
                 ["-m", "flexdemo", "lighthouse", *flags], stdout=log)
         else:
             self._log = open(log, "w")
-            self.proc = subprocess.Popen([*lighthouse.launcher(), *flags], stdout=self._log,
+            self.proc = subprocess.Popen([*launcher, *flags], stdout=self._log,
                                          stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 30
         while True:

@@ -76,6 +76,10 @@ def add_bench_parser(sub) -> None:
     b.add_argument("--restart-at", type=positive_int, metavar="M",
                    help="elastic preset: start the killed node again at node 0's step M "
                         "(default 70, at most 7/12 of the steps)")
+    b.add_argument("--repeat", type=positive_int, metavar="N",
+                   help="elastic preset: run the plain and the elastic run N times, "
+                        "alternately, and report each pair's overhead with the median and the "
+                        "range (default 1)")
     b.add_argument("--target", type=positive_float, metavar="LOSS",
                    help="report every run's time to this validation loss (default with "
                         "the auto preset: the loosest loss every run within 5 percent of the "
@@ -93,6 +97,7 @@ def _cmd_bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
             config=args.config, out=args.out, unshaped=args.unshaped,
             overrides=args.overrides, timeout=args.timeout, quiet=args.quiet,
             device=args.device, kill_at=args.kill_at, restart_at=args.restart_at,
+            repeat=args.repeat,
             target=args.target)
     except (BenchError, ConfigError) as e:
         print(f"flexdemo bench: error: {e}", file=sys.stderr, flush=True)

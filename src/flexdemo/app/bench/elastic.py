@@ -25,6 +25,7 @@ import json
 import os
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import threading
@@ -43,7 +44,8 @@ from ...tools.rates import format_rate, parse_bandwidth
 from ..config.files import to_toml
 from ..outputs import read_metrics, strict_json
 
-__all__ = ["FT_THREADS", "LIGHTHOUSE_FLAGS", "elastic_problem", "run_elastic", "thread_cpu"]
+__all__ = ["FT_THREADS", "LIGHTHOUSE_FLAGS", "PAIR_FIGURES", "elastic_problem", "pair_lines",
+           "pair_spread", "run_elastic", "thread_cpu"]
 
 LIGHTHOUSE_FLAGS = ("--join_timeout_ms", "2000", "--heartbeat_timeout_ms", "3000",
                     "--quorum_tick_ms", "50")
@@ -468,8 +470,10 @@ def plot_elastic(o: Any, plain: list[dict], run: dict, path: Path) -> Path:
 def run_elastic(o: Any, one_run: Callable[..., dict],
                 echo: Callable[[str], None] | None = None) -> list[dict]:
     """The elastic preset; ``one_run`` is the bench's run of one strategy as one job
-    (:func:`flexdemo.app.bench.run._one_run`). Returns the plain run's record and the elastic
-    run's, as the bench does."""
+    (:func:`flexdemo.app.bench.run._one_run`). With ``o.repeat`` above 1 the plain and the
+    elastic run alternate that many times (in ``pair1/``, ``pair2/``, ...) and the overheads
+    are reported per pair, with their median and range. Returns every run's record, as the
+    bench does."""
     echo = echo or (lambda text: print(text, flush=True))
     out = Path(o.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
@@ -484,34 +488,107 @@ def run_elastic(o: Any, one_run: Callable[..., dict],
     cluster = EmulatedCluster(o.nodes, o.ranks_per_node, None if unshaped else bw,
                               unshaped=unshaped, log=lambda s: None)
     where = "loopback" if unshaped else f"links of {format_rate(parse_bandwidth(bw))}"
+    repeat = o.repeat
     echo(f"bench elastic: {name} on {o.nodes} nodes x {o.ranks_per_node} ranks ({where}), "
          f"{o.steps} steps; node {o.nodes - 1} is killed at step {o.kill_at} and restarted at "
-         f"step {o.restart_at}; out {out}")
+         f"step {o.restart_at}"
+         + (f"; {repeat} pairs of runs, plain and elastic alternately" if repeat > 1 else "")
+         + f"; out {out}")
+    pairs: list[tuple[dict, dict]] = []
     with cluster:
-        plain = one_run(o, cluster, name, bw, out, echo)
-        echo(f"\n== {name} @ {bw}, elastic: every node its own job and torchft replica group")
-        base = json.loads(json.dumps(o.base))
-        base["strategy"] = STRATEGIES[name].settings()
-        base["resume"] = False
-        run = _elastic_run(o, cluster, base, out / "elastic", echo)
-    record: dict[str, Any] = {"strategy": f"{name} (elastic)", "bandwidth": bw,
-                              "status": "failed" if run["failure"] else "ok",
-                              "message": run["failure"] or "", "run_dir": run["out"]}
-    plain_rows = read_metrics(Path(plain["run_dir"]) / "metrics.jsonl")
-    figures = analyse(o, plain_rows, run) if not run["failure"] else {}
-    record["figures"] = figures
+        for i in range(repeat):
+            here = out if repeat == 1 else out / f"pair{i + 1}"
+            if repeat > 1:
+                echo(f"\n=== pair {i + 1} of {repeat}: the plain run, then the elastic one")
+            plain = one_run(o, cluster, name, bw, here, echo)
+            echo(f"\n== {name} @ {bw}, elastic: every node its own job and torchft replica "
+                 "group")
+            base = json.loads(json.dumps(o.base))
+            base["strategy"] = STRATEGIES[name].settings()
+            base["resume"] = False
+            pairs.append((plain, _elastic_run(o, cluster, base, here / "elastic", echo)))
+    records: list[dict] = []
+    analysed: list[dict] = []
+    for plain, run in pairs:
+        record: dict[str, Any] = {"strategy": f"{name} (elastic)", "bandwidth": bw,
+                                  "status": "failed" if run["failure"] else "ok",
+                                  "message": run["failure"] or "", "run_dir": run["out"]}
+        rows = read_metrics(Path(plain["run_dir"]) / "metrics.jsonl")
+        figures = analyse(o, rows, run) if not run["failure"] else {}
+        record["figures"] = figures
+        records += [plain, record]
+        analysed.append({"plain_run_dir": plain["run_dir"], "elastic_run_dir": run["out"],
+                         "failure": run["failure"], "figures": figures})
+    plain, run = pairs[0]
+    figures = records[1]["figures"]
+    spread = pair_spread([a["figures"] for a in analysed])
     (out / "elastic.json").write_text(strict_json(
         {"options": {k: v for k, v in vars(o).items() if k != "base"}, "plain": plain,
-         "elastic": {**run, "figures": figures}}, indent=1) + "\n")
+         "elastic": {**run, "figures": figures}, "pairs": analysed, "spread": spread},
+        indent=1) + "\n")
+    failed = [(i, a) for i, a in enumerate(analysed, 1) if a["failure"]]
+    for i, a in failed:
+        echo(f"   elastic run{f' of pair {i}' if repeat > 1 else ''} failed: {a['failure']} "
+             f"(logs: {a['elastic_run_dir']})")
     if run["failure"]:
-        echo(f"   elastic run failed: {run['failure']} (logs: {run['out']})")
-        return [plain, record]
+        return records
     echo("")
     for line in report_lines(o, plain, figures):
         echo(line)
+    if repeat > 1:
+        echo("")
+        for line in pair_lines(analysed, spread):
+            echo(line)
+    rows = read_metrics(Path(plain["run_dir"]) / "metrics.jsonl")
     try:
-        echo(f"plot: {plot_elastic(o, plain_rows, run, out / 'elastic.png')}")
+        echo(f"plot: {plot_elastic(o, rows, run, out / 'elastic.png')}")
     except ModuleNotFoundError:
         echo("note: plot skipped: matplotlib is not installed (pip install matplotlib)")
     echo(f"results: {out / 'elastic.json'}")
-    return [plain, record]
+    return records
+
+
+PAIR_FIGURES = ("overhead", "cpu_overhead", "ft_threads_share", "ft_share_of_step")
+"""The per-pair figures whose median and range :func:`pair_spread` gives."""
+
+
+def pair_spread(figures: list[dict]) -> dict[str, dict[str, float]]:
+    """The median, smallest and largest of each of :data:`PAIR_FIGURES` over the pairs that
+    have it (a failed elastic run has none)."""
+    spread: dict[str, dict[str, float]] = {}
+    for key in PAIR_FIGURES:
+        values = [f[key] for f in figures if f.get(key) is not None]
+        if values:
+            spread[key] = {"median": statistics.median(values), "min": min(values),
+                           "max": max(values), "pairs": len(values)}
+    return spread
+
+
+def pair_lines(analysed: list[dict], spread: dict[str, dict[str, float]]) -> list[str]:
+    """The table of the pairs and the medians, as printed."""
+    pct = lambda v, sign="+": "-" if v is None else f"{v * 100:{sign}.1f}%"  # noqa: E731
+    ms = lambda s: "-" if s is None or s != s else f"{s * 1e3:.0f} ms"  # noqa: E731
+    lines = [f"{'pair':<6} {'plain step':>10} {'elastic step':>12} {'overhead':>9} "
+             f"{'CPU':>8} {'torchft threads':>15} {'quorum+vote+undo':>16}"]
+    for i, a in enumerate(analysed, 1):
+        f = a["figures"]
+        if not f:
+            lines.append(f"{i:<6} failed: {a['failure']}")
+            continue
+        lines.append(f"{i:<6} {ms(f['plain_step_seconds']):>10} "
+                     f"{ms(f['elastic_step_seconds']):>12} {pct(f.get('overhead')):>9} "
+                     f"{pct(f.get('cpu_overhead')):>8} "
+                     f"{pct(f.get('ft_threads_share'), ''):>15} "
+                     f"{pct(f.get('ft_share_of_step'), ''):>16}")
+    med = {k: v["median"] for k, v in spread.items()}
+    lines.append(f"{'median':<6} {'':>10} {'':>12} {pct(med.get('overhead')):>9} "
+                 f"{pct(med.get('cpu_overhead')):>8} {pct(med.get('ft_threads_share'), ''):>15} "
+                 f"{pct(med.get('ft_share_of_step'), ''):>16}")
+    if "overhead" in spread:
+        s = spread["overhead"]
+        lines.append(f"- over {s['pairs']} pairs, run alternately, fault tolerance costs "
+                     f"{pct(s['median'])} per step at the median ({pct(s['min'])} to "
+                     f"{pct(s['max'])}); in CPU time "
+                     + (f"{pct(spread['cpu_overhead']['median'])}"
+                        if "cpu_overhead" in spread else "-"))
+    return lines

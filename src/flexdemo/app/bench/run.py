@@ -119,6 +119,8 @@ class BenchOptions:
     """Elastic preset: the step of node 0 at which the last node is killed."""
     restart_at: int = 0
     """Elastic preset: the step of node 0 at which the killed node starts again."""
+    repeat: int = 1
+    """Elastic preset: how many times the plain and the elastic run alternate."""
     target: float | None = None
     """The validation loss whose time to reach every run reports (None: with ``auto``, the
     loosest loss every run within 5% of the best reached; otherwise no report)."""
@@ -138,6 +140,7 @@ def bench_options(*, preset: str | None = None, strategies: str | list[str] | No
                   overrides: list[str] | None = None, timeout: float | None = None,
                   quiet: bool = False, device: str | None = None,
                   kill_at: int | None = None, restart_at: int | None = None,
+                  repeat: int | None = None,
                   target: float | None = None) -> BenchOptions:
     """Resolve and check a sweep's options; raises :class:`BenchError` or
     :class:`~flexdemo.app.config.schema.ConfigError` with a one-line message."""
@@ -208,12 +211,13 @@ def bench_options(*, preset: str | None = None, strategies: str | list[str] | No
     o.base = base
     for name in o.strategies:  # every run's config must be valid before anything starts
         validate(config_from_dict(run_config(o, name, "check")), o.nodes * o.ranks_per_node)
-    if (kill_at or restart_at) and preset != "elastic":
-        raise BenchError("--kill-at and --restart-at belong to the elastic preset: add "
-                         "--preset elastic")
+    if (kill_at or restart_at or repeat) and preset != "elastic":
+        raise BenchError("--kill-at, --restart-at and --repeat belong to the elastic preset: "
+                         "add --preset elastic")
     if preset == "elastic":
         o.kill_at = kill_at or min(p["kill_at"], o.steps // 3)
         o.restart_at = restart_at or min(p["restart_at"], (o.steps * 7) // 12)
+        o.repeat = repeat or 1
         problem = elastic_problem(o)
         if problem:
             raise BenchError(problem)

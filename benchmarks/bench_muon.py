@@ -12,8 +12,9 @@ its whole step. Usage::
     python benchmarks/bench_muon.py --model small --replicator full --out muon.json
 
 ``--ns`` instead times one process's ``MuonAdamW.step()`` on GPT-like matrices (``--ns-model``:
-``d768x12`` is 12 layers of d=768, 48 matrices of 4 shapes) with the batched Newton-Schulz and
-with torch's per-matrix call, interleaved, and counts the aten ops (matmuls apart) of a step::
+``d768x12`` is 12 layers of d=768, 48 matrices of 4 shapes) with the batched Newton-Schulz,
+with torch's per-matrix call and with the batched one in fp32 (``ns_dtype="fp32"``),
+interleaved, and counts the aten ops (matmuls apart) of a step::
 
     python benchmarks/bench_muon.py --ns --ns-model d768x12 --steps 5 --warmup 1 --threads 2
 
@@ -45,7 +46,10 @@ OPTIMIZERS = {"adamw": {}, "muon": {}}
 # --ns: (width, layers) of GPT-like stacks of hidden matrices
 NS_MODELS = {"d768x12": (768, 12), "d256x4": (256, 4), "d64x3": (64, 3)}
 MATMULS = frozenset({"mm", "addmm", "bmm", "baddbmm"})
-NS_MODES = ("batched", "per_matrix")  # MuonAdamW's ns_mode
+# --ns: MuonAdamW's settings per variant (ns_mode, and ns_dtype for the fp32 iterations)
+NS_VARIANTS = {"batched": {"ns_mode": "batched"}, "per_matrix": {"ns_mode": "per_matrix"},
+               "fp32": {"ns_mode": "batched", "ns_dtype": "fp32"}}
+NS_MODES = tuple(NS_VARIANTS)
 
 
 class Parser(argparse.ArgumentParser):
@@ -174,7 +178,7 @@ def ns_bench(args: argparse.Namespace) -> dict:
         start = [torch.randn(s, generator=gen) for s in shapes]
         grads = [torch.randn(s, generator=gen) for s in shapes]
         params = {m: [torch.nn.Parameter(t.clone()) for t in start] for m in NS_MODES}
-        opts = {m: MuonAdamW(params[m], lr=1e-3, ns_mode=m) for m in NS_MODES}
+        opts = {m: MuonAdamW(params[m], lr=1e-3, **NS_VARIANTS[m]) for m in NS_MODES}
         times: dict[str, list[float]] = {m: [] for m in NS_MODES}
         for i in range(args.warmup + args.steps):
             for m in NS_MODES:  # interleaved: both see the same machine
@@ -189,19 +193,33 @@ def ns_bench(args: argparse.Namespace) -> dict:
                       "params": sum(a * b for a, b in shapes),
                       "bitwise": all(torch.equal(a, b) for a, b in
                                      zip(params["batched"], params["per_matrix"])),
+                      # how far the fp32 iterations' parameters are from torch's, relative
+                      # to how far torch's moved from the start
+                      "fp32_rel_diff": _rel_diff(params["fp32"], params["per_matrix"], start),
                       **{m: {"step_s": statistics.median(times[m]),
                              "matmuls": sum(n for k, n in ops[m].items() if k in MATMULS),
                              "ops": sum(ops[m].values())} for m in NS_MODES}}
     print(f"MuonAdamW.step() on CPU, {args.threads} thread(s), median of {args.steps} steps")
     print(f"{'matrices':<22} {'mode':<11} {'step ms':>9} {'matmuls':>8} {'aten ops':>9} "
-          f"{'speed-up':>9} {'bitwise':>8}")
+          f"{'speed-up':>9} {'vs torch':>12}")
     for model, r in out.items():
         label = f"{model} ({r['matrices']}, {r['shapes']} shapes)"
         for m in NS_MODES:
             up = r["per_matrix"]["step_s"] / r[m]["step_s"]
+            same = ("torch's" if m == "per_matrix" else
+                    f"{r['fp32_rel_diff']:.2%} off" if m == "fp32" else
+                    "bitwise" if r["bitwise"] else "NOT bitwise")
             print(f"{label:<22} {m:<11} {1e3 * r[m]['step_s']:>9.1f} {r[m]['matmuls']:>8} "
-                  f"{r[m]['ops']:>9} {up:>8.2f}x {str(r['bitwise']):>8}")
+                  f"{r[m]['ops']:>9} {up:>8.2f}x {same:>12}")
+    print("fp32: ns_dtype='fp32', the iterations in fp32 (bf16 in and out); 'off': the "
+          "distance of its parameters from torch's, relative to torch's whole move")
     return out
+
+
+def _rel_diff(a: list[torch.Tensor], b: list[torch.Tensor], start: list[torch.Tensor]) -> float:
+    num = sum(float((x.detach() - y.detach()).square().sum()) for x, y in zip(a, b))
+    den = sum(float((y.detach() - s).square().sum()) for y, s in zip(b, start))
+    return (num / den) ** 0.5 if den else 0.0
 
 
 def main(argv=None) -> dict:

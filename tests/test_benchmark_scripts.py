@@ -130,7 +130,8 @@ def test_muon_table_and_json(capsys, tmp_path, monkeypatch):
 
 
 def test_muon_ns_table_and_json(capsys, tmp_path):
-    """--ns: one process, both Newton-Schulz modes; fewer matmuls batched, bitwise the same."""
+    """--ns: one process, both Newton-Schulz modes and the fp32 iterations; fewer matmuls
+    batched, bitwise the same."""
     out = tmp_path / "ns.json"
     res = _load("bench_muon").main(["--ns", "--ns-model", "d64x3", "--steps", "1",
                                     "--warmup", "0", "--out", str(out)])
@@ -138,6 +139,7 @@ def test_muon_ns_table_and_json(capsys, tmp_path):
     r = json.loads(out.read_text())["ns"]["d64x3"]
     assert r == res["ns"]["d64x3"] and r["bitwise"]
     assert (r["batched"]["matmuls"], r["per_matrix"]["matmuls"]) == (60, 180)
+    assert r["fp32"]["matmuls"] == 60 and 0 < r["fp32_rel_diff"] < 0.05  # near, not torch's
 
 
 # ------------------------------------------------------------------- documented modules only

@@ -237,3 +237,70 @@ def test_step_workspace_is_a_few_bf16_copies_of_a_batch():
         assert all(torch.equal(a, b) for a, b in zip(results[key][0], ref)), key
     big = [torch.nn.Parameter(torch.zeros(1200, 1000)), torch.nn.Parameter(torch.zeros(8, 8))]
     assert MuonAdamW(big).ns_batch_numel == 1200 * 1000
+
+
+def _iterate_fp64(x: torch.Tensor) -> torch.Tensor:
+    """The Newton-Schulz iteration in fp64 from the same bf16 start: the reference both
+    precisions approximate."""
+    tall = x.shape[1] > x.shape[2]
+    y = x.bfloat16().double()
+    y = y.mT if tall else y
+    y = y / y.norm(dim=(1, 2), keepdim=True).clamp(min=EPS)
+    (a, b, c), steps, _ = NS
+    for _ in range(steps):
+        g = y @ y.mT
+        y = a * y + (b * g + c * g @ g) @ y
+    return y.mT if tall else y
+
+
+def test_fp32_newton_schulz_is_closer_to_exact_and_keeps_the_bf16_layout():
+    """ns_dtype="fp32": the iterations in an fp32 copy, the result rounded to bf16 in the
+    input's storage with the layout the bf16 path gives; within bf16 rounding of the fp64
+    iteration, where bf16 iterations are several times further off."""
+    from flexdemo.newton_schulz import newton_schulz_
+
+    g = torch.Generator().manual_seed(2)
+    for shape in [(3, 64, 64), (2, 96, 32), (2, 32, 96), (1, 7, 5)]:
+        x = torch.randn(shape, generator=g)
+        exact = _iterate_fp64(x)
+        stack = x.bfloat16()
+        fp32 = newton_schulz_(stack, *NS, dtype=torch.float32)
+        bf16 = newton_schulz_(x.bfloat16(), *NS)
+        assert fp32.dtype == torch.bfloat16 and fp32.shape == bf16.shape, shape
+        assert fp32.stride() == bf16.stride(), shape
+        assert fp32.untyped_storage().data_ptr() == stack.untyped_storage().data_ptr()
+        e32, e16 = (((y.double() - exact).norm() / exact.norm()).item() for y in (fp32, bf16))
+        assert e32 < 0.004 and e32 * 3 < e16, (shape, e32, e16)
+        start = x.bfloat16()  # no steps: only scaled to norm 1, in place
+        none = newton_schulz_(start, NS[0], 0, EPS, dtype=torch.float32)
+        scaled = x.bfloat16().double() / x.bfloat16().double().norm(dim=(1, 2), keepdim=True)
+        assert none is start and torch.allclose(none.double(), scaled, rtol=0.008, atol=0)
+    with pytest.raises(ValueError, match="torch.bfloat16 or torch.float32"):
+        newton_schulz_(torch.zeros(1, 3, 3, dtype=torch.bfloat16), *NS, dtype=torch.float16)
+
+
+def test_muon_adamw_ns_dtype_fp32_steps_alike_and_checks_its_setting():
+    """The same training in both precisions: near each other, not equal; the setting is one
+    line when wrong, reaches MuonAdamW through make_base_optimizer, and is not state."""
+    a, opt_a = _train("batched")
+    b = copy.deepcopy(a)
+    opt_b = MuonAdamW(b.named_parameters(), lr=1e-2, weight_decay=0.1, ns_dtype="fp32")
+    opt_b.load_state_dict(copy.deepcopy(opt_a.state_dict()))
+    before = [p.detach().clone() for p in a.parameters()]
+    x = torch.randint(0, 256, (2, 64))
+    for m, o in ((a, opt_a), (b, opt_b)):
+        m(x, x).backward()
+        o.step()
+    step_a = torch.cat([(p - q).flatten() for p, q in zip(a.parameters(), before)])
+    step_b = torch.cat([(p - q).flatten() for p, q in zip(b.parameters(), before)])
+    rel = ((step_a - step_b).norm() / step_a.norm()).item()
+    assert 0 < rel < 0.05, rel  # bf16 iterations are about 1% off the exact ones
+    assert opt_a.state_dict()["param_groups"] == opt_b.state_dict()["param_groups"]
+    p = torch.nn.Parameter(torch.zeros(2, 2))
+    with pytest.raises(ValueError, match="ns_dtype must be one of"):
+        MuonAdamW([p], ns_dtype="fp16")
+    with pytest.raises(ValueError, match="use ns_mode='batched'"):
+        MuonAdamW([p], ns_dtype="fp32", ns_mode="per_matrix")
+    with pytest.raises(ValueError, match="ns_dtype: a setting of optimizer 'muon'"):
+        make_base_optimizer("adamw", [p], 1e-3, ns_dtype="fp32")
+    assert make_base_optimizer("muon", [p], 1e-3, ns_dtype="fp32").ns_dtype == "fp32"

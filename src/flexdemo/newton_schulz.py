@@ -21,6 +21,9 @@ import torch
 
 # how MuonAdamW orthogonalises its matrices: one batched call per shape, or torch's per matrix
 NS_MODES = ("batched", "per_matrix")
+#: the precision the batched iterations compute in (MuonAdamW's ``ns_dtype``): bf16 as torch
+#: does, or fp32 (inputs and results stay bf16)
+NS_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 #: the least entries the default bound on a batch of whole matrices allows on CUDA (16 MiB in
 #: fp32; MuonAdamW's ``ns_batch_numel``), and off CUDA (:data:`NS_BATCH_MIN`)
 NS_BATCH_NUMEL = 1 << 22
@@ -41,33 +44,43 @@ def newton_schulz(x: torch.Tensor, coefficients: Coefficients, steps: int,
 
 
 def newton_schulz_(x: torch.Tensor, coefficients: Coefficients, steps: int,
-                   eps: float) -> torch.Tensor:
+                   eps: float, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """:func:`newton_schulz` of a contiguous bf16 stack ``x``, which it overwrites.
 
     The iterations write into ``x``'s storage and one buffer of its size, plus the two
     ``n x r x r`` products (``r``: the shorter side), one of them in the spare buffer when
     the matrices are square: the same kernels and layouts as allocating each result, so the
     same bits, in 3 stacks' bytes (square) or 2 plus the products. The result lives in one of
-    the two buffers."""
+    the two buffers.
+
+    ``dtype=torch.float32`` computes the iterations in an fp32 copy of ``x`` (twice those
+    bytes) and writes the result, rounded to bf16, into ``x``'s storage: not torch's bits,
+    but on a CPU without bf16 matrix units (AVX2) 10-20x faster than bf16 there."""
     _check(x, steps)
     if x.dtype != torch.bfloat16 or not x.is_contiguous():
         raise ValueError("newton_schulz_ takes a contiguous bf16 stack (it works in place)")
+    if dtype not in NS_DTYPES.values():
+        raise ValueError(f"dtype must be torch.bfloat16 or torch.float32, got {dtype}")
     a, b, c = coefficients
     n, rows, cols = x.shape
     tall = rows > cols
-    y = x.mT if tall else x
+    work = x if dtype == x.dtype else x.to(dtype)  # a contiguous copy in the compute dtype
+    y = work.mT if tall else work
     r, k = y.shape[1:]
     y.div_(y.norm(dim=(1, 2), keepdim=True).clamp(min=eps))  # spectral norm <= 1
     if not steps:
-        return x
-    buffers = (x.view(n, r, k), torch.empty_like(x).view(n, r, k))  # contiguous
-    poly = x.new_empty(n, r, r)
-    gram = None if r == k else x.new_empty(n, r, r)
+        return x if work is x else x.copy_(work)
+    buffers = (work.view(n, r, k), torch.empty_like(work).view(n, r, k))  # contiguous
+    poly = work.new_empty(n, r, r)
+    gram = None if r == k else work.new_empty(n, r, r)
     for step in range(steps):
         spare = buffers[(step + 1) % 2]  # the buffer y is not in
         g = torch.bmm(y, y.mT, out=spare if gram is None else gram)
         torch.baddbmm(g, g, g, beta=b, alpha=c, out=poly)
         y = torch.baddbmm(y, poly, y, beta=a, out=spare)  # square: over the spent gram
+    if work is not x:
+        del buffers, poly, gram, work
+        y = x.view(n, r, k).copy_(y)  # rounded to bf16, in x's storage
     return y.mT if tall else y
 
 
@@ -106,11 +119,16 @@ def stack_bf16(mats: Sequence[torch.Tensor]) -> torch.Tensor:
 
 def orthogonalise(mats: Sequence[torch.Tensor], coefficients: Coefficients, steps: int,
                   eps: float, mode: str = "batched",
-                  groups: list[list[int]] | None = None) -> list[torch.Tensor]:
+                  groups: list[list[int]] | None = None,
+                  dtype: torch.dtype = torch.bfloat16) -> list[torch.Tensor]:
     """Newton-Schulz of every matrix of ``mats`` (bf16 results, in order).
 
     ``mode="batched"`` runs each shape group (``groups``, by default :func:`shape_groups`) as
-    one stack; ``"per_matrix"`` calls torch's function once per matrix."""
+    one stack, computing in ``dtype`` (:func:`newton_schulz_`); ``"per_matrix"`` calls
+    torch's function once per matrix (bf16 only)."""
+    if mode == "per_matrix" and dtype != torch.bfloat16:
+        raise ValueError("ns_mode 'per_matrix' is torch's bf16 function; an fp32 "
+                         "Newton-Schulz needs ns_mode='batched'")
     if mode == "per_matrix":
         from torch.optim._muon import _zeropower_via_newtonschulz
 
@@ -119,7 +137,8 @@ def orthogonalise(mats: Sequence[torch.Tensor], coefficients: Coefficients, step
         raise ValueError(f"ns_mode must be one of {NS_MODES}, got {mode!r}")
     out: list = [None] * len(mats)
     for idx in groups if groups is not None else shape_groups([m.shape for m in mats]):
-        done = newton_schulz_(stack_bf16([mats[i] for i in idx]), coefficients, steps, eps)
+        done = newton_schulz_(stack_bf16([mats[i] for i in idx]), coefficients, steps, eps,
+                              dtype)
         for i, r in zip(idx, done.unbind(0)):
             out[i] = r
     return out

@@ -32,7 +32,8 @@ BASE_OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {
     "muon": MuonAdamW,
 }
 # settings only Muon takes: given to another base optimizer, they are refused by name
-MUON_ONLY = ("muon_params", "ns_steps", "adjust_lr_fn", "ns_mode", "ns_batch_numel")
+MUON_ONLY = ("muon_params", "ns_steps", "adjust_lr_fn", "ns_mode", "ns_batch_numel",
+             "ns_dtype")
 
 
 def _named(params: list) -> bool:

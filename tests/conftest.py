@@ -96,7 +96,8 @@ def _root(links: dict[str, str], key: str) -> str:
 # `bash run.sh test` runs the quick tier; `bash run.sh test -m long` the longer one, and CI runs
 # both. A family of multi-process variants of one behaviour (a kill and a rejoin under each
 # replicator, each loop order, each unreadable path) keeps in the quick tier the variants that
-# take the most distinct code paths; the rest of the family runs in the longer tier. The
+# take the most distinct code paths; the rest of the family runs in the longer tier, as do
+# the end-to-end runs of a tool whose behaviour the quick tier tests piece by piece. The
 # key is the test's id within its file (pytest's node id after the file).
 LONG_TIER: dict[str, tuple[str, ...]] = {
     "test_elastic.py": (
@@ -128,6 +129,22 @@ LONG_TIER: dict[str, tuple[str, ...]] = {
     ),
     "test_train.py": (
         "test_killed_rank_of_four_is_the_only_one_named_by_every_survivor[auto-4x1]",
+    ),
+    "test_bench_elastic.py": (
+        # the elastic bench end to end (about 2 min of CPU on the 2-core machine, an eighth of
+        # the quick tier's): a kill, a heal and a bitwise end run quick in test_elastic.py,
+        # and the bench's figures and report on a recorded run in this file
+        "test_killed_node_leaves_and_heals_back",
+    ),
+    "test_examples.py": (
+        # torchrun starting a script's ranks runs quick with the README's usage example
+        # (test_docs.py), the GPT example on two ranks quick with the ranks forked; the HF
+        # example's loop runs quick in one process
+        "test_hf_two_ranks_under_torchrun_replicate",
+    ),
+    "test_bench.py": (
+        # the bench's fallback to loopback runs quick for a user without root
+        "test_root_without_network_namespaces_falls_back",
     ),
     "test_memory.py": (
         "test_demo_bf16_momentum_resumes_bitwise[kw1]",

@@ -43,8 +43,9 @@ from flexdemo.tools.ranks import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 OPTIMIZERS = {"adamw": {}, "muon": {}}
-# --ns: (width, layers) of GPT-like stacks of hidden matrices
-NS_MODELS = {"d768x12": (768, 12), "d256x4": (256, 4), "d64x3": (64, 3)}
+# --ns: (width, layers) of GPT-like stacks of hidden matrices (d128x4: the mini GPT's, d64x3:
+# the tiny GPT's)
+NS_MODELS = {"d768x12": (768, 12), "d256x4": (256, 4), "d128x4": (128, 4), "d64x3": (64, 3)}
 MATMULS = frozenset({"mm", "addmm", "bmm", "baddbmm"})
 # --ns: MuonAdamW's settings per variant (ns_mode, and ns_dtype for the fp32 iterations)
 NS_VARIANTS = {"batched": {"ns_mode": "batched"}, "per_matrix": {"ns_mode": "per_matrix"},

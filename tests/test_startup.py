@@ -3,15 +3,17 @@ every survivor (exit code 2), long before the collective timeout (FLEXDEMO_TIMEO
 
 from __future__ import annotations
 
+import os
 import signal
 import socket
+import subprocess
 import time
 from datetime import timedelta
 from pathlib import Path
 
 import pytest
 import torch.distributed as dist
-from dist_util import free_port, reap, spawn_ranks
+from dist_util import Forked, free_port, reap, spawn_ranks
 
 ROOT = Path(__file__).parent.parent
 TRAIN = ["train", str(ROOT / "configs/gpt.toml"), "task.model=tiny", "task.corpus_bytes=200000",
@@ -113,3 +115,32 @@ def test_rank_that_dies_while_the_job_is_set_up_is_named(tmp_path):
         assert len(errors) == 1, (rank, text[-2000:])
         assert f"rank {rank}: start-up: lost rank 2 " in errors[0], errors[0]
         assert "Traceback" not in text, (rank, text[-2000:])
+
+
+@pytest.mark.multiprocess
+def test_store_host_dying_while_the_group_is_made_is_named():
+    """Rank 0 finishes the start-up handshake and dies before the process group exists: rank
+    1, inside init_process_group, names rank 0 in one line (it printed torch's
+    DistNetworkError traceback when the store's connection closed there)."""
+    port = free_port()
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2",
+               FLEXDEMO_TIMEOUT="60", OMP_NUM_THREADS="1")
+    host = ("import os, signal, time\nfrom datetime import timedelta\n"
+            "from flexdemo.join import join_store\n"
+            f"join_store(0, 2, '127.0.0.1', {port}, timedelta(seconds=60))\n"
+            "time.sleep(1.0)  # rank 1 is in init_process_group, waiting for rank 0\n"
+            "os.kill(os.getpid(), signal.SIGKILL)\n")
+    joiner = ("import flexdemo\ntry:\n    flexdemo.init_distributed()\n"
+              "except TimeoutError as e:\n    print('ERROR', e)\n")
+    procs = [Forked(["-c", host], env=dict(env, RANK="0"), stdout=subprocess.PIPE),
+             Forked(["-c", joiner], env=dict(env, RANK="1"), stdout=subprocess.PIPE)]
+    try:
+        out = procs[1].communicate(timeout=120)[0]
+        procs[0].communicate(timeout=30)
+    finally:
+        reap(procs)
+    assert procs[0].returncode == -signal.SIGKILL
+    errors = [line for line in out.splitlines() if line.startswith("ERROR")]
+    assert procs[1].returncode == 0 and len(errors) == 1, out[-3000:]
+    assert "rank 1: start-up: rank 0 (the host of the job's store at " in errors[0], errors[0]
+    assert f"127.0.0.1:{port}) died during start-up" in errors[0], errors[0]

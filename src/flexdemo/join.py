@@ -16,8 +16,8 @@ import torch.distributed as dist
 
 from .heartbeat import BEAT_SECONDS, STALE_SECONDS, Beat, StallWatch
 
-__all__ = ["JOIN_TIMEOUT_ENV", "DEFAULT_JOIN_SECONDS", "JoinError", "join_store",
-           "join_timeout_from_env"]
+__all__ = ["JOIN_TIMEOUT_ENV", "DEFAULT_JOIN_SECONDS", "JoinError", "agent_store", "join_store",
+           "join_timeout_from_env", "store_host_died"]
 
 JOIN_TIMEOUT_ENV = "FLEXDEMO_JOIN_TIMEOUT"
 DEFAULT_JOIN_SECONDS = 30.0
@@ -83,7 +83,7 @@ def _open_store(addr: str, port: int, rank: int, world: int, window: float,
                 note: str) -> dist.Store:
     """The job's TCPStore: rank 0 hosts it (without waiting for the others), or the agent of
     torchrun does; connecting gives up after ``window`` seconds, naming rank 0."""
-    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True)
+    agent = agent_store()
     host = rank == 0 and not agent
     try:
         if not host:  # wait for the port here: torch's own retries log C++ stacks and wait
@@ -157,7 +157,7 @@ def join_store(rank: int, world: int, addr: str, port: int, timeout: timedelta,
     store.set(f"{prefix}info/{rank}", f"{socket.gethostname()}|{node}")
     beat = Beat(store, f"{prefix}hb/{rank}", name="flexdemo-join-beat")
     store.add(f"{prefix}arrived", 1)
-    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True)
+    agent = agent_store()
     try:
         verdict = _wait_for_all(store, prefix, rank, world, window, note)
         if verdict is not None:
@@ -166,12 +166,23 @@ def join_store(rank: int, world: int, addr: str, port: int, timeout: timedelta,
     except (RuntimeError, TimeoutError) as e:  # the store went away: its host died
         if agent or isinstance(e, JoinError):
             raise
-        raise JoinError(f"rank {rank}: start-up: rank 0 (the host of the job's store at "
-                        f"{addr}:{port}) died during start-up", [0], [0]) from None
+        raise store_host_died(rank, addr, port) from None
     finally:
         beat.stop()
     store.set_timeout(timeout)
     return store
+
+
+def agent_store() -> bool:
+    """Whether the job's store is torchrun's agent's (``TORCHELASTIC_USE_AGENT_STORE``), not
+    one that rank 0 hosts."""
+    return os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True)
+
+
+def store_host_died(rank: int, addr: str, port: int | str) -> JoinError:
+    """What rank ``rank`` raises when the store rank 0 hosts went away during start-up."""
+    return JoinError(f"rank {rank}: start-up: rank 0 (the host of the job's store at "
+                     f"{addr}:{port}) died during start-up", [0], [0])
 
 
 def _wait_for_all(store: dist.Store, prefix: str, rank: int, world: int,

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from .join import JoinError, env_seconds, join_store
+from .join import JoinError, agent_store, env_seconds, join_store, store_host_died
 
 TIMEOUT_ENV = "FLEXDEMO_TIMEOUT"
 DEFAULT_TIMEOUT_SECONDS = 300.0
@@ -83,6 +83,10 @@ def init_distributed(device: torch.device | str = "cpu",
     except JoinError:
         raise
     except (RuntimeError, TimeoutError) as e:  # DistError derives from RuntimeError
+        if isinstance(e, dist.DistNetworkError) and rank != 0 and not agent_store():
+            # the store's connection closed while the group was set up: rank 0 died
+            raise store_host_died(rank, os.environ["MASTER_ADDR"],
+                                  os.environ["MASTER_PORT"]) from None
         if not is_timeout(e):
             raise
         peer = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"

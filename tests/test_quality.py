@@ -129,6 +129,28 @@ def test_merge_adds_stored_runs_and_refuses_other_settings(quality, tmp_path, ca
     assert "differ in steps (20 there, 10 here)" in err
 
 
+def test_ns_dtype_reaches_every_muon_strategy_and_guards_merges(quality, tmp_path, capsys):
+    """--ns-dtype fp32: the Muon runs step with fp32 Newton-Schulz (near the bf16 run, not
+    its bits); runs of the other precision, or of a version without the setting (bf16), merge
+    only where they match."""
+    args = ["--quick", "--model", "tiny", "--steps", "2", "--batch", "2", "--eval-every", "2",
+            "--eval-batches", "1", "--seeds", "1", "--corpus-bytes", "200000", "--strategies",
+            "muon", "--lrs", "0.01", "--threads", "1"]
+    (bf16,) = quality.configurations(quality.parse_args(args))
+    (fp32,) = quality.configurations(quality.parse_args([*args, "--ns-dtype", "fp32"]))
+    assert (bf16["ns_dtype"], fp32["ns_dtype"]) == ("bf16", "fp32")
+    a, b = quality.run_one(bf16), quality.run_one(fp32)
+    assert a["final_val"] != b["final_val"]
+    assert a["final_val"] == pytest.approx(b["final_val"], rel=0.01)
+    old = {**BASE, **_run("muon", 1e-2, 0, 2.0)}  # no ns_dtype: written before the setting
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps({"runs": [old, {**old, "seed": 1, "ns_dtype": "bf16"}]}))
+    quality.check_same(quality.load_runs([str(path)]), BASE)
+    with pytest.raises(SystemExit):
+        quality.check_same(quality.load_runs([str(path)]), {**BASE, "ns_dtype": "fp32"})
+    assert "differ in ns_dtype (bf16 there, fp32 here)" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("text, says", [("{", "not JSON"), ("[1]", "no 'runs' list"),
                                         ('{"runs": [{"lr": 1}]}', "run 0 lacks replicas")])
 def test_unreadable_merge_file_is_one_line(quality, tmp_path, capsys, text, says):

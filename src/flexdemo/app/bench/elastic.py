@@ -509,18 +509,19 @@ def run_elastic(o: Any, one_run: Callable[..., dict],
             pairs.append((plain, _elastic_run(o, cluster, base, here / "elastic", echo)))
     records: list[dict] = []
     analysed: list[dict] = []
+    plain_rows: list[list[dict]] = []  # each plain run's metrics, read once
     for plain, run in pairs:
         record: dict[str, Any] = {"strategy": f"{name} (elastic)", "bandwidth": bw,
                                   "status": "failed" if run["failure"] else "ok",
                                   "message": run["failure"] or "", "run_dir": run["out"]}
-        rows = read_metrics(Path(plain["run_dir"]) / "metrics.jsonl")
-        figures = analyse(o, rows, run) if not run["failure"] else {}
+        plain_rows.append(read_metrics(Path(plain["run_dir"]) / "metrics.jsonl"))
+        figures = analyse(o, plain_rows[-1], run) if not run["failure"] else {}
         record["figures"] = figures
         records += [plain, record]
         analysed.append({"plain_run_dir": plain["run_dir"], "elastic_run_dir": run["out"],
                          "failure": run["failure"], "figures": figures})
     plain, run = pairs[0]
-    figures = records[1]["figures"]
+    figures = analysed[0]["figures"]
     spread = pair_spread([a["figures"] for a in analysed])
     (out / "elastic.json").write_text(strict_json(
         {"options": {k: v for k, v in vars(o).items() if k != "base"}, "plain": plain,
@@ -539,9 +540,8 @@ def run_elastic(o: Any, one_run: Callable[..., dict],
         echo("")
         for line in pair_lines(analysed, spread):
             echo(line)
-    rows = read_metrics(Path(plain["run_dir"]) / "metrics.jsonl")
     try:
-        echo(f"plot: {plot_elastic(o, rows, run, out / 'elastic.png')}")
+        echo(f"plot: {plot_elastic(o, plain_rows[0], run, out / 'elastic.png')}")
     except ModuleNotFoundError:
         echo("note: plot skipped: matplotlib is not installed (pip install matplotlib)")
     echo(f"results: {out / 'elastic.json'}")

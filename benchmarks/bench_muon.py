@@ -17,6 +17,7 @@ with torch's per-matrix call and with the batched one in fp32 (``ns_dtype="fp32"
 interleaved, and counts the aten ops (matmuls apart) of a step::
 
     python benchmarks/bench_muon.py --ns --ns-model d768x12 --steps 5 --warmup 1 --threads 2
+    python benchmarks/bench_muon.py --ns --ns-model d768x12 --device cuda   # + kernel launches
 
 Prints a table and writes JSON (default benchmarks/results/muon.json, muon_ns.json for --ns).
 """
@@ -130,7 +131,12 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="time MuonAdamW.step() with batched vs per-matrix Newton-Schulz")
     p.add_argument("--ns-model", default="d256x4",
                    help=f"--ns: comma-separated matrix sets from {sorted(NS_MODELS)}")
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                   help="--ns: where the matrices live (cuda also counts kernel launches)")
     args = p.parse_args(argv)
+    if args.device == "cuda" and not (args.ns and torch.cuda.is_available()):
+        p.error("--device cuda needs --ns and a CUDA device (torch.cuda.is_available() is "
+                f"{torch.cuda.is_available()}); run without --device cuda")
     if args.out is None:
         args.out = str(ROOT / "benchmarks/results" / ("muon_ns.json" if args.ns else "muon.json"))
     unknown = [m for m in args.ns_model.split(",") if m not in NS_MODELS]
@@ -167,17 +173,30 @@ def count_ops(fn: Callable[[], object]) -> dict[str, int]:
     return ops
 
 
+def count_kernels(fn: Callable[[], object]) -> int:
+    """CUDA kernels (memsets and copies included) that ``fn()`` launches, by torch's profiler."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+
+
 def ns_bench(args: argparse.Namespace) -> dict:
     """``MuonAdamW.step()`` per ``ns_mode`` on each ``--ns-model``: median seconds, ops."""
     from flexdemo import MuonAdamW
 
     torch.set_num_threads(args.threads)
+    dev = torch.device(args.device)
+    cuda = dev.type == "cuda"
     out = {}
     for model in args.ns_model.split(","):
         shapes = gpt_matrices(*NS_MODELS[model])
         gen = torch.Generator().manual_seed(0)
-        start = [torch.randn(s, generator=gen) for s in shapes]
-        grads = [torch.randn(s, generator=gen) for s in shapes]
+        start = [torch.randn(s, generator=gen).to(dev) for s in shapes]
+        grads = [torch.randn(s, generator=gen).to(dev) for s in shapes]
         params = {m: [torch.nn.Parameter(t.clone()) for t in start] for m in NS_MODES}
         opts = {m: MuonAdamW(params[m], lr=1e-3, **NS_VARIANTS[m]) for m in NS_MODES}
         times: dict[str, list[float]] = {m: [] for m in NS_MODES}
@@ -185,11 +204,16 @@ def ns_bench(args: argparse.Namespace) -> dict:
             for m in NS_MODES:  # interleaved: both see the same machine
                 for p, g in zip(params[m], grads):
                     p.grad = g
+                if cuda:
+                    torch.cuda.synchronize()
                 t0 = time.perf_counter()
                 opts[m].step()
+                if cuda:
+                    torch.cuda.synchronize()
                 if i >= args.warmup:
                     times[m].append(time.perf_counter() - t0)
         ops = {m: count_ops(opts[m].step) for m in NS_MODES}
+        kernels = {m: count_kernels(opts[m].step) if cuda else None for m in NS_MODES}
         out[model] = {"matrices": len(shapes), "shapes": len(set(shapes)),
                       "params": sum(a * b for a, b in shapes),
                       "bitwise": all(torch.equal(a, b) for a, b in
@@ -199,10 +223,13 @@ def ns_bench(args: argparse.Namespace) -> dict:
                       "fp32_rel_diff": _rel_diff(params["fp32"], params["per_matrix"], start),
                       **{m: {"step_s": statistics.median(times[m]),
                              "matmuls": sum(n for k, n in ops[m].items() if k in MATMULS),
-                             "ops": sum(ops[m].values())} for m in NS_MODES}}
-    print(f"MuonAdamW.step() on CPU, {args.threads} thread(s), median of {args.steps} steps")
+                             "ops": sum(ops[m].values()), "kernels": kernels[m]}
+                         for m in NS_MODES}}
+    where = (f"{torch.cuda.get_device_name(dev)}" if cuda else "CPU") + \
+        f", {args.threads} thread(s)"
+    print(f"MuonAdamW.step() on {where}, median of {args.steps} steps")
     print(f"{'matrices':<22} {'mode':<11} {'step ms':>9} {'matmuls':>8} {'aten ops':>9} "
-          f"{'speed-up':>9} {'vs torch':>12}")
+          + (f"{'kernels':>8} " if cuda else "") + f"{'speed-up':>9} {'vs torch':>12}")
     for model, r in out.items():
         label = f"{model} ({r['matrices']}, {r['shapes']} shapes)"
         for m in NS_MODES:
@@ -210,8 +237,9 @@ def ns_bench(args: argparse.Namespace) -> dict:
             same = ("torch's" if m == "per_matrix" else
                     f"{r['fp32_rel_diff']:.2%} off" if m == "fp32" else
                     "bitwise" if r["bitwise"] else "NOT bitwise")
+            launches = f"{r[m]['kernels']:>8} " if cuda else ""
             print(f"{label:<22} {m:<11} {1e3 * r[m]['step_s']:>9.1f} {r[m]['matmuls']:>8} "
-                  f"{r[m]['ops']:>9} {up:>8.2f}x {same:>12}")
+                  f"{r[m]['ops']:>9} {launches}{up:>8.2f}x {same:>12}")
     print("fp32: ns_dtype='fp32', the iterations in fp32 (bf16 in and out); 'off': the "
           "distance of its parameters from torch's, relative to torch's whole move")
     return out

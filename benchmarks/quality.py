@@ -303,7 +303,7 @@ SETTINGS: dict[str, Setting] = {
               "feedback (decay 0.9)",
               {**({"inner_steps": int(h[2:])} if h else {}),
                "exchange_kwargs": {"values": v, "error_feedback": 0.9}})
-             for h in ("", "-h60") for v in ("int2", "stat2", "int3")),
+             for h in ("", "-h60", "-h64") for v in ("int2", "stat2", "int3")),
            # 1-bit codebook values (two bins split at the block mean) with error feedback:
            # 4 bytes + 1 bit per block of 256 at H=30, or per block of 128 at H=40
            ("muloco", "-stat1-ef", ", stat1 values (block 256) with error feedback (decay 0.9)",

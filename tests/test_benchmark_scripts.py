@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).parent.parent
 BENCH = ROOT / "benchmarks"
@@ -140,6 +141,14 @@ def test_muon_ns_table_and_json(capsys, tmp_path):
     assert r == res["ns"]["d64x3"] and r["bitwise"]
     assert (r["batched"]["matmuls"], r["per_matrix"]["matmuls"]) == (60, 180)
     assert r["fp32"]["matmuls"] == 60 and 0 < r["fp32_rel_diff"] < 0.05  # near, not torch's
+    assert r["batched"]["kernels"] is None  # counted on CUDA only
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message a CPU-only host gets")
+def test_muon_ns_cuda_without_a_gpu_is_one_line(capsys, tmp_path):
+    _one_line_exit(capsys, _load("bench_muon").main,
+                   ["--ns", "--device", "cuda", "--out", str(tmp_path / "ns.json")],
+                   "--device cuda needs --ns and a CUDA device")
 
 
 # ------------------------------------------------------------------- documented modules only

@@ -11,7 +11,13 @@ from types import SimpleNamespace
 import pytest
 from dist_util import run_python
 
-from flexdemo.app.bench.elastic import analyse, pair_lines, pair_spread, report_lines
+from flexdemo.app.bench.elastic import (
+    analyse,
+    pair_lines,
+    pair_spread,
+    report_lines,
+    report_pairs,
+)
 from flexdemo.app.bench.run import BenchError, bench_options
 
 pytest.importorskip("torchft", reason="the elastic preset runs on torchft (pip install "
@@ -49,17 +55,19 @@ def _recorded(joiner_from: int) -> tuple[list[dict], dict]:
     """A plain run's metrics and an elastic run's record as the bench reads them: 30 steps,
     node 1 killed at node 0's step 10 and restarted at step 18; its first step is
     ``joiner_from``."""
-    plain = [{"step": s, "step_seconds": 0.5, "cpu_seconds": 0.4} for s in range(1, 31)]
+    plain = [{"step": s, "step_seconds": 0.5, "cpu_seconds": 0.4, "time": 50 + 0.5 * s,
+              "loss": 3.0 - s / 30} for s in range(1, 31)]
     t, node0 = 100.0, []
     for s in range(1, 31):
         t += 3.5 if s == 11 else 0.52  # the survivors wait out the heartbeat once
         node0.append({"step": s, "step_seconds": 0.52, "cpu_seconds": 0.42, "time": t,
                       "quorum_seconds": 0.005, "commit_seconds": 0.003,
-                      "snapshot_seconds": 0.002, "failed_commits": 0,
+                      "snapshot_seconds": 0.002, "failed_commits": 0, "loss": 3.0 - s / 30,
                       "replicas": 2 if s <= 10 or s >= joiner_from else 1})
     times = {r["step"]: r["time"] for r in node0}
     joiner = [{"step": s, "step_seconds": 1.5 if s == joiner_from else 0.52,
-               "time": times.get(s, t + s)} for s in range(joiner_from, 31)]
+               "time": times.get(s, t + s), "loss": 3.0 - s / 30}
+              for s in range(joiner_from, 31)]
     threads = lambda ft, main: {"python": main, "torchft-manager": ft}  # noqa: E731
     run = {"events": {"kill": {"time": times[10] + 0.1, "survivor_step": 10},
                       "restart": {"time": times[18] + 0.1, "survivor_step": 18},
@@ -116,6 +124,32 @@ def test_pairs_report_the_median_and_the_range_of_the_overheads():
     text = "\n".join(pair_lines(analysed, spread))
     assert "failed: node 1 exited 1" in text and "+2.5% per step at the median" in text
     assert "(-2.0% to +10.0%)" in text and "in CPU time +1.0%" in text
+
+
+def test_a_failed_first_pair_still_reports_the_next_pair_and_the_table(tmp_path):
+    """--repeat whose first elastic run failed: the failure, the first successful pair's
+    report and plot, and the pairs' table (the failure a row of it)."""
+    o = SimpleNamespace(nodes=2, kill_at=10, ranks_per_node=2, strategies=["demo"],
+                        bandwidths=["100mbit"])
+    plain, run = _recorded(joiner_from=24)
+    figures = analyse(o, plain, run)
+    pairs = [({"run_dir": "p1", "val_loss": 2.4}, {"failure": "node 1 exited 1", "out": "e1"}),
+             ({"run_dir": "p2", "val_loss": 2.4}, {**run, "failure": None, "out": "e2"})]
+    analysed = [{"plain_run_dir": "p1", "elastic_run_dir": "e1", "failure": "node 1 exited 1",
+                 "figures": {}},
+                {"plain_run_dir": "p2", "elastic_run_dir": "e2", "failure": None,
+                 "figures": figures}]
+    lines: list[str] = []
+    report_pairs(o, tmp_path, pairs, analysed, [[], plain], lines.append)
+    text = "\n".join(lines)
+    assert "elastic run of pair 1 failed: node 1 exited 1 (logs: e1)" in text
+    assert "pair 2, the first whose elastic run succeeded:" in text
+    assert "fault tolerance costs +4.0% per step (steps 6-9, before the kill)" in text
+    assert "\n1      failed: node 1 exited 1" in text and "+4.0% per step at the median" in text
+    assert (tmp_path / "elastic.png").read_bytes().startswith(PNG)
+    saved = json.loads((tmp_path / "elastic.json").read_text())
+    assert saved["elastic"]["figures"]["overhead"] == pytest.approx(0.04)
+    assert [p["failure"] for p in saved["pairs"]] == ["node 1 exited 1", None]
 
 
 @pytest.mark.multiprocess

@@ -45,7 +45,7 @@ from ..config.files import to_toml
 from ..outputs import read_metrics, strict_json
 
 __all__ = ["FT_THREADS", "LIGHTHOUSE_FLAGS", "PAIR_FIGURES", "elastic_problem", "pair_lines",
-           "pair_spread", "run_elastic", "thread_cpu"]
+           "pair_spread", "report_pairs", "run_elastic", "thread_cpu"]
 
 LIGHTHOUSE_FLAGS = ("--join_timeout_ms", "2000", "--heartbeat_timeout_ms", "3000",
                     "--quorum_tick_ms", "50")
@@ -520,32 +520,46 @@ def run_elastic(o: Any, one_run: Callable[..., dict],
         records += [plain, record]
         analysed.append({"plain_run_dir": plain["run_dir"], "elastic_run_dir": run["out"],
                          "failure": run["failure"], "figures": figures})
-    plain, run = pairs[0]
-    figures = analysed[0]["figures"]
+    report_pairs(o, out, pairs, analysed, plain_rows, echo)
+    return records
+
+
+def report_pairs(o: Any, out: Path, pairs: list[tuple[dict, dict]], analysed: list[dict],
+                 plain_rows: list[list[dict]], echo: Callable[[str], None]) -> None:
+    """Write ``elastic.json`` and print the report: the first pair whose elastic run
+    succeeded in full (figures, plot), every failure, and with several pairs their table
+    (a failed pair is a row of it, left out of the medians)."""
+    repeat = len(pairs)
+    ok = [i for i, a in enumerate(analysed) if not a["failure"]]
+    first = ok[0] if ok else 0
+    plain, run = pairs[first]
+    figures = analysed[first]["figures"]
     spread = pair_spread([a["figures"] for a in analysed])
     (out / "elastic.json").write_text(strict_json(
         {"options": {k: v for k, v in vars(o).items() if k != "base"}, "plain": plain,
          "elastic": {**run, "figures": figures}, "pairs": analysed, "spread": spread},
         indent=1) + "\n")
-    failed = [(i, a) for i, a in enumerate(analysed, 1) if a["failure"]]
-    for i, a in failed:
-        echo(f"   elastic run{f' of pair {i}' if repeat > 1 else ''} failed: {a['failure']} "
-             f"(logs: {a['elastic_run_dir']})")
-    if run["failure"]:
-        return records
-    echo("")
-    for line in report_lines(o, plain, figures):
-        echo(line)
+    for i, a in enumerate(analysed, 1):
+        if a["failure"]:
+            echo(f"   elastic run{f' of pair {i}' if repeat > 1 else ''} failed: "
+                 f"{a['failure']} (logs: {a['elastic_run_dir']})")
+    if ok:
+        echo("")
+        if first:
+            echo(f"pair {first + 1}, the first whose elastic run succeeded:")
+        for line in report_lines(o, plain, figures):
+            echo(line)
     if repeat > 1:
         echo("")
         for line in pair_lines(analysed, spread):
             echo(line)
+    if not ok:
+        return
     try:
-        echo(f"plot: {plot_elastic(o, plain_rows[0], run, out / 'elastic.png')}")
+        echo(f"plot: {plot_elastic(o, plain_rows[first], run, out / 'elastic.png')}")
     except ModuleNotFoundError:
         echo("note: plot skipped: matplotlib is not installed (pip install matplotlib)")
     echo(f"results: {out / 'elastic.json'}")
-    return records
 
 
 PAIR_FIGURES = ("overhead", "cpu_overhead", "ft_threads_share", "ft_share_of_step")

@@ -49,7 +49,8 @@ OPTIMIZERS = {"adamw": {}, "muon": {}}
 NS_MODELS = {"d768x12": (768, 12), "d256x4": (256, 4), "d128x4": (128, 4), "d64x3": (64, 3)}
 MATMULS = frozenset({"mm", "addmm", "bmm", "baddbmm"})
 # --ns: MuonAdamW's settings per variant (ns_mode, and ns_dtype for the fp32 iterations)
-NS_VARIANTS = {"batched": {"ns_mode": "batched"}, "per_matrix": {"ns_mode": "per_matrix"},
+NS_VARIANTS = {"batched": {"ns_mode": "batched", "ns_dtype": "bf16"},
+               "per_matrix": {"ns_mode": "per_matrix"},
                "fp32": {"ns_mode": "batched", "ns_dtype": "fp32"}}
 NS_MODES = tuple(NS_VARIANTS)
 

@@ -435,8 +435,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     p.add_argument("--ns-dtype", default="bf16", choices=("bf16", "fp32"),
                    help="Muon's Newton-Schulz iterations (MuonAdamW's ns_dtype) in every "
-                        "strategy with Muon: bf16 as torch (default), or fp32, 10-20x faster "
-                        "on a CPU without bf16 matrix units")
+                        "strategy with Muon: bf16 as torch (default here, as every stored "
+                        "run), or fp32, 10-20x faster on a CPU without bf16 matrix units (the "
+                        "library's default on CPU)")
     p.add_argument("--workers", type=int, default=1, help="configurations run in parallel")
     p.add_argument("--threads", type=int, default=0,
                    help="torch threads per worker (0: cores / workers)")
@@ -546,9 +547,9 @@ def run_one(cfg: dict) -> dict:
 
     torch.manual_seed(seed)
     optimizer_kwargs = dict(s.optimizer_kwargs)
-    if s.optimizer == "muon" and cfg.get("ns_dtype", "bf16") != "bf16":
+    if s.optimizer == "muon":  # always named: the library's default ("auto") is fp32 on CPU
         optimizer_kwargs["base_kwargs"] = {**optimizer_kwargs.get("base_kwargs", {}),
-                                           "ns_dtype": cfg["ns_dtype"]}
+                                           "ns_dtype": cfg.get("ns_dtype", "bf16")}
     sim = SimulatedReplicas(lambda: GPT(gcfg), loss_fn, replicas=n, replicator=s.replicator,
                             optimizer=s.optimizer, lr=cfg["lr"],
                             replicator_kwargs=dict(s.replicator_kwargs) or None,

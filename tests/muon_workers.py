@@ -38,7 +38,7 @@ def optimizer_worker(rank: int, world: int, replicate: int, shard: int,
                for t in start]
     plain = [torch.nn.Parameter(t.clone()) for t in start]
     kw = {"lr": 0.02, "weight_decay": 0.1}
-    opt = MuonAdamW(list(zip(names, sharded)), **kw, ns_batch_numel=bound)
+    opt = MuonAdamW(list(zip(names, sharded)), **kw, ns_batch_numel=bound, ns_dtype="bf16")
     ref = MuonAdamW(list(zip(names, plain)), **kw, ns_mode="per_matrix")  # torch's, per matrix
     sent, workspace = [], 0
     for step in range(3):

@@ -66,7 +66,8 @@ def test_lr_and_weight_decay_reach_both_parts():
 def test_unsharded_is_bitwise_torch_muon_plus_adamw():
     model = _gpt()
     ref = copy.deepcopy(model)
-    opt = MuonAdamW(model.named_parameters(), lr=1e-2, weight_decay=0.1, momentum=0.9)
+    opt = MuonAdamW(model.named_parameters(), lr=1e-2, weight_decay=0.1, momentum=0.9,
+                    ns_dtype="bf16")  # torch's precision (the default on CPU is fp32)
     muon = set(opt.muon_names)
     ref_muon = torch.optim.Muon([p for n, p in ref.named_parameters() if n in muon], lr=1e-2,
                                 weight_decay=0.1, momentum=0.9, adjust_lr_fn="match_rms_adamw")

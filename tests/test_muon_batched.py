@@ -87,7 +87,8 @@ def test_one_matmul_call_per_shape_group():
 def _train(mode: str, steps: int = 3) -> tuple[torch.nn.Module, MuonAdamW]:
     torch.manual_seed(0)
     model = GPT(gpt_config("tiny"))
-    opt = MuonAdamW(model.named_parameters(), lr=1e-2, weight_decay=0.1, ns_mode=mode)
+    opt = MuonAdamW(model.named_parameters(), lr=1e-2, weight_decay=0.1, ns_mode=mode,
+                    ns_dtype="bf16")  # torch's precision in both modes
     g = torch.Generator().manual_seed(0)
     for _ in range(steps):
         x = torch.randint(0, 256, (2, 64), generator=g)
@@ -108,7 +109,7 @@ def test_muon_adamw_modes_train_alike_with_one_state_layout():
     # a checkpoint of one mode resumes in the other, bitwise
     twin = copy.deepcopy(b)
     twin_opt = MuonAdamW(twin.named_parameters(), lr=1e-2, weight_decay=0.1,
-                         ns_mode="batched")
+                         ns_mode="batched", ns_dtype="bf16")
     twin_opt.load_state_dict(copy.deepcopy(sb))
     x = torch.randint(0, 256, (2, 64))
     for m, o in ((b, opt_b), (twin, twin_opt)):
@@ -219,7 +220,8 @@ def test_step_workspace_is_a_few_bf16_copies_of_a_batch():
     for mode, numel in (("batched", bound), ("batched", None), ("per_matrix", None)):
         g = torch.Generator().manual_seed(0)
         params = [torch.nn.Parameter(torch.randn(s, generator=g)) for s in shapes]
-        opt = MuonAdamW(params, lr=1e-2, weight_decay=0.1, ns_mode=mode, ns_batch_numel=numel)
+        opt = MuonAdamW(params, lr=1e-2, weight_decay=0.1, ns_mode=mode, ns_batch_numel=numel,
+                        ns_dtype="bf16")
         with LiveBytes() as mem:
             for _ in range(2):
                 for p in params:
@@ -260,7 +262,9 @@ def test_fp32_newton_schulz_is_closer_to_exact_and_keeps_the_bf16_layout():
     from flexdemo.newton_schulz import newton_schulz_
 
     g = torch.Generator().manual_seed(2)
-    for shape in [(3, 64, 64), (2, 96, 32), (2, 32, 96), (1, 7, 5)]:
+    # (6, 256, 256) and (3, 600, 200) run in parts of 4 and of 2 matrices
+    for shape in [(3, 64, 64), (2, 96, 32), (2, 32, 96), (1, 7, 5), (6, 256, 256),
+                  (3, 600, 200)]:
         x = torch.randn(shape, generator=g)
         exact = _iterate_fp64(x)
         stack = x.bfloat16()
@@ -277,6 +281,28 @@ def test_fp32_newton_schulz_is_closer_to_exact_and_keeps_the_bf16_layout():
         assert none is start and torch.allclose(none.double(), scaled, rtol=0.008, atol=0)
     with pytest.raises(ValueError, match="torch.bfloat16 or torch.float32"):
         newton_schulz_(torch.zeros(1, 3, 3, dtype=torch.bfloat16), *NS, dtype=torch.float16)
+
+
+def test_fp32_newton_schulz_works_in_parts_of_bounded_size():
+    """The fp32 iterations' workspace, counted exactly: one part's fp32 copy and products,
+    whatever the stack's size. Square parts: 3 fp32 copies of the part; otherwise the copy
+    and two r x r products."""
+    from flexdemo import LiveBytes
+    from flexdemo.newton_schulz import WIDE_PART_NUMEL, newton_schulz_
+
+    def workspace(shape: tuple[int, int, int]) -> int:
+        with LiveBytes() as mem:
+            stack = torch.randn(shape).bfloat16()
+            start = mem.reset_peak()
+            newton_schulz_(stack, *NS, dtype=torch.float32)
+            return mem.peak - start
+
+    part = WIDE_PART_NUMEL  # 4 square 256 x 256 matrices
+    assert workspace((4, 256, 256)) <= 3 * 4 * part + 4096
+    assert workspace((12, 256, 256)) == workspace((4, 256, 256))  # three parts, one at a time
+    r, k = 128, 2048  # one tall matrix, a part of its own
+    assert workspace((1, k, r)) <= 4 * (r * k + 2 * r * r) + 4096
+    assert workspace((3, k, r)) == workspace((1, k, r))
 
 
 def test_muon_adamw_ns_dtype_fp32_steps_alike_and_checks_its_setting():
@@ -304,3 +330,31 @@ def test_muon_adamw_ns_dtype_fp32_steps_alike_and_checks_its_setting():
     with pytest.raises(ValueError, match="ns_dtype: a setting of optimizer 'muon'"):
         make_base_optimizer("adamw", [p], 1e-3, ns_dtype="fp32")
     assert make_base_optimizer("muon", [p], 1e-3, ns_dtype="fp32").ns_dtype == "fp32"
+
+
+def test_ns_dtype_auto_is_fp32_on_the_cpu_and_bf16_elsewhere():
+    """The default, "auto": on the CPU the fp32 iterations (bitwise ns_dtype="fp32"), on any
+    other device torch's bf16; under per_matrix torch's function whatever the device."""
+    from flexdemo.newton_schulz import ns_compute_dtype
+
+    assert MuonAdamW([torch.nn.Parameter(torch.zeros(2, 2))]).ns_dtype == "auto"
+    assert ns_compute_dtype("auto", torch.device("cpu")) == torch.float32
+    assert ns_compute_dtype("auto", torch.device("cuda", 0)) == torch.bfloat16
+    assert ns_compute_dtype("bf16", torch.device("cpu")) == torch.bfloat16
+    torch.manual_seed(0)
+    model = GPT(gpt_config("tiny"))
+    x = torch.randint(0, 256, (2, 64), generator=torch.Generator().manual_seed(1))
+
+    def one_step(**kw) -> list[torch.Tensor]:
+        m = copy.deepcopy(model)
+        opt = MuonAdamW(m.named_parameters(), lr=1e-2, weight_decay=0.1, **kw)
+        m(x, x).backward()
+        opt.step()
+        return [p.detach() for p in m.parameters()]
+
+    def equal(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+        return all(torch.equal(u, v) for u, v in zip(a, b))
+
+    auto = one_step()
+    assert equal(auto, one_step(ns_dtype="fp32")) and not equal(auto, one_step(ns_dtype="bf16"))
+    assert equal(one_step(ns_mode="per_matrix"), one_step(ns_mode="per_matrix", ns_dtype="bf16"))

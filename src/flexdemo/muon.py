@@ -34,6 +34,7 @@ from .newton_schulz import (
     NS_MODES,
     default_batch_numel,
     newton_schulz_,
+    ns_compute_dtype,
     orthogonalise,
     shape_groups,
 )
@@ -150,10 +151,12 @@ class MuonAdamW(torch.optim.Optimizer):
             :func:`~flexdemo.newton_schulz.default_batch_numel`, the largest Muon matrix's
             entries, at least 1M (4M on CUDA). A matrix larger than the bound is a batch of
             its own. The same bits whatever the bound.
-        ns_dtype: the precision of the batched iterations: ``"bf16"`` (default; torch's
-            bits) or ``"fp32"``: updates and results stay bf16, the iterations run in an fp32
-            copy (twice the batch's bytes). On a CPU without bf16 matrix units (AVX2) fp32 is
-            10-20x faster; on a GPU bf16 is the fast one. Not stored in the state dict.
+        ns_dtype: the precision of the batched iterations: ``"bf16"`` (torch's bits),
+            ``"fp32"`` (updates and results stay bf16, the iterations run in an fp32 copy,
+            twice the batch's bytes; on a CPU without bf16 matrix units, AVX2, 10-20x
+            faster, on a GPU about 3x slower), or ``"auto"`` (default): fp32 for matrices on
+            the CPU, bf16 on any other device. Under ``ns_mode="per_matrix"`` the iterations
+            are torch's, in bf16 (``"fp32"`` is refused there). Not stored in the state dict.
     """
 
     def __init__(self, params: Iterable, lr: float = 1e-3, *, weight_decay: float = 0.0,
@@ -162,7 +165,7 @@ class MuonAdamW(torch.optim.Optimizer):
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                  muon_params: MuonRule | Collection[str] | None = None,
                  ns_mode: str = "batched", ns_batch_numel: int | None = None,
-                 ns_dtype: str = "bf16") -> None:
+                 ns_dtype: str = "auto") -> None:
         require_muon()
         from torch.optim._muon import DEFAULT_A, DEFAULT_B, DEFAULT_C, EPS
 
@@ -174,9 +177,10 @@ class MuonAdamW(torch.optim.Optimizer):
             raise ValueError(f"muon momentum must be in [0, 1), got {momentum!r}")
         if ns_mode not in NS_MODES:
             raise ValueError(f"ns_mode must be one of {NS_MODES}, got {ns_mode!r}")
-        if ns_dtype not in NS_DTYPES:
-            raise ValueError(f"ns_dtype must be one of {tuple(NS_DTYPES)}, got {ns_dtype!r}")
-        if ns_dtype != "bf16" and ns_mode != "batched":
+        if ns_dtype not in (*NS_DTYPES, "auto"):
+            raise ValueError(f"ns_dtype must be one of {(*NS_DTYPES, 'auto')}, got "
+                             f"{ns_dtype!r}")
+        if ns_dtype == "fp32" and ns_mode != "batched":
             raise ValueError(f"ns_dtype={ns_dtype!r} runs in the batched mode; use "
                              "ns_mode='batched' (per_matrix is torch's bf16 function)")
         if ns_batch_numel is not None and (not isinstance(ns_batch_numel, int) or isinstance(
@@ -324,7 +328,8 @@ class MuonAdamW(torch.optim.Optimizer):
         """Newton-Schulz of a bf16 stack of one shape, which it consumes (``ns_mode``)."""
         coefficients, steps, eps = group["ns_coefficients"], group["ns_steps"], group["eps"]
         if self.ns_mode == "batched":
-            return newton_schulz_(stack, coefficients, steps, eps, NS_DTYPES[self.ns_dtype])
+            return newton_schulz_(stack, coefficients, steps, eps,
+                                  ns_compute_dtype(self.ns_dtype, stack.device))
         return torch.stack(orthogonalise(stack.unbind(0), coefficients, steps, eps,
                                          self.ns_mode))
 

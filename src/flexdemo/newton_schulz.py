@@ -32,6 +32,15 @@ NS_BATCH_MIN = 1 << 20
 Coefficients = tuple[float, float, float]
 
 
+def ns_compute_dtype(ns_dtype: str, device: torch.device) -> torch.dtype:
+    """The dtype the batched iterations compute in for MuonAdamW's ``ns_dtype`` on
+    ``device``: ``"auto"`` is fp32 on the CPU (most CPUs multiply bf16 far slower than fp32)
+    and bf16 elsewhere (a GPU's tensor cores)."""
+    if ns_dtype == "auto":
+        return torch.float32 if device.type == "cpu" else torch.bfloat16
+    return NS_DTYPES[ns_dtype]
+
+
 def newton_schulz(x: torch.Tensor, coefficients: Coefficients, steps: int,
                   eps: float) -> torch.Tensor:
     """Orthogonalise each matrix of ``x`` (``n x rows x cols``); bf16, shape of ``x``.
@@ -53,35 +62,92 @@ def newton_schulz_(x: torch.Tensor, coefficients: Coefficients, steps: int,
     same bits, in 3 stacks' bytes (square) or 2 plus the products. The result lives in one of
     the two buffers.
 
-    ``dtype=torch.float32`` computes the iterations in an fp32 copy of ``x`` (twice those
-    bytes) and writes the result, rounded to bf16, into ``x``'s storage: not torch's bits,
-    but on a CPU without bf16 matrix units (AVX2) 10-20x faster than bf16 there."""
+    ``dtype=torch.float32`` computes the iterations in fp32 copies of a few matrices at a
+    time (:func:`_newton_schulz_wide_`) and writes the result, rounded to bf16, into ``x``'s
+    storage: not torch's bits, but on a CPU without bf16 matrix units (AVX2) 10-20x faster
+    than bf16 there. Its workspace is that of one part, not of the stack."""
     _check(x, steps)
     if x.dtype != torch.bfloat16 or not x.is_contiguous():
         raise ValueError("newton_schulz_ takes a contiguous bf16 stack (it works in place)")
     if dtype not in NS_DTYPES.values():
         raise ValueError(f"dtype must be torch.bfloat16 or torch.float32, got {dtype}")
+    if dtype != x.dtype:
+        return _newton_schulz_wide_(x, coefficients, steps, eps, dtype)
     a, b, c = coefficients
     n, rows, cols = x.shape
     tall = rows > cols
-    work = x if dtype == x.dtype else x.to(dtype)  # a contiguous copy in the compute dtype
-    y = work.mT if tall else work
+    y = x.mT if tall else x
     r, k = y.shape[1:]
     y.div_(y.norm(dim=(1, 2), keepdim=True).clamp(min=eps))  # spectral norm <= 1
     if not steps:
-        return x if work is x else x.copy_(work)
-    buffers = (work.view(n, r, k), torch.empty_like(work).view(n, r, k))  # contiguous
-    poly = work.new_empty(n, r, r)
-    gram = None if r == k else work.new_empty(n, r, r)
+        return x
+    buffers = (x.view(n, r, k), torch.empty_like(x).view(n, r, k))  # contiguous
+    poly = x.new_empty(n, r, r)
+    gram = None if r == k else x.new_empty(n, r, r)
     for step in range(steps):
         spare = buffers[(step + 1) % 2]  # the buffer y is not in
         g = torch.bmm(y, y.mT, out=spare if gram is None else gram)
         torch.baddbmm(g, g, g, beta=b, alpha=c, out=poly)
         y = torch.baddbmm(y, poly, y, beta=a, out=spare)  # square: over the spent gram
-    if work is not x:
-        del buffers, poly, gram, work
-        y = x.view(n, r, k).copy_(y)  # rounded to bf16, in x's storage
     return y.mT if tall else y
+
+
+def _newton_schulz_wide_(x: torch.Tensor, coefficients: Coefficients, steps: int,
+                         eps: float, dtype: torch.dtype) -> torch.Tensor:
+    """:func:`newton_schulz_` computing in ``dtype`` (wider than bf16): a few matrices at a
+    time (at most :data:`WIDE_PART_NUMEL` entries, or one matrix), each part's copy iterated
+    in place (:func:`_iterate_in_place_`) and its result rounded into the part's bytes of
+    ``x``, laid out as the bf16 path leaves it. The workspace is that of one part."""
+    n, rows, cols = x.shape
+    tall = rows > cols
+    r, k = min(rows, cols), max(rows, cols)
+    per = max(1, WIDE_PART_NUMEL // (r * k))
+    out = x.view(n, r, k)  # part i's result fills exactly the bytes its input came from
+    for i in range(0, n, per):
+        work = x[i:i + per].to(dtype)
+        work.div_(work.norm(dim=(1, 2), keepdim=True).clamp(min=eps))  # spectral norm <= 1
+        y = work.mT if tall else work
+        if steps:
+            out[i:i + per].copy_(_iterate_in_place_(y, coefficients, steps))
+        else:
+            x[i:i + per].copy_(work)
+        del work, y  # before the next part's copy is made
+    if not steps:
+        return x
+    return out.mT if tall else out
+
+
+#: the most entries one part of :func:`_newton_schulz_wide_` takes (1 MB in fp32)
+WIDE_PART_NUMEL = 1 << 18
+
+
+def _iterate_in_place_(y: torch.Tensor, coefficients: Coefficients,
+                       steps: int) -> torch.Tensor:
+    """The iterations on the normalised ``n x r x k`` stack ``y`` (``r <= k``); returns the
+    last iterate. Square: each new iterate goes over the spent Gram product (3 stacks'
+    bytes). Otherwise it overwrites ``y`` in blocks of ``r`` columns (a block's new columns
+    need only its old ones and the step's ``r x r`` polynomial), each computed in the spent
+    Gram product's buffer: ``y`` and the two ``r x r`` products, nothing more."""
+    a, b, c = coefficients
+    n, r, k = y.shape
+    poly = y.new_empty(n, r, r)
+    if r == k:
+        spare = y.new_empty(n, r, r)
+        for _ in range(steps):
+            g = torch.bmm(y, y.mT, out=spare)
+            torch.baddbmm(g, g, g, beta=b, alpha=c, out=poly)
+            y, spare = torch.baddbmm(y, poly, y, beta=a, out=spare), y
+        return y
+    gram = y.new_empty(n, r, r)
+    for _ in range(steps):
+        torch.bmm(y, y.mT, out=gram)
+        torch.baddbmm(gram, gram, gram, beta=b, alpha=c, out=poly)
+        for j in range(0, k, r):  # the Gram product is spent: its buffer takes each block
+            cols = y[:, :, j:j + r]
+            block = gram[:, :, :cols.shape[2]]
+            torch.baddbmm(cols, poly, cols, beta=a, out=block)
+            cols.copy_(block)
+    return y
 
 
 def _check(x: torch.Tensor, steps: int) -> None:

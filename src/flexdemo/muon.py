@@ -152,11 +152,12 @@ class MuonAdamW(torch.optim.Optimizer):
             entries, at least 1M (4M on CUDA). A matrix larger than the bound is a batch of
             its own. The same bits whatever the bound.
         ns_dtype: the precision of the batched iterations: ``"bf16"`` (torch's bits),
-            ``"fp32"`` (updates and results stay bf16, the iterations run in an fp32 copy,
-            twice the batch's bytes; on a CPU without bf16 matrix units, AVX2, 10-20x
-            faster, on a GPU about 3x slower), or ``"auto"`` (default): fp32 for matrices on
-            the CPU, bf16 on any other device. Under ``ns_mode="per_matrix"`` the iterations
-            are torch's, in bf16 (``"fp32"`` is refused there). Not stored in the state dict.
+            ``"fp32"`` (updates and results stay bf16, the iterations run in fp32 copies of
+            a few matrices at a time, :func:`~flexdemo.newton_schulz.newton_schulz_`; on a
+            CPU without bf16 matrix units, AVX2, 10-20x faster, on a GPU about 3x slower), or
+            ``"auto"`` (default): fp32 for matrices on the CPU, bf16 on any other device.
+            Under ``ns_mode="per_matrix"`` the iterations are torch's, in bf16 (``"fp32"`` is
+            refused there). Not stored in the state dict.
     """
 
     def __init__(self, params: Iterable, lr: float = 1e-3, *, weight_decay: float = 0.0,

@@ -87,7 +87,22 @@ class KeepDiLoCo(DiLoCoReplicator):
 REPLICATORS.setdefault("diloco-keep", KeepDiLoCo)
 
 
-class ResidualDiLoCo(DiLoCoReplicator):
+class _StandInExchange:
+    """For prototypes whose fp32 exchange stands in for the payload they record at launch:
+    the bytes the exchange itself moves (counted when its result is taken) are taken back
+    out, so the replicator's totals are the payload's alone."""
+
+    def _result(self, p: int) -> list[torch.Tensor]:
+        ex = self.exchanges[p]
+        sent, received = ex.stats.bytes_sent, ex.stats.bytes_received
+        try:
+            return super()._result(p)
+        finally:
+            self.stats.record(sent - ex.stats.bytes_sent, received - ex.stats.bytes_received,
+                              0.0, 0)
+
+
+class ResidualDiLoCo(_StandInExchange, DiLoCoReplicator):
     """A prototype of sparse DiLoCo whose replicas keep their own unsent progress.
 
     SparseLoCo's compression is done here in the parameters' own layout: every sync adds this
@@ -150,8 +165,8 @@ class ResidualDiLoCo(DiLoCoReplicator):
         self.stats.record((self.world - 1) * self._payload, (self.world - 1) * self._payload,
                           ex.stats.last_seconds, 1)
 
-    def _restart(self, part: list[int], alpha: float) -> None:
-        super()._restart(part, alpha)
+    def _restart(self, part: list[int], alpha: float, glob=None) -> None:
+        super()._restart(part, alpha, glob)
         for i in part:
             if self.keep:  # this replica's own unsent progress stays in its parameters
                 self._locals[i].sub_(self._resid[i].to(self._locals[i].dtype))
@@ -159,3 +174,83 @@ class ResidualDiLoCo(DiLoCoReplicator):
 
 
 REPLICATORS.setdefault("diloco-residual", ResidualDiLoCo)
+
+
+class LowRankDiLoCo(_StandInExchange, DiLoCoReplicator):
+    """A prototype of DiLoCo whose pseudo-gradients travel as low-rank factors.
+
+    Every sync adds this period's progress to an error-feedback buffer (``resid = decay *
+    resid + progress``, as :class:`ResidualDiLoCo`). Each matrix (a tensor of two or more
+    dimensions, its first against the rest) sends the best rank-``approx_rank`` approximation of
+    its buffer as two bf16 factors, ``approx_rank * (m + n)`` values; every other tensor (biases,
+    norms) sends its buffer densely with ``vectors`` values (a statistical codebook per block
+    of 256). What was not sent stays in the buffer. The mean of what the replicas sent is
+    taken by an fp32 exchange, and the bytes recorded are those of the factors and codes a
+    gather would send (``n - 1`` payloads per rank). With ``keep=False`` every replica restarts
+    from the global parameters; with ``keep=True`` it keeps its own unsent progress. No
+    checkpoints (the buffer and the start copy are not saved).
+    """
+
+    def __init__(self, approx_rank: int = 1, decay: float = 0.95, vectors: str = "stat2",
+                 keep: bool = False, **kwargs) -> None:
+        super().__init__(exchange="full", **kwargs)
+        self.approx_rank, self.decay, self.keep = approx_rank, decay, keep
+        self.codec = BlockValueCodec(vectors)
+
+    def _low_rank(self, shape) -> bool:
+        return len(shape) >= 2 and min(shape[0], math.prod(shape[1:])) > 2 * self.approx_rank
+
+    def _setup_state(self) -> None:
+        super()._setup_state()
+        if self.alpha != 0.0 or self.tau != 0:
+            raise ValueError("the low-rank prototype needs alpha=0 and tau=0")
+        self._resid = [torch.zeros_like(g) for g in self.global_params]
+        self._start = [g.clone() for g in self.global_params]
+        payload = 32
+        for g in self.global_params:
+            if self._low_rank(g.shape):
+                payload += 2 * self.approx_rank * (g.shape[0] + g[0].numel())
+            else:
+                payload += self.codec.nbytes(math.ceil(g.numel() / 256), 256)
+        self._payload = payload
+
+    def _compress(self, a: torch.Tensor) -> torch.Tensor:
+        """The sent part of ``a``, as the peers decode it."""
+        if self._low_rank(a.shape):
+            m = a.reshape(a.shape[0], -1).float()
+            u, s, vh = torch.linalg.svd(m, full_matrices=False)
+            root = s[:self.approx_rank].sqrt()
+            left = (u[:, :self.approx_rank] * root).bfloat16().float()
+            right = (root[:, None] * vh[:self.approx_rank]).bfloat16().float()
+            return (left @ right).view_as(a).to(a.dtype)
+        flat = a.reshape(-1).float()
+        n = flat.numel()
+        rows = torch.zeros(math.ceil(n / 256) * 256, device=a.device)
+        rows[:n] = flat
+        rows = rows.view(-1, 256)
+        buf = torch.zeros(self.codec.nbytes(*rows.shape), dtype=torch.uint8, device=a.device)
+        return self.codec.encode(rows, buf).reshape(-1)[:n].view_as(a).to(a.dtype)
+
+    def _launch(self, p: int, step: int) -> None:
+        for i in self.parts[p]:
+            a = self._resid[i].mul_(self.decay).add_(self._start[i] - self._locals[i])
+            sent = self._compress(a)
+            a.sub_(sent)
+            self.pseudo[i].copy_(sent)
+        ex = self.exchanges[p]
+        pseudo = [self.pseudo[i] for i in self.parts[p]]
+        handle = ex.start(pseudo, [1.0] * len(pseudo), self.syncs[p])
+        self.stats.record((self.world - 1) * self._payload, (self.world - 1) * self._payload,
+                          ex.stats.last_seconds, 1)
+        self.syncs[p] += 1
+        self.pending[p] = _Sync(step + self.tau, handle=handle)
+
+    def _restart(self, part: list[int], alpha: float, glob=None) -> None:
+        super()._restart(part, alpha, glob)
+        for i in part:
+            if self.keep:
+                self._locals[i].sub_(self._resid[i].to(self._locals[i].dtype))
+            self._start[i].copy_(self._locals[i])
+
+
+REPLICATORS.setdefault("diloco-lowrank", LowRankDiLoCo)

@@ -272,6 +272,28 @@ SETTINGS: dict[str, Setting] = {
                                   ("-keep-d1", 30, 64, 1.0, True),
                                   ("-keep-h10-k16", 10, 16, 1.0, True),
                                   ("-keep-k256", 30, 256, 1.0, True))},
+    # the low-rank prototype (benchmarks/prototypes.py): each matrix's pseudo-gradient (with
+    # error feedback) as rank-r bf16 factors, replicas restarting from the global parameters;
+    # AdamW inner steps tuned as the field tunes them (betas 0.9/0.95, weight decay 0.1), or Muon
+    **{f"lowrank{tag}{itag}": Setting(
+        f"prototype: DiLoCo H={h}, pseudo-gradient as rank-{r} bf16 factors (error feedback "
+        f"{d}; other tensors stat2), outer lr 1.0, {inner} inner steps", "diloco-lowrank",
+        "adamw" if inner.startswith("AdamW") else "muon",
+        1e-3 if inner.startswith("AdamW") else 1e-2,
+        {"inner_steps": h, "outer_lr": 1.0, "outer_momentum": 0.0, "approx_rank": r, "decay": d},
+        okw)
+       for itag, inner, okw in (
+           ("-adamw", "AdamW (0.9, 0.95, weight decay 0.1)",
+            {"weight_decay": 0.1, "base_kwargs": {"betas": (0.9, 0.95)}}),
+           ("", "Muon", {}))
+       for tag, h, r, d in (("-r1", 30, 1, 0.95), ("-r2-h60", 60, 2, 0.95),
+                            ("-r4-h100", 100, 4, 0.95), ("-r1-d1", 30, 1, 1.0))},
+    "sparseloco-adamw-b95-wd": Setting(
+        "the 'sparseloco' preset, AdamW inner steps (0.9, 0.95, weight decay 0.1)", "sparseloco",
+        "adamw", 1e-3, {}, {"weight_decay": 0.1, "base_kwargs": {"betas": (0.9, 0.95)}}),
+    "no-sync-b95-wd": Setting("AdamW betas (0.9, 0.95), weight decay 0.1, no replication",
+                              "none", "adamw", 1e-3, {},
+                              {"weight_decay": 0.1, "base_kwargs": {"betas": (0.9, 0.95)}}),
     # full-sync baselines tuned as the field tunes them: AdamW betas (0.9, 0.95) or
     # (0.9, 0.999), decoupled weight decay 0 or 0.1; Muon with weight decay 0.1
     **{f"adamw{tag}": Setting(f"AdamW betas (0.9, {b2}), weight decay {wd}, full fp32 gradient "
@@ -315,6 +337,13 @@ SETTINGS: dict[str, Setting] = {
             "0.9), gathered: no second rounding of the mean by its owner (the same bytes at 2 "
             "replicas)", {"exchange_kwargs": {"values": "stat1", "block": 256,
                                               "error_feedback": 0.9, "reduce": "gather"}}),
+           # a dense low-bit exchange at a long period, at the sparse preset's bytes (about
+           # 0.001 B/param/step): fewer, fuller syncs instead of frequent sparse ones
+           *(("muloco", f"-h{h}-{v}-ef-gather", f", H={h}, {v} values (block 256) with error "
+              "feedback (decay 0.9), gathered",
+              {"inner_steps": h, "exchange_kwargs": {"values": v, "block": 256,
+                                                     "error_feedback": 0.9, "reduce": "gather"}})
+             for h, v in ((150, "stat1"), (300, "stat2"))),
            # the owner's second coding of the mean (reduce-scatter) with and without its own
            # error feedback (owner_error_feedback: the replicas' decay, 0.9, or 0.5); the same bytes
            *(("muloco", f"-{v}-ef-{tag}", f", {v} values{about} with error feedback (decay 0.9), "

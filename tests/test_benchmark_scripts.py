@@ -295,3 +295,59 @@ def test_memory_bench_names_an_unknown_strategy(capsys, tmp_path):
     assert mem.main(["--strategies", "nope", "--out", str(tmp_path / "m.json")]) == 2
     out = capsys.readouterr().out.strip().splitlines()
     assert len(out) == 1 and "unknown strategies ['nope']" in out[0]
+
+
+# ------------------------------------------------------------------- bench_compressibility.py
+def test_compressibility_compressors_on_known_inputs():
+    """Each compressor on an input whose answer is known: a matrix with 64 DCT coefficients
+    per block is kept whole by the DCT top-64 and not by the plain one; a rank-1 matrix by
+    rank 1; on Gaussian noise the top 1/64 keeps what theory says (0.1197 of the energy) and
+    a shared random subset picks the same entries for every replica."""
+    comp = _load("bench_compressibility")
+    gen = torch.Generator().manual_seed(0)
+    d = comp.dct_matrix(64)
+    coef = torch.zeros(128, 64 * 64)
+    coef.scatter_(1, torch.randperm(4096, generator=gen)[:64].expand(128, 64),
+                  torch.randn(128, 64, generator=gen))
+    x = comp._untile(d.T @ coef.reshape(-1, 64, 64) @ d, torch.Size((512, 1024)))
+    assert torch.allclose(comp.top_k(x, 64, dct=True), x, atol=1e-5)
+    assert (comp.top_k(x, 64, dct=False) - x).norm() > 0.5 * x.norm()
+    u, v = torch.randn(256, 1, generator=gen), torch.randn(1, 128, generator=gen)
+    assert torch.allclose(comp.low_rank(u @ v, 1), u @ v, atol=1e-4)
+    noise = torch.randn(1024, 1024, generator=gen)
+    kept = 1 - (noise - comp.top_k(noise, 64, dct=False)).pow(2).sum() / noise.pow(2).sum()
+    assert abs(float(kept) - 0.1197) < 0.005, kept
+    a = comp.subset(noise, 0.25, 1, torch.Generator().manual_seed(7))
+    b = comp.subset(noise * 2, 0.25, 1, torch.Generator().manual_seed(7))
+    assert torch.equal(a != 0, b != 0) and abs(float((a != 0).float().mean()) - 0.25) < 0.01
+    two = comp.codebook(noise, 2)
+    assert two.unique().numel() <= 4 * noise.numel() // 256
+
+
+def test_compressibility_table_and_json(capsys, tmp_path):
+    """Two periods of the tiny GPT: the first is skipped, the second measured; every
+    compressor's share lies in [0, 1] and the denser one keeps more."""
+    comp = _load("bench_compressibility")
+    out = comp.main(["--model", "tiny", "--batches", "4", "--steps", "10", "--inner-steps", "5",
+                     "--out", str(tmp_path)])
+    text = capsys.readouterr().out
+    assert "| DCT top-64 of 4096 (sparseloco) | 0.0293 | 0.00586 |" in text, text
+    data = json.loads((tmp_path / "compressibility.json").read_text())
+    assert data == json.loads(json.dumps(out)) and data[0]["syncs_measured"] == 1
+    rows = {r["compressor"]: r for r in data[0]["rows"]}
+    assert set(rows) == set(comp.COMPRESSORS)
+    assert all(0 <= r["kept"] <= 1 and 0 <= r["kept_on_noise"] <= 1 for r in rows.values())
+    assert rows["dense stat2 (block 256)"]["kept"] > rows["dense stat1 (block 256)"]["kept"] \
+        > rows["DCT top-256 of 4096"]["kept"] > rows["DCT top-64 of 4096 (sparseloco)"]["kept"]
+    assert -1 <= data[0]["cosine"][0] <= 1
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--replicas", "1"], "--replicas must be at least 2"),
+    (["--steps", "30", "--inner-steps", "30"], "--steps must be at least 2 x --inner-steps"),
+    (["--batches", "8,x"], "--batches takes a comma list of integers"),
+])
+def test_compressibility_bad_options(capsys, tmp_path, argv, message):
+    comp = _load("bench_compressibility")
+    _one_line_exit(capsys, comp.main, argv + ["--out", str(tmp_path / "c")], message)
+    assert not (tmp_path / "c").exists()

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).parent.parent
 
@@ -388,3 +389,37 @@ def test_long_mode_is_the_mini_gpt_at_5000_steps_on_2_4_and_8_replicas(quality, 
     with pytest.raises(SystemExit):
         quality.parse_args(["--long", "--quick"])
     assert "choose one" in capsys.readouterr().err
+
+
+def test_low_rank_prototype_sends_rank_r_and_counts_its_factors(quality):
+    """The low-rank prototype (benchmarks/prototypes.py): after one sync of plain averaging
+    (outer lr 1.0) the global copy of every matrix moved by the mean of two rank-1 matrices
+    (rank 2 at most), every replica restarted from it, what was not sent stays in the error
+    feedback (sent + kept = the period's progress), and the bytes counted are the factors' and
+    codes' a gather sends, not the fp32 stand-in exchange's."""
+    from flexdemo import SimulatedReplicas
+    from flexdemo.app.tasks import GPT, gpt_config
+
+    cfg = gpt_config("tiny")
+    torch.manual_seed(0)
+    sim = SimulatedReplicas(lambda: GPT(cfg), lambda m, b: m(*b), replicas=2,
+                            replicator="diloco-lowrank", optimizer="adamw", lr=3e-3,
+                            replicator_kwargs={"inner_steps": 4, "approx_rank": 1,
+                                               "outer_lr": 1.0, "outer_momentum": 0.0})
+    reps = [o.replicators[0] for o in sim.optimizers]
+    start = [g.clone() for g in reps[0].global_params]
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(4):
+        x = torch.randint(0, 256, (2, 2, cfg.seq_len + 1), generator=gen)
+        sim.step([(x[r, :, :-1], x[r, :, 1:]) for r in range(2)])
+    assert sim.identical()
+    moved = [s - g for s, g in zip(start, reps[0].global_params)]
+    matrices = [m for m in moved if m.ndim == 2 and min(m.shape) > 2]
+    assert matrices and all(torch.linalg.matrix_rank(m.double(), rtol=1e-5) <= 2
+                            for m in matrices)
+    assert any(torch.linalg.matrix_rank(m.double(), rtol=1e-5) == 2 for m in matrices)
+    assert all(float(r.norm()) > 0 for r in reps[0]._resid)
+    payload = reps[0]._payload
+    params = sum(p.numel() for p in sim.models[0].parameters())
+    assert payload < 0.1 * 4 * params
+    assert sim.bytes_sent == [payload, payload] and sim.bytes_received == [payload, payload]

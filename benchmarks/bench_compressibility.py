@@ -69,12 +69,16 @@ def top_k(x: torch.Tensor, k: int, dct: bool) -> torch.Tensor:
     return _untile(kept, x.shape)
 
 
+SPREAD = 2.0  # the exchanges' codebook: bins over the block mean +- 2 standard deviations
+
+
 def codebook(x: torch.Tensor, bits: int, block: int = 256) -> torch.Tensor:
-    """``x`` coded dense with the statistical codebook (``stat1``/``stat2``) per block."""
+    """``x`` coded dense with the statistical codebook (``stat1``/``stat2``) per block, as the
+    exchanges code it: bf16 bin means."""
     v = x.reshape(-1, block).contiguous()
     count = torch.full((len(v),), float(block))
-    codes, means = stat_codebook(v.clone(), count, v.numel(), bits, spread=1.0)
-    return means.gather(1, codes).reshape(x.shape)
+    codes, means = stat_codebook(v.clone(), count, v.numel(), bits, SPREAD)
+    return means.bfloat16().float().gather(1, codes).reshape(x.shape)
 
 
 def subset(x: torch.Tensor, share: float, bits: int, gen: torch.Generator) -> torch.Tensor:
@@ -118,11 +122,11 @@ def _energy(xs: list[torch.Tensor]) -> float:
 
 
 def run(model: str, batch: int, replicas: int, steps: int, h: int, lr: float,
-        seed: int, optimizer: str = "muon") -> dict:
+        seed: int, optimizer: str = "muon", corpus_bytes: int = 4_000_000) -> dict:
     """Train ``steps`` steps on ``batch`` sequences per replica; measure every sync after the
     first."""
     cfg = gpt_config(model)
-    train, _ = load_corpus(4_000_000)
+    train, _ = load_corpus(corpus_bytes)
     torch.manual_seed(seed)
     sim = SimulatedReplicas(lambda: GPT(cfg), lambda m, b: m(*b), replicas=replicas,
                             replicator="none", optimizer=optimizer, lr=lr, seed=seed,
@@ -228,6 +232,8 @@ def main(argv=None) -> list[dict]:
                    help="inner lr after a 5%% warm-up (default: 5e-3 for Muon, 1e-3 for AdamW)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--corpus-bytes", type=int, default=4_000_000,
+                   help="bytes of the standard library's sources to train on")
     p.add_argument("--out", default="results/compressibility")
     args = p.parse_args(argv)
     if args.threads:
@@ -245,7 +251,7 @@ def main(argv=None) -> list[dict]:
     for b in batches:
         lr = args.lr or (5e-3 if args.optimizer == "muon" else 1e-3)
         res = run(args.model, b, args.replicas, args.steps, args.inner_steps, lr, args.seed,
-                  args.optimizer)
+                  args.optimizer, args.corpus_bytes)
         print(table(res), flush=True)
         out.append(res)
     path = Path(args.out)

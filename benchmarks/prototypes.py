@@ -3,9 +3,9 @@
 They subclass :class:`~flexdemo.DeMoReplicator` and :class:`~flexdemo.DiLoCoReplicator` and
 hook their private stages, which no public interface offers: this file is the one place in
 ``benchmarks/`` allowed to (``tests/test_benchmark_scripts.py`` holds the others to the
-documented modules). Importing it registers ``demo-lookahead``, ``diloco-keep`` and
-``diloco-residual`` in :data:`flexdemo.REPLICATORS`, in this process and in the benchmark's
-workers.
+documented modules). Importing it registers ``demo-lookahead``, ``diloco-keep``,
+``diloco-residual`` and ``diloco-lowrank`` in :data:`flexdemo.REPLICATORS`, in this process and
+in the benchmark's workers.
 """
 
 from __future__ import annotations

@@ -329,7 +329,7 @@ def test_compressibility_table_and_json(capsys, tmp_path):
     compressor's share lies in [0, 1] and the denser one keeps more."""
     comp = _load("bench_compressibility")
     out = comp.main(["--model", "tiny", "--batches", "4", "--steps", "10", "--inner-steps", "5",
-                     "--out", str(tmp_path)])
+                     "--corpus-bytes", "200000", "--out", str(tmp_path)])
     text = capsys.readouterr().out
     assert "| DCT top-64 of 4096 (sparseloco) | 0.0293 | 0.00586 |" in text, text
     data = json.loads((tmp_path / "compressibility.json").read_text())

@@ -11,6 +11,7 @@ split by file: every 10th file goes to validation. Files are concatenated as raw
 
 from __future__ import annotations
 
+import functools
 import math
 import sysconfig
 from dataclasses import dataclass
@@ -136,10 +137,16 @@ def num_params(model: nn.Module) -> int:
 # ---------------------------------------------------------------------- corpus
 def stdlib_files() -> list[Path]:
     """The standard library's ``.py`` files, sorted by relative path (no site-packages)."""
+    return list(_stdlib_files())
+
+
+@functools.cache
+def _stdlib_files() -> tuple[Path, ...]:
+    """The walk behind :func:`stdlib_files`, once per process (a few seconds on a slow disk)."""
     root = Path(sysconfig.get_paths()["stdlib"])
     files = [p for p in root.rglob("*.py")
              if "site-packages" not in p.relative_to(root).parts and p.is_file()]
-    return sorted(files, key=lambda p: p.relative_to(root).as_posix())
+    return tuple(sorted(files, key=lambda p: p.relative_to(root).as_posix()))
 
 
 MIN_CORPUS_BYTES = 10_000

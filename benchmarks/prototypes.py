@@ -87,149 +87,37 @@ class KeepDiLoCo(DiLoCoReplicator):
 REPLICATORS.setdefault("diloco-keep", KeepDiLoCo)
 
 
-class _StandInExchange:
-    """For prototypes whose fp32 exchange stands in for the payload they record at launch:
-    the bytes the exchange itself moves (counted when its result is taken) are taken back
-    out, so the replicator's totals are the payload's alone."""
+class _FeedbackDiLoCo(DiLoCoReplicator):
+    """The frame of the prototypes that compress in the parameters' own layout: every sync
+    adds this period's progress to an error-feedback buffer (``resid = decay * resid +
+    progress``), sends :meth:`_compress` of it and keeps the rest. The mean of what the
+    replicas sent is taken by an fp32 exchange that stands in for the payload: the bytes
+    recorded are :meth:`_payload_bytes`, as a gather sends them (``n - 1`` payloads per rank),
+    and the stand-in's own are taken back out. With ``keep=False`` every replica restarts from
+    the global parameters; with ``keep=True`` it restarts from the global parameters minus its
+    own residual, so the progress it has not sent yet stays in its parameters (replicas then
+    differ by their residuals). No checkpoints (the residual and the start copy are not
+    saved)."""
 
-    def _result(self, p: int) -> list[torch.Tensor]:
-        ex = self.exchanges[p]
-        sent, received = ex.stats.bytes_sent, ex.stats.bytes_received
-        try:
-            return super()._result(p)
-        finally:
-            self.stats.record(sent - ex.stats.bytes_sent, received - ex.stats.bytes_received,
-                              0.0, 0)
-
-
-class ResidualDiLoCo(_StandInExchange, DiLoCoReplicator):
-    """A prototype of sparse DiLoCo whose replicas keep their own unsent progress.
-
-    SparseLoCo's compression is done here in the parameters' own layout: every sync adds this
-    period's progress to an error-feedback buffer (``resid = decay * resid + progress``),
-    sends the ``topk`` largest of each chunk of ``chunk * chunk`` entries of it (values
-    through a block codec) and keeps the rest. The mean of what the replicas sent is taken
-    by an fp32 exchange, but the bytes recorded are those of the sparse payload a gather would
-    send (12-bit indices, the codec's values, ``n - 1`` payloads per rank). With
-    ``keep=False`` every replica restarts from the global parameters (SparseLoCo); with
-    ``keep=True`` it restarts from the global parameters minus its own residual, so the
-    progress it has not sent yet stays in its parameters (replicas then differ by their
-    residuals). No checkpoints (the residual and the start copy are not saved).
-    """
-
-    def __init__(self, topk: int = 64, chunk: int = 64, decay: float = 0.95,
-                 values: str = "stat2", keep: bool = True, **kwargs) -> None:
+    def __init__(self, decay: float, keep: bool, **kwargs) -> None:
         super().__init__(exchange="full", **kwargs)
-        self.topk, self.block, self.decay, self.keep = topk, chunk * chunk, decay, keep
-        self.codec = BlockValueCodec(values)
-
-    def _setup_state(self) -> None:
-        super()._setup_state()
-        if self.alpha != 0.0 or self.tau != 0:
-            raise ValueError("the residual prototype needs alpha=0 and tau=0")
-        self._resid = [torch.zeros_like(g) for g in self.global_params]
-        self._start = [g.clone() for g in self.global_params]
-        blocks = sum(math.ceil(p.numel() / self.block) for p in self.global_params)
-        self._payload = (32 + math.ceil(blocks * self.topk * 12 / 8)
-                         + self.codec.nbytes(blocks, self.topk))
-
-    def _sparsify(self, a: torch.Tensor) -> torch.Tensor:
-        """The sent part of ``a``: its top-k per chunk, values as the peers decode them."""
-        flat = a.reshape(-1)
-        n = flat.numel()
-        rows = torch.zeros(math.ceil(n / self.block) * self.block, device=a.device)
-        rows[:n] = flat
-        rows = rows.view(-1, self.block)
-        k = min(self.topk, self.block)
-        idx = rows.abs().topk(k, dim=1).indices
-        vals = rows.gather(1, idx)
-        buf = torch.zeros(self.codec.nbytes(*vals.shape), dtype=torch.uint8, device=a.device)
-        sent = torch.zeros_like(rows).scatter_(1, idx, self.codec.encode(vals, buf))
-        return sent.view(-1)[:n].view_as(a)
-
-    def _launch(self, p: int, step: int) -> None:
-        for i in self.parts[p]:
-            progress = self._start[i] - self._locals[i]
-            a = self._resid[i].mul_(self.decay).add_(progress)
-            sent = self._sparsify(a)
-            a.sub_(sent)
-            self.pseudo[i].copy_(sent)
-        ex = self.exchanges[p]
-        pseudo = [self.pseudo[i] for i in self.parts[p]]
-        handle = ex.start(pseudo, [1.0] * len(pseudo), self.syncs[p])
-        self._record(ex)
-        self.syncs[p] += 1
-        self.pending[p] = _Sync(step + self.tau, handle=handle)
-
-    def _record(self, ex) -> None:
-        self.stats.record((self.world - 1) * self._payload, (self.world - 1) * self._payload,
-                          ex.stats.last_seconds, 1)
-
-    def _restart(self, part: list[int], alpha: float, glob=None) -> None:
-        super()._restart(part, alpha, glob)
-        for i in part:
-            if self.keep:  # this replica's own unsent progress stays in its parameters
-                self._locals[i].sub_(self._resid[i].to(self._locals[i].dtype))
-            self._start[i].copy_(self._locals[i])
-
-
-REPLICATORS.setdefault("diloco-residual", ResidualDiLoCo)
-
-
-class LowRankDiLoCo(_StandInExchange, DiLoCoReplicator):
-    """A prototype of DiLoCo whose pseudo-gradients travel as low-rank factors.
-
-    Every sync adds this period's progress to an error-feedback buffer (``resid = decay *
-    resid + progress``, as :class:`ResidualDiLoCo`). Each matrix (a tensor of two or more
-    dimensions, its first against the rest) sends the best rank-``approx_rank`` approximation of
-    its buffer as two bf16 factors, ``approx_rank * (m + n)`` values; every other tensor (biases,
-    norms) sends its buffer densely with ``vectors`` values (a statistical codebook per block
-    of 256). What was not sent stays in the buffer. The mean of what the replicas sent is
-    taken by an fp32 exchange, and the bytes recorded are those of the factors and codes a
-    gather would send (``n - 1`` payloads per rank). With ``keep=False`` every replica restarts
-    from the global parameters; with ``keep=True`` it keeps its own unsent progress. No
-    checkpoints (the buffer and the start copy are not saved).
-    """
-
-    def __init__(self, approx_rank: int = 1, decay: float = 0.95, vectors: str = "stat2",
-                 keep: bool = False, **kwargs) -> None:
-        super().__init__(exchange="full", **kwargs)
-        self.approx_rank, self.decay, self.keep = approx_rank, decay, keep
-        self.codec = BlockValueCodec(vectors)
-
-    def _low_rank(self, shape) -> bool:
-        return len(shape) >= 2 and min(shape[0], math.prod(shape[1:])) > 2 * self.approx_rank
-
-    def _setup_state(self) -> None:
-        super()._setup_state()
-        if self.alpha != 0.0 or self.tau != 0:
-            raise ValueError("the low-rank prototype needs alpha=0 and tau=0")
-        self._resid = [torch.zeros_like(g) for g in self.global_params]
-        self._start = [g.clone() for g in self.global_params]
-        payload = 32
-        for g in self.global_params:
-            if self._low_rank(g.shape):
-                payload += 2 * self.approx_rank * (g.shape[0] + g[0].numel())
-            else:
-                payload += self.codec.nbytes(math.ceil(g.numel() / 256), 256)
-        self._payload = payload
+        self.decay, self.keep = decay, keep
 
     def _compress(self, a: torch.Tensor) -> torch.Tensor:
         """The sent part of ``a``, as the peers decode it."""
-        if self._low_rank(a.shape):
-            m = a.reshape(a.shape[0], -1).float()
-            u, s, vh = torch.linalg.svd(m, full_matrices=False)
-            root = s[:self.approx_rank].sqrt()
-            left = (u[:, :self.approx_rank] * root).bfloat16().float()
-            right = (root[:, None] * vh[:self.approx_rank]).bfloat16().float()
-            return (left @ right).view_as(a).to(a.dtype)
-        flat = a.reshape(-1).float()
-        n = flat.numel()
-        rows = torch.zeros(math.ceil(n / 256) * 256, device=a.device)
-        rows[:n] = flat
-        rows = rows.view(-1, 256)
-        buf = torch.zeros(self.codec.nbytes(*rows.shape), dtype=torch.uint8, device=a.device)
-        return self.codec.encode(rows, buf).reshape(-1)[:n].view_as(a).to(a.dtype)
+        raise NotImplementedError
+
+    def _payload_bytes(self) -> int:
+        """The bytes one replica's compressed pseudo-gradient takes on the wire."""
+        raise NotImplementedError
+
+    def _setup_state(self) -> None:
+        super()._setup_state()
+        if self.alpha != 0.0 or self.tau != 0:
+            raise ValueError(f"the {type(self).__name__} prototype needs alpha=0 and tau=0")
+        self._resid = [torch.zeros_like(g) for g in self.global_params]
+        self._start = [g.clone() for g in self.global_params]
+        self._payload = self._payload_bytes()
 
     def _launch(self, p: int, step: int) -> None:
         for i in self.parts[p]:
@@ -245,12 +133,101 @@ class LowRankDiLoCo(_StandInExchange, DiLoCoReplicator):
         self.syncs[p] += 1
         self.pending[p] = _Sync(step + self.tau, handle=handle)
 
+    def _result(self, p: int) -> list[torch.Tensor]:
+        ex = self.exchanges[p]
+        sent, received = ex.stats.bytes_sent, ex.stats.bytes_received
+        try:
+            return super()._result(p)
+        finally:  # the stand-in's bytes out: the payload's were recorded at launch
+            self.stats.record(sent - ex.stats.bytes_sent, received - ex.stats.bytes_received,
+                              0.0, 0)
+
     def _restart(self, part: list[int], alpha: float, glob=None) -> None:
         super()._restart(part, alpha, glob)
         for i in part:
-            if self.keep:
+            if self.keep:  # this replica's own unsent progress stays in its parameters
                 self._locals[i].sub_(self._resid[i].to(self._locals[i].dtype))
             self._start[i].copy_(self._locals[i])
+
+
+class ResidualDiLoCo(_FeedbackDiLoCo):
+    """A prototype of sparse DiLoCo whose replicas keep their own unsent progress.
+
+    SparseLoCo's compression done in the parameters' own layout (:class:`_FeedbackDiLoCo`):
+    the ``topk`` largest of each chunk of ``chunk * chunk`` entries of the error-feedback
+    buffer, values through a block codec, 12-bit indices.
+    """
+
+    def __init__(self, topk: int = 64, chunk: int = 64, decay: float = 0.95,
+                 values: str = "stat2", keep: bool = True, **kwargs) -> None:
+        super().__init__(decay, keep, **kwargs)
+        self.topk, self.block = topk, chunk * chunk
+        self.codec = BlockValueCodec(values)
+
+    def _payload_bytes(self) -> int:
+        blocks = sum(math.ceil(p.numel() / self.block) for p in self.global_params)
+        return (32 + math.ceil(blocks * self.topk * 12 / 8)
+                + self.codec.nbytes(blocks, self.topk))
+
+    def _compress(self, a: torch.Tensor) -> torch.Tensor:
+        flat = a.reshape(-1)
+        n = flat.numel()
+        rows = torch.zeros(math.ceil(n / self.block) * self.block, device=a.device)
+        rows[:n] = flat
+        rows = rows.view(-1, self.block)
+        k = min(self.topk, self.block)
+        idx = rows.abs().topk(k, dim=1).indices
+        vals = rows.gather(1, idx)
+        buf = torch.zeros(self.codec.nbytes(*vals.shape), dtype=torch.uint8, device=a.device)
+        sent = torch.zeros_like(rows).scatter_(1, idx, self.codec.encode(vals, buf))
+        return sent.view(-1)[:n].view_as(a)
+
+
+REPLICATORS.setdefault("diloco-residual", ResidualDiLoCo)
+
+
+class LowRankDiLoCo(_FeedbackDiLoCo):
+    """A prototype of DiLoCo whose pseudo-gradients travel as low-rank factors
+    (:class:`_FeedbackDiLoCo`): each matrix (a tensor of two or more dimensions, its first
+    against the rest) sends the best rank-``approx_rank`` approximation of its error-feedback
+    buffer as two bf16 factors, ``approx_rank * (m + n)`` values; every other tensor (biases,
+    norms) sends its buffer densely with ``vectors`` values (a statistical codebook per block
+    of 256). By default the replicas restart from the global parameters (``keep=False``).
+    """
+
+    def __init__(self, approx_rank: int = 1, decay: float = 0.95, vectors: str = "stat2",
+                 keep: bool = False, **kwargs) -> None:
+        super().__init__(decay, keep, **kwargs)
+        self.approx_rank = approx_rank
+        self.codec = BlockValueCodec(vectors)
+
+    def _low_rank(self, shape) -> bool:
+        return len(shape) >= 2 and min(shape[0], math.prod(shape[1:])) > 2 * self.approx_rank
+
+    def _payload_bytes(self) -> int:
+        payload = 32
+        for g in self.global_params:
+            if self._low_rank(g.shape):
+                payload += 2 * self.approx_rank * (g.shape[0] + g[0].numel())
+            else:
+                payload += self.codec.nbytes(math.ceil(g.numel() / 256), 256)
+        return payload
+
+    def _compress(self, a: torch.Tensor) -> torch.Tensor:
+        if self._low_rank(a.shape):
+            m = a.reshape(a.shape[0], -1).float()
+            u, s, vh = torch.linalg.svd(m, full_matrices=False)
+            root = s[:self.approx_rank].sqrt()
+            left = (u[:, :self.approx_rank] * root).bfloat16().float()
+            right = (root[:, None] * vh[:self.approx_rank]).bfloat16().float()
+            return (left @ right).view_as(a).to(a.dtype)
+        flat = a.reshape(-1).float()
+        n = flat.numel()
+        rows = torch.zeros(math.ceil(n / 256) * 256, device=a.device)
+        rows[:n] = flat
+        rows = rows.view(-1, 256)
+        buf = torch.zeros(self.codec.nbytes(*rows.shape), dtype=torch.uint8, device=a.device)
+        return self.codec.encode(rows, buf).reshape(-1)[:n].view_as(a).to(a.dtype)
 
 
 REPLICATORS.setdefault("diloco-lowrank", LowRankDiLoCo)

@@ -133,8 +133,8 @@ def run(model: str, batch: int, replicas: int, steps: int, h: int, lr: float,
                             **({"base_kwargs": {"ns_dtype": "fp32"}} if optimizer == "muon"
                                else {}))
     gens = [torch.Generator().manual_seed(seed * 1000 + r) for r in range(replicas)]
-    names = [n for n, p in sim.models[0].named_parameters()
-             if p.ndim == 2 and p.shape[0] % TILE == 0 and p.shape[1] % TILE == 0]
+    pick = [i for i, p in enumerate(sim.models[0].parameters())  # the tiled matrices
+            if p.ndim == 2 and p.shape[0] % TILE == 0 and p.shape[1] % TILE == 0]
     start = [p.detach().clone() for p in sim.models[0].parameters()]
     cgen = torch.Generator().manual_seed(seed)
     sums: dict[str, dict[str, float]] = {c: {"kept": 0.0, "noise": 0.0, "mean": 0.0}
@@ -150,7 +150,7 @@ def run(model: str, batch: int, replicas: int, steps: int, h: int, lr: float,
             deltas = [[g - p for g, p in zip(start, ps)] for ps in params]
             mean = [torch.stack(d).mean(0) for d in zip(*deltas)]
             if done > h:  # the first period starts from the initialisation: skip it
-                record(params, deltas, mean)
+                record(deltas, mean)
             for ps in params:
                 for g, p, d in zip(start, ps, mean):
                     p.copy_(g - d)
@@ -158,8 +158,7 @@ def run(model: str, batch: int, replicas: int, steps: int, h: int, lr: float,
                 g.sub_(d)
         return False
 
-    def record(params, deltas, mean) -> None:
-        pick = [i for i, (n, _) in enumerate(sim.models[0].named_parameters()) if n in names]
+    def record(deltas, mean) -> None:
         xs = [[d[i] for i in pick] for d in deltas]
         ms = [mean[i] for i in pick]
         a, b = torch.cat([x.reshape(-1) for x in xs[0]]), torch.cat([x.reshape(-1) for x in xs[1]])
@@ -186,7 +185,7 @@ def run(model: str, batch: int, replicas: int, steps: int, h: int, lr: float,
     warmup = max(1, steps // 20)
     sim.train(steps, lambda step: [get_batch(train, batch, cfg.seq_len, g) for g in gens],
               lambda step: lr * min(1.0, (step + 1) / warmup), sync)
-    shapes = [p.shape for n, p in sim.models[0].named_parameters() if n in names]
+    shapes = [start[i].shape for i in pick]
     numel = sum(math.prod(s) for s in shapes)
     rows = []
     for name, (_, nbytes) in COMPRESSORS.items():

@@ -142,6 +142,16 @@ class _FeedbackDiLoCo(DiLoCoReplicator):
             self.stats.record(sent - ex.stats.bytes_sent, received - ex.stats.bytes_received,
                               0.0, 0)
 
+    @staticmethod
+    def _rows(a: torch.Tensor, width: int) -> tuple[torch.Tensor, int]:
+        """``a``'s entries (fp32) as rows of ``width``, the last one zero-padded, and their
+        count."""
+        flat = a.reshape(-1)
+        n = flat.numel()
+        rows = torch.zeros(math.ceil(n / width) * width, device=a.device)
+        rows[:n] = flat
+        return rows.view(-1, width), n
+
     def _restart(self, part: list[int], alpha: float, glob=None) -> None:
         super()._restart(part, alpha, glob)
         for i in part:
@@ -170,11 +180,7 @@ class ResidualDiLoCo(_FeedbackDiLoCo):
                 + self.codec.nbytes(blocks, self.topk))
 
     def _compress(self, a: torch.Tensor) -> torch.Tensor:
-        flat = a.reshape(-1)
-        n = flat.numel()
-        rows = torch.zeros(math.ceil(n / self.block) * self.block, device=a.device)
-        rows[:n] = flat
-        rows = rows.view(-1, self.block)
+        rows, n = self._rows(a, self.block)
         k = min(self.topk, self.block)
         idx = rows.abs().topk(k, dim=1).indices
         vals = rows.gather(1, idx)
@@ -221,11 +227,7 @@ class LowRankDiLoCo(_FeedbackDiLoCo):
             left = (u[:, :self.approx_rank] * root).bfloat16().float()
             right = (root[:, None] * vh[:self.approx_rank]).bfloat16().float()
             return (left @ right).view_as(a).to(a.dtype)
-        flat = a.reshape(-1).float()
-        n = flat.numel()
-        rows = torch.zeros(math.ceil(n / 256) * 256, device=a.device)
-        rows[:n] = flat
-        rows = rows.view(-1, 256)
+        rows, n = self._rows(a, 256)
         buf = torch.zeros(self.codec.nbytes(*rows.shape), dtype=torch.uint8, device=a.device)
         return self.codec.encode(rows, buf).reshape(-1)[:n].view_as(a).to(a.dtype)
 

@@ -278,14 +278,13 @@ SETTINGS: dict[str, Setting] = {
     **{f"lowrank{tag}{itag}": Setting(
         f"prototype: DiLoCo H={h}, pseudo-gradient as rank-{r} bf16 factors (error feedback "
         f"{d}; other tensors stat2), outer lr 1.0, {inner} inner steps", "diloco-lowrank",
-        "adamw" if inner.startswith("AdamW") else "muon",
-        1e-3 if inner.startswith("AdamW") else 1e-2,
+        opt, lr,
         {"inner_steps": h, "outer_lr": 1.0, "outer_momentum": 0.0, "approx_rank": r, "decay": d},
         okw)
-       for itag, inner, okw in (
-           ("-adamw", "AdamW (0.9, 0.95, weight decay 0.1)",
+       for itag, opt, lr, inner, okw in (
+           ("-adamw", "adamw", 1e-3, "AdamW (0.9, 0.95, weight decay 0.1)",
             {"weight_decay": 0.1, "base_kwargs": {"betas": (0.9, 0.95)}}),
-           ("", "Muon", {}))
+           ("", "muon", 1e-2, "Muon", {}))
        for tag, h, r, d in (("-r1", 30, 1, 0.95), ("-r2-h60", 60, 2, 0.95),
                             ("-r4-h100", 100, 4, 0.95), ("-r1-d1", 30, 1, 1.0))},
     "sparseloco-adamw-b95-wd": Setting(

@@ -73,7 +73,6 @@ def newton_schulz_(x: torch.Tensor, coefficients: Coefficients, steps: int,
         raise ValueError(f"dtype must be torch.bfloat16 or torch.float32, got {dtype}")
     if dtype != x.dtype:
         return _newton_schulz_wide_(x, coefficients, steps, eps, dtype)
-    a, b, c = coefficients
     n, rows, cols = x.shape
     tall = rows > cols
     y = x.mT if tall else x
@@ -82,14 +81,27 @@ def newton_schulz_(x: torch.Tensor, coefficients: Coefficients, steps: int,
     if not steps:
         return x
     buffers = (x.view(n, r, k), torch.empty_like(x).view(n, r, k))  # contiguous
-    poly = x.new_empty(n, r, r)
     gram = None if r == k else x.new_empty(n, r, r)
+    y = _iterate_alternating_(y, buffers, coefficients, steps, gram)
+    return y.mT if tall else y
+
+
+def _iterate_alternating_(y: torch.Tensor, buffers: tuple[torch.Tensor, torch.Tensor],
+                          coefficients: Coefficients, steps: int,
+                          gram: torch.Tensor | None = None) -> torch.Tensor:
+    """The iterations from ``y`` (``n x r x k``, ``r <= k``), each iterate written into the one
+    of ``buffers`` (two ``n x r x k`` views) that does not hold the last; returns the last.
+    The Gram product goes into ``gram``, or (square, ``gram=None``) into that spare buffer,
+    spent before the iterate overwrites it."""
+    a, b, c = coefficients
+    n, r, _ = y.shape
+    poly = y.new_empty(n, r, r)
     for step in range(steps):
         spare = buffers[(step + 1) % 2]  # the buffer y is not in
         g = torch.bmm(y, y.mT, out=spare if gram is None else gram)
         torch.baddbmm(g, g, g, beta=b, alpha=c, out=poly)
         y = torch.baddbmm(y, poly, y, beta=a, out=spare)  # square: over the spent gram
-    return y.mT if tall else y
+    return y
 
 
 def _newton_schulz_wide_(x: torch.Tensor, coefficients: Coefficients, steps: int,
@@ -128,16 +140,11 @@ def _iterate_in_place_(y: torch.Tensor, coefficients: Coefficients,
     bytes). Otherwise it overwrites ``y`` in blocks of ``r`` columns (a block's new columns
     need only its old ones and the step's ``r x r`` polynomial), each computed in the spent
     Gram product's buffer: ``y`` and the two ``r x r`` products, nothing more."""
-    a, b, c = coefficients
     n, r, k = y.shape
-    poly = y.new_empty(n, r, r)
     if r == k:
-        spare = y.new_empty(n, r, r)
-        for _ in range(steps):
-            g = torch.bmm(y, y.mT, out=spare)
-            torch.baddbmm(g, g, g, beta=b, alpha=c, out=poly)
-            y, spare = torch.baddbmm(y, poly, y, beta=a, out=spare), y
-        return y
+        return _iterate_alternating_(y, (y, y.new_empty(n, r, r)), coefficients, steps)
+    a, b, c = coefficients
+    poly = y.new_empty(n, r, r)
     gram = y.new_empty(n, r, r)
     for _ in range(steps):
         torch.bmm(y, y.mT, out=gram)

@@ -121,6 +121,8 @@ LONG_TIER: dict[str, tuple[str, ...]] = {
         "test_sharded_groups_rank_r_replicates_with_rank_r[forward-zero]",
     ),
     "test_resume_faults.py": (
+        # a folder verify may not read: quick when it is one checkpoint
+        "test_verify_of_a_folder_this_user_may_not_read_is_one_line[run]",
         "test_verify_of_a_folder_this_user_may_not_read_is_one_line[checkpoints]",
         "test_verify_of_a_folder_this_user_may_not_read_is_one_line[COMPLETE]",
     ),
@@ -129,6 +131,22 @@ LONG_TIER: dict[str, tuple[str, ...]] = {
     ),
     "test_train.py": (
         "test_killed_rank_of_four_is_the_only_one_named_by_every_survivor[auto-4x1]",
+        # the default mesh: quick with the ranks on one node, the same rule with one per node
+        "test_default_mesh_is_the_same_for_train_and_the_example[one-rank-per-node]",
+    ),
+    "test_cluster.py": (
+        # a signal to the emulated cluster: quick with SIGINT, the same path for SIGTERM
+        "test_cli_signal_stops_ranks_and_removes_namespaces[15-143]",
+    ),
+    "test_demo_batched.py": (
+        # the compiled selection must give the eager path's bits (the eager path runs quick);
+        # inductor's C++ build costs more than a minute of CPU here
+        "test_compiled_selection_gives_the_same_bits",
+    ),
+    "test_gpu_evidence.py": (
+        # the GPU command end to end on the CPU; its budget cuts and its one line without a
+        # GPU run quick
+        "test_smoke_writes_every_table_json_and_plot",
     ),
     "test_bench_elastic.py": (
         # the elastic bench end to end (about 2 min of CPU on the 2-core machine, an eighth of

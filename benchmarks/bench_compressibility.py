@@ -34,7 +34,7 @@ import torch
 from flexdemo import SimulatedReplicas
 from flexdemo.app.args import Parser
 from flexdemo.app.tasks import GPT, get_batch, gpt_config, load_corpus
-from flexdemo.compress import dct_matrix, stat_codebook
+from flexdemo.compress import ValueCodec, dct_matrix
 
 TILE = 64  # the sparse exchange's 64 x 64 blocks
 INDEX_BITS = 12  # a position in a block of 4096
@@ -69,16 +69,13 @@ def top_k(x: torch.Tensor, k: int, dct: bool) -> torch.Tensor:
     return _untile(kept, x.shape)
 
 
-SPREAD = 2.0  # the exchanges' codebook: bins over the block mean +- 2 standard deviations
-
-
 def codebook(x: torch.Tensor, bits: int, block: int = 256) -> torch.Tensor:
-    """``x`` coded dense with the statistical codebook (``stat1``/``stat2``) per block, as the
-    exchanges code it: bf16 bin means."""
-    v = x.reshape(-1, block).contiguous()
-    count = torch.full((len(v),), float(block))
-    codes, means = stat_codebook(v.clone(), count, v.numel(), bits, SPREAD)
-    return means.bfloat16().float().gather(1, codes).reshape(x.shape)
+    """``x`` coded dense with the statistical codebook (``stat1``/``stat2``) per block, by the
+    dense exchanges' own codec."""
+    codec, n = ValueCodec(f"stat{bits}", block=block), x.numel()
+    buf = torch.empty(codec.nbytes(n), dtype=torch.uint8)
+    codec.encode(x.reshape(-1).float().contiguous(), buf)
+    return codec.decode(buf, n).view(x.shape)
 
 
 def subset(x: torch.Tensor, share: float, bits: int, gen: torch.Generator) -> torch.Tensor:

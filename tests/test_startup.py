@@ -144,3 +144,66 @@ def test_store_host_dying_while_the_group_is_made_is_named():
     assert procs[1].returncode == 0 and len(errors) == 1, out[-3000:]
     assert "rank 1: start-up: rank 0 (the host of the job's store at " in errors[0], errors[0]
     assert f"127.0.0.1:{port}) died during start-up" in errors[0], errors[0]
+
+
+def _joiner(extra: str = "") -> str:
+    """A rank that calls init_distributed() and prints its one-line error, then ``extra``."""
+    return ("import flexdemo\ntry:\n    flexdemo.init_distributed()\n"
+            "except TimeoutError as e:\n    print('ERROR', e, flush=True)\n    raise SystemExit\n"
+            + extra)
+
+
+@pytest.mark.multiprocess
+def test_rank_dying_between_the_join_and_the_group_is_named_by_every_survivor():
+    """Rank 2 of three finishes the join and is killed before it enters the process group's
+    rendezvous, where gloo waits for its address with no sign of life. Ranks 0 (the store's
+    host) and 1 name it in one line, the same verdict, long before FLEXDEMO_TIMEOUT (they
+    once waited all of it there)."""
+    port = free_port()
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="3",
+               FLEXDEMO_TIMEOUT=str(LONG), FLEXDEMO_JOIN_TIMEOUT="5", OMP_NUM_THREADS="1")
+    dying = ("import os, signal\nfrom datetime import timedelta\n"
+             "from flexdemo.join import join_store\n"
+             f"join_store(2, 3, '127.0.0.1', {port}, timedelta(seconds={LONG}))\n"
+             "os.kill(os.getpid(), signal.SIGKILL)\n")
+    procs = [Forked(["-c", _joiner()], env=dict(env, RANK=str(r)), stdout=subprocess.PIPE)
+             for r in (0, 1)]
+    procs.append(Forked(["-c", dying], env=dict(env, RANK="2"), stdout=subprocess.PIPE))
+    try:
+        outs = [p.communicate(timeout=240)[0] for p in procs[:2]]
+        procs[2].communicate(timeout=30)
+    finally:
+        reap(procs)
+    assert procs[2].returncode == -signal.SIGKILL
+    verdicts = []
+    for rank, out in enumerate(outs):
+        errors = [line for line in out.splitlines() if line.startswith("ERROR")]
+        assert procs[rank].returncode == 0 and len(errors) == 1, out[-3000:]
+        head, said = errors[0].split(" start-up: ", 1)
+        assert head == f"ERROR rank {rank}:", errors[0]
+        assert said.startswith("rank 2 (host ") and "died during start-up" in said, errors[0]
+        assert "rank 0" not in said and "rank 1" not in said, errors[0]
+        verdicts.append(said)
+    assert verdicts[0] == verdicts[1]
+
+
+@pytest.mark.multiprocess
+def test_group_made_within_the_join_window_keeps_the_collective_timeout():
+    """The group's rendezvous is bounded by the join's window (2 s here); the group it makes
+    waits the collective timeout (60 s): rank 1 enters an all-reduce 6 s after rank 0, and
+    both sum."""
+    port = free_port()
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2",
+               FLEXDEMO_TIMEOUT="60", FLEXDEMO_JOIN_TIMEOUT="2", OMP_NUM_THREADS="1")
+    reduce = ("import os, time, torch\nimport torch.distributed as dist\n"
+              "if dist.get_rank() == 1:\n    time.sleep(6)\n"
+              "t = torch.ones(1) * (dist.get_rank() + 1)\ndist.all_reduce(t)\n"
+              "print('SUM', int(t.item()), flush=True)\ndist.destroy_process_group()\n")
+    procs = [Forked(["-c", _joiner(reduce)], env=dict(env, RANK=str(r)),
+                    stdout=subprocess.PIPE) for r in (0, 1)]
+    try:
+        outs = [p.communicate(timeout=120)[0] for p in procs]
+    finally:
+        reap(procs)
+    for p, out in zip(procs, outs):
+        assert p.returncode == 0 and "SUM 3" in out.splitlines(), out[-3000:]

@@ -9,6 +9,7 @@ import json
 import math
 import os
 import socket
+import threading
 import time
 from datetime import timedelta
 
@@ -16,8 +17,8 @@ import torch.distributed as dist
 
 from .heartbeat import BEAT_SECONDS, STALE_SECONDS, Beat, StallWatch
 
-__all__ = ["JOIN_TIMEOUT_ENV", "DEFAULT_JOIN_SECONDS", "JoinError", "agent_store", "join_store",
-           "join_timeout_from_env", "store_host_died"]
+__all__ = ["JOIN_TIMEOUT_ENV", "DEFAULT_JOIN_SECONDS", "JoinError", "Joined", "agent_store", "join",
+           "join_store", "join_timeout_from_env", "store_host_died"]
 
 JOIN_TIMEOUT_ENV = "FLEXDEMO_JOIN_TIMEOUT"
 DEFAULT_JOIN_SECONDS = 30.0
@@ -137,14 +138,82 @@ def _describe(ranks: list[int], info: dict[int, str], layout: dict[int, tuple[in
     return ", ".join(parts)
 
 
-def join_store(rank: int, world: int, addr: str, port: int, timeout: timedelta,
-               window: float | None = None) -> dist.Store:
+class Joined:
+    """A finished join whose heartbeat goes on while the process group is set up: a peer
+    that dies between the join and the group's rendezvous (where gloo waits for it without
+    any sign of life) is named by :meth:`lost_after_failure`, the same verdict on every
+    survivor. Made by :func:`join`; call :meth:`stop` once the group exists or the error is
+    raised."""
+
+    def __init__(self, store: dist.Store, rank: int, world: int, prefix: str, window: float,
+                 note: str) -> None:
+        self.store, self.rank, self.world, self.prefix = store, rank, world, prefix
+        self.window, self.note = window, note
+        self.hosting = rank == 0 and not agent_store()
+        self._watch = StallWatch()
+        self._lock = threading.Lock()
+        self._watching = threading.Event()  # set after the join: look at the peers' beats
+        self.beat = Beat(store, f"{prefix}hb/{rank}", then=self._look,
+                         name="flexdemo-join-beat")
+
+    def _counters(self) -> dict[int, int]:
+        return {r: self.store.add(f"{self.prefix}hb/{r}", 0) for r in range(self.world)
+                if r != self.rank}
+
+    def _look(self) -> bool:
+        """The heartbeat thread, after each beat: once the join is done, record the peers'
+        counters, so that a stall is known as soon as the group's set-up fails."""
+        if self._watching.is_set():
+            with self._lock:
+                self._watch.stalled(self._counters())
+        return False
+
+    def watch_peers(self) -> None:
+        """The join is done: from now on each beat also records the peers' heartbeats."""
+        self._watching.set()
+
+    def stop(self) -> None:
+        """Stop beating (the group exists, or this rank gives up)."""
+        self._watching.clear()
+        self.beat.stop()
+
+    def lost_after_failure(self, limit: float | None = None) -> JoinError | None:
+        """After the group's set-up failed on this rank: the :class:`JoinError` naming the
+        peers whose heartbeat stopped for :data:`~flexdemo.heartbeat.STALE_SECONDS` since
+        the join, or None when every peer still beats (or the store is gone: its host died,
+        which the caller names). The first rank to decide publishes the verdict and every
+        other takes it; the store's host waits (at most ``limit`` s) until they did."""
+        key = f"{self.prefix}group/outcome"
+        deadline = time.monotonic() + STALE_SECONDS + 3 * BEAT_SECONDS
+        try:
+            while True:
+                if self.store.check([key]):
+                    died = json.loads(self.store.get(key).decode())
+                    break
+                now = time.monotonic()
+                with self._lock:
+                    died = self._watch.stalled(self._counters(), now)
+                if died or now >= deadline:
+                    died = json.loads(self.store.compare_set(key, "", json.dumps(died)).decode())
+                    break
+                time.sleep(BEAT_SECONDS / 4)
+        except (RuntimeError, TimeoutError):  # the store went away: its host died
+            return None
+        limit = self.window + STALE_SECONDS if limit is None else limit
+        error = _join_error(self.store, self.prefix, self.rank, self.world, died, [], None)
+        _hand_over(self.store, f"{self.prefix}group/", self.rank, self.world, error.missing,
+                   self.hosting, limit)
+        return error if died else None
+
+
+def join(rank: int, world: int, addr: str, port: int, timeout: timedelta,
+         window: float | None = None) -> Joined:
     """Open the job's store and wait until all ``world`` ranks registered there. A peer that
     registered and whose heartbeat stopped for :data:`~flexdemo.heartbeat.STALE_SECONDS`
     died; one that did not register within ``window`` seconds (default
     :func:`join_timeout_from_env`) never arrived: both raise :class:`JoinError` naming them
-    by rank (and node, where known), the same verdict on every survivor. Returns the store
-    (its timeout set to ``timeout``) for ``init_process_group``."""
+    by rank (and node, where known), the same verdict on every survivor. Returns the
+    :class:`Joined` (its store's timeout set to ``timeout``), still beating."""
     limit = timeout.total_seconds()
     wanted = join_timeout_from_env(float("inf")) if window is None else window
     window = min(wanted, limit)
@@ -155,22 +224,34 @@ def join_store(rank: int, world: int, addr: str, port: int, timeout: timedelta,
     layout = _launch_layout()
     node = "" if layout is None else f"{layout[0]},{layout[1]}"
     store.set(f"{prefix}info/{rank}", f"{socket.gethostname()}|{node}")
-    beat = Beat(store, f"{prefix}hb/{rank}", name="flexdemo-join-beat")
+    joined = Joined(store, rank, world, prefix, window, note)
     store.add(f"{prefix}arrived", 1)
     agent = agent_store()
+    done = False
     try:
         verdict = _wait_for_all(store, prefix, rank, world, window, note)
         if verdict is not None:
             raise _verdict_error(store, prefix, rank, world, verdict,
-                                 hosting=rank == 0 and not agent)
+                                 hosting=joined.hosting)
+        done = True
     except (RuntimeError, TimeoutError) as e:  # the store went away: its host died
         if agent or isinstance(e, JoinError):
             raise
         raise store_host_died(rank, addr, port) from None
     finally:
-        beat.stop()
+        if not done:
+            joined.stop()
     store.set_timeout(timeout)
-    return store
+    joined.watch_peers()
+    return joined
+
+
+def join_store(rank: int, world: int, addr: str, port: int, timeout: timedelta,
+               window: float | None = None) -> dist.Store:
+    """:func:`join`, then stop beating; returns the store for ``init_process_group``."""
+    joined = join(rank, world, addr, port, timeout, window)
+    joined.stop()
+    return joined.store
 
 
 def agent_store() -> bool:
@@ -224,9 +305,17 @@ def _verdict_error(store: dist.Store, prefix: str, rank: int, world: int, verdic
     every other survivor took it, since its exit takes the store down."""
     error = _join_error(store, prefix, rank, world, verdict["died"], verdict["absent"],
                         verdict["waited"])
+    _hand_over(store, prefix, rank, world, error.missing, hosting, limit)
+    return error
+
+
+def _hand_over(store: dist.Store, prefix: str, rank: int, world: int, missing: list[int],
+               hosting: bool, limit: float) -> None:
+    """Say that this rank took the verdict; the store's host (``hosting``) waits at most
+    ``limit`` s until every survivor did, since its exit takes the store down."""
     try:
         store.set(f"{prefix}taken/{rank}", "1")
-        others = [r for r in range(world) if r != rank and r not in error.missing]
+        others = [r for r in range(world) if r != rank and r not in missing]
         deadline = time.monotonic() + limit
         while hosting and time.monotonic() < deadline:
             if all(store.check([f"{prefix}taken/{r}"]) for r in others):
@@ -234,7 +323,6 @@ def _verdict_error(store: dist.Store, prefix: str, rank: int, world: int, verdic
             time.sleep(0.1)
     except Exception:  # best effort: the verdict stands
         pass
-    return error
 
 
 def _join_error(store: dist.Store, prefix: str, rank: int, world: int, died: list[int],

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from .join import JoinError, agent_store, env_seconds, join_store, store_host_died
+from .join import Joined, agent_store, env_seconds, join, store_host_died
 
 TIMEOUT_ENV = "FLEXDEMO_TIMEOUT"
 DEFAULT_TIMEOUT_SECONDS = 300.0
@@ -50,11 +50,12 @@ def init_distributed(device: torch.device | str = "cpu",
     group is created in-process, so the same code runs on one laptop CPU. Joining and every
     collective give up after ``timeout`` (default: :func:`timeout_from_env`) instead of
     hanging on a dead peer. Every rank first registers in the job's store and waits there for
-    the others (:func:`flexdemo.join.join_store`): a peer that never arrives within
-    ``FLEXDEMO_JOIN_TIMEOUT`` (default 30 s) or dies while the others wait raises
-    :class:`flexdemo.join.JoinError` (a ``TimeoutError``) naming it by rank; a rendezvous
-    that times out later raises ``TimeoutError`` naming ``MASTER_ADDR:MASTER_PORT`` and
-    ``FLEXDEMO_TIMEOUT``.
+    the others (:func:`flexdemo.join.join`): a peer that never arrives within
+    ``FLEXDEMO_JOIN_TIMEOUT`` (default 30 s), dies while the others wait, or dies before the
+    process group's connections are made raises :class:`flexdemo.join.JoinError` (a
+    ``TimeoutError``) naming it by rank, the same verdict on every survivor. A gloo group's
+    connections are bounded by that window too (the group then waits ``timeout``); when they
+    fail with every peer alive, ``TimeoutError`` says so.
     """
     if dist.is_initialized():
         return
@@ -75,25 +76,49 @@ def init_distributed(device: torch.device | str = "cpu",
         torch.cuda.set_device(device if device.index is not None
                               else int(os.environ.get("LOCAL_RANK", "0")))
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    joined = join(rank, world, os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                  timeout)
     try:
-        store = join_store(rank, world, os.environ["MASTER_ADDR"],
-                           int(os.environ["MASTER_PORT"]), timeout)
-        dist.init_process_group(backend, store=dist.PrefixStore("default_pg", store),
-                                rank=rank, world_size=world, timeout=timeout)
-    except JoinError:
-        raise
+        _make_group(backend, joined, rank, world, timeout)
+    finally:
+        joined.stop()
+
+
+def _make_group(backend: str, joined: Joined, rank: int, world: int,
+                timeout: timedelta) -> None:
+    """The default group over the joined store. Gloo's rendezvous waits for every peer's
+    address with no sign of life from it, so it is bounded by the join's window (the
+    group's timeout goes back to ``timeout`` once it exists); a peer that died since the
+    join is then named by its stopped heartbeat, the same verdict on every survivor."""
+    bound = timeout
+    if backend == "gloo" and hasattr(dist.distributed_c10d, "_set_pg_timeout"):
+        bound = min(timeout, timedelta(seconds=joined.window))
+    try:
+        dist.init_process_group(backend, store=dist.PrefixStore("default_pg", joined.store),
+                                rank=rank, world_size=world, timeout=bound)
     except (RuntimeError, TimeoutError) as e:  # DistError derives from RuntimeError
         if isinstance(e, dist.DistNetworkError) and rank != 0 and not agent_store():
             # the store's connection closed while the group was set up: rank 0 died
             raise store_host_died(rank, os.environ["MASTER_ADDR"],
                                   os.environ["MASTER_PORT"]) from None
+        lost = joined.lost_after_failure()
+        if lost is not None:
+            raise lost from None
         if not is_timeout(e):
             raise
+        if bound < timeout:
+            raise TimeoutError(
+                f"rank {rank}: start-up: every rank joined and still beats, but the process "
+                f"group's connections were not made within {joined.note}: a firewall "
+                "between the nodes, or the wrong network interface (set GLOO_SOCKET_IFNAME)"
+            ) from None
         peer = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
         raise TimeoutError(
-            f"rank {os.environ.get('RANK', '?')} could not join the job at {peer} within "
+            f"rank {rank} could not join the job at {peer} within "
             f"{timeout_note(timeout.total_seconds())}: rank 0 or a peer is "
             "missing or unreachable, or MASTER_ADDR/MASTER_PORT are wrong") from None
+    if bound < timeout:
+        dist.distributed_c10d._set_pg_timeout(timeout)  # torch has no public setter
 
 
 _EXIT = {"guarded": False, "owned": False}

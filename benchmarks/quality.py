@@ -336,6 +336,17 @@ SETTINGS: dict[str, Setting] = {
             "0.9), gathered: no second rounding of the mean by its owner (the same bytes at 2 "
             "replicas)", {"exchange_kwargs": {"values": "stat1", "block": 256,
                                               "error_feedback": 0.9, "reduce": "gather"}}),
+           ("muloco", "-stat1-ef-gather-m0.9", ", stat1 values (block 256) with error "
+            "feedback (decay 0.9), gathered, outer Nesterov lr 0.7 with momentum 0.9",
+            {"outer_lr": 0.7, "outer_momentum": 0.9, "exchange_kwargs": {
+                "values": "stat1", "block": 256, "error_feedback": 0.9, "reduce": "gather"}}),
+           ("muloco", "-stat1-ef1-gather", ", stat1 values (block 256) with error feedback "
+            "(decay 1.0), gathered", {"exchange_kwargs": {
+                "values": "stat1", "block": 256, "error_feedback": 1.0, "reduce": "gather"}}),
+           ("muloco", "-stat1-ef-gather-avg", ", stat1 values (block 256) with error feedback "
+            "(decay 0.9), gathered, outer lr 1.0 without momentum (plain averaging)",
+            {"outer_lr": 1.0, "outer_momentum": 0.0, "exchange_kwargs": {
+                "values": "stat1", "block": 256, "error_feedback": 0.9, "reduce": "gather"}}),
            # a dense low-bit exchange at a long period, at the sparse preset's bytes (about
            # 0.001 B/param/step): fewer, fuller syncs instead of frequent sparse ones
            *(("muloco", f"-h{h}-{v}-ef-gather", f", H={h}, {v} values (block 256) with error "

@@ -92,6 +92,10 @@ class Setting:
 # The bench's tuned DeMo (flexdemo.strategies "flexdemo") and DiLoCo H=20 are here with the
 # library defaults; the variants measure the hypotheses (momentum decay, no lr scaling
 # of the momentum, DiLoCo's outer step).
+# the dense 1-bit exchange: stat1 values (blocks of 256), error feedback 0.9, gathered; its
+# variants below change one setting each
+STAT1_GATHER = {"values": "stat1", "block": 256, "error_feedback": 0.9, "reduce": "gather"}
+
 SETTINGS: dict[str, Setting] = {
     "adamw": Setting("AdamW, full fp32 gradient all-reduce every step", "full", "adamw", 1e-3),
     "no-sync": Setting("AdamW, no replication (every replica trains alone)", "none", "adamw",
@@ -334,19 +338,15 @@ SETTINGS: dict[str, Setting] = {
                 "values": "stat1", "error_feedback": 0.9}}),
            ("muloco", "-stat1-ef-gather", ", stat1 values (block 256) with error feedback (decay "
             "0.9), gathered: no second rounding of the mean by its owner (the same bytes at 2 "
-            "replicas)", {"exchange_kwargs": {"values": "stat1", "block": 256,
-                                              "error_feedback": 0.9, "reduce": "gather"}}),
+            "replicas)", {"exchange_kwargs": {**STAT1_GATHER}}),
            ("muloco", "-stat1-ef-gather-m0.9", ", stat1 values (block 256) with error "
             "feedback (decay 0.9), gathered, outer Nesterov lr 0.7 with momentum 0.9",
-            {"outer_lr": 0.7, "outer_momentum": 0.9, "exchange_kwargs": {
-                "values": "stat1", "block": 256, "error_feedback": 0.9, "reduce": "gather"}}),
+            {"outer_lr": 0.7, "outer_momentum": 0.9, "exchange_kwargs": {**STAT1_GATHER}}),
            ("muloco", "-stat1-ef1-gather", ", stat1 values (block 256) with error feedback "
-            "(decay 1.0), gathered", {"exchange_kwargs": {
-                "values": "stat1", "block": 256, "error_feedback": 1.0, "reduce": "gather"}}),
+            "(decay 1.0), gathered", {"exchange_kwargs": {**STAT1_GATHER, "error_feedback": 1.0}}),
            ("muloco", "-stat1-ef-gather-avg", ", stat1 values (block 256) with error feedback "
             "(decay 0.9), gathered, outer lr 1.0 without momentum (plain averaging)",
-            {"outer_lr": 1.0, "outer_momentum": 0.0, "exchange_kwargs": {
-                "values": "stat1", "block": 256, "error_feedback": 0.9, "reduce": "gather"}}),
+            {"outer_lr": 1.0, "outer_momentum": 0.0, "exchange_kwargs": {**STAT1_GATHER}}),
            # a dense low-bit exchange at a long period, at the sparse preset's bytes (about
            # 0.001 B/param/step): fewer, fuller syncs instead of frequent sparse ones
            *(("muloco", f"-h{h}-{v}-ef-gather", f", H={h}, {v} values (block 256) with error "

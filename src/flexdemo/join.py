@@ -177,12 +177,13 @@ class Joined:
         self._watching.clear()
         self.beat.stop()
 
-    def lost_after_failure(self, limit: float | None = None) -> JoinError | None:
+    def lost_after_failure(self) -> JoinError | None:
         """After the group's set-up failed on this rank: the :class:`JoinError` naming the
         peers whose heartbeat stopped for :data:`~flexdemo.heartbeat.STALE_SECONDS` since
         the join, or None when every peer still beats (or the store is gone: its host died,
         which the caller names). The first rank to decide publishes the verdict and every
-        other takes it; the store's host waits (at most ``limit`` s) until they did."""
+        other takes it; the store's host waits (at most the join's window and
+        :data:`~flexdemo.heartbeat.STALE_SECONDS`) until they did."""
         key = f"{self.prefix}group/outcome"
         deadline = time.monotonic() + STALE_SECONDS + 3 * BEAT_SECONDS
         try:
@@ -199,11 +200,12 @@ class Joined:
                 time.sleep(BEAT_SECONDS / 4)
         except (RuntimeError, TimeoutError):  # the store went away: its host died
             return None
-        limit = self.window + STALE_SECONDS if limit is None else limit
-        error = _join_error(self.store, self.prefix, self.rank, self.world, died, [], None)
-        _hand_over(self.store, f"{self.prefix}group/", self.rank, self.world, error.missing,
-                   self.hosting, limit)
-        return error if died else None
+        # the message reads the store: before taking the verdict, after which its host may go
+        error = (_join_error(self.store, self.prefix, self.rank, self.world, died, [], None)
+                 if died else None)
+        _hand_over(self.store, f"{self.prefix}group/", self.rank, self.world, died,
+                   self.hosting, self.window + STALE_SECONDS)
+        return error
 
 
 def join(rank: int, world: int, addr: str, port: int, timeout: timedelta,

@@ -171,11 +171,13 @@ def entry() -> int:
         DuplicateReplicaIdError,
         LighthouseUnreachableError,
         QuorumTimeoutError,
+        UntrustedPeerError,
     )
 
     try:
         return main()
-    except (LighthouseUnreachableError, QuorumTimeoutError, DuplicateReplicaIdError) as e:
+    except (LighthouseUnreachableError, QuorumTimeoutError, DuplicateReplicaIdError,
+            UntrustedPeerError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
 

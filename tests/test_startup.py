@@ -15,6 +15,8 @@ import pytest
 import torch.distributed as dist
 from dist_util import Forked, free_port, reap, spawn_ranks
 
+from flexdemo.secret import RunSecret
+
 ROOT = Path(__file__).parent.parent
 TRAIN = ["train", str(ROOT / "configs/gpt.toml"), "task.model=tiny", "task.corpus_bytes=200000",
          "train.batch=2", "train.steps=20", "train.tensorboard=false", "train.progress=false"]
@@ -207,3 +209,121 @@ def test_group_made_within_the_join_window_keeps_the_collective_timeout():
         reap(procs)
     for p, out in zip(procs, outs):
         assert p.returncode == 0 and "SUM 3" in out.splitlines(), out[-3000:]
+
+
+# ------------------------------------------------------------------ a run secret
+# The job's store has no authentication: whoever reaches its port can write there. These
+# tests host the store themselves, as torchrun's agent does (TORCHELASTIC_USE_AGENT_STORE), so
+# that what they write is in before any rank joins.
+SECRET = "start-up-tests-secret-0123456789"
+JOINED = ("import torch.distributed as dist\nprint('JOINED', dist.get_world_size(), flush=True)\n"
+          "dist.destroy_process_group()\n")
+WARNING = "flexdemo: ignored a start-up verdict in the store that is not signed with the run secret"
+
+
+def _agent_job(world: int, secret: str | None, **env: str) -> tuple[dist.TCPStore, dict]:
+    """The job's store, hosted here, and the ranks' environment (``secret``: FLEXDEMO_SECRET)."""
+    port = free_port()
+    store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,
+                          timeout=timedelta(seconds=120))
+    base = {k: v for k, v in os.environ.items() if k != "FLEXDEMO_SECRET"}
+    base.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world),
+                TORCHELASTIC_USE_AGENT_STORE="True", FLEXDEMO_TIMEOUT=str(LONG),
+                OMP_NUM_THREADS="1", **env)
+    return store, base if secret is None else dict(base, FLEXDEMO_SECRET=secret)
+
+
+def _start_after_a_forged_verdict(secret: str | None) -> list[str]:
+    """Two ranks started after someone wrote a verdict naming rank 1 as dead into the store."""
+    store, env = _agent_job(2, secret, FLEXDEMO_JOIN_TIMEOUT="60")
+    store.set("flexdemo/join/0/outcome", '{"died": [1], "absent": [], "waited": null}')
+    procs = [Forked(["-c", _joiner(JOINED)], env=dict(env, RANK=str(r)), stdout=subprocess.PIPE)
+             for r in (0, 1)]
+    try:
+        outs = [p.communicate(timeout=120)[0] for p in procs]
+    finally:
+        reap(procs)
+    assert all(p.returncode == 0 for p in procs), outs
+    return outs
+
+
+@pytest.mark.multiprocess
+def test_forged_verdict_is_ignored_with_a_run_secret():
+    """With FLEXDEMO_SECRET on every rank, a verdict that someone wrote into the job's store
+    before the ranks joined is not signed: both ranks start, each with one warning line."""
+    for out in _start_after_a_forged_verdict(SECRET):
+        assert "JOINED 2" in out.splitlines() and "ERROR" not in out, out[-3000:]
+        warnings = [line for line in out.splitlines() if WARNING in line]
+        assert len(warnings) == 1, out[-3000:]
+        assert "(key flexdemo/join/0/outcome); someone else can write to this job's store: see "\
+            "docs/security.md" in warnings[0], warnings[0]
+
+
+@pytest.mark.multiprocess
+def test_forged_verdict_is_taken_without_a_run_secret():
+    """Without a secret (an open run) the same forged verdict is taken: both ranks refuse to
+    start, naming the healthy rank 1 as dead (what a secret prevents)."""
+    for rank, out in enumerate(_start_after_a_forged_verdict(None)):
+        errors = [line for line in out.splitlines() if line.startswith("ERROR")]
+        assert len(errors) == 1 and "JOINED" not in out, out[-3000:]
+        assert errors[0].startswith(f"ERROR rank {rank}: start-up: rank 1 "), errors[0]
+        assert "died during start-up" in errors[0], errors[0]
+
+
+@pytest.mark.multiprocess
+def test_dead_rank_is_named_by_every_survivor_with_signed_verdicts():
+    """With a run secret, rank 2 of three finishes the join and is killed before the process
+    group exists; a forged verdict naming rank 0 waits in the store. Ranks 0 and 1 ignore it
+    (one warning line each) and both name rank 2, through the signed verdict at the key named
+    by the secret."""
+    store, env = _agent_job(3, SECRET, FLEXDEMO_JOIN_TIMEOUT="5")
+    plain = "flexdemo/join/0/group/outcome"
+    store.set(plain, "[0]")
+    dying = ("import os, signal\nfrom datetime import timedelta\n"
+             "from flexdemo.join import join_store\n"
+             f"join_store(2, 3, '127.0.0.1', {env['MASTER_PORT']}, timedelta(seconds={LONG}))\n"
+             "os.kill(os.getpid(), signal.SIGKILL)\n")
+    procs = [Forked(["-c", _joiner()], env=dict(env, RANK=str(r)), stdout=subprocess.PIPE)
+             for r in (0, 1)]
+    procs.append(Forked(["-c", dying], env=dict(env, RANK="2"), stdout=subprocess.PIPE))
+    try:
+        outs = [p.communicate(timeout=240)[0] for p in procs[:2]]
+        procs[2].communicate(timeout=30)
+    finally:
+        reap(procs)
+    assert procs[2].returncode == -signal.SIGKILL
+    verdicts = []
+    for rank, out in enumerate(outs):
+        errors = [line for line in out.splitlines() if line.startswith("ERROR")]
+        assert procs[rank].returncode == 0 and len(errors) == 1, out[-3000:]
+        head, said = errors[0].split(" start-up: ", 1)
+        assert head == f"ERROR rank {rank}:", errors[0]
+        assert said.startswith("rank 2 (host ") and "died during start-up" in said, errors[0]
+        assert "rank 0" not in said and "rank 1" not in said, errors[0]
+        verdicts.append(said)
+        warnings = [line for line in out.splitlines() if WARNING in line]
+        assert len(warnings) == 1 and f"(key {plain})" in warnings[0], out[-3000:]
+    assert verdicts[0] == verdicts[1]
+    secret = RunSecret(SECRET)
+    key = f"{plain}/{secret.mac('startup-key', plain)[:16]}"
+    assert store.get(plain) == b"[0]"  # the forged one, untouched
+    assert secret.open("startup-verdict", store.get(key).decode()) == f"{key}\n[2]"
+
+
+@pytest.mark.multiprocess
+def test_ranks_with_different_run_secrets_name_the_mismatch():
+    """Rank 0 runs with a secret, rank 1 without: their keys differ, so neither sees the other
+    arrive; each names the other as started with another FLEXDEMO_SECRET, not as missing."""
+    store, env = _agent_job(2, None, FLEXDEMO_JOIN_TIMEOUT="3")
+    procs = [Forked(["-c", _joiner(JOINED)], env=dict(env, RANK="0", FLEXDEMO_SECRET=SECRET),
+                    stdout=subprocess.PIPE),
+             Forked(["-c", _joiner(JOINED)], env=dict(env, RANK="1"), stdout=subprocess.PIPE)]
+    try:
+        outs = [p.communicate(timeout=120)[0] for p in procs]
+    finally:
+        reap(procs)
+    for rank, out in enumerate(outs):
+        errors = [line for line in out.splitlines() if line.startswith("ERROR")]
+        assert procs[rank].returncode == 0 and len(errors) == 1, out[-3000:]
+        assert (f"start-up: rank {1 - rank} started with another FLEXDEMO_SECRET than this rank"
+                in errors[0]), errors[0]

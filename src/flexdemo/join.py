@@ -1,7 +1,9 @@
 """Joining a multi-rank job with a bounded wait: every rank registers in the rendezvous store
 and beats there while it waits for the others, so that a peer that never arrives, or dies
 before the job is assembled, is named by rank (and node) within seconds instead of after the
-whole collective timeout."""
+whole collective timeout. With a run secret (``FLEXDEMO_SECRET``) the job's keys carry a
+suffix derived from it and every verdict is signed, so that someone else who reaches the store
+cannot stop the start-up with a false one (docs/security.md)."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ import json
 import math
 import os
 import socket
+import sys
 import threading
 import time
 from datetime import timedelta
@@ -16,6 +19,7 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from .heartbeat import BEAT_SECONDS, STALE_SECONDS, Beat, StallWatch
+from .secret import SECRET_ENV, RunSecret, resolve_secret
 
 __all__ = ["JOIN_TIMEOUT_ENV", "DEFAULT_JOIN_SECONDS", "JoinError", "Joined", "agent_store", "join",
            "join_store", "join_timeout_from_env", "store_host_died"]
@@ -25,6 +29,13 @@ DEFAULT_JOIN_SECONDS = 30.0
 """How long a rank waits for a peer that has not arrived at all (counted from the moment it
 started waiting itself), unless ``FLEXDEMO_JOIN_TIMEOUT`` says otherwise; never longer than
 the collective timeout."""
+VERDICT_PURPOSE = "startup-verdict"
+"""What a start-up verdict's MAC is for (:meth:`flexdemo.secret.RunSecret.sign`)."""
+KEY_PURPOSE = "startup-key"
+"""What the MAC that makes the job's keys unguessable is for."""
+FORGED_WARNING = ("flexdemo: ignored a start-up verdict in the store that is not signed with "
+                  "the run secret (key {key}); someone else can write to this job's store: see "
+                  "docs/security.md")
 
 
 class JoinError(TimeoutError):
@@ -138,22 +149,92 @@ def _describe(ranks: list[int], info: dict[int, str], layout: dict[int, tuple[in
     return ", ".join(parts)
 
 
+def _scoped(prefix: str, secret: RunSecret | None) -> str:
+    """Where the job's keys live: ``prefix``; with a run secret, one level below it named by
+    the secret, which an outsider cannot guess (writes to the plain keys reach no rank)."""
+    return prefix if secret is None else f"{prefix}{secret.mac(KEY_PURPOSE, prefix)[:16]}/"
+
+
+class _ForgedVerdict(JoinError):
+    """The outcome in the store is not signed with the run secret: every rank refuses."""
+
+
+class _Outcome:
+    """One outcome for every rank at the key ``plain``: the first rank to decide sets it
+    (:meth:`settle`), every rank takes it. With a run secret it lives at a key of its own
+    named by the secret (not listed in the store before a rank sets it) and is signed, naming
+    that key: a value there that does not verify raises :class:`JoinError`, and one at
+    ``plain`` is ignored with one warning line."""
+
+    def __init__(self, store: dist.Store, plain: str, rank: int,
+                 secret: RunSecret | None) -> None:
+        self.store, self.plain, self.rank, self.secret = store, plain, rank, secret
+        self.key = plain if secret is None else f"{plain}/{secret.mac(KEY_PURPOSE, plain)[:16]}"
+
+    def read(self) -> str | None:
+        """The outcome some rank set, or None while there is none."""
+        if not self.store.check([self.key]):
+            return None
+        return self._open(self.store.get(self.key).decode())
+
+    def settle(self, mine: str) -> str:
+        """The outcome: the one some rank set already, else ``mine``."""
+        if self.secret is not None:
+            mine = self.secret.sign(VERDICT_PURPOSE, f"{self.key}\n{mine}")
+        return self._open(self.store.compare_set(self.key, "", mine).decode())
+
+    def _open(self, value: str) -> str:
+        if self.secret is None:
+            return value
+        if self.store.check([self.plain]):  # someone else wrote the open run's key
+            print(FORGED_WARNING.format(key=self.plain), file=sys.stderr, flush=True)
+        key, _, text = (self.secret.open(VERDICT_PURPOSE, value) or "").partition("\n")
+        if key != self.key:
+            raise _ForgedVerdict(f"rank {self.rank}: start-up: the verdict in the job's store "
+                                 f"(key {self.key}) is not signed with the run secret: someone "
+                                 "else can write to this job's store and replaced it; restart "
+                                 "the job and keep its store's port from others "
+                                 "(docs/security.md)", [], [])
+        return text
+
+
+def _fingerprint(secret: RunSecret | None) -> str:
+    return "none" if secret is None else secret.fingerprint
+
+
+def _strangers(store: dist.Store, prefix: str, ranks: list[int],
+               secret: RunSecret | None) -> list[int]:
+    """Those of ``ranks`` that said at ``prefix`` (the open keys) that they run with another
+    run secret than this rank, or one of the two with none (so that they never met)."""
+    out = []
+    for r in ranks:
+        try:
+            key = f"{prefix}secret/{r}"
+            if store.check([key]) and store.get(key).decode() != _fingerprint(secret):
+                out.append(r)
+        except Exception:  # best effort: the message without it
+            continue
+    return out
+
+
 class Joined:
     """A finished join whose heartbeat goes on while the process group is set up: a peer
     that dies between the join and the group's rendezvous (where gloo waits for it without
     any sign of life) is named by :meth:`lost_after_failure`, the same verdict on every
     survivor. Made by :func:`join`; call :meth:`stop` once the group exists or the error is
-    raised."""
+    raised. ``prefix``: the open run's keys; with ``secret`` they live below it
+    (:attr:`prefix`)."""
 
     def __init__(self, store: dist.Store, rank: int, world: int, prefix: str, window: float,
-                 note: str) -> None:
-        self.store, self.rank, self.world, self.prefix = store, rank, world, prefix
+                 note: str, secret: RunSecret | None = None) -> None:
+        self.store, self.rank, self.world = store, rank, world
+        self.open_prefix, self.prefix, self.secret = prefix, _scoped(prefix, secret), secret
         self.window, self.note = window, note
         self.hosting = rank == 0 and not agent_store()
         self._watch = StallWatch()
         self._lock = threading.Lock()
         self._watching = threading.Event()  # set after the join: look at the peers' beats
-        self.beat = Beat(store, f"{prefix}hb/{rank}", then=self._look,
+        self.beat = Beat(store, f"{self.prefix}hb/{rank}", then=self._look,
                          name="flexdemo-join-beat")
 
     def _counters(self) -> dict[int, int]:
@@ -184,38 +265,49 @@ class Joined:
         which the caller names). The first rank to decide publishes the verdict and every
         other takes it; the store's host waits (at most the join's window and
         :data:`~flexdemo.heartbeat.STALE_SECONDS`) until they did."""
-        key = f"{self.prefix}group/outcome"
-        deadline = time.monotonic() + STALE_SECONDS + 3 * BEAT_SECONDS
+        error: JoinError | None = None
         try:
-            while True:
-                if self.store.check([key]):
-                    died = json.loads(self.store.get(key).decode())
-                    break
-                now = time.monotonic()
-                with self._lock:
-                    died = self._watch.stalled(self._counters(), now)
-                if died or now >= deadline:
-                    died = json.loads(self.store.compare_set(key, "", json.dumps(died)).decode())
-                    break
-                time.sleep(BEAT_SECONDS / 4)
+            died = self._group_verdict()
+        except JoinError as e:  # a verdict that is not signed with the run secret
+            died, error = [], e
         except (RuntimeError, TimeoutError):  # the store went away: its host died
             return None
         # the message reads the store: before taking the verdict, after which its host may go
-        error = (_join_error(self.store, self.prefix, self.rank, self.world, died, [], None)
-                 if died else None)
+        if died:
+            error = _join_error(self.store, self.prefix, self.rank, self.world, died, [], None)
         _hand_over(self.store, f"{self.prefix}group/", self.rank, self.world, died,
                    self.hosting, self.window + STALE_SECONDS)
         return error
 
+    def _group_verdict(self) -> list[int]:
+        """The peers that every survivor names as dead since the join (see
+        :meth:`lost_after_failure`)."""
+        outcome = _Outcome(self.store, f"{self.open_prefix}group/outcome", self.rank,
+                           self.secret)
+        deadline = time.monotonic() + STALE_SECONDS + 3 * BEAT_SECONDS
+        while True:
+            taken = outcome.read()
+            if taken is not None:
+                return json.loads(taken)
+            now = time.monotonic()
+            with self._lock:
+                died = self._watch.stalled(self._counters(), now)
+            if died or now >= deadline:
+                return json.loads(outcome.settle(json.dumps(died)))
+            time.sleep(BEAT_SECONDS / 4)
+
 
 def join(rank: int, world: int, addr: str, port: int, timeout: timedelta,
-         window: float | None = None) -> Joined:
+         window: float | None = None, secret: str | RunSecret | None = None) -> Joined:
     """Open the job's store and wait until all ``world`` ranks registered there. A peer that
     registered and whose heartbeat stopped for :data:`~flexdemo.heartbeat.STALE_SECONDS`
     died; one that did not register within ``window`` seconds (default
     :func:`join_timeout_from_env`) never arrived: both raise :class:`JoinError` naming them
     by rank (and node, where known), the same verdict on every survivor. Returns the
-    :class:`Joined` (its store's timeout set to ``timeout``), still beating."""
+    :class:`Joined` (its store's timeout set to ``timeout``), still beating. ``secret``:
+    the run secret (default ``FLEXDEMO_SECRET``; :func:`~flexdemo.secret.resolve_secret`),
+    under which the job's keys are named and its verdicts signed."""
+    secret = resolve_secret(secret)
     limit = timeout.total_seconds()
     wanted = join_timeout_from_env(float("inf")) if window is None else window
     window = min(wanted, limit)
@@ -223,19 +315,24 @@ def join(rank: int, world: int, addr: str, port: int, timeout: timedelta,
     store = _open_store(addr, port, rank, world, window, note)
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     prefix = f"flexdemo/join/{attempt}/"
+    keys = _scoped(prefix, secret)  # with a secret: where the job's keys live
     layout = _launch_layout()
     node = "" if layout is None else f"{layout[0]},{layout[1]}"
-    store.set(f"{prefix}info/{rank}", f"{socket.gethostname()}|{node}")
-    joined = Joined(store, rank, world, prefix, window, note)
-    store.add(f"{prefix}arrived", 1)
+    store.set(f"{prefix}secret/{rank}", _fingerprint(secret))  # to name a mismatch
+    store.set(f"{keys}info/{rank}", f"{socket.gethostname()}|{node}")
+    joined = Joined(store, rank, world, prefix, window, note, secret)
+    store.add(f"{keys}arrived", 1)
     agent = agent_store()
     done = False
     try:
-        verdict = _wait_for_all(store, prefix, rank, world, window, note)
+        verdict = _wait_for_all(store, prefix, rank, world, window, note, secret)
         if verdict is not None:
-            raise _verdict_error(store, prefix, rank, world, verdict,
-                                 hosting=joined.hosting)
+            raise _verdict_error(store, keys, rank, world, verdict, hosting=joined.hosting,
+                                 strangers=_strangers(store, prefix, verdict["absent"], secret))
         done = True
+    except _ForgedVerdict:  # every rank reads it: the store's host waits until they did
+        _hand_over(store, keys, rank, world, [], joined.hosting, 15.0)
+        raise
     except (RuntimeError, TimeoutError) as e:  # the store went away: its host died
         if agent or isinstance(e, JoinError):
             raise
@@ -249,9 +346,10 @@ def join(rank: int, world: int, addr: str, port: int, timeout: timedelta,
 
 
 def join_store(rank: int, world: int, addr: str, port: int, timeout: timedelta,
-               window: float | None = None) -> dist.Store:
+               window: float | None = None, secret: str | RunSecret | None = None
+               ) -> dist.Store:
     """:func:`join`, then stop beating; returns the store for ``init_process_group``."""
-    joined = join(rank, world, addr, port, timeout, window)
+    joined = join(rank, world, addr, port, timeout, window, secret)
     joined.stop()
     return joined.store
 
@@ -269,44 +367,47 @@ def store_host_died(rank: int, addr: str, port: int | str) -> JoinError:
 
 
 def _wait_for_all(store: dist.Store, prefix: str, rank: int, world: int,
-                  window: float, note: str) -> dict | None:
+                  window: float, note: str, secret: RunSecret | None = None) -> dict | None:
     """None once every rank arrived; else the verdict (``died``, ``absent``, ``waited``).
     One outcome for all: the first rank to decide sets it ("ok", or its verdict) and every
     rank follows it, so that no rank goes on while another gives up."""
     start = time.monotonic()
     watch = StallWatch()
     next_look = start
-    key = f"{prefix}outcome"
+    keys = _scoped(prefix, secret)
+    outcome = _Outcome(store, f"{prefix}outcome", rank, secret)
 
-    def settle(mine: str) -> dict | None:
-        outcome = store.compare_set(key, "", mine).decode()
-        return None if outcome == "ok" else json.loads(outcome)
+    def verdict(taken: str) -> dict | None:
+        return None if taken == "ok" else json.loads(taken)
 
     while True:
-        if store.check([key]):
-            return settle("")  # (compare_set on an existing key returns its value)
-        if store.add(f"{prefix}arrived", 0) >= world:
-            return settle("ok")
+        taken = outcome.read()
+        if taken is not None:
+            return verdict(taken)
+        if store.add(f"{keys}arrived", 0) >= world:
+            return verdict(outcome.settle("ok"))
         now = time.monotonic()
         if now < next_look:
             time.sleep(0.2)
             continue
         next_look = now + BEAT_SECONDS
-        arrived = [r for r in range(world) if store.check([f"{prefix}info/{r}"])]
-        died = watch.stalled({r: store.add(f"{prefix}hb/{r}", 0) for r in arrived if r != rank},
+        arrived = [r for r in range(world) if store.check([f"{keys}info/{r}"])]
+        died = watch.stalled({r: store.add(f"{keys}hb/{r}", 0) for r in arrived if r != rank},
                              now)
         absent = [r for r in range(world) if r not in arrived]
         if died or (absent and now - start > window):
-            return settle(json.dumps({"died": died, "absent": absent,
-                                      "waited": None if died else note}))
+            return verdict(outcome.settle(json.dumps({"died": died, "absent": absent,
+                                                      "waited": None if died else note})))
 
 
 def _verdict_error(store: dist.Store, prefix: str, rank: int, world: int, verdict: dict,
-                   hosting: bool, limit: float = 15.0) -> JoinError:
+                   hosting: bool, limit: float = 15.0, strangers: list[int] | None = None
+                   ) -> JoinError:
     """The error for ``verdict``; the store's host first waits (at most ``limit`` s) until
-    every other survivor took it, since its exit takes the store down."""
+    every other survivor took it, since its exit takes the store down. ``strangers``: absent
+    ranks that run with another run secret."""
     error = _join_error(store, prefix, rank, world, verdict["died"], verdict["absent"],
-                        verdict["waited"])
+                        verdict["waited"], strangers or [])
     _hand_over(store, prefix, rank, world, error.missing, hosting, limit)
     return error
 
@@ -328,9 +429,11 @@ def _hand_over(store: dist.Store, prefix: str, rank: int, world: int, missing: l
 
 
 def _join_error(store: dist.Store, prefix: str, rank: int, world: int, died: list[int],
-                absent: list[int], waited: str | None) -> JoinError:
+                absent: list[int], waited: str | None, strangers: list[int] | None = None
+                ) -> JoinError:
     """The one line naming the dead and absent ranks (``waited``: how long the wait for the
-    absent ones ran; None: they may still come, but a dead peer ends the start-up)."""
+    absent ones ran; None: they may still come, but a dead peer ends the start-up;
+    ``strangers``: those absent ones that run with another run secret)."""
     info: dict[int, str] = {}
     layout: dict[int, tuple[int, int]] = {}
     for r in range(world):
@@ -344,6 +447,9 @@ def _join_error(store: dist.Store, prefix: str, rank: int, world: int, died: lis
         if node:
             n, per_node = node.split(",")
             layout[r] = (int(n), int(per_node))
+    missing = sorted(died + absent)
+    strangers = [r for r in strangers or [] if r in absent]
+    absent = [r for r in absent if r not in strangers]
     said = []
     if died:
         said.append(f"{_describe(died, info, layout)} died during start-up (arrived, then its "
@@ -352,7 +458,10 @@ def _join_error(store: dist.Store, prefix: str, rank: int, world: int, died: lis
         said.append(f"{_describe(absent, info, layout)} never arrived within {waited}")
     elif absent:
         said.append(f"{_describe(absent, info, layout)} had not arrived yet")
-    missing = sorted(died + absent)
+    if strangers:
+        said.append(f"{_describe(strangers, info, layout)} started with another "
+                    f"{SECRET_ENV} than this rank (or one of the two without): give every rank "
+                    "the same")
     return JoinError(f"rank {rank}: start-up: {'; '.join(said)}; {world - len(missing)} of "
                      f"{world} ranks are here. Restart the job once every rank can start",
                      missing, died)

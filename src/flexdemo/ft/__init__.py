@@ -8,6 +8,7 @@ is an :class:`ElasticOptimizer`: an :class:`ElasticSession` around a plain DeToN
 
 from ..transport import PeerLostError
 from .config import FaultTolerance, TorchFTMissingError, require_torchft
+from .membership import UntrustedPeerError
 
 
 def __getattr__(name: str):
@@ -30,4 +31,4 @@ def __getattr__(name: str):
 __all__ = ["DuplicateReplicaIdError", "ElasticOptimizer", "ElasticSession", "FaultTolerance",
            "InnerOptimizer", "LighthouseLostError", "LighthouseUnreachableError",
            "ManagerTransport", "PeerLostError", "Phase", "QuorumTimeoutError",
-           "TorchFTMissingError", "TorchFTVersionError", "require_torchft"]
+           "TorchFTMissingError", "TorchFTVersionError", "UntrustedPeerError", "require_torchft"]

@@ -7,6 +7,8 @@ import os
 import socket
 from dataclasses import dataclass, field
 
+from ..secret import RunSecret, resolve_secret
+
 LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"
 REPLICA_ID_ENVS = ("FLEXDEMO_REPLICA_ID", "REPLICA_GROUP_ID")
 HOSTNAME_ENV = "FLEXDEMO_FT_HOSTNAME"
@@ -50,6 +52,7 @@ class FaultToleranceSettings:
     hostname: str | None = None
     max_failed_commits: int | None = None
     verbose: bool = False
+    secret: str | None = field(default=None, repr=False)
 
 
 @dataclass
@@ -73,6 +76,10 @@ class FaultTolerance(FaultToleranceSettings):
         verbose: torchft's own logs in full (its Rust side's INFO lines, several per step,
             and its tracebacks); by default only its warnings and errors, one line each.
             Read when torchft is first imported in the process.
+        secret: the run secret, the same on every node (default: ``$FLEXDEMO_SECRET``; at
+            least 16 characters): every quorum member, heal and start-up verdict is
+            authenticated with it, and a group without it is never counted or healed from
+            (docs/security.md). Without one the run is open to anyone who reaches its ports.
     """
 
     extra_state: dict = field(default_factory=dict, repr=False)
@@ -105,6 +112,7 @@ class FaultTolerance(FaultToleranceSettings):
             self.quorum_timeout = self.timeout
         self.hostname = (self.hostname or os.environ.get(HOSTNAME_ENV, "").strip()
                          or socket.gethostname())
+        self.run_secret: RunSecret | None = resolve_secret(self.secret)  # SecretError: 1 line
 
     def register_state(self, key: str, load_state_dict, state_dict) -> None:
         """Extra state a joiner fetches from a healthy peer (an LR scheduler, a data loader):

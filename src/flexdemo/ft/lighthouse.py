@@ -24,7 +24,9 @@ examples:
   flexdemo lighthouse --min_replicas 1
   flexdemo lighthouse --min_replicas 2 --bind 10.0.0.1:29510 --join_timeout_ms 5000
 then on every node: TORCHFT_LIGHTHOUSE=http://10.0.0.1:29510 FLEXDEMO_REPLICA_ID=<node> ..."""
-OPTIONS = (("--bind", "[::]:29510", "address to listen on, host:port"),
+OPTIONS = (("--bind", "127.0.0.1:29510", "address to listen on, host:port (default: loopback, "
+                                         "one machine; give the replica network's address "
+                                         "for several)"),
            ("--min_replicas", None, "the fewest replica groups that form a quorum"),
            ("--join_timeout_ms", None, "how long to wait for heartbeating stragglers to join "
                                        "before issuing a quorum (torchft: 60000)"),
@@ -90,10 +92,22 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     except TorchFTMissingError as e:
         print(f"flexdemo lighthouse: error: {e}", file=sys.stderr, flush=True)
         return 2
+    print(f"flexdemo lighthouse: {exposure(args.bind)}", file=sys.stderr)
     sys.stdout.flush()
     sys.stderr.flush()
     os.execv(cmd[0], cmd)
     return 0  # not reached
+
+
+def exposure(bind: str) -> str:
+    """The start-up line: where the lighthouse listens and what anyone reaching it can do."""
+    host = bind.rpartition(":")[0].strip("[]")
+    where = ("loopback only" if host in ("127.0.0.1", "::1", "localhost")
+             else "every interface" if host in ("", "::", "0.0.0.0") else host)
+    return (f"listening on {bind} ({where}); torchft's lighthouse has no authentication: "
+            "anyone who reaches it sees every group's address on its dashboard and can stop a "
+            "group (POST /replica/<id>/kill); keep it on a private network (VPN, firewall) and "
+            "give every node the run secret, FLEXDEMO_SECRET (docs/security.md)")
 
 
 def lighthouse_answers(url: str, timeout: float = 1.0) -> bool:

@@ -26,7 +26,9 @@ import torch.distributed as dist
 
 from ..transport import ManagerTransport, PeerLostError
 from .config import FaultTolerance
+from .heal import HealRefusedError, HealServer, bind_address
 from .lighthouse import lighthouse_answers
+from .membership import UntrustedPeerError
 from .phase import NEXT, Phase, StepUndo
 from .state import (
     Snapshot,
@@ -75,7 +77,8 @@ class DuplicateReplicaIdError(ValueError):
 
 
 __all__ = ["DuplicateReplicaIdError", "ElasticSession", "LighthouseLostError",
-           "LighthouseUnreachableError", "Phase", "QuorumTimeoutError", "TorchFTVersionError"]
+           "LighthouseUnreachableError", "Phase", "QuorumTimeoutError", "TorchFTVersionError",
+           "UntrustedPeerError"]
 
 
 def _store(hostname: str) -> tuple[str, int, object]:
@@ -149,22 +152,30 @@ class ElasticSession:
         self.commit_seconds = 0.0
         self.snapshot_seconds = 0.0
         self._spare: Snapshot | None = None  # the last undo copy: the next one reuses it
+        secret = getattr(config, "run_secret", None)
+        bind, bind_note = bind_address(hostname)
+        self._heal = HealServer(bind, hostname, secret, config.timeout, config.verbose, _say)
         try:
             self.manager, pg, self._recorder = new_manager(
                 lighthouse=lighthouse, replica_id=replica_id, hostname=hostname,
                 min_replicas=config.min_replicas, timeout=config.timeout,
                 quorum_timeout=quorum_timeout, rank=rank, world=world, store_addr=addr,
                 store_port=port, max_failed_commits=config.max_failed_commits,
-                verbose=config.verbose)
+                verbose=config.verbose, heal_server=self._heal, secret=secret)
         except TorchFTVersionError:
+            self._heal.shutdown(wait=False)
             raise
         except Exception as e:  # one line naming the lighthouse
+            self._heal.shutdown(wait=False)
             raise LighthouseUnreachableError(
                 f"replica group {config.replica_id!r} could not reach the torchft lighthouse "
                 f"at {config.lighthouse} within {config.timeout:g} s ({_first_line(e)}); "
                 "start one with `flexdemo lighthouse --min_replicas 1` or fix "
                 "TORCHFT_LIGHTHOUSE") from None
         self.transport = ManagerTransport(self.manager, pg, config.timeout)
+        if rank == 0:
+            _say(exposure(replica_id, secret, self._heal, bind_note, port
+                          if self._own_store is not None else None))
 
     @property
     def phase(self) -> Phase:
@@ -295,6 +306,7 @@ class ElasticSession:
                     time.sleep(0.2)
                     set_async_quorum(self.manager, False)
                     self._quorum()
+        self._check_heal()
         quorum = self._recorder.last
         # healed after its forward pass: its gradients are not the peers'
         stale = apply_late_heal(self.manager)
@@ -316,6 +328,18 @@ class ElasticSession:
         self._after_membership_change()
         self.quorum_seconds = self._launch_seconds + time.perf_counter() - t0
         self._advance(Phase.STALE if stale else Phase.JOINED)
+
+    def _check_heal(self) -> None:
+        """Raise :class:`UntrustedPeerError` (one line) when this quorum's heal was refused
+        (:class:`~flexdemo.ft.heal.HealRefusedError`: a source without the run secret, a
+        state that is not data, or of another step): nothing of it was loaded, and this group
+        stops rather than go on with a state it did not heal to."""
+        error = self.manager.errored()
+        cause = getattr(error, "original_exception", None)
+        if isinstance(cause, HealRefusedError):
+            self.shutdown()
+            raise UntrustedPeerError(f"replica group {self.config.replica_id!r} refused to "
+                                     f"heal: {cause}; this group stops (docs/security.md)")
 
     def _enough_groups(self) -> bool:
         """Wait for the quorum started last; whether it has ``min_replicas`` groups. Every
@@ -374,7 +398,11 @@ class ElasticSession:
             raise self._quorum_error(e) from None
 
     def _quorum_error(self, e: Exception) -> Exception:
-        """A quorum's failure as one line: a timeout, a lost lighthouse, or ``e`` itself."""
+        """A quorum's failure as one line: a member without the run secret, a timeout, a lost
+        lighthouse, or ``e`` itself."""
+        if isinstance(e, UntrustedPeerError):
+            self.shutdown()
+            return e
         text = str(e).lower()
         if "timeout" in text or "timed out" in text or "deadline" in text:
             if not lighthouse_answers(str(self.config.lighthouse)):
@@ -513,6 +541,26 @@ class ElasticSession:
         """Stop this group's Manager (its server and checkpoint transport) and the watcher."""
         self._watcher.close()
         self.manager.shutdown(wait=False)
+
+
+def exposure(replica_id: str, secret, heal: HealServer, bind_note: str | None,
+             store_port: int | None) -> str:
+    """The start-up line of a replica group: whether the run is authenticated, and what
+    listens beyond loopback (docs/security.md)."""
+    heal_at = (f"{heal.host}:{heal.port}" if heal.host else
+               f"every interface, port {heal.port} ({bind_note}; set FLEXDEMO_FT_HOSTNAME to "
+               "this node's address on the replica network to bind it)")
+    store = (f"its store (every interface, port {store_port})" if store_port is not None
+             else "torchrun's store (every interface)")
+    if secret is None:
+        return (f"replica group {replica_id!r}: this run is OPEN (no FLEXDEMO_SECRET): anyone "
+                "who reaches its ports can join the quorum, serve a heal or stop a group; "
+                f"the heal server listens on {heal_at}, torchft's Manager server and {store} "
+                "on every interface without authentication (docs/security.md)")
+    return (f"replica group {replica_id!r}: run secret {secret.fingerprint} (fingerprint): "
+            f"quorum members and heals are authenticated; the heal server listens on "
+            f"{heal_at}; torchft's Manager server and {store} listen on every interface "
+            "without authentication: keep them behind a firewall or VPN (docs/security.md)")
 
 
 def _say(text: str) -> None:

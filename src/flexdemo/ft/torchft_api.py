@@ -15,8 +15,13 @@ torchft that renamed one is refused in one line instead of failing mid-run:
 * every group of the quorum counted as a participant, a healing one too
   (``Manager._participating_replica_rank``, ``Manager._participating_replica_world_size``);
 * the whole quorum (its replica ids and size), kept from ``ManagerClient._quorum`` through
-  ``Manager._client``;
-* the address the checkpoint transport advertises (``HTTPTransport._server``).
+  ``Manager._client``, and checked there before torchft acts on it (every member proves the
+  run secret, :mod:`flexdemo.ft.membership`).
+
+The checkpoint transport is flexdemo's own (:mod:`flexdemo.ft.heal` behind torchft's public
+``CheckpointTransport`` interface): it binds the address the group advertises, authenticates
+with the run secret and loads a healing state as data only (torchft's loads with
+``weights_only=False`` and listens on every interface).
 
 The process group is torchft's gloo group with each configuration under a store prefix of its
 own (:func:`_process_group`), so that a lighthouse restarted mid-run, which numbers its quorums
@@ -36,15 +41,19 @@ import re
 import sys
 import warnings
 import zlib
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
+
+from ..secret import RunSecret
+from .heal import HealServer, fetch
+from .membership import check_members, display_id, tag_replica_id
 
 INTERNALS: dict[str, tuple[str, ...]] = {
     "Manager": ("_client", "_use_async_quorum", "_healing", "_apply_pending_state_dict",
                 "_participating_replica_rank", "_participating_replica_world_size",
                 "_quorum_future"),
     "ManagerClient": ("_quorum",),
-    "HTTPTransport": ("_server",),
 }
 """Every torchft internal flexdemo uses, by torchft class, as torchft 0.2 has them."""
 
@@ -98,7 +107,7 @@ class OneLineHandler(logging.Handler):
     def emit(self, record: logging.LogRecord) -> None:
         try:
             lines = [x.strip() for x in record.getMessage().splitlines() if x.strip()]
-            text = _UUID.sub("", lines[0] if lines else record.levelname)
+            text = display_id(_UUID.sub("", lines[0] if lines else record.levelname))
             if text == self.last or any(x in text for x in IGNORED):
                 return
             self.last = text
@@ -142,40 +151,48 @@ def configure_logs(verbose: bool) -> None:
 # ---------------------------------------------------------------------- the Manager
 class QuorumRecorder:
     """The Manager's client, keeping the last quorum it returned (all its replica ids and
-    its size, a healing group included)."""
+    its size, a healing group included) once ``check(replica_ids)`` passed it: a check that
+    raises fails the quorum before torchft reconfigures its group or heals from a member."""
 
-    def __init__(self, client) -> None:
+    def __init__(self, client, check: Callable[[list[str]], None] | None = None) -> None:
         self._client = client
+        self._check = check
         self.last: Any = None  # torchft's QuorumResult
 
     def _quorum(self, *args, **kwargs):
-        self.last = self._client._quorum(*args, **kwargs)
-        return self.last
+        quorum = self._client._quorum(*args, **kwargs)
+        if self._check is not None:
+            self._check(list(getattr(quorum, "replica_ids", None) or []))
+        self.last = quorum
+        return quorum
 
     def __getattr__(self, name: str):
         return getattr(self._client, name)
 
 
-def _checkpoint_transport(hostname: str, timeout: timedelta, verbose: bool):
-    """torchft's HTTP checkpoint transport, advertising ``hostname`` (torchft's own
-    advertises the machine's host name, which peers may not resolve); its server logs each
-    request only if ``verbose``."""
-    from torchft.checkpointing import HTTPTransport
+def _checkpoint_transport(server: HealServer, requester: str, secret: RunSecret | None):
+    """flexdemo's heal transport (:mod:`flexdemo.ft.heal`) as a torchft
+    ``CheckpointTransport``: ``server`` serves this rank's state, :func:`~flexdemo.ft.heal.fetch`
+    fetches a peer's, as ``requester``."""
+    from torchft.checkpointing.transport import CheckpointTransport
 
-    class _Transport(HTTPTransport):
-        def __init__(self, *args, **kwargs) -> None:
-            super().__init__(*args, **kwargs)
-            server = getattr(self, "_server", None)  # (checked by check_internals)
-            if server is not None and not verbose:
-                handler = server.RequestHandlerClass
-                handler.log_message = lambda *args, **kwargs: None
+    class _Transport(CheckpointTransport):
+        def metadata(self) -> str:
+            return server.address()
 
-        def address(self) -> str:
-            port = self._server.socket.getsockname()[1]
-            host = f"[{hostname}]" if ":" in hostname else hostname
-            return f"http://{host}:{port}/checkpoint/"
+        def send_checkpoint(self, dst_ranks, step, state_dict, timeout) -> None:
+            server.serve(step, state_dict)
 
-    return _Transport(timeout=timeout, num_chunks=0)
+        def disallow_checkpoint(self) -> None:
+            server.stop_serving()
+
+        def recv_checkpoint(self, src_rank, metadata, step, timeout):
+            return fetch(metadata, step, requester, secret, timeout.total_seconds())
+
+        def shutdown(self, wait: bool = True) -> None:
+            server.shutdown(wait)
+
+    return _Transport()
 
 
 def _process_group(timeout: timedelta):
@@ -211,32 +228,39 @@ def quorum_retries(quorum_timeout: float, every: float = 0.5) -> int:
 
 def new_manager(*, lighthouse: str, replica_id: str, hostname: str, min_replicas: int,
                 timeout: float, quorum_timeout: float, rank: int, world: int, store_addr: str,
-                store_port: int, max_failed_commits: int | None, verbose: bool):
+                store_port: int, max_failed_commits: int | None, verbose: bool,
+                heal_server: HealServer, secret: RunSecret | None = None):
     """A torchft ``Manager`` for this rank of a replica group and its process group (gloo),
     its internals checked (:class:`TorchFTVersionError`) and its client recording each
-    quorum (:class:`QuorumRecorder`). Returns ``(manager, process_group, recorder)``."""
+    quorum (:class:`QuorumRecorder`) once every member proved ``secret`` (where there is
+    one). Heals go through ``heal_server`` and :func:`~flexdemo.ft.heal.fetch`. Returns
+    ``(manager, process_group, recorder)``."""
     configure_logs(verbose)
     from torchft.manager import Manager
 
     step_timeout = timedelta(seconds=timeout)
     pg = _process_group(step_timeout)
-    transport = _checkpoint_transport(hostname, step_timeout, verbose)
+    tagged = tag_replica_id(replica_id, secret)
+    transport = _checkpoint_transport(heal_server, tagged, secret)
     manager = Manager(
         pg=pg, load_state_dict=None, state_dict=None, min_replica_size=min_replicas,
         use_async_quorum=False, timeout=step_timeout,
         quorum_timeout=timedelta(seconds=quorum_timeout), connect_timeout=step_timeout,
         rank=rank, world_size=world, store_addr=store_addr, store_port=store_port,
-        lighthouse_addr=lighthouse, replica_id=replica_id, hostname=hostname,
+        lighthouse_addr=lighthouse, replica_id=tagged, hostname=hostname,
         checkpoint_transport=transport, max_retries=max_failed_commits,
         quorum_retries=quorum_retries(quorum_timeout),
         heartbeat_interval=timedelta(seconds=HEARTBEAT_INTERVAL))
     try:
-        check_internals({"Manager": manager, "ManagerClient": manager._client,
-                         "HTTPTransport": transport})
+        check_internals({"Manager": manager, "ManagerClient": manager._client})
     except TorchFTVersionError:
         manager.shutdown(wait=False)
         raise
-    recorder = pg.recorder = manager._client = QuorumRecorder(manager._client)
+
+    def check(replica_ids: list[str]) -> None:
+        check_members(replica_ids, secret, replica_id, lighthouse)
+
+    recorder = pg.recorder = manager._client = QuorumRecorder(manager._client, check)
     return manager, pg, recorder
 
 

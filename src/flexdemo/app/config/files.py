@@ -160,8 +160,10 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] | No
 # ---------------------------------------------------------------------- writing
 def config_to_dict(cfg: Config) -> dict:
     """The config as plain data (``None`` sizes become ``"auto"``; other unset keys, ``None``,
-    are left out, as TOML has no null)."""
+    are left out, as TOML has no null). The run secret is never written out: a rerun reads
+    it from ``$FLEXDEMO_SECRET`` or a config of its own."""
     data = dataclasses.asdict(cfg)  # [task]: the fields of the task's own section
+    data["fault_tolerance"].pop("secret", None)
     for key in ("replicate", "shard"):
         if data["mesh"][key] is None:
             data["mesh"][key] = "auto"

@@ -63,7 +63,12 @@ import torch
 import torch.distributed as dist
 
 from ...checkpoint import describe_os_error
-from ...ft.session import DuplicateReplicaIdError, LighthouseLostError, QuorumTimeoutError
+from ...ft.session import (
+    DuplicateReplicaIdError,
+    LighthouseLostError,
+    QuorumTimeoutError,
+    UntrustedPeerError,
+)
 from ...replicate import NonFiniteGradientError
 from ...sharding import NoReplicationWarning
 from ...transport import PeerLostError
@@ -321,8 +326,8 @@ class Trainer:
             return self._run()
         except TrainingError:
             raise
-        except (QuorumTimeoutError, DuplicateReplicaIdError) as e:  # a fault-tolerant run's
-            raise TrainingError(str(e)) from None  # quorum: one line naming the lighthouse
+        except (QuorumTimeoutError, DuplicateReplicaIdError, UntrustedPeerError) as e:
+            raise TrainingError(str(e)) from None  # a fault-tolerant run's quorum: one line
         except Exception as e:
             if self.world > 1 and is_comm_error(e):
                 raise self.peers.error(e) from e

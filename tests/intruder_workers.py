@@ -1,0 +1,69 @@
+"""A process outside the run that poses as a replica group (tests/test_security.py).
+
+``python -m intruder_workers --lighthouse URL --replica-id X --marker FILE --seconds S``
+joins the lighthouse's quorums as a group would, with flexdemo's own protocol (an attacker
+knows the code: the same Manager set-up, store prefixes and heal server), but without the run
+secret. It claims step 100000 and serves a heal state whose parameters are all 7.0 and which
+carries a pickled object that, when unpickled, creates ``FILE`` (standing for code run
+inside the victim). It takes part in quorums until ``S`` seconds have passed, then exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import torch
+
+from flexdemo.ft.heal import HealServer
+from flexdemo.ft.torchft_api import new_manager
+
+STEP = 100_000
+
+
+class Payload:
+    """Unpickling this creates ``marker``: code run inside whoever loads it."""
+
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--lighthouse", required=True)
+    ap.add_argument("--replica-id", default="X")
+    ap.add_argument("--marker", required=True)
+    ap.add_argument("--seconds", type=float, default=30.0)
+    ap.add_argument("--params", type=int, default=6, help="parameter tensors to serve")
+    a = ap.parse_args(argv)
+    store = torch.distributed.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    poisoned = {"params": [torch.full((4,), 7.0) for _ in range(a.params)], "base": {},
+                "steps": STEP, "skipped_steps": 0, "replicators": [],
+                "code": Payload(a.marker)}
+    manager, _, _ = new_manager(
+        lighthouse=a.lighthouse, replica_id=a.replica_id, hostname="127.0.0.1",
+        min_replicas=1, timeout=10.0, quorum_timeout=10.0, rank=0, world=1,
+        store_addr="127.0.0.1", store_port=store.port, max_failed_commits=None,
+        verbose=False, heal_server=HealServer("127.0.0.1", "127.0.0.1", None, 10.0))
+    manager.register_state_dict_fn("flexdemo", lambda s: None, lambda: poisoned)
+    manager.load_state_dict({"step": STEP, "batches_committed": 0})
+    print("intruder up", flush=True)
+    deadline = time.monotonic() + a.seconds
+    while time.monotonic() < deadline:
+        try:
+            manager.start_quorum(allow_heal=True)
+            manager.should_commit()
+        except Exception as e:  # the honest groups went away: try again until the deadline
+            print(f"intruder: {str(e).splitlines()[0] if str(e) else type(e).__name__}",
+                  flush=True)
+        time.sleep(0.1)
+    manager.shutdown(wait=False)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -170,11 +170,14 @@ def test_a_heal_state_of_another_step_or_with_code_is_refused(tmp_path):
 
 
 # ---------------------------------------------------------------------- real processes
-def _intruder(started: list, tmp: Path, url: str, *args: str) -> Forked:
+def _intruder(started: list, tmp: Path, url: str, *args: str, wait: bool = True) -> Forked:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=PYTHONPATH)
+    env.pop(SECRET_ENV, None)  # it does not know the secret
     p = Forked(["-m", "intruder_workers", "--lighthouse", url, "--marker",
                 str(tmp / "pwned"), *args], env=env, cwd=HERE, stdout=tmp / "intruder.log")
     started.append(p)
+    if not wait:
+        return p
     deadline = time.monotonic() + 60
     while "intruder up" not in (tmp / "intruder.log").read_text():
         assert time.monotonic() < deadline and p.poll() is None, \
@@ -218,6 +221,36 @@ def test_a_group_without_the_secret_is_named_by_every_honest_group(tmp_path, pro
                                                "secret's tag")
             assert f"replica group {name!r}" in line
             _never_jumped(tmp_path, name)
+    finally:
+        lh.stop()
+    assert not (tmp_path / "pwned").exists(), "the intruder's pickle ran"
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_a_copied_tag_without_the_secret_is_named_at_the_next_quorum(tmp_path, procs,  # noqa: F811
+                                                                       monkeypatch):
+    """An intruder reads group B's tagged id from the lighthouse's status page, waits until B
+    has left, and joins with it: the tag checks out, but it cannot prove the secret for the
+    new quorum, so A names B's id as copied and stops (exit 2) before any heal or exchange;
+    the intruder's pickle never ran and A never jumped to its step."""
+    lh = Lighthouse(1, tmp_path / "lighthouse.log")
+    try:
+        monkeypatch.setenv(SECRET_ENV, SECRET)
+        copied, up = tmp_path / "copied", tmp_path / "x-up"
+        a = _worker(procs, tmp_path, lh.url, "A", "A", "--replicator", "demo", "--steps", "12",
+                    "--timeout", "8", "--hold", f"4:{up}")
+        b = _worker(procs, tmp_path, lh.url, "B", "B", "--replicator", "demo", "--steps", "3",
+                    "--timeout", "8", "--hold", f"2:{copied}")
+        x = _intruder(procs, tmp_path, lh.url, "--copy", "B", "--copied", str(copied),
+                      "--after", str(tmp_path / "B" / "final0.pt"), "--up", str(up),
+                      wait=False)
+        assert _wait(b, tmp_path, "B") == 0
+        line = _refused(tmp_path, "A", a, "replica group(s) 'B' of the quorum carry a valid "
+                                          "tag but did not prove the run secret")
+        assert line.startswith("error: replica group 'A'")
+        _never_jumped(tmp_path, "A")
+        assert x.poll() is None or x.returncode == 0
     finally:
         lh.stop()
     assert not (tmp_path / "pwned").exists(), "the intruder's pickle ran"
@@ -278,3 +311,44 @@ def test_the_lighthouse_listens_on_loopback_unless_told():
     from flexdemo.ft.lighthouse import OPTIONS
 
     assert dict((n, d) for n, d, _ in OPTIONS)["--bind"] == "127.0.0.1:29510"
+
+
+# ---------------------------------------------------------------------- liveness
+def test_a_forged_liveness_verdict_never_stops_a_run_with_the_secret(capfd):
+    """Someone writes a verdict naming rank 1 as lost into the job's store, at the plain key
+    and at the secret-scoped one: with the secret, rank 0's heartbeat thread does not act on
+    it and says so once; a real death is still named by every survivor, the same verdict."""
+    import torch.distributed as dist
+
+    from flexdemo.app.train.liveness import Heartbeat
+    from flexdemo.tools.ranks import free_port
+
+    port = free_port()
+    server = dist.TCPStore("127.0.0.1", port, 3, is_master=True, wait_for_workers=False)
+    stores = [server] + [dist.TCPStore("127.0.0.1", port, 3, is_master=False)
+                         for _ in range(2)]
+    secret = RunSecret(SECRET)
+    heard: list[list[int]] = []
+    beats = [Heartbeat(r, 3, interval=0.1, store=stores[r], secret=secret,
+                       on_verdict=heard.append if r == 0 else None) for r in range(3)]
+    try:
+        for prefix in (Heartbeat.PREFIX, beats[0].prefix):
+            server.set(f"{prefix}verdict", "[1]")  # forged: rank 1 is alive
+        time.sleep(1.5)  # 15 beats: the forged verdict was seen and ignored
+        assert heard == []
+        assert capfd.readouterr().err.count("ignored a liveness verdict") == 1
+        server.delete_key(f"{beats[0].prefix}verdict")
+        beats[2].stop()  # rank 2 dies
+        assert beats[1].lost_ranks() == ([2], "")
+        deadline = time.monotonic() + 60
+        while not heard and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert heard == [[2]]
+    finally:
+        for b in beats:
+            b.stop()
+    unsigned = Heartbeat(0, 3, interval=0.1, store=stores[0])  # no secret: the plain keys
+    try:
+        assert unsigned.prefix == Heartbeat.PREFIX
+    finally:
+        unsigned.stop()

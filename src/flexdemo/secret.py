@@ -72,6 +72,11 @@ class RunSecret:
             return None
         return text
 
+    def scope(self, prefix: str) -> str:
+        """Where a store's keys under ``prefix`` live with this secret: one level below it,
+        named by the secret (an outsider who writes to the plain keys reaches no rank)."""
+        return f"{prefix}{self.mac('store-scope', prefix)[:16]}/"
+
     @staticmethod
     def nonce() -> str:
         """A fresh random nonce (16 hex digits)."""

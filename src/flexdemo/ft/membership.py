@@ -7,6 +7,11 @@ group hands torchft the replica id ``name:nonce.MAC(name, nonce)`` (torchft appe
 tag that another member also carries (a copy), stops the run on every honest group with one
 line naming it (:class:`UntrustedPeerError`). The name stays first, so torchft orders the
 groups and numbers their ranks as without a secret.
+
+A tag is visible to anyone who reads the lighthouse's page, so a tag alone does not prove
+the secret: when a quorum forms, before its process group meets, every member also writes a
+MAC over that quorum's own store prefix (new for every quorum) and checks everyone else's
+(:func:`prove_members`). A process that replays a tag it saw cannot write it.
 """
 
 from __future__ import annotations
@@ -15,7 +20,8 @@ import re
 
 from ..secret import RunSecret
 
-__all__ = ["UntrustedPeerError", "check_members", "display_id", "split_id", "tag_replica_id"]
+__all__ = ["UntrustedPeerError", "check_members", "display_id", "prove_members", "split_id",
+           "tag_replica_id"]
 
 _TAG = re.compile(r"^[0-9a-f]{16}\.[0-9a-f]{32}$")
 _SHOWN = re.compile(r":[0-9a-f]{16}\.[0-9a-f]{32}")
@@ -78,3 +84,34 @@ def check_members(replica_ids: list[str], secret: RunSecret | None, me: str,
             f"replica group {me!r}: the quorum at {lighthouse} holds two members with the "
             f"tag of replica group(s) {names}: one copied the other's (an intruder replaying "
             "an id it saw); this group stops (docs/security.md)")
+
+
+def prove_members(store, secret: RunSecret, tagged: str, scope: str, rank: int, world: int,
+                  replica_ids: list[str], me: str) -> None:
+    """Prove the secret to the other members of a new quorum and check their proofs, through
+    ``store`` (a client of the quorum's store, under a prefix of its own). ``tagged``: this
+    group's tagged id; ``scope``: the quorum's store prefix (it names the quorum, its step
+    and its members); ``rank`` of ``world``: this member's place. Raises
+    :class:`UntrustedPeerError` naming the members whose proof is missing or false (a member
+    that never writes one is waited for as long as the store's timeout)."""
+    store.set(str(rank), f"{tagged} {secret.mac('quorum-proof', scope, tagged)}")
+    expected = {split_id(r)[1]: split_id(r)[0] for r in replica_ids}
+    proven: set[str | None] = {split_id(tagged + ":")[1]}
+    for r in range(world):
+        if r == rank:
+            continue
+        try:
+            claim, _, mac = store.get(str(r)).decode().partition(" ")
+        except Exception:  # never written within the timeout: the member has no proof
+            continue
+        name, tag = split_id(claim + ":")
+        if tag in expected and secret.verify(mac, "quorum-proof", scope, claim):
+            proven.add(tag)
+    missing = [name for tag, name in expected.items() if tag not in proven]
+    if missing:
+        names = ", ".join(repr(n) for n in missing)
+        raise UntrustedPeerError(
+            f"replica group {me!r}: replica group(s) {names} of the quorum carry a valid tag "
+            "but did not prove the run secret for this quorum: a copied id (an intruder "
+            "replaying a tag it saw on the lighthouse's page); this group stops "
+            "(docs/security.md)")

@@ -330,12 +330,16 @@ class ElasticSession:
         self._advance(Phase.STALE if stale else Phase.JOINED)
 
     def _check_heal(self) -> None:
-        """Raise :class:`UntrustedPeerError` (one line) when this quorum's heal was refused
+        """Raise :class:`UntrustedPeerError` (one line) when a member of this quorum failed
+        its proof of the run secret, or this quorum's heal was refused
         (:class:`~flexdemo.ft.heal.HealRefusedError`: a source without the run secret, a
         state that is not data, or of another step): nothing of it was loaded, and this group
         stops rather than go on with a state it did not heal to."""
         error = self.manager.errored()
         cause = getattr(error, "original_exception", None)
+        if isinstance(cause, UntrustedPeerError):  # a member failed its proof (configure)
+            self.shutdown()
+            raise cause
         if isinstance(cause, HealRefusedError):
             self.shutdown()
             raise UntrustedPeerError(f"replica group {self.config.replica_id!r} refused to "

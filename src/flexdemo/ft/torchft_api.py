@@ -47,7 +47,7 @@ from typing import Any
 
 from ..secret import RunSecret
 from .heal import HealServer, fetch
-from .membership import check_members, display_id, tag_replica_id
+from .membership import check_members, display_id, prove_members, tag_replica_id
 
 INTERNALS: dict[str, tuple[str, ...]] = {
     "Manager": ("_client", "_use_async_quorum", "_healing", "_apply_pending_state_dict",
@@ -203,18 +203,24 @@ def _process_group(timeout: timedelta):
     earlier configuration with the same id left there (the addresses of a dead peer or of an
     aborted group) and fail to connect. The prefix gains the quorum's newest step and its
     members (replica ids with their uuids), which every member reads alike from the quorum."""
-    from torchft.process_group import ProcessGroupGloo
+    from torchft.process_group import ProcessGroupGloo, create_store_client
 
     class _Gloo(ProcessGroupGloo):
         recorder: QuorumRecorder | None = None
+        prove: Callable[[Any, str, int, int, list[str]], None] | None = None
 
-        def configure(self, store_addr: str, *args, **kwargs) -> None:
+        def configure(self, store_addr: str, replica_id: str, rank: int, world_size: int,
+                      *args, **kwargs) -> None:
             quorum = self.recorder.last if self.recorder is not None else None
             if quorum is not None:
-                members = ",".join(sorted(getattr(quorum, "replica_ids", None) or []))
+                ids = list(getattr(quorum, "replica_ids", None) or [])
+                members = ",".join(sorted(ids))
                 store_addr = (f"{store_addr}/step{quorum.max_step}/"
                               f"{zlib.crc32(members.encode()):08x}")
-            super().configure(store_addr, *args, **kwargs)
+                if self.prove is not None and world_size > 1:  # before the group meets
+                    store = create_store_client(f"{store_addr}/flexdemo-proof", timeout)
+                    self.prove(store, store_addr, rank, world_size, ids)
+            super().configure(store_addr, replica_id, rank, world_size, *args, **kwargs)
 
     return _Gloo(timeout=timeout)
 
@@ -260,6 +266,11 @@ def new_manager(*, lighthouse: str, replica_id: str, hostname: str, min_replicas
     def check(replica_ids: list[str]) -> None:
         check_members(replica_ids, secret, replica_id, lighthouse)
 
+    if secret is not None:
+        def prove(store, scope: str, rank: int, world: int, replica_ids: list[str]) -> None:
+            prove_members(store, secret, tagged, scope, rank, world, replica_ids, replica_id)
+
+        pg.prove = prove
     recorder = pg.recorder = manager._client = QuorumRecorder(manager._client, check)
     return manager, pg, recorder
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -12,9 +13,13 @@ from collections.abc import Callable
 import torch.distributed as dist
 
 from ...heartbeat import BEAT_SECONDS, Beat, StallWatch
+from ...secret import RunSecret, resolve_secret
 from ...transport import PeerLostError
 
 __all__ = ["COMM_ERRORS", "GLOO_MESSAGES", "Heartbeat", "is_comm_error", "short_error"]
+
+VERDICT_PURPOSE = "liveness-verdict"
+"""What a liveness verdict's MAC is for (:meth:`flexdemo.secret.RunSecret.sign`)."""
 
 
 class Heartbeat:
@@ -30,14 +35,22 @@ class Heartbeat:
     heartbeat stopped for that long, until ``watching`` is cleared (start-up, where no
     collective fails for it). The store's host (rank 0) waits for the survivors to take the
     verdict before it exits, since its exit takes the store down.
+
+    With a run secret (``secret``, default ``$FLEXDEMO_SECRET``) the keys live below a level
+    named by the secret and the verdict is signed: a verdict someone else wrote is ignored,
+    said once, and never stops the run.
     """
 
     PREFIX = "flexdemo/liveness/"
 
     def __init__(self, rank: int, world: int, interval: float = BEAT_SECONDS,
                  on_verdict: Callable[[list[int]], None] | None = None,
-                 store: dist.Store | None = None, stale: float | None = None) -> None:
+                 store: dist.Store | None = None, stale: float | None = None,
+                 secret: RunSecret | None = None) -> None:
         self.rank, self.world, self.interval = rank, world, interval
+        self.secret = secret if secret is not None else resolve_secret()
+        self.prefix = self.PREFIX if self.secret is None else self.secret.scope(self.PREFIX)
+        self._warned = False
         self.on_verdict = on_verdict
         self.store = store
         self.stale = stale
@@ -56,7 +69,28 @@ class Heartbeat:
                       Beat(self.store, self._key("hb", rank), interval, self._after_beat))
 
     def _key(self, what: str, rank: int | None = None) -> str:
-        return f"{self.PREFIX}{what}" + ("" if rank is None else f"/{rank}")
+        return f"{self.prefix}{what}" + ("" if rank is None else f"/{rank}")
+
+    def _publish(self, lost: list[int]) -> None:
+        """Publish ``lost`` as the verdict unless one is there (signed with a secret)."""
+        text = json.dumps(lost)
+        if self.secret is not None:
+            text = self.secret.sign(VERDICT_PURPOSE, f"{self._key('verdict')}\n{text}")
+        self._store.compare_set(self._key("verdict"), "", text)
+
+    def _read_verdict(self) -> list[int] | None:
+        """The published verdict; None (said once) for one not signed with the secret."""
+        text = self._store.get(self._key("verdict")).decode()
+        if self.secret is not None:
+            key, _, text = (self.secret.open(VERDICT_PURPOSE, text) or "").partition("\n")
+            if key != self._key("verdict"):
+                if not self._warned:
+                    self._warned = True
+                    print("flexdemo: ignored a liveness verdict in the job's store that is not "
+                          "signed with the run secret; someone else can write to this job's "
+                          "store (docs/security.md)", file=sys.stderr, flush=True)
+                return None
+        return json.loads(text)
 
     @property
     def _store(self) -> dist.Store:
@@ -75,8 +109,11 @@ class Heartbeat:
         if self._store.check([self._key("verdict")]):
             self._waited += 1  # give the main thread two beats to notice on its own
             if self._waited > 2 and not self.noticed.is_set():
+                lost = self._read_verdict()
+                if lost is None:  # not ours: training goes on
+                    return False
                 self.noticed.set()
-                lost = self._take_verdict()
+                self._store.set(self._key("taken", self.rank), "1")
                 self.on_verdict(lost)
                 return True
         return False
@@ -94,8 +131,8 @@ class Heartbeat:
             return False
         self.noticed.set()
         self._store.set(self._key("noticed", self.rank), "1")
-        self._store.compare_set(self._key("verdict"), "", json.dumps(stalled))
-        on_verdict(self._take_verdict())
+        self._publish(stalled)
+        on_verdict(self._take_verdict(stalled))
         return True
 
     def stop(self) -> None:
@@ -109,10 +146,11 @@ class Heartbeat:
     def _noticed(self) -> set[int]:
         return {r for r in range(self.world) if self._store.check([self._key("noticed", r)])}
 
-    def _take_verdict(self) -> list[int]:
-        text = self._store.get(self._key("verdict")).decode()
+    def _take_verdict(self, mine: list[int]) -> list[int]:
+        """The published verdict (``mine`` where the one there is not signed), marked taken."""
+        lost = self._read_verdict()
         self._store.set(self._key("taken", self.rank), "1")
-        return json.loads(text)
+        return mine if lost is None else lost
 
     def lost_ranks(self) -> tuple[list[int], str]:
         """``(ranks that died or stopped responding, a note)``; the same list on every
@@ -123,16 +161,20 @@ class Heartbeat:
             return [], "no rendezvous store to ask"
         try:
             self.store.set(self._key("noticed", self.rank), "1")
-            if not self.store.check([self._key("verdict")]):
+            published = (self._read_verdict() if self.store.check([self._key("verdict")])
+                         else None)
+            if published is None:
                 before = self._counters()
                 time.sleep(3 * self.interval)
                 after = self._counters()
                 alive = self._noticed()
-                lost = [r for r in range(self.world) if r != self.rank and r not in alive
+                mine = [r for r in range(self.world) if r != self.rank and r not in alive
                         and after[r] == before[r]]
-                # the first diagnosis wins; later ones take it
-                self.store.compare_set(self._key("verdict"), "", json.dumps(lost))
-            lost = self._take_verdict()
+                self._publish(mine)  # the first diagnosis wins; later ones take it
+                lost = self._take_verdict(mine)
+            else:
+                self.store.set(self._key("taken", self.rank), "1")
+                lost = published
         except Exception:  # the store's host (rank 0) is unreachable
             if self.rank == 0:
                 return [], "the rendezvous store is unreachable"

@@ -53,6 +53,7 @@ path and the cause.
 from __future__ import annotations
 
 import json
+import os
 import time
 import warnings
 import zlib
@@ -70,6 +71,7 @@ from ...ft.session import (
     UntrustedPeerError,
 )
 from ...replicate import NonFiniteGradientError
+from ...secret import SECRET_ENV
 from ...sharding import NoReplicationWarning
 from ...transport import PeerLostError
 from ..config.files import config_to_dict, to_toml
@@ -150,6 +152,11 @@ class Trainer:
             self.device = resolve_device(tc.device)
         except ValueError as e:
             raise TrainingError(f"train.device: {e}") from None
+        # the config's run secret signs the start-up and liveness verdicts too (they read
+        # FLEXDEMO_SECRET); one given in the environment wins
+        secret = cfg.fault_tolerance.secret
+        if secret and not os.environ.get(SECRET_ENV, "").strip():
+            os.environ[SECRET_ENV] = secret
         # before the task: reading data must not count against a peer's arrival
         join_group(self.device, self.timeout)
         self.rank, self.world = dist.get_rank(), dist.get_world_size()

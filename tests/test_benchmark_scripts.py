@@ -351,3 +351,16 @@ def test_compressibility_bad_options(capsys, tmp_path, argv, message):
     comp = _load("bench_compressibility")
     _one_line_exit(capsys, comp.main, argv + ["--out", str(tmp_path / "c")], message)
     assert not (tmp_path / "c").exists()
+
+
+def test_security_bench_table_and_json(tmp_path, capsys):
+    """bench_security: a row per quorum size with the per-step and per-quorum costs of the
+    run secret, the heal's MAC beside its serialisation, and the JSON."""
+    res = _load("bench_security").main(["--members", "2,3", "--repeat", "20",
+                                        "--heal-mparams", "0.01", "--out", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert [r["members"] for r in res["quorums"]] == [2, 3]
+    assert all(r["per_step_us"] > 0 and r["per_new_quorum_ms"] > 0 for r in res["quorums"])
+    assert "per new quorum (ms)" in out and "heal of 0.01M parameters" in out
+    saved = json.loads((tmp_path / "security.json").read_text())
+    assert saved["heal"]["megabytes"] == pytest.approx(0.12, rel=0.1)

@@ -86,9 +86,15 @@ def prepare_worker(rank: int, world: int, root: str) -> dict:
     torch.manual_seed(0)
     ref = Tiny()
     ref_opt = MuonAdamW(ref.named_parameters(), lr=0.01)
-    for s in range(4):
-        xs, ys = zip(*(batch(r, s) for r in range(world)))
-        (ref(torch.cat(xs)) - torch.cat(ys)).pow(2).mean().backward()
+    for s in range(4):  # each rank's gradient, reduced in the 2 x 2 mesh's order: the shard
+        grads = []  # pairs (0, 1), (2, 3) first, then the replicas (halving is exact)
+        for r in range(world):
+            x, y = batch(r, s)
+            (ref(x) - y).pow(2).mean().backward()
+            grads.append([p.grad.clone() for p in ref.parameters()])
+            ref_opt.zero_grad()
+        for i, p in enumerate(ref.parameters()):
+            p.grad = ((grads[0][i] + grads[1][i]) / 2 + (grads[2][i] + grads[3][i]) / 2) / 2
         ref_opt.step()
         ref_opt.zero_grad()
     out["full"] = {"mine": [p.full_tensor().detach() for p in model.parameters()],

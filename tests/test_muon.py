@@ -202,10 +202,11 @@ def test_prepare_full_sync_matches_one_process_reference(prepared):
     for res in prepared:
         full = res["full"]
         assert "head.weight" not in full["muon_names"] and "inp.weight" in full["muon_names"]
-        # the batches' gradients are reduced in another order than the one-process sum, and
-        # the bf16 orthogonalisation can round such a difference to one bf16 step
+        # the reference reduces each rank's gradient in the mesh's order, so the sums are
+        # the same floating-point sums: bitwise (it summed the concatenated batches before,
+        # and Newton-Schulz amplified that rounding past a fixed tolerance on AMX hosts)
         for a, b in zip(full["mine"], full["ref"]):
-            torch.testing.assert_close(a, b, rtol=0, atol=5e-4)
+            assert torch.equal(a, b), (a - b).abs().max()
         assert all(s["shard_bytes_sent"] > 0 and s["shard_seconds"] >= 0 for s in full["stats"])
 
 

@@ -90,7 +90,9 @@ def main(argv: list[str] | None = None) -> int:
     while time.monotonic() < deadline:
         try:
             manager.start_quorum(allow_heal=True)
+            time.sleep(3.0)  # its heal state stays served (until its vote) while a peer reads
             manager.should_commit()
+            manager.load_state_dict({"step": STEP, "batches_committed": 0})  # the same claim
         except Exception as e:  # the honest groups went away: try again until the deadline
             print(f"intruder: {str(e).splitlines()[0] if str(e) else type(e).__name__}",
                   flush=True)

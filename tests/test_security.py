@@ -238,10 +238,12 @@ def test_a_copied_tag_without_the_secret_is_named_at_the_next_quorum(tmp_path, p
     try:
         monkeypatch.setenv(SECRET_ENV, SECRET)
         copied, up = tmp_path / "copied", tmp_path / "x-up"
+        # both wait at step 2 until the id is copied (a group alone with a live peer that does
+        # not ask for a quorum has no majority), B leaves after it, A waits at step 4 for X
         a = _worker(procs, tmp_path, lh.url, "A", "A", "--replicator", "demo", "--steps", "12",
-                    "--timeout", "8", "--hold", f"4:{up}")
+                    "--timeout", "12", "--hold", f"2:{copied}", "--hold", f"4:{up}")
         b = _worker(procs, tmp_path, lh.url, "B", "B", "--replicator", "demo", "--steps", "3",
-                    "--timeout", "8", "--hold", f"2:{copied}")
+                    "--timeout", "12", "--hold", f"2:{copied}")
         x = _intruder(procs, tmp_path, lh.url, "--copy", "B", "--copied", str(copied),
                       "--after", str(tmp_path / "B" / "final0.pt"), "--up", str(up),
                       wait=False)
@@ -302,6 +304,7 @@ def test_honest_runs_with_the_secret_heal_and_match_runs_without(tmp_path, monke
             fp = RunSecret(secret).fingerprint
             assert f"replica group 'B': run secret {fp} (fingerprint)" in log, log
             assert "the heal server listens on 127.0.0.1:" in log
+            assert "its store on 127.0.0.1:" in log
     for i in range(2):
         assert _same(runs["open"][i]["params"], runs["secret"][i]["params"])
     assert _same(runs["secret"][0]["params"], runs["secret"][1]["params"])

@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from .heartbeat import BEAT_SECONDS, STALE_SECONDS, Beat, StallWatch
 from .secret import SECRET_ENV, RunSecret, resolve_secret
+from .store import host_store
 
 __all__ = ["JOIN_TIMEOUT_ENV", "DEFAULT_JOIN_SECONDS", "JoinError", "Joined", "agent_store", "join",
            "join_store", "join_timeout_from_env", "store_host_died"]
@@ -36,6 +37,10 @@ KEY_PURPOSE = "startup-key"
 FORGED_WARNING = ("flexdemo: ignored a start-up verdict in the store that is not signed with "
                   "the run secret (key {key}); someone else can write to this job's store: see "
                   "docs/security.md")
+EVERY_INTERFACE_NOTE = ("flexdemo: the job's store (rank 0) listens on every interface, port "
+                        "{port}, not only on MASTER_ADDR: {why}; set MASTER_ADDR to this "
+                        "node's address on the job's network to bind it (docs/security.md)")
+"""What rank 0 says at start-up where it cannot host the job's store on MASTER_ADDR only."""
 
 
 class JoinError(TimeoutError):
@@ -93,14 +98,24 @@ def _launch_layout() -> tuple[int, int] | None:
 
 def _open_store(addr: str, port: int, rank: int, world: int, window: float,
                 note: str) -> dist.Store:
-    """The job's TCPStore: rank 0 hosts it (without waiting for the others), or the agent of
-    torchrun does; connecting gives up after ``window`` seconds, naming rank 0."""
+    """The job's TCPStore: rank 0 hosts it (without waiting for the others) on the address
+    ``addr`` only, where it can (:func:`~flexdemo.store.host_store`; where not, it says so
+    once), or the agent of torchrun does; connecting gives up after ``window`` seconds,
+    naming rank 0."""
     agent = agent_store()
     host = rank == 0 and not agent
     try:
-        if not host:  # wait for the port here: torch's own retries log C++ stacks and wait
-            _wait_for_port(addr, port, window)  # about twice the timeout
-        return dist.TCPStore(addr, port, world, is_master=host,
+        if host:
+            store, why = host_store(addr, port, world, timedelta(seconds=window),
+                                    wait_for_workers=False, multi_tenant=True)
+            if why is not None:
+                print(EVERY_INTERFACE_NOTE.format(port=store.port, why=why), file=sys.stderr,
+                      flush=True)
+            return store
+        # wait for the port here: torch's own retries log C++ stacks and wait about twice
+        # the timeout
+        _wait_for_port(addr, port, window)
+        return dist.TCPStore(addr, port, world, is_master=False,
                              timeout=timedelta(seconds=window), wait_for_workers=False,
                              multi_tenant=True)
     except (RuntimeError, TimeoutError) as e:

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import hashlib
 import io
-import ipaddress
 import socket
 import sys
 import threading
@@ -34,6 +33,7 @@ from typing import Any
 import torch
 
 from ..secret import RunSecret
+from ..store import listen_address
 
 __all__ = ["HealRefusedError", "HealServer", "bind_address", "fetch"]
 
@@ -51,25 +51,12 @@ class HealRefusedError(RuntimeError):
 
 def bind_address(hostname: str) -> tuple[str, str | None]:
     """The address to bind for a group that advertises ``hostname``, and why it is every
-    interface where it is (None where it is not). A host name that resolves here to a loopback
-    address while peers resolve it elsewhere (Debian's ``127.0.1.1``) cannot be bound without
-    cutting those peers off: every interface, said so."""
-    try:
-        literal = ipaddress.ip_address(hostname.strip("[]"))
-    except ValueError:
-        literal = None
-    if literal is not None:
-        return str(literal), None
-    if hostname == "localhost":
-        return "127.0.0.1", None
-    try:
-        infos = socket.getaddrinfo(hostname, None, type=socket.SOCK_STREAM)
-    except OSError:
-        return "", f"{hostname!r} does not resolve here"
-    address = str(infos[0][4][0])
-    if ipaddress.ip_address(address).is_loopback:
-        return "", f"{hostname!r} resolves here to loopback ({address})"
-    return address, None
+    interface (``""``) where it is (None where it is not): the rule of
+    :func:`flexdemo.store.listen_address`, which the group's store follows too."""
+    target = listen_address(hostname)
+    if isinstance(target, str):
+        return "", target
+    return str(target[1][0]), None
 
 
 class _Server(ThreadingHTTPServer):

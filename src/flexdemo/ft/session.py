@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from ..store import host_store
 from ..transport import ManagerTransport, PeerLostError
 from .config import FaultTolerance
 from .heal import HealRefusedError, HealServer, bind_address
@@ -81,18 +82,20 @@ __all__ = ["DuplicateReplicaIdError", "ElasticSession", "LighthouseLostError",
            "UntrustedPeerError"]
 
 
-def _store(hostname: str) -> tuple[str, int, object]:
+def _store(hostname: str) -> tuple[str, int, object, str | None]:
     """This replica group's TCPStore: torchrun's (MASTER_ADDR/MASTER_PORT) when the node has
-    several ranks, else one created here (a bare process has none)."""
+    several ranks, else one created here (a bare process has none), listening on
+    ``hostname``'s address only where it can (:func:`flexdemo.store.host_store`). Returns
+    ``(address, port, the store created here or None, why it listens on every interface)``."""
     if dist.is_initialized() and dist.get_world_size() > 1:
         addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
         if not addr or not port:
             raise ValueError("fault tolerance with several ranks per node needs the node's "
                              "TCPStore: launch each node with torchrun (MASTER_ADDR/"
                              "MASTER_PORT of the node)")
-        return addr, int(port), None
-    store = dist.TCPStore(hostname, 0, is_master=True, wait_for_workers=False)
-    return hostname, store.port, store
+        return addr, int(port), None, None
+    store, why = host_store(hostname, 0, None, wait_for_workers=False)
+    return hostname, store.port, store, why
 
 
 class _HealBeforeForward:
@@ -133,7 +136,7 @@ class ElasticSession:
         lighthouse, replica_id = config.lighthouse, config.replica_id
         assert hostname is not None and quorum_timeout is not None  # filled in by the config
         assert lighthouse is not None and replica_id is not None
-        addr, port, self._own_store = _store(hostname)
+        addr, port, self._own_store, store_note = _store(hostname)
         self.opt: FlexOptimizer | None = None
         self._phase = Phase.NEW
         self._launch_seconds = 0.0
@@ -174,8 +177,8 @@ class ElasticSession:
                 "TORCHFT_LIGHTHOUSE") from None
         self.transport = ManagerTransport(self.manager, pg, config.timeout)
         if rank == 0:
-            _say(exposure(replica_id, secret, self._heal, bind_note, port
-                          if self._own_store is not None else None))
+            own = (addr, port, store_note) if self._own_store is not None else None
+            _say(exposure(replica_id, secret, self._heal, bind_note, own))
 
     @property
     def phase(self) -> Phase:
@@ -548,23 +551,28 @@ class ElasticSession:
 
 
 def exposure(replica_id: str, secret, heal: HealServer, bind_note: str | None,
-             store_port: int | None) -> str:
+             own_store: tuple[str, int, str | None] | None) -> str:
     """The start-up line of a replica group: whether the run is authenticated, and what
-    listens beyond loopback (docs/security.md)."""
+    listens beyond loopback (docs/security.md). ``own_store``: the group's store created
+    here (address, port, why it listens on every interface), None for torchrun's."""
     heal_at = (f"{heal.host}:{heal.port}" if heal.host else
                f"every interface, port {heal.port} ({bind_note}; set FLEXDEMO_FT_HOSTNAME to "
                "this node's address on the replica network to bind it)")
-    store = (f"its store (every interface, port {store_port})" if store_port is not None
-             else "torchrun's store (every interface)")
+    if own_store is None:
+        store = "torchrun's store on every interface"
+    elif own_store[2] is None:
+        store = f"its store on {own_store[0]}:{own_store[1]}"
+    else:
+        store = f"its store on every interface, port {own_store[1]} ({own_store[2]})"
     if secret is None:
         return (f"replica group {replica_id!r}: this run is OPEN (no FLEXDEMO_SECRET): anyone "
                 "who reaches its ports can join the quorum, serve a heal or stop a group; "
-                f"the heal server listens on {heal_at}, torchft's Manager server and {store} "
-                "on every interface without authentication (docs/security.md)")
+                f"the heal server listens on {heal_at}, {store}, torchft's Manager server on "
+                "every interface; none is authenticated (docs/security.md)")
     return (f"replica group {replica_id!r}: run secret {secret.fingerprint} (fingerprint): "
             f"quorum members and heals are authenticated; the heal server listens on "
-            f"{heal_at}; torchft's Manager server and {store} listen on every interface "
-            "without authentication: keep them behind a firewall or VPN (docs/security.md)")
+            f"{heal_at}; {store} and torchft's Manager server on every interface are not "
+            "authenticated: keep them behind a firewall or VPN (docs/security.md)")
 
 
 def _say(text: str) -> None:

@@ -29,8 +29,9 @@ Notes that hold for any model trained through flexdemo:
 * LR schedulers: any ``torch.optim.lr_scheduler`` works on the returned optimizer (its
   ``param_groups`` are the base optimizer's); the learning rate also scales DeMo's momentum.
 * ``--accum k``: gradient accumulation. There is no ``no_sync()`` under FSDP2: micro-batches
-  but the last skip FSDP's reduce-scatter with ``set_requires_gradient_sync(False)``, and one
-  ``step()`` exchanges across replicas once per k micro-batches.
+  but the last skip FSDP's reduce-scatter with ``set_requires_gradient_sync(False)`` (at
+  ``--shard 1`` the unsharded model has the method too, a no-op), and one ``step()``
+  exchanges across replicas once per k micro-batches.
 * ``--compile``: ``model.compile()`` after ``prepare()``; the optimizer and its replicators
   run eagerly.
 """
@@ -320,15 +321,14 @@ def main(argv: list[str] | None = None) -> dict:
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warm) * 0.5 * (
         1 + math.cos(math.pi * min(1.0, max(0, s - warm) / max(1, total - warm)))))
     data = batches(load_text(), args.batch, args.seq, rank, args.seed, device)
-    sharded = hasattr(model, "set_requires_gradient_sync")
     step_losses = []
     start = time.perf_counter()
     for step in range(args.steps):
         t0 = time.perf_counter()
         total_loss = torch.zeros((), device=device)
         for micro in range(args.accum):
-            if sharded:  # reduce-scatter inside the replica only on the last micro-batch
-                model.set_requires_gradient_sync(micro == args.accum - 1)
+            # reduce-scatter inside the replica only on the last micro-batch (any shard)
+            model.set_requires_gradient_sync(micro == args.accum - 1)
             x = next(data)
             loss = model(input_ids=x, labels=x).loss / args.accum
             loss.backward()

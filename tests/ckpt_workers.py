@@ -139,3 +139,24 @@ def more_replicas_worker(rank: int, world: int, root: str) -> dict:
         run_steps(model, opt, 2, k, rank)
         out[kind]["after"] = shards(model)
     return out
+
+
+def rank0_only_worker(rank: int, world: int, root: str) -> dict:
+    """2 replicas of one rank each: rank 0 alone saves opt.state_dict() with torch.save, every rank
+    loads that file; then a collective shows that both ranks are still in step (no reset)."""
+    model, opt = _prepare("demo", 0, replicate=2, shard=1)
+    run_steps(model, opt, 2, 0, rank)
+    path = Path(root) / "rank0_only.pt"
+    if rank == 0:
+        torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, path)
+    torch.distributed.barrier()
+    saved = torch.load(path, weights_only=False)
+    model.load_state_dict(saved["model"])
+    error = None
+    try:
+        opt.load_state_dict(saved["opt"])
+    except ValueError as e:
+        error = str(e)
+    total = torch.ones(1)
+    torch.distributed.all_reduce(total)
+    return {"error": error, "total": float(total), "steps": opt.steps}

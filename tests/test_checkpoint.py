@@ -16,6 +16,7 @@ from ckpt_workers import (
     fewer_replicas_worker,
     make_single,
     more_replicas_worker,
+    rank0_only_worker,
     resume_worker,
     run_steps,
 )
@@ -235,6 +236,21 @@ def test_other_world_size_raises(world4):
     model, opt = make_single("demo", 0)  # one process
     with pytest.raises(ValueError, match=r"written by 4 rank\(s\).*runs 1 rank"):
         load_checkpoint(path, model, opt)
+
+
+@pytest.mark.multiprocess
+def test_state_saved_on_rank_0_only_is_refused_on_every_rank(tmp_path):
+    """torch.save(opt.state_dict()) on rank 0, loaded on both: one line on every rank saying
+    that each rank saves its own state, before anything is loaded, and the ranks stay in step
+    (no rank goes on into a collective the other never joins)."""
+    results = run_world(rank0_only_worker, 2, str(tmp_path))
+    for rank, res in enumerate(results):
+        msg = res["error"]
+        assert msg is not None and "\n" not in msg, (rank, msg)
+        assert "state of rank(s) [0], not of this rank (1)" in msg, (rank, msg)
+        assert "Save it on every rank: flexdemo.save_checkpoint" in msg, (rank, msg)
+        assert res["total"] == 2.0 and res["steps"] == 2  # nothing was loaded
+    assert "failed on rank(s) [1]" in results[0]["error"]
 
 
 # ---------------------------------------------------------------------------- storage faults

@@ -97,7 +97,9 @@ def test_peers_above_the_median_norm_are_clipped_to_it():
         for r in range(world):
             torch.testing.assert_close(out[r][i], want, rtol=1e-5, atol=1e-6)
         assert torch.equal(out[0][i], out[1][i]) and torch.equal(out[0][i], out[2][i])
-    unclipped = exchange(world, scale=lambda r: 10.0 if r == big else 1.0, mean="senders")
+    # (10x the median is over the default bound on each peer's part, 8x: off here)
+    unclipped = exchange(world, scale=lambda r: 10.0 if r == big else 1.0, mean="senders",
+                         peer_bound=None)
     assert unclipped[0][0].abs().max() > 2 * out[0][0].abs().max()
 
 

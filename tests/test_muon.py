@@ -228,3 +228,24 @@ def test_prepare_muloco_resumes_bitwise_on_every_rank(prepared):
     for res in prepared:
         by_shard.setdefault(res["muloco"]["coord"][1], []).append(res["muloco"]["shards"])
     assert any(not all(torch.equal(a, b) for a, b in zip(*pair)) for pair in by_shard.values())
+
+
+def test_momentum_schedulers_cycle_muons_momentum():
+    """OneCycleLR with its defaults: ``defaults`` shows Muon's momentum, which it cycles in
+    the Muon groups (AdamW's betas keep their values)."""
+    model = _gpt()
+    opt = flexdemo.DeToNATION(list(model.named_parameters()), "none", base="muon", lr=0.01,
+                              no_decay=True, base_kwargs={"weight_decay": 0.1})
+    assert opt.defaults["momentum"] == opt.base.defaults["momentum"] == 0.95
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.01, total_steps=4)
+    x = torch.randint(0, 256, (2, 16))
+    seen = []
+    for _ in range(3):
+        model(x, x).backward()
+        opt.step()
+        opt.zero_grad()
+        sched.step()
+        seen.append([g["momentum"] for g in opt.base.param_groups if g["use_muon"]])
+    assert len({m[0] for m in seen}) == 3 and all(len(set(m)) == 1 for m in seen)
+    assert {g["betas"] for g in opt.base._adamw.param_groups} == {(0.9, 0.999)}
+    assert [g["weight_decay"] for g in opt.base.param_groups] == [0.1, 0.1, 0.0]

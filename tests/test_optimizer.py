@@ -403,3 +403,61 @@ def test_default_shard_units_take_outermost_blocks():
     net = Net()
     units = default_shard_units(net)
     assert [id(u) for u in units] == [id(m) for m in (*net.encoder, *net.decoder, *net.heads)]
+
+
+# ---------------------------------------------------------------------------- torch's habits
+SCHEDULERS = {
+    "OneCycleLR": lambda o: torch.optim.lr_scheduler.OneCycleLR(o, max_lr=0.05, total_steps=8),
+    "CyclicLR": lambda o: torch.optim.lr_scheduler.CyclicLR(o, base_lr=0.001, max_lr=0.05,
+                                                          step_size_up=3),
+}
+
+
+@pytest.mark.parametrize("sched", sorted(SCHEDULERS))
+@pytest.mark.parametrize("base,kwargs", [("adamw", {}), ("sgd", {"momentum": 0.9})])
+def test_schedulers_that_cycle_momentum_work_with_their_defaults(sched, base, kwargs):
+    """OneCycleLR and CyclicLR look for momentum or betas in ``defaults`` and cycle them: what
+    they write reaches the base optimizer, so with "none" the run is torch's own, bitwise."""
+    m, ref = model(), model()
+    opt = DeToNATION(m.parameters(), "none", base=base, lr=0.01, base_kwargs=kwargs)
+    torch_opt = {"adamw": torch.optim.AdamW, "sgd": torch.optim.SGD}[base](
+        ref.parameters(), lr=0.01, weight_decay=0.0, **kwargs)
+    key = "betas" if base == "adamw" else "momentum"
+    assert opt.defaults[key] == torch_opt.defaults[key]
+    s, s_ref = SCHEDULERS[sched](opt), SCHEDULERS[sched](torch_opt)
+    seen = set()
+    for step in range(6):
+        for mod, o, sc in ((m, opt, s), (ref, torch_opt, s_ref)):
+            loss_of(mod, step).backward()
+            o.step()
+            o.zero_grad()
+            sc.step()
+        group = opt.base.param_groups[0]
+        seen.add(group["betas"][0] if base == "adamw" else group["momentum"])
+        assert opt.param_groups[0] is group
+    assert len(seen) > 2  # the momentum (beta1) was cycled in the base optimizer
+    for p, q in zip(m.parameters(), ref.parameters()):
+        assert torch.equal(p, q)
+
+
+def test_add_param_group_is_refused_at_the_call():
+    opt = DeToNATION(model().parameters(), "demo", base="adamw")
+    with pytest.raises(ValueError, match=r"add_param_group.*build the optimizer with every "
+                                         r"parameter") as info:
+        opt.add_param_group({"params": [nn.Parameter(torch.zeros(3))]})
+    assert "\n" not in str(info.value)
+    assert len(opt.param_groups) == 1
+    train(model(), DeToNATION(model().parameters(), "demo"), 1)  # construction still works
+
+
+def test_frozen_parameters_join_the_exchange_once_unfrozen():
+    """What add_param_group is used for: build with every parameter, frozen ones included."""
+    m = model()
+    m[0].weight.requires_grad_(False)
+    opt = DeToNATION(m.parameters(), "demo", base="adamw", lr=1e-2)
+    before = m[0].weight.detach().clone()
+    train(m, opt, 2)
+    assert torch.equal(m[0].weight, before)
+    m[0].weight.requires_grad_(True)
+    train(m, opt, 2, start=2)
+    assert not torch.equal(m[0].weight, before)

@@ -169,3 +169,100 @@ def test_data_parallel_wrapped_models_are_refused(wrapper):
     finally:
         if fresh:
             dist.destroy_process_group()
+
+
+# ---------------------------------------------------------------------------- torch's habits
+def test_gradient_accumulation_switch_works_at_shard_1():
+    """The recipe of docs/optimizers.md at shard=1, where prepare() returns the model itself:
+    set_requires_gradient_sync is there (a no-op) and the gradients just add up."""
+    torch.manual_seed(0)
+    net = Tiny()
+    model, opt = flexdemo.prepare(net, "none", lr=0.01, shard=1)
+    assert model is net and type(model) is Tiny  # not wrapped: type checks still hold
+    xs = [torch.randn(4, 12) for _ in range(3)]
+    expected = [torch.zeros_like(p) for p in model.parameters()]
+    for x in xs:
+        model.zero_grad()
+        model(x).pow(2).mean().backward()
+        for e, p in zip(expected, model.parameters()):
+            e += p.grad
+    model.zero_grad()
+    for i, x in enumerate(xs):
+        model.set_requires_gradient_sync(i == len(xs) - 1)
+        model(x).pow(2).mean().backward()
+    for e, p in zip(expected, model.parameters()):
+        torch.testing.assert_close(p.grad, e)
+    opt.step()
+    with pytest.raises(TypeError, match="True or False"):
+        model.set_requires_gradient_sync("no")
+
+
+def _norm_model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.LayerNorm(16), nn.Linear(16, 16), nn.Linear(16, 4))
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+@pytest.mark.parametrize("where", ["prepare", "optimizer_kwargs"])
+def test_no_decay_spares_norms_and_biases(optimizer, where):
+    """no_decay=True: a LayerNorm's weight and the biases keep their values under weight decay
+    (a step on zero gradients moves parameters by the decay alone); the Linear weights decay,
+    whether the decay is prepare()'s own or the base optimizer's (AdamW, both parts of Muon)."""
+    lr, wd = 0.1, 0.5
+    decay = {"weight_decay": wd} if where == "prepare" else {
+        "optimizer_kwargs": {"weight_decay": wd}}
+    model, opt = flexdemo.prepare(_norm_model(), "none", optimizer, lr=lr, shard=1,
+                                  no_decay=True, **decay)
+    assert flexdemo.decay.no_decay_names(model) == [
+        "0.bias", "1.weight", "1.bias", "2.bias", "3.bias"]
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    opt.step()
+    for n, p in model.named_parameters():
+        if n.endswith("bias") or n.startswith("1."):
+            assert torch.equal(p, before[n]), n
+        else:
+            torch.testing.assert_close(p, before[n] * (1 - lr * wd), rtol=0, atol=1e-7)
+            assert not torch.equal(p, before[n]), n
+
+
+def test_no_decay_rules_and_refusals():
+    model, opt = flexdemo.prepare(_norm_model(), "none", "adamw", lr=0.1, shard=1,
+                                  weight_decay=0.5, no_decay=["2.weight"])
+    spared = [g for g in opt.param_groups if g["flexdemo_weight_decay"] == 0.0]
+    assert [p for g in spared for p in g["params"]] == [model[2].weight]
+    _, opt = flexdemo.prepare(_norm_model(), "none", "adamw", shard=1,
+                              optimizer_kwargs={"weight_decay": 0.1},
+                              no_decay=lambda name, p: name.startswith("3."))
+    assert sorted(len(g["params"]) for g in opt.param_groups if g["weight_decay"] == 0) == [2]
+    with pytest.raises(ValueError, match="does not have: \\['nope'\\]"):
+        flexdemo.prepare(_norm_model(), "none", shard=1, no_decay=["nope"])
+    with pytest.raises(ValueError, match="not in optimizer_kwargs"):
+        flexdemo.prepare(_norm_model(), "none", shard=1, optimizer_kwargs={"no_decay": True})
+    # without names (plain tensors), True falls back to the dimensions alone
+    opt = flexdemo.DeToNATION(_norm_model().parameters(), "none", base="adamw",
+                              weight_decay=0.1, no_decay=True)
+    assert [len(g["params"]) for g in opt.param_groups] == [3, 5]
+
+
+def test_data_parallel_wrap_after_prepare_is_refused_at_the_forward():
+    """Frameworks (HF Trainer, Accelerate, Lightning) wrap the model they are given in DDP,
+    after prepare(): DDP would all-reduce every gradient in full before the optimizer's step.
+    A group of one: DDP runs there."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    model, _ = flexdemo.prepare(Tiny(), "none", shard=1)
+    x = torch.randn(2, 12)
+    model(x)  # unwrapped: fine
+    for wrapped in (DistributedDataParallel(model),
+                    DistributedDataParallel(nn.Sequential(model, nn.Linear(6, 6)))):
+        with pytest.raises(RuntimeError) as info:
+            wrapped(x)
+        msg = str(info.value)
+        assert "\n" not in msg and "DistributedDataParallel" in msg and "wrap" in msg, msg
+    # DDP told to leave the prepared model's parameters alone syncs nothing of it: allowed
+    parent = nn.Sequential(model, nn.Linear(6, 6))
+    DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
+        parent, [f"0.{n}" for n, _ in model.named_parameters()])
+    DistributedDataParallel(parent)(x)

@@ -27,6 +27,7 @@ from typing import NamedTuple, cast
 import torch
 from torch import nn
 
+from .decay import NoDecay, no_decay_flags
 from .dtensor import local_tensor
 from .memory import ReleasableStorages
 from .newton_schulz import (
@@ -158,6 +159,13 @@ class MuonAdamW(torch.optim.Optimizer):
             ``"auto"`` (default): fp32 for matrices on the CPU, bf16 on any other device.
             Under ``ns_mode="per_matrix"`` the iterations are torch's, in bf16 (``"fp32"`` is
             refused there). Not stored in the state dict.
+        no_decay: parameters that get no weight decay in either part (:mod:`flexdemo.decay`):
+            ``True`` (norms and biases: fewer than 2 dimensions, or named so), a rule
+            ``(name, param) -> bool`` or a list of names. They form groups of their own
+            with ``weight_decay`` 0.
+
+    LR schedulers see ``momentum`` (Muon's) in :attr:`defaults`: a scheduler that cycles it
+    (``OneCycleLR``, ``CyclicLR``) cycles Muon's momentum; AdamW's betas keep their values.
     """
 
     def __init__(self, params: Iterable, lr: float = 1e-3, *, weight_decay: float = 0.0,
@@ -166,7 +174,7 @@ class MuonAdamW(torch.optim.Optimizer):
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                  muon_params: MuonRule | Collection[str] | None = None,
                  ns_mode: str = "batched", ns_batch_numel: int | None = None,
-                 ns_dtype: str = "auto") -> None:
+                 ns_dtype: str = "auto", no_decay: NoDecay = None) -> None:
         require_muon()
         from torch.optim._muon import DEFAULT_A, DEFAULT_B, DEFAULT_C, EPS
 
@@ -191,28 +199,38 @@ class MuonAdamW(torch.optim.Optimizer):
             raise ValueError(f"adjust_lr_fn must be 'match_rms_adamw', 'original' or None, got "
                              f"{adjust_lr_fn!r}")
         muon, other = _split(params, muon_params)
+        exempt = {id(p) for (_, p), off in zip(
+            muon + other, no_decay_flags(no_decay, muon + other)) if off}
         if ns_batch_numel is None:
             ns_batch_numel = default_batch_numel(
                 [p.shape for _, p in muon], muon[0][1].device if muon else torch.device("cpu"))
+
+        def by_decay(pairs: list) -> list[tuple[list, float]]:  # (params, decay), non-empty
+            on = [p for _, p in pairs if id(p) not in exempt]
+            off = [p for _, p in pairs if id(p) in exempt]
+            return [(ps, wd) for ps, wd in ((on, weight_decay), (off, 0.0)) if ps]
+
         groups = []
-        if muon:
-            groups.append({"params": [p for _, p in muon], "use_muon": True, "lr": lr,
-                           "weight_decay": weight_decay, "momentum": momentum,
+        for ps, wd in by_decay(muon):
+            groups.append({"params": ps, "use_muon": True, "lr": lr,
+                           "weight_decay": wd, "momentum": momentum,
                            "nesterov": nesterov, "ns_steps": ns_steps,
                            "ns_coefficients": (DEFAULT_A, DEFAULT_B, DEFAULT_C), "eps": EPS,
                            "adjust_lr_fn": adjust_lr_fn})
-        adam = {"params": [p for _, p in other], "use_muon": False}
-        self._adamw = torch.optim.AdamW([adam], lr=lr, betas=betas, eps=eps,
+        adam = [{"params": ps, "use_muon": False, "weight_decay": wd}
+                for ps, wd in by_decay(other)]
+        self._adamw = torch.optim.AdamW(adam, lr=lr, betas=betas, eps=eps,
                                         weight_decay=weight_decay) if other else None
-        if other:
-            groups.append(adam)  # the same dict: AdamW filled in its settings
+        groups += adam  # the same dicts: AdamW filled in its settings
         super().__init__(groups, {"lr": lr})
+        # what LR schedulers look for (OneCycleLR, CyclicLR cycle it); not a default of the
+        # groups, which have their own settings
+        self.defaults["momentum" if muon else "betas"] = momentum if muon else tuple(betas)
         self.muon_names = [n for n, _ in muon]
         self.stats = CommStats()  # the intra-node all-to-alls of sharded matrices
         self.ns_mode, self.ns_batch_numel = ns_mode, ns_batch_numel
         self.ns_dtype = ns_dtype
-        self._plan_key: tuple[int, ...] = ()
-        self._plan_value = _Plan([], [], {})
+        self._plans: dict[tuple[int, ...], _Plan] = {}  # by the ids of a group's params
         self._link()
 
     def _link(self) -> None:
@@ -294,9 +312,11 @@ class MuonAdamW(torch.optim.Optimizer):
 
     def _plan(self, params: list) -> _Plan:
         """Which of ``params`` are whole or sharded, grouped by shape; cached for the last
-        list of parameters (the same every step unless some have no gradient)."""
+        few lists of parameters (one per group; the same every step unless some have no
+        gradient)."""
         key = tuple(map(id, params))
-        if key != self._plan_key:
+        plan = self._plans.get(key)
+        if plan is None:
             whole: list[int] = []
             by_group: dict = {}
             for i, p in enumerate(params):
@@ -316,14 +336,15 @@ class MuonAdamW(torch.optim.Optimizer):
                         total = 0
                     chunks[-1].append(i)
                     total += params[i].numel()
-            self._plan_key = key
             batches: list[list[int]] = []
             for same in shape_groups([params[i].shape for i in whole]):
                 per = max(1, self.ns_batch_numel // max(1, params[whole[same[0]]].numel()))
                 batches += [[whole[j] for j in same[k: k + per]]
                             for k in range(0, len(same), per)]
-            self._plan_value = _Plan(whole, batches, sharded)
-        return self._plan_value
+            if len(self._plans) >= 8:  # lists that change (gradients that come and go)
+                self._plans.clear()
+            plan = self._plans[key] = _Plan(whole, batches, sharded)
+        return plan
 
     def _ns(self, stack: torch.Tensor, group: dict) -> torch.Tensor:
         """Newton-Schulz of a bf16 stack of one shape, which it consumes (``ns_mode``)."""

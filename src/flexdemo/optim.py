@@ -8,11 +8,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.optim.optimizer import required
 
 from . import memory
 from .buffers import BUFFER_POLICIES, BufferSync
 from .checkpoint import dcp as _dcp
 from .consistency import check_same_settings
+from .decay import NoDecay, no_decay_flags
 from .dtensor import local_tensor
 from .lion import Lion
 from .mesh import guard_exit
@@ -42,12 +44,27 @@ def _named(params: list) -> bool:
                                 for x in params)
 
 
-def make_base_optimizer(base, params, lr: float, **kwargs) -> torch.optim.Optimizer:
+def make_base_optimizer(base, params, lr: float, *, no_decay: NoDecay = None,
+                        **kwargs) -> torch.optim.Optimizer:
     """A base optimizer from a name (``"sgd"``, ``"adamw"``, ``"adam"``, ``"lion"``,
     ``"muon"``) or a factory. ``params`` may be ``(name, tensor)`` pairs: ``"muon"`` uses the
-    names to keep embeddings and the head on AdamW; the others and factories get the tensors."""
+    names to keep embeddings and the head on AdamW; the others and factories get the tensors.
+    ``no_decay`` (:mod:`flexdemo.decay`): those parameters go in a group of their own with
+    ``weight_decay`` 0 (a factory then receives the groups)."""
     params = list(params)
-    if _named(params) and not (isinstance(base, str) and base.lower() == "muon"):
+    if isinstance(base, str) and base.lower() == "muon":
+        if no_decay is not None and no_decay is not False:
+            kwargs["no_decay"] = no_decay  # MuonAdamW splits both of its parts
+    elif no_decay is not None and no_decay is not False:
+        if any(isinstance(x, dict) for x in params):
+            raise ValueError("no_decay splits a flat list of parameters; with parameter "
+                             "groups, give each group its own weight_decay instead")
+        pairs = params if _named(params) else [(None, p) for p in params]
+        off = no_decay_flags(no_decay, pairs)
+        groups = ({"params": [p for (_, p), f in zip(pairs, off) if not f]},
+                  {"params": [p for (_, p), f in zip(pairs, off) if f], "weight_decay": 0.0})
+        params = [g for g in groups if g["params"]]
+    elif _named(params):
         params = [p for _, p in params]
     if isinstance(base, str):
         cls = BASE_OPTIMIZERS.get(base.lower())
@@ -124,6 +141,10 @@ class DeToNATION(torch.optim.Optimizer):
         lr: learning rate (shared with the base optimizer's param groups).
         weight_decay: decoupled weight decay, ``p *= 1 - lr * weight_decay`` before the base
             step (give the base optimizer none of its own).
+        no_decay: parameters that get no weight decay, neither ``weight_decay`` nor the base
+            optimizer's own (:mod:`flexdemo.decay`): ``True`` (norms and biases), a rule
+            ``(name, param) -> bool`` or a list of names (both need
+            ``model.named_parameters()``). They form base parameter groups of their own.
         group: default process group of replicators that were not given one (the mesh's
             replicate dimension under :func:`flexdemo.prepare`; the world otherwise).
         nonfinite: ``"raise"`` (default) raises :class:`NonFiniteGradientError` on every
@@ -154,7 +175,8 @@ class DeToNATION(torch.optim.Optimizer):
                  base: str | Callable = "sgd", lr: float = 1e-3, *, weight_decay: float = 0.0,
                  group: dist.ProcessGroup | Transport | None = None, nonfinite: str = "raise",
                  base_kwargs: dict | None = None, mesh=None,
-                 fault_tolerance: FaultTolerance | None = None) -> None:
+                 fault_tolerance: FaultTolerance | None = None,
+                 no_decay: NoDecay = None) -> None:
         if fault_tolerance is not None:  # __new__ builds the ElasticOptimizer from it
             raise TypeError("fault_tolerance= goes to DeToNATION(...) itself, which then "
                             "builds an ElasticOptimizer, not to DeToNATION.__init__")
@@ -173,13 +195,29 @@ class DeToNATION(torch.optim.Optimizer):
         if base_kwargs and "lr" in base_kwargs:
             raise ValueError("the learning rate goes in lr=..., not in the base optimizer's "
                              "settings (optimizer_kwargs / base_kwargs)")
-        self.base = make_base_optimizer(base, named or params, lr, **(base_kwargs or {}))
-        super().__init__(params, {"lr": lr, "flexdemo_weight_decay": weight_decay})
+        if base_kwargs and "no_decay" in base_kwargs:
+            raise ValueError("no_decay goes to prepare(..., no_decay=...) or DeToNATION(..., "
+                             "no_decay=...), not in optimizer_kwargs / base_kwargs")
+        self.base = make_base_optimizer(base, named or params, lr, no_decay=no_decay,
+                                        **(base_kwargs or {}))
+        # the base's defaults too: LR schedulers look for momentum or betas there (OneCycleLR
+        # and CyclicLR cycle them); what they write reaches the base by the shared groups
+        defaults = {k: v for k, v in self.base.defaults.items()
+                    if v is not required}  # (a default no group may lack: not ours)
+        super().__init__(params, {**defaults, "lr": lr, "flexdemo_weight_decay": weight_decay})
+        self._sealed = True  # add_param_group refuses from here on
         self.mesh = mesh
         self.buffer_sync: BufferSync | None = None
         self.buffer_policy = "none"
+        pairs = named or [(None, p) for p in params if not isinstance(p, dict)]
+        exempt = {id(p) for (_, p), off in zip(pairs, no_decay_flags(no_decay, pairs)) if off}
         for g in self.base.param_groups:
-            g.setdefault("flexdemo_weight_decay", weight_decay)
+            off = [id(p) in exempt for p in g["params"]]
+            if any(off) and not all(off):
+                raise ValueError("the base optimizer puts parameters with and without weight "
+                                 "decay (no_decay) in one group; a factory must keep the "
+                                 "groups it receives")
+            g.setdefault("flexdemo_weight_decay", 0.0 if any(off) else weight_decay)
             if g["flexdemo_weight_decay"] and g.get("weight_decay", 0.0):
                 raise ValueError("weight decay is given twice (to the base optimizer and as "
                                  "decoupled weight_decay); give it to one of them")
@@ -338,6 +376,18 @@ class DeToNATION(torch.optim.Optimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.base.zero_grad(set_to_none=set_to_none)
 
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Refused once built: the replicators were set up for the parameters given at
+        construction (their state, payloads and agreement are laid out for them)."""
+        if not getattr(self, "_sealed", False):  # Optimizer.__init__ adds the first groups
+            super().add_param_group(param_group)
+            return
+        raise ValueError("DeToNATION.add_param_group: the replicators are set up for the "
+                         "parameters given at construction; build the optimizer with every "
+                         "parameter from the start (prepare(model) takes all of the model's; "
+                         "frozen ones without gradients are left alone) and change a group's "
+                         "settings in opt.param_groups")
+
     # ------------------------------------------------------------------ accounting
     @property
     def bytes_sent(self) -> int:
@@ -364,9 +414,11 @@ class DeToNATION(torch.optim.Optimizer):
 
     def last_step_stats(self) -> dict:
         """Bytes sent/received and communication seconds of the last step, all replicators
-        (the replication link). A base optimizer that talks over the shard group (``"muon"``
-        on sharded matrices) adds its intra-node figures as ``shard_bytes_sent``,
-        ``shard_bytes_received`` and ``shard_seconds``. (Under fault tolerance the
+        (the replication link); ``clipped_contributions``: the peers' parts over the bound
+        on each peer's part that this rank scaled down so far (:mod:`flexdemo.replicate.bound`). A
+        base optimizer that talks over the shard group (``"muon"`` on sharded matrices) adds
+        its intra-node figures as ``shard_bytes_sent``, ``shard_bytes_received`` and
+        ``shard_seconds``. (Under fault tolerance the
         :class:`~flexdemo.ft.optimizer.ElasticOptimizer` adds the session's figures.)"""
         rs = self.replicators
         out: dict = {
@@ -376,6 +428,8 @@ class DeToNATION(torch.optim.Optimizer):
             "collectives": sum(r.stats.last_collectives for r in rs),
             # opt.steps counts every step taken, skipped ones too (schedules and syncs follow it)
             "skipped": self._last_skipped, "skipped_steps": self.skipped_steps,
+            # peers' parts over the bound (replicate.bound) scaled down, on this rank, so far
+            "clipped_contributions": sum(r.clipped_contributions() for r in rs),
         }
         shard = getattr(self.base, "stats", None)
         if shard is not None:

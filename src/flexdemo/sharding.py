@@ -24,6 +24,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from .buffers import BUFFER_POLICIES
+from .decay import NoDecay, no_decay_names
 from .dtensor import local_tensor
 from .mesh import DEFAULT_TIMEOUT, build_mesh, check_mesh, init_distributed
 from .muon import with_model_rule
@@ -31,6 +32,8 @@ from .optim import DeToNATION
 from .replicate import NoReplication, Replicator, make_replicator
 
 if TYPE_CHECKING:
+    from types import FrameType
+
     from .ft.optimizer import ElasticOptimizer
 
 __all__ = ["NoReplicationWarning", "broadcast_module", "broadcast_tensors",
@@ -142,6 +145,53 @@ def _check_model(model: nn.Module) -> None:
                          "in forward")
 
 
+def _syncs_gradients(ddp: nn.Module, model: nn.Module) -> bool:
+    """Whether DistributedDataParallel ``ddp`` all-reduces gradients of ``model``'s
+    parameters (those it was told to ignore it leaves alone)."""
+    inner = getattr(ddp, "module", None)
+    if not isinstance(inner, nn.Module):
+        return False
+    ignored = getattr(ddp, "parameters_to_ignore", ())
+    synced = {id(p) for n, p in inner.named_parameters() if n not in ignored and p.requires_grad}
+    return any(id(p) in synced for p in model.parameters())
+
+
+def _refuse_data_parallel(module: nn.Module, args: Any) -> None:
+    """A forward pre-hook of every prepared model: refuse to run inside
+    DistributedDataParallel (a framework's wrap after prepare(), of the model or of a module
+    holding it), which would all-reduce every gradient in full before the optimizer's step.
+    A walk up the Python stack for DDP's ``forward`` (microseconds); nothing while compiled.
+    A module-level function, so that a pickled model keeps its hooks."""
+    if torch.compiler.is_compiling():
+        return
+    from torch.nn.parallel import DistributedDataParallel
+
+    code = DistributedDataParallel.forward.__code__
+    frame: FrameType | None = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code is code:
+            ddp = frame.f_locals.get("self")
+            if isinstance(ddp, DistributedDataParallel) and _syncs_gradients(ddp, module):
+                raise RuntimeError(
+                    f"the model prepared by flexdemo.prepare() runs inside {type(ddp).__name__}, "
+                    "which all-reduces every gradient in full before the optimizer's step (on "
+                    "top of the replicator's exchange); train the model prepare() returned "
+                    "without wrapping it, and keep frameworks from wrapping it (Hugging Face "
+                    "Trainer, Accelerate, Lightning's 'ddp' strategies do; see "
+                    "docs/multi-node.md)")
+        frame = frame.f_back
+
+
+def _no_reduction_to_skip(requires_gradient_sync: bool, *, recurse: bool = True) -> None:
+    """``set_requires_gradient_sync`` of a model that prepare() left unsharded (shard=1), as
+    FSDP2's modules have it: gradient accumulation's switch works at any shard. Here there is
+    no reduction inside a replica to skip: the gradients of several backward passes add up
+    in ``.grad`` either way, and the replicators exchange at ``opt.step()``."""
+    if not isinstance(requires_gradient_sync, bool):
+        raise TypeError(f"set_requires_gradient_sync takes True or False, got "
+                        f"{requires_gradient_sync!r}")
+
+
 def _model_device(model: nn.Module) -> torch.device:
     devices = {p.device for p in model.parameters()}
     if len(devices) > 1:
@@ -251,7 +301,8 @@ def prepare(model: nn.Module, replicator: str | Replicator | Sequence = "demo",
             optimizer: str | Callable = "sgd", lr: float = 1e-3, *,
             mesh: DeviceMesh | None = None, replicate: int | None = None,
             shard: int | None = None, weight_decay: float = 0.0,
-            replicator_kwargs: dict | None = None, optimizer_kwargs: dict | None = None,
+            no_decay: NoDecay = False, replicator_kwargs: dict | None = None,
+            optimizer_kwargs: dict | None = None,
             shard_units: Callable[[nn.Module], list[nn.Module]] | None = None,
             sync_init: bool = True, nonfinite: str = "raise",
             device: str | torch.device | None = None, fsdp_kwargs: dict | None = None,
@@ -269,6 +320,11 @@ def prepare(model: nn.Module, replicator: str | Replicator | Sequence = "demo",
     nccl for CUDA), also for a single process without torchrun.
 
     Args beyond the optimizer's own:
+        no_decay: parameters that get no weight decay (neither ``weight_decay`` nor one in
+            ``optimizer_kwargs``): ``True`` gives none to norms and biases
+            (:func:`flexdemo.decay.no_decay_names`: fewer than 2 dimensions, normalisation
+            modules by type, names ending in ``bias`` or naming a norm); or a rule
+            ``(name, param) -> bool``, or a list of parameter names. Default: decay all.
         device: where to train: ``"auto"`` (CUDA when available), ``"cpu"``, ``"cuda"``
             (each rank on ``cuda:LOCAL_RANK``); default: the model's device. A model on the
             ``meta`` device is sharded first, then materialised on ``device``.
@@ -339,7 +395,8 @@ def prepare(model: nn.Module, replicator: str | Replicator | Sequence = "demo",
             model.to(target)
         if sync_init:  # one copy of the whole model before sharding
             broadcast_module(model)
-    if mesh["shard"].size() > 1 or fsdp_opts:
+    sharded = mesh["shard"].size() > 1 or bool(fsdp_opts)
+    if sharded:
         from torch.distributed.fsdp import fully_shard
 
         units = (shard_units or default_shard_units)(model)
@@ -352,10 +409,15 @@ def prepare(model: nn.Module, replicator: str | Replicator | Sequence = "demo",
         if sync_init:  # shards initialise independently; replicas take the first one's
             broadcast_module(model, group=mesh["replicate"].get_group())
     model._flexdemo_prepared = True  # type: ignore[assignment]  # a marker, not a submodule
+    if not sharded:  # FSDP2's accumulation switch, a no-op here: the same loop at any shard
+        model.set_requires_gradient_sync = _no_reduction_to_skip  # type: ignore[assignment]
+    model.register_forward_pre_hook(_refuse_data_parallel)
+    if no_decay is True:  # the rule with module types (norm layers found by type)
+        no_decay = no_decay_names(model)
     args = (list(model.named_parameters()), reps)
     kwargs: dict[str, Any] = dict(
         base=optimizer, lr=lr, weight_decay=weight_decay, nonfinite=nonfinite, mesh=mesh,
-        base_kwargs=with_model_rule(model, optimizer, optimizer_kwargs))
+        base_kwargs=with_model_rule(model, optimizer, optimizer_kwargs), no_decay=no_decay)
     opt: DeToNATION | ElasticOptimizer
     if fault_tolerance is None:
         inner = opt = DeToNATION(*args, group=mesh["replicate"].get_group(), **kwargs)

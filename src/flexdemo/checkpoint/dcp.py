@@ -47,6 +47,7 @@ import torch.distributed as dist
 
 from ..dtensor import local_tensor
 from ..transport import group_rank
+from .agree import agree_on
 from .mismatch import check_base, check_mesh, check_model, check_replicators
 
 # torch.distributed.checkpoint (and with it DTensor and sympy, about a second of CPU) is
@@ -228,7 +229,39 @@ def state_dict(opt: FlexOptimizer) -> dict:
 
 @torch.no_grad()
 def load_state_dict(opt: FlexOptimizer, sd: dict) -> None:
-    """Restore a state dict made by :func:`state_dict` (int or parameter-name keys)."""
+    """Restore a state dict made by :func:`state_dict` (int or parameter-name keys).
+
+    Collective when a process group of several ranks is up: every rank loads its own state
+    (as DCP's ``set_state_dict`` does), and a state that one rank refuses (a rank-0-only save
+    loaded everywhere, another model) is refused on every rank with that rank's line, before
+    anything is loaded, so that no rank goes on into a step that the others never join."""
+    error, checked = None, None
+    try:
+        checked = _check_state(opt, sd)
+    except Exception as e:
+        error = e
+    agree_on(error, "loading the optimizer state")
+    assert checked is not None  # agree_on raised otherwise
+    groups, blob, base_state, copies, reps = checked
+    for r, s in zip(opt.replicators, reps):
+        r.load_state_dict(s)
+    opt.base.load_state_dict({"state": base_state, "param_groups": groups})
+    if blob["base_state_created"]:  # the saving optimizer had no base state yet
+        opt.base.state.clear()
+    opt.share_state()
+    for p, c in zip(opt.params, copies):
+        if c is not None:
+            _copy_local(p, c)
+    if blob["buffers"] is not None and opt.buffer_sync is not None:
+        for b, v in zip(opt.buffer_sync.all_buffers, blob["buffers"]):
+            b.copy_(v)
+    opt.steps = int(blob["steps"])
+    opt.skipped_steps = int(blob["skipped_steps"])
+
+
+def _check_state(opt: FlexOptimizer, sd: dict) -> tuple:
+    """This rank's parts of ``sd``, checked against ``opt`` without changing anything:
+    ``(param_groups, chain blob, base state, parameter copies, replicator states)``."""
     groups = sd["param_groups"]
     saved_ids = [i for g in groups for i in g["params"]]
     if len(groups) != len(opt.param_groups) or len(saved_ids) != len(opt.params):
@@ -257,9 +290,19 @@ def load_state_dict(opt: FlexOptimizer, sd: dict) -> None:
             base_state[sid] = entry
         copies.append(param_copy)
     if blob is None:
+        others = sorted({int(m.group(1)) for entry in sd["state"].values()
+                         for k in entry if (m := _CHAIN.match(str(k)))})
+        if others:
+            raise ValueError(
+                f"the optimizer state holds the state of rank(s) {others}, not of this rank "
+                f"({_global_rank()}): it was saved on rank(s) {others} only (e.g. torch.save "
+                "of opt.state_dict() on rank 0) or by a job of another size, but each rank's "
+                "state is its own (DeMo's momentum, error feedback). Save it on every rank: "
+                "flexdemo.save_checkpoint(path, model, opt, step=...) or "
+                "torch.distributed.checkpoint (dcp.save of get_state_dict(model, opt)), "
+                "called on every rank")
         raise ValueError(f"the optimizer state has no {mine!r} entry (this rank's replicator "
-                         "state): it was not written by flexdemo's optimizer, or by a job "
-                         "with another world size")
+                         "state): it was not written by flexdemo's optimizer")
     blob = _unpack(blob) if isinstance(blob, (bytes, bytearray)) else blob
     if blob.get("format") != FORMAT:
         raise ValueError(f"optimizer state format {blob.get('format')!r}, this flexdemo reads "
@@ -274,24 +317,12 @@ def load_state_dict(opt: FlexOptimizer, sd: dict) -> None:
     if len(reps) != len(opt.replicators):
         raise ValueError(f"state has {len(reps)} replicators, this optimizer "
                          f"{len(opt.replicators)}")
-    for r, s in zip(opt.replicators, reps):
-        r.load_state_dict(s)
-    opt.base.load_state_dict({"state": base_state, "param_groups": groups})
-    if blob["base_state_created"]:  # the saving optimizer had no base state yet
-        opt.base.state.clear()
-    opt.share_state()
-    for p, c in zip(opt.params, copies):
-        if c is not None:
-            _copy_local(p, c)
     if blob["buffers"] is not None and opt.buffer_sync is not None:
         bufs = opt.buffer_sync.all_buffers
         if len(bufs) != len(blob["buffers"]):
             raise ValueError(f"the optimizer state holds {len(blob['buffers'])} module "
                              f"buffers, this model {len(bufs)}")
-        for b, v in zip(bufs, blob["buffers"]):
-            b.copy_(v)
-    opt.steps = int(blob["steps"])
-    opt.skipped_steps = int(blob["skipped_steps"])
+    return groups, blob, base_state, copies, reps
 
 
 def _kinds(opt: FlexOptimizer) -> dict:
@@ -328,6 +359,7 @@ def _copy_local(p: torch.Tensor, v: torch.Tensor) -> None:
 
 # ---------------------------------------------------------------------- checks before dcp.load
 _BLOB = re.compile(r"^(.*)" + re.escape(PREFIX) + r"chain/rank(\d+)$")
+_CHAIN = re.compile(r"^" + re.escape(PREFIX) + r"chain/rank(\d+)$")  # a rank's own entry
 
 
 def check_load(state_dict: dict, checkpoint_id: str | os.PathLike) -> None:

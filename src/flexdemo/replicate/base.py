@@ -41,6 +41,7 @@ from .agreement import (
     global_rank_of,
     mark_nonfinite,
 )
+from .bound import PeerBound
 
 
 def check_schedule(replicate_every: int, skip_every: int) -> None:
@@ -88,7 +89,8 @@ class Replicator(ABC):
       per step into buffers of its own);
     * :meth:`reset_withheld`: forget a non-finite step withheld for the next exchange;
     * :attr:`on_bad_peer` and :attr:`dropped_payloads`: the bad-peer policy and its counter
-      (:meth:`bad_peer` applies them);
+      (:meth:`bad_peer` applies them); :attr:`bound` and :meth:`clipped_contributions`: the
+      bound on each peer's part of an exchange (:mod:`.bound`) and its count;
     * :attr:`transport`: the group's transport, bound once in :meth:`setup`;
     * :meth:`inner_replicators`: replicators this one runs inside itself (DiLoCo's
       exchanges, a phased replicator's phases);
@@ -108,6 +110,8 @@ class Replicator(ABC):
     on_bad_peer: str = "raise"
     #: payloads left out under ``on_bad_peer="drop"``
     dropped_payloads: int = 0
+    #: its bound on each peer's part of an exchange (:mod:`.bound`; None: it has none)
+    bound: PeerBound | None = None
     #: whether :mod:`flexdemo.ft` may run it (see :meth:`fault_tolerance_problem`)
     fault_tolerant: bool = False
     #: it keeps per-replica state, such as error feedback (:meth:`reset_replica_state`)
@@ -275,6 +279,13 @@ class Replicator(ABC):
         self.dropped_payloads += 1
         warnings.warn(f"{self.name}: dropped the payload of rank {global_rank} at step {step}: "
                       f"{reason}", RuntimeWarning, stacklevel=4)
+
+    def clipped_contributions(self) -> int:
+        """Peers' parts clipped to :attr:`bound` on this replica so far, its
+        :meth:`inner_replicators`' included (reads the device where a clip was decided
+        there)."""
+        own = self.bound.clipped if self.bound is not None else 0
+        return own + sum(p.clipped_contributions() for p in self.inner_replicators())
 
     # ------------------------------------------------------------------ contract
     @property

@@ -12,15 +12,15 @@ from .agreement import (
     Agreement,
     NonFiniteGradientError,
     align8,
-    check_flags,
     global_rank_of,
-    header_problems,
     nonfinite_flag,
     write_header,
 )
 from .base import Replicator
+from .bound import PEER_BOUND, PeerBound, check_peer_bound
 from .buckets import FlatBuckets, check_bucket_numel, resolve_bucket_numel
 from .demo.settings import RARE_BUCKETS
+from .gathered import mean_of_payloads
 from .scatter import ScatterExchange
 
 
@@ -142,7 +142,14 @@ class FullReplicator(Replicator):
     Received low-precision payloads are checked (header, finite values: an fp16 overflow or a
     corrupt peer): a bad one raises :class:`CorruptPayloadError` naming the sender on every
     replica, or with ``on_bad_peer="drop"`` is left out of the mean on every replica and
-    counted in ``dropped_payloads``.
+    counted in ``dropped_payloads``. ``peer_bound`` (default 8; None or False: off) bounds
+    each peer's part of the quantised formats (:mod:`.bound`): a part whose norm is over
+    ``peer_bound`` times the median of the parts' norms (with 2 replicas: times the norm of
+    this replica's own part) is scaled down to that median (own norm), per bucket; with
+    ``reduce="scatter"`` each owner bounds the parts of its chunk and every replica bounds
+    each owner's reduced chunk by ``peer_bound`` times the norm of its own part of that chunk.
+    Honest runs stay far from it and keep their bits. The fp32 all-reduce sums inside the
+    collective, where no peer's part is seen: the bound does nothing there.
 
     ``bucket_numel`` (default ``"auto"``: 4,194,304 values, 16 MiB in fp32, off CUDA; on it
     an 8th of the model where that is larger; ``None``: the whole model) bounds the exchange's
@@ -166,7 +173,8 @@ class FullReplicator(Replicator):
     def __init__(self, values: str = "fp32", block: int = 128, *, reduce: str = "gather",
                  error_feedback: float | None = None,
                  owner_error_feedback: bool | float | None = None, on_bad_peer: str = "raise",
-                 bucket_numel: int | str | None = "auto", **schedule) -> None:
+                 bucket_numel: int | str | None = "auto",
+                 peer_bound: float | None = PEER_BOUND, **schedule) -> None:
         super().__init__(**schedule)
         self.codec = ValueCodec(values, block)  # validates
         check_bucket_numel(bucket_numel)
@@ -193,6 +201,8 @@ class FullReplicator(Replicator):
         _check_reduce(values, reduce, on_bad_peer)
         self.values, self.on_bad_peer, self.reduce = values, on_bad_peer, reduce
         self.dropped_payloads = 0
+        self.peer_bound = check_peer_bound(peer_bound)
+        self.bound = PeerBound(None if values == "fp32" else self.peer_bound, self.name)
 
     def extra_repr(self) -> str:
         parts = [] if self.values == "fp32" else [f"values={self.values!r}"]
@@ -204,6 +214,8 @@ class FullReplicator(Replicator):
             parts.append(f"owner_error_feedback={self.owner_error_feedback}")
         if self.bucket_numel != "auto":
             parts.append(f"bucket_numel={self.bucket_numel!r}")
+        if self.peer_bound != PEER_BOUND and self.values != "fp32":
+            parts.append(f"peer_bound={self.peer_bound!r}")
         return ", ".join(parts)
 
     def _group_resized(self) -> None:
@@ -274,7 +286,11 @@ class FullReplicator(Replicator):
             return {}
         lo, hi = self._owner_at[b], self._owner_at[b + 1]
         return {"owner_residual": self.owner_residual[lo:hi],
-                "owner_decay": self.owner_decay, "rank": self.rank}
+                "owner_decay": self.owner_decay}
+
+    def _bound(self) -> PeerBound | None:
+        """The bound on the peers' parts, where it is on."""
+        return self.bound if self.bound is not None and self.bound.on else None
 
     def _payload_size(self, n: int) -> int:
         """Bytes of a gathered payload of ``n`` values (rows stay 8-byte aligned)."""
@@ -413,7 +429,8 @@ class FullReplicator(Replicator):
         flat = self.layout.flat
         if self._scatter is not None:
             self._scatter.finish(handle, step, code, self.name, self.transport, self.stats,
-                                 self.bad_peer, **self._owner_feedback(0))
+                                 self.bad_peer, bound=self._bound(), rank=self.rank,
+                                 **self._owner_feedback(0))
         elif self.values == "fp32":
             buf = handle.wait()
             self.agreement.read_trailer(buf[self._total:], code, step)
@@ -489,7 +506,7 @@ class FullReplicator(Replicator):
             sx.use(n)
             handle = sx.start(step, flag, code, self.transport, self.stats)
             sx.finish(handle, step, code, self.name, self.transport, self.stats, self.bad_peer,
-                      **self._owner_feedback(b))
+                      bound=self._bound(), rank=self.rank, **self._owner_feedback(b))
         elif self.values == "fp32":
             trailer = Agreement.trailer_size(self.world) if first else 0
             if trailer:
@@ -514,46 +531,11 @@ class FullReplicator(Replicator):
 
     def _mean_of_payloads(self, gathered: torch.Tensor, flat: torch.Tensor, step: int,
                           code: int) -> None:
-        """Check the gathered payloads and write their mean into ``flat``, with one host read.
-
-        Peers are decoded one at a time into one reused buffer (memory of one payload,
-        whatever the group size) and summed in rank order; the least and largest value of
-        each tells whether it is finite. The headers and those ends are read once at the
-        end, and a bad peer raises or is left out: then (the rare path) the sum is taken
-        again over the peers kept, the same bits as if the bad one had never been added."""
-        n, total = gathered.shape[0], flat.numel()
-        heads = gathered[:, :HEADER_BYTES].view(torch.int64)  # (n, 4)
-        scratch = self.codec.workspace(self.codec.room(total), flat.device)  # (encoded)
-        ends: list[torch.Tensor] = []
-        flat.zero_()
-        for r in range(n):  # rank order: every replica sums alike
-            values = self.codec.decode_into(gathered[r, HEADER_BYTES:], total, scratch)
-            ends.extend(torch.aminmax(values))
-            flat.add_(values)
-        finite = torch.isfinite(torch.stack(ends).view(n, 2)).all(1)
-        read = torch.cat([heads.reshape(-1), finite.to(torch.int64)]).tolist()
-        heads_l = [read[4 * r: 4 * r + 4] for r in range(n)]
-        problems = header_problems(heads_l, step)
-        peers = [r for r in range(n) if problems[r] is None]
-        for r, problem in enumerate(problems):
-            if problem is not None:
-                self.bad_peer(r, step, problem)
-        check_flags(self.name, [heads_l[r][2] if r in peers else 0 for r in range(n)],
-                    [heads_l[r][3] if r in peers else code for r in range(n)], code, step,
-                    self.transport)
-        good = [r for r in peers if read[4 * n + r]]
-        for r in peers:
-            if r not in good:
-                hint = " (fp16 overflows beyond 65504: use values='bf16')" \
-                    if self.values == "fp16" else ""
-                self.bad_peer(r, step, f"non-finite value{hint}")
-        if len(good) < n:  # dropped peers: the sum again, of the good ones alone
-            flat.zero_()
-            for r in good:
-                flat.add_(self.codec.decode_into(gathered[r, HEADER_BYTES:], total,
-                                                 scratch))
-        if good:
-            flat.div_(len(good))
+        """Check the gathered payloads and write their mean into ``flat``
+        (:func:`.gathered.mean_of_payloads`)."""
+        mean_of_payloads(gathered, flat, step, code, codec=self.codec, name=self.name,
+                         fmt=self.values, bad_peer=self.bad_peer, transport=self.transport,
+                         bound=self._bound(), rank=self.rank)
 
     # ------------------------------------------------------------------ state
     def reset_replica_state(self) -> None:

@@ -24,6 +24,12 @@ raises the same error in the same step: non-finite input (:class:`NonFiniteGradi
 other parameters in use, or a corrupt payload naming the sender (:class:`CorruptPayloadError`).
 A bad payload cannot be dropped here (owners would drop it from some chunks only): the
 gathered exchange (``reduce="gather"``) offers ``on_bad_peer="drop"``.
+
+With a bound on the peers' parts (:mod:`.bound`) an owner scales down a sender's part of its
+chunk whose norm is over the bound (the multiple of the median of the ``n`` parts' norms, or
+of its own part's with 2 ranks), and every rank scales down an owner's reduced chunk whose norm
+is over the multiple of the norm of its own input there (a garbage mean from a hostile owner);
+the norms ride in the reads of the device the exchange does anyway.
 """
 
 from __future__ import annotations
@@ -42,6 +48,7 @@ from .agreement import (
     header_problems,
     write_header,
 )
+from .bound import PeerBound, float_bits, from_bits
 
 # an owner's verdict on one sender's chunk
 OK, FLAGGED, OTHER_PARAMS, BAD_MAGIC, WRONG_STEP, NONFINITE = range(6)
@@ -116,9 +123,12 @@ class ScatterExchange:
 
     def finish(self, pending: Pending, step: int, code: int, name: str, transport,
                stats: CommStats, bad_peer, owner_residual: torch.Tensor | None = None,
-               owner_decay: float = 1.0, rank: int = 0) -> None:
+               owner_decay: float = 1.0, rank: int = 0,
+               bound: PeerBound | None = None) -> None:
         """Complete the exchange: the owner's mean, its all-gather, the checks, and the
         decoded mean of every chunk in :attr:`flat`. ``bad_peer(r, step, reason)`` raises.
+        ``rank``: this rank (the owner of chunk ``rank``); ``bound``: the bound on each
+        sender's part of the owned chunk and on each owner's reduced chunk, or None.
 
         ``owner_residual`` (``chunk`` values of the chunk this rank, ``rank``, owns): error
         feedback of the owner's coding of the mean. The owner encodes ``owner_decay *
@@ -130,9 +140,18 @@ class ScatterExchange:
         values = self.codec.decode(recv[:, HEADER_BYTES:], size)  # (n, chunk)
         heads = recv[:, :HEADER_BYTES].view(torch.int64)  # (n, 4)
         finite = torch.isfinite(values).all(1)
-        read = torch.cat([heads.reshape(-1), finite.to(torch.int64)]).tolist()  # 1 host read
-        verdict = self._judge([read[4 * r: 4 * r + 4] for r in range(n)], read[4 * n:],
-                              step, code)
+        words = [] if bound is None else [  # each sender's part's norm, this rank's input's
+            float_bits(torch.linalg.vector_norm(values, dim=1)),
+            float_bits(torch.linalg.vector_norm(self.padded.view(n, size), dim=1))]
+        read = torch.cat([heads.reshape(-1), finite.to(torch.int64), *words]).tolist()
+        verdict = self._judge([read[4 * r: 4 * r + 4] for r in range(n)], read[4 * n: 5 * n],
+                              step, code)  # (1 host read)
+        own = from_bits(read[6 * n:])  # this rank's input's norm on every chunk
+        if bound is not None:  # the senders' parts of its chunk over the bound
+            ok = [r for r in range(n) if verdict[r] == OK]
+            for r, f in bound.judge(from_bits(read[5 * n: 6 * n]), ok, rank, step=step,
+                                    transport=transport).items():
+                values[r].mul_(f)
         total = values[0].clone()
         for r in range(1, n):  # rank order
             total.add_(values[r])
@@ -148,11 +167,16 @@ class ScatterExchange:
         ends = torch.isfinite(means).all(1).to(torch.int64)
         heads2 = gathered[:, :HEADER_BYTES].view(torch.int64)
         verdicts = gathered[:, self.verdict_at: self.mean_at].view(torch.int64)
-        read = torch.cat([heads2.reshape(-1), verdicts.reshape(-1), ends]).tolist()
+        words = [] if bound is None else [float_bits(torch.linalg.vector_norm(means, dim=1))]
+        read = torch.cat([heads2.reshape(-1), verdicts.reshape(-1), ends, *words]).tolist()
         self._raise_on_verdicts(read, step, code, name, transport, bad_peer)
         if owner_residual is not None:  # the step stands: keep what the coding lost
             torch.sub(total, means[rank], out=owner_residual)
             owner_residual[max(0, min(size, self.total - rank * size)):].zero_()  # padding
+        if bound is not None:  # a reduced chunk over the multiple of this rank's part there
+            for c, f in bound.own_limit(from_bits(read[5 * n + n * n:]), own, rank, step=step,
+                                        transport=transport, what="reduced chunk").items():
+                means[c].mul_(f)
         self.padded.view(n, size).copy_(means)
 
     def _judge(self, heads: list[list[int]], finite: list[int], step: int,
@@ -179,7 +203,7 @@ class ScatterExchange:
         n = self.world
         heads = [read[4 * c: 4 * c + 4] for c in range(n)]
         verdicts = [read[4 * n + n * c: 4 * n + n * c + n] for c in range(n)]
-        ends = read[4 * n + n * n:]
+        ends = read[4 * n + n * n: 4 * n + n * n + n]
         for c, problem in enumerate(header_problems(heads, step)):  # an owner's own reply
             if problem is not None:
                 bad_peer(c, step, f"its reduced chunk: {problem}")

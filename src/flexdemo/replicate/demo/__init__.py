@@ -98,7 +98,13 @@ indices in range and unique within a block, values finite. A bad payload raises
 :class:`CorruptPayloadError` naming the sending rank (``on_bad_peer="raise"``, default), or
 with ``on_bad_peer="drop"`` that peer's contribution is left out of the step's mean on every
 replica, with a warning and the counter ``dropped_payloads`` (in delayed mode both come one
-step after the payload is applied without it).
+step after the payload is applied without it). ``peer_bound`` (default 8; None: off) bounds
+each peer's part (:mod:`~flexdemo.replicate.bound`): a peer whose values' norm is over 8 times
+the median of the peers' norms (with 2 replicas: of this replica's own) is scaled down to that
+median (own norm) before the mean; its norm rides in the verdict's read, so honest steps keep
+their bits and read the device no more (delayed mode: decided on the device, reported with
+the deferred verdict; ``reduce="scatter"``/``"shared"``: by the block owners, and every rank
+bounds each owner's part by what it sent that owner).
 
 **Modules** (one job each): :mod:`.settings` the presets and the checks of the settings;
 :mod:`.layout` units, groups of blocks, staging and output views, payload offsets;

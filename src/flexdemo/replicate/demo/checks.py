@@ -52,17 +52,21 @@ class GroupPayloads(Sequence):
 
 
 def check_payloads(gathered: torch.Tensor, groups: list[Group], codec: BlockValueCodec,
-                   plan: StepPlan, keep: bool = True):
+                   plan: StepPlan, keep: bool = True, norms: bool = False):
     """Every peer's payload checked on the device: the verdict, ``(peers, 7)`` int64 rows
     (:data:`VERDICT_COLUMNS`), and per group with gradients the decoded
     ``(peers, blocks, k)`` indices and values (``keep=False``: a :class:`GroupPayloads`
-    that unpacks them again when asked, so that no more than one group's are live)."""
+    that unpacks them again when asked, so that no more than one group's are live);
+    ``norms``: also each peer's norm over all its values ``(peers,)`` fp32 (the bound on a
+    peer's part, :mod:`~flexdemo.replicate.bound`; the transform is orthonormal, so it is the
+    norm of the peer's update in the parameters' domain)."""
     n = gathered.shape[0]
     heads = gathered[:, :HEADER_BYTES].contiguous().view(torch.int64)
     reason = which = top = torch.zeros(n, dtype=torch.int64, device=gathered.device)
     decoded: list | GroupPayloads = (
         [None] * len(groups) if keep else GroupPayloads(gathered, groups, codec, plan))
     found = []
+    squares = torch.zeros(n, dtype=torch.float32, device=gathered.device)
     for gi, g in enumerate(groups):
         if not plan.group_on[gi]:
             continue
@@ -70,6 +74,8 @@ def check_payloads(gathered: torch.Tensor, groups: list[Group], codec: BlockValu
         if keep:
             assert isinstance(decoded, list)
             decoded[gi] = (idx, vals)
+        if norms:
+            squares += vals.square().flatten(1).sum(1)
         why = torch.where(torch.isfinite(vals).flatten(1).all(1), 0, NONFINITE)
         if g.k > 1:
             srt = idx.sort(dim=2).values
@@ -84,7 +90,10 @@ def check_payloads(gathered: torch.Tensor, groups: list[Group], codec: BlockValu
         reason = torch.where(hit, why, reason)
         which = torch.where(hit, gi, which)
         top = torch.where(hit, big, top)
-    return torch.cat([heads, torch.stack([reason, which, top], 1)], 1), decoded
+    verdict = torch.cat([heads, torch.stack([reason, which, top], 1)], 1)
+    if norms:
+        return verdict, decoded, squares.sqrt()
+    return verdict, decoded
 
 
 def kept_peers(verdict: torch.Tensor, expected_step: torch.Tensor, code: int):

@@ -3,7 +3,7 @@ parameters' domain through the inverse transform, and the peers' mean (then ``si
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -95,8 +95,8 @@ def decode_mean(lay: BlockLayout, g: Group, idx: torch.Tensor, vals: torch.Tenso
             blocks_into_image(lay, g, s, out)
 
 
-def clip_to_median_norm(decoded: list, good: list[int] | None,
-                        kept: tuple[torch.Tensor, torch.Tensor] | None = None) -> list:
+def clip_to_median_norm(decoded: Sequence, good: list[int] | None,
+                        kept: tuple[torch.Tensor, torch.Tensor] | None = None) -> Sequence:
     """The decoded ``(idx, vals)`` of every group with each peer's values scaled down to the
     median of the peers' norms where its own norm is larger (one norm per peer over all its
     groups, taken on the coefficients: the transform is orthonormal, so it is the norm in the
@@ -122,6 +122,22 @@ def clip_to_median_norm(decoded: list, good: list[int] | None,
         median = srt.gather(0, middle).mean()
     factor = torch.where(norms > median, median / norms, torch.ones_like(norms))
     return [None if d is None else (d[0], d[1] * factor.view(-1, 1, 1)) for d in decoded]
+
+
+class ScaledPayloads(Sequence):
+    """Decoded payloads (a list, or a :class:`~.checks.GroupPayloads` that unpacks a group
+    when asked) with every peer's values scaled by its factor ``(peers,)`` (the bound on a
+    peer's part), group by group as asked (a copy of the values)."""
+
+    def __init__(self, decoded: Sequence, factors: torch.Tensor) -> None:
+        self.decoded, self.factors = decoded, factors
+
+    def __len__(self) -> int:
+        return len(self.decoded)
+
+    def __getitem__(self, gi):
+        d = self.decoded[gi]
+        return None if d is None else (d[0], d[1] * self.factors.view(-1, 1, 1))
 
 
 def write_own(lay: BlockLayout, staging, codec, own: torch.Tensor, plan, outs) -> None:

@@ -11,12 +11,15 @@ from typing import Any, NamedTuple, Protocol
 import torch
 
 from ...transport import Pending, all_gather
-from .checks import VerdictToHost, arrived, check_payloads, kept_peers
+from ..bound import PeerBound, float_bits, from_bits
+from .checks import VERDICT_COLUMNS, VerdictToHost, arrived, check_payloads, kept_peers
 from .decode import add_back_own
 from .layout import Group
 from .staging import Staging, StepPlan
 
 __all__ = ["Exchange", "InFlight", "Stages"]
+
+WIDTH = len(VERDICT_COLUMNS)  # a verdict row's columns (a bounded one: norm, factor after)
 
 
 class Exchange(NamedTuple):
@@ -31,7 +34,11 @@ class Exchange(NamedTuple):
 
 class Stages(Protocol):
     """The owner's stages that :class:`InFlight` calls (a
-    :class:`~flexdemo.replicate.DeMoReplicator`), looked up at each call."""
+    :class:`~flexdemo.replicate.DeMoReplicator`), looked up at each call, and its bound on
+    each peer's part."""
+
+    bound: PeerBound
+    transport: Any
 
     def encode_payload(self, grads, lrs, step: int, buf: torch.Tensor) -> list:
         """This rank's payload for ``step`` in ``buf`` (error feedback included)."""
@@ -43,7 +50,7 @@ class Stages(Protocol):
         """The good peers of a verdict's ``rows``; raises, or counts bad peers."""
 
     def write_mean(self, decoded: list, good: list[int] | None, sent_plan: StepPlan,
-                   plan: StepPlan, grads, kept=None) -> None:
+                   plan: StepPlan, grads, kept=None, factors=None) -> None:
         """The decoded mean of the peers' payloads into ``grads``."""
 
     def add_to_momentum(self, g: Group, idx: torch.Tensor, pos: torch.Tensor,
@@ -77,7 +84,13 @@ class InFlight:
         pending, self.verdict = self.verdict, None
         if pending is not None:
             step, code, host = arrived(pending)
-            self.owner.good_peers_of(host.tolist(), step, code)
+            rows = host.tolist()
+            self.owner.good_peers_of([r[:WIDTH] for r in rows], step, code)
+            bound = self.owner.bound
+            if rows and len(rows[0]) > WIDTH:  # the clips it applied on the device
+                norms, factors = (from_bits([r[c] for r in rows]) for c in (WIDTH, WIDTH + 1))
+                bound.report(norms, factors, len(rows), step=step,
+                             transport=self.owner.transport)
 
     def receive(self):
         """Judge the verdict deferred by the step before, then wait for the exchange in
@@ -88,21 +101,32 @@ class InFlight:
         previous, self.sent = self.sent, None
         if previous is None:
             return None
-        prev_step, handle, prev_plan, _ = previous
+        prev_step, handle, prev_plan, row = previous
         gathered = handle.wait() if isinstance(handle, Pending) else handle
         self.expected_step.fill_(prev_step)
-        verdict, decoded, keep, count = self.owner.on_payloads(
-            ("check-kept", prev_plan.key), lambda x: self._check_and_keep(x, prev_plan),
+        verdict, decoded, keep, count, factors = self.owner.on_payloads(
+            ("check-kept", prev_plan.key), lambda x: self._check_and_keep(x, prev_plan, row),
             gathered)
         self.verdict = self._to_host.start(verdict, prev_step, prev_plan.code)
-        return decoded, (keep, count), prev_plan
+        return decoded, (keep, count), prev_plan, factors
 
-    def _check_and_keep(self, gathered: torch.Tensor, plan: StepPlan):
-        """The verdict, the decoded payloads and the peers kept in the mean (``keep``,
-        ``count``), all decided on the device."""
-        verdict, decoded = check_payloads(gathered, self.groups, self.codec, plan)
+    def _check_and_keep(self, gathered: torch.Tensor, plan: StepPlan, row: int):
+        """The verdict, the decoded payloads, the peers kept in the mean (``keep``,
+        ``count``) and, with a bound on each peer's part, every peer's factor (else None),
+        all decided on the device; the verdict then carries each peer's norm and factor (two
+        more columns, fp64 bits) for the host to report a clip a step later."""
+        bound = self.owner.bound
+        if not bound.on or gathered.shape[0] < 2:
+            verdict, decoded = check_payloads(gathered, self.groups, self.codec, plan)
+            keep, count = kept_peers(verdict, self.expected_step, plan.code)
+            return verdict, decoded, keep, count, None
+        verdict, decoded, norms = check_payloads(gathered, self.groups, self.codec, plan,
+                                                 norms=True)
         keep, count = kept_peers(verdict, self.expected_step, plan.code)
-        return verdict, decoded, keep, count
+        factors = bound.factors_on_device(norms, row, keep)
+        verdict = torch.cat([verdict, float_bits(norms).view(-1, 1),
+                             float_bits(factors).view(-1, 1)], 1)
+        return verdict, decoded, keep, count, factors
 
     def send(self, grads, lrs, step: int, plan: StepPlan, transport, stats, rank: int) -> None:
         """Encode ``grads`` and start their exchange over ``transport`` (applied next step)."""
@@ -116,8 +140,8 @@ class InFlight:
         if received is None:
             torch._foreach_zero_([g for g in grads if g is not None])
             return
-        decoded, kept, sent_plan = received
-        self.owner.write_mean(decoded, None, sent_plan, plan, grads, kept)
+        decoded, kept, sent_plan, factors = received
+        self.owner.write_mean(decoded, None, sent_plan, plan, grads, kept, factors)
 
     def hand_verdict_to(self, other: InFlight) -> None:
         """``other`` judges this one's deferred verdict at its next step (a phase switch)."""

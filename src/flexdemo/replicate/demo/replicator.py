@@ -12,20 +12,19 @@ from ...compress.select import topk_blocks_rowmajor
 from ...transport import all_gather
 from ..agreement import HEADER_BYTES, write_header, zero_where
 from ..base import Replicator
+from ..bound import PEER_BOUND, PeerBound, check_peer_bound
 from ..rounding import STATE_DTYPES
 from . import state
-from .checks import check_payloads, good_peers
 from .decode import (
     add_back_own,
     blocks_into_image,
-    clip_to_median_norm,
-    decode_mean,
     dense_inverse,
     write_own,
 )
 from .delayed import InFlight
 from .graphs import CompiledSelection, StepGraphs
 from .layout import BlockLayout, Group
+from .mean import CheckedMean
 from .offload import HostMomentum
 from .scatter import SparseScatter
 from .settings import (
@@ -44,7 +43,7 @@ from .staging import MomentumRun, Sent, Staging, StepPlan
 IMAGE_NUMEL = 500_000
 
 
-class DeMoReplicator(Replicator):
+class DeMoReplicator(CheckedMean, Replicator):
     """DeMo replication (DCT top-k of a decoupled momentum, with error feedback).
 
     Defaults: 16 of the 4096 coefficients of each 64 x 64 block, values as ``int2`` — about
@@ -68,7 +67,8 @@ class DeMoReplicator(Replicator):
                  compile: bool = False, graphs: bool | str = "auto", staging: str = "auto",
                  mean: str = "replicas", clip: str = "none", reduce: str = "gather",
                  group_numel: int | str | None = "auto", offload: bool = False,
-                 momentum_dtype: str = "fp32", **schedule) -> None:
+                 momentum_dtype: str = "fp32", peer_bound: float | None = PEER_BOUND,
+                 **schedule) -> None:
         super().__init__(**schedule)
         graphs = check_settings(
             topk=topk, chunk=chunk, decay=decay, values=values, transform=transform,
@@ -78,6 +78,9 @@ class DeMoReplicator(Replicator):
             group_numel=group_numel, offload=offload, momentum_dtype=momentum_dtype,
             every_step=self.replicate_every == 1 and not self.skip_every)
         self.mean, self.clip, self.reduce = mean, clip, reduce
+        # each peer's part bounded (..bound): a multiple of the median norm, or of its own
+        self.peer_bound = check_peer_bound(peer_bound)
+        self.bound: PeerBound = PeerBound(self.peer_bound, self.name)
         # the workspace; the momentum in host memory, and its stored dtype (offload.py)
         self.group_numel, self.offload, self.momentum_dtype = group_numel, offload, momentum_dtype
         self.topk, self.chunk, self.decay = topk, chunk, float(decay)
@@ -231,12 +234,12 @@ class DeMoReplicator(Replicator):
         # exchange (a group of one, or a step the schedule skips, keeps its own)
         gathered = self._exchange(buf) if communicate else buf.unsqueeze(0)
         try:  # check every payload on the device; the step's one read of the verdict
-            good, decoded = self._check_now(gathered, step, plan)
+            good, decoded, factors = self._check_now(gathered, step, plan)
         except Exception:
             add_back_own(self.add_to_momentum, self.groups, self.codec, buf, plan)
             raise
         # decode the mean of the good payloads, inverse DCT, sign, write into the gradients
-        self.write_mean(decoded, good, plan, plan, grads)
+        self.write_mean(decoded, good, plan, plan, grads, factors=factors)
         return grads
 
     def _replicate_scattered(self, grads, lrs, step):
@@ -253,7 +256,8 @@ class DeMoReplicator(Replicator):
             sent = ex.share_values(plan, self.rank, self.transport, self.stats,
                                    self.add_to_momentum)
         try:
-            mean = ex.exchange(plan, step, self.transport, self.stats, self.bad_peer)
+            mean = ex.exchange(plan, step, self.transport, self.stats, self.bad_peer,
+                               rank=self.rank, bound=self.bound)
         except Exception:
             self._undo_error_feedback(sent)
             raise
@@ -442,68 +446,14 @@ class DeMoReplicator(Replicator):
             return fn(gathered)
         return self.step_graphs.run_on_payloads(key, fn, gathered)
 
-    def _check_now(self, gathered: torch.Tensor, step: int, plan: StepPlan):
-        """Check the gathered payloads and read the verdict; raise or drop bad ones. Returns
-        the good peers and the decoded payloads."""
-        keep = self._graphed or not self.memory_first  # else unpacked again to decode
-        verdict, decoded = self.on_payloads(
-            ("check", plan.key), lambda x: check_payloads(x, self.groups, self.codec, plan,
-                                                          keep), gathered)
-        rows = verdict.tolist()  # the one read of the device in a step
-        return self.good_peers_of(rows, step, plan.code), decoded
-
-    def good_peers_of(self, rows: list[list[int]], step: int, code: int) -> list[int]:
-        """The good peers of a verdict's ``rows``; raises, or counts and warns, for every bad
-        payload (:meth:`bad_peer`)."""
-        return good_peers(rows, step, code, name=self.name, group=self.transport,
-                          groups=self.groups, bad_peer=self.bad_peer)
-
-    # ------------------------------------------------------------------ decode
-    def write_mean(self, decoded: list, good: list[int] | None, sent_plan: StepPlan,
-                    plan: StepPlan, grads,
-                    kept: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
-        """The decoded mean of the good peers' payloads (encoded with ``sent_plan``) into the
-        gradients present now (``plan``): one multi-tensor copy per group. The good peers are
-        ``good``, or (delayed mode) ``kept``, decided on the device."""
-        lay, sign, senders = self.layout, self.sign, self.mean == "senders"
-        if self.clip == "median":
-            decoded = clip_to_median_norm(decoded, good, kept)
-        for gi, g in enumerate(self.groups):
-            pieces, views = plan.write[gi]
-            if not pieces:
-                continue
-            if not sent_plan.group_on[gi]:  # nothing was sent for it (delayed mode)
-                torch._foreach_zero_([lay.piece(grads, p) for p in pieces])
-                continue
-            idx, vals = decoded[gi]
-            n = idx.shape[0]
-            if kept is not None:  # masked on the device, whichever peers are left out
-                fn = lambda g=g, idx=idx, vals=vals: decode_mean(  # noqa: E731
-                    lay, g, idx, vals, sign=sign, kept=kept, senders=senders)
-                _ = self.step_graphs.run(("decode-kept", sent_plan.key, n, gi), fn) \
-                    if self._graphed else fn()
-                self.staging_plans.write_back(grads, pieces, views)
-                continue
-            assert good is not None  # given unless the peers were kept on the device
-            if len(good) < n:  # dropped peers (the rare path)
-                keep = torch.tensor(good, dtype=torch.int64, device=idx.device)
-                idx, vals = idx.index_select(0, keep), vals.index_select(0, keep)
-            if self._graphed and len(good) == n:  # the workspace is shared: a graph per group
-                self.step_graphs.run(("decode", sent_plan.key, n, gi),
-                                     lambda g=g, idx=idx, vals=vals: decode_mean(
-                                         lay, g, idx, vals, sign=sign, senders=senders))
-            else:  # mean, inverse DCT, sign
-                decode_mean(lay, g, idx, vals, sign=sign, senders=senders)
-            self.staging_plans.write_back(grads, pieces, views)  # into the gradients
-
     def _decode(self, gathered: torch.Tensor, grads, step: int, code: int) -> None:
         """Check ``gathered`` payloads of ``step`` and write their decoded mean into
         ``grads`` (``code``: this rank's presence code, as computed from ``grads``)."""
         plan = self.plan_step(grads, None)
         if code != plan.code:
             raise ValueError(f"{self.name}: presence code {code} does not match the gradients")
-        good, decoded = self._check_now(gathered, step, plan)
-        self.write_mean(decoded, good, plan, plan, grads)
+        good, decoded, factors = self._check_now(gathered, step, plan)
+        self.write_mean(decoded, good, plan, plan, grads, factors=factors)
 
     # ------------------------------------------------------------------ contract
     def sent_into(self, outs) -> None:
@@ -543,3 +493,4 @@ class DeMoReplicator(Replicator):
         super().load_state_dict(sd)
         state.load(self, sd, deltas)
         self.inflight.load(sd, len(self._shapes or ()), self.rank)
+

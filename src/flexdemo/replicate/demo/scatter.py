@@ -25,6 +25,12 @@ none; the missing blocks are padding that is sent but never written).
    the inverse transform and ``sign()`` into the gradients. Every rank decodes the same bytes,
    so every rank gets the same bits.
 
+With a bound on each peer's part (:mod:`~flexdemo.replicate.bound`) an owner scales down a
+sender's part of its blocks whose norm is over the multiple of the median of the parts' norms
+(with 2 ranks: of its own part's), on the device, before the sum; and every rank scales down
+an owner's part whose norm is over the multiple of the norm of what it sent that owner (a
+garbage mean from a hostile owner). Both ride in the step's one read.
+
 Per rank ``n - 1`` parts are sent and ``n - 1`` owner parts received, each about ``1 / n`` of
 a payload: at most about two payloads whatever ``n`` (plus a header and a 24-byte verdict per
 sender in each owner part). The reduce and gather stages run eagerly (no CUDA graphs).
@@ -50,6 +56,7 @@ from ...transport import (
     all_to_all_equal,
 )
 from ..agreement import HEADER_BYTES, MAGIC, align8, header_problems, write_header
+from ..bound import PeerBound, float_bits, from_bits
 from .checks import check_payloads, describe_problem, good_peers
 from .decode import decode_mean
 from .layout import BlockLayout, Group
@@ -118,6 +125,9 @@ class SparseScatter:
                         for g, p in zip(groups, self.per)]
         self.pad_vals = [torch.zeros(n * p, g.k, device=device)
                          for g, p in zip(groups, self.per)]
+        # per group, the squared norm of what this rank sent each owner (written in place:
+        # the encode may be a CUDA graph)
+        self.sent_squares = [torch.zeros(n, device=device) for _ in groups]
 
     def payload_bytes(self) -> int:
         """Bytes this rank puts on the wire per exchange: ``n`` parts and its owner part."""
@@ -149,21 +159,27 @@ class SparseScatter:
         for c in range(n):  # the codecs code block by block: one call per part
             rows = slice(c * per, (c + 1) * per)
             seen[rows] = self.codec.encode(pad_vals[rows], self.send[c, p.val_off: p.end])
+        torch.sum(seen.view(n, -1).square(), 1, out=self.sent_squares[gi])
         return seen[:b]
 
     # ------------------------------------------------------------------ reduce
-    def _owner_part(self, plan: StepPlan, step: int) -> None:
+    def _owner_part(self, plan: StepPlan, step: int, rank: int,
+                    bound: PeerBound | None) -> torch.Tensor | None:
         """This rank's owner part from the senders' parts in :attr:`recv`: its verdict on
-        every sender and the top ``k`` of each owned block of their mean."""
+        every sender and the top ``k`` of each owned block of their mean. With ``bound``:
+        each sender's part scaled by its factor first (1 within the bound: the same bits);
+        returns each sender's norm and factor as int64 words (fp64 bits) to read."""
         n, lay, senders = self.world, self.layout, self.senders
-        verdict, decoded = check_payloads(self.recv, cast("list[Group]", self.parts),
-                                          self.codec, plan)
+        found = check_payloads(self.recv, cast("list[Group]", self.parts), self.codec, plan,
+                               norms=bound is not None)
+        verdict, decoded = found[0], found[1]
         magic_bad, step_bad = verdict[:, 0] != MAGIC, verdict[:, 1] != step
         fault = torch.where(magic_bad, 1, torch.where(step_bad, 2, 0))
         value = torch.where(magic_bad, verdict[:, 0],
                             torch.where(step_bad, verdict[:, 1], verdict[:, 6]))
         status = fault + 4 * (verdict[:, 2] != 0) + 8 * verdict[:, 4] + 64 * verdict[:, 5]
         ok = (status == 0) & (verdict[:, 3] == plan.code)
+        factors = None if bound is None else bound.factors_on_device(found[2], rank, ok)
         words = self.reply[self.verdict_at: self.verdict_end].view(torch.int64)
         words.view(n, VERDICT).copy_(torch.stack([status, value, verdict[:, 3]], 1))
         bad_mean = torch.zeros((), dtype=torch.bool, device=self.reply.device)
@@ -175,6 +191,8 @@ class SparseScatter:
             if (1 << g.bits) > bn:  # a bad sender's index stays in range (the step raises)
                 idx = idx.clamp(max=bn - 1)
             vals = torch.where(ok.view(n, 1, 1), vals, 0.0)  # bad senders leave nothing
+            if factors is not None:  # a sender over the bound scaled down to the median
+                vals = vals * factors.view(n, 1, 1)
             total = lay.scratch.get(SUM_SLOT, per * bn, torch.float32, lay.device)
             total = total.view(per, bn).zero_()
             for r in range(n):  # rank order, as the gathered path sums
@@ -194,29 +212,52 @@ class SparseScatter:
             pack_bits(top, g.bits, self.reply[o.idx_off: o.val_off])
             self.codec.encode(torch.where(finite, mean, 0.0), self.reply[o.val_off: o.end])
         write_header(self.reply, step, bad_mean, plan.code)  # its flag: a non-finite mean
+        if factors is None:
+            return None
+        return torch.cat([float_bits(found[2]), float_bits(factors)])
 
     # ------------------------------------------------------------------ the step
     def exchange(self, plan: StepPlan, step: int, transport, stats: CommStats,
-                 bad_peer: Callable[[int, int, str], None]) -> list:
+                 bad_peer: Callable[[int, int, str], None], *, rank: int = 0,
+                 bound: PeerBound | None = None) -> list:
         """The all-to-all, this rank's owner part, the all-gather and the judgement (raises
         through ``bad_peer`` on every rank alike); returns per group the mean's
-        ``(1, blocks, k)`` indices and values, or None for groups without gradients."""
+        ``(1, blocks, k)`` indices and values, or None for groups without gradients.
+        ``rank``: this rank; ``bound``: the bound on each sender's part of its blocks and on
+        each owner's part (or None)."""
         n = self.world
+        bound = bound if bound is not None and bound.on else None
         self.send[:, :HEADER_BYTES].copy_(self.bucket[:HEADER_BYTES].expand(n, -1))
         all_to_all_equal(self.recv, self.send, transport, stats)
-        self._owner_part(plan, step)
+        owned = self._owner_part(plan, step, rank, bound)
         gathered = all_gather(self.reply, transport, stats)
-        owners, decoded = check_payloads(gathered, cast("list[Group]", self.owned), self.codec,
-                                         plan)
+        found = check_payloads(gathered, cast("list[Group]", self.owned), self.codec, plan,
+                               norms=bound is not None)
+        owners, decoded = found[0], found[1]
         said = gathered[:, self.verdict_at: self.verdict_end].contiguous()
-        rows = torch.cat([owners.reshape(-1), said.view(torch.int64).reshape(-1)]).tolist()
-        self._judge(rows, step, plan.code, transport, bad_peer)
+        words = [] if owned is None else [  # its senders' norms and factors, the owners'
+            owned, float_bits(found[2]),  # norms, the norms of what it sent each owner
+            float_bits(sent_norms(self.sent_squares, plan.group_on))]
+        rows = torch.cat([owners.reshape(-1), said.view(torch.int64).reshape(-1),
+                          *words]).tolist()
+        end = 7 * n + VERDICT * n * n
+        self._judge(rows[:end], step, plan.code, transport, bad_peer)
+        clip: dict[int, float] = {}
+        if bound is not None:
+            norms, factors, theirs, mine = (from_bits(rows[end + n * i: end + n * (i + 1)])
+                                            for i in range(4))
+            bound.report(norms, factors, n, step=step, transport=transport)
+            clip = bound.own_limit(theirs, mine, rank, step=step, transport=transport,
+                                   what="reduced part")
+        scale = None if not clip else torch.tensor(
+            [clip.get(c, 1.0) for c in range(n)], device=gathered.device).view(n, 1, 1)
         out: list = []
         for g, d in zip(self.groups, decoded):
             if d is None:
                 out.append(None)
                 continue
-            idx, vals = (t.reshape(-1, g.k)[: g.blocks].unsqueeze(0) for t in d)
+            idx, vals = d if scale is None else (d[0], d[1] * scale)
+            idx, vals = (t.reshape(-1, g.k)[: g.blocks].unsqueeze(0) for t in (idx, vals))
             out.append((idx, vals))
         return out
 
@@ -263,6 +304,13 @@ class SparseScatter:
         return [value if fault == 1 else MAGIC, value if fault == 2 else step,
                 (status >> 2) & 1, code, (status >> 3) & 7, status >> 6,
                 value if fault == 0 else 0]
+
+
+def sent_norms(squares: list[torch.Tensor], on) -> torch.Tensor:
+    """The norm of what this rank sent each owner: the root of the sum of the squared norms
+    ``squares`` (one ``(owners,)`` tensor per group) of the groups ``on``."""
+    parts = [sq for sq, o in zip(squares, on) if o]
+    return torch.stack(parts).sum(0).sqrt() if parts else torch.zeros_like(squares[0])
 
 
 def _severity(row: list[int], step: int, code: int) -> int:

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 import torch
 
 from ...compress.blocks import BLOCK_CODECS
+from ..bound import PEER_BOUND
 from ..rounding import check_state_dtype
 
 PRESETS: dict[str, dict] = {
@@ -151,7 +152,8 @@ def describe(rep) -> str:
         ("overlap", rep.overlap, "none"), ("compile", rep.compile, False),
         ("graphs", rep.graphs, "auto"), ("staging", rep.staging, "auto"),
         ("mean", rep.mean, "replicas"), ("clip", rep.clip, "none"),
-        ("reduce", rep.reduce, "gather")) if v != d)
+        ("reduce", rep.reduce, "gather"), ("peer_bound", rep.peer_bound, PEER_BOUND))
+        if v != d)
     return (f"topk={rep.topk}, chunk={rep.chunk}, decay={rep.decay}, "
             f"values={rep.values!r}, sign={rep.sign}{extra}")
 

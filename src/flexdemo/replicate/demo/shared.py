@@ -24,6 +24,12 @@ every rank sends values at the *same* indices, so the values can be averaged slo
    (:class:`NonFiniteGradientError`, :class:`CorruptPayloadError`), after which the caller
    adds back what it sent.
 
+With a bound on each peer's part (:mod:`~flexdemo.replicate.bound`) an owner scales down a
+sender's values whose norm is over the multiple of the median of the senders' norms (with 2
+ranks: of its own values'), on the device, before the sum; every rank scales down an owner's
+part whose norm is over the multiple of the norm of the values it sent that owner. Both ride in
+the step's one read.
+
 Per rank: the index all-gather sends and receives ``(n - 1)`` lists of ``ceil(k / n)`` indices
 per block (about one payload's indices whatever ``n``, plus a 32-byte header per peer), the
 all-to-all and the all-gather of the values ``(n - 1) / n`` of a value payload each. Where
@@ -47,9 +53,11 @@ from ...transport import (
     all_to_all_equal,
 )
 from ..agreement import HEADER_BYTES, align8
+from ..bound import PeerBound, float_bits, from_bits
 from .checks import NONFINITE, RANGE, REPEAT, good_peers
 from .decode import decode_mean
 from .layout import BlockLayout, Group
+from .scatter import sent_norms
 from .staging import Sent, Staging, StepPlan
 
 
@@ -103,6 +111,8 @@ class SharedIndices:
         self.reply = u8(reply_end)  # this rank's owner part
         self.pad_vals = [torch.zeros(n * p, m, device=device)
                          for p, m in zip(self.per, self.slots)]
+        # per group, the squared norm of the values this rank sent each owner
+        self.sent_squares = [torch.zeros(n, device=device) for _ in groups]
         # the step's shared sets (indices, first occurrences, checks) and what this rank sent
         self.step_sets: list = []
         self.last: list[Sent | None] = []
@@ -195,16 +205,24 @@ class SharedIndices:
         for c in range(self.world):  # the codecs code block by block: one call per part
             rows = slice(c * per, (c + 1) * per)
             seen[rows] = self.codec.encode(pad[rows], self.send[c, a: b])
-        return seen[: g.blocks].mul_(first)
+        seen[: g.blocks].mul_(first)
+        torch.sum(seen.view(self.world, -1).square(), 1, out=self.sent_squares[gi])
+        return seen[: g.blocks]
 
-    def _owner_part(self, plan: StepPlan) -> None:
+    def _owner_part(self, plan: StepPlan,
+                    bound: PeerBound | None = None) -> torch.Tensor | None:
         """This rank's owner part: its verdict on every sender (non-finite values) and the
-        coded mean of its blocks."""
+        coded mean of its blocks. With ``bound``: each sender's values scaled by its factor
+        first (1 within the bound: the same bits); returns each sender's norm and factor as
+        int64 words (fp64 bits) to read."""
         n, rank = self.world, self.rank
         bad = torch.zeros(n, dtype=torch.int64, device=self.recv.device)
+        parts: list = []
+        squares = torch.zeros(n, device=self.recv.device)
         for gi, per in enumerate(self.per):
             sets = self.step_sets[gi]
             if sets is None:
+                parts.append(None)
                 continue
             m, (a, b) = self.slots[gi], self.val_seg[gi]
             vals = self.codec.decode(self.recv[:, a: b], per, m)  # (senders, per, slots)
@@ -215,22 +233,38 @@ class SharedIndices:
             finite = torch.isfinite(vals).flatten(1).all(1)
             bad = torch.where(finite, bad, NONFINITE)
             vals = torch.where(finite.view(n, 1, 1), vals, 0.0)  # bad senders leave nothing
+            if bound is not None:
+                squares += vals.square().flatten(1).sum(1)
+            parts.append(vals)
+        factors = None if bound is None else bound.factors_on_device(
+            squares.sqrt(), rank, bad == 0)
+        for gi, vals in enumerate(parts):
+            if vals is None:
+                continue
+            if factors is not None:  # a sender over the bound scaled down to the median
+                vals = vals * factors.view(n, 1, 1)
             total = vals[0].clone()
             for r in range(1, n):  # rank order
                 total.add_(vals[r])
             c, d = self.own_seg[gi]
             self.codec.encode(total.div_(n), self.reply[c: d])
         self.reply[: self.verdict_end].view(torch.int64).copy_(bad)
+        if factors is None:
+            return None
+        return torch.cat([float_bits(squares.sqrt()), float_bits(factors)])
 
     # ------------------------------------------------------------------ the step
     def exchange(self, plan: StepPlan, step: int, transport, stats: CommStats,
-                 bad_peer: Callable[[int, int, str], None]) -> list:
+                 bad_peer: Callable[[int, int, str], None], *, rank: int = 0,
+                 bound: PeerBound | None = None) -> list:
         """After :meth:`share_values`: the all-to-all of the values, this rank's owner part,
         the all-gather of the owners' parts and the judgement (raises through ``bad_peer``
         on every rank alike). Returns per group the mean's ``(blocks, slots)`` values at the
-        shared slots, or None."""
+        shared slots, or None. ``bound``: the bound on each sender's values and on each
+        owner's part (or None); ``rank`` is this rank (set by :meth:`share_values`)."""
+        bound = bound if bound is not None and bound.on else None
         all_to_all_equal(self.recv, self.send, transport, stats)
-        self._owner_part(plan)
+        owned = self._owner_part(plan, bound)
         replies = all_gather(self.reply, transport, stats)
         n, gathered = self.world, self.gathered
         dev = gathered.device
@@ -247,21 +281,41 @@ class SharedIndices:
         reason = torch.where((reason == 0) & (said != 0), said, reason)
         out: list = []
         finite = torch.ones(n, dtype=torch.bool, device=dev)
-        for gi, g in enumerate(self.groups):
+        squares = torch.zeros(n, device=dev)
+        for gi in range(len(self.groups)):
             if self.step_sets[gi] is None:
                 out.append(None)
                 continue
             c, d = self.own_seg[gi]
             vals = self.codec.decode(replies[:, c: d], self.per[gi], self.slots[gi])
             finite &= torch.isfinite(vals).flatten(1).all(1)
-            out.append(vals.reshape(-1, self.slots[gi])[: g.blocks] * self.step_sets[gi][1])
+            if bound is not None:
+                squares += vals.square().flatten(1).sum(1)
+            out.append(vals)
+        words = [] if owned is None else [  # its senders' norms and factors, the owners'
+            owned, float_bits(squares.sqrt()),  # norms, the norms of what it sent each
+            float_bits(sent_norms(self.sent_squares, [s is not None for s in self.step_sets]))]
         rows = torch.cat([torch.cat([heads, torch.stack([reason, which, top], 1)], 1).view(-1),
-                          finite.to(torch.int64)]).tolist()  # the step's one read
+                          finite.to(torch.int64), *words]).tolist()  # the step's one read
         good_peers([rows[7 * r: 7 * r + 7] for r in range(n)], step, plan.code,
                    name=self.name, group=transport, groups=self.groups, bad_peer=bad_peer)
-        for c, ok in enumerate(rows[7 * n:]):
+        for c, ok in enumerate(rows[7 * n: 8 * n]):
             if not ok:
                 bad_peer(c, step, "its reduced part is non-finite")
+        scale = None
+        if bound is not None:
+            norms, factors, theirs, mine = (from_bits(rows[8 * n + n * i: 8 * n + n * (i + 1)])
+                                            for i in range(4))
+            bound.report(norms, factors, n, step=step, transport=transport)
+            clip = bound.own_limit(theirs, mine, self.rank, step=step, transport=transport,
+                                   what="reduced part")
+            if clip:
+                scale = torch.tensor([clip.get(c, 1.0) for c in range(n)],
+                                     device=dev).view(n, 1, 1)
+        for gi, g in enumerate(self.groups):  # the owners' parts at the shared slots
+            if out[gi] is not None:
+                vals = out[gi] if scale is None else out[gi] * scale
+                out[gi] = vals.reshape(-1, self.slots[gi])[: g.blocks] * self.step_sets[gi][1]
         return out
 
     def write_mean(self, mean: list, plan: StepPlan, grads, staging: Staging, *,

@@ -355,3 +355,12 @@ def test_a_forged_liveness_verdict_never_stops_a_run_with_the_secret(capfd):
         assert unsigned.prefix == Heartbeat.PREFIX
     finally:
         unsigned.stop()
+
+
+def test_the_lighthouse_says_where_it_listens_and_what_its_dashboard_allows():
+    from flexdemo.ft.lighthouse import exposure
+
+    assert exposure("127.0.0.1:29510").startswith("listening on 127.0.0.1:29510 (loopback only)")
+    wide = exposure("[::]:29510")
+    assert "(every interface)" in wide and "POST /replica/<id>/kill" in wide
+    assert "FLEXDEMO_SECRET" in exposure("10.8.0.1:29510")

@@ -364,3 +364,19 @@ def test_security_bench_table_and_json(tmp_path, capsys):
     assert "per new quorum (ms)" in out and "heal of 0.01M parameters" in out
     saved = json.loads((tmp_path / "security.json").read_text())
     assert saved["heal"]["megabytes"] == pytest.approx(0.12, rel=0.1)
+
+
+def test_bound_bench_table_and_json(tmp_path, capsys):
+    """bench_bound: the step with and without the bound on each peer's part, the same bits
+    (honest peers never reach it), none clipped, and the JSON."""
+    rows = _load("bench_bound").main(["--model", "tiny", "--steps", "3", "--cases",
+                                      "int4,demo", "--out", str(tmp_path)])
+    assert [r["case"] for r in rows] == ["int4", "demo"]
+    assert all(r["same_bits"] and r["clipped"] == 0 and r["mean_on_ms"] > 0 for r in rows)
+    assert "on / off" in capsys.readouterr().out
+    assert json.loads((tmp_path / "bound.json").read_text())["replicas"] == 2
+
+
+def test_bound_bench_names_an_unknown_case(capsys):
+    _one_line_exit(capsys, _load("bench_bound").main, ["--cases", "nope"],
+                   "--cases: unknown 'nope'; choose from int4")

@@ -364,3 +364,15 @@ def test_the_lighthouse_says_where_it_listens_and_what_its_dashboard_allows():
     wide = exposure("[::]:29510")
     assert "(every interface)" in wide and "POST /replica/<id>/kill" in wide
     assert "FLEXDEMO_SECRET" in exposure("10.8.0.1:29510")
+
+
+def test_a_job_reached_beyond_loopback_without_a_secret_says_it_is_open():
+    """Rank 0 says so at start-up where the job's store is reached beyond loopback and there
+    is no run secret (a job on one machine says nothing)."""
+    from flexdemo.join import OPEN_NOTE, _loopback
+
+    assert _loopback("127.0.0.1") and _loopback("localhost") and _loopback("::1")
+    assert not _loopback("203.0.113.7")  # not this machine's: reached over a network
+    line = OPEN_NOTE.format(addr="10.8.0.1", port=29500)
+    assert line.startswith("flexdemo: this job is open (no FLEXDEMO_SECRET): its store at "
+                           "10.8.0.1:29500") and line.endswith("(docs/security.md)")

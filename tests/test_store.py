@@ -6,6 +6,7 @@ from __future__ import annotations
 import ipaddress
 import os
 import socket
+import subprocess
 from datetime import timedelta
 
 import pytest
@@ -53,16 +54,20 @@ def _listening(port: int) -> list[str]:
 
 
 def _other_local_address() -> str | None:
-    """An IPv4 address of this machine besides loopback (that of its route out), if any."""
-    probe = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    """An IPv4 address of this machine besides loopback, if any (read from ``ip``: nothing
+    is sent anywhere)."""
     try:
-        probe.connect(("198.51.100.1", 9))  # TEST-NET-2: nothing is sent
-        address = str(probe.getsockname()[0])
-    except OSError:
+        out = subprocess.run(["ip", "-4", "-o", "addr", "show"], capture_output=True,
+                             text=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
         return None
-    finally:
-        probe.close()
-    return None if ipaddress.ip_address(address).is_loopback else address
+    for line in out.splitlines():
+        fields = line.split()
+        if "inet" in fields:
+            address = fields[fields.index("inet") + 1].partition("/")[0]
+            if not ipaddress.ip_address(address).is_loopback:
+                return address
+    return None
 
 
 def _refused(address: str, port: int) -> bool:
@@ -93,8 +98,7 @@ def _loopback_name() -> str | None:
 @pytest.mark.parametrize("fixed_port", [False, True], ids=["port0", "fixed"])
 def test_store_on_loopback_listens_there_only(use_libuv, fixed_port):
     """Hosted on 127.0.0.1 the store listens on 127.0.0.1 alone (not 0.0.0.0 or ::), on the
-    port it reports; clients connect there and see its keys; another address of this
-    machine is refused."""
+    port it reports; clients connect there and see its keys."""
     port = free_port() if fixed_port else 0
     store, why = host_store("127.0.0.1", port, None, SHORT, wait_for_workers=False,
                             multi_tenant=True, use_libuv=use_libuv)
@@ -105,9 +109,6 @@ def test_store_on_loopback_listens_there_only(use_libuv, fixed_port):
     client.set("from-client", "1")
     store.set("from-host", "2")
     assert store.get("from-client") == b"1" and client.get("from-host") == b"2"
-    other = _other_local_address()
-    if other is not None:
-        assert _refused(other, store.port)
 
 
 def test_store_on_ipv6_loopback_listens_there_only():
@@ -127,10 +128,9 @@ def test_store_on_an_interface_address_listens_there_only():
     address = _other_local_address()
     if address is None:
         pytest.skip("this machine has no address besides loopback")
+    # (no connection to it: tests send traffic to loopback only)
     store, why = host_store(address, 0, None, SHORT, wait_for_workers=False)
     assert why is None and _listening(store.port) == [address]
-    dist.TCPStore(address, store.port, None, False, SHORT).set("k", "v")
-    assert store.get("k") == b"v"
     assert _refused("127.0.0.1", store.port)
 
 

@@ -7,6 +7,7 @@ cannot stop the start-up with a false one (docs/security.md)."""
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import math
 import os
@@ -20,7 +21,7 @@ import torch.distributed as dist
 
 from .heartbeat import BEAT_SECONDS, STALE_SECONDS, Beat, StallWatch
 from .secret import SECRET_ENV, RunSecret, resolve_secret
-from .store import host_store
+from .store import host_store, listen_address
 
 __all__ = ["JOIN_TIMEOUT_ENV", "DEFAULT_JOIN_SECONDS", "JoinError", "Joined", "agent_store", "join",
            "join_store", "join_timeout_from_env", "store_host_died"]
@@ -41,6 +42,12 @@ EVERY_INTERFACE_NOTE = ("flexdemo: the job's store (rank 0) listens on every int
                         "{port}, not only on MASTER_ADDR: {why}; set MASTER_ADDR to this "
                         "node's address on the job's network to bind it (docs/security.md)")
 """What rank 0 says at start-up where it cannot host the job's store on MASTER_ADDR only."""
+OPEN_NOTE = ("flexdemo: this job is open (no FLEXDEMO_SECRET): its store at {addr}:{port} and "
+             "gloo's connections between ranks accept anyone who reaches them, without "
+             "authentication or encryption; join the nodes by a VPN and set a run secret "
+             "(docs/security.md)")
+"""What rank 0 says at start-up of a job whose store is reached beyond loopback, without a
+run secret."""
 
 
 class JoinError(TimeoutError):
@@ -94,6 +101,13 @@ def _launch_layout() -> tuple[int, int] | None:
         return (int(node), int(per_node)) if node is not None and per_node else None
     except ValueError:
         return None
+
+
+def _loopback(addr: str) -> bool:
+    """Whether ``addr`` is a loopback address here (a job on one machine)."""
+    target = listen_address(addr)
+    return not isinstance(target, str) and \
+        ipaddress.ip_address(str(target[1][0]).partition("%")[0]).is_loopback
 
 
 def _open_store(addr: str, port: int, rank: int, world: int, window: float,
@@ -328,6 +342,8 @@ def join(rank: int, world: int, addr: str, port: int, timeout: timedelta,
     window = min(wanted, limit)
     note = _window_note(window, capped=wanted > limit)
     store = _open_store(addr, port, rank, world, window, note)
+    if rank == 0 and secret is None and world > 1 and not _loopback(addr):
+        print(OPEN_NOTE.format(addr=addr, port=port), file=sys.stderr, flush=True)
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     prefix = f"flexdemo/join/{attempt}/"
     keys = _scoped(prefix, secret)  # with a secret: where the job's keys live

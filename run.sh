@@ -16,7 +16,8 @@ setup() {
   "$VENV/bin/pip" install -q --disable-pip-version-check "torch==2.13.0"
   # torchft for elastic runs (the ft extra), pinned to a release that accepts this torch
   "$VENV/bin/pip" install -q --disable-pip-version-check "torch==2.13.0" "torchft==0.2.0"
-  "$VENV/bin/pip" install -q --disable-pip-version-check -e ".[test]"
+  # (the test extra brings transformers, accelerate and lightning: torch stays pinned)
+  "$VENV/bin/pip" install -q --disable-pip-version-check "torch==2.13.0" -e ".[test]"
 }
 
 case "${1:-}" in

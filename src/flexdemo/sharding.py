@@ -177,8 +177,8 @@ def _refuse_data_parallel(module: nn.Module, args: Any) -> None:
                     "which all-reduces every gradient in full before the optimizer's step (on "
                     "top of the replicator's exchange); train the model prepare() returned "
                     "without wrapping it, and keep frameworks from wrapping it (Hugging Face "
-                    "Trainer, Accelerate, Lightning's 'ddp' strategies do; see "
-                    "docs/multi-node.md)")
+                    "Trainer, Accelerate, Lightning's 'ddp' strategies do; "
+                    "flexdemo.integrations has a way for each: docs/integrations.md)")
         frame = frame.f_back
 
 

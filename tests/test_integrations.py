@@ -1,0 +1,216 @@
+"""flexdemo.integrations: the HF Trainer, Accelerate and Lightning train a model from
+``flexdemo.prepare()`` on 2 ranks (torchrun's variables, shard=1) without wrapping it in DDP.
+
+One launch trains every stack that is installed (tests/integration_workers.py); each test
+reads its stack's records: the gradient each rank's optimizer saw differs between the
+replicas (the framework did not all-reduce it), each rank read other data, every step sent
+what a plain loop's step sends (DeMo's payload, not the gradient), and the HF Trainer resumes
+bitwise from its checkpoint.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from dist_util import Forked
+from test_docs import snippets
+
+from flexdemo.tools.ranks import free_port
+
+WORKER = Path(__file__).with_name("integration_workers.py")
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLE = ROOT / "examples" / "train_hf_trainer.py"
+DOC = ROOT / "docs" / "integrations.md"
+NEEDS = {"hf": ("transformers", "accelerate"), "accelerate": ("accelerate",),
+         "lightning": ("lightning",)}
+EXTRA = {"hf": "hf", "accelerate": "hf", "lightning": "lightning"}
+LAUNCH_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK",
+               "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID")
+
+
+def _missing(stack: str) -> list[str]:
+    return [m for m in NEEDS[stack] if importlib.util.find_spec(m) is None]
+
+
+INSTALLED = [s for s in NEEDS if not _missing(s)]
+
+
+def _two_ranks(args: list[str], cwd: Path) -> list[str]:
+    """``python ARGS`` on 2 ranks with torchrun's variables (forked from the preloaded fork
+    server); each rank's output, after both exited 0."""
+    port = str(free_port())
+    base = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS}
+    procs = [Forked(args, cwd=cwd, stdout=subprocess.PIPE,
+                    env=dict(base, RANK=str(r), LOCAL_RANK=str(r), GROUP_RANK="0",
+                             WORLD_SIZE="2", LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+                             MASTER_PORT=port, TORCHELASTIC_RUN_ID="integrations",
+                             OMP_NUM_THREADS="1", FLEXDEMO_TIMEOUT="60",
+                             TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1"))
+             for r in range(2)]
+    try:
+        outs = [p.communicate(timeout=240)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.communicate()
+    for p, text in zip(procs, outs):
+        assert p.returncode == 0, text[-4000:]
+    return outs
+
+
+@pytest.fixture(scope="module")
+def records(tmp_path_factory) -> list[dict]:
+    """Each rank's records of every installed stack (one launch of 2 ranks)."""
+    if not INSTALLED:
+        pytest.skip("none of transformers, accelerate, lightning is installed")
+    out = tmp_path_factory.mktemp("integrations")
+    _two_ranks([str(WORKER), str(out), *INSTALLED], out)
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+
+
+def _check_stack(stack: str, records: list[dict], plain_model: str) -> list[dict]:
+    missing = _missing(stack)
+    if missing:
+        pytest.skip(f"{', '.join(missing)} not installed "
+                    f"(pip install \"flexdemo[{EXTRA[stack]}]\")")
+    ranks = [r[stack] for r in records]
+    for r in ranks:
+        assert r["wrapped"] != "DistributedDataParallel", r
+    # each rank read its own data, and its optimizer saw its own gradient at every step
+    assert ranks[0]["first"] != ranks[1]["first"], ranks
+    assert len(ranks[0]["grads"]) >= 3, ranks
+    for a, b in zip(ranks[0]["grads"], ranks[1]["grads"]):
+        assert a != pytest.approx(b, rel=1e-3, abs=1e-6), ranks
+    # what crossed between the replicas at every step is the replicator's own payload: the
+    # bytes a plain loop's step sends, a small fraction of the fp32 gradient
+    sent = records[0]["plain"][plain_model]
+    assert 0 < sent
+    for r in ranks:
+        assert r["sent"] == [sent] * len(r["grads"]), (r["sent"], sent)
+    return ranks
+
+
+@pytest.mark.multiprocess
+def test_hf_trainer_leaves_the_exchange_to_flexdemo(records):
+    ranks = _check_stack("hf", records, "gpt2")
+    assert records[0]["plain"]["gpt2"] < 0.01 * 4 * 34_176  # its fp32 gradient: 137 kB
+    for r in ranks:
+        # the Trainer's scheduler (linear, one warm-up step) drove the optimizer's lr
+        assert r["lrs"] == pytest.approx([0.0, 1e-3, 2e-3 / 3, 1e-3 / 3]), r["lrs"]
+        assert len(r["evals"]) == 2  # evaluation at steps 2 and 4
+        # resumed from checkpoint-2 (each rank its own optimizer state): steps 3 and 4
+        # again, the parameters bitwise those of the run that saved it
+        assert r["resume_bitwise"] is True
+        assert r["resumed_sent"] == r["sent"][2:]
+
+
+@pytest.mark.multiprocess
+def test_hf_trainer_example_runs_as_written(tmp_path):
+    """examples/train_hf_trainer.py on 2 ranks (2 replicas), a checkpoint on the way."""
+    missing = _missing("hf")
+    if missing:
+        pytest.skip(f"{', '.join(missing)} not installed (pip install \"flexdemo[hf]\")")
+    outs = _two_ranks([str(EXAMPLE), "--replicate", "2", "--steps", "3", "--seq", "16",
+                       "--save-every", "2", "--eval-every", "2", "--out",
+                       str(tmp_path / "out")], tmp_path)
+    done = [line for line in outs[0].splitlines() if line.startswith("done: ")]
+    assert done and done[0].startswith("done: 3 steps, 3 here, bytes sent per step ["), outs[0]
+    assert done[0].endswith("mesh (2, 1)"), done
+    assert (tmp_path / "out" / "checkpoint-2" / "flexdemo").is_dir()
+
+
+SNIPPETS = r"""
+import json, sys
+for where, code in json.load(open(sys.argv[1])):
+    exec(compile(code, where, "exec"), {"__name__": "__main__"})
+    print("SNIPPET-DONE", where, flush=True)
+"""
+
+
+@pytest.mark.multiprocess
+def test_doc_snippets_run_as_written_on_two_ranks(tmp_path):
+    """docs/integrations.md's snippets (marked torchrun 2), one after the other in the same 2
+    ranks (Lightning's last)."""
+    missing = sorted({m for stack in NEEDS for m in _missing(stack)})
+    if missing:
+        pytest.skip(f"{', '.join(missing)} not installed "
+                    "(pip install \"flexdemo[hf,lightning]\")")
+    todo = [(s.where, s.code) for s in snippets(DOC) if s.mode == "torchrun"]
+    assert len(todo) == 3, todo
+    (tmp_path / "snippets.json").write_text(json.dumps(todo))
+    (tmp_path / "run_snippets.py").write_text(SNIPPETS)
+    outs = _two_ranks([str(tmp_path / "run_snippets.py"), str(tmp_path / "snippets.json")],
+                      tmp_path)
+    for out in outs:
+        done = [line.split()[1] for line in out.splitlines() if line.startswith("SNIPPET-DONE")]
+        assert done == [where for where, _ in todo], out[-3000:]
+        sent = [int(line.rsplit(" ", 1)[1]) for line in out.splitlines()
+                if line.startswith("bytes sent in the last step:")]
+        assert len(sent) == 2 and all(b > 0 for b in sent), out[-3000:]
+
+
+@pytest.mark.multiprocess
+def test_accelerate_leaves_the_exchange_to_flexdemo(records):
+    _check_stack("accelerate", records, "mlp")
+
+
+@pytest.mark.multiprocess
+def test_lightning_strategy_leaves_the_exchange_to_flexdemo(records):
+    for r in _check_stack("lightning", records, "mlp"):
+        # saved at the end of epoch 0 (every rank its own optimizer state) and resumed to the
+        # end of epoch 1: bitwise the run that went through; 4 steps after the resume
+        assert r["resume_bitwise"] is True
+        assert r["resumed_steps"] == 8 and len(r["resumed_sent"]) == 4, r
+
+
+BLOCKED = r"""
+import importlib, sys, flexdemo
+print(sorted(m for m in sys.modules
+             if m.startswith(('flexdemo.integrations', 'transformers', 'accelerate', 'lightning'))))
+for name in ('transformers', 'accelerate', 'lightning'):
+    sys.modules[name] = None  # as if not installed
+for module in ('hf', 'accelerate', 'lightning'):
+    try:
+        importlib.import_module('flexdemo.integrations.' + module)
+    except ImportError as e:
+        print(type(e).__name__, e)
+"""
+
+
+@pytest.mark.multiprocess
+def test_integrations_load_on_demand_and_name_their_extra():
+    """``import flexdemo`` imports none of them, nor their frameworks; without its framework
+    each says in one line which extra to install."""
+    r = subprocess.run([sys.executable, "-c", BLOCKED], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert lines[0] == "[]", lines
+    assert len(lines) == 4, lines
+    for line, (module, extra) in zip(lines[1:], [("hf", "hf"), ("accelerate", "hf"),
+                                                  ("lightning", "lightning")]):
+        assert line.startswith(f"IntegrationMissingError flexdemo.integrations.{module} needs ")
+        assert line.endswith(f'pip install "flexdemo[{extra}]"'), line
+
+
+def test_a_framework_that_sees_one_process_of_two_is_refused(monkeypatch):
+    """On a CPU-only machine Accelerate (and so the Trainer) takes a torchrun job for one
+    process unless told to use the CPU: every rank would train on the same data."""
+    import torch.distributed as dist
+
+    from flexdemo.integrations import check_data_split
+
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    check_data_split(2, "the Trainer", "fix")
+    with pytest.raises(ValueError) as info:
+        check_data_split(1, "the Trainer", "pass TrainingArguments(use_cpu=True)")
+    assert str(info.value) == ("the Trainer sees 1 process(es) of this job's 2, so every rank "
+                               "would read the same data; pass TrainingArguments(use_cpu=True)")

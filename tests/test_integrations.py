@@ -1,17 +1,22 @@
 """flexdemo.integrations: the HF Trainer, Accelerate and Lightning train a model from
-``flexdemo.prepare()`` on 2 ranks (torchrun's variables, shard=1) without wrapping it in DDP.
+``flexdemo.prepare()`` on 2 ranks (torchrun's variables) without wrapping it in DDP: as 2
+replicas (a 2 x 1 mesh) in fp32 and bf16, and as one replica sharded with FSDP2 over both
+ranks (a 1 x 2 mesh).
 
-One launch trains every stack that is installed (tests/integration_workers.py); each test
-reads its stack's records: the gradient each rank's optimizer saw differs between the
-replicas (the framework did not all-reduce it), each rank read other data, every step sent
-what a plain loop's step sends (DeMo's payload, not the gradient), and the HF Trainer resumes
-bitwise from its checkpoint.
+One launch trains every stack that is installed, in each of these ways
+(tests/integration_workers.py); each test reads its records. 2 replicas: the gradient each
+rank's optimizer saw differs between the replicas (the framework did not all-reduce it), each
+rank read other data, every step sent what a plain loop's step sends (DeMo's payload, not the
+gradient). 1 x 2: the parameters stay DTensors split between the 2 ranks, the loss is finite,
+nothing crosses between replicas. bf16: the forward computes in bf16, the optimizer sees fp32
+gradients and weights. The HF Trainer and Lightning resume bitwise from their checkpoints.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import os
 import subprocess
 import sys
@@ -30,6 +35,8 @@ DOC = ROOT / "docs" / "integrations.md"
 NEEDS = {"hf": ("transformers", "accelerate"), "accelerate": ("accelerate",),
          "lightning": ("lightning",)}
 EXTRA = {"hf": "hf", "accelerate": "hf", "lightning": "lightning"}
+# what the launch runs of each stack: 2 replicas (fp32, bf16) and one replica on 2 ranks
+RUNS = {stack: [stack, f"{stack}_shard2", f"{stack}_bf16"] for stack in NEEDS}
 LAUNCH_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK",
                "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID")
 
@@ -71,16 +78,22 @@ def records(tmp_path_factory) -> list[dict]:
     if not INSTALLED:
         pytest.skip("none of transformers, accelerate, lightning is installed")
     out = tmp_path_factory.mktemp("integrations")
-    _two_ranks([str(WORKER), str(out), *INSTALLED], out)
+    _two_ranks([str(WORKER), str(out), *(run for s in INSTALLED for run in RUNS[s])], out)
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
 
 
-def _check_stack(stack: str, records: list[dict], plain_model: str) -> list[dict]:
+def _skip_if_missing(stack: str) -> None:
     missing = _missing(stack)
     if missing:
         pytest.skip(f"{', '.join(missing)} not installed "
                     f"(pip install \"flexdemo[{EXTRA[stack]}]\")")
-    ranks = [r[stack] for r in records]
+
+
+def _check_stack(stack: str, records: list[dict], plain_model: str,
+                 ranks: list[dict] | None = None) -> list[dict]:
+    """2 replicas: ``ranks``, each rank's record of the run (default: ``stack``'s)."""
+    _skip_if_missing(stack)
+    ranks = ranks or [r[stack] for r in records]
     for r in ranks:
         assert r["wrapped"] != "DistributedDataParallel", r
     # each rank read its own data, and its optimizer saw its own gradient at every step
@@ -109,6 +122,7 @@ def test_hf_trainer_leaves_the_exchange_to_flexdemo(records):
         # again, the parameters bitwise those of the run that saved it
         assert r["resume_bitwise"] is True
         assert r["resumed_sent"] == r["sent"][2:]
+    assert records[0]["hf"]["weights_file"] is True  # from_pretrained(checkpoint-4): bitwise
 
 
 @pytest.mark.multiprocess
@@ -168,6 +182,70 @@ def test_lightning_strategy_leaves_the_exchange_to_flexdemo(records):
         # end of epoch 1: bitwise the run that went through; 4 steps after the resume
         assert r["resume_bitwise"] is True
         assert r["resumed_steps"] == 8 and len(r["resumed_sent"]) == 4, r
+
+
+PLAIN_MODEL = {"hf": "gpt2", "accelerate": "mlp", "lightning": "mlp"}
+STACKS = [pytest.param(stack, marks=pytest.mark.multiprocess) for stack in NEEDS]
+
+
+@pytest.mark.parametrize("stack", STACKS)
+def test_one_replica_sharded_over_both_ranks(stack, records):
+    """``prepare(model, ..., replicate=1, shard=2)`` on 2 ranks: FSDP2 shards the model over
+    both, the framework trains it without DDP, each rank reads its own data."""
+    _skip_if_missing(stack)
+    ranks = [r[f"{stack}_shard2"] for r in records]
+    whole = ranks[0]["layout"]["full"]
+    for r in ranks:
+        assert r["wrapped"] != "DistributedDataParallel", r
+        layout = r["layout"]
+        assert layout["dtensor"] and layout["mesh"] == [2], layout
+        assert layout["placements"] == ["(Shard(dim=0),)"], layout
+        assert layout["fsdp"].startswith("FSDP"), layout  # fully_shard's class
+        assert 0 < layout["local"] < whole, layout
+        assert len(r["grads"]) >= 3 and all(math.isfinite(g) for g in r["grads"]), r
+        assert r["losses"] and all(math.isfinite(x) for x in r["losses"]), r
+        assert r["sent"] == [0] * len(r["grads"]), r  # one replica: nothing to exchange
+    assert ranks[0]["layout"]["local"] + ranks[1]["layout"]["local"] == whole, ranks
+    assert ranks[0]["first"] != ranks[1]["first"], ranks  # each rank read its own data
+    if stack == "hf":  # checkpoint-2 resumed to step 4: each rank's shards bitwise
+        for r in ranks:
+            assert r["resume_bitwise"] is True and r["resumed_sent"] == [0, 0], r
+        # the Trainer's weights file holds the whole model, gathered from the shards
+        assert ranks[0]["weights_file"] is True, ranks[0]
+    if stack == "lightning":
+        for r in ranks:
+            assert r["resume_bitwise"] is True and r["resumed_steps"] == 8, r
+
+
+BF16 = [pytest.param("hf", "args", marks=pytest.mark.multiprocess, id="hf-TrainingArguments"),
+        pytest.param("hf", "prepare", marks=pytest.mark.multiprocess, id="hf-prepare"),
+        pytest.param("accelerate", "args", marks=pytest.mark.multiprocess,
+                     id="accelerate-mixed_precision"),
+        pytest.param("lightning", "args", marks=pytest.mark.multiprocess,
+                     id="lightning-bf16-mixed")]
+
+
+@pytest.mark.parametrize(("stack", "how"), BF16)
+def test_bf16_on_two_replicas(stack, how, records):
+    """bf16 at shard=1: the framework's own (``TrainingArguments(bf16=True)``,
+    ``Accelerator(mixed_precision="bf16")``, ``L.Trainer(precision="bf16-mixed")``: autocast)
+    or ``flexdemo.prepare(precision="bf16")`` (FSDP2's bf16 compute copies; HF). The forward
+    computes in bf16, the optimizer keeps fp32 weights and sees fp32 gradients, and the
+    replicas exchange what they exchange in fp32."""
+    _skip_if_missing(stack)
+    ranks = [r[f"{stack}_bf16"] for r in records]
+    if stack == "hf":
+        ranks = [r[how] for r in ranks]
+    _check_stack(stack, records, PLAIN_MODEL[stack], ranks)
+    for r in ranks:
+        assert r["computed"] == ["torch.bfloat16"], r["computed"]
+        assert r["grad_dtypes"] == ["torch.float32"], r["grad_dtypes"]
+        assert r["layout"]["dtypes"] == ["torch.float32"], r["layout"]
+        assert r["losses"] and all(math.isfinite(x) for x in r["losses"]), r["losses"]
+        if stack != "accelerate":
+            assert r["resume_bitwise"] is True, r
+    if stack == "hf":
+        assert ranks[0]["weights_file"] is True, ranks[0]
 
 
 BLOCKED = r"""

@@ -7,7 +7,7 @@ writes ``frontier_bytes.json``::
 
     python benchmarks/bench_frontier_bytes.py                  # mini GPT, 2, 4 and 8 replicas
     python benchmarks/bench_frontier_bytes.py --model tiny --replicas 2,4
-    python benchmarks/bench_frontier_bytes.py --cases "sparseloco (shared indices)"
+    python benchmarks/bench_frontier_bytes.py --cases "sparseloco-dct (shared indices)"
 """
 
 from __future__ import annotations
@@ -22,13 +22,18 @@ import torch
 from flexdemo import SimulatedReplicas
 from flexdemo.app.tasks import GPT, gpt_config
 
-# name -> (replicator, replicator settings): the presets and their by-owner variants (the
-# sparse mean by reduce-scatter, and over one shared index set)
+# name -> (replicator, replicator settings): the papers' presets, our variants (named "muloco"
+# and "sparseloco" before issue 57, when RESULTS measured them) and their by-owner variants
+# (the sparse mean by reduce-scatter, and over one shared index set)
 CASES = {
     "muloco": ("muloco", {}),
-    "sparseloco (gather)": ("sparseloco", {}),
-    "sparseloco (reduce-scatter)": ("sparseloco", {"exchange_kwargs": {"reduce": "scatter"}}),
-    "sparseloco (shared indices)": ("sparseloco", {"exchange_kwargs": {"reduce": "shared"}}),
+    "sparseloco": ("sparseloco", {}),
+    "muloco-int4": ("muloco-int4", {}),
+    "sparseloco-dct (gather)": ("sparseloco-dct", {}),
+    "sparseloco-dct (reduce-scatter)": ("sparseloco-dct",
+                                        {"exchange_kwargs": {"reduce": "scatter"}}),
+    "sparseloco-dct (shared indices)": ("sparseloco-dct",
+                                        {"exchange_kwargs": {"reduce": "shared"}}),
 }
 
 

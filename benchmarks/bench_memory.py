@@ -78,7 +78,8 @@ def _worker(rank: int, world: int, port: int, cfg: dict, out: str) -> None:
         rkw = dict(s.replicator_kwargs)
         if cfg.get("group_numel") is not None and s.replicator == "demo":
             rkw["group_numel"] = cfg["group_numel"] if cfg["group_numel"] > 0 else None
-        if cfg.get("inner_steps") and s.replicator in ("diloco", "muloco", "sparseloco"):
+        if cfg.get("inner_steps") and s.replicator.startswith(("diloco", "muloco",
+                                                                 "sparseloco")):
             rkw["inner_steps"] = cfg["inner_steps"]
         with LiveBytes(device="cpu") as mem:
             torch.manual_seed(0)

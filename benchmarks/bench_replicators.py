@@ -43,8 +43,9 @@ CASES = {
     "random": ("random", {}),
     "striding": ("striding", {}),
     "slicing": ("slicing", {}),
-    "diloco-sync": ("diloco", {"inner_steps": 1}),
-    "diloco-inner": ("diloco", {"inner_steps": 1000}),
+    # plain averaging (the class's default when RESULTS measured these; now "diloco-avg")
+    "diloco-sync": ("diloco", {"inner_steps": 1, "outer_lr": 1.0, "outer_momentum": 0.0}),
+    "diloco-inner": ("diloco", {"inner_steps": 1000, "outer_lr": 1.0, "outer_momentum": 0.0}),
 }
 
 

@@ -77,8 +77,8 @@ STEP_STRATEGIES = {
     # an H100 before groups were bounded at 4M coefficients, 21.8 ms after (RESULTS)
     "demo-1group": "demo-defaults:group_numel=1073741824",
     "demo-muon": "flexdemo-muon",                # DeMo replicator, orthogonalised ("muon") step
-    "muloco": "muloco-preset",                   # the "muloco" preset: DiLoCo, Muon inner steps
-    "sparseloco": "sparseloco",                  # the "sparseloco" preset, Muon inner steps
+    "muloco": "muloco-preset",   # the "muloco-int4" preset (named "muloco" when measured)
+    "sparseloco": "sparseloco",  # the "sparseloco-dct" preset (named "sparseloco" then)
 }
 # row name: (strategy, lr, where the lr comes from); each the best of the CPU quality benchmark
 # on its largest GPT (benchmarks/RESULTS.md, benchmarks/quality.py)

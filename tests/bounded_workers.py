@@ -17,7 +17,7 @@ def hostile_muloco_worker(rank: int, world: int, bad: int) -> dict:
     ``bad`` hostile: this rank's eval loss, clip count, stderr and parameters."""
     model = tiny_model()
     opt = flexdemo.DeToNATION(list(model.named_parameters()),
-                              flexdemo.make_replicator("muloco", inner_steps=5), base="adamw",
+                              flexdemo.make_replicator("muloco-int4", inner_steps=5), base="adamw",
                               lr=1e-2, group=dist.group.WORLD)
     if rank == bad:
         for codec in codecs(opt):

@@ -16,8 +16,10 @@ from flexdemo.replicate import REPLICATORS
 # small settings so that a few steps exercise every part (DiLoCo syncs after steps 1, 3, 5)
 SETTINGS = {"demo": {"topk": 4, "chunk": 8}, "diloco": {"inner_steps": 2},
             # the frontier presets are DiLoCo: H=2 as above, their exchanges at small sizes
-            "muloco": {"inner_steps": 2, "exchange_kwargs": {"block": 16}},
+            "muloco": {"inner_steps": 2}, "diloco-avg": {"inner_steps": 2},
             "sparseloco": {"inner_steps": 2, "exchange_kwargs": {"topk": 4, "chunk": 8}},
+            "muloco-int4": {"inner_steps": 2, "exchange_kwargs": {"block": 16}},
+            "sparseloco-dct": {"inner_steps": 2, "exchange_kwargs": {"topk": 4, "chunk": 8}},
             # topk 8 for steps 0-2, then 4: the state round trip and the NaN fall after it
             "demo-warmup": {"warmup_topk": 8, "warmup_steps": 3, "topk": 4, "chunk": 8},
             "random": {"rate": 0.25}, "striding": {"rate": 0.25}, "slicing": {"rate": 0.25},

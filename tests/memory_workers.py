@@ -30,11 +30,11 @@ def replicator(case: str, bucket_numel):
         return FullReplicator(values="int8", block=64, reduce="scatter",
                               bucket_numel=bucket_numel), "sgd"
     kw: dict = {"inner_steps": 2}
-    if case == "muloco":
+    if case == "muloco-int4":
         kw["exchange_kwargs"] = {"bucket_numel": bucket_numel}
     else:
         kw["exchange_kwargs"] = {"topk": 8, "chunk": 16}
-    return getattr(frontier, case)(**kw), "sgd"
+    return frontier.frontier_preset(case, **kw), "sgd"
 
 
 def train(rank: int, world: int, case: str, bucket_numel, steps: int = 4,
@@ -54,12 +54,12 @@ def train(rank: int, world: int, case: str, bucket_numel, steps: int = 4,
 def compare(rank: int, world: int, case: str) -> dict:
     """``case`` whole and in buckets of :data:`BUCKET` (DiLoCo's: also with its
     pseudo-gradients in buffers of their own, as before)."""
-    if case == "sparseloco":  # DeMo's exchange: its own groups (group_numel)
+    if case == "sparseloco-dct":  # DeMo's exchange: its own groups (group_numel)
         return {"buckets": train(rank, world, case, None),
                 "copy": train(rank, world, case, None, copy=True)}
     out = {"whole": train(rank, world, case, None),
            "buckets": train(rank, world, case, BUCKET)}
-    if case == "muloco":
+    if case == "muloco-int4":
         out["copy"] = train(rank, world, case, BUCKET, copy=True)
     return out
 

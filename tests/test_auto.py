@@ -46,10 +46,10 @@ CASES = [
     ("1gbit", "0.2ms", 2, 0.25, "85M", 0.05, "streaming-h20-int4"),  # tau=1 hides the sync
     ("1gbit", "0.2ms", 2, 1.0, "85M", 0.05, "diloco-h20-int4"),  # a slower step hides it all
     ("1gbit", "0.2ms", 2, 0.25, "85M", 0.2, "diloco-h20-int4"),  # a larger budget
-    ("100mbit", "1ms", 2, 0.25, "85M", 0.05, "muloco-streaming"),
+    ("100mbit", "1ms", 2, 0.25, "85M", 0.05, "muloco-int4-streaming"),
     ("100mbit", "1ms", 8, 0.05, "0.8M", 0.05, "streaming-h20-int4"),
-    ("10mbit", "50ms", 8, 0.1, "85M", 0.05, "sparseloco"),  # nothing fits: the least exposed
-    ("100mbit", "10ms", 4, 0.01, "3 tensors", 0.05, "sparseloco"),  # too few tensors to stream
+    ("10mbit", "50ms", 8, 0.1, "85M", 0.05, "sparseloco-dct"),  # nothing fits: the least exposed
+    ("100mbit", "10ms", 4, 0.01, "3 tensors", 0.05, "sparseloco-dct"),  # too few tensors to stream
 ]
 
 
@@ -73,7 +73,7 @@ def test_sizes_are_the_replicators_own():
     model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 64))
     shapes = [p.shape for p in model.parameters()]
     for c in RANKED:
-        if c.name in ("muloco-streaming",):
+        if c.name in ("muloco-int4-streaming",):
             continue  # 4 tensors: too few for 5 fragments
         sim = flexdemo.SimulatedReplicas(model, lambda m, b: m(b).sum(), replicas=2,
                                          replicator=c.replicator, optimizer="adamw",
@@ -90,7 +90,7 @@ def test_ranking_file_names_its_sources():
     data = json.loads(Path(flexdemo.auto.RANKING_FILE).read_text())
     names = [e["name"] for e in data["entries"]]
     assert len(set(names)) == len(names) and names[0] == "full"
-    assert {"muloco", "sparseloco"} <= {e["replicator"] for e in data["entries"]}
+    assert {"muloco-int4", "sparseloco-dct"} <= {e["replicator"] for e in data["entries"]}
     gaps = [e["gap"] for e in data["entries"]]
     assert gaps == sorted(gaps)
     for e in data["entries"][1:]:

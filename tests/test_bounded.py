@@ -41,21 +41,21 @@ def batch(r: int, step: int):
 EVAL = batch(99, 0)
 H = {"inner_steps": 5}
 # (replicator, its settings, base optimizer, lr)
-MULOCO = ("muloco", H, "adamw", 1e-2)  # int4 by reduce-scatter, outer Nesterov 0.7 / 0.6
-SPARSE = ("sparseloco", H, "adamw", 1e-2)  # DCT top-64 of 4096, stat2 values, gathered
+MULOCO = ("muloco-int4", H, "adamw", 1e-2)  # int4 by reduce-scatter, outer Nesterov 0.7 / 0.6
+SPARSE = ("sparseloco-dct", H, "adamw", 1e-2)  # DCT top-64 of 4096, stat2 values, gathered
 SMALL_BLOCKS = {"chunk": 16, "topk": 8}  # 16 blocks per weight: every owner owns some
 CASES = {
     "demo": ("demo", {}, "sgd", 1e-2),
     "demo-delayed": ("demo", {"overlap": "delayed"}, "sgd", 1e-2),
-    "int4-gather": ("muloco", {**H, "exchange_kwargs": {"reduce": "gather"}}, "adamw", 1e-2),
+    "int4-gather": ("muloco-int4", {**H, "exchange_kwargs": {"reduce": "gather"}}, "adamw", 1e-2),
     "int4-scatter": MULOCO,
     "sparse": SPARSE,
-    "sparse-senders": ("sparseloco", {**H, "exchange": "topk", "exchange_kwargs": {
+    "sparse-senders": ("sparseloco-dct", {**H, "exchange": "topk", "exchange_kwargs": {
         "topk": 64, "chunk": 64, "values": "stat2", "decay": 0.95, "mean": "senders"}},
         "adamw", 1e-2),
-    "sparse-scatter": ("sparseloco", {**H, "exchange_kwargs": {"reduce": "scatter",
+    "sparse-scatter": ("sparseloco-dct", {**H, "exchange_kwargs": {"reduce": "scatter",
                                                                **SMALL_BLOCKS}}, "adamw", 1e-2),
-    "sparse-shared": ("sparseloco", {**H, "exchange_kwargs": {"reduce": "shared",
+    "sparse-shared": ("sparseloco-dct", {**H, "exchange_kwargs": {"reduce": "shared",
                                                               **SMALL_BLOCKS}}, "adamw", 1e-2),
 }
 
@@ -229,7 +229,7 @@ def test_two_peers_each_against_its_own_norm():
 def test_bad_settings_are_one_line(bad):
     for build in (lambda: FullReplicator(values="int4", peer_bound=bad),
                   lambda: DeMoReplicator(peer_bound=bad),
-                  lambda: make_replicator("muloco", exchange_kwargs={"peer_bound": bad})):
+                  lambda: make_replicator("muloco-int4", exchange_kwargs={"peer_bound": bad})):
         with pytest.raises(ValueError, match=r"^peer_bound must be None or False \(off\) or a "
                                              r"number > 1 [^\n]*got") as e:
             build()
@@ -244,6 +244,6 @@ def test_settings_reach_the_exchanges():
     assert "peer_bound" not in repr(FullReplicator(values="int4"))
     assert "peer_bound=None" in repr(FullReplicator(values="int4", peer_bound=None))
     assert "peer_bound=16.0" in repr(DeMoReplicator(peer_bound=16))
-    muloco = make_replicator("muloco", exchange_kwargs={"peer_bound": 12})
+    muloco = make_replicator("muloco-int4", exchange_kwargs={"peer_bound": 12})
     assert muloco.exchange.bound.multiple == 12.0
-    assert make_replicator("sparseloco").exchange.bound.multiple == 8.0
+    assert make_replicator("sparseloco-dct").exchange.bound.multiple == 8.0

@@ -284,3 +284,55 @@ def test_dense_stat1_splits_at_the_block_mean(n, block):
             torch.testing.assert_close(level[0], part[side].mean().to(torch.bfloat16).float())
     mse = float((y - x).pow(2).mean()) / 4  # x has variance 4
     assert mse < 0.38  # near Lloyd-Max's 0.3634 for 2 levels of a Gaussian
+
+
+# ---------------------------------------------------------------------- one codebook per tensor
+def test_tensor_codebook_edges_bins_and_order():
+    """MuLoCo's and SparseLoCo's form: 4 bins of 1.5 std around the mean, so the edges sit at
+    -2.25, -0.75 and +0.75 std (asymmetric), each bin decoded to the mean of its values;
+    the same values in another order give the same bits (fp64 statistics)."""
+    from flexdemo.compress.codebook import tensor_codebook
+
+    x = torch.randn(5000, generator=_gen(3))
+    codes, means = tensor_codebook(x, 2)
+    mu, sd = x.double().mean(), x.double().std()
+    z = (x.double() - mu) / sd
+    want = (z >= -2.25).long() + (z >= -0.75).long() + (z >= 0.75).long()
+    near = ((z.abs() - 0.75).abs() < 1e-4) | ((z + 2.25).abs() < 1e-4)  # rounding at an edge
+    assert torch.equal(codes[~near], want[~near])
+    for j in range(4):
+        torch.testing.assert_close(means[j], x[codes == j].double().mean().float(), rtol=0,
+                                   atol=1e-6)
+    perm = torch.randperm(5000, generator=_gen(4))
+    c2, m2 = tensor_codebook(x[perm], 2)
+    assert torch.equal(m2, means) and torch.equal(c2, codes[perm])
+    one_c, one_m = tensor_codebook(torch.tensor([3.5]), 2)  # one value: decoded exactly
+    assert one_m[one_c].item() == 3.5
+
+
+@pytest.mark.parametrize("n", [1, 7, 300])
+def test_dense_and_sparse_stat2_tensor_sizes_and_round_trip(n):
+    """``stat2-tensor``: 16 bytes of fp32 bin means per tensor, then 2 bits per value; the dense
+    codec codes each of its tensors (segments) with its own codebook."""
+    from flexdemo.compress.codebook import tensor_codebook
+
+    codec = ValueCodec("stat2-tensor")
+    codec.segments = [n, 2 * n]
+    x = torch.randn(3 * n, generator=_gen(n))
+    out = torch.zeros(codec.nbytes(3 * n), dtype=torch.uint8)
+    assert out.numel() == 2 * 16 + math.ceil(2 * 3 * n / 8)
+    codec.encode(x, out)
+    got = codec.decode(out, 3 * n)
+    for part, ref in zip(torch.split(got, [n, 2 * n]), torch.split(x, [n, 2 * n])):
+        c, m = tensor_codebook(ref, 2)
+        assert torch.equal(part, m[c])
+    rows = torch.zeros(2, out.numel() + -out.numel() % 8, dtype=torch.uint8)  # aligned, as
+    rows[:, : out.numel()] = out  # gathered payloads are
+    assert torch.equal(codec.decode(rows[:, : out.numel()], 3 * n), torch.stack([got, got]))
+    blocks = BlockValueCodec("stat2-tensor")
+    v = torch.randn(n, 3, generator=_gen(n + 1))
+    buf = torch.zeros(blocks.nbytes(n, 3), dtype=torch.uint8)
+    assert buf.numel() == 16 + math.ceil(2 * 3 * n / 8)
+    sent = blocks.encode(v, buf)
+    c, m = tensor_codebook(v, 2)
+    assert torch.equal(sent, m[c]) and torch.equal(blocks.decode(buf, n, 3), sent)

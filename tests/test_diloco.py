@@ -8,6 +8,7 @@ from torch import nn
 
 from flexdemo import DeToNATION, DiLoCoReplicator, FullReplicator, NonFiniteGradientError
 from flexdemo.compress.quant import FORMATS, ValueCodec
+from flexdemo.replicate import make_replicator
 from flexdemo.replicate.agreement import HEADER_BYTES
 from flexdemo.replicate.diloco import balanced_fragments
 
@@ -96,8 +97,12 @@ def test_sync_resets_to_global_and_outer_step_is_sgd():
     """Group of one, H=3, outer SGD lr 1 without momentum: the pseudo-gradient is global -
     local, so the new global is the local model and nothing changes; with lr 0.5 the new
     parameters are the midpoint of the old global and the local ones. The default outer step
-    is the first: plain averaging."""
-    for kw, expect in (({"outer_lr": 1.0, "outer_momentum": 0.0}, "local"), ({}, "local"),
+    is the DiLoCo paper's (Nesterov, lr 0.7, momentum 0.9); "diloco-avg" is plain averaging."""
+    rep = DiLoCoReplicator()
+    assert (rep.outer_lr, rep.outer_momentum, rep.nesterov) == (0.7, 0.9, True)
+    avg = make_replicator("diloco-avg")
+    assert (avg.outer_lr, avg.outer_momentum) == (1.0, 0.0)
+    for kw, expect in (({"outer_lr": 1.0, "outer_momentum": 0.0}, "local"),
                        ({"outer_lr": 0.5, "outer_momentum": 0.0}, "mid")):
         m = model()
         start = [p.detach().clone() for p in m.parameters()]

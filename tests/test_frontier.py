@@ -1,6 +1,7 @@
 """The byte frontier's pieces: the mean of each coordinate over the replicas that sent it,
-peers clipped to the median norm, error feedback, and the "muloco" and "sparseloco" presets
-(identical replicas, bitwise resume, exact bytes sent and received at 2, 4 and 8 replicas)."""
+peers clipped to the median norm, error feedback, and the named presets (identical replicas,
+bitwise resume; the exact bytes of our variants "muloco-int4" and "sparseloco-dct" at 2, 4 and 8
+replicas; the papers' presets against their references: tests/test_parity.py)."""
 
 from __future__ import annotations
 
@@ -130,21 +131,36 @@ def sim_of(preset: str, replicas: int, seed: int = 0, **kw) -> SimulatedReplicas
 
 
 def test_presets_are_diloco_with_their_documented_settings():
+    """The papers' names (tests/test_parity.py checks their updates) and our variants."""
     muloco, sparse = make_replicator("muloco"), make_replicator("sparseloco")
     assert isinstance(muloco, DiLoCoReplicator) and isinstance(sparse, DiLoCoReplicator)
     assert (muloco.inner_steps, muloco.outer_lr, muloco.outer_momentum) == (30, 0.7, 0.6)
-    assert muloco.exchange.values == "int4" and muloco.exchange.reduce == "scatter"
+    ex = muloco.exchange
+    assert (ex.values, ex.reduce, ex.error_feedback) == ("stat2-tensor", "gather", 0.9)
     ex = sparse.exchange
     assert (sparse.inner_steps, sparse.outer_lr, sparse.outer_momentum) == (30, 1.0, 0.0)
-    assert (ex.topk, ex.chunk, ex.values, ex.decay, ex.transform, ex.mean) == (
-        64, 64, "stat2", 0.95, "dct", "replicas")
+    assert (ex.topk, ex.chunk, ex.chunking, ex.small, ex.values, ex.decay, ex.transform,
+            ex.mean) == (64, 64, "divisor", "separate", "stat2-tensor", 0.95, "none",
+                         "senders")
+    int4, dct = make_replicator("muloco-int4"), make_replicator("sparseloco-dct")
+    assert (int4.inner_steps, int4.outer_lr, int4.outer_momentum) == (30, 0.7, 0.6)
+    assert (int4.exchange.values, int4.exchange.reduce, int4.exchange.error_feedback) == (
+        "int4", "scatter", None)
+    ex = dct.exchange
+    assert (dct.inner_steps, dct.outer_lr, dct.outer_momentum) == (30, 1.0, 0.0)
+    assert (ex.topk, ex.chunk, ex.chunking, ex.values, ex.decay, ex.transform, ex.mean) == (
+        64, 64, "near", "stat2", 0.95, "dct", "replicas")
+    avg = make_replicator("diloco-avg")
+    assert (avg.inner_steps, avg.outer_lr, avg.outer_momentum) == (100, 1.0, 0.0)
     # settings given with the name override, exchange settings merge into the preset's
     other = make_replicator("sparseloco", inner_steps=10, exchange_kwargs={"topk": 128})
     assert other.inner_steps == 10 and other.exchange.topk == 128
-    assert other.exchange.values == "stat2"
+    assert other.exchange.values == "stat2-tensor"
     assert FRONTIER["sparseloco"]["exchange_kwargs"]["topk"] == 64  # the table is unchanged
     with pytest.raises(ValueError, match="no setting 'topk'"):
         make_replicator("sparseloco", topk=3)
+    with pytest.raises(ValueError, match="one codebook per tensor"):
+        make_replicator("muloco", exchange_kwargs={"reduce": "scatter"})
 
 
 EF2 = {"exchange_kwargs": {"values": "int2", "error_feedback": 0.9,
@@ -153,8 +169,9 @@ EF1 = {"exchange_kwargs": {"values": "stat1", "block": 16, "error_feedback": 0.9
 OWNER = {"exchange_kwargs": {"values": "int4", "block": 16, "owner_error_feedback": 0.7}}
 
 
-@pytest.mark.parametrize("preset,kw", [("muloco", {}), ("sparseloco", {}), ("muloco", EF2),
-                                       ("muloco", EF1), ("muloco", OWNER)])
+@pytest.mark.parametrize("preset,kw", [("muloco", {}), ("sparseloco", {}), ("muloco-int4", {}),
+                                       ("sparseloco-dct", {}), ("muloco-int4", EF2),
+                                       ("muloco-int4", EF1), ("muloco-int4", OWNER)])
 def test_presets_keep_replicas_identical_and_resume_bitwise(preset, kw, tmp_path):
     def run(sim, steps):
         for s in steps:
@@ -181,8 +198,9 @@ def test_presets_keep_replicas_identical_and_resume_bitwise(preset, kw, tmp_path
             assert torch.equal(ra.owner_residual, rb.owner_residual)
 
 
-@pytest.mark.parametrize("preset", ["muloco", "sparseloco"])
+@pytest.mark.parametrize("preset", ["muloco-int4", "sparseloco-dct"])
 def test_bytes_sent_and_received_are_exact_at_2_4_and_8_replicas(preset):
+    """Our variants' wire formats (the papers' presets: tests/test_parity.py)."""
     per_sync = {}
     for n in (2, 4, 8):
         sim = sim_of(preset, n)
@@ -193,18 +211,18 @@ def test_bytes_sent_and_received_are_exact_at_2_4_and_8_replicas(preset):
         assert all(r.exchange_bytes() == one for r in reps)
         assert sim.bytes_sent == [2 * one] * n and sim.bytes_received == [2 * one] * n
         ex = reps[0].exchanges[0]
-        if preset == "sparseloco":  # an all-gather: n - 1 payloads of the exact size
+        if preset == "sparseloco-dct":  # an all-gather: n - 1 payloads of the exact size
             assert one == (n - 1) * ex.payload_bytes()
             assert ex.payload_bytes() == sparse_payload_bytes(ex)
         per_sync[n] = one
-    if preset == "muloco":  # reduce-scatter: at most two payloads whatever the group size
+    if preset == "muloco-int4":  # reduce-scatter: at most two payloads whatever the group size
         assert per_sync[8] <= 2 * per_sync[2] * 1.1
     else:  # a gather grows as n - 1 (issue: a flat path for sparse exchanges)
         assert per_sync[8] == 7 * per_sync[2]
 
 
 def sparse_payload_bytes(ex: DeMoReplicator) -> int:
-    """The sparseloco wire format by hand: a 32-byte header, then per group of blocks
+    """The sparseloco-dct wire format by hand: a 32-byte header, then per group of blocks
     12-bit indices (64 x 64 blocks; fewer bits for smaller ones) and 2-bit codes of its values
     with a bf16 codebook of 4 bin means per block, each segment 8-byte aligned."""
     def aligned(x):

@@ -332,8 +332,8 @@ def test_bucket_numel_must_be_a_positive_integer():
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("case", ["fp32", "int4-feedback", "int8-scatter", "muloco",
-                                  "sparseloco"])
+@pytest.mark.parametrize("case", ["fp32", "int4-feedback", "int8-scatter", "muloco-int4",
+                                  "sparseloco-dct"])
 def test_dense_exchanges_in_buckets_give_the_same_bits_in_bounded_memory(case):
     """2 gloo ranks, a 1.2M-parameter model in buckets of 65,536 values (bucket boundaries
     cut tensors): the same parameters, bit for bit, as the whole model in one bucket (and,
@@ -350,7 +350,7 @@ def test_dense_exchanges_in_buckets_give_the_same_bits_in_bounded_memory(case):
             assert [b for b in run["sent"] if b] == [run["exchange_bytes"]] * (
                 4 if case in ("fp32", "int4-feedback", "int8-scatter") else 2)
         bucketed, P = res["buckets"], res["buckets"]["P"]
-        if case != "sparseloco":
+        if case != "sparseloco-dct":
             assert bucketed["buckets"] > 10 and res["whole"]["buckets"] == 0
             assert res["whole"]["held"] >= P  # the bound bites: the whole model's buffer
             bucket = 4 * memory_workers.BUCKET  # bytes of one fp32 bucket: 0.07 P

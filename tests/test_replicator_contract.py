@@ -9,7 +9,8 @@ from dist_util import run_world
 
 from flexdemo.replicate import REPLICATORS
 
-DILOCO = ("diloco", "muloco", "sparseloco")  # the frontier presets are DiLoCo settings
+DILOCO = ("diloco", "diloco-avg", "muloco", "sparseloco", "muloco-int4",
+          "sparseloco-dct")  # the named presets are DiLoCo settings
 
 
 @pytest.fixture(scope="module")

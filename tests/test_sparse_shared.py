@@ -126,7 +126,7 @@ def shared_bytes(ex: DeMoReplicator, n: int) -> tuple[int, int]:
 
 def sim_of(replicas: int, seed: int = 0, **kw) -> SimulatedReplicas:
     torch.manual_seed(seed)
-    return SimulatedReplicas(tiny_model, loss_fn, replicas=replicas, replicator="sparseloco",
+    return SimulatedReplicas(tiny_model, loss_fn, replicas=replicas, replicator="sparseloco-dct",
                              optimizer="adamw", lr=1e-2, seed=seed,
                              replicator_kwargs={"inner_steps": 3, **kw,
                                                 "exchange_kwargs": {"reduce": "shared"}})
@@ -219,7 +219,7 @@ def gloo_worker(rank: int, world: int, reduce: str = "shared") -> dict:
 
     def make():
         torch.manual_seed(0)
-        return flexdemo.prepare(tiny_model(), "sparseloco", optimizer="adamw", lr=1e-2,
+        return flexdemo.prepare(tiny_model(), "sparseloco-dct", optimizer="adamw", lr=1e-2,
                                 replicate=world, shard=1, replicator_kwargs=kw)
 
     model, opt = make()

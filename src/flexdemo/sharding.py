@@ -345,11 +345,12 @@ def prepare(model: nn.Module, replicator: str | Replicator | Sequence = "demo",
             its session around the DeToNATION (``opt.inner``), used the same way.
 
     Which strategy (measured in ``benchmarks/quality.py``; docs/optimizers.md): for the best
-    validation loss at a few hundredths of a byte per parameter per step, MuLoCo,
-    ``prepare(model, "diloco", "muon", lr=..., replicator_kwargs={"inner_steps": 20,
-    "exchange_kwargs": {"values": "int4"}})``; for DeMo's byte budget, DeMo with an
-    orthogonalised step, ``prepare(model, "demo", "muon", replicator_kwargs={"topk": 64,
-    "decay": 0.9, "sign": False, "scale_by_lr": False}, optimizer_kwargs={"momentum": 0.0})``.
+    validation loss at a few hundredths of a byte per parameter per step, MuLoCo-style
+    plain averaging, ``prepare(model, "diloco-avg", "muon", lr=...,
+    replicator_kwargs={"inner_steps": 20, "exchange_kwargs": {"values": "int4"}})``; for
+    DeMo's byte budget, DeMo with an orthogonalised step, ``prepare(model, "demo", "muon",
+    replicator_kwargs={"topk": 64, "decay": 0.9, "sign": False, "scale_by_lr": False},
+    optimizer_kwargs={"momentum": 0.0})``.
     Muon's best lr was 10-30x AdamW's (match_rms_adamw scaling): sweep upwards from yours.
     Or ``prepare(model, "auto", optimizer=...)``: the link and the step are measured and the
     strategy chosen to fit them, in one logged line (docs/auto.md).

@@ -82,19 +82,19 @@ STRATEGIES: dict[str, Strategy] = {
         "no replication, plain SGD: the cheapest step (a timing floor)",
         "none", "sgd", 3e-3, color="#bcbd22"),
     "diloco": Strategy(
-        "DiLoCo: inner AdamW, full sync (outer averaging) every 20 steps",
-        "diloco", "adamw", 1e-3, {"inner_steps": 20}, color="#9467bd"),
+        "DiLoCo: inner AdamW, full sync (plain averaging) every 20 steps",
+        "diloco-avg", "adamw", 1e-3, {"inner_steps": 20}, color="#9467bd"),
     "diloco-h100": Strategy(
-        "DiLoCo with a full sync every 100 steps",
-        "diloco", "adamw", 1e-3, {"inner_steps": 100}, color="#8c564b"),
+        "DiLoCo with a full sync (plain averaging) every 100 steps",
+        "diloco-avg", "adamw", 1e-3, {"inner_steps": 100}, color="#8c564b"),
     "streaming-diloco": Strategy(
-        "Streaming DiLoCo: H=20, 4 fragments, tau=1, int4 exchange",
-        "diloco", "adamw", 1e-3,
+        "Streaming DiLoCo: H=20, 4 fragments, tau=1, int4 exchange, plain averaging",
+        "diloco-avg", "adamw", 1e-3,
         {"inner_steps": 20, "fragments": 4, "tau": 1, "exchange_kwargs": {"values": "int4"}},
         color="#e377c2"),
     "demo-diloco": Strategy(
         "DiLoCo whose pseudo-gradients cross as the DCT top-128 of each 64x64 block, with "
-        "error feedback", "diloco", "adamw", 1e-3,
+        "error feedback, plain averaging", "diloco-avg", "adamw", 1e-3,
         {"inner_steps": 20, "exchange": "demo", "exchange_kwargs": {"topk": 128}},
         color="#ff7f0e"),
     # the Muon family (optimizer "muon": Muon on hidden matrices, AdamW on the rest; lr with
@@ -103,17 +103,30 @@ STRATEGIES: dict[str, Strategy] = {
         "hybrid-sharded Muon + AdamW, full fp32 gradient all-reduce across nodes",
         "full", "muon", 1e-2, color="#8c1515"),
     "muloco": Strategy(
-        "MuLoCo: DiLoCo with Muon inner steps, plain averaging every 20 steps, int4 exchange",
-        "diloco", "muon", 1e-2, {"inner_steps": 20, "exchange_kwargs": {"values": "int4"}},
-        color="#31a354"),
-    # the byte frontier's presets (flexdemo.replicate.frontier) with Muon inner steps
+        "MuLoCo-style (ours, not the paper's exchange): DiLoCo with Muon inner steps, plain "
+        "averaging every 20 steps, int4 exchange", "diloco-avg", "muon", 1e-2,
+        {"inner_steps": 20, "exchange_kwargs": {"values": "int4"}}, color="#31a354"),
+    # the named presets (flexdemo.replicate.frontier) with Muon inner steps: "muloco-preset"
+    # and "sparseloco" run our variants, what they measured before issue 57 (the names
+    # "muloco" and "sparseloco" of the replicators now run the papers' algorithms, which the
+    # "-paper" strategies run)
     "muloco-preset": Strategy(
-        "the 'muloco' preset: DiLoCo with Muon inner steps, int4 mean by reduce-scatter every "
-        "30 steps, outer Nesterov 0.7 / 0.6", "muloco", "muon", 1e-2, color="#74c476"),
+        "the 'muloco-int4' preset (ours): DiLoCo with Muon inner steps, int4 mean by "
+        "reduce-scatter every 30 steps, outer Nesterov 0.7 / 0.6", "muloco-int4", "muon", 1e-2,
+        color="#74c476"),
     "sparseloco": Strategy(
-        "the 'sparseloco' preset: DiLoCo with Muon inner steps, the top 64 of each 64x64 block "
-        "of the pseudo-gradient with error feedback, 2-bit codebook values, every 30 steps",
-        "sparseloco", "muon", 1e-2, color="#006d2c"),
+        "the 'sparseloco-dct' preset (ours): DiLoCo with Muon inner steps, the top 64 of the "
+        "DCT of each 64x64 block of the pseudo-gradient with error feedback, 2-bit codebook "
+        "values, the mean over the replicas, every 30 steps",
+        "sparseloco-dct", "muon", 1e-2, color="#006d2c"),
+    "muloco-paper": Strategy(
+        "MuLoCo (the paper's exchange): 2-bit values with a codebook per tensor and error "
+        "feedback 0.9, gathered, every 30 steps, outer Nesterov 0.7 / 0.6, Muon inner steps",
+        "muloco", "muon", 1e-2, color="#a1d99b"),
+    "sparseloco-paper": Strategy(
+        "SparseLoCo (the paper's): top-64 per chunk of up to 64x64 without a transform, 2-bit "
+        "values with a codebook per tensor, error feedback 0.95, the mean over the senders, "
+        "every 30 steps, Muon inner steps", "sparseloco", "muon", 1e-2, color="#00441b"),
     # measured, not named: the link and the step decide among the quality ranking's entries
     # (flexdemo.auto, docs/auto.md), with Muon inner steps as in the ranking's tables
     "auto": Strategy(
@@ -185,7 +198,7 @@ def check_strategy(token: str) -> Strategy:
         kept = {k: v for k, v in preset.items()
                 if k not in own and re.search(rf"(?<![\w']){re.escape(k)}\b(?!')", text)}
         hint = ""
-        if strategy.replicator == "diloco":
+        if strategy.replicator in ("diloco", "diloco-avg"):
             fix = _diloco_fit(kwargs)
             kept = {k: preset[k] for k in fix if k in preset and k not in own} or kept
             if fix and not set(fix) & own:

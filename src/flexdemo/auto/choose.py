@@ -166,7 +166,7 @@ class Decision:
 
     def line(self) -> str:
         """The one log line: ``auto: 97 Mbit/s, 0.4 ms between 4 replicas; compute 250
-        ms/step -> muloco H=30 int4 (reduce-scatter) (0.011 MB/step, exposed comm 1.2%)``."""
+        ms/step -> muloco-int4 H=30 int4 (reduce-scatter) (0.011 MB/step, exposed comm 1.2%)``."""
         if self.replicas <= 1:
             return f"auto: a single replica, nothing to send -> {self.label} ({self.reason})"
         link = self.link

@@ -52,7 +52,7 @@ import torch
 import torch.distributed as dist
 
 from ..dtensor import local_tensor
-from ..replicate import Replicator, make_replicator
+from ..replicate import FRONTIER, Replicator, make_replicator
 from ..replicate.agreement import NonFiniteGradientError, global_rank_of, nonfinite_flag
 from ..transport import InProcessTransport, ProcessGroupTransport, Transport
 from .choose import (
@@ -273,7 +273,7 @@ class AutoReplicator(Replicator):
     def _restarts(c: Candidate) -> bool:
         """Whether ``c`` restarts replicas from a global copy (DiLoCo family): it can take
         over warm-up steps that drifted apart without the optimizer's help."""
-        return c.replicator in ("diloco", "muloco", "sparseloco")
+        return c.replicator == "diloco" or c.replicator in FRONTIER
 
     def _adopt(self, decision: Decision, fresh: bool, state: dict | None = None) -> None:
         """Build the decided replicator on this group and hand over to it."""

@@ -10,7 +10,7 @@ import math
 import torch
 
 from .bits import pack_bits, packed_nbytes, unpack_bits
-from .codebook import stat_codebook
+from .codebook import stat_codebook, tensor_codebook
 
 
 class BlockValueCodec:
@@ -25,11 +25,14 @@ class BlockValueCodec:
     * ``sign``: one bit per value and a bf16 magnitude per block, the mean ``|v|``;
     * ``stat3`` / ``stat2`` / ``stat1``: a statistical codebook per block (see the module):
       ``L`` = 8 / 4 / 2 bf16 bin means, the mean of the block's values in each bin of
-      ``mu +- 2 sd`` (stat1: split at the block mean), and a 3 / 2 / 1-bit bin code per value.
+      ``mu +- 2 sd`` (stat1: split at the block mean), and a 3 / 2 / 1-bit bin code per value;
+    * ``stat2-tensor``: SparseLoCo's 2-bit values, one codebook per tensor
+      (:func:`~.codebook.tensor_codebook`: 4 fp32 bin means over ``mu +- 3 sd``).
 
     Bytes for ``b`` blocks of ``k`` values: fp32 ``4bk``, bf16/fp16 ``2bk``, int8 ``bk + 2b``,
     int2 ``ceil(2bk/8) + 4b``, sign ``ceil(bk/8) + 2b``, stat3 ``16b + ceil(3bk/8)``, stat2
-    ``8b + ceil(2bk/8)``, stat1 ``4b + ceil(bk/8)``. Scales (codebooks) come first. Decoding
+    ``8b + ceil(2bk/8)``, stat1 ``4b + ceil(bk/8)``, stat2-tensor ``16 + ceil(2bk/8)``. Scales
+    (codebooks) come first. Decoding
     is elementwise arithmetic or a codebook look-up, identical on every replica; ``encode``
     returns the values the peers will decode, built from the codes with the same arithmetic as
     ``decode``.
@@ -192,10 +195,37 @@ class _Stat1Blocks(_StatBlocks):
     bits = 1
 
 
+class _TensorStat2Blocks(BlockValueCodec):
+    """One statistical codebook for all the values it codes at once
+    (:func:`~.codebook.tensor_codebook`, SparseLoCo's 2-bit values): its ``L`` fp32 bin values
+    first, then the codes packed at 2 bits. DeMo's layout gives it one group per tensor
+    (:attr:`per_tensor`), so the codebook is the tensor's."""
+
+    bits = 2
+    per_tensor = True
+
+    def nbytes(self, blocks: int, k: int) -> int:
+        return 4 * (1 << self.bits) + packed_nbytes(blocks * k, self.bits)
+
+    def encode(self, vals: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        book = 4 * (1 << self.bits)
+        codes, means = tensor_codebook(vals.float(), self.bits)
+        out[:book].view(torch.float32).copy_(means)
+        pack_bits(codes, self.bits, out[book:])
+        return means[codes]
+
+    def decode(self, data: torch.Tensor, b: int, k: int) -> torch.Tensor:
+        lead, book = data.shape[:-1], 4 * (1 << self.bits)
+        means = data[..., :book].view(torch.float32)
+        codes = unpack_bits(data[..., book:], self.bits, b * k).view(*lead, b * k)
+        return torch.gather(means, -1, codes).view(*lead, b, k)
+
+
 BLOCK_CODECS: dict[str, type[BlockValueCodec]] = {
     "fp32": _Fp32Blocks, "bf16": _Bf16Blocks, "fp16": _Fp16Blocks,
     "int8": _Int8Blocks, "int2": _Int2Blocks, "sign": _SignBlocks,
     "stat3": _Stat3Blocks, "stat2": _Stat2Blocks, "stat1": _Stat1Blocks,
+    "stat2-tensor": _TensorStat2Blocks,
 }
 BLOCK_FORMATS = tuple(BLOCK_CODECS)
 

@@ -9,6 +9,10 @@ A dimension of size ``d`` with target edge ``t`` gets:
   next multiple of ``t``. A chunk never collapses to 1 element; padding costs a little compute
   and a few coefficients of bandwidth, and the padded area is cropped on decode.
 
+``rule="divisor"`` (SparseLoCo's chunking) takes instead the largest divisor of ``d`` up to
+``t`` (``d`` itself when ``d <= t``): never padded, at the cost of small chunks where ``d`` has
+no divisor near ``t`` (a prime gets chunks of 1).
+
 Matrices (and higher-rank tensors, flattened to ``(shape[0], rest)``) are cut into 2-D blocks;
 vectors into 1-D chunks. FSDP2 shards whole rows on dim 0, so a rank plans its local shard.
 """
@@ -81,8 +85,31 @@ class ChunkPlan:
         return self.padded[0] * self.padded[1]
 
 
-def plan_chunks(shape: tuple[int, ...] | list[int], target: int = 64) -> ChunkPlan:
-    """Plan the DCT blocks of a tensor of ``shape`` for block edge ``target``."""
+def largest_divisor(dim: int, target: int) -> int:
+    """The largest divisor of ``dim`` that is at most ``target``."""
+    if dim < 1 or target < 1:
+        raise ValueError(f"need dim >= 1 and target >= 1, got {dim} and {target}")
+    return next(c for c in range(min(dim, target), 0, -1) if dim % c == 0)
+
+
+CHUNK_RULES = ("near", "divisor")
+
+
+def plan_chunks(shape: tuple[int, ...] | list[int], target: int = 64,
+                rule: str = "near") -> ChunkPlan:
+    """Plan the DCT blocks of a tensor of ``shape`` for block edge ``target`` (``rule``: see
+    the module)."""
+    if rule not in CHUNK_RULES:
+        raise ValueError(f"chunk rule must be one of {CHUNK_RULES}, got {rule!r}")
+    if rule == "divisor":
+        shape = tuple(int(s) for s in shape)
+        if math.prod(shape) == 0:
+            raise ValueError(f"cannot plan chunks for an empty tensor of shape {shape}")
+        rows, cols = (1, math.prod(shape)) if len(shape) <= 1 else (shape[0],
+                                                                    math.prod(shape[1:]))
+        chunk = (1 if len(shape) <= 1 else largest_divisor(rows, target),
+                 largest_divisor(cols, target))
+        return ChunkPlan(shape, (rows, cols), chunk, (rows, cols))
     shape = tuple(int(s) for s in shape)
     numel = math.prod(shape)
     if numel == 0:

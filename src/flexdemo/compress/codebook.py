@@ -1,8 +1,12 @@
-"""The statistical codebook of :mod:`.quant` (dense stat3 / stat2 / stat1) and :mod:`.blocks`
+"""The statistical codebooks of :mod:`.quant` (dense stat3 / stat2 / stat1) and :mod:`.blocks`
 (sparse, the same): per row of values, bins over ``mean ± spread * std`` (one bit: two bins
-split at the mean), each decoded to the mean of its members."""
+split at the mean), each decoded to the mean of its members (:func:`stat_codebook`); and
+per tensor, the form of MuLoCo's and SparseLoCo's 2-bit values, ``L`` bins of ``6 std / L``
+around the mean (:func:`tensor_codebook`: the ``"stat2-tensor"`` format)."""
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -32,3 +36,37 @@ def stat_codebook(v: torch.Tensor, count: torch.Tensor, n: int, bits: int,
     centre = mu[:, None] + half[:, None] * centre
     means = torch.where(hits > 0, sums / hits.clamp_min(1), centre.view(-1))
     return codes, means.view(b, levels)
+
+
+#: the range of the per-tensor codebook in standard deviations: MuLoCo's and SparseLoCo's
+#: published 6-sigma range (``L`` bins of ``6 sd / L`` each, centred on the mean)
+TENSOR_SIGMAS = 6.0
+
+
+def tensor_codebook(v: torch.Tensor, bits: int,
+                    sigmas: float = TENSOR_SIGMAS) -> tuple[torch.Tensor, torch.Tensor]:
+    """One statistical codebook for all of ``v`` (fp32, any shape), the form of MuLoCo's and
+    SparseLoCo's 2-bit values: with ``mu`` the mean, ``c = v - mu``, ``sd = |c| / sqrt(n -
+    1)`` and the bin width ``s = sigmas * sd / L`` (``L = 2**bits``; ``s = 1`` where it is 0
+    or not finite), each value's code is ``round(c / s + L / 2)`` clamped to ``[0, L - 1]``
+    (ties to even; so the edges sit at ``(j - L/2 - 1/2) s``, ``j = 1 .. L-1``, asymmetric
+    about the mean), and bin ``j`` decodes to ``mu`` plus the mean of ``c`` over its members
+    (an empty bin, never decoded: ``mu``). Returns the codes (int64, ``v``'s shape) and the
+    ``L`` fp32 bin values. The mean, the norm and the bins' sums are taken in fp64 and
+    rounded once to fp32, so the codebook does not depend on the order of the values (the
+    top-k selection's order, a peer's layout): the same values give the same bits."""
+    levels = 1 << bits
+    n = v.numel()
+    flat = v.reshape(-1)
+    mu = flat.double().mean().float() if n else v.new_zeros(())
+    c = flat - mu
+    sd = c.double().norm() / math.sqrt(n - 1) if n > 1 else c.new_zeros((), dtype=torch.float64)
+    s = (sd * sigmas / levels).float()
+    s = torch.where(torch.isfinite(s) & (s > 0), s, torch.ones_like(s))
+    codes = (c / s + levels // 2).round_().clamp_(0, levels - 1).to(torch.int64)
+    sums = torch.zeros(levels, dtype=torch.float64, device=v.device).scatter_add_(
+        0, codes, c.double())
+    hits = torch.zeros(levels, dtype=torch.float64, device=v.device).scatter_add_(
+        0, codes, torch.ones(1, dtype=torch.float64, device=v.device).expand(n))
+    means = (sums / hits.clamp_min(1)).float() + mu
+    return codes.view(v.shape), means

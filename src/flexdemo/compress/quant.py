@@ -17,6 +17,9 @@ edges are ``mu + Z sd (2j / L - 1)``, ``j = 1 .. L-1`` (``Z`` = ``spread`` = 2; 
 fall in the end bins; stat1's one edge is the block mean); each value's code is its bin, and a
 bin decodes to the mean of the block's values in it (an empty one to its centre). The
 codebooks (bf16, ``L`` per block) come first, then the codes packed at ``B`` bits.
+``stat2-tensor`` is MuLoCo's and SparseLoCo's form: one codebook per tensor (4 bins of
+``6 sd / 4`` around the tensor's mean, asymmetric edges, fp32 bin means:
+:func:`~.codebook.tensor_codebook`), ``16 S + ceil(2n/8)`` bytes for ``S`` tensors.
 
 Payload size in bytes for ``n`` values: fp32 ``4n``, bf16/fp16 ``2n``, int8 ``n + 4b``,
 int4 ``ceil(n/2) + 4b``, int3 ``ceil(3n/8) + 4b``, int2 ``ceil(2n/8) + 4b``, stat3
@@ -35,7 +38,7 @@ import math
 import torch
 
 from .bits import pack_bits, packed_nbytes, unpack_bits
-from .codebook import stat_codebook
+from .codebook import stat_codebook, tensor_codebook
 
 
 # ---------------------------------------------------------------------- dense values
@@ -44,6 +47,9 @@ class ValueCodec:
     codec of a format of :data:`FORMATS` (registered in :data:`VALUE_CODECS`)."""
 
     fmt = ""
+    #: the sizes of the tensors laid end to end in the values, for a format with a codebook
+    #: per tensor (set by the exchange; the others ignore it)
+    segments: list[int] | None = None
 
     def __new__(cls, fmt: str = "fp32", block: int = 128):
         if cls is ValueCodec:
@@ -357,10 +363,60 @@ class _Stat1Values(_StatValues):
     bits = 1
 
 
+class _TensorStat2Values(ValueCodec):
+    """One statistical codebook per tensor (:func:`~.codebook.tensor_codebook`, the form of
+    MuLoCo's 2-bit values): the values are the tensors :attr:`segments` (their sizes, set by
+    the exchange; None: one tensor) laid end to end; the ``L`` fp32 bin values of every
+    tensor first, then the codes packed at 2 bits. ``block`` is not used (the block is the
+    tensor); the exchange sends the whole model in one bucket."""
+
+    bits = 2
+
+    def _sizes(self, n: int) -> list[int]:
+        sizes = [n] if self.segments is None else self.segments
+        if sum(sizes) != n:
+            raise ValueError(f"{self.fmt}: {n} values, but the tensors hold {sum(sizes)} (one "
+                             "codebook per tensor needs the whole model in one bucket)")
+        return sizes
+
+    def _book_bytes(self, n: int) -> int:
+        return 4 * (1 << self.bits) * len(self._sizes(n))
+
+    def nbytes(self, n: int) -> int:
+        return self._book_bytes(n) + packed_nbytes(n, self.bits)
+
+    def encode(self, x: torch.Tensor, out: torch.Tensor) -> None:
+        n, book = x.numel(), self._book_bytes(x.numel())
+        books = out[:book].view(torch.float32).view(-1, 1 << self.bits)
+        codes = torch.empty(n, dtype=torch.int64, device=x.device)
+        off = 0
+        for t, size in enumerate(self._sizes(n)):
+            c, m = tensor_codebook(x[off: off + size], self.bits)
+            codes[off: off + size], books[t] = c, m
+            off += size
+        pack_bits(codes, self.bits, out[book: self.nbytes(n)])
+
+    def decode(self, data: torch.Tensor, n: int) -> torch.Tensor:
+        lead, book, sizes = data.shape[:-1], self._book_bytes(n), self._sizes(n)
+        levels = 1 << self.bits
+        books = data[..., :book].view(torch.float32).reshape(*lead, -1)  # (..., S * L)
+        codes = unpack_bits(data[..., book: self.nbytes(n)], self.bits, n)
+        seg = torch.repeat_interleave(torch.arange(len(sizes), device=data.device) * levels,
+                                      torch.tensor(sizes, device=data.device))
+        return torch.gather(books, -1, codes + seg)
+
+    def max_error(self, x: torch.Tensor) -> torch.Tensor:
+        """Exact: ``|x - decode(encode(x))|`` (the codebook's bin values are fp32)."""
+        out = torch.zeros(self.nbytes(x.numel()), dtype=torch.uint8, device=x.device)
+        self.encode(x.reshape(-1).float(), out)
+        return (x.reshape(-1) - self.decode(out, x.numel())).abs()
+
+
 VALUE_CODECS: dict[str, type[ValueCodec]] = {
     "fp32": _Fp32Values, "bf16": _Bf16Values, "fp16": _Fp16Values,
     "int8": _Int8Values, "int4": _Int4Values, "int3": _Int3Values, "int2": _Int2Values,
     "stat3": _Stat3Values, "stat2": _Stat2Values, "stat1": _Stat1Values,
+    "stat2-tensor": _TensorStat2Values,
 }
 FORMATS = tuple(VALUE_CODECS)
 

@@ -9,7 +9,7 @@ from .base import Replicator, setting_names
 from .demo import PRESETS as DEMO_PRESETS
 from .demo import DeMoReplicator
 from .diloco import DiLoCoReplicator
-from .frontier import FRONTIER, muloco, sparseloco
+from .frontier import FRONTIER, frontier_preset
 from .full import FullReplicator, NoReplication
 from .phased import PhasedReplicator, demo_warmup
 from .registry import REPLICATORS
@@ -24,9 +24,9 @@ REPLICATORS.update({
     "random": RandomReplicator,
     "striding": StridingReplicator,
     "slicing": SlicingReplicator,
-    "muloco": muloco,
-    "sparseloco": sparseloco,
 })
+for _preset in FRONTIER:  # the papers' presets and our variants (frontier.py)
+    REPLICATORS[_preset] = partial(frontier_preset, _preset)
 for _preset in DEMO_PRESETS:
     if _preset != "default":
         REPLICATORS[f"demo-{_preset}"] = partial(DeMoReplicator.preset, _preset)
@@ -36,7 +36,7 @@ def _settings(fn: Callable) -> list[str]:
     """The keyword settings ``fn`` accepts (the DeMo presets and the warm-up forward the rest
     to DeMo)."""
     fn = fn.func if isinstance(fn, partial) else fn
-    forwards_to = DiLoCoReplicator if fn in (muloco, sparseloco) else DeMoReplicator
+    forwards_to = DiLoCoReplicator if fn is frontier_preset else DeMoReplicator
     chain = (fn,) if isinstance(fn, type) else (fn, forwards_to)
     return [n for n in setting_names(*chain) if n != "name"]
 

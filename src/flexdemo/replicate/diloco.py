@@ -8,10 +8,10 @@ Every ``inner_steps`` (H) steps a fragment of the parameters is synchronised:
    ``FullReplicator(values="int8" | "int4" | "bf16" | "fp16")``; or compressed with error
    feedback: ``"demo"`` (DCT top-k) or ``"topk"`` (plain top-k per block));
 2. an outer optimizer steps the global copy of the fragment with the averaged pseudo-gradient
-   as its gradient: by default SGD with lr 1.0 and no momentum, which sets the global copy to
-   the replicas' mean (plain averaging; the best of ``benchmarks/quality.py`` at 2 and 4
-   replicas, H=20, ahead of the DiLoCo paper's Nesterov lr 0.7 / momentum 0.9, which
-   ``outer_lr=0.7, outer_momentum=0.9`` selects);
+   as its gradient: by default the DiLoCo paper's, SGD with Nesterov momentum 0.9 and lr 0.7
+   (``outer_lr=1.0, outer_momentum=0.0``, the ``"diloco-avg"`` preset, sets the global copy
+   to the replicas' mean instead: plain averaging, which ``benchmarks/quality.py`` measured
+   ahead of the paper's step at 2 and 4 replicas, H=20, on its small GPTs);
 3. the replica's parameters are mixed with the new global ones:
    ``local = alpha * local + (1 - alpha) * global`` (``alpha = 0``, the default, restarts every
    replica from the same global parameters, bitwise identical).
@@ -137,8 +137,8 @@ class DiLoCoReplicator(Replicator):
     state_tensor_keys: tuple[str, ...] = ("global",)  # the global copy: equal on every replica
     fault_tolerant = True
 
-    def __init__(self, inner_steps: int = 100, *, outer_lr: float = 1.0,
-                 outer_momentum: float = 0.0, nesterov: bool = True,
+    def __init__(self, inner_steps: int = 100, *, outer_lr: float = 0.7,
+                 outer_momentum: float = 0.9, nesterov: bool = True,
                  outer_optimizer: Callable[[list[torch.Tensor]], torch.optim.Optimizer]
                  | None = None, exchange: str | Replicator = "full",
                  exchange_kwargs: dict | None = None, fragments: int = 1, tau: int = 0,

@@ -72,6 +72,10 @@ class FlatLayout:
             torch._foreach_copy_([grads[i] for i in present], views)
 
 
+#: value formats with one codebook per tensor (the whole model in one bucket, gathered)
+TENSOR_FORMATS = ("stat2-tensor",)
+
+
 def _check_reduce(values: str, reduce: str, on_bad_peer: str) -> None:
     """Refuse a ``reduce`` / ``on_bad_peer`` setting that does not fit ``values``."""
     if on_bad_peer not in ("raise", "drop"):
@@ -82,6 +86,9 @@ def _check_reduce(values: str, reduce: str, on_bad_peer: str) -> None:
         raise ValueError("reduce='scatter' is for quantised values (bf16, fp16, int8, "
                          "int4); values='fp32' all-reduces, already flat in the group "
                          "size: leave reduce out")
+    if reduce == "scatter" and values in TENSOR_FORMATS:
+        raise ValueError(f"values={values!r} (one codebook per tensor) needs reduce='gather' "
+                         "(a reduce-scatter cuts the values into chunks across tensors)")
     if reduce == "scatter" and on_bad_peer == "drop":
         raise ValueError("on_bad_peer='drop' needs reduce='gather' (with reduce='scatter' "
                          "a bad payload would be dropped from some chunks only)")
@@ -113,6 +120,10 @@ class FullReplicator(Replicator):
     in rank order, in fp32, identically on every replica (a low-precision all-reduce would
     round partial sums differently per algorithm). Steps that the schedule skips pass the
     input through unchanged.
+
+    ``"stat2-tensor"`` (MuLoCo's 2-bit values) codes each tensor with one statistical
+    codebook of its own (:func:`~flexdemo.compress.codebook.tensor_codebook`); it exchanges
+    the whole model in one bucket and is gathered.
 
     ``reduce`` applies to the quantised formats: ``"gather"`` (default) as above, ``n - 1``
     payloads sent per rank; ``"scatter"`` (:mod:`.scatter`): a reduce-scatter of the encoded
@@ -227,6 +238,9 @@ class FullReplicator(Replicator):
         numel = resolve_bucket_numel(self.bucket_numel, self.device, self._local_shapes,
                                      self.codec.block,
                                      RARE_BUCKETS if self.memory_first else None)
+        if self.values in TENSOR_FORMATS:  # a codebook per tensor: the model in one bucket
+            numel = None
+            self.codec.segments = [s.numel() for s in self._local_shapes]
         self.buckets = None if numel is None else FlatBuckets(self._local_shapes, numel)
         self.residual = None if self.error_feedback is None else torch.zeros(
             self._total, dtype=torch.float32, device=self.device)

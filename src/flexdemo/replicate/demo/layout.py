@@ -238,17 +238,26 @@ class BlockLayout:
     tensor on its own); ``bucket=False`` makes every unit its own group; ``images``: every unit
     is staged through an image (else only padded units and the small batch);
     ``group_numel``: the most coefficients in a group (None: no bound), large tensors split
-    by block rows to fit; ``offload``: the groups' coefficients in host memory, stored in
-    ``momentum_dtype`` (:mod:`.offload`); ``shared_staging``: every group's block rows ``xh``
-    are views of one buffer of the largest group (the step then stages each group just before
-    its encode)."""
+    by block rows to fit; ``chunking``: the rule of :func:`~flexdemo.compress.plan_chunks`
+    (``"divisor"``: each side's largest divisor up to ``chunk``, and ``k`` scaled to the
+    block, ``round(topk * block / chunk^2)``, at least 1); a codec with one codebook per
+    group (``per_tensor``, the ``"stat2-tensor"`` values) makes a group of each tensor's
+    units (never split; the batch of small tensors one group); ``offload``: the groups'
+    coefficients in host memory, stored in ``momentum_dtype`` (:mod:`.offload`);
+    ``shared_staging``: every group's block rows ``xh`` are views of one buffer of the largest
+    group (the step then stages each group just before its encode)."""
 
     def __init__(self, shapes: list[torch.Size], *, topk: int, chunk: int,
                  small_numel: int | None, basis: str, compute_dtype: torch.dtype, bucket: bool,
                  images: bool, codec: BlockValueCodec, device: torch.device,
                  group_numel: int | None = None, shared_staging: bool = False,
-                 offload: bool = False, momentum_dtype: torch.dtype = torch.float32) -> None:
-        self.shapes, self.topk, self.chunk = shapes, topk, chunk
+                 offload: bool = False, momentum_dtype: torch.dtype = torch.float32,
+                 chunking: str = "near") -> None:
+        self.shapes, self.topk, self.chunk, self.chunking = shapes, topk, chunk, chunking
+        # a codec with one codebook per group: a group per tensor, never split
+        self.per_tensor = bool(getattr(codec, "per_tensor", False))
+        if self.per_tensor:
+            group_numel = None
         self.group_numel, self.shared_staging = group_numel, shared_staging
         self.offload = offload  # the momentum of tiling units in host memory (offload.py)
         self.momentum_dtype = momentum_dtype  # ... and its stored dtype
@@ -295,6 +304,9 @@ class BlockLayout:
     def _make_unit(self, members: list[int], plan: ChunkPlan,
                    part: tuple[int, int] | None = None) -> Unit:
         k = min(self.topk, plan.block_numel)
+        if self.chunking == "divisor":  # k scaled to the block: the density of topk / chunk^2
+            k = min(plan.block_numel,
+                    max(1, round(self.topk * plan.block_numel / self.chunk ** 2)))
 
         def transform() -> BlockDCT:
             return BlockDCT(plan, self.device, scratch=self.scratch, basis=self.basis,
@@ -310,7 +322,7 @@ class BlockLayout:
         differs (it is kept as coefficients). Tiling rows beyond :attr:`group_numel` are
         split by block rows into units that fit a group (the same blocks, the same bits)."""
         shape = tuple(self.shapes[i])
-        plan = plan_chunks(shape, self.chunk)
+        plan = plan_chunks(shape, self.chunk, self.chunking)
         (rows, cols), (cr, cc) = plan.shape2d, plan.chunk
         tile = rows // cr * cr
         if len(shape) < 2 or cr == 1 or plan.padded[1] != cols or tile == 0:
@@ -335,7 +347,9 @@ class BlockLayout:
         ``bucket=False`` every unit is its own group (one collective each)."""
         keyed: dict = {}
         for j, u in enumerate(self.units):
-            key = (u.plan.chunk, u.k) if self.bucket else j
+            # (per_tensor: a unit holds one tensor, or the batch of small ones)
+            key: tuple | int = j if not self.bucket else (
+                (u.plan.chunk, u.k, u.members[0]) if self.per_tensor else (u.plan.chunk, u.k))
             keyed.setdefault(key, []).append(u)
         runs: list[list[Unit]] = []
         for members in keyed.values():

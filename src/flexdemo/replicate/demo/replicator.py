@@ -68,7 +68,7 @@ class DeMoReplicator(CheckedMean, Replicator):
                  mean: str = "replicas", clip: str = "none", reduce: str = "gather",
                  group_numel: int | str | None = "auto", offload: bool = False,
                  momentum_dtype: str = "fp32", peer_bound: float | None = PEER_BOUND,
-                 **schedule) -> None:
+                 chunking: str = "near", **schedule) -> None:
         super().__init__(**schedule)
         graphs = check_settings(
             topk=topk, chunk=chunk, decay=decay, values=values, transform=transform,
@@ -76,7 +76,7 @@ class DeMoReplicator(CheckedMean, Replicator):
             bucket=bucket, overlap=overlap, on_bad_peer=on_bad_peer, compile=compile,
             graphs=graphs, staging=staging, mean=mean, clip=clip, reduce=reduce,
             group_numel=group_numel, offload=offload, momentum_dtype=momentum_dtype,
-            every_step=self.replicate_every == 1 and not self.skip_every)
+            chunking=chunking, every_step=self.replicate_every == 1 and not self.skip_every)
         self.mean, self.clip, self.reduce = mean, clip, reduce
         # each peer's part bounded (..bound): a multiple of the median norm, or of its own
         self.peer_bound = check_peer_bound(peer_bound)
@@ -84,6 +84,7 @@ class DeMoReplicator(CheckedMean, Replicator):
         # the workspace; the momentum in host memory, and its stored dtype (offload.py)
         self.group_numel, self.offload, self.momentum_dtype = group_numel, offload, momentum_dtype
         self.topk, self.chunk, self.decay = topk, chunk, float(decay)
+        self.chunking = chunking
         self.feedback_decay = self.decay  # its momentum is its error feedback
         self.sign, self.scale_by_lr, self.values = sign, scale_by_lr, values
         self.transform, self.transform_dtype, self.small = transform, transform_dtype, small
@@ -139,7 +140,7 @@ class DeMoReplicator(CheckedMean, Replicator):
                                             rare_groups(self)),
             images=self._stages_through_images, codec=self.codec, device=self.device,
             shared_staging=not self._graphed, offload=self.offload,  # graphs: fixed buffers
-            momentum_dtype=STATE_DTYPES[self.momentum_dtype])
+            momentum_dtype=STATE_DTYPES[self.momentum_dtype], chunking=self.chunking)
         self.scratch, self.units, self.groups = (self.layout.scratch, self.layout.units,
                                                  self.layout.groups)
         self._work = self.layout.work

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 import torch
 
 from ...compress.blocks import BLOCK_CODECS
+from ...compress.chunking import CHUNK_RULES
 from ..bound import PEER_BOUND
 from ..rounding import check_state_dtype
 
@@ -43,7 +44,8 @@ RARE_GROUP_NUMEL = 1 << 14
 def check_settings(*, topk, chunk, decay, values, transform, transform_dtype, small,
                    small_numel, bucket, overlap, on_bad_peer, compile, graphs, staging,
                    mean="replicas", clip="none", reduce="gather", group_numel="auto",
-                   offload=False, momentum_dtype="fp32", every_step: bool) -> bool | str:
+                   offload=False, momentum_dtype="fp32", chunking="near",
+                   every_step: bool) -> bool | str:
     """Raise ValueError for a bad setting (``every_step``: the schedule communicates every
     step); returns ``graphs`` resolved (``"auto"`` is off when the selection is compiled)."""
     if not isinstance(topk, int) or isinstance(topk, bool) or topk < 1:
@@ -57,6 +59,10 @@ def check_settings(*, topk, chunk, decay, values, transform, transform_dtype, sm
         raise ValueError(f"decay must be a number in [0, 1], got {decay!r}")
     if values not in BLOCK_CODECS:
         raise ValueError(f"values must be one of {tuple(BLOCK_CODECS)}, got {values!r}")
+    if chunking not in CHUNK_RULES:
+        raise ValueError(f"chunking must be 'near' (the divisor of a side nearest chunk, else "
+                         f"padded) or 'divisor' (its largest divisor up to chunk, k scaled to "
+                         f"the block: SparseLoCo's), got {chunking!r}")
     if transform not in ("dct", "none"):
         raise ValueError(f"transform must be 'dct' or 'none' (plain top-k per block), "
                          f"got {transform!r}")
@@ -152,7 +158,8 @@ def describe(rep) -> str:
         ("overlap", rep.overlap, "none"), ("compile", rep.compile, False),
         ("graphs", rep.graphs, "auto"), ("staging", rep.staging, "auto"),
         ("mean", rep.mean, "replicas"), ("clip", rep.clip, "none"),
-        ("reduce", rep.reduce, "gather"), ("peer_bound", rep.peer_bound, PEER_BOUND))
+        ("reduce", rep.reduce, "gather"), ("peer_bound", rep.peer_bound, PEER_BOUND),
+        ("chunking", rep.chunking, "near"))
         if v != d)
     return (f"topk={rep.topk}, chunk={rep.chunk}, decay={rep.decay}, "
             f"values={rep.values!r}, sign={rep.sign}{extra}")

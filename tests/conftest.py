@@ -129,6 +129,10 @@ LONG_TIER: dict[str, tuple[str, ...]] = {
     "test_startup.py": (
         "test_rank_killed_a_second_after_launch_is_named_by_every_survivor[0]",
     ),
+    "test_security.py": (
+        # an intruder in every loop order: quick with zero_grad first and after the forward
+        "test_a_group_without_the_secret_is_named_by_every_honest_group[zero-last]",
+    ),
     "test_train.py": (
         "test_killed_rank_of_four_is_the_only_one_named_by_every_survivor[auto-4x1]",
         # the default mesh: quick with the ranks on one node, the same rule with one per node

@@ -205,16 +205,18 @@ def _never_jumped(tmp: Path, out: str) -> None:
 
 @pytest.mark.multiprocess
 @pytest.mark.slow
+@pytest.mark.parametrize("order", ["zero-first", "forward-zero", "zero-last"])
 def test_a_group_without_the_secret_is_named_by_every_honest_group(tmp_path, procs,  # noqa: F811
-                                                                    monkeypatch):
+                                                                    monkeypatch, order):
     """An intruder without the secret claims step 100000 with poisoned parameters and a
     pickle: both honest groups (with the secret) name it in one line and stop (exit 2); none
-    ran its pickle, took its parameters or jumped to its step."""
+    ran its pickle, took its parameters or jumped to its step. Whatever the loop's order:
+    the quorum forms in zero_grad() or in the model's forward pre-hook."""
     lh = Lighthouse(1, tmp_path / "lighthouse.log")
     try:
         _intruder(procs, tmp_path, lh.url, "--replica-id", "X")
         monkeypatch.setenv(SECRET_ENV, SECRET)
-        common = ["--replicator", "demo", "--steps", "8", "--timeout", "20"]
+        common = ["--replicator", "demo", "--steps", "8", "--timeout", "20", "--order", order]
         honest = [(_worker(procs, tmp_path, lh.url, r, r, *common), r) for r in ("A", "B")]
         for p, name in honest:
             line = _refused(tmp_path, name, p, "holds replica group(s) 'X' without the run "

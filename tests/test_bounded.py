@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import re
 
+import frontier_util
 import pytest
 import torch
+from frontier_util import loss_fn
 from torch import nn
 
 from flexdemo import SimulatedReplicas
@@ -24,12 +26,7 @@ TEACHER = torch.randn(64, 64, generator=torch.Generator().manual_seed(7)) / 8
 
 def tiny_model() -> nn.Module:
     torch.manual_seed(0)  # every run starts from the same weights
-    return nn.Sequential(nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 64))
-
-
-def loss_fn(model, batch):
-    x, y = batch
-    return nn.functional.mse_loss(model(x), y)
+    return frontier_util.tiny_model()
 
 
 def batch(r: int, step: int):

@@ -163,15 +163,9 @@ def _joiner(extra: str = "") -> str:
             + extra)
 
 
-@pytest.mark.multiprocess
-def test_rank_dying_between_the_join_and_the_group_is_named_by_every_survivor():
-    """Rank 2 of three finishes the join and is killed before it enters the process group's
-    rendezvous, where gloo waits for its address with no sign of life. Ranks 0 (the store's
-    host) and 1 name it in one line, the same verdict, long before FLEXDEMO_TIMEOUT (they
-    once waited all of it there)."""
-    port = free_port()
-    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="3",
-               FLEXDEMO_TIMEOUT=str(LONG), FLEXDEMO_JOIN_TIMEOUT="5", OMP_NUM_THREADS="1")
+def _rank_2_dies_after_the_join(env: dict, port: int) -> list[str]:
+    """Ranks 0 and 1 join (``_joiner``) while rank 2 finishes the join and kills itself
+    before the process group exists; the outputs of ranks 0 and 1."""
     dying = ("import os, signal\nfrom datetime import timedelta\n"
              "from flexdemo.join import join_store\n"
              f"join_store(2, 3, '127.0.0.1', {port}, timedelta(seconds={LONG}))\n"
@@ -185,15 +179,34 @@ def test_rank_dying_between_the_join_and_the_group_is_named_by_every_survivor():
     finally:
         reap(procs)
     assert procs[2].returncode == -signal.SIGKILL
+    assert all(p.returncode == 0 for p in procs[:2]), outs
+    return outs
+
+
+def _verdicts(outs: list[str]) -> list[str]:
+    """What each of ranks 0 and 1 said of rank 2: one ERROR line naming it alone."""
     verdicts = []
     for rank, out in enumerate(outs):
         errors = [line for line in out.splitlines() if line.startswith("ERROR")]
-        assert procs[rank].returncode == 0 and len(errors) == 1, out[-3000:]
+        assert len(errors) == 1, out[-3000:]
         head, said = errors[0].split(" start-up: ", 1)
         assert head == f"ERROR rank {rank}:", errors[0]
         assert said.startswith("rank 2 (host ") and "died during start-up" in said, errors[0]
         assert "rank 0" not in said and "rank 1" not in said, errors[0]
         verdicts.append(said)
+    return verdicts
+
+
+@pytest.mark.multiprocess
+def test_rank_dying_between_the_join_and_the_group_is_named_by_every_survivor():
+    """Rank 2 of three finishes the join and is killed before it enters the process group's
+    rendezvous, where gloo waits for its address with no sign of life. Ranks 0 (the store's
+    host) and 1 name it in one line, the same verdict, long before FLEXDEMO_TIMEOUT (they
+    once waited all of it there)."""
+    port = free_port()
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="3",
+               FLEXDEMO_TIMEOUT=str(LONG), FLEXDEMO_JOIN_TIMEOUT="5", OMP_NUM_THREADS="1")
+    verdicts = _verdicts(_rank_2_dies_after_the_join(env, port))
     assert verdicts[0] == verdicts[1]
 
 
@@ -287,28 +300,9 @@ def test_dead_rank_is_named_by_every_survivor_with_signed_verdicts():
     store, env = _agent_job(3, SECRET, FLEXDEMO_JOIN_TIMEOUT="5")
     plain = "flexdemo/join/0/group/outcome"
     store.set(plain, "[0]")
-    dying = ("import os, signal\nfrom datetime import timedelta\n"
-             "from flexdemo.join import join_store\n"
-             f"join_store(2, 3, '127.0.0.1', {env['MASTER_PORT']}, timedelta(seconds={LONG}))\n"
-             "os.kill(os.getpid(), signal.SIGKILL)\n")
-    procs = [Forked(["-c", _joiner()], env=dict(env, RANK=str(r)), stdout=subprocess.PIPE)
-             for r in (0, 1)]
-    procs.append(Forked(["-c", dying], env=dict(env, RANK="2"), stdout=subprocess.PIPE))
-    try:
-        outs = [p.communicate(timeout=240)[0] for p in procs[:2]]
-        procs[2].communicate(timeout=30)
-    finally:
-        reap(procs)
-    assert procs[2].returncode == -signal.SIGKILL
-    verdicts = []
-    for rank, out in enumerate(outs):
-        errors = [line for line in out.splitlines() if line.startswith("ERROR")]
-        assert procs[rank].returncode == 0 and len(errors) == 1, out[-3000:]
-        head, said = errors[0].split(" start-up: ", 1)
-        assert head == f"ERROR rank {rank}:", errors[0]
-        assert said.startswith("rank 2 (host ") and "died during start-up" in said, errors[0]
-        assert "rank 0" not in said and "rank 1" not in said, errors[0]
-        verdicts.append(said)
+    outs = _rank_2_dies_after_the_join(env, int(env["MASTER_PORT"]))
+    verdicts = _verdicts(outs)
+    for out in outs:
         warnings = [line for line in out.splitlines() if WARNING in line]
         assert len(warnings) == 1 and f"(key {plain})" in warnings[0], out[-3000:]
     assert verdicts[0] == verdicts[1]

@@ -246,8 +246,11 @@ def test_killed_group_restarts_heals_and_ends_identical(tmp_path, procs, replica
     _kill_and_restart(tmp_path, procs, replicator, join)
     pa, pb = _progress(tmp_path, "A"), _progress(tmp_path, "B2")
     if replicator in ("demo-delayed", "diloco-streaming"):  # step 5's exchange (in flight)
-        # fails while step 6 runs: that step is undone
-        assert (6, 1, 0) in pa or (5, 2, 0) in pa, f"no step with the dying B undone: {pa}"
+        # fails while step 6 runs: that step is undone; or the lighthouse has left B out of
+        # step 6's quorum already (a fast machine reaches it after B's heartbeats stopped
+        # counting): the new quorum drops the exchange in flight and step 6 commits alone
+        assert (6, 1, 0) in pa or (5, 2, 0) in pa or (6, 1, 1) in pa, \
+            f"no step with the dying B undone, nor step 6 taken alone: {pa}"
     else:
         assert (5, 2, 0) in pa, f"A's step 5 with the dying B was not undone: {pa}"
     assert any(n == 1 and c for _, n, c in pa), f"A never went on alone: {pa}"

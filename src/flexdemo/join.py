@@ -34,7 +34,8 @@ the collective timeout."""
 VERDICT_PURPOSE = "startup-verdict"
 """What a start-up verdict's MAC is for (:meth:`flexdemo.secret.RunSecret.sign`)."""
 KEY_PURPOSE = "startup-key"
-"""What the MAC that makes the job's keys unguessable is for."""
+"""What the MAC that makes a verdict's key unguessable is for (the job's other keys live
+under :meth:`flexdemo.secret.RunSecret.scope`)."""
 FORGED_WARNING = ("flexdemo: ignored a start-up verdict in the store that is not signed with "
                   "the run secret (key {key}); someone else can write to this job's store: see "
                   "docs/security.md")
@@ -181,7 +182,7 @@ def _describe(ranks: list[int], info: dict[int, str], layout: dict[int, tuple[in
 def _scoped(prefix: str, secret: RunSecret | None) -> str:
     """Where the job's keys live: ``prefix``; with a run secret, one level below it named by
     the secret, which an outsider cannot guess (writes to the plain keys reach no rank)."""
-    return prefix if secret is None else f"{prefix}{secret.mac(KEY_PURPOSE, prefix)[:16]}/"
+    return prefix if secret is None else secret.scope(prefix)
 
 
 class _ForgedVerdict(JoinError):

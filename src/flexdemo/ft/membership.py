@@ -95,7 +95,7 @@ def prove_members(store, secret: RunSecret, tagged: str, scope: str, rank: int, 
     :class:`UntrustedPeerError` naming the members whose proof is missing or false (a member
     that never writes one is waited for as long as the store's timeout)."""
     store.set(str(rank), f"{tagged} {secret.mac('quorum-proof', scope, tagged)}")
-    expected = {split_id(r)[1]: split_id(r)[0] for r in replica_ids}
+    expected = {tag: name for name, tag in map(split_id, replica_ids)}
     proven: set[str | None] = {split_id(tagged + ":")[1]}
     for r in range(world):
         if r == rank:

@@ -155,7 +155,7 @@ class ElasticSession:
         self.commit_seconds = 0.0
         self.snapshot_seconds = 0.0
         self._spare: Snapshot | None = None  # the last undo copy: the next one reuses it
-        secret = getattr(config, "run_secret", None)
+        secret = config.run_secret
         bind, bind_note = bind_address(hostname)
         self._heal = HealServer(bind, hostname, secret, config.timeout, config.verbose, _say)
         try:
@@ -309,7 +309,7 @@ class ElasticSession:
                     time.sleep(0.2)
                     set_async_quorum(self.manager, False)
                     self._quorum()
-        self._check_heal()
+        self._refuse_untrusted()
         quorum = self._recorder.last
         # healed after its forward pass: its gradients are not the peers'
         stale = apply_late_heal(self.manager)
@@ -332,7 +332,7 @@ class ElasticSession:
         self.quorum_seconds = self._launch_seconds + time.perf_counter() - t0
         self._advance(Phase.STALE if stale else Phase.JOINED)
 
-    def _check_heal(self) -> None:
+    def _refuse_untrusted(self) -> None:
         """Raise :class:`UntrustedPeerError` (one line) when a member of this quorum failed
         its proof of the run secret, or this quorum's heal was refused
         (:class:`~flexdemo.ft.heal.HealRefusedError`: a source without the run secret, a

@@ -46,6 +46,8 @@ def replicator_settings(rep: Replicator, prefix: str) -> list[tuple[str, Any]]:
             out += replicator_settings(value, f"{prefix} {name}")
         elif _simple(value):
             out.append((f"{prefix} {name}", value))
+        elif callable(settings := getattr(value, "settings", None)):  # DiLoCo's pace
+            out.append((f"{prefix} {name}", settings()))
     if rep.shapes is not None:  # set up (a DiLoCo's exchange is not: its copies are)
         out.append((f"{prefix} payload bytes", rep.payload_bytes()))
     return out

@@ -333,6 +333,16 @@ class DeToNATION(torch.optim.Optimizer):
         self._step_workspace = None if mem is None else mem.peak - start
         return loss
 
+    def count_tokens(self, n: int | float | torch.Tensor) -> None:
+        """Report the tokens of this step's batch (an int, or a tensor on the parameters'
+        device: no host read), before :meth:`step`, to the replicators that weigh by them
+        (DiLoCo with ``pace=Pace(weights="tokens")``, :mod:`flexdemo.replicate.pace`); the
+        others ignore it."""
+        for rep in self.replicators:
+            count = getattr(rep, "count_tokens", None)
+            if count is not None:
+                count(n)
+
     # ------------------------------------------------------------------ buffers, replicas
     @property
     def params(self) -> list:

@@ -193,6 +193,12 @@ class SimulatedReplicas:
             for rep in getattr(opt, "replicators", []):  # "auto" serves this optimizer
                 if hasattr(rep, "bind_optimizer"):
                     rep.bind_optimizer(opt)
+                pace = getattr(rep, "pace", None)
+                if pace is not None and not pace.lockstep:
+                    raise ValueError(f"{rep.name}: SimulatedReplicas steps every replica in "
+                                     f"lockstep; {pace!r} lets replicas sync after different "
+                                     "numbers of steps (run each replica in its own thread: "
+                                     "flexdemo.simulate.run_replicas)")
 
     # ------------------------------------------------------------------ random numbers
     def _initial_rng(self, seed: int | None, r: int) -> tuple:

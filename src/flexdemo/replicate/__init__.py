@@ -11,6 +11,7 @@ from .demo import DeMoReplicator
 from .diloco import DiLoCoReplicator
 from .frontier import FRONTIER, frontier_preset
 from .full import FullReplicator, NoReplication
+from .pace import Pace, measured_counts, step_counts
 from .phased import PhasedReplicator, demo_warmup
 from .registry import REPLICATORS
 from .subset import RandomReplicator, SlicingReplicator, StridingReplicator
@@ -66,5 +67,6 @@ def make_replicator(spec, **kwargs) -> Replicator:
 
 __all__ = ["DEMO_PRESETS", "FRONTIER", "REPLICATORS", "Agreement", "CorruptPayloadError",
            "DeMoReplicator", "DiLoCoReplicator", "FullReplicator", "NoReplication",
-           "NonFiniteGradientError", "PhasedReplicator", "RandomReplicator", "Replicator",
-           "SlicingReplicator", "StridingReplicator", "make_replicator"]
+           "NonFiniteGradientError", "Pace", "PhasedReplicator", "RandomReplicator",
+           "Replicator", "SlicingReplicator", "StridingReplicator", "make_replicator",
+           "measured_counts", "step_counts"]

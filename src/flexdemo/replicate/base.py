@@ -128,6 +128,12 @@ class Replicator(ABC):
     #: choice, it sizes its workspace for memory rather than speed (DeMo: smaller "auto"
     #: groups, one group's payloads unpacked at a time; full sync: smaller "auto" buckets)
     memory_first: bool = False
+    #: set before an exchange by a caller that scaled each rank's input by a factor (DiLoCo's
+    #: weighted mean, :mod:`.pace`): the factors of the group's ranks (fp32, ``(world,)``, on
+    #: the device, equal on every rank), or None (unscaled). A mean over all ranks needs
+    #: nothing (the factors are in the inputs); a mean over the senders divides by the sum of
+    #: the senders' factors instead of their number (DeMo's ``mean="senders"``)
+    peer_scales: torch.Tensor | None = None
 
     def __init__(self, *, group: dist.ProcessGroup | Transport | None = None,
                  replicate_every: int = 1, skip_every: int = 0) -> None:
@@ -354,6 +360,11 @@ class Replicator(ABC):
         else by default."""
         for p in self.inner_replicators():
             p.quorum_changed()
+
+    def scaled_input_problem(self) -> str | None:
+        """Why its mean cannot weigh inputs scaled per rank (:attr:`peer_scales`), one line,
+        or None (a mean over all ranks, or one that reads :attr:`peer_scales`)."""
+        return None
 
     def fault_tolerance_problem(self) -> str | None:
         """For a :attr:`fault_tolerant` replicator: why these settings cannot run under

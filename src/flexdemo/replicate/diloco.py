@@ -46,6 +46,13 @@ agreement makes every replica raise at that sync, in the same step. A sync whose
 pseudo-gradient is non-finite on some replica is dropped on every replica: each restarts the
 fragment from the global parameters, takes no outer step, and raises (or, under ``"skip"``,
 counts a skipped step); replicas stay bitwise identical.
+
+Replicas of different speeds (``pace=``, :mod:`.pace`): each replica syncs after its own
+number of inner steps (given, or measured in the first period and fixed), and the
+pseudo-gradients are averaged weighted by each replica's steps or reported tokens
+(:meth:`DiLoCoReplicator.count_tokens`); with equal weights, the bits of no pace. It needs
+``fragments=1``, ``tau=0`` and no ``keep_unsent``; :meth:`~DiLoCoReplicator.launch_fragment`
+then does not tell the syncs (``pace.count`` and ``pace.since`` do).
 """
 
 from __future__ import annotations
@@ -59,6 +66,7 @@ import torch
 from .agreement import NonFiniteGradientError, global_rank_of, mark_nonfinite, nonfinite_flag
 from .base import Replicator
 from .demo.settings import resolve_group_numel
+from .pace import Pace, make_pace
 from .registry import REPLICATORS
 from .rounding import STATE_DTYPES, StochasticRounding, check_state_dtype
 
@@ -143,7 +151,8 @@ class DiLoCoReplicator(Replicator):
                  | None = None, exchange: str | Replicator = "full",
                  exchange_kwargs: dict | None = None, fragments: int = 1, tau: int = 0,
                  alpha: float = 0.0, offload: bool = False, keep_unsent: bool = False,
-                 global_dtype: str = "fp32", group=None) -> None:
+                 global_dtype: str = "fp32", pace: Pace | list[int] | str | None = None,
+                 group=None) -> None:
         super().__init__(group=group)
         H = inner_steps
         if not isinstance(H, int) or isinstance(H, bool) or H < 1:
@@ -183,10 +192,12 @@ class DiLoCoReplicator(Replicator):
                                  f"{self._template!r}")
             self.keeps_replica_state = True
             self.state_tensor_keys = ("global", "residual")
+        self.pace = make_pace(pace, fragments=fragments, tau=tau, keep_unsent=self.keep_unsent)
 
     def extra_repr(self) -> str:
         keep = ", keep_unsent=True" if self.keep_unsent else ""
         keep += f", global_dtype={self.global_dtype!r}" if self.global_dtype != "fp32" else ""
+        keep += f", pace={self.pace!r}" if self.pace is not None else ""
         return (f"H={self.inner_steps}, fragments={self.fragments}, tau={self.tau}, "
                 f"alpha={self.alpha}{keep}, exchange={self._template!r}")
 
@@ -252,6 +263,11 @@ class DiLoCoReplicator(Replicator):
         # keep_unsent: the progress not sent yet (the replica restarted at global - residual)
         self.residual = [torch.zeros_like(p) for p in self.pseudo] if self.keep_unsent else []
         self._bad_inner: int | None = None  # first inner step withheld since the last launch
+        if self.pace is not None:
+            self.pace.setup(self.inner_steps, self.world, self.rank, self.device)
+            problem = self._template.scaled_input_problem()
+            if problem is not None:
+                raise ValueError(f"{self.name}: pace= weighs the replicas, but {problem}")
 
     def _pseudo_in_place(self) -> bool:
         """Whether a sync forms the pseudo-gradient in the replica's fp32 parameters and the
@@ -290,9 +306,16 @@ class DiLoCoReplicator(Replicator):
                                          step, local=local)
         return grads  # inner steps are local
 
+    def count_tokens(self, n: int | float | torch.Tensor) -> None:
+        """Add ``n`` tokens to this replica's weight at the next sync (``pace=Pace(weights=
+        "tokens")``; nothing otherwise): :meth:`.pace.Pace.count_tokens`."""
+        if self.pace is not None:
+            self.pace.count_tokens(n)
+
     @torch.no_grad()
     def after_step(self, step: int) -> None:
-        p = self.launch_fragment(step)
+        p = self.launch_fragment(step) if self.pace is None else (
+            0 if self.pace.after_step() else None)
         if p is not None:
             self._launch(p, step)
         for q, sync in list(self.pending.items()):
@@ -322,6 +345,10 @@ class DiLoCoReplicator(Replicator):
             self._bad_inner = None
         ex = self.exchanges[p]
         try:
+            if self.pace is not None:  # weighted: each replica's input scaled by its factor
+                ex.peer_scales = self.pace.factors(self.transport, self.stats)
+                if ex.peer_scales is not None:
+                    torch._foreach_mul_(pseudo, ex.peer_scales[self.rank])
             # start() reads the list and writes into its tensors; it never stores None in it
             handle = ex.start(cast("list[torch.Tensor | None]", pseudo), [1.0] * len(part),
                               self.syncs[p])
@@ -466,6 +493,8 @@ class DiLoCoReplicator(Replicator):
         return tuple(getattr(self, "exchanges", ()))
 
     def fault_tolerance_problem(self) -> str | None:
+        if self.pace is not None:
+            return "fault tolerance does not support pace= (replicas of different speeds)"
         if self.keep_unsent:
             return ("fault tolerance does not support keep_unsent=True (a joiner would heal "
                     "from a peer whose parameters hold that peer's unsent progress)")
@@ -532,6 +561,8 @@ class DiLoCoReplicator(Replicator):
         })
         if self.keep_unsent:
             sd["residual"] = [keep(t) for t in self.residual]
+        if self.pace is not None:
+            sd["pace"] = self.pace.state_dict()
         return sd
 
     def state_tensors(self) -> list[torch.Tensor]:
@@ -555,6 +586,8 @@ class DiLoCoReplicator(Replicator):
         for ex, s in zip(self.exchanges, state["exchanges"]):
             ex.load_state_dict(s)
         self.syncs = list(state["syncs"])
+        if self.pace is not None:
+            self.pace.load_state_dict(state.get("pace"))
         if self.keep_unsent:
             if "residual" not in state:
                 raise ValueError(f"{self.name}: the state has no residual (saved without "

@@ -14,11 +14,12 @@ SENDERS_SLOT = 11  # the scratch slot of the per-coefficient count of senders
 
 
 def dense_inverse(lay: BlockLayout, g: Group, s: Segment, parts: list, n: int,
-                  div: int | torch.Tensor | None = None, senders: bool = False) -> torch.Tensor:
+                  div: int | torch.Tensor | None = None, senders: bool = False,
+                  scales: torch.Tensor | None = None) -> torch.Tensor:
     """Inverse DCT of the blocks of segment ``s`` from sparse ``(idx, values)`` parts
     (summed in order, divided by ``div``, default ``n``, when ``n > 1``; ``senders``: each
-    coefficient divided by the number of parts that sent it a non-zero value instead), as
-    ``(blocks, cr, cc)``."""
+    coefficient divided by the number of parts that sent it a non-zero value instead, or by
+    the sum of their ``scales``, one per part), as ``(blocks, cr, cc)``."""
     w, bn = lay.work, g.block_numel
     nb = s.rows.stop - s.rows.start
     numel = nb * bn  # the coefficients in the segment's rows of the staging buffer (free
@@ -28,12 +29,14 @@ def dense_inverse(lay: BlockLayout, g: Group, s: Segment, parts: list, n: int,
     coef = rows[:numel].view(nb, bn).zero_()
     for idx, vals in parts:  # rank order: every replica sums alike
         coef.scatter_add_(1, idx, vals)
-    if senders:  # the count is exact in fp32, so every replica divides alike
+    if senders:  # the count (or the scales' sum, in rank order): alike on every replica
         count = lay.scratch.get(SENDERS_SLOT, numel, torch.float32, lay.device)
         count = count.view(nb, g.block_numel).zero_()
-        for idx, vals in parts:
-            count.scatter_add_(1, idx, (vals != 0).to(torch.float32))
-        coef.div_(count.clamp_(min=1.0))
+        for r, (idx, vals) in enumerate(parts):
+            sent = (vals != 0).to(torch.float32)
+            count.scatter_add_(1, idx, sent if scales is None else sent.mul_(scales[r]))
+        # a coefficient no one sent divides its zero by 1 (weighted counts may be below 1)
+        coef.div_(count.clamp_(min=1.0) if scales is None else count.masked_fill_(count == 0, 1))
     elif n > 1:
         coef.div_(n if div is None else div)
     out = lay.blocks_out(g, s)
@@ -52,13 +55,14 @@ def blocks_into_image(lay: BlockLayout, g: Group, s: Segment, blocks: torch.Tens
 
 def decode_mean(lay: BlockLayout, g: Group, idx: torch.Tensor, vals: torch.Tensor, *,
                 sign: bool, kept: tuple[torch.Tensor, torch.Tensor] | None = None,
-                senders: bool = False) -> None:
+                senders: bool = False, scales: torch.Tensor | None = None) -> None:
     """The mean over the peers of their ``(peers, blocks, k)`` coefficients, through the
     inverse DCT and (``sign``) ``sign()``, into the layout's output views. ``kept``:
     ``(keep, count)`` from :func:`~.checks.kept_peers`, the peers left out are zeroed on the
     device and the sum is divided by ``count`` (the same bits as the mean of the kept peers
     alone: zeros add exactly). ``senders``: each coefficient is the mean over the peers that
-    sent it a non-zero value (the sum divided by their count; always the dense path).
+    sent it a non-zero value (the sum divided by their count, or by the sum of their
+    ``scales``, ``(peers,)``, when given; always the dense path).
 
     A few coefficients per block (``m <= (cr + cc) / 4`` over all peers) are decoded
     sparsely; more go through a dense coefficient matrix. The choice depends only on
@@ -88,7 +92,7 @@ def decode_mean(lay: BlockLayout, g: Group, idx: torch.Tensor, vals: torch.Tenso
             g.dct.inverse_sparse(i, v, out, left, right)
         else:
             out = dense_inverse(lay, g, s, [(idx[r, s.rows], vals[r, s.rows])
-                                            for r in range(n)], n, div, senders)
+                                            for r in range(n)], n, div, senders, scales)
         if sign:
             out.sign_()
         if not s.direct:

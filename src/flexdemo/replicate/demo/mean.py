@@ -37,6 +37,7 @@ class CheckedMean(_Base):
     sign: bool
     mean: str
     clip: str
+    reduce: str
     step_graphs: StepGraphs
     staging_plans: Staging
 
@@ -46,6 +47,13 @@ class CheckedMean(_Base):
 
     def on_payloads(self, key: tuple, fn: Callable, gathered: torch.Tensor) -> Any:
         raise NotImplementedError  # DeMoReplicator's
+
+    def scaled_input_problem(self) -> str | None:
+        """A mean over the senders weighs inputs scaled per rank in the gathered decode only."""
+        if self.mean == "senders" and self.reduce != "gather":
+            return (f"mean='senders' weighs the senders with reduce='gather' only (not "
+                    f"reduce={self.reduce!r})")
+        return None
 
     def _check_now(self, gathered: torch.Tensor, step: int, plan: StepPlan):
         """Check the gathered payloads and read the verdict; raise or drop bad ones. Returns
@@ -82,6 +90,7 @@ class CheckedMean(_Base):
         ``good``, or (delayed mode) ``kept``, decided on the device; ``factors`` (the bound,
         :mod:`..bound`) scale each peer's values first."""
         lay, sign, senders = self.layout, self.sign, self.mean == "senders"
+        scales = self.peer_scales if senders else None  # the senders' factors (.pace)
         if factors is not None and kept is None:
             decoded = ScaledPayloads(decoded, factors)
         if self.clip == "median":
@@ -98,19 +107,23 @@ class CheckedMean(_Base):
             if kept is not None:  # masked on the device, whichever peers are left out
                 fn = lambda g=g, idx=idx, vals=vals: decode_mean(  # noqa: E731
                     lay, g, idx, vals if factors is None else vals * factors.view(-1, 1, 1),
-                    sign=sign, kept=kept, senders=senders)
+                    sign=sign, kept=kept, senders=senders, scales=scales)
                 _ = self.step_graphs.run(("decode-kept", sent_plan.key, n, gi), fn) \
-                    if self._graphed else fn()
+                    if self._graphed and scales is None else fn()
                 self.staging_plans.write_back(grads, pieces, views)
                 continue
             assert good is not None  # given unless the peers were kept on the device
+            peer_scales = scales
             if len(good) < n:  # dropped peers (the rare path)
                 keep = torch.tensor(good, dtype=torch.int64, device=idx.device)
                 idx, vals = idx.index_select(0, keep), vals.index_select(0, keep)
-            if self._graphed and len(good) == n and factors is None:  # a graph per group:
-                self.step_graphs.run(("decode", sent_plan.key, n, gi),  # shared workspace
+                if scales is not None:
+                    peer_scales = scales.index_select(0, keep)
+            if self._graphed and len(good) == n and factors is None and scales is None:
+                # a graph per group: shared workspace
+                self.step_graphs.run(("decode", sent_plan.key, n, gi),
                                      lambda g=g, idx=idx, vals=vals: decode_mean(
                                          lay, g, idx, vals, sign=sign, senders=senders))
             else:  # mean, inverse DCT, sign
-                decode_mean(lay, g, idx, vals, sign=sign, senders=senders)
+                decode_mean(lay, g, idx, vals, sign=sign, senders=senders, scales=peer_scales)
             self.staging_plans.write_back(grads, pieces, views)  # into the gradients

@@ -1,0 +1,187 @@
+"""Replicas of different speeds (DiLoCo's ``pace=``): the model, training loops and the dense
+reference shared by tests/test_pace.py, and the gloo worker its processes run (importable by
+the children)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from flexdemo import DeToNATION, DiLoCoReplicator, Pace
+from flexdemo.transport.inprocess import InProcessTransport
+
+LR = 1e-2
+
+
+class _Done:
+    """A collective's handle: complete when launched."""
+
+    def wait(self) -> bool:
+        return True
+
+
+class RankOrder(InProcessTransport):
+    """Replica ``rank`` of a hub whose all-reduce adds the replicas' tensors in rank order
+    (``((x0 + x1) + x2)`` wherever a value sits), so that a dense reference can sum alike."""
+
+    def all_reduce_sum_(self, buf, async_op=False):
+        def rank_order(parts):
+            total = parts[0].reshape(-1).clone()
+            for p in parts[1:]:
+                total += p.reshape(-1)
+            return total
+
+        buf.copy_(self.hub.collective(self.rank, "all_reduce", buf, rank_order).view_as(buf))
+        return _Done() if async_op else None
+
+
+class FakeClock:
+    """A clock that advances ``seconds`` per reading: a replica that reads it at the start and
+    the end of its measured steps looks ``seconds`` slow (no real time is read)."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds, self.now = seconds, 0.0
+
+    def __call__(self) -> float:
+        self.now += self.seconds
+        return self.now
+
+
+def _net() -> nn.Module:
+    return nn.Sequential(nn.Linear(12, 32), nn.Tanh(), nn.Linear(32, 6))
+
+
+def _initial_state() -> dict:
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        return _net().state_dict()
+
+
+_INIT = _initial_state()
+
+
+def model_fn() -> nn.Module:
+    """The model with the same initial parameters on every replica (loaded: replicas in
+    threads share torch's generator)."""
+    net = _net()
+    net.load_state_dict(_INIT)
+    return net
+
+
+def loss_of(model, r: int, step: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1000 * r + step)
+    x, y = torch.randn(8, 12, generator=g), torch.randn(8, 6, generator=g)
+    return nn.functional.mse_loss(model(x), y)
+
+
+def train(model, opt, r: int, steps: int, tokens: int | None = None) -> None:
+    """``steps`` inner steps of replica ``r`` from its optimizer's step count on (its own
+    batches), reporting ``tokens`` per step when given."""
+    for _ in range(steps):
+        loss_of(model, r, opt.steps).backward()
+        if tokens is not None:
+            opt.count_tokens(tokens)
+        opt.step()
+        opt.zero_grad()
+
+
+def params(model) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def weighted_mean(pseudo: list[list[torch.Tensor]], weights: list[float], *,
+                  exact: bool) -> list[torch.Tensor]:
+    """The replicas' mean of each tensor weighted by ``weights``. ``exact``: with the
+    arithmetic of an fp32 all-reduce of inputs scaled by ``c_i = w_i n / W`` (float64, rounded
+    to fp32 once; no scaling when the weights are equal), summed in rank order, divided by
+    ``n``; else ``sum_i w_i x_i / W`` in float64, rounded once."""
+    n, out = len(pseudo), []
+    scales = None
+    if len(set(weights)) > 1:
+        total = sum(weights)
+        scales = torch.tensor([w * n / total for w in weights], dtype=torch.float64).float()
+    for i in range(len(pseudo[0])):
+        if exact:
+            acc = pseudo[0][i] if scales is None else pseudo[0][i] * scales[0]
+            acc = acc.clone()
+            for r in range(1, n):
+                acc += pseudo[r][i] if scales is None else pseudo[r][i] * scales[r]
+            out.append(acc / n)
+        else:
+            acc64 = sum(w * p[i].double() for w, p in zip(weights, pseudo))
+            out.append((acc64 / sum(weights)).float())
+    return out
+
+
+def dense_reference(counts: list[list[int]], *, outer_lr: float = 0.7,
+                    outer_momentum: float = 0.9, tokens: list[int] | None = None,
+                    exact: bool = True) -> list[list[torch.Tensor]]:
+    """DiLoCo written out for replicas of different speeds: in period ``j`` replica ``r``
+    takes ``counts[j][r]`` AdamW steps on its own batches from the global parameters, the
+    pseudo-gradients ``global - local`` are averaged weighted by the steps (or by
+    ``tokens[r]`` per step), an outer SGD step (Nesterov where it has momentum) moves the
+    global parameters and every replica restarts there."""
+    world = len(counts[0])
+    models = [model_fn() for _ in range(world)]
+    inner = [torch.optim.AdamW(m.parameters(), lr=LR, weight_decay=0.0) for m in models]
+    glob = [nn.Parameter(p.detach().clone()) for p in models[0].parameters()]
+    outer = torch.optim.SGD(glob, lr=outer_lr, momentum=outer_momentum,
+                            nesterov=outer_momentum > 0)
+    steps = [0] * world
+    for period in counts:
+        for r, (m, opt) in enumerate(zip(models, inner)):
+            for _ in range(period[r]):
+                loss_of(m, r, steps[r]).backward()
+                opt.step()
+                opt.zero_grad()
+                steps[r] += 1
+        weights = period if tokens is None else [k * t for k, t in zip(period, tokens)]
+        with torch.no_grad():
+            pseudo = [[g - p for g, p in zip(glob, m.parameters())] for m in models]
+            for g, avg in zip(glob, weighted_mean(pseudo, weights, exact=exact)):
+                g.grad = avg
+            outer.step()
+            outer.zero_grad()
+            for m in models:
+                for p, g in zip(m.parameters(), glob):
+                    p.copy_(g)
+    return [params(m) for m in models]
+
+
+# ---------------------------------------------------------------------- gloo
+H = 6
+SECONDS = [1.0, 1.0, 3.0]  # rank 2 three times slower: counts [6, 6, 2]
+PERIODS = 3  # the first measures, two run at the measured counts
+
+
+def paced_run(rank: int, world: int, group=None, exchange_kwargs: dict | None = None,
+              weights: str = "steps", tokens: int | None = None) -> dict:
+    """One replica of a fixed-mode run (its speed from :data:`SECONDS` on a fake clock) for
+    :data:`PERIODS` periods; its parameters, counts and bytes sent."""
+    model = model_fn()
+    rep = DiLoCoReplicator(H, pace=Pace(weights=weights, clock=FakeClock(SECONDS[rank])),
+                           exchange_kwargs=exchange_kwargs)
+    opt = DeToNATION(model.parameters(), rep, base="adamw", lr=LR, group=group)
+    train(model, opt, rank, H, tokens)  # the first period: H steps everywhere, measured
+    counts = rep.pace.counts
+    assert counts is not None, "measured at the first sync"
+    train(model, opt, rank, (PERIODS - 1) * counts[rank], tokens)
+    return {"params": params(model), "counts": counts, "steps": opt.steps,
+            "sent": opt.bytes_sent, "payload": rep.exchange_bytes()}
+
+
+CASES = {  # name -> (exchange_kwargs, weights, tokens per step of each rank)
+    "fp32": (None, "steps", None),
+    "int4-scatter-tokens": ({"values": "int4", "block": 16, "reduce": "scatter"}, "tokens",
+                            [100, 300, 200]),
+}
+
+
+def gloo_pace_worker(rank: int, world: int) -> dict:
+    """Every case of :data:`CASES` on this gloo rank."""
+    torch.manual_seed(0)
+    out = {}
+    for name, (kw, weights, tokens) in CASES.items():
+        out[name] = paced_run(rank, world, exchange_kwargs=kw, weights=weights,
+                              tokens=None if tokens is None else tokens[rank])
+    return out

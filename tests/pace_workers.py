@@ -4,6 +4,8 @@ the children)."""
 
 from __future__ import annotations
 
+import copy
+
 import torch
 from torch import nn
 
@@ -184,4 +186,69 @@ def gloo_pace_worker(rank: int, world: int) -> dict:
     for name, (kw, weights, tokens) in CASES.items():
         out[name] = paced_run(rank, world, exchange_kwargs=kw, weights=weights,
                               tokens=None if tokens is None else tokens[rank])
+    return out
+
+
+# ---------------------------------------------------------------------- adaptive mode
+ADAPTIVE_H = 10
+ADAPTIVE_PERIODS = 6
+#: the counts in force in each period of :func:`adaptive_run` (decided at syncs 3 and 5)
+ADAPTIVE_COUNTS = [[10, 10, 10]] * 3 + [[10, 9, 3]] * 2 + [[10, 9, 10]]
+
+
+def adaptive_seconds(rank: int, period: int) -> float:
+    """Seconds per step of ``rank`` in ``period`` (from 1): rank 1 is 10% slower throughout
+    (a count of 9 of 10: within the bound of 1 step, so alone it changes nothing), rank 2
+    three times slower in periods 3 and 4 (after sync 2, until sync 4), then recovered."""
+    if rank == 2 and period in (3, 4):
+        return 3.0
+    return 1.1 if rank == 1 else 1.0
+
+
+class VirtualClock:
+    """A clock that only the training loop advances (by the replica's seconds per step, as a
+    step's forward and backward would take): no real time is read."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def adaptive_run(rank: int, world: int, group=None, *, periods: int = ADAPTIVE_PERIODS,
+                 state: tuple | None = None, tolerance: float = 0.1,
+                 seconds=adaptive_seconds) -> dict:
+    """One replica of an adaptive run (H = 10, weights by steps) on a :class:`VirtualClock`
+    advanced by ``seconds(rank, period)`` before each step, until ``periods`` syncs (from
+    ``state``, a saved ``(model, optimizer)`` state, when given). After each sync: the sync's
+    number, the counts in force next and the parameters."""
+    model = model_fn()
+    clock = VirtualClock()
+    rep = DiLoCoReplicator(ADAPTIVE_H, pace=Pace("adaptive", tolerance=tolerance, clock=clock))
+    opt = DeToNATION(model.parameters(), rep, base="adamw", lr=LR, group=group)
+    if state is not None:
+        model.load_state_dict(state[0])
+        opt.load_state_dict(state[1])
+    pace = rep.pace
+    loaded = (pace.counts, pace.synced, list(pace.changes))
+    after = []
+    while pace.synced < periods:
+        clock.now += seconds(rank, pace.synced + 1)  # this step's forward and backward
+        loss_of(model, rank, opt.steps).backward()
+        opt.step()
+        opt.zero_grad()
+        if pace.since == 0:  # it just synced
+            after.append((pace.synced, list(pace.counts or []), params(model)))
+    return {"loaded": loaded, "after": after, "changes": list(pace.changes),
+            "params": params(model),
+            "steps": opt.steps, "sent": opt.bytes_sent, "payload": rep.exchange_bytes(),
+            "state": (copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict()))}
+
+
+def gloo_adaptive_worker(rank: int, world: int) -> dict:
+    """:func:`adaptive_run` on this gloo rank."""
+    torch.manual_seed(0)
+    out = adaptive_run(rank, world)
+    del out["state"]
     return out

@@ -35,6 +35,7 @@ from pace_workers import (
     train,
     weighted_mean,
 )
+from pace_workers import H as GLOO_H
 from torch import nn
 
 from flexdemo import DeToNATION, DiLoCoReplicator, Pace, SimulatedReplicas
@@ -83,8 +84,10 @@ def test_counts_and_pace_settings_are_checked():
                                               "exchange_kwargs": {"values": "int8"}}):
         with pytest.raises(ValueError, match="needs fragments=1, tau=0"):
             DiLoCoReplicator(4, pace=[4, 2], **kw)
-    with pytest.raises(ValueError, match="'fixed'"):
-        DiLoCoReplicator(4, pace="adaptive")
+    with pytest.raises(ValueError, match="'fixed' or 'adaptive'"):
+        DiLoCoReplicator(4, pace="sometimes")
+    with pytest.raises(ValueError, match="tolerance"):
+        Pace(adaptive=True, tolerance=1.5)
     hub = InProcessHub(2, timeout=30)
 
     def build(r, pace=(4, 2, 1)):
@@ -167,16 +170,58 @@ def test_the_weighted_mean_is_within_fp32_of_the_exact_one(world):
     assert bool(((got.double() - want).abs() <= bound).all())
 
 
-def test_simulated_replicas_refuse_a_pace_out_of_lockstep():
-    loss = lambda m, b: loss_of(m, 0, b)  # noqa: E731
-    with pytest.raises(ValueError, match="lockstep"):
-        SimulatedReplicas(model_fn, loss, replicas=2,
-                          replicator=DiLoCoReplicator(4, pace=Pace([4, 2])))
-    sim = SimulatedReplicas(model_fn, loss, replicas=2,
-                            replicator=DiLoCoReplicator(2, pace=Pace([2, 2])))
-    for s in range(2):
-        sim.step([s, s])
-    assert sim.identical()
+def simulated(world: int, replicator_of, periods: int) -> SimulatedReplicas:
+    """``SimulatedReplicas`` of ``world`` replicas, replica ``r`` with ``replicator_of(r)``
+    (AdamW inner steps), stepped until ``periods`` syncs, each replica on its own batches
+    (those of :func:`pace_workers.train`)."""
+    sim = SimulatedReplicas(
+        model_fn, lambda m, b: loss_of(m, b[0], b[1]), replicas=world,
+        optimizer_fn=lambda ps, g: DeToNATION(ps, replicator_of(g.rank), base="adamw", lr=LR,
+                                              group=g))
+    pace = sim.optimizers[0].replicators[0].pace
+    while pace.synced < periods:
+        sim.step([(r, sim.optimizers[r].steps) for r in range(world)])
+    return sim
+
+
+def test_simulated_replicas_step_each_replica_to_its_sync():
+    """``SimulatedReplicas`` with counts [4, 4, 2]: a step advances the replicas with steps
+    left before their sync (the slow one waits with its sync left), then all sync together;
+    after 3 periods bitwise the replicas run in threads, each its own loop (the same ring-order
+    all-reduce), and within fp32 tolerance of the dense weighted reference."""
+    counts, periods = [4, 4, 2], 3
+    sim = SimulatedReplicas(model_fn, lambda m, b: loss_of(m, b[0], b[1]), replicas=3,
+                            replicator=DiLoCoReplicator(4, pace=Pace(counts)),
+                            optimizer="adamw", lr=LR)
+    seen = []
+    for _ in range(periods * 4):
+        seen.append(sim.stepping())
+        losses = sim.step([(r, sim.optimizers[r].steps) for r in range(3)])
+        assert len(losses) == 3 and bool(torch.stack(losses).isfinite().all())
+    assert seen[:4] == [[True] * 3, [True, True, False], [True, True, False], [True] * 3]
+    assert [o.steps for o in sim.optimizers] == [12, 12, 6] and sim.identical()
+    threads = run_paced(3, lambda: DiLoCoReplicator(4, pace=Pace(counts)), counts, periods,
+                        rank_order=False)
+    for r in range(3):
+        assert _equal(params(sim.models[r]), threads[r]), r
+    ref = dense_reference([counts] * periods, exact=False)
+    for a, b in zip(params(sim.models[0]), ref[0]):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+
+
+def test_simulated_replicas_without_a_pace_step_in_lockstep():
+    """Equal counts (and no pace) step every replica every time: the bits as before."""
+    out = []
+    for pace in (None, Pace([2, 2])):
+        sim = SimulatedReplicas(model_fn, lambda m, b: loss_of(m, b[0], b[1]), replicas=2,
+                                replicator=DiLoCoReplicator(2, pace=pace), optimizer="adamw",
+                                lr=LR)
+        for s in range(4):
+            assert sim.stepping() == [True, True]
+            sim.step([(0, s), (1, s)])
+        assert sim.identical()
+        out.append(params(sim.models[0]))
+    assert _equal(out[0], out[1])
 
 
 def _select(e: torch.Tensor) -> torch.Tensor:
@@ -405,6 +450,12 @@ def test_three_gloo_processes_of_different_speeds(one_thread):
         for r in range(3):
             assert _equal(local[r]["params"], got[r]["params"]), (name, r)
             assert local[r]["sent"] == got[r]["sent"], (name, r)
+        if name == "fp32":  # one process, the replicas stepped to their syncs in turn
+            sim = simulated(3, lambda r: DiLoCoReplicator(
+                GLOO_H, pace=Pace(clock=FakeClock(SECONDS[r]))), PERIODS)
+            assert [o.steps for o in sim.optimizers] == [18, 18, 10]
+            for r in range(3):
+                assert _equal(params(sim.models[r]), got[r]["params"]), r
         ref = dense_reference([[6, 6, 6]] + [[6, 6, 2]] * (PERIODS - 1), tokens=tokens,
                               exact=False)
         tol = 1e-5 if kw is None else 2e-2  # int4: a step of 1/7 of a block's largest value

@@ -2,6 +2,7 @@
 
 from . import compat
 from .auto import AutoReplicator
+from .balance import balanced_batches, measured_batches
 from .buffers import BufferSync
 from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from .compress import BlockDCT, plan_chunks
@@ -40,7 +41,8 @@ __all__ = [
     "InProcessHub", "Lion", "LiveBytes", "MuonAdamW", "NoReplication", "NoReplicationWarning",
     "NonFiniteGradientError", "Pace", "PhasedReplicator", "REPLICATORS", "RandomReplicator",
     "Replicator", "STRATEGIES", "SimulatedReplicas", "SlicingReplicator", "Strategy",
-    "StridingReplicator", "build_mesh", "check_strategy", "compat", "init_distributed",
-    "latest_checkpoint", "load_checkpoint", "make_replicator", "mesh_shape", "parse_strategy",
-    "plan_chunks", "prepare", "save_checkpoint",
+    "StridingReplicator", "balanced_batches", "build_mesh", "check_strategy", "compat",
+    "init_distributed", "latest_checkpoint", "load_checkpoint", "make_replicator",
+    "measured_batches", "mesh_shape", "parse_strategy", "plan_chunks", "prepare",
+    "save_checkpoint",
 ]

@@ -336,8 +336,10 @@ class DeToNATION(torch.optim.Optimizer):
     def count_tokens(self, n: int | float | torch.Tensor) -> None:
         """Report the tokens of this step's batch (an int, or a tensor on the parameters'
         device: no host read), before :meth:`step`, to the replicators that weigh by them
-        (DiLoCo with ``pace=Pace(weights="tokens")``, :mod:`flexdemo.replicate.pace`); the
-        others ignore it."""
+        (DiLoCo with ``pace=Pace(weights="tokens")``, :mod:`flexdemo.replicate.pace`;
+        ``FullReplicator`` and ``DeMoReplicator`` with ``weights="tokens"``,
+        :mod:`flexdemo.replicate.weights`) in the optimizer's own chain; the others ignore
+        it."""
         for rep in self.replicators:
             count = getattr(rep, "count_tokens", None)
             if count is not None:

@@ -13,6 +13,13 @@ block until all replicas arrive. Torch releases the GIL in its kernels, so the s
 where the hardware allows. A replica that raises ends the step on every replica: the others'
 pending collectives are aborted and the step raises the failing replica's exception; a replica
 stuck for ``timeout`` seconds ends it with :class:`SimulationError`.
+
+Replicas of different speeds (DiLoCo's ``pace=``, :mod:`flexdemo.replicate.pace`): a replica
+syncs after its own number of inner steps, so a step advances only the replicas that have
+steps left before their sync (:meth:`SimulatedReplicas.stepping`); a replica whose next step
+is its sync waits until every replica's is, and then all take it together. Each replica's
+own steps are those it takes in its own process; without a pace, or with equal counts,
+every replica steps every time (lockstep, the bits as before).
 """
 
 from __future__ import annotations
@@ -127,6 +134,16 @@ def _fresh_replicators(spec) -> list:
     return out
 
 
+def _steps_left(opt) -> int | None:
+    """A replica's inner steps left up to its next sync under a pace (DiLoCo's ``pace=``,
+    the first of its replicators that has one), or None without."""
+    for rep in getattr(opt, "replicators", []):
+        pace = getattr(rep, "pace", None)
+        if pace is not None:
+            return int(pace.count - pace.since)
+    return None
+
+
 class SimulatedReplicas:
     """N replicas of ``model`` trained with flexdemo's optimizer in one process.
 
@@ -193,12 +210,7 @@ class SimulatedReplicas:
             for rep in getattr(opt, "replicators", []):  # "auto" serves this optimizer
                 if hasattr(rep, "bind_optimizer"):
                     rep.bind_optimizer(opt)
-                pace = getattr(rep, "pace", None)
-                if pace is not None and not pace.lockstep:
-                    raise ValueError(f"{rep.name}: SimulatedReplicas steps every replica in "
-                                     f"lockstep; {pace!r} lets replicas sync after different "
-                                     "numbers of steps (run each replica in its own thread: "
-                                     "flexdemo.simulate.run_replicas)")
+        self._losses: list[torch.Tensor | None] = [None] * replicas  # each one's last
 
     # ------------------------------------------------------------------ random numbers
     def _initial_rng(self, seed: int | None, r: int) -> tuple:
@@ -246,24 +258,46 @@ class SimulatedReplicas:
                 return fn(r)
         return run_replicas(self.hub, on_stream)
 
-    def backward(self, batches: Sequence) -> list[torch.Tensor]:
-        """Forward and backward of every replica on its own batch; the detached losses."""
+    def stepping(self) -> list[bool]:
+        """Which replicas take the next :meth:`step`: every one, unless a pace (DiLoCo's
+        ``pace=``) leaves replicas different numbers of steps before their sync; then those
+        with steps left before it, or every one when each has its sync left alone."""
+        left = [_steps_left(opt) for opt in self.optimizers]
+        if any(k is None for k in left):
+            return [True] * self.n
+        if all(k == 1 for k in left):
+            return [True] * self.n  # every replica's sync: together
+        return [k is not None and k > 1 for k in left]
+
+    def backward(self, batches: Sequence,
+                 stepping: Sequence[bool] | None = None) -> list[torch.Tensor]:
+        """Forward and backward of every replica (of those ``stepping``, default all) on its
+        own batch; the detached losses (a replica left out: its last loss, NaN before its
+        first)."""
         if len(batches) != self.n:
             raise ValueError(f"step needs one batch per replica: got {len(batches)} batches "
                              f"for {self.n} replicas")
         losses = []
         for r, (model, b) in enumerate(zip(self.models, batches)):
+            if stepping is not None and not stepping[r]:
+                last = self._losses[r]
+                losses.append(torch.full((), float("nan"), device=self.device)
+                              if last is None else last)
+                continue
             with self.replica_rng(r):
                 loss = self.loss_fn(model, b)
                 loss.backward()
+            self._losses[r] = loss.detach()
             losses.append(loss.detach())
         return losses
 
-    def optimizer_step(self) -> None:
-        """Every replica's optimizer step (the exchange included) and ``zero_grad`` (also
-        after a step that raised, e.g. ``NonFiniteGradientError``: the next step starts from
-        fresh gradients)."""
+    def optimizer_step(self, stepping: Sequence[bool] | None = None) -> None:
+        """Every replica's (of those ``stepping``, default all) optimizer step (the exchange
+        included) and ``zero_grad`` (also after a step that raised, e.g.
+        ``NonFiniteGradientError``: the next step starts from fresh gradients)."""
         def one(r: int) -> None:
+            if stepping is not None and not stepping[r]:
+                return
             try:
                 self.optimizers[r].step()
             finally:
@@ -271,9 +305,12 @@ class SimulatedReplicas:
         self.run(one)
 
     def step(self, batches: Sequence) -> list[torch.Tensor]:
-        """One training step of every replica on its batch; the losses (detached tensors)."""
-        losses = self.backward(batches)
-        self.optimizer_step()
+        """One training step of every replica on its batch; the losses (detached tensors).
+        Under a pace only the replicas :meth:`stepping` names step (the others' batches are
+        not read; each of them gives its last loss again, NaN before its first)."""
+        stepping = self.stepping()
+        losses = self.backward(batches, stepping)
+        self.optimizer_step(stepping)
         return losses
 
     def train(self, steps: int, batches: Callable[[int], Sequence],
@@ -283,8 +320,9 @@ class SimulatedReplicas:
         """The training loop: for ``step`` in ``0 .. steps - 1`` set every optimizer's lr to
         ``lr(step)`` (when given), take :meth:`step` on ``batches(step)`` (one batch per
         replica), then call ``on_step(step + 1, losses)``; a true result stops the loop.
-        Returns the steps taken. ``flexdemo simulate`` and ``benchmarks/quality.py`` both
-        train through it."""
+        Returns the steps taken (under a pace, steps of the simulation: a replica that waits
+        for its sync takes none, :meth:`stepping`). ``flexdemo simulate`` and
+        ``benchmarks/quality.py`` both train through it."""
         done = 0
         for step in range(steps):
             if lr is not None:

@@ -11,7 +11,7 @@ from .demo import DeMoReplicator
 from .diloco import DiLoCoReplicator
 from .frontier import FRONTIER, frontier_preset
 from .full import FullReplicator, NoReplication
-from .pace import Pace, measured_counts, step_counts
+from .pace import Pace, adapted_counts, measured_counts, step_counts
 from .phased import PhasedReplicator, demo_warmup
 from .registry import REPLICATORS
 from .subset import RandomReplicator, SlicingReplicator, StridingReplicator
@@ -69,4 +69,4 @@ __all__ = ["DEMO_PRESETS", "FRONTIER", "REPLICATORS", "Agreement", "CorruptPaylo
            "DeMoReplicator", "DiLoCoReplicator", "FullReplicator", "NoReplication",
            "NonFiniteGradientError", "Pace", "PhasedReplicator", "RandomReplicator",
            "Replicator", "SlicingReplicator", "StridingReplicator", "make_replicator",
-           "measured_counts", "step_counts"]
+           "adapted_counts", "measured_counts", "step_counts"]

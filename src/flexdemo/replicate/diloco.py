@@ -48,7 +48,8 @@ fragment from the global parameters, takes no outer step, and raises (or, under 
 counts a skipped step); replicas stay bitwise identical.
 
 Replicas of different speeds (``pace=``, :mod:`.pace`): each replica syncs after its own
-number of inner steps (given, or measured in the first period and fixed), and the
+number of inner steps (given, measured in the first period and fixed, or measured at every
+sync and changed past a tolerance: ``pace="adaptive"``), and the
 pseudo-gradients are averaged weighted by each replica's steps or reported tokens
 (:meth:`DiLoCoReplicator.count_tokens`); with equal weights, the bits of no pace. It needs
 ``fragments=1``, ``tau=0`` and no ``keep_unsent``; :meth:`~DiLoCoReplicator.launch_fragment`
@@ -84,14 +85,21 @@ def make_exchange(spec, **kwargs) -> Replicator:
             raise ValueError("exchange_kwargs go with an exchange given by name")
         if spec.shapes is not None:
             raise ValueError("the exchange replicator is already in use; pass a fresh one")
-        return spec
-    name, alias = EXCHANGE_ALIASES.get(spec, (spec, {})) if isinstance(spec, str) else (spec, {})
-    factory = REPLICATORS.get(name) if isinstance(name, str) and name != "diloco" else None
-    if factory is None:
-        names = sorted(n for n in {*REPLICATORS, *EXCHANGE_ALIASES} if n != "diloco")
-        raise ValueError(f"unknown exchange {spec!r}; choose one of {names} or pass a "
-                         "Replicator instance")
-    return factory(**{**getattr(factory, "exchange_settings", {}), **alias, **kwargs})
+        ex = spec
+    else:
+        name, alias = (EXCHANGE_ALIASES.get(spec, (spec, {})) if isinstance(spec, str)
+                       else (spec, {}))
+        factory = REPLICATORS.get(name) if isinstance(name, str) and name != "diloco" else None
+        if factory is None:
+            names = sorted(n for n in {*REPLICATORS, *EXCHANGE_ALIASES} if n != "diloco")
+            raise ValueError(f"unknown exchange {spec!r}; choose one of {names} or pass a "
+                             "Replicator instance")
+        ex = factory(**{**getattr(factory, "exchange_settings", {}), **alias, **kwargs})
+    if getattr(ex, "weights", "equal") != "equal":
+        raise ValueError("DiLoCo's exchange weighs nothing (weights='tokens' is for per-step "
+                         "replicators): weigh DiLoCo's replicas with pace=Pace(weights="
+                         "'tokens')")
+    return ex
 
 
 def balanced_fragments(sizes: list[int], fragments: int) -> list[list[int]]:
@@ -321,6 +329,8 @@ class DiLoCoReplicator(Replicator):
         for q, sync in list(self.pending.items()):
             if sync.apply_at == step:
                 self._apply(q, step)
+        if p is not None and self.pace is not None:
+            self.pace.start_period()  # (adaptive: the next period is timed from here)
 
     def _launch(self, p: int, step: int) -> None:
         part = self.parts[p]

@@ -22,6 +22,7 @@ from .buckets import FlatBuckets, check_bucket_numel, resolve_bucket_numel
 from .demo.settings import RARE_BUCKETS
 from .gathered import mean_of_payloads
 from .scatter import ScatterExchange
+from .weights import TokenWeighted
 
 
 class FlatLayout:
@@ -110,7 +111,7 @@ def _owner_decay(setting: bool | float | None, error_feedback: float | None, val
     return float(setting)
 
 
-class FullReplicator(Replicator):
+class FullReplicator(TokenWeighted, Replicator):
     """Average the whole input over the group: one bucketed exchange per step.
 
     ``values`` is the wire format: ``"fp32"`` (default) sums in one fp32 all-reduce (with the
@@ -146,7 +147,8 @@ class FullReplicator(Replicator):
     still decodes the same all-gathered bytes, and not a byte more is sent. ``True`` uses
     ``error_feedback``'s decay (off without it); a float is its own decay (with or without
     ``error_feedback``); ``None`` (default) or ``False``: off. Off by default because it
-    measured worse (benchmarks/RESULTS.md, "Owner-side error feedback"). Per-rank state like
+    measured worse (benchmarks/archive/results-until-2026-12-07.md, "Owner-side error
+    feedback"). Per-rank state like
     the residual (checkpointed per rank, zeroed for a joiner and when the group changes
     size, as chunk ownership moves).
 
@@ -175,6 +177,9 @@ class FullReplicator(Replicator):
     :meth:`start` launches the collective asynchronously and :meth:`finish` completes it (a
     model in several buckets is exchanged in :meth:`finish`); a step reads the device once
     (the agreement and payload checks), or once per bucket with quantised values.
+
+    ``weights="tokens"`` weighs each replica by the tokens it reported for the step
+    (``opt.count_tokens(n)``; :mod:`.weights`); ``"equal"`` (default): the plain mean.
     """
 
     name = "full"
@@ -185,8 +190,10 @@ class FullReplicator(Replicator):
                  error_feedback: float | None = None,
                  owner_error_feedback: bool | float | None = None, on_bad_peer: str = "raise",
                  bucket_numel: int | str | None = "auto",
-                 peer_bound: float | None = PEER_BOUND, **schedule) -> None:
+                 peer_bound: float | None = PEER_BOUND, weights: str = "equal",
+                 **schedule) -> None:
         super().__init__(**schedule)
+        self._init_weights(weights)
         self.codec = ValueCodec(values, block)  # validates
         check_bucket_numel(bucket_numel)
         self.bucket_numel = bucket_numel
@@ -227,7 +234,8 @@ class FullReplicator(Replicator):
             parts.append(f"bucket_numel={self.bucket_numel!r}")
         if self.peer_bound != PEER_BOUND and self.values != "fp32":
             parts.append(f"peer_bound={self.peer_bound!r}")
-        return ", ".join(parts)
+        return ", ".join(parts + ([f"weights={self.weights!r}"] if self.weights != "equal"
+                                  else []))
 
     def _group_resized(self) -> None:
         self._setup_state()  # the fp32 bucket's trailer holds 2 values per replica
@@ -372,6 +380,7 @@ class FullReplicator(Replicator):
     def _start(self, grads, step, communicate):
         if self._spare is not None:
             self._spare.restore()
+        self._weigh_inputs(grads, communicate)  # weights="tokens": scaled by w_i n / W
         if not communicate:
             flag = nonfinite_flag(grads, self.device)
             self.agreement.check_local(flag, step)

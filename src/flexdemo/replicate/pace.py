@@ -48,12 +48,34 @@ With equal weights nothing changes: equal counts under ``"steps"`` are known on 
 and nothing is scaled or exchanged; under ``"tokens"`` equal reports give factors of exactly
 1.0 (a product by 1 keeps the bits). Either way the bits of DiLoCo without a pace.
 
+**Adaptive mode.** ``Pace(adaptive=True)`` (``Pace("adaptive")``, ``pace="adaptive"``)
+measures at every sync: each replica times the inner steps of the period that just ended
+(from the end of the last sync to the end of its last step, the sync's own wait left out; the
+first period, and the first after a resume, from the end of its first step), the seconds per
+step are all-gathered at each sync (8 bytes per replica, ``8 (n - 1)`` sent, in
+``bytes_sent``), and every rank computes the same new counts from the same gathered numbers
+(:func:`step_counts`). **Hysteresis** (:func:`adapted_counts`): the counts change only when
+some replica's new count differs from its current one by more than ``tolerance * H``
+(default ``tolerance=0.1``: more than 10% of H); then every count takes its new value, in
+force from the next period. So noise does not flip the counts at every sync, a replica that
+falls behind its share by more than the bound gets a smaller count (and, weighted by steps, a
+smaller weight) at the next sync, and one that recovers gets it back. With equal speeds the
+counts stay ``H``: the bits of DiLoCo without a pace. Each change is recorded in
+``pace.changes`` (the sync's number, counted from 1, and the counts decided there; fixed
+mode records its one measurement there too): the record of a run, not a way to replay it
+(not built yet: a pace from a recorded schedule of counts). The counts in force, the syncs
+and the changes are in the state (a resumed run continues with the counts in force).
+Given counts (``Pace([6, 6, 2], adaptive=True)``) are the first period's. A replica that has
+nothing to report (a period of one step, timed from the end of its first) makes every rank
+keep its counts at that sync. It costs, per sync, the all-gather, one host read of its
+result and (on CUDA) two synchronisations of the device.
+
 Not supported with a pace: streaming (``fragments > 1``), overlap (``tau > 0``),
-``keep_unsent`` (its residual lives in the parameters' units, not the scaled ones), fault
-tolerance, and :class:`~flexdemo.SimulatedReplicas` with unequal counts (it steps every replica
-in lockstep). A peer dropped from a gathered mean (``on_bad_peer="drop"``) leaves the others'
+``keep_unsent`` (its residual lives in the parameters' units, not the scaled ones) and fault
+tolerance. A peer dropped from a gathered mean (``on_bad_peer="drop"``) leaves the others'
 factors as they were, and ``clip="median"`` / ``peer_bound`` judge the scaled parts.
-Not built yet: an adaptive mode that re-measures the speeds at later syncs.
+:class:`~flexdemo.SimulatedReplicas` steps each replica up to its sync (a replica whose next
+step is its sync waits for the others, then all sync together).
 """
 
 from __future__ import annotations
@@ -64,11 +86,15 @@ from collections.abc import Callable, Sequence
 import torch
 
 from ..transport import CommStats, all_gather, transport_for
+from .weights import weight_factors
 
-__all__ = ["WEIGHTS", "Pace", "make_pace", "measured_counts", "step_counts"]
+__all__ = ["MODES", "WEIGHTS", "Pace", "adapted_counts", "make_pace", "measured_counts",
+           "step_counts"]
 
 #: what a replica's pseudo-gradient is weighted by
 WEIGHTS = ("steps", "tokens")
+#: the measured modes (a string in place of the counts)
+MODES = ("fixed", "adaptive")
 
 
 def step_counts(seconds_per_step: Sequence[float], inner_steps: int) -> list[int]:
@@ -84,6 +110,18 @@ def step_counts(seconds_per_step: Sequence[float], inner_steps: int) -> list[int
         raise ValueError(f"seconds per step must be finite numbers > 0, got {secs}")
     fastest = min(secs)
     return [max(1, round(inner_steps * fastest / s)) for s in secs]
+
+
+def adapted_counts(current: Sequence[int], seconds_per_step: Sequence[float],
+                   inner_steps: int, tolerance: float) -> list[int] | None:
+    """The adaptive mode's decision at a sync: the new counts from the seconds per step
+    measured (:func:`step_counts`), or None (keep ``current``) unless some replica's new
+    count differs from its current one by more than ``tolerance * inner_steps``."""
+    new = step_counts(seconds_per_step, inner_steps)
+    bound = tolerance * inner_steps
+    if any(abs(a - b) > bound for a, b in zip(new, current)):
+        return new
+    return None
 
 
 def measured_counts(seconds_per_step: float, inner_steps: int, group=None,
@@ -102,14 +140,21 @@ class Pace:
 
     Args:
         counts: every replica's inner steps per period, in group-rank order (each an integer
-            >= 1); ``None`` (default): measured in the first period (fixed from then on).
+            >= 1); ``None`` or ``"fixed"`` (default): measured in the first period (fixed
+            from then on); ``"adaptive"``: ``adaptive=True``.
         weights: ``"steps"`` (default) or ``"tokens"`` (reported by :meth:`count_tokens`).
-        clock: seconds as a float, read twice per replica to measure (default
+        adaptive: measure again at every sync and change the counts past ``tolerance``.
+        tolerance: the adaptive mode's bound, a fraction of H (default 0.1): the counts
+            change when some replica's new count differs from its current one by more.
+        clock: seconds as a float, read twice per replica and measured period (default
             ``time.perf_counter``; a test gives its own).
     """
 
-    def __init__(self, counts: Sequence[int] | None = None, *, weights: str = "steps",
+    def __init__(self, counts: Sequence[int] | str | None = None, *, weights: str = "steps",
+                 adaptive: bool = False, tolerance: float = 0.1,
                  clock: Callable[[], float] | None = None) -> None:
+        if isinstance(counts, str) and counts in MODES:
+            adaptive, counts = adaptive or counts == "adaptive", None
         if counts is not None:
             if isinstance(counts, (str, bytes)) or not all(
                     isinstance(k, int) and not isinstance(k, bool) and k >= 1 for k in counts):
@@ -119,6 +164,11 @@ class Pace:
                 raise ValueError("pace counts must name one count per replica, got none")
         if weights not in WEIGHTS:
             raise ValueError(f"pace weights must be one of {WEIGHTS}, got {weights!r}")
+        if (isinstance(tolerance, bool) or not isinstance(tolerance, (int, float))
+                or not 0.0 <= tolerance < 1.0):
+            raise ValueError(f"pace tolerance must be a fraction of H in [0, 1), got "
+                             f"{tolerance!r}")
+        self.adaptive, self.tolerance = bool(adaptive), float(tolerance)
         self.given = None if counts is None else [int(k) for k in counts]
         self.weights = weights
         self.clock = time.perf_counter if clock is None else clock
@@ -126,20 +176,30 @@ class Pace:
         self.counts: list[int] | None = None if self.given is None else list(self.given)
         #: inner steps this replica has taken since its last sync
         self.since = 0
+        #: syncs taken (counted at each sync, from 1)
+        self.synced = 0
+        #: ``(sync, counts)`` each time a measurement set the counts (at that sync, in force
+        #: from the next period)
+        self.changes: list[tuple[int, list[int]]] = []
         self._bound = False
 
     def settings(self) -> tuple:
         """What every replica must share (the ranks' settings are compared at set-up)."""
-        return ("counts", self.given, "weights", self.weights)
+        adaptive = ("adaptive", self.tolerance) if self.adaptive else ()
+        return ("counts", self.given, "weights", self.weights, *adaptive)
 
     def __repr__(self) -> str:
-        counts = "'fixed'" if self.given is None else repr(self.given)
-        return f"Pace(counts={counts}, weights={self.weights!r})"
+        mode = "'adaptive'" if self.adaptive and self.given is None else "'fixed'"
+        counts = mode if self.given is None else repr(self.given)
+        extra = f", adaptive=True, tolerance={self.tolerance}" if self.adaptive else ""
+        extra = f", tolerance={self.tolerance}" if mode == counts == "'adaptive'" else extra
+        return f"Pace(counts={counts}, weights={self.weights!r}{extra})"
 
     @property
     def lockstep(self) -> bool:
-        """Every replica takes the same steps per period from the start (given equal counts)."""
-        return self.given is not None and len(set(self.given)) == 1
+        """Every replica takes the same steps per period throughout (given equal counts, not
+        adaptive)."""
+        return self.given is not None and len(set(self.given)) == 1 and not self.adaptive
 
     # ------------------------------------------------------------------ set-up
     def setup(self, inner_steps: int, world: int, rank: int, device: torch.device) -> None:
@@ -157,8 +217,16 @@ class Pace:
             self.counts = [inner_steps] * world  # nothing to measure: one step is the least
         self.since = 0
         self._tokens = torch.zeros((), dtype=torch.float64, device=self.device)
-        self._start: float | None = None  # the clock at the end of the period's first step
-        self._stop: float | None = None  # and at the end of its H-th (measuring)
+        self._start: float | None = None  # the clock where the measured steps start
+        self._first = 1  # the steps of the period taken before that reading
+        self._stop: float | None = None  # and at the end of the period's last step
+
+    @property
+    def measures(self) -> bool:
+        """Whether this period is timed: the first of a measured pace, or any adaptive one
+        (over more than one replica, H > 1)."""
+        return self.counts is None or (self.adaptive and self.world > 1
+                                       and self.inner_steps > 1)
 
     @property
     def count(self) -> int:
@@ -176,28 +244,39 @@ class Pace:
     def after_step(self) -> bool:
         """After an inner step (skipped ones too): whether this replica syncs now."""
         self.since += 1
-        if self.counts is None and self.since in (1, self.inner_steps):  # measuring
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
-            if self.since == 1:
-                self._start = self.clock()
-            else:
-                self._stop = self.clock()
+        if self.measures:  # the end of the period's last step, or of its first
+            if self.since == self.count and self._start is not None:
+                self._stop = self._read()
+            elif self.since == 1 and self._start is None:
+                self._start, self._first = self._read(), 1
         if self.since < self.count:
             return False
         self.since = 0
         return True
+
+    def start_period(self) -> None:
+        """After a sync completed (adaptive mode): the next period's steps are timed from
+        here; nothing otherwise."""
+        if self.adaptive and self.measures:
+            self._start, self._first = self._read(), 0
+
+    def _read(self) -> float:
+        """The clock, a CUDA device synchronised first (only when timing)."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return self.clock()
 
     def factors(self, group, stats: CommStats) -> torch.Tensor | None:
         """At a sync, on every rank of ``group``: the factor of each rank's pseudo-gradient
         (fp32, ``(world,)``, on the device, the same on every rank), or None where every
         weight is equal and nothing is scaled. Fixes the counts first when the period just
         ended measured them (the one host read of a pace)."""
+        self.synced += 1
         if self.world <= 1:
             return None
         period = [self.count] * self.world if self.counts is None else list(self.counts)
-        if self.counts is None:
-            self._fix_counts(group, stats)
+        if self.measures:
+            self._measured(group, stats, period[self.rank])
         if self.weights == "steps":
             if len(set(period)) == 1:
                 return None
@@ -207,27 +286,37 @@ class Pace:
         tokens = all_gather(self._tokens.reshape(1), group, stats).reshape(-1)
         self._tokens.zero_()
         steps = torch.tensor(period, dtype=torch.float64, device=self.device)
-        w = torch.where(tokens.sum() > 0, tokens, steps)
-        equal = (w == w[0]).all()
-        return torch.where(equal, torch.ones_like(w), w * self.world / w.sum()).float()
+        return weight_factors(tokens, steps)
 
-    def _fix_counts(self, group, stats: CommStats) -> None:
-        """All-gather the seconds per step measured in the period that just ended and fix the
-        counts from them (every rank alike); without a measurement on some rank, measure
-        again."""
+    def _measured(self, group, stats: CommStats, count: int) -> None:
+        """All-gather the seconds per step measured in the period that just ended (``count``
+        steps on this replica) and set the counts from them, every rank alike: fixed from
+        the first measurement, or (adaptive) changed past the tolerance. Without a
+        measurement on some rank the counts stay (the first period's: measure again)."""
         secs = 0.0  # none measured
-        if self._start is not None and self._stop is not None and self.inner_steps > 1:
-            secs = (self._stop - self._start) / (self.inner_steps - 1)
+        steps = count - self._first
+        if self._start is not None and self._stop is not None and steps > 0:
+            secs = (self._stop - self._start) / steps
         mine = torch.tensor([secs], dtype=torch.float64, device=self.device)
-        gathered = all_gather(mine, group, stats).reshape(-1).tolist()
+        gathered = all_gather(mine, group, stats).reshape(-1).tolist()  # a host read a sync
         self._start = self._stop = None
-        if all(s > 0 and s != float("inf") for s in gathered):
-            self.counts = step_counts(gathered, self.inner_steps)
+        if not all(s > 0 and s != float("inf") for s in gathered):
+            return
+        if not self.adaptive:
+            new: list[int] | None = step_counts(gathered, self.inner_steps)
+        else:
+            current = self.counts or [self.inner_steps] * self.world
+            new = adapted_counts(current, gathered, self.inner_steps, self.tolerance)
+            self.counts = current
+        if new is not None:
+            self.counts = new
+            self.changes.append((self.synced, list(new)))
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict:
         return {"counts": None if self.counts is None else list(self.counts),
-                "since": self.since, "tokens": self._tokens.clone()}
+                "since": self.since, "tokens": self._tokens.clone(), "synced": self.synced,
+                "changes": [[j, list(k)] for j, k in self.changes]}
 
     def load_state_dict(self, state: dict | None) -> None:
         if state is None:
@@ -237,28 +326,33 @@ class Pace:
         if counts is not None and len(counts) != self.world:
             raise ValueError(f"the saved pace counts name {len(counts)} replicas, the group "
                              f"has {self.world}")
-        if self.given is not None and counts is not None and list(counts) != self.given:
+        if (self.given is not None and counts is not None and list(counts) != self.given
+                and not self.adaptive):
             raise ValueError(f"the saved pace counts {list(counts)} differ from the given "
                              f"{self.given}; build the replicator with the saved ones")
         self.counts = None if counts is None else [int(k) for k in counts]
         self.since = int(state["since"])
         self._tokens.copy_(state["tokens"])
+        self.synced = int(state.get("synced", 0))
+        self.changes = [(int(j), [int(k) for k in c]) for j, c in state.get("changes", [])]
         self._start = self._stop = None  # a measurement interrupted is taken again
 
 
 def make_pace(spec: Pace | Sequence[int] | str | None, *, fragments: int, tau: int,
               keep_unsent: bool) -> Pace | None:
     """DiLoCo's ``pace=`` setting: a :class:`Pace` (copied: each replicator runs its own),
-    ``"fixed"`` (``Pace()``), a list of counts (``Pace(counts)``) or None; refused with the
-    settings it does not support."""
+    ``"fixed"`` (``Pace()``), ``"adaptive"`` (``Pace(adaptive=True)``), a list of counts
+    (``Pace(counts)``) or None; refused with the settings it does not support."""
     if spec is None:
         return None
     if isinstance(spec, str):
-        if spec != "fixed":
-            raise ValueError(f"pace must be a Pace, a list of counts or 'fixed', got {spec!r}")
-        pace = Pace()
+        if spec not in MODES:
+            raise ValueError(f"pace must be a Pace, a list of counts, 'fixed' or 'adaptive', "
+                             f"got {spec!r}")
+        pace = Pace(spec)
     elif isinstance(spec, Pace):
-        pace = Pace(spec.given, weights=spec.weights, clock=spec.clock)
+        pace = Pace(spec.given, weights=spec.weights, adaptive=spec.adaptive,
+                    tolerance=spec.tolerance, clock=spec.clock)
     else:
         pace = Pace(list(spec))
     if fragments != 1 or tau or keep_unsent:

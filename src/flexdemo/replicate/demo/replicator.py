@@ -14,6 +14,7 @@ from ..agreement import HEADER_BYTES, write_header, zero_where
 from ..base import Replicator
 from ..bound import PEER_BOUND, PeerBound, check_peer_bound
 from ..rounding import STATE_DTYPES
+from ..weights import TokenWeighted
 from . import state
 from .decode import (
     add_back_own,
@@ -43,12 +44,13 @@ from .staging import MomentumRun, Sent, Staging, StepPlan
 IMAGE_NUMEL = 500_000
 
 
-class DeMoReplicator(CheckedMean, Replicator):
+class DeMoReplicator(TokenWeighted, CheckedMean, Replicator):
     """DeMo replication (DCT top-k of a decoupled momentum, with error feedback).
 
     Defaults: 16 of the 4096 coefficients of each 64 x 64 block, values as ``int2`` — about
     0.008 bytes per parameter per step, chosen from ``benchmarks/bench_wire.py`` (loss within
     2% of fp32 values at topk 32, which sends 5.5x more). :data:`PRESETS` names other settings.
+    ``weights="tokens"`` weighs each replica's gradient by its reported tokens (:mod:`..weights`).
     """
 
     name = "demo"
@@ -68,8 +70,11 @@ class DeMoReplicator(CheckedMean, Replicator):
                  mean: str = "replicas", clip: str = "none", reduce: str = "gather",
                  group_numel: int | str | None = "auto", offload: bool = False,
                  momentum_dtype: str = "fp32", peer_bound: float | None = PEER_BOUND,
-                 chunking: str = "near", **schedule) -> None:
+                 chunking: str = "near", weights: str = "equal", **schedule) -> None:
         super().__init__(**schedule)
+        self._init_weights(weights, "the senders' mean with reduce other than 'gather' or "
+                           "overlap='delayed'" if mean == "senders" and (
+                               reduce != "gather" or overlap != "none") else None)
         graphs = check_settings(
             topk=topk, chunk=chunk, decay=decay, values=values, transform=transform,
             transform_dtype=transform_dtype, small=small, small_numel=small_numel,
@@ -223,6 +228,7 @@ class DeMoReplicator(CheckedMean, Replicator):
         Steps 1-3 are :meth:`encode_payload`. ``overlap="delayed"`` applies step 5 to the
         payloads of the step before (:meth:`_replicate_delayed`)."""
         self.layout.scratch_storages.restore()  # given back after the last sync, if so
+        self._weigh_inputs(grads, communicate)  # weights="tokens": the gradient scaled
         if self.overlap == "delayed":
             return self._replicate_delayed(grads, lrs, step)
         if self.reduce != "gather" and communicate:  # block owners reduce (.scatter, .shared)

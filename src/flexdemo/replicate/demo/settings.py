@@ -159,7 +159,7 @@ def describe(rep) -> str:
         ("graphs", rep.graphs, "auto"), ("staging", rep.staging, "auto"),
         ("mean", rep.mean, "replicas"), ("clip", rep.clip, "none"),
         ("reduce", rep.reduce, "gather"), ("peer_bound", rep.peer_bound, PEER_BOUND),
-        ("chunking", rep.chunking, "near"))
+        ("chunking", rep.chunking, "near"), ("weights", rep.weights, "equal"))
         if v != d)
     return (f"topk={rep.topk}, chunk={rep.chunk}, decay={rep.decay}, "
             f"values={rep.values!r}, sign={rep.sign}{extra}")

@@ -252,3 +252,40 @@ def gloo_adaptive_worker(rank: int, world: int) -> dict:
     out = adaptive_run(rank, world)
     del out["state"]
     return out
+
+
+# ---------------------------------------------------------------------- sharded replicas
+#: seconds per step of each rank of 2 replicas x 2 shards (ranks 2r, 2r + 1: replica r): only
+#: replica 1's second shard is slow, which its replicate group ({1, 3}) sees and the other
+#: ({0, 2}) does not
+SHARD_SECONDS = [1.0, 1.0, 1.0, 3.0]
+SHARD_TOKENS = [10, 30, 20, 20]
+
+
+def sharded_pace_worker(rank: int, world: int) -> dict:
+    """A replica spread over two ranks (as FSDP shards it; here each rank's own small model
+    stands for its shard): every rank of the job must reach the same counts and the same
+    weight factors, or the ranks of one replica sync at different steps. One measured period
+    of H = 6, then two periods at the counts measured, weighted by reported tokens."""
+    import torch.distributed as dist
+
+    groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    group = groups[rank % 2]  # the ranks holding the same shard of each replica
+    model = model_fn()
+    rep = DiLoCoReplicator(6, pace=Pace(weights="tokens", clock=FakeClock(SHARD_SECONDS[rank])),
+                           group=group)
+    opt = DeToNATION(model.parameters(), rep, base="adamw", lr=LR, group=group)
+    factors = []
+    step = 0
+    while rep.syncs[0] < 3:
+        loss_of(model, rank, step).backward()
+        opt.count_tokens(SHARD_TOKENS[rank])
+        synced = rep.syncs[0]
+        opt.step()
+        opt.zero_grad()
+        step += 1
+        if rep.syncs[0] != synced:
+            exchange = rep.exchanges[0]
+            scales = exchange.peer_scales
+            factors.append(None if scales is None else scales.tolist())
+    return {"counts": rep.pace.counts, "steps": opt.steps, "factors": factors}

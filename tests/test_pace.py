@@ -491,3 +491,21 @@ def test_the_docs_example_runs_on_two_processes(tmp_path):
     assert [p.returncode for p in procs] == [0, 0], outs
     for out, steps in zip(outs, (12, 6)):
         assert re.search(rf"^{steps} \[4, 2\] \d+$", out, re.M), out
+
+
+@pytest.mark.multiprocess
+def test_a_sharded_replica_takes_one_pace(one_thread):
+    """2 replicas of 2 ranks each (a replica sharded as FSDP shards it): one rank of replica 1
+    is 3x slower, which only its own replicate group sees. Every rank of the job takes the
+    replica's slowest rank's speed (counts [6, 2] everywhere, so a replica's ranks step alike)
+    and the replica's summed tokens as its weight (the same factors on all four ranks)."""
+    from pace_workers import sharded_pace_worker
+
+    results = run_world(sharded_pace_worker, 4, timeout=120)
+    assert [r["counts"] for r in results] == [[6, 2]] * 4
+    assert [r["steps"] for r in results] == [6 + 6 + 6, 6 + 6 + 6, 6 + 2 + 2, 6 + 2 + 2]
+    assert all(r["factors"] == results[0]["factors"] for r in results)
+    # tokens per period: replica 0 (10 + 30) x its steps, replica 1 (20 + 20) x its steps
+    last = results[0]["factors"][-1]
+    w = [40 * 6, 40 * 2]
+    assert last == pytest.approx([2 * w[0] / sum(w), 2 * w[1] / sum(w)], rel=1e-6)

@@ -84,8 +84,16 @@ import time
 from collections.abc import Callable, Sequence
 
 import torch
+import torch.distributed as dist
 
-from ..transport import CommStats, all_gather, transport_for
+from ..transport import (
+    CommStats,
+    ProcessGroupTransport,
+    Transport,
+    all_gather,
+    all_reduce_bytes,
+    transport_for,
+)
 from .weights import weight_factors
 
 __all__ = ["MODES", "WEIGHTS", "Pace", "adapted_counts", "make_pace", "measured_counts",
@@ -122,6 +130,28 @@ def adapted_counts(current: Sequence[int], seconds_per_step: Sequence[float],
     if any(abs(a - b) > bound for a, b in zip(new, current)):
         return new
     return None
+
+
+def _per_replica(values: torch.Tensor, group, world: int, op, stats: CommStats
+                 ) -> torch.Tensor:
+    """``values`` gathered over the replicate group (one per replica), made the same on every
+    rank of the job where each replica spans several ranks (a sharded replica: each of its
+    ranks sits in another replicate group, has timed its own steps and counted its own
+    tokens): one all-reduce over the default group, the slowest of a replica's ranks
+    (``MAX``) or the sum of their tokens (``SUM``, every count there ``world`` times: the
+    weights' ratios are kept). As given where every rank of the job is in ``group``."""
+    if (isinstance(group, Transport) and not isinstance(group, ProcessGroupTransport)) or not (
+            dist.is_available() and dist.is_initialized()):
+        return values
+    total = dist.get_world_size()
+    if total == world:
+        return values
+    out = values.clone()
+    start = time.perf_counter()
+    dist.all_reduce(out, op=op)
+    nbytes = all_reduce_bytes(out.numel(), out.element_size(), total)
+    stats.record(nbytes, nbytes, time.perf_counter() - start)
+    return out
 
 
 def measured_counts(seconds_per_step: float, inner_steps: int, group=None,
@@ -283,7 +313,8 @@ class Pace:
             total = sum(period)
             return torch.tensor([k * self.world / total for k in period],
                                 dtype=torch.float64, device=self.device).float()
-        tokens = all_gather(self._tokens.reshape(1), group, stats).reshape(-1)
+        tokens = _per_replica(all_gather(self._tokens.reshape(1), group, stats).reshape(-1),
+                              group, self.world, dist.ReduceOp.SUM, stats)
         self._tokens.zero_()
         steps = torch.tensor(period, dtype=torch.float64, device=self.device)
         return weight_factors(tokens, steps)
@@ -298,7 +329,8 @@ class Pace:
         if self._start is not None and self._stop is not None and steps > 0:
             secs = (self._stop - self._start) / steps
         mine = torch.tensor([secs], dtype=torch.float64, device=self.device)
-        gathered = all_gather(mine, group, stats).reshape(-1).tolist()  # a host read a sync
+        gathered = _per_replica(all_gather(mine, group, stats).reshape(-1), group, self.world,
+                                dist.ReduceOp.MAX, stats).tolist()  # a host read a sync
         self._start = self._stop = None
         if not all(s > 0 and s != float("inf") for s in gathered):
             return

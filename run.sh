@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Set up flexdemo in a virtual environment (.venv) and run the main job or the tests.
-#   bash run.sh demo    # the main job: FlexDeMo vs full-sync AdamW, 2 emulated nodes x 2 ranks
+#   bash run.sh demo    # the main job: FlexDeMo and MuLoCo against full-sync Muon and AdamW, 2 emulated nodes x 2 ranks
 #   bash run.sh test    # the test suite
 #   bash run.sh setup   # only the set-up (then e.g. .venv/bin/ruff, .venv/bin/mypy)
 set -euo pipefail

@@ -51,8 +51,8 @@ MODELS = {  # byte-level GPTs (flexdemo.app.tasks.gpt): 85m is GPT-2 small's sha
     "mini": {"n_layer": 4, "n_head": 4, "d_model": 128},
     "tiny": {"n_layer": 3, "n_head": 4, "d_model": 64},
 }
-DEFAULT_STRATEGIES = ("hsdp-adamw", "hsdp-muon", "demo-defaults", "flexdemo-muon", "muloco",
-                      "sparseloco")
+DEFAULT_STRATEGIES = ("hsdp-adamw", "hsdp-muon", "demo-defaults", "flexdemo-muon",
+                      "muloco-int4-h20", "sparseloco-dct")
 
 
 def _free_port() -> int:

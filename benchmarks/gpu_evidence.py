@@ -77,18 +77,18 @@ STEP_STRATEGIES = {
     # an H100 before groups were bounded at 4M coefficients, 21.8 ms after (RESULTS)
     "demo-1group": "demo-defaults:group_numel=1073741824",
     "demo-muon": "flexdemo-muon",                # DeMo replicator, orthogonalised ("muon") step
-    "muloco": "muloco-preset",   # the "muloco-int4" preset (named "muloco" when measured)
-    "sparseloco": "sparseloco",  # the "sparseloco-dct" preset (named "sparseloco" then)
+    "muloco": "muloco-int4",        # the "muloco-int4" preset (named "muloco" when measured)
+    "sparseloco": "sparseloco-dct",  # the "sparseloco-dct" preset (named "sparseloco" then)
 }
 # row name: (strategy, lr, where the lr comes from); each the best of the CPU quality benchmark
-# on its largest GPT (benchmarks/RESULTS.md, benchmarks/quality.py)
+# on its largest GPT (benchmarks/archive/results-until-2026-12-07.md, benchmarks/quality.py)
 QUALITY = {
     # best of AdamW's grid on the 10.9M GPT at 300 and 1,000 steps ("The 10.9M GPT")
     "adamw": ("hsdp-adamw", 1e-3, "RESULTS: 10.9M GPT, best at 300 and 1,000 steps"),
     # best of {1e-2, 3e-2} on the 10.9M GPT at 300 steps ("The Muon family"); used at 1,000
     "muon": ("hsdp-muon", 1e-2, "RESULTS: Muon family, 10.9M GPT best"),
     # MuLoCo's best on the 10.9M GPT, and the lr of the muloco preset's frontier runs
-    "muloco": ("muloco-preset", 1e-2, "RESULTS: MuLoCo 10.9M best; byte frontier lr"),
+    "muloco": ("muloco-int4", 1e-2, "RESULTS: MuLoCo 10.9M best; byte frontier lr"),
     # demo-ortho-k64-d0.9 (these settings) on the 10.9M GPT, 1,000 steps: 1e-2 beat 3e-2
     "demo-muon": ("flexdemo-muon", 1e-2, "RESULTS: demo-ortho-k64-d0.9, 10.9M GPT best"),
 }

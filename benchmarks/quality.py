@@ -98,6 +98,8 @@ STAT1_GATHER = {"values": "stat1", "block": 256, "error_feedback": 0.9, "reduce"
 # the replicator each family of frontier settings below runs: our variants, which the names
 # "muloco" and "sparseloco" meant when these settings were measured (before issue 57)
 VARIANT = {"muloco": "muloco-int4", "sparseloco": "sparseloco-dct"}
+# AdamW as the field tunes it: betas (0.9, 0.95), decoupled weight decay 0.1
+TUNED_ADAMW = {"weight_decay": 0.1, "base_kwargs": {"betas": (0.9, 0.95)}}
 
 SETTINGS: dict[str, Setting] = {
     "adamw": Setting("AdamW, full fp32 gradient all-reduce every step", "full", "adamw", 1e-3),
@@ -319,7 +321,7 @@ SETTINGS: dict[str, Setting] = {
        for preset in ("muloco", "sparseloco")},
     # our variants of them (flexdemo.replicate.frontier) with Muon or AdamW inner steps, and
     # their variants: one setting changed at a time. The settings keep the names they were
-    # measured under (benchmarks/RESULTS.md): "muloco..." runs the "muloco-int4" preset and
+    # measured under (benchmarks/archive/): "muloco..." runs the "muloco-int4" preset and
     # "sparseloco..." the "sparseloco-dct" preset, which the names "muloco" and "sparseloco"
     # meant before issue 57
     **{f"{preset}{tag}": Setting(f"the {VARIANT[preset.split('-')[0]]!r} preset (named "
@@ -429,6 +431,16 @@ SETTINGS: dict[str, Setting] = {
                           (10, 128), (5, 64))),
        )
        for tag in (tag1 + tag0,)},
+    # issue 57's harness (benchmarks/presets.py): every replicator by the name prepare() takes,
+    # with its defaults, and one inner optimizer: "<replicator>/<optimizer>"
+    **{f"{rep}/{inner}": Setting(f"{rep!r} with {about} inner steps", rep, inner, lr, {}, okw)
+       for inner, lr, about, okw in (
+           ("muon", 1e-2, "Muon (+ AdamW on embeddings, head, norms and biases)", {}),
+           ("adamw", 1e-3, "AdamW (0.9, 0.95, weight decay 0.1)", TUNED_ADAMW))
+       for rep in ("full", "none", "diloco", "diloco-avg", "muloco", "muloco-int4",
+                   "sparseloco", "sparseloco-dct")},
+    "demo/sgd": Setting("'demo' at the library defaults (topk 16, int2, decay 0.999), sign-SGD",
+                        "demo", "sgd", 1e-3),
 }
 
 

@@ -34,6 +34,7 @@ def test_options_defaults_and_preset():
     assert o.bandwidths == ["10mbit", "100mbit", "1gbit"] and o.nodes * o.ranks_per_node == 4
     main = bench_options(preset="main")
     assert main.strategies == ["flexdemo", "muloco", "hsdp-muon", "hsdp-adamw"]
+    assert STRATEGIES["muloco"].replicator == "muloco"  # the paper's exchange
     assert main.bandwidths == ["100mbit"]
     assert main.base["task"]["name"] == "gpt" and main.out == "runs/main"
     assert bench_options(preset="main", steps=7).steps == 7
@@ -135,12 +136,14 @@ def test_table_and_comparison():
     assert "failed" in table and "hsdp-adamw" in table
     lines = comparison_lines(results)
     i = lines.index("flexdemo vs hsdp-adamw @ 10mbit:")
-    assert lines[i + 1] == "  at equal steps: val loss 3.0200 vs 3.0000 (+0.7%)"
-    assert lines[i + 2] == "  step time:      200 ms vs 1200 ms (6.00x faster)"
-    assert lines[i + 3].startswith("  at equal time:  train loss 3.1500 vs 4.7333 after 4 s")
+    assert lines[i + 1] == ("  no full sync with sgd in this run: against the best full sync, "
+                            "hsdp-adamw")
+    assert lines[i + 2] == "  at equal steps: val loss 3.0200 vs 3.0000 (+0.7%)"
+    assert lines[i + 3] == "  step time:      200 ms vs 1200 ms (6.00x faster)"
+    assert lines[i + 4].startswith("  at equal time:  train loss 3.1500 vs 4.7333 after 4 s")
     # validation at equal time: no-sync's last evaluation (3.8 s) bounds it; flexdemo's is
     # interpolated between its evaluations at 2 s and 4 s; AdamW's first is at 12 s
-    assert lines[i + 4] == ("                  val loss 3.0700 vs - (no evaluation yet) after "
+    assert lines[i + 5] == ("                  val loss 3.0700 vs - (no evaluation yet) after "
                             "4 s (between evaluations)")
 
 
@@ -150,7 +153,7 @@ def test_step_time_says_slower_when_slower():
             _fake("no-sync", "1gbit", 3.3, 0.021, 0.0, 0.0)]
     lines = comparison_lines(slow)
     i = lines.index("flexdemo vs hsdp-adamw @ 1gbit:")
-    assert lines[i + 2] == "  step time:      30 ms vs 21 ms (1.43x slower)"
+    assert lines[i + 3] == "  step time:      30 ms vs 21 ms (1.43x slower)"
     j = lines.index("no-sync vs hsdp-adamw @ 1gbit:")
     assert lines[j + 2].endswith("21 ms vs 21 ms (the same)")
     # a run whose summary holds no validation loss (null in strict JSON) is left out
@@ -268,7 +271,64 @@ def test_one_strategy_table_for_bench_example_and_wire_benchmark():
     assert run_config(o, "diloco", "x")["strategy"] == TABLE["diloco"].settings()
 
 
-def test_comparisons_of_the_muon_family_against_full_sync_muon():
+def _headings(lines: list[str]) -> list[str]:
+    return [line for line in lines if not line.startswith(" ")]
+
+
+def test_each_strategy_against_full_sync_with_its_optimizer_then_the_best():
+    """The main job's summary: each run first against the full sync with its own inner
+    optimizer, then against the best full sync of the run where that is another one; sign-SGD
+    has no full sync of its own (the best only, said so); a full sync against the best unless
+    it is the best."""
+    rows = [_fake("flexdemo", "100mbit", 2.9, 0.3, 0.01, 1e4),
+            _fake("muloco", "100mbit", 2.6, 0.3, 0.01, 1e4),
+            _fake("hsdp-muon", "100mbit", 2.5, 0.5, 0.2, 1e6),
+            _fake("hsdp-adamw", "100mbit", 3.0, 0.5, 0.2, 1e6),
+            _fake("diloco", "100mbit", 3.1, 0.3, 0.01, 1e4)]
+    lines = comparison_lines(rows)
+    assert _headings(lines) == ["flexdemo vs hsdp-muon @ 100mbit:",
+                                "muloco vs hsdp-muon @ 100mbit:",
+                                "hsdp-adamw vs hsdp-muon @ 100mbit:",
+                                "diloco vs hsdp-adamw @ 100mbit:",
+                                "diloco vs hsdp-muon @ 100mbit:"]
+    assert lines[1] == ("  no full sync with sgd in this run: against the best full sync, "
+                        "hsdp-muon")
+    assert lines[2] == "  at equal steps: val loss 2.9000 vs 2.5000 (+16.0%)"
+    i = lines.index("muloco vs hsdp-muon @ 100mbit:")
+    assert lines[i + 1] == "  at equal steps: val loss 2.6000 vs 2.5000 (+4.0%)"
+    i = lines.index("hsdp-adamw vs hsdp-muon @ 100mbit:")
+    assert lines[i + 1] == "  against the best full sync in this run, hsdp-muon"
+    assert lines[i + 2] == "  at equal steps: val loss 3.0000 vs 2.5000 (+20.0%)"
+    i = lines.index("diloco vs hsdp-adamw @ 100mbit:")
+    assert lines[i + 1] == "  at equal steps: val loss 3.1000 vs 3.0000 (+3.3%)"
+    i = lines.index("diloco vs hsdp-muon @ 100mbit:")
+    assert lines[i + 1] == "  against the best full sync in this run, hsdp-muon"
+    assert lines[i + 2] == "  at equal steps: val loss 3.1000 vs 2.5000 (+24.0%)"
+
+    # full-sync AdamW the best: the Muon family against hsdp-muon first, then hsdp-adamw
+    rows[3] = _fake("hsdp-adamw", "100mbit", 2.4, 0.5, 0.2, 1e6)
+    lines = comparison_lines(rows)
+    assert _headings(lines) == ["flexdemo vs hsdp-adamw @ 100mbit:",
+                                "muloco vs hsdp-muon @ 100mbit:",
+                                "muloco vs hsdp-adamw @ 100mbit:",
+                                "hsdp-muon vs hsdp-adamw @ 100mbit:",
+                                "diloco vs hsdp-adamw @ 100mbit:"]
+    assert lines[1].endswith("against the best full sync, hsdp-adamw")
+    i = lines.index("muloco vs hsdp-adamw @ 100mbit:")
+    assert lines[i + 1] == "  against the best full sync in this run, hsdp-adamw"
+
+    # no full sync with AdamW in the sweep: AdamW's runs against the best, said so
+    only_muon = [r for r in rows if r["strategy"] != "hsdp-adamw"]
+    lines = comparison_lines(only_muon)
+    i = lines.index("diloco vs hsdp-muon @ 100mbit:")
+    assert lines[i + 1] == ("  no full sync with adamw in this run: against the best full "
+                            "sync, hsdp-muon")
+    assert "muloco vs hsdp-muon @ 100mbit:" in lines
+    # no full sync at all: nothing to compare against
+    assert comparison_lines([r for r in only_muon if r["strategy"] != "hsdp-muon"]) == []
+
+
+def test_comparisons_against_a_reference_given():
     rows = [_fake("hsdp-adamw", "100mbit", 3.0, 0.5, 0.2, 1e6),
             _fake("hsdp-muon", "100mbit", 2.5, 0.5, 0.2, 1e6),
             _fake("muloco", "100mbit", 2.6, 0.3, 0.01, 1e4),
@@ -277,3 +337,18 @@ def test_comparisons_of_the_muon_family_against_full_sync_muon():
     assert lines[0] == "muloco vs hsdp-muon @ 100mbit:"
     assert not any(line.startswith("flexdemo vs") for line in lines)
     assert "(+4.0%)" in lines[1]
+
+
+def test_app_strategies_named_like_a_replicator_run_it():
+    """A strategy named like a paper (or like one of our library presets) runs the library's
+    replicator of that name; the variants that run plain averaging say so in their names."""
+    for name in ("diloco", "diloco-avg", "muloco", "muloco-int4", "sparseloco",
+                 "sparseloco-dct"):
+        assert STRATEGIES[name].replicator == name, name
+    assert STRATEGIES["diloco"].replicator_kwargs == {"inner_steps": 20}
+    assert STRATEGIES["muloco"].optimizer == STRATEGIES["sparseloco"].optimizer == "muon"
+    for name, spec in STRATEGIES.items():
+        if spec.replicator == "diloco-avg":
+            assert "avg" in name or name == "muloco-int4-h20", name
+    colors = [spec.color for spec in STRATEGIES.values()]
+    assert len(set(colors)) == len(colors)

@@ -33,6 +33,8 @@ def test_parse_link():
 def test_bench_options_take_a_changing_link_and_the_auto_preset():
     o = bench_options(preset="auto")
     assert o.strategies[0] == "auto" and "1gbit>10mbit" in o.bandwidths
+    # the fixed strategies are entries of auto's ranking (our variants), not the papers'
+    assert o.strategies == ["auto", "hsdp-muon", "muloco-int4-h20", "sparseloco-dct"]
     assert {"10mbit", "100mbit", "1gbit"} <= set(o.bandwidths) and o.nodes == 2
     assert bench_options(strategies="no-sync", bandwidths="1gbit>10mbit").bandwidths == [
         "1gbit>10mbit"]
@@ -89,27 +91,27 @@ def test_time_to_target_interpolates_between_evaluations():
 
 def test_time_to_target_lines_name_the_fastest_fixed_strategy():
     runs = [_run("auto", [0, 10, 20], [4.0, 2.0, 1.70]),
-            _run("muloco", [0, 10, 20], [4.0, 3.0, 1.78]),
+            _run("muloco-int4-h20", [0, 10, 20], [4.0, 3.0, 1.78]),
             _run("hsdp-muon", [0, 10, 20], [4.0, 2.5, 1.75]),
             _run("no-sync", [0, 10, 20], [4.0, 3.5, 3.0]),  # far behind: not in the target
-            _run("sparseloco", [0, 10], [4.0, 3.5], status="failed")]
+            _run("sparseloco-dct", [0, 10], [4.0, 3.5], status="failed")]
     assert default_target(runs) == 1.78  # the loosest every run within 5% of the best reached
     lines = time_to_target_lines(runs, "auto")
-    assert lines[0] == ("time to val loss 1.7800 @ 1gbit: auto 17.3 s, muloco 20.0 s, "
-                        "hsdp-muon 19.6 s, no-sync never")
+    assert lines[0] == ("time to val loss 1.7800 @ 1gbit: auto 17.3 s, muloco-int4-h20 "
+                        "20.0 s, hsdp-muon 19.6 s, no-sync never")
     assert lines[1] == ("  auto 17.3 s vs the fastest fixed strategy (hsdp-muon) 19.6 s: "
                         "-11.6% time")
     late = time_to_target_lines(runs, "auto", target=1.72)
-    assert late == ["time to val loss 1.7200 @ 1gbit: auto 19.3 s, muloco never, "
+    assert late == ["time to val loss 1.7200 @ 1gbit: auto 19.3 s, muloco-int4-h20 never, "
                     "hsdp-muon never, no-sync never"]
-    behind = time_to_target_lines(runs, "muloco", target=1.76)
-    assert behind[1] == "  muloco: did not reach it; auto did in 18.0 s"
+    behind = time_to_target_lines(runs, "muloco-int4-h20", target=1.76)
+    assert behind[1] == "  muloco-int4-h20: did not reach it; auto did in 18.0 s"
 
 
 def test_retune_cost_is_stated_against_the_runs_step_time():
     auto = {"strategy": "auto", "status": "ok", "bandwidth": "1gbit>10mbit",
             "step_seconds": 0.2, "auto_retune_seconds": [{"step": 59, "seconds": 0.01}]}
-    fixed = {**auto, "strategy": "muloco"}
+    fixed = {**auto, "strategy": "muloco-int4-h20"}
     assert retune_cost_lines([auto, fixed, {**auto, "status": "failed"}]) == [
         "auto @ 1gbit>10mbit: the retune at step 59 took 10.0 ms (0.05 of a step of 200 ms)"]
     assert retune_cost_lines([{**auto, "auto_retune_seconds": []}]) == []

@@ -48,8 +48,8 @@ def strict_load(path: Path):
     ("flexdemo:topk=abc", "got 'abc'"),
     ("flexdemo:bogus=1", "has no setting 'bogus'"),
     # the preset's tau=1 does not fit H/F = 4/4 = 1: the line says to set tau, and how
-    ("streaming-diloco:inner_steps=4", "sets tau=1, which does not fit"),
-    ("streaming-diloco:inner_steps=6", "sets fragments=4"),
+    ("streaming-diloco-avg:inner_steps=4", "sets tau=1, which does not fit"),
+    ("streaming-diloco-avg:inner_steps=6", "sets fragments=4"),
 ])
 def test_simulate_bad_strategy_settings_are_one_line(capsys, monkeypatch, strategy, needle):
     import flexdemo.app.simulate.run as simulate
@@ -65,10 +65,11 @@ def test_simulate_bad_strategy_settings_are_one_line(capsys, monkeypatch, strate
 
 
 def test_simulate_suggested_streaming_fix_is_valid(capsys):
-    assert main(["simulate", "--strategy", "streaming-diloco:inner_steps=4", "--steps", "2"]) == 2
+    assert main(["simulate", "--strategy", "streaming-diloco-avg:inner_steps=4",
+                 "--steps", "2"]) == 2
     line = one_error_line(capsys, "simulate")
     fix = re.search(r"--strategy (\S+?)\)", line).group(1)
-    assert fix == "streaming-diloco:inner_steps=4:tau=0"
+    assert fix == "streaming-diloco-avg:inner_steps=4:tau=0"
     from flexdemo import check_strategy
 
     assert check_strategy(fix).replicator_kwargs["tau"] == 0

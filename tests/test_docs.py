@@ -1,5 +1,7 @@
 """The docs cannot rot: every Python snippet in README.md and docs/*.md runs, and every relative
-link in them and in benchmarks/RESULTS.md points at a file (and heading) that exists.
+link in them and in benchmarks/RESULTS.md (and its archive) points at a file (and heading) that
+exists, the README stays a front page and its recommendation table's figures are the current
+results page's.
 
 Markers, as the first comment line inside a ```python block or as an HTML comment on the line
 before its fence (invisible on the rendered page):
@@ -31,7 +33,8 @@ from flexdemo.tools.ranks import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-LINKED = [*DOCS, ROOT / "benchmarks" / "RESULTS.md"]
+RESULTS = ROOT / "benchmarks" / "RESULTS.md"
+LINKED = [*DOCS, RESULTS, *sorted((ROOT / "benchmarks" / "archive").glob("*.md"))]
 LAUNCH_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
                "MASTER_PORT", "TORCHELASTIC_RUN_ID", "GROUP_RANK", "NODE_RANK")
 MARKER = re.compile(r"^\s*(?:#|<!--)\s*doc-test:\s*(\w+)\s*(.*?)\s*(?:-->)?\s*$")
@@ -244,4 +247,33 @@ def test_every_doc_page_is_linked_from_the_readme():
 
 
 def test_readme_stays_a_front_page():
-    assert len((ROOT / "README.md").read_text().splitlines()) <= 250
+    assert len((ROOT / "README.md").read_text().splitlines()) <= 150
+    assert len(RESULTS.read_text().splitlines()) <= 300
+
+
+def recommendation_rows(text: str) -> list[list[str]]:
+    """The cells of the README's recommendation table: the table under the heading that asks
+    what to run (its header row names the bytes and the gap)."""
+    lines = text.split("\n")
+    start = next(i for i, x in enumerate(lines) if x.startswith("## What should I run"))
+    rows = []
+    for line in lines[start + 1:]:
+        if line.startswith("## "):
+            break
+        if line.startswith("|") and not set(line) <= set("|-: "):
+            rows.append([c.strip() for c in line.strip().strip("|").split("|")])
+    return rows[1:]  # without the header
+
+
+FIGURE = re.compile(r"[+-]?\d+(?:\.\d+)?%?")
+
+
+def test_recommendation_figures_are_the_results_pages():
+    """Every number in the README's recommendation table (bytes per parameter per step, gaps)
+    appears in the current results page: the front page quotes it, it does not own a figure."""
+    rows = recommendation_rows((ROOT / "README.md").read_text())
+    assert len(rows) >= 5, rows
+    results = RESULTS.read_text()
+    missing = [(row[0], fig) for row in rows for cell in row[2:4]
+               for fig in FIGURE.findall(re.sub(r"`[^`]*`", "", cell)) if fig not in results]
+    assert not missing, f"README figures not in benchmarks/RESULTS.md: {missing}"

@@ -17,7 +17,7 @@ import re
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from .replicate import make_replicator
+from .replicate import FRONTIER, make_replicator
 
 __all__ = ["STRATEGIES", "Strategy", "check_strategy", "parse_strategy"]
 
@@ -39,6 +39,10 @@ class Strategy:
     """Settings of the base optimizer (e.g. Muon's ``momentum``)."""
     color: str | None = None
     """Its colour in the bench's plots (None: one from a fallback cycle)."""
+    batches: str = "equal"
+    """How the app sizes each replica's batch (``train.batches``): ``"equal"``, or
+    ``"balanced"``: in proportion to each replica's measured speed (for an exchange at every
+    step weighted by tokens; other callers of the table train at equal batches)."""
 
     def settings(self) -> dict[str, Any]:
         """The ``[strategy]`` section of a training config."""
@@ -81,20 +85,29 @@ STRATEGIES: dict[str, Strategy] = {
     "floor": Strategy(
         "no replication, plain SGD: the cheapest step (a timing floor)",
         "none", "sgd", 3e-3, color="#bcbd22"),
+    # DiLoCo: an app strategy named like a paper runs that paper's algorithm (the replicator of
+    # that name, flexdemo.replicate.frontier); "-avg" marks our plain averaging (outer lr 1, no
+    # outer momentum), what the DiLoCo rows of benchmarks/RESULTS.md measured
     "diloco": Strategy(
-        "DiLoCo: inner AdamW, full sync (plain averaging) every 20 steps",
-        "diloco-avg", "adamw", 1e-3, {"inner_steps": 20}, color="#9467bd"),
-    "diloco-h100": Strategy(
-        "DiLoCo with a full sync (plain averaging) every 100 steps",
+        "DiLoCo: inner AdamW, a full sync every 20 steps, outer Nesterov lr 0.7 / momentum "
+        "0.9 (the paper's outer step, H=20 for short runs)",
+        "diloco", "adamw", 1e-3, {"inner_steps": 20}, color="#54278f"),
+    "diloco-avg": Strategy(
+        "DiLoCo with plain averaging (ours: outer lr 1, no outer momentum), inner AdamW, a "
+        "full sync every 20 steps", "diloco-avg", "adamw", 1e-3, {"inner_steps": 20},
+        color="#9467bd"),
+    "diloco-avg-h100": Strategy(
+        "DiLoCo with plain averaging (ours), inner AdamW, a full sync every 100 steps",
         "diloco-avg", "adamw", 1e-3, {"inner_steps": 100}, color="#8c564b"),
-    "streaming-diloco": Strategy(
-        "Streaming DiLoCo: H=20, 4 fragments, tau=1, int4 exchange, plain averaging",
+    "streaming-diloco-avg": Strategy(
+        "Streaming DiLoCo's schedule (H=20, 4 fragments, tau=1) with an int4 exchange and "
+        "plain averaging (ours; the paper takes an outer Nesterov step)",
         "diloco-avg", "adamw", 1e-3,
         {"inner_steps": 20, "fragments": 4, "tau": 1, "exchange_kwargs": {"values": "int4"}},
         color="#e377c2"),
-    "demo-diloco": Strategy(
-        "DiLoCo whose pseudo-gradients cross as the DCT top-128 of each 64x64 block, with "
-        "error feedback, plain averaging", "diloco-avg", "adamw", 1e-3,
+    "diloco-avg-demo": Strategy(
+        "DiLoCo with plain averaging (ours) whose pseudo-gradients cross as the DCT top-128 of "
+        "each 64x64 block, with error feedback, every 20 steps", "diloco-avg", "adamw", 1e-3,
         {"inner_steps": 20, "exchange": "demo", "exchange_kwargs": {"topk": 128}},
         color="#ff7f0e"),
     # the Muon family (optimizer "muon": Muon on hidden matrices, AdamW on the rest; lr with
@@ -102,36 +115,53 @@ STRATEGIES: dict[str, Strategy] = {
     "hsdp-muon": Strategy(
         "hybrid-sharded Muon + AdamW, full fp32 gradient all-reduce across nodes",
         "full", "muon", 1e-2, color="#8c1515"),
+    # the papers' algorithms under their names, with Muon inner steps: the replicators
+    # "muloco" and "sparseloco" (flexdemo.replicate.frontier, issue 57)
     "muloco": Strategy(
-        "MuLoCo-style (ours, not the paper's exchange): DiLoCo with Muon inner steps, plain "
-        "averaging every 20 steps, int4 exchange", "diloco-avg", "muon", 1e-2,
-        {"inner_steps": 20, "exchange_kwargs": {"values": "int4"}}, color="#31a354"),
-    # the named presets (flexdemo.replicate.frontier) with Muon inner steps: "muloco-preset"
-    # and "sparseloco" run our variants, what they measured before issue 57 (the names
-    # "muloco" and "sparseloco" of the replicators now run the papers' algorithms, which the
-    # "-paper" strategies run)
-    "muloco-preset": Strategy(
+        "MuLoCo (the paper's exchange): 2-bit values with a codebook per tensor and error "
+        "feedback 0.9, gathered, every 30 steps, outer Nesterov 0.7 / 0.6, Muon inner steps",
+        "muloco", "muon", 1e-2, color="#31a354"),
+    "sparseloco": Strategy(
+        "SparseLoCo (the paper's): top-64 per chunk of up to 64x64 without a transform, 2-bit "
+        "values with a codebook per tensor, error feedback 0.95, the mean over the senders, "
+        "every 30 steps, Muon inner steps", "sparseloco", "muon", 1e-2, color="#006d2c"),
+    # our variants, named for what they are; what the MuLoCo and SparseLoCo rows of
+    # benchmarks/RESULTS.md measured (under the names "muloco" and "sparseloco" before issue 57)
+    "muloco-int4": Strategy(
         "the 'muloco-int4' preset (ours): DiLoCo with Muon inner steps, int4 mean by "
         "reduce-scatter every 30 steps, outer Nesterov 0.7 / 0.6", "muloco-int4", "muon", 1e-2,
         color="#74c476"),
-    "sparseloco": Strategy(
+    "muloco-int4-h20": Strategy(
+        "MuLoCo-style (ours, not the paper's exchange): DiLoCo with Muon inner steps, plain "
+        "averaging every 20 steps, int4 exchange", "diloco-avg", "muon", 1e-2,
+        {"inner_steps": 20, "exchange_kwargs": {"values": "int4"}}, color="#a1d99b"),
+    "sparseloco-dct": Strategy(
         "the 'sparseloco-dct' preset (ours): DiLoCo with Muon inner steps, the top 64 of the "
         "DCT of each 64x64 block of the pseudo-gradient with error feedback, 2-bit codebook "
         "values, the mean over the replicas, every 30 steps",
-        "sparseloco-dct", "muon", 1e-2, color="#006d2c"),
-    "muloco-paper": Strategy(
-        "MuLoCo (the paper's exchange): 2-bit values with a codebook per tensor and error "
-        "feedback 0.9, gathered, every 30 steps, outer Nesterov 0.7 / 0.6, Muon inner steps",
-        "muloco", "muon", 1e-2, color="#a1d99b"),
-    "sparseloco-paper": Strategy(
-        "SparseLoCo (the paper's): top-64 per chunk of up to 64x64 without a transform, 2-bit "
-        "values with a codebook per tensor, error feedback 0.95, the mean over the senders, "
-        "every 30 steps, Muon inner steps", "sparseloco", "muon", 1e-2, color="#00441b"),
+        "sparseloco-dct", "muon", 1e-2, color="#00441b"),
+    # replicas of different speeds (issue 55, docs/stragglers.md): the same exchanges, each
+    # replica at its own pace (DiLoCo: its own inner steps per period, measured in the first
+    # period) or with a batch sized to its speed (an exchange at every step, weighted by tokens)
+    "muloco-int4-paced": Strategy(
+        "the 'muloco-int4' preset (ours) with a pace: each replica syncs after its own inner "
+        "steps (measured in the first period: pace='fixed'), the mean weighted by steps",
+        "muloco-int4", "muon", 1e-2, {"pace": "fixed"}, color="#c7e9c0"),
+    "muloco-paced": Strategy(
+        "MuLoCo (the paper's exchange) with a pace: each replica syncs after its own inner "
+        "steps (measured in the first period: pace='fixed'), the mean weighted by steps",
+        "muloco", "muon", 1e-2, {"pace": "fixed"}, color="#41ab5d"),
+    "flexdemo-balanced": Strategy(
+        "FlexDeMo with balanced batches: each replica's batch sized to its measured speed "
+        "(train.batches='balanced'), the mean weighted by tokens",
+        "demo", "sgd", 1e-3, {**_SHORT_RUN_DEMO, "weights": "tokens"}, batches="balanced",
+        color="#6baed6"),
     # measured, not named: the link and the step decide among the quality ranking's entries
     # (flexdemo.auto, docs/auto.md), with Muon inner steps as in the ranking's tables
     "auto": Strategy(
         "auto: probe the link, time the first steps, then the best-ranked strategy (full "
-        "sync, MuLoCo, SparseLoCo, ...) whose exposed communication fits 5 percent of the step",
+        "sync, or our DiLoCo int4, muloco-int4 and sparseloco-dct variants, ...) whose "
+        "exposed communication fits 5 percent of the step",
         "auto", "muon", 1e-2, color="#fd8d3c"),
     "flexdemo-muon": Strategy(
         "FlexDeMo with an orthogonalised step: DeMo top-64 DCT per block (decay 0.9) across "
@@ -198,8 +228,8 @@ def check_strategy(token: str) -> Strategy:
         kept = {k: v for k, v in preset.items()
                 if k not in own and re.search(rf"(?<![\w']){re.escape(k)}\b(?!')", text)}
         hint = ""
-        if strategy.replicator in ("diloco", "diloco-avg"):
-            fix = _diloco_fit(kwargs)
+        if strategy.replicator == "diloco" or strategy.replicator in FRONTIER:  # DiLoCo
+            fix = _diloco_fit({**FRONTIER.get(strategy.replicator, {}), **kwargs})
             kept = {k: preset[k] for k in fix if k in preset and k not in own} or kept
             if fix and not set(fix) & own:
                 try:

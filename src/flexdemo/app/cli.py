@@ -30,8 +30,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="flexdemo",
         description="flexdemo: train one PyTorch model across nodes joined by slow links.",
-        epilog="start here: flexdemo bench --preset main  (FlexDeMo against full-sync AdamW "
-               "on 2 emulated nodes joined by a 100 Mbit/s link; a few minutes)",
+        epilog="start here: flexdemo bench --preset main  (FlexDeMo and MuLoCo against "
+               "full-sync Muon and AdamW on 2 emulated nodes joined by a 100 Mbit/s link; a "
+               "few minutes)",
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     add_cluster_parser(sub)

@@ -190,6 +190,11 @@ def format_summary(s: dict[str, Any]) -> str:
            else "") + ")",
         f"  train loss  {s['train_loss']:.4f} (mean of the last steps over ranks)",
     ]
+    pace = s.get("pace")
+    if pace:
+        lines.insert(3, f"  pace        {pace['syncs']} syncs of H={pace['inner_steps']}, counts "
+                        f"{pace['counts']} per period; steps per rank "
+                        f"{', '.join(map(str, s['per_rank']['steps']))}")
     if "val_loss" in s:
         acc = f", accuracy {s['val_accuracy']:.3f}" if "val_accuracy" in s else ""
         lines.append(f"  val loss    {s['val_loss']:.4f}{acc}")

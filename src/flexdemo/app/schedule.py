@@ -10,10 +10,11 @@ SCHEDULES = ("cosine", "constant")
 """After the warm-up: a cosine decay to ``min_lr`` x the base rate, or constant."""
 
 
-def lr_at(step: int, steps: int, base: float, warmup: int = 0, schedule: str = "cosine",
+def lr_at(step: float, steps: int, base: float, warmup: int = 0, schedule: str = "cosine",
           min_lr: float = 0.1) -> float:
-    """Learning rate of step ``step`` (from 0): linear warm-up over ``warmup`` steps, then
-    constant or a cosine decay that reaches ``min_lr * base`` at the last step."""
+    """Learning rate of step ``step`` (from 0; a fraction between steps too: a paced run's
+    slower replicas): linear warm-up over ``warmup`` steps, then constant or a cosine decay
+    that reaches ``min_lr * base`` at the last step."""
     if warmup and step < warmup:
         return base * (step + 1) / warmup
     if schedule == "constant":

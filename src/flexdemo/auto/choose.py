@@ -2,7 +2,7 @@
 
 * The candidates and their order come from ``quality_ranking.json`` next to this module
   (:func:`load_ranking`): the quality benchmark's measured gap to full sync with the same inner
-  optimizer, each entry with its provenance in ``benchmarks/RESULTS.md``.
+  optimizer, each entry with its provenance in ``benchmarks/archive/results-until-2026-12-07.md``.
 * Their bytes are exact (:func:`size_candidate`): each candidate's replicator is set up on the
   model's local shapes, on the ``meta`` device, over a :class:`SizingTransport` of the group's
   size, and asked for its own :meth:`~flexdemo.replicate.Replicator.exchange_bytes` (DiLoCo:

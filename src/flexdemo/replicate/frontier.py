@@ -22,7 +22,8 @@ against a reference written from the paper's description):
   clips each peer's contribution to the median norm: ``exchange_kwargs={"clip": "median"}``
   (ours clips a peer's whole payload, theirs each tensor).
 
-Our variants, measured in ``benchmarks/RESULTS.md`` under the names the papers now hold:
+Our variants, measured (``benchmarks/archive/results-until-2026-12-07.md``) under the names
+the papers now hold:
 
 * ``"diloco-avg"``: DiLoCo with plain averaging (outer lr 1.0, no momentum): the class's
   default until issue 57, and the ``"diloco"`` of the runs measured before;

@@ -3,7 +3,7 @@
 The use it was built for is a denser DeMo at the start (:func:`demo_warmup`): in the quality
 benchmark the default DeMo loses most of its distance to AdamW in the first hundred steps,
 and a start at topk 64 followed by topk 16 keeps most of what topk 64 throughout gains at
-a fraction of its bytes (benchmarks/RESULTS.md, "A denser start").
+a fraction of its bytes (benchmarks/archive/results-until-2026-12-07.md, "A denser start").
 
 At the first step of the second phase the second replicator takes over the first one's
 momentum where both keep it in the same layout (DeMo replicators of one ``chunk`` and

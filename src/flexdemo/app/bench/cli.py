@@ -39,7 +39,8 @@ def add_bench_parser(sub) -> None:
                "  flexdemo bench --preset main\n"
                "  flexdemo bench --preset elastic --kill-at 30 --restart-at 50\n"
                "  flexdemo bench --preset auto\n"
-               "  flexdemo bench --strategies auto,muloco --bandwidths '1gbit>10mbit'\n"
+               "  flexdemo bench --preset stragglers --slow-factor 2 --slow-node 0\n"
+               "  flexdemo bench --strategies auto,muloco-int4-h20 --bandwidths '1gbit>10mbit'\n"
                "  flexdemo bench --strategies flexdemo,hsdp-adamw --bandwidths 10mbit,1gbit "
                "--steps 100\n"
                "  flexdemo bench --unshaped --steps 20 task.model=tiny\n",
@@ -84,6 +85,11 @@ def add_bench_parser(sub) -> None:
                    help="report every run's time to this validation loss (default with "
                         "the auto preset: the loosest loss every run within 5 percent of the "
                         "best reached)")
+    b.add_argument("--slow-factor", type=float, metavar="F",
+                   help="make each step of one node last F times its compute (train.slowdown: "
+                        "an emulated slower GPU, >= 1; default 1, the stragglers preset 3)")
+    b.add_argument("--slow-node", type=int, metavar="N",
+                   help="the node --slow-factor slows, from 0 (default: the last)")
     b.add_argument("-q", "--quiet", action="store_true",
                    help="do not echo the ranks' progress (it still goes to each run's log.txt)")
     b.set_defaults(func=_cmd_bench, subparser=b)
@@ -97,8 +103,8 @@ def _cmd_bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
             config=args.config, out=args.out, unshaped=args.unshaped,
             overrides=args.overrides, timeout=args.timeout, quiet=args.quiet,
             device=args.device, kill_at=args.kill_at, restart_at=args.restart_at,
-            repeat=args.repeat,
-            target=args.target)
+            repeat=args.repeat, target=args.target, slow_factor=args.slow_factor,
+            slow_node=args.slow_node)
     except (BenchError, ConfigError) as e:
         print(f"flexdemo bench: error: {e}", file=sys.stderr, flush=True)
         return 2

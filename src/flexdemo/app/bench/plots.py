@@ -4,7 +4,10 @@
   bandwidth; dots mark the validation loss at the evaluation steps;
 * ``loss_vs_bytes.png``: the same losses against the megabytes a rank has sent across nodes
   (log scale; a strategy that sends nothing is named in the title);
-* ``step_time.png``: mean step time per run, split into compute and communication.
+* ``step_time.png``: mean step time per run, split into compute and communication;
+* ``val_loss_vs_time.png`` (replicas of different speeds, :func:`plot_val_loss_vs_time`): the
+  validation loss against training seconds, each remedy dashed next to its synchronous run,
+  whose final loss is a dotted line.
 """
 
 from __future__ import annotations
@@ -13,8 +16,10 @@ from pathlib import Path
 from typing import Any
 
 from ...strategies import STRATEGIES
+from .stragglers import partner
 
-__all__ = ["plot_all", "plot_loss_vs_bytes", "plot_loss_vs_time", "plot_step_time", "smooth"]
+__all__ = ["plot_all", "plot_loss_vs_bytes", "plot_loss_vs_time", "plot_step_time",
+           "plot_val_loss_vs_time", "smooth"]
 
 FALLBACK = ["#8c564b", "#e377c2", "#bcbd22", "#17becf", "#ff7f0e"]
 
@@ -177,6 +182,39 @@ def plot_step_time(results: list[dict], path: str | Path) -> Path:
                fontsize=8, frameon=False, loc="lower center", ncol=2)
     fig.suptitle(f"Step time: {_title(runs)}" if runs else "Step time", fontsize=11)
     fig.tight_layout(rect=(0, 0.06, 1, 1))
+    return _save(fig, path, plt)
+
+
+def plot_val_loss_vs_time(results: list[dict], path: str | Path) -> Path:
+    """Validation loss against training seconds (the job's, at each evaluation), one panel
+    per bandwidth: a synchronous run solid, its ``-paced`` / ``-balanced`` remedy dashed in
+    its own colour, and a dotted line at each synchronous run's final loss."""
+    plt = _pyplot()
+    runs = [r for r in _ok(results) if r["curve"].get("val_loss")]
+    bws = _bandwidths(runs) or ["-"]
+    order = list(dict.fromkeys(r["strategy"] for r in runs))
+    fig, axes = plt.subplots(1, len(bws), figsize=(max(7.0, 5.6 * len(bws) + 1.8), 4.6),
+                             sharey=True, squeeze=False)
+    for ax, bw in zip(axes[0], bws):
+        these = [r for r in runs if r["bandwidth"] == bw]
+        names = {r["strategy"] for r in these}
+        for r in these:
+            c, col = r["curve"], _color(r["strategy"], order)
+            remedy = partner(r["strategy"]) is not None
+            ax.plot(c["val_seconds"], c["val_loss"], "--" if remedy else "-", color=col,
+                    lw=1.8, marker="o", ms=4, label=r["strategy"])
+            if not remedy and any(partner(n) == r["strategy"] for n in names):
+                ax.axhline(c["val_loss"][-1], color=col, ls=":", lw=1)
+        ax.set_title("loopback, no shaping" if bw == "unshaped" else f"links of {bw}",
+                     fontsize=11)
+        ax.set_xlabel("training time (s, evaluation excluded)")
+        ax.grid(alpha=0.3)
+        ax.set_xlim(left=0)
+    axes[0][0].set_ylabel("validation loss")
+    axes[0][-1].legend(fontsize=8, frameon=False, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    title = f"Validation loss vs time: {_title(runs)}" if runs else "Validation loss vs time"
+    fig.suptitle(title, fontsize=11)
+    fig.tight_layout()
     return _save(fig, path, plt)
 
 

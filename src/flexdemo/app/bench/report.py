@@ -1,6 +1,7 @@
 """What a sweep of ``flexdemo bench`` found, in words: the table of runs, each strategy
-against the reference at equal steps and at equal wall-clock time, and each run's time to a
-target validation loss (per bandwidth)."""
+against full sync with its own inner optimizer and against the best full sync, at equal steps
+and at equal wall-clock time, and each run's time to a target validation loss (per
+bandwidth)."""
 
 from __future__ import annotations
 
@@ -23,8 +24,9 @@ def _fmt(v: Any, spec: str) -> str:
 
 
 def format_table(results: list[dict]) -> str:
-    """The printed table: one row per run."""
-    head = (f"{'strategy':<12} {'link':>9} {'val loss':>9} {'train':>7} {'time s':>7} "
+    """The printed table: one row per run (the first column as wide as the longest name)."""
+    w = max([12, *(len(r["strategy"]) for r in results)])
+    head = (f"{'strategy':<{w}} {'link':>9} {'val loss':>9} {'train':>7} {'time s':>7} "
             f"{'step ms':>8} {'compute':>8} {'comm':>7} {'MB/step':>9} {'status':>7}")
     lines = [head, "-" * len(head)]
     def ms(r: dict, key: str) -> float | None:
@@ -33,7 +35,7 @@ def format_table(results: list[dict]) -> str:
     for r in results:
         mb = r.get("bytes_sent_per_step")
         lines.append(
-            f"{r['strategy']:<12} {r['bandwidth']:>9} {_fmt(r.get('val_loss'), '9.4f')} "
+            f"{r['strategy']:<{w}} {r['bandwidth']:>9} {_fmt(r.get('val_loss'), '9.4f')} "
             f"{_fmt(r.get('train_loss'), '7.4f')} {_fmt(r.get('train_seconds'), '7.1f')} "
             f"{_fmt(ms(r, 'step_seconds'), '8.0f')} {_fmt(ms(r, 'compute_seconds'), '8.0f')} "
             f"{_fmt(ms(r, 'comm_seconds'), '7.0f')} "
@@ -127,38 +129,82 @@ def _speed(seconds: float | None, reference: float | None) -> str:
     return f" ({ratio:.2f}x faster)" if ratio > 1 else f" ({1 / ratio:.2f}x slower)"
 
 
-def comparison_lines(results: list[dict], reference: str = "hsdp-adamw",
+def _is_full_sync(name: str) -> bool:
+    spec = STRATEGIES.get(name)
+    return spec is not None and spec.replicator == "full"
+
+
+def _comparison(r: dict, ref: dict, bw: str, equal_time: tuple[float, dict[str, float]],
+                equal_val: tuple[float, dict[str, float]], why: str | None = None) -> list[str]:
+    """One run ``r`` against the run ``ref``: validation loss at equal steps, step time, and
+    the losses at equal wall-clock time; ``why`` (a line under the heading) says why that
+    reference."""
+    (t, at_t), (tv, val_t) = equal_time, equal_val
+    name, reference = r["strategy"], ref["strategy"]
+    rel = 100 * (r["val_loss"] - ref["val_loss"]) / ref["val_loss"]
+    speed = _speed(r.get("step_seconds"), ref.get("step_seconds"))
+    lines = [f"{name} vs {reference} @ {bw}:"]
+    lines += [f"  {note}" for note in (why, never_synced_note(r)) if note]
+    return lines + [
+        f"  at equal steps: val loss {r['val_loss']:.4f} vs {ref['val_loss']:.4f} "
+        f"({rel:+.1f}%)",
+        f"  step time:      {r['step_seconds'] * 1e3:.0f} ms vs "
+        f"{ref['step_seconds'] * 1e3:.0f} ms{speed}",
+        f"  at equal time:  train loss {at_t.get(name, float('nan')):.4f} vs "
+        f"{at_t.get(reference, float('nan')):.4f} after {t:.0f} s (smoothed)",
+        f"                  val loss {_loss(val_t.get(name))} vs "
+        f"{_loss(val_t.get(reference))} after {tv:.0f} s (between evaluations)"]
+
+
+def comparison_lines(results: list[dict], reference: str | None = None,
                      only: set[str] | None = None) -> list[str]:
-    """FlexDeMo (and the others, or those in ``only``) against ``reference``: validation
-    loss at equal steps and training loss at equal wall-clock time, per bandwidth."""
-    lines = []
+    """Each finished run (or those in ``only``) against full sync, per bandwidth: validation
+    loss at equal steps and training loss at equal wall-clock time.
+
+    Without ``reference``, a run is compared first against the full-sync run (replicator
+    ``"full"``) whose inner optimizer is its own (``hsdp-muon`` for a Muon strategy,
+    ``hsdp-adamw`` for an AdamW one), then against the best full sync of that bandwidth (the
+    lowest final validation loss) where that is another; a run whose optimizer has no
+    full-sync run there only against the best, with a line that says so; a full-sync run
+    against the best unless it is the best. With ``reference``: every run against that
+    strategy's run alone."""
+    lines: list[str] = []
     for bw in dict.fromkeys(r["bandwidth"] for r in results):
-        ref = next((r for r in results if r["bandwidth"] == bw and r["strategy"] == reference
-                    and r["status"] == "ok"), None)
-        if ref is None or not is_finite(ref.get("val_loss")):
+        ok = [r for r in results if r["bandwidth"] == bw and r["status"] == "ok"
+              and is_finite(r.get("val_loss"))]
+        shown = [r for r in ok if only is None or r["strategy"] in only]
+        if reference is not None:
+            refs = [r for r in ok if r["strategy"] == reference]
+            full = refs[:1]
+        else:
+            full = [r for r in ok if _is_full_sync(r["strategy"])]
+        if not full:
             continue
-        t, at_t = equal_time_losses(results, bw)
-        tv, val_t = equal_time_val_losses(results, bw)
-        for r in results:
-            if (r["bandwidth"] != bw or r is ref or r["status"] != "ok"
-                    or not is_finite(r.get("val_loss"))
-                    or (only is not None and r["strategy"] not in only)):
+        times = equal_time_losses(results, bw), equal_time_val_losses(results, bw)
+        best = min(full, key=lambda r: r["val_loss"])  # ties: the first that ran
+        for r in shown:
+            if r is best:
                 continue
-            rel = 100 * (r["val_loss"] - ref["val_loss"]) / ref["val_loss"]
-            speed = _speed(r.get("step_seconds"), ref.get("step_seconds"))
-            note = never_synced_note(r)
-            lines.append(f"{r['strategy']} vs {reference} @ {bw}:")
-            if note:
-                lines.append(f"  {note}")
-            lines += [
-                f"  at equal steps: val loss {r['val_loss']:.4f} vs {ref['val_loss']:.4f} "
-                f"({rel:+.1f}%)",
-                f"  step time:      {r['step_seconds'] * 1e3:.0f} ms vs "
-                f"{ref['step_seconds'] * 1e3:.0f} ms{speed}",
-                f"  at equal time:  train loss {at_t.get(r['strategy'], float('nan')):.4f} vs "
-                f"{at_t.get(reference, float('nan')):.4f} after {t:.0f} s (smoothed)",
-                f"                  val loss {_loss(val_t.get(r['strategy']))} vs "
-                f"{_loss(val_t.get(reference))} after {tv:.0f} s (between evaluations)"]
+            if reference is not None:
+                lines += _comparison(r, best, bw, *times)
+                continue
+            also = f"against the best full sync in this run, {best['strategy']}"
+            if _is_full_sync(r["strategy"]):  # another full sync: against the best only
+                lines += _comparison(r, best, bw, *times, why=also)
+                continue
+            spec = STRATEGIES.get(r["strategy"])
+            optimizer = spec.optimizer if spec is not None else None
+            own = next((f for f in full if STRATEGIES[f["strategy"]].optimizer == optimizer),
+                       None)
+            if own is None:
+                lines += _comparison(
+                    r, best, bw, *times,
+                    why=f"no full sync with {optimizer or 'its optimizer'} in this run: "
+                        f"against the best full sync, {best['strategy']}")
+                continue
+            lines += _comparison(r, own, bw, *times)
+            if own is not best:
+                lines += _comparison(r, best, bw, *times, why=also)
     return lines
 
 

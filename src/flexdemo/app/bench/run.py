@@ -39,13 +39,21 @@ from ..device import BY_RANK_ENV, DEVICES
 from ..outputs import read_metrics, strict_json
 from .elastic import elastic_problem, run_elastic
 from .link import StepWatch, dir_label, parse_link
-from .plots import plot_all
+from .plots import plot_all, plot_val_loss_vs_time
 from .report import (
     comparison_lines,
     format_table,
     is_finite,
     retune_cost_lines,
     time_to_target_lines,
+)
+from .stragglers import (
+    comparison,
+    partner,
+    run_figures,
+    slow_label,
+    straggler_lines,
+    straggler_table,
 )
 
 __all__ = ["DEFAULT_BANDWIDTHS", "DEFAULT_STRATEGIES", "PRESETS", "STRATEGIES", "BenchError",
@@ -64,8 +72,9 @@ BASE_CONFIG: dict[str, Any] = {
 
 PRESETS: dict[str, dict[str, Any]] = {
     "main": {
-        "about": "the headline demo: FlexDeMo and MuLoCo vs hybrid-sharded AdamW and Muon, "
-                 "GPT, 2 nodes x 2 ranks at 100 Mbit/s (a few minutes on 2 cores)",
+        "about": "the headline demo: FlexDeMo and MuLoCo (the paper's exchange) vs "
+                 "hybrid-sharded AdamW and Muon, GPT, 2 nodes x 2 ranks at 100 Mbit/s (a few "
+                 "minutes on 2 cores)",
         "strategies": ("flexdemo", "muloco", "hsdp-muon", "hsdp-adamw"),
         "bandwidths": ("100mbit",),
         "nodes": 2, "ranks_per_node": 2, "steps": 150, "out": "runs/main",
@@ -81,15 +90,29 @@ PRESETS: dict[str, dict[str, Any]] = {
         "overrides": ["task.model=mini", "train.batch=8", "train.warmup=12",
                       "train.eval_every=20", "train.eval_batches=8", "train.log_every=10"]},
     "auto": {
-        "about": "\"auto\" against the fixed strategies it chooses from (full-sync Muon, "
-                 "MuLoCo H=20, the sparse preset) at 10 Mbit/s, 100 Mbit/s and 1 Gbit/s and on "
-                 "a link that drops from 1 Gbit/s to 10 Mbit/s halfway; time to a target loss",
-        "strategies": ("auto", "hsdp-muon", "muloco", "sparseloco"),
+        "about": "\"auto\" against fixed strategies of its ranking (full-sync Muon, our "
+                 "MuLoCo-style int4 H=20, our sparseloco-dct) at 10 Mbit/s, 100 Mbit/s and "
+                 "1 Gbit/s and on a link that drops from 1 Gbit/s to 10 Mbit/s halfway; time to "
+                 "a target loss",
+        "strategies": ("auto", "hsdp-muon", "muloco-int4-h20", "sparseloco-dct"),
         "bandwidths": ("10mbit", "100mbit", "1gbit", "1gbit>10mbit"),
         "nodes": 2, "ranks_per_node": 1, "steps": 120, "out": "runs/auto",
         # batch 48: a CPU step long enough (about 0.25 s) that full sync fits 1 Gbit/s
         "overrides": ["task.model=tiny", "train.batch=48", "train.warmup=12",
                       "train.eval_every=10", "train.eval_batches=4", "train.log_every=5"]},
+    "stragglers": {
+        "about": "replicas of different speeds: 4 nodes x 1 rank at 100 Mbit/s, the last node "
+                 "3x slower (--slow-factor, --slow-node); MuLoCo (our int4, the paper's) "
+                 "synchronous vs each replica at its own pace, FlexDeMo vs balanced batches; "
+                 "goodput, time to the synchronous run's loss, loss at equal tokens",
+        "strategies": ("muloco-int4", "muloco-int4-paced", "muloco", "muloco-paced",
+                       "flexdemo", "flexdemo-balanced"),
+        "bandwidths": ("100mbit",),
+        "nodes": 4, "ranks_per_node": 1, "steps": 240, "slow_factor": 3.0,
+        "out": "runs/stragglers",
+        # H=30 (both MuLoCo presets): 8 syncs, an evaluation at each
+        "overrides": ["task.model=tiny", "train.batch=16", "train.warmup=15",
+                      "train.eval_every=30", "train.eval_batches=4", "train.log_every=10"]},
 }
 
 
@@ -124,6 +147,11 @@ class BenchOptions:
     target: float | None = None
     """The validation loss whose time to reach every run reports (None: with ``auto``, the
     loosest loss every run within 5% of the best reached; otherwise no report)."""
+    slow_factor: float = 1.0
+    """Node ``slow_node``'s ranks make each step last this many times its compute
+    (``train.slowdown``, an emulated slower GPU); 1: none slowed."""
+    slow_node: int | None = None
+    """The slowed node (default: the last), when ``slow_factor`` is above 1."""
 
 
 def _split(text: str | None) -> list[str] | None:
@@ -141,7 +169,8 @@ def bench_options(*, preset: str | None = None, strategies: str | list[str] | No
                   quiet: bool = False, device: str | None = None,
                   kill_at: int | None = None, restart_at: int | None = None,
                   repeat: int | None = None,
-                  target: float | None = None) -> BenchOptions:
+                  target: float | None = None, slow_factor: float | None = None,
+                  slow_node: int | None = None) -> BenchOptions:
     """Resolve and check a sweep's options; raises :class:`BenchError` or
     :class:`~flexdemo.app.config.schema.ConfigError` with a one-line message."""
     p = PRESETS.get(preset or "", {})
@@ -209,6 +238,7 @@ def bench_options(*, preset: str | None = None, strategies: str | list[str] | No
     o.device = train["device"] = _bench_device(train.get("device", "auto"),
                                                o.nodes * o.ranks_per_node)
     o.base = base
+    _slow_options(o, p, preset, slow_factor, slow_node)
     for name in o.strategies:  # every run's config must be valid before anything starts
         validate(config_from_dict(run_config(o, name, "check")), o.nodes * o.ranks_per_node)
     if (kill_at or restart_at or repeat) and preset != "elastic":
@@ -222,6 +252,29 @@ def bench_options(*, preset: str | None = None, strategies: str | list[str] | No
         if problem:
             raise BenchError(problem)
     return o
+
+
+def _slow_options(o: BenchOptions, p: dict[str, Any], preset: str | None,
+                  factor: float | None, node: int | None) -> None:
+    """``--slow-factor`` (else the preset's, else 1) and ``--slow-node`` (default: the last
+    node) into ``o``; one line for a value out of range."""
+    value = p.get("slow_factor", 1.0) if factor is None else factor
+    if (isinstance(value, bool) or not isinstance(value, (int, float))
+            or not math.isfinite(value) or value < 1):
+        raise BenchError(f"--slow-factor must be a number >= 1 (each step of the slowed node "
+                         f"lasts that many times its compute; 1: none slowed), got {value!r}")
+    o.slow_factor = float(value)
+    if o.slow_factor == 1.0:
+        if node is not None:
+            raise BenchError("--slow-node names the node to slow: give --slow-factor above 1 "
+                             "too (or --preset stragglers)")
+        return
+    if preset == "elastic":
+        raise BenchError("--slow-factor and --slow-node are not for the elastic preset")
+    o.slow_node = o.nodes - 1 if node is None else node
+    if isinstance(o.slow_node, bool) or not 0 <= o.slow_node < o.nodes:
+        raise BenchError(f"--slow-node {node}: the sweep has {o.nodes} nodes, numbered "
+                         f"0..{o.nodes - 1}")
 
 
 def _bench_steps(option: int | None, override: Any, in_file: Any, default: int) -> int:
@@ -270,6 +323,12 @@ def run_config(o: BenchOptions, strategy: str, run_dir: str) -> dict:
         cfg["mesh"] = {"replicate": o.nodes, "shard": o.ranks_per_node}
     train = cfg.setdefault("train", {})
     train.update({"out": run_dir, "overwrite": True, "progress": True})
+    if spec.batches != "equal":
+        train["batches"] = spec.batches
+    if o.slow_factor != 1.0 and o.slow_node is not None:  # the slowed node's ranks
+        rpn = o.ranks_per_node
+        train.update({"slowdown": o.slow_factor,
+                      "slow_ranks": list(range(o.slow_node * rpn, (o.slow_node + 1) * rpn))})
     cfg["resume"] = False
     return cfg
 
@@ -369,18 +428,22 @@ def run_bench(o: BenchOptions, echo: Callable[[str], None] | None = None) -> lis
             cluster.__exit__(None, None, None)
     write_results(o, results, out, shaped, time.perf_counter() - t0)
     echo("\n" + format_table(results))
+    # each strategy against full sync with its own inner optimizer, then the best full sync
     for line in comparison_lines(results):
         echo(line)
-    # the Muon family also against full sync with the same inner optimizer, where it ran
-    muon = {n for n in o.strategies if n in STRATEGIES and STRATEGIES[n].optimizer == "muon"}
-    for line in comparison_lines(results, "hsdp-muon", muon - {"hsdp-muon"}):
-        echo(line)
+    stragglers = o.slow_factor != 1.0 or any(partner(n) for n in o.strategies)
+    if stragglers:  # replicas of different speeds: goodput, time to loss, equal tokens
+        echo("\n" + straggler_table(results))
+        for line in straggler_lines(results, slow_label(o.slow_factor, o.slow_node)):
+            echo(line)
     if "auto" in o.strategies or o.target is not None:
         for line in (time_to_target_lines(results, "auto", o.target)
                      + retune_cost_lines(results)):
             echo(line)
     try:
         paths = plot_all(results, out)
+        if stragglers and paths:
+            paths.append(plot_val_loss_vs_time(results, out / "val_loss_vs_time.png"))
         echo("plots: " + ", ".join(str(p) for p in paths) if paths
              else "plots skipped: no run finished")
     except ModuleNotFoundError:
@@ -406,6 +469,8 @@ def _one_run(o: BenchOptions, cluster: EmulatedCluster, name: str, bw: str, out:
     else:
         where = f"links of {format_rate(parse_bandwidth(link.first))}" + (
             f", {format_rate(parse_bandwidth(then))} from step {o.steps // 2}" if then else "")
+    slow = slow_label(o.slow_factor, o.slow_node)
+    where += f"; {slow}" if slow else ""
     if link is not None and then is not None:
         cluster.set_bandwidth(link.first)  # the run before may have left the second rate
 
@@ -447,6 +512,7 @@ def _one_run(o: BenchOptions, cluster: EmulatedCluster, name: str, bw: str, out:
         "val_loss": [r["val_loss"] for r in rows if "val_loss" in r],
         "val_seconds": [r["train_seconds"] for r in rows if "val_loss" in r],
         "val_bytes": [r["bytes_sent_total"] for r in rows if "val_loss" in r],
+        "val_tokens": [r.get("job_tokens_total") for r in rows if "val_loss" in r],
     }
     if watch is not None and watch.fired_at is not None:
         c = record["curve"]
@@ -474,8 +540,16 @@ CSV_FIELDS = ["strategy", "bandwidth", "status", "nodes", "ranks_per_node", "ste
 def write_results(o: BenchOptions, results: list[dict], out: Path, shaped: bool,
                   seconds: float) -> None:
     """``results.json`` (everything, curves included) and ``results.csv`` (one row per run)."""
-    payload = {"options": asdict(o), "shaped": shaped, "seconds": seconds,
-               "runs": results}
+    payload: dict[str, Any] = {"options": asdict(o), "shaped": shaped, "seconds": seconds,
+                               "runs": results}
+    if o.slow_factor != 1.0 or any(partner(r["strategy"]) for r in results):
+        ok = {(r["strategy"], r["bandwidth"]): r for r in results if r["status"] == "ok"}
+        payload["stragglers"] = {
+            "slowed": slow_label(o.slow_factor, o.slow_node) or None,
+            "runs": [{"strategy": r["strategy"], "bandwidth": r["bandwidth"],
+                      **run_figures(r)} for r in ok.values()],
+            "comparisons": [comparison(r, ok[(partner(n), bw)])
+                            for (n, bw), r in ok.items() if (partner(n), bw) in ok]}
     (out / "results.json").write_text(strict_json(payload, indent=1) + "\n")
     with (out / "results.csv").open("w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=CSV_FIELDS, extrasaction="ignore")

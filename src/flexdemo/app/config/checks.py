@@ -101,6 +101,11 @@ def _coerce(value: Any, annotation: Any, where: str) -> Any:
         if isinstance(value, str):
             return value
         raise ConfigError(f"{where}: expected a string, got {describe(value)}")
+    if origin is list:
+        if not isinstance(value, list):
+            raise ConfigError(f"{where}: expected an array (e.g. [3]), got {describe(value)}")
+        (item,) = typing.get_args(annotation)
+        return [_coerce(v, item, f"{where}[{i}]") for i, v in enumerate(value)]
     if annotation is dict:
         if isinstance(value, dict):
             return dict(value)
@@ -294,6 +299,14 @@ def validate(cfg: Config, world_size: int = 1) -> Config:
     _check_range("train.max_skipped", 0.0 <= tr.max_skipped <= 1.0, "between 0 and 1",
                  tr.max_skipped)
     _check_range("train.timeout", tr.timeout >= 0, "a number of seconds >= 0", tr.timeout)
+    if tr.batches == "balanced" and "pace" in s.replicator_kwargs:
+        raise ConfigError("train.batches='balanced' sizes the batches of exchanges at every "
+                          "step; a DiLoCo pace (strategy.replicator_kwargs.pace) gives each "
+                          "replica its own steps instead: choose one")
+    _check_range("train.slowdown", tr.slowdown >= 1.0, "a factor >= 1 (1: off)", tr.slowdown)
+    _check_range("train.slow_ranks", all(0 <= r < world_size for r in tr.slow_ranks)
+                 and len(set(tr.slow_ranks)) == len(tr.slow_ranks),
+                 f"distinct ranks of this job, 0..{world_size - 1}", tr.slow_ranks)
     try:
         check_device(tr.device)
     except ValueError as e:

@@ -135,6 +135,16 @@ class TrainConfig:
     timeout: float = 0.0
     """Seconds a collective may wait for a peer before the run stops (0: FLEXDEMO_TIMEOUT if
     set, else the library's default, :data:`flexdemo.mesh.DEFAULT_TIMEOUT_SECONDS`)."""
+    batches: str = "equal"
+    """``equal``: ``batch`` on every rank; ``balanced``: each replica's batch sized to its
+    speed, measured over the first steps (``batch`` x replicas in all), for exchanges at every
+    step weighted by tokens (:mod:`flexdemo.app.train.speeds`)."""
+    slowdown: float = 1.0
+    """For benchmarks: the ranks of ``slow_ranks`` make each step last this many times its
+    measured compute time (sleeping the difference after the step): an emulated slower GPU
+    (:mod:`flexdemo.app.train.speeds`). 1: off."""
+    slow_ranks: list[int] = field(default_factory=list)
+    """The ranks ``slowdown`` slows (global ranks); empty: every rank."""
     tensorboard: bool = True
     progress: bool = True
     device: str = "auto"
@@ -192,6 +202,9 @@ class Config:
     checkpoint (or the newest one under that folder)."""
 
 
+BATCHES = ("equal", "balanced")
+"""``train.batches``: every rank at ``train.batch``, or each replica's batch sized to its speed."""
+
 SECTIONS: dict[str, type] = {"task": TaskConfig, "strategy": StrategyConfig,
                              "mesh": MeshConfig, "train": TrainConfig,
                              "fault_tolerance": FaultToleranceConfig}
@@ -202,4 +215,5 @@ def choices() -> dict[str, tuple[str, ...]]:
     return {"task.name": tuple(TASKS), "strategy.optimizer": tuple(BASE_OPTIMIZERS),
             "strategy.replicator": tuple(sorted(REPLICATORS)),
             "strategy.nonfinite": ("raise", "skip"), "train.schedule": SCHEDULES,
+            "train.batches": BATCHES,
             "train.device": DEVICES, "train.precision": PRECISIONS}

@@ -171,6 +171,18 @@ class Task(ABC):
                  batch_size: int) -> dict[str, float]:
         """Sums over this rank's share of the validation data (see the class docstring)."""
 
+    def batch_tokens(self, batch: Any) -> int:
+        """The tokens a training batch trains on (default: its examples, the first
+        dimension of its first tensor; text tasks: the predicted tokens), without reading the
+        device. A pace weighing by tokens (``opt.count_tokens``) and the bench's goodput
+        count them."""
+        first = batch
+        while isinstance(first, (tuple, list)):
+            first = first[0]
+        if isinstance(first, dict):
+            first = next(iter(first.values()))
+        return int(first.shape[0])
+
     def shard_units(self) -> Callable[[nn.Module], list[nn.Module]] | None:
         """Modules to shard as their own FSDP unit (``None``: :func:`flexdemo.prepare`'s
         default, the members of every ``nn.ModuleList``)."""

@@ -82,6 +82,10 @@ class GPTTask(Task):
         x, y = batch
         return model(x, y)
 
+    def batch_tokens(self, batch: tuple[torch.Tensor, torch.Tensor]) -> int:
+        """The predicted tokens: every target of the batch."""
+        return int(batch[1].numel())
+
     def evaluate(self, model: nn.Module, rank: int, world: int, batches: int,
                  batch_size: int) -> dict[str, float]:
         def batch_loss(idx: torch.Tensor) -> tuple[float, int]:

@@ -91,15 +91,21 @@ class TrainState:
     train_seconds: float = 0.0
     bytes_sent: int = 0
     bytes_received: int = 0
+    tokens: int = 0
+    """This rank's training tokens so far (:meth:`~flexdemo.app.tasks.Task.batch_tokens`)."""
+    batch: int = 0
+    """This rank's balanced batch size once decided (``train.batches``); 0: ``train.batch``."""
 
     def state_dict(self) -> dict[str, Any]:
         return {"train_seconds": float(self.train_seconds), "bytes_sent": int(self.bytes_sent),
-                "bytes_received": int(self.bytes_received)}
+                "bytes_received": int(self.bytes_received), "tokens": int(self.tokens),
+                "batch": int(self.batch)}
 
     @classmethod
     def from_extra(cls, step: int, extra: dict[str, Any]) -> TrainState:
         return cls(step, float(extra.get("train_seconds", 0.0)),
-                   int(extra.get("bytes_sent", 0)), int(extra.get("bytes_received", 0)))
+                   int(extra.get("bytes_sent", 0)), int(extra.get("bytes_received", 0)),
+                   int(extra.get("tokens", 0)), int(extra.get("batch", 0)))
 
 
 # ---------------------------------------------------------------------- checkpoints

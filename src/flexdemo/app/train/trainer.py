@@ -19,14 +19,16 @@ writes; with several machines ``out`` must be a shared folder):
 * ``config.toml``: the resolved config (``flexdemo train out/config.toml`` reruns it);
 * ``metrics.jsonl``: one line per step: ``step``, ``loss`` (rank 0's batch), ``lr``,
   ``bytes_sent``/``bytes_received`` (rank 0, over the replicate dimension: the slow link),
-  ``comm_seconds`` (inside the replicators' collectives), ``compute_seconds`` (the rest of
+  ``comm_seconds`` (inside the replicators' collectives, and the loop's agreement on a
+  signal after each step, where a rank waits for a slower one), ``compute_seconds`` (the rest of
   the step: data, forward, backward with FSDP's own traffic, the optimizer),
   ``step_seconds``, ``cpu_seconds`` (the rank's CPU time in the step, all its threads: a
   measure of work that another job on the machine does not inflate, unlike ``step_seconds``),
-  ``train_seconds`` (cumulative, evaluation and checkpoints excluded) and
-  ``bytes_sent_total``; evaluation steps add ``val_loss`` (and ``val_accuracy``), averaged
-  over all ranks. A step's line is written before its checkpoint, so after a crash and a
-  resume every step appears exactly once;
+  ``train_seconds`` (cumulative, evaluation and checkpoints excluded),
+  ``bytes_sent_total`` and ``tokens_total`` (rank 0's training tokens so far); evaluation
+  steps add ``val_loss`` (and ``val_accuracy``), averaged over all ranks, and
+  ``job_tokens_total`` (every rank's tokens so far). A step's line is written before its
+  checkpoint, so after a crash and a resume every step appears exactly once;
 * ``summary.json``: the final figures (also printed);
 * ``tensorboard/``: the same scalars, if tensorboard is installed;
 * ``checkpoints/step_NNNNNN``: model, optimizer (with every replica's replicator state),
@@ -38,6 +40,14 @@ device, and on CUDA the losses are read once every ``log_every`` steps (and at e
 checkpoints), not after each step. ``train.precision = "bf16"`` trains with FSDP2 mixed
 precision (bf16 compute, fp32 gradients and master weights). A run whose mesh has a single
 replica (e.g. ``torchrun --nproc-per-node 4`` on one node: replicate 1 x shard 4) says so once.
+
+A run with a pace (``strategy.replicator_kwargs.pace``: DiLoCo's replicas of different speeds)
+is measured in syncs, every rank stopping at the same one; evaluations, checkpoints and the
+agreement on a signal happen at syncs, and the learning rate follows the run's progress
+(:mod:`flexdemo.app.train.speeds`, which also holds ``train.slowdown``, a benchmark's slower
+rank). Its metrics lines are rank 0's own steps, with ``sync`` and ``progress`` (the step of
+the run's schedule), and ``summary.json`` has ``pace`` and every rank's own figures
+(``per_rank``: steps, compute seconds per step, tokens).
 
 Resuming (``resume = true``) restores all of it; on CPU the resumed run's losses equal an
 uninterrupted run's bit for bit. A checkpoint already at ``train.steps`` leaves nothing to
@@ -107,12 +117,15 @@ from .setup import (
     single_replica_note,
     timeout_seconds,
 )
+from .speeds import BatchBalance, PacedRun, Slowdown, crossed
 
 __all__ = ["Checkpointer", "PeerLostError", "Preempted", "StartupError", "TrainState",
            "Trainer", "TrainingError", "UsageError", "lr_at", "timeout_seconds", "train"]
 
 ELASTIC_WAITS = ("quorum_seconds", "commit_seconds")
 """Under fault tolerance: the seconds a step waits for its quorum and its commit vote."""
+PER_RANK = ("steps", "steps_this_run", "compute_seconds", "tokens", "train_seconds", "batch")
+"""Each rank's own figures in ``summary.json``'s ``per_rank`` (compute seconds per step)."""
 ELASTIC_METRICS = ("replicas", "failed_commits", *ELASTIC_WAITS, "snapshot_seconds")
 """The fault-tolerance figures each ``metrics.jsonl`` line carries in an elastic run."""
 
@@ -184,6 +197,10 @@ class Trainer:
             self.model, self.opt = prepare_model(cfg, model, self.task, self.device,
                                                  self.timeout, self.peers)
         self.say: Echo = self.echo if self.rank == 0 else (lambda text: None)
+        # a pace: the run in syncs; a slowdown: an emulated slower rank (benchmarks)
+        self.paced = PacedRun.of(self.opt, tc.steps, tc.stop_at)
+        self.slowdown = Slowdown.for_rank(tc.slowdown, tc.slow_ranks, self.rank, self.device)
+        self.balance: BatchBalance | None = None  # train.batches = "balanced" (set in _run)
         mesh = self.opt.mesh
         self.layout = {"replicate": mesh["replicate"].size(), "shard": mesh["shard"].size()}
         if any(issubclass(w.category, NoReplicationWarning) for w in caught):
@@ -201,6 +218,11 @@ class Trainer:
         self.progress: Progress | None = None
         # from here on a signal asks for a clean stop (before, it ends the process as usual)
         self.stop = StopRequest(self.world, self.device, self.timeout, self.handle_signals)
+
+    @property
+    def _batch(self) -> int:
+        """This rank's batch size (balanced batches: its own once decided)."""
+        return self.cfg.train.batch if self.balance is None else self.balance.batch
 
     def _check_output_folder(self) -> None:
         """Rank 0 creates ``train.out`` and writes a probe file into it; every rank learns
@@ -250,16 +272,20 @@ class Trainer:
         began, if before this call (the quorum under fault tolerance is part of the step), and
         ``c0`` the process's CPU time then."""
         tc, sc = self.cfg.train, self.cfg.strategy
-        lr = lr_at(step - 1, tc.steps, sc.lr, tc.warmup_steps, tc.schedule, tc.min_lr)
+        at, span = ((step - 1, tc.steps) if self.paced is None
+                    else (self.paced.position(), self.paced.span))
+        lr = lr_at(at, span, sc.lr, tc.warmup_steps, tc.schedule, tc.min_lr)
         for g in self.opt.param_groups:
             g["lr"] = lr
         if t0 is None:
             t0 = time.perf_counter()
         if c0 is None:
             c0 = time.process_time()
-        batch = to_device(self.task.train_batch(sampler.next(tc.batch)), self.device)
+        batch = to_device(self.task.train_batch(sampler.next(self._batch)), self.device)
+        tokens = self.task.batch_tokens(batch)
         skipped_before = self.opt.skipped_steps
         try:
+            self.opt.count_tokens(tokens)  # a pace weighing by tokens reads them; else no-op
             loss = self.task.loss(self.model, batch)
             loss.backward()
             self.opt.step()
@@ -281,6 +307,10 @@ class Trainer:
                 f"NaN/Inf gradients (strategy.nonfinite='skip'), more than train.max_skipped="
                 f"{tc.max_skipped:g} of train.steps={tc.steps}; the run is not training: "
                 "lower strategy.lr or clip gradients (or raise train.max_skipped)")
+        # under fault tolerance the quorum and the commit vote are communication too
+        comm = stats["comm_seconds"] + sum(stats.get(k, 0.0) for k in ELASTIC_WAITS)
+        if self.slowdown is not None:  # an emulated slower rank: its sleep is compute time
+            self.slowdown.after_step(t0, comm)
         dt = time.perf_counter() - t0
         cpu = time.process_time() - c0
         s = self.state
@@ -288,16 +318,33 @@ class Trainer:
         s.train_seconds += dt
         s.bytes_sent += stats["bytes_sent"]
         s.bytes_received += stats["bytes_received"]
-        # under fault tolerance the quorum and the commit vote are communication too
-        comm = stats["comm_seconds"] + sum(stats.get(k, 0.0) for k in ELASTIC_WAITS)
+        s.tokens += tokens
+        paced = {} if self.paced is None else {"sync": self.paced.syncs,
+                                               "progress": self.paced.position()}
+        if self.balance is not None:
+            paced["batch"] = self._batch
         return {"step": step, "loss": loss.detach(), "lr": lr, "skipped": bool(skipped),
                 "skipped_steps_total": self.opt.skipped_steps,
                 "bytes_sent": stats["bytes_sent"], "bytes_received": stats["bytes_received"],
                 "compute_seconds": dt - comm, "comm_seconds": comm, "step_seconds": dt,
                 "cpu_seconds": cpu, "train_seconds": s.train_seconds,
-                "bytes_sent_total": s.bytes_sent,
+                "bytes_sent_total": s.bytes_sent, "tokens_total": s.tokens, **paced,
                 "time": time.time(),
                 **{k: stats[k] for k in ELASTIC_METRICS + ("auto_choice",) if k in stats}}
+
+    def _agree_on_stop(self, record: dict[str, Any]) -> str | None:
+        """:meth:`StopRequest.agreed` after ``record``'s step; the time it takes (a rank
+        waiting there for a slower one: a loop whose replicators do not exchange at every
+        step runs in step with the slowest rank through it) is the step's communication."""
+        assert self.stop is not None  # built by _set_up
+        t0 = time.perf_counter()
+        stop = self.stop.agreed()
+        waited = time.perf_counter() - t0
+        record["step_seconds"] += waited
+        record["comm_seconds"] += waited
+        self.state.train_seconds += waited
+        record["train_seconds"] = self.state.train_seconds
+        return stop
 
     def _read_losses(self, records: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """The losses of ``records`` as floats, read in one host transfer. On CUDA the time
@@ -319,10 +366,13 @@ class Trainer:
     def evaluate(self) -> dict[str, float]:
         """Validation loss (and accuracy) over every rank's share of the validation data."""
         tc = self.cfg.train
-        sums = self.task.evaluate(self.model, self.rank, self.world, tc.eval_batches, tc.batch)
+        sums = dict(self.task.evaluate(self.model, self.rank, self.world, tc.eval_batches,
+                                       tc.batch))
+        sums["job_tokens"] = float(self.state.tokens)  # every rank's tokens so far, in the sum
         keys = sorted(sums)
         total = dict(zip(keys, sum_over_ranks([sums[k] for k in keys], self.device)))
-        out = {"val_loss": total["loss_sum"] / max(total["count"], 1.0)}
+        out = {"val_loss": total["loss_sum"] / max(total["count"], 1.0),
+               "job_tokens_total": int(total["job_tokens"])}
         if "correct" in total:
             out["val_accuracy"] = total["correct"] / max(total["count"], 1.0)
         return out
@@ -354,16 +404,28 @@ class Trainer:
         resume_from, sampler = self._resume()
         start = self.state.step
         last = tc.stop_at or tc.steps
-        if resume_from is not None and start >= last:
+        paced = self.paced
+        if paced is not None:  # the run in syncs; a rank's own steps are opt.steps
+            if resume_from is not None and paced.done:
+                return self._nothing_to_train(min(paced.at, tc.steps), resume_from)
+            start = self.state.step = self.opt.steps
+        elif resume_from is not None and start >= last:
             return self._nothing_to_train(start, resume_from)
+        if tc.batches == "balanced":
+            self.balance = BatchBalance(tc.batch, self.rank, self.world, self.layout["shard"],
+                                        start, self.task.num_train_items, self.state.batch)
         self._open_outputs()
         say(f"{self.task.describe()}")
+        steps = (f"steps {start + 1}..{last} of {tc.steps}" if paced is None else
+                 f"syncs {paced.syncs + 1}..{paced.last} of {paced.total}")
         say(f"{self.n_params / 1e6:.3f}M parameters; world {self.world} = mesh replicate "
             f"{self.layout['replicate']} x shard {self.layout['shard']}; {sc.replicator} + "
-            f"{sc.optimizer} lr {sc.lr:g}; steps {start + 1}..{last} of {tc.steps}, batch "
+            f"{sc.optimizer} lr {sc.lr:g}; {steps}, batch "
             f"{tc.batch} per rank; {self.device.type} {tc.precision}; out {self.out}")
-        self.progress = Progress(tc.steps, start, tc.log_every, tc.progress and self.rank == 0,
-                                 say)
+        if paced is not None:
+            say(paced.note(tc.steps))
+        total, done = (tc.steps, start) if paced is None else (paced.span, paced.at)
+        self.progress = Progress(total, done, tc.log_every, tc.progress and self.rank == 0, say)
         losses: list[float] = []
         step_s = comm_s = 0.0
         val: dict[str, float] = {}
@@ -381,20 +443,23 @@ class Trainer:
                 comm_s += record["comm_seconds"]
                 if self.metrics is not None:
                     self.metrics.write(record)
-                self.progress.update(record["step"], record["loss"], record["lr"],
+                # a paced run: the run's progress (the schedule's step), not rank 0's own
+                self.progress.update(round(record.get("progress", record["step"])),
+                                     record["loss"], record["lr"],
                                      record["bytes_sent_total"] / 1e6, record.get("val_loss"))
 
-        while step < last:
+        while step < last if paced is None else not paced.done:
             t_step = c_step = None
             position = sampler.state_dict()
+            synced = 0 if paced is None else paced.syncs
             try:
                 if elastic:  # the quorum first (a joiner heals here): the step is opt.steps + 1
                     t_step, c_step = time.perf_counter(), time.process_time()
                     self.opt.zero_grad()
                     if self.opt.steps >= last:
                         break
-                record = self._step(self.opt.steps + 1 if elastic else step + 1, sampler,
-                                    t_step, c_step)
+                record = self._step(self.opt.steps + 1 if elastic or paced else step + 1,
+                                    sampler, t_step, c_step)
             except LighthouseLostError as e:  # the step was not taken: save the one before
                 sampler.load_state_dict(position)
                 write(self._read_losses(pending) if pending else [])
@@ -403,16 +468,35 @@ class Trainer:
                 continue
             step = record["step"]
             pending.append(record)
+            if self.balance is not None and self.balance.observe(
+                    step, record["compute_seconds"], self.device):  # the sizes decided now
+                self.state.batch = self.balance.batch
+                say(f"balanced batches from step {step + 1}: {self.balance.sizes} per replica "
+                    f"(train.batch={tc.batch} x {self.layout['replicate']} shared by speed)")
             if self.skip_stop is not None:  # too many skipped steps: lines, summary, one line
                 write(self._read_losses(pending))
                 summary = self._summary(start, resume_from, losses, step_s, comm_s, val,
                                         time.perf_counter() - t_loop)
                 self._write_summary({**summary, "stopped": self.skip_stop})
                 raise TrainingError(self.skip_stop)
-            # every rank, every step: did any rank get SIGTERM/SIGINT? (then all stop here)
-            stop = self.stop.agreed() if step < last else None
-            evaluate = bool(tc.eval_every and step % tc.eval_every == 0) or step == last
-            checkpoint = self.checkpointer.due(step, last) or stop is not None
+            # the run's step and the one before it; with a pace, at syncs only (the ranks'
+            # steps differ: the collectives below pair up at syncs)
+            if paced is None:
+                mark, before, final = step, step - 1, step == last
+            elif paced.syncs > synced:
+                mark, before, final = paced.at, paced.at - paced.inner_steps, paced.done
+            else:
+                mark, before, final = None, 0, False
+            stop: str | None = None
+            evaluate = checkpoint = False
+            if mark is not None:
+                # every rank, every step (sync): did any rank get SIGTERM/SIGINT? (then all
+                # stop here)
+                if not final:
+                    stop = self._agree_on_stop(record)
+                evaluate = crossed(tc.eval_every, before, mark) or final
+                checkpoint = (bool(tc.checkpoint_every) and (
+                    crossed(tc.checkpoint_every, before, mark) or final)) or stop is not None
             if evaluate or checkpoint or step % self.read_every == 0:
                 self._read_losses(pending)  # first: the steps' GPU time is theirs, not eval's
                 val = self.evaluate() if evaluate else {}
@@ -420,9 +504,10 @@ class Trainer:
                 write(pending)  # the lines go out before the checkpoint: a resume keeps them
                 pending = []
             if checkpoint:
-                saved = self.checkpointer.save(step, self.model, self.opt, sampler, self.state)
+                assert mark is not None
+                saved = self.checkpointer.save(mark, self.model, self.opt, sampler, self.state)
                 if stop is not None:
-                    raise Preempted(step, saved, stop)
+                    raise Preempted(mark, saved, stop)
         loop_seconds = time.perf_counter() - t_loop
         self.progress.close()
         summary = self._summary(start, resume_from, losses, step_s, comm_s, val, loop_seconds)
@@ -489,29 +574,58 @@ class Trainer:
         step = max(s.step, start)
         ran = max(step - start, 0)
         tail = losses[-min(len(losses), 10):] or [float("nan")]
+        # every rank's own figures, in the same sum: each rank fills its own slots
+        n = len(PER_RANK)
+        per = [0.0] * (n * self.world)
+        per[self.rank * n:(self.rank + 1) * n] = [step, ran, step_s - comm_s, s.tokens,
+                                                  s.train_seconds, self._batch]
         sums = sum_over_ranks([sum(tail) / len(tail), step_s, comm_s, s.bytes_sent,
-                                s.bytes_received], self.device)
-        mean = [v / self.world for v in sums]
+                               s.bytes_received, *per], self.device)
+        mean = [v / self.world for v in sums[:5]]
+        ranks = {key: sums[5 + i::n] for i, key in enumerate(PER_RANK)}
+        # per step: over every rank's steps (with a pace the ranks' steps differ)
+        steps_all, ran_all = sum(ranks["steps"]) / self.world, sum(ranks["steps_this_run"])
+        ran_all /= self.world
+        paced = self.paced
         return {
             "task": cfg.task.name, "model": cfg.task.model, "params": self.n_params,
             "local_params": _local_numel(self.model), "world": self.world,
             "mesh": self.layout, "replicator": sc.replicator, "optimizer": sc.optimizer,
-            "lr": sc.lr, "steps": step, "steps_total": tc.steps, "steps_this_run": ran,
+            "lr": sc.lr, "steps": step if paced is None else paced.at,
+            "steps_total": tc.steps if paced is None else paced.span, "steps_this_run": ran,
             "skipped_steps": int(self.opt.skipped_steps),
             "resumed_from": str(resume_from) if resume_from else None,
             "batch_per_rank": tc.batch, "device": str(self.device), "precision": tc.precision,
             "train_loss": mean[0], **val,
             "seconds": time.perf_counter() - self.t_start, "loop_seconds": loop_seconds,
             "train_seconds": s.train_seconds,
-            "step_seconds": mean[1] / max(ran, 1), "comm_seconds": mean[2] / max(ran, 1),
-            "compute_seconds": (mean[1] - mean[2]) / max(ran, 1),
-            "bytes_sent_per_step": mean[3] / max(step, 1),
-            "bytes_received_per_step": mean[4] / max(step, 1),
+            "step_seconds": mean[1] / max(ran_all, 1), "comm_seconds": mean[2] / max(ran_all, 1),
+            "compute_seconds": (mean[1] - mean[2]) / max(ran_all, 1),
+            "bytes_sent_per_step": mean[3] / max(steps_all, 1),
+            "bytes_received_per_step": mean[4] / max(steps_all, 1),
             "mb_sent_total": mean[3] / 1e6, "out": str(self.out),
+            "tokens_total": int(sum(ranks["tokens"])), "per_rank": _per_rank(ranks),
+            **({} if paced is None else {"pace": {
+                "inner_steps": paced.inner_steps, "counts": paced.counts(),
+                "weights": paced.rep.pace.weights, "syncs": paced.syncs,
+                "syncs_total": paced.total,
+                # (sync, counts) at each measurement that set them (the adaptive mode's changes)
+                "changes": [[j, list(c)] for j, c in getattr(paced.rep.pace, "changes", [])]}}),
             **{k: v for k, v in self.opt.last_step_stats().items()
                if k in ("auto_history", "auto_retune_seconds")},
             "config": config_to_dict(cfg),
         }
+
+
+def _per_rank(ranks: dict[str, list[float]]) -> dict[str, list]:
+    """``summary.json``'s ``per_rank`` from each rank's sums (:data:`PER_RANK`): counts as
+    integers, compute seconds per step of this run."""
+    out: dict[str, list] = {k: [int(v) for v in ranks[k]]
+                            for k in ("steps", "steps_this_run", "tokens", "batch")}
+    out["compute_seconds"] = [c / max(n, 1) for c, n in zip(ranks["compute_seconds"],
+                                                             ranks["steps_this_run"])]
+    out["train_seconds"] = list(ranks["train_seconds"])
+    return out
 
 
 def train(cfg: Config, *, echo: Echo | None = None, exit_on_lost_peer: bool = False,

@@ -1,0 +1,213 @@
+"""``flexdemo train`` with replicas of different speeds (issue 55): a pace, balanced batches,
+and the benchmark's emulated slower rank.
+
+**A run with a pace.** With ``strategy.replicator_kwargs.pace`` (``"fixed"``, ``"adaptive"``
+or a list of counts) on a DiLoCo-family replicator, each replica syncs after its own number
+of inner steps (:mod:`flexdemo.replicate.pace`), so the ranks take different numbers of steps
+and the run is measured in syncs (:class:`PacedRun`): it lasts ``ceil(train.steps / H)``
+syncs (a period is ``H`` steps of the fastest replica, so the fastest runs ``train.steps``
+steps rounded up to a whole period) and every rank stops at the same sync, which every rank
+counts alike. ``train.stop_at`` stops at the first sync at or after it. After sync ``j`` the
+run stands at step ``j H`` (the checkpoint's name ``step_NNNNNN``, the progress line); the
+loop's collectives (evaluation, checkpoints, the agreement on a signal) happen at syncs only,
+where the replicas are identical: an evaluation or a checkpoint at the first sync at or after
+each multiple of ``train.eval_every`` / ``train.checkpoint_every``, and at the last sync.
+
+**The learning rate follows the run's progress**, not a rank's own count: step ``s`` (from 0)
+of period ``j`` of a replica that takes ``k`` steps per period is step ``j H + s H / k`` of
+the schedule, which spans ``syncs x H`` steps; so at each sync every replica is at the same
+rate, the slower ones in larger strides.
+
+**Balanced batches** (``train.batches = "balanced"``, :class:`BatchBalance`): for exchanges at
+every step (full sync, DeMo) weighted by tokens (``replicator_kwargs.weights = "tokens"``).
+Every rank trains at ``train.batch`` for :data:`BALANCE_STEPS` steps after its first, timing
+its compute per sample; then the seconds per sample are summed over ranks (each rank its own
+slot), a replica's taken as its slowest rank's, and every rank computes the same sizes
+(:func:`flexdemo.balanced_batches`): ``train.batch x replicas`` samples per step shared in
+proportion to the replicas' speeds (at least 1 each), every rank of a replica at its
+replica's size, from then on. A size larger than a rank's share of the data stops every rank
+with one line. The size is in each rank's checkpoint (a resume keeps it).
+
+**Slowdown** (``train.slowdown``, for benchmarks): the ranks of ``train.slow_ranks`` (all,
+when empty) make each step last ``slowdown`` times its measured compute time (the step's
+time minus its communication) by sleeping the difference after the step, an emulated slower
+GPU: the simplest honest emulation (the step's work is unchanged; only its length). The
+sleep counts as the step's compute time in the metrics. On CUDA the device is synchronised
+first, so the compute measured is the GPU's.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ...balance import balanced_batches
+from ..errors import TrainingError
+from ..tasks import ShardSampler
+from .checkpointer import sum_over_ranks
+
+__all__ = ["BALANCE_STEPS", "BatchBalance", "PacedRun", "Slowdown", "crossed",
+           "paced_replicator", "schedule_step"]
+
+BALANCE_STEPS = 5
+"""Balanced batches: the steps (after a run's first) each rank times at ``train.batch``."""
+
+
+def paced_replicator(opt: Any) -> Any | None:
+    """The replicator of ``opt`` that runs with a pace (DiLoCo's ``pace=``), or None."""
+    return next((r for r in getattr(opt, "replicators", ())
+                 if getattr(r, "pace", None) is not None), None)
+
+
+def schedule_step(syncs: int, since: int, count: int, inner_steps: int) -> float:
+    """The schedule's step (from 0) of a replica's next step: ``syncs`` periods done,
+    ``since`` steps taken of its current period of ``count`` steps, a period being
+    ``inner_steps`` (H) steps of the run: ``syncs H + since H / count``."""
+    return syncs * inner_steps + since * inner_steps / count
+
+
+def crossed(every: int, before: int, now: int) -> bool:
+    """Whether the run passed a multiple of ``every`` going from step ``before`` to ``now``
+    (``every`` 0: never)."""
+    return bool(every) and now // every > before // every
+
+
+@dataclass
+class PacedRun:
+    """A run with a pace, in syncs (see the module): the replicator ``rep`` with the pace,
+    its ``inner_steps`` (H), the syncs the run lasts (``total``) and those this process runs
+    to (``last``: ``train.stop_at`` rounded up to a sync, else ``total``)."""
+
+    rep: Any
+    inner_steps: int
+    total: int
+    last: int
+
+    @classmethod
+    def of(cls, opt: Any, steps: int, stop_at: int = 0) -> PacedRun | None:
+        """The paced run of ``opt`` for ``train.steps`` and ``train.stop_at``, or None
+        without a pace."""
+        rep = paced_replicator(opt)
+        if rep is None:
+            return None
+        h = int(rep.inner_steps)
+        total = math.ceil(steps / h)
+        return cls(rep, h, total, math.ceil(stop_at / h) if stop_at else total)
+
+    @property
+    def syncs(self) -> int:
+        """Syncs done (the same on every rank between syncs)."""
+        return int(self.rep.syncs[0])
+
+    @property
+    def span(self) -> int:
+        """The schedule's length in steps: ``total x H``."""
+        return self.total * self.inner_steps
+
+    @property
+    def done(self) -> bool:
+        return self.syncs >= self.last
+
+    @property
+    def at(self) -> int:
+        """The run's step at the last sync: ``syncs x H``."""
+        return self.syncs * self.inner_steps
+
+    def position(self) -> float:
+        """The schedule's step (from 0) of this replica's next step (:func:`schedule_step`)."""
+        pace = self.rep.pace
+        return schedule_step(self.syncs, pace.since, pace.count, self.inner_steps)
+
+    def counts(self) -> list[int] | None:
+        """Every replica's inner steps per period (None while the first period measures)."""
+        counts = self.rep.pace.counts
+        return None if counts is None else list(counts)
+
+    def note(self, steps: int) -> str:
+        """The line that says how long the run is."""
+        pace = self.rep.pace
+        rounded = "" if steps % self.inner_steps == 0 else (
+            f" (train.steps={steps} rounded up to a whole period: a run ends at a sync)")
+        return (f"pace {pace!r}: {self.total} syncs of H={self.inner_steps}, the fastest "
+                f"replica runs {self.span} steps{rounded}; each replica its own steps per "
+                "period, the run measured in syncs")
+
+
+class Slowdown:
+    """``train.slowdown`` on this rank (see the module): :meth:`after_step` sleeps
+    ``(factor - 1)`` times the step's compute time."""
+
+    def __init__(self, factor: float, device: torch.device) -> None:
+        self.factor, self.device = float(factor), device
+
+    @classmethod
+    def for_rank(cls, factor: float, ranks: list[int], rank: int,
+                 device: torch.device) -> Slowdown | None:
+        """The slowdown of ``rank`` (None: not slowed, or a factor of 1)."""
+        if factor == 1.0 or (ranks and rank not in ranks):
+            return None
+        return cls(factor, device)
+
+    def after_step(self, t0: float, comm: float) -> float:
+        """Sleep ``(factor - 1) x`` the compute time of the step that began at ``t0``
+        (``time.perf_counter()``) and spent ``comm`` seconds communicating; returns the
+        seconds slept."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        compute = max(time.perf_counter() - t0 - comm, 0.0)
+        extra = (self.factor - 1.0) * compute
+        if extra > 0:
+            time.sleep(extra)
+        return extra
+
+
+class BatchBalance:
+    """``train.batches = "balanced"`` on one rank (see the module): :meth:`observe` after each
+    step, the same steps on every rank; at the last step measured it decides every
+    replica's size (a collective) and :attr:`batch` becomes this rank's."""
+
+    def __init__(self, batch: int, rank: int, world: int, shard: int, start: int,
+                 items: int, saved: int = 0) -> None:
+        self.base, self.rank, self.world, self.shard, self.items = batch, rank, world, shard, items
+        #: this rank's batch size (``train.batch`` until decided; a resumed run's saved one)
+        self.batch = saved or batch
+        self.decided = bool(saved)
+        self.sizes: list[int] | None = None  # every replica's, once decided in this run
+        self.first, self.last = start + 2, start + 1 + BALANCE_STEPS
+        self.seconds = 0.0
+        self.samples = 0
+
+    def observe(self, step: int, compute_seconds: float, device: torch.device) -> bool:
+        """After step ``step`` (its compute seconds, at :attr:`batch`): whether the sizes
+        were decided now (collective at the last step measured, on every rank)."""
+        if self.decided or step < self.first:
+            return False
+        self.seconds += compute_seconds
+        self.samples += self.batch
+        if step < self.last:
+            return False
+        n = 2  # each rank's slot: its replica and its seconds per sample
+        mine = [0.0] * (n * self.world)
+        mine[self.rank * n:(self.rank + 1) * n] = [self.rank // self.shard,
+                                                   self.seconds / max(self.samples, 1)]
+        got = sum_over_ranks(mine, device)
+        replicas = self.world // self.shard
+        secs = [0.0] * replicas
+        for replica, s in zip(got[0::n], got[1::n]):  # a replica as fast as its slowest rank
+            secs[int(replica)] = max(secs[int(replica)], s)
+        secs = [s if s > 0 else min((x for x in secs if x > 0), default=1.0) for s in secs]
+        self.sizes = balanced_batches(secs, self.base * replicas)
+        share = ShardSampler.smallest_share(self.items, self.world)
+        if max(self.sizes) > share:
+            raise TrainingError(
+                f"train.batches='balanced': the sizes {self.sizes} (train.batch={self.base} x "
+                f"{replicas} replicas, by speed) need {max(self.sizes)} items of a rank's "
+                f"share of the training data, which holds {share}; lower train.batch or use "
+                "more data")
+        self.batch = self.sizes[self.rank // self.shard]
+        self.decided = True
+        return True

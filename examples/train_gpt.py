@@ -276,6 +276,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             flexdemo.check_strategy(s)  # builds its replicator once: bad settings fail here
         except ValueError as e:
             p.error(f"argument --strategies: {' '.join(str(e).split())}")
+        spec = flexdemo.parse_strategy(s)
+        if spec.replicator_kwargs.get("pace") is not None or spec.batches != "equal":
+            p.error(f"argument --strategies: {s} runs replicas at their own pace or batch, "
+                    "which this example's fixed step loop does not; train it with flexdemo "
+                    "train or flexdemo bench (docs/stragglers.md)")
     need = min_corpus_bytes(args.model)
     if args.corpus_bytes < need:
         p.error(f"argument --corpus-bytes: {args.corpus_bytes} is too small for --model "

@@ -182,6 +182,8 @@ def test_example_gpt_is_the_task_the_bench_trains():
     (["--replicate", "2"], "--replicate", "world size 1"),
     (["--corpus-bytes", "10"], "--corpus-bytes", "at least 660"),
     (["--warmup", "5"], "--warmup", "from 0 to 1"),
+    (["--strategies", "muloco-int4-paced"], "--strategies", "flexdemo train"),
+    (["--strategies", "flexdemo-balanced"], "--strategies", "own pace or batch"),
 ], ids=lambda v: " ".join(v) if isinstance(v, list) else None)
 def test_gpt_bad_argument_is_one_line_and_code_2(tmp_path, args, argument, says, monkeypatch,
                                                  capsys):

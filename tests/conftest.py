@@ -19,6 +19,15 @@ torch.set_num_threads(1)
 
 
 @pytest.fixture
+def one_thread():
+    """One intra-op thread, as in the gloo workers (same kernels, same bits)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture
 def single_process():
     """In-process ``flexdemo train`` creates a one-rank process group; remove it afterwards."""
     was = dist.is_initialized()

@@ -205,6 +205,22 @@ def _as_python(args: list[str], env: dict, cwd: str | None, outs: list[str]) -> 
     raise SystemExit(code)
 
 
+def run_as_torchrun(script, world: int, cwd, timeout: float = 120) -> list[str]:
+    """``script`` on ``world`` forked processes with torchrun's variables (one node, a free
+    port on loopback); every one must exit 0. Their outputs, by rank."""
+    port = free_port()
+    procs = [Forked([str(script)], cwd=cwd, env=dict(
+        os.environ, RANK=str(r), LOCAL_RANK="0", WORLD_SIZE=str(world), LOCAL_WORLD_SIZE="1",
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
+        FLEXDEMO_TIMEOUT="60")) for r in range(world)]
+    try:
+        outs = [p.communicate(timeout)[0] for p in procs]
+    finally:
+        reap(procs)
+    assert [p.returncode for p in procs] == [0] * world, outs
+    return outs
+
+
 def _entry(fn, rank, world, port, outdir, args, env):
     os.environ.update(env)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),

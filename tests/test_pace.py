@@ -13,12 +13,11 @@ stays within ``(n + 2) 2**-23`` of ``sum_i |w_i x_i| / W``."""
 from __future__ import annotations
 
 import copy
-import os
 import re
 
 import pytest
 import torch
-from dist_util import Forked, reap, run_world
+from dist_util import run_as_torchrun, run_world
 from pace_workers import (
     CASES,
     LR,
@@ -41,7 +40,6 @@ from torch import nn
 from flexdemo import DeToNATION, DiLoCoReplicator, Pace, SimulatedReplicas
 from flexdemo.replicate import make_replicator, step_counts
 from flexdemo.simulate import run_replicas
-from flexdemo.tools.ranks import free_port
 from flexdemo.transport import InProcessHub
 
 PRESETS = ["diloco", "diloco-avg", "muloco", "muloco-int4", "sparseloco", "sparseloco-dct"]
@@ -420,15 +418,6 @@ def test_a_measurement_cut_short_is_taken_again():
 
 
 # ---------------------------------------------------------------------- gloo processes
-@pytest.fixture
-def one_thread():
-    """One intra-op thread, as in the gloo workers (same kernels, same bits)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 @pytest.mark.multiprocess
 def test_three_gloo_processes_of_different_speeds(one_thread):
     """3 gloo processes in fixed mode, rank 2 three times slower on its clock: counts
@@ -479,16 +468,7 @@ def test_the_docs_example_runs_on_two_processes(tmp_path):
     assert len(found) == 1 and "## Replicas of different speeds" in text
     script = tmp_path / "pace.py"
     script.write_text(found[0].code)
-    port = free_port()
-    procs = [Forked([str(script)], cwd=tmp_path, env=dict(
-        os.environ, RANK=str(r), LOCAL_RANK="0", WORLD_SIZE="2", LOCAL_WORLD_SIZE="1",
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
-        FLEXDEMO_TIMEOUT="60")) for r in range(2)]
-    try:
-        outs = [p.communicate(120)[0] for p in procs]
-    finally:
-        reap(procs)
-    assert [p.returncode for p in procs] == [0, 0], outs
+    outs = run_as_torchrun(script, 2, tmp_path)
     for out, steps in zip(outs, (12, 6)):
         assert re.search(rf"^{steps} \[4, 2\] \d+$", out, re.M), out
 

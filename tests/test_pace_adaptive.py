@@ -155,15 +155,6 @@ def test_a_tolerance_of_zero_follows_every_change():
 
 
 # ---------------------------------------------------------------------- gloo processes
-@pytest.fixture
-def one_thread():
-    """One intra-op thread, as in the gloo workers (same kernels, same bits)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 @pytest.mark.multiprocess
 def test_three_gloo_processes_adapt_alike(one_thread):
     """3 gloo processes, each on its own virtual clock: every rank changes its counts at syncs

@@ -17,15 +17,6 @@ from flexdemo.simulate import SimulatedReplicas, SimulationError
 from flexdemo.transport import InProcessTransport, ReplicaAbortedError
 
 
-@pytest.fixture
-def one_thread():
-    """One intra-op thread, as in the gloo workers (same kernels, same bits)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def simulated_trace(case: str, world: int) -> list[list[dict]]:
     sim = SimulatedReplicas(model, loss_fn, replicas=world,
                             optimizer_fn=lambda params, group: optimizer(case, params, group))

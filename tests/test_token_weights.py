@@ -316,27 +316,16 @@ def test_balanced_batches_weighted_by_tokens_are_the_global_batch():
 def test_the_docs_loop_runs_on_two_processes(tmp_path):
     """docs/stragglers.md's own loop, as written, on 2 ranks (torchrun's variables): both
     measure, get the same sizes summing to the global batch, and take 8 steps."""
-    import os
     import re
 
-    from dist_util import Forked, reap
+    from dist_util import run_as_torchrun
     from test_docs import ROOT, snippets
 
-    from flexdemo.tools.ranks import free_port
 
     found = [s for s in snippets(ROOT / "docs" / "stragglers.md") if s.mode == "torchrun"]
     assert len(found) == 1
     script = tmp_path / "balanced.py"
     script.write_text(found[0].code)
-    port = free_port()
-    procs = [Forked([str(script)], cwd=tmp_path, env=dict(
-        os.environ, RANK=str(r), LOCAL_RANK="0", WORLD_SIZE="2", LOCAL_WORLD_SIZE="1",
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
-        FLEXDEMO_TIMEOUT="60")) for r in range(2)]
-    try:
-        outs = [p.communicate(120)[0] for p in procs]
-    finally:
-        reap(procs)
-    assert [p.returncode for p in procs] == [0, 0], outs
+    outs = run_as_torchrun(script, 2, tmp_path)
     for out in outs:
         assert re.search(r"^48 8 \d+$", out, re.M), out

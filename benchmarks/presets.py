@@ -69,7 +69,7 @@ ROWS: dict[str, float] = {
 }
 #: rows run only when named (--rows): DeMo at the library defaults, sign-SGD (a step-by-step
 #: exchange of 8 replicas: the costliest row here)
-OPTIONAL: dict[str, float] = {"demo/sgd": 0.003}
+OPTIONAL: dict[str, float] = {"demo/sgd": 0.003, "muloco-int4-h150/muon": 0.01}
 GUESS = {**ROWS, **OPTIONAL}
 FACTOR = 2.0
 SEEDS = 2
@@ -145,8 +145,17 @@ def configs(need: list[tuple[str, float, int]], threads: int) -> list[dict]:
 
 
 def prepare_call(row: str) -> str:
-    rep, opt = row.split("/")
-    return f'prepare(model, "{rep}", "{opt}")'
+    """The ``prepare(...)`` call a row runs (its replicator's own settings, if any)."""
+    s = quality.SETTINGS[row]
+    kw = ", ".join(f'"{k}": {v!r}' for k, v in s.replicator_kwargs.items())
+    extra = f", replicator_kwargs={{{kw}}}" if kw else ""
+    okw = dict(s.optimizer_kwargs)
+    if "weight_decay" in okw:
+        extra += f", weight_decay={okw.pop('weight_decay')!r}"
+    base = ", ".join(f'"{k}": {v!r}' for k, v in okw.pop("base_kwargs", {}).items())
+    extra += f", optimizer_kwargs={{{base}}}" if base else ""
+    assert not okw, okw  # every setting of the row is in its call
+    return f'prepare(model, "{s.replicator}", "{s.optimizer}"{extra})'
 
 
 def markdown(rows: list[dict], command: str, when: str) -> str:

@@ -441,6 +441,9 @@ SETTINGS: dict[str, Setting] = {
                    "sparseloco", "sparseloco-dct")},
     "demo/sgd": Setting("'demo' at the library defaults (topk 16, int2, decay 0.999), sign-SGD",
                         "demo", "sgd", 1e-3),
+    # the int4 exchange at the sparse presets' budget: a sync every 150 steps
+    "muloco-int4-h150/muon": Setting("'muloco-int4' with inner_steps=150, Muon inner steps",
+                                     "muloco-int4", "muon", 1e-2, {"inner_steps": 150}),
 }
 
 

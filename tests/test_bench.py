@@ -261,8 +261,13 @@ def test_one_strategy_table_for_bench_example_and_wire_benchmark():
     with pytest.raises(ValueError, match="did you mean 'flexdemo'"):
         parse_strategy("flexdem")
     example = _load_script(ROOT / "examples" / "train_gpt.py")
-    args = example.parse_args(["--strategies", ",".join(TABLE)])
-    assert args.strategies == list(TABLE)
+    # every strategy but those of replicas at their own pace or batch (refused there in one
+    # line: test_examples.py), which its fixed step loop does not run
+    steady = [n for n, s in TABLE.items()
+              if s.replicator_kwargs.get("pace") is None and s.batches == "equal"]
+    assert len(steady) == len(TABLE) - 3
+    args = example.parse_args(["--strategies", ",".join(steady)])
+    assert args.strategies == steady
     wire = _load_script(ROOT / "benchmarks" / "bench_wire.py")
     for token in wire.CODECS + [t.format(default=wire.DEMO) for t in wire.TIMING]:
         parse_strategy(token)

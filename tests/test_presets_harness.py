@@ -88,7 +88,14 @@ def test_every_row_runs_the_library_preset_it_names(presets):
     for row in presets.GUESS:
         replicator, optimizer = row.split("/")
         s = settings[row]
-        assert (s.replicator, s.optimizer) == (replicator, optimizer), row
-        assert replicator in REPLICATORS and not s.replicator_kwargs, row
+        assert s.optimizer == optimizer and s.replicator in REPLICATORS, row
+        # a row named by a replicator runs its defaults; a row with settings of its own says
+        # them in its name and in its prepare() call
+        assert (s.replicator == replicator) == (not s.replicator_kwargs), row
+    assert presets.prepare_call("muloco-int4-h150/muon") == (
+        'prepare(model, "muloco-int4", "muon", replicator_kwargs={"inner_steps": 150})')
+    assert presets.prepare_call("muloco/adamw") == (
+        'prepare(model, "muloco", "adamw", weight_decay=0.1, optimizer_kwargs={"betas": '
+        '(0.9, 0.95)})')
     tuned = settings["full/adamw"].optimizer_kwargs
     assert tuned == {"weight_decay": 0.1, "base_kwargs": {"betas": (0.9, 0.95)}}

@@ -14,6 +14,7 @@ from datetime import timedelta
 import torch
 
 from flexdemo.tools.ranks import free_port
+from flexdemo.transport.inprocess import InProcessTransport
 
 _CTX = mp.get_context("forkserver")
 # what every rank imports, imported once in the fork server: a rank then starts without the
@@ -292,3 +293,41 @@ def corrupt_first_values(rep, dtype: torch.dtype, count: int) -> None:
         return res
 
     rep.encode_payload = corrupt
+
+
+# ---------------------------------------------------------------------- in-process replicas
+class _Done:
+    """A collective's handle: complete when launched."""
+
+    def wait(self) -> bool:
+        return True
+
+
+class RankOrder(InProcessTransport):
+    """Replica ``rank`` of a hub whose all-reduce adds the replicas' tensors in rank order
+    (``((x0 + x1) + x2)`` wherever a value sits), so that a dense reference can sum alike."""
+
+    def all_reduce_sum_(self, buf, async_op=False):
+        def rank_order(parts):
+            total = parts[0].reshape(-1).clone()
+            for p in parts[1:]:
+                total += p.reshape(-1)
+            return total
+
+        buf.copy_(self.hub.collective(self.rank, "all_reduce", buf, rank_order).view_as(buf))
+        return _Done() if async_op else None
+
+
+def alike(build):
+    """A factory of ``build()``'s model with the same initial parameters every call: drawn
+    once under seed 0 (without touching torch's generator) and loaded, since replicas in
+    threads share that generator and none can draw from a seed of its own."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        state = build().state_dict()
+
+    def model_fn():
+        net = build()
+        net.load_state_dict(state)
+        return net
+    return model_fn

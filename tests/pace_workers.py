@@ -7,34 +7,12 @@ from __future__ import annotations
 import copy
 
 import torch
+from dist_util import alike
 from torch import nn
 
 from flexdemo import DeToNATION, DiLoCoReplicator, Pace
-from flexdemo.transport.inprocess import InProcessTransport
 
 LR = 1e-2
-
-
-class _Done:
-    """A collective's handle: complete when launched."""
-
-    def wait(self) -> bool:
-        return True
-
-
-class RankOrder(InProcessTransport):
-    """Replica ``rank`` of a hub whose all-reduce adds the replicas' tensors in rank order
-    (``((x0 + x1) + x2)`` wherever a value sits), so that a dense reference can sum alike."""
-
-    def all_reduce_sum_(self, buf, async_op=False):
-        def rank_order(parts):
-            total = parts[0].reshape(-1).clone()
-            for p in parts[1:]:
-                total += p.reshape(-1)
-            return total
-
-        buf.copy_(self.hub.collective(self.rank, "all_reduce", buf, rank_order).view_as(buf))
-        return _Done() if async_op else None
 
 
 class FakeClock:
@@ -53,21 +31,8 @@ def _net() -> nn.Module:
     return nn.Sequential(nn.Linear(12, 32), nn.Tanh(), nn.Linear(32, 6))
 
 
-def _initial_state() -> dict:
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        return _net().state_dict()
-
-
-_INIT = _initial_state()
-
-
-def model_fn() -> nn.Module:
-    """The model with the same initial parameters on every replica (loaded: replicas in
-    threads share torch's generator)."""
-    net = _net()
-    net.load_state_dict(_INIT)
-    return net
+#: the model, with the same initial parameters on every replica
+model_fn = alike(_net)
 
 
 def loss_of(model, r: int, step: int) -> torch.Tensor:

@@ -4,7 +4,7 @@ or tokens.
 
 In-process replicas run in threads over an :class:`~flexdemo.transport.InProcessHub`, each its
 own training loop (its own number of steps), as processes would; the fp32 comparisons use an
-all-reduce that adds in rank order (:class:`pace_workers.RankOrder`) so that a dense reference
+all-reduce that adds in rank order (:class:`dist_util.RankOrder`) so that a dense reference
 can add alike. Tolerances, where the reference computes otherwise: fp32 (unit roundoff
 ``2**-24``); a weighted mean ``sum_i c_i x_i / n`` against ``sum_i w_i x_i / W`` in float64
 rounds ``n + 2`` times per value (the factor, each product, each sum, the division), so it
@@ -17,14 +17,13 @@ import re
 
 import pytest
 import torch
-from dist_util import run_as_torchrun, run_world
+from dist_util import RankOrder, run_as_torchrun, run_world
 from pace_workers import (
     CASES,
     LR,
     PERIODS,
     SECONDS,
     FakeClock,
-    RankOrder,
     dense_reference,
     gloo_pace_worker,
     loss_of,

@@ -11,13 +11,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from dist_util import run_world
+from dist_util import RankOrder, run_world
 from pace_workers import (
     ADAPTIVE_COUNTS,
     ADAPTIVE_H,
     ADAPTIVE_PERIODS,
     LR,
-    RankOrder,
     adaptive_run,
     dense_reference,
     gloo_adaptive_worker,

@@ -17,36 +17,15 @@ import math
 
 import pytest
 import torch
+from dist_util import RankOrder, alike
 from torch import nn
 
 from flexdemo import DeToNATION
 from flexdemo.replicate import DeMoReplicator, DiLoCoReplicator, make_replicator
 from flexdemo.simulate import run_replicas
 from flexdemo.transport import InProcessHub
-from flexdemo.transport.inprocess import InProcessTransport
 
 LR = 1e-2
-
-
-class _Done:
-    """A collective's handle: complete when launched."""
-
-    def wait(self) -> bool:
-        return True
-
-
-class RankOrder(InProcessTransport):
-    """Replica ``rank`` of a hub whose all-reduce adds the replicas' tensors in rank order."""
-
-    def all_reduce_sum_(self, buf, async_op=False):
-        def rank_order(parts):
-            total = parts[0].reshape(-1).clone()
-            for p in parts[1:]:
-                total += p.reshape(-1)
-            return total
-
-        buf.copy_(self.hub.collective(self.rank, "all_reduce", buf, rank_order).view_as(buf))
-        return _Done() if async_op else None
 
 
 def _net() -> nn.Module:
@@ -55,21 +34,8 @@ def _net() -> nn.Module:
     return nn.Sequential(nn.Linear(64, 128), nn.Tanh(), nn.Linear(128, 100))
 
 
-def _initial_state() -> dict:
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        return _net().state_dict()
-
-
-_INIT = _initial_state()
-
-
-def model_fn() -> nn.Module:
-    """The model, with the same initial parameters on every replica (loaded: the replicas'
-    threads share torch's generator, so none draws from a seed of its own)."""
-    net = _net()
-    net.load_state_dict(_INIT)
-    return net
+#: the model, with the same initial parameters on every replica
+model_fn = alike(_net)
 
 
 def batch(r: int, step: int):

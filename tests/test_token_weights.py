@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from pace_workers import LR, RankOrder, loss_of, model_fn, params, weighted_mean
+from dist_util import RankOrder
+from pace_workers import LR, loss_of, model_fn, params, weighted_mean
 from torch import nn
 
 from flexdemo import DeMoReplicator, DeToNATION, DiLoCoReplicator, FullReplicator

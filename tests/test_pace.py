@@ -38,6 +38,7 @@ from torch import nn
 
 from flexdemo import DeToNATION, DiLoCoReplicator, Pace, SimulatedReplicas
 from flexdemo.replicate import make_replicator, step_counts
+from flexdemo.replicate.pace import first_period
 from flexdemo.simulate import run_replicas
 from flexdemo.transport import InProcessHub
 
@@ -414,6 +415,79 @@ def test_a_measurement_cut_short_is_taken_again():
 
     for after_first, after_second in run_replicas(hub, work):
         assert after_first is None and after_second == [4, 2]
+
+
+def test_first_period_steps():
+    """After ``measure`` steps everywhere, the rest of the first period takes the fastest
+    replica's ``H - measure`` steps of time on every replica, at least one step each."""
+    assert first_period([1.0, 1.0, 3.0], 12, 4) == [12, 12, 4 + 3]
+    assert first_period([1.0, 2.0], 30, 8) == [30, 8 + 11]
+    assert first_period([1.0, 100.0], 30, 8) == [30, 9]  # one step at least, then its sync
+    assert first_period([1.0, 1.0], 30, 8) == [30, 30]
+
+
+def test_fixed_mode_decides_after_measure_steps_and_balances_the_first_period():
+    """H = 12, ``measure=4``, the third replica 3x slower on its clock: the counts [12, 12, 4]
+    are decided after the 4th step of every replica (one all-gather of 8 bytes per replica,
+    once), the first period then takes [12, 12, 7] steps (4 + round(8 / 3)), the next ones
+    the counts; the run is the dense reference of those periods bitwise, resumes bitwise from
+    a checkpoint taken in the middle of the first period after the decision, and a run with
+    ``measure >= H`` decides at the first sync as before."""
+    world, h = 3, 12
+    hub = InProcessHub(world, timeout=60)
+
+    def run(r, steps, state=None, measure=4):
+        model = model_fn()
+        rep = DiLoCoReplicator(h, pace=Pace(measure=measure, clock=FakeClock(SECONDS[r])))
+        opt = DeToNATION(model.parameters(), rep, base="adamw", lr=LR, group=RankOrder(hub, r))
+        if state is not None:
+            model.load_state_dict(state[0])
+            opt.load_state_dict(state[1])
+        seen = []
+        for _ in range(steps[r]):
+            train(model, opt, r, 1)
+            seen.append((rep.pace.counts, rep.pace.period, rep.syncs[0]))
+        return (params(model), seen, opt.bytes_sent, rep.exchange_bytes(),
+                (copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict())))
+
+    periods = [[12, 12, 7], [12, 12, 4], [12, 12, 4]]
+    totals = [sum(p[r] for p in periods) for r in range(world)]
+    whole = run_replicas(hub, lambda r: run(r, totals))
+    for r in range(world):
+        _, seen, sent, payload, _ = whole[r]
+        assert seen[2][0] is None and seen[3][:2] == ([12, 12, 4], [12, 12, 7])
+        assert seen[-1][2] == 3 and sent == 3 * payload + 2 * 8
+    ref = dense_reference(periods)
+    for r in range(world):
+        assert _equal(whole[r][0], ref[r]), r
+    # a checkpoint after the decision, in the middle of the first period (step 5 of each)
+    half = run_replicas(hub, lambda r: run(r, [5] * world))
+    rest = run_replicas(hub, lambda r: run(r, [t - 5 for t in totals], half[r][4]))
+    for r in range(world):
+        assert _equal(rest[r][0], whole[r][0]), r
+    # measure >= H: the whole first period is timed, the counts decided at its sync
+    late = run_replicas(hub, lambda r: run(r, [h] * world, measure=h))
+    assert all(o[1][h - 2][0] is None and o[1][h - 1][0] == [12, 12, 4] for o in late)
+
+
+def test_an_early_measurement_cut_short_times_the_rest_of_the_period():
+    """Loaded before the decision (the measurement restarts): the replicas time the rest of
+    the period and decide at its sync instead."""
+    hub = InProcessHub(2, timeout=60)
+
+    def work(r):
+        model = model_fn()
+        rep = DiLoCoReplicator(8, pace=Pace(measure=4, clock=FakeClock([1.0, 2.0][r])))
+        opt = DeToNATION(model.parameters(), rep, base="adamw", lr=LR, group=hub.transport(r))
+        train(model, opt, r, 2)
+        opt.load_state_dict(copy.deepcopy(opt.state_dict()))  # the measurement restarts
+        train(model, opt, r, 2)
+        at_decision = rep.pace.counts
+        train(model, opt, r, 4)
+        return at_decision, rep.pace.counts, rep.pace.changes
+
+    for at_decision, after_sync, changes in run_replicas(hub, work):
+        assert at_decision is None and after_sync == [8, 4] and changes == [(1, [8, 4])]
 
 
 # ---------------------------------------------------------------------- gloo processes

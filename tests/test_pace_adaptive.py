@@ -1,8 +1,9 @@
 """DiLoCo's adaptive pace (issue 55): the speeds measured at every sync on a virtual clock,
 the counts changed past a tolerance, every rank alike at the same sync.
 
-The replicas run :func:`pace_workers.adaptive_run`: H = 10, rank 1 10% slower throughout
-(within the bound of 10% of H: alone it changes nothing), rank 2 three times slower in periods
+The replicas run :func:`pace_workers.adaptive_run`: H = 10, tolerance 0.15, rank 1 10% slower
+throughout (a count of 9: one step off its 10, within the bound of 15% of 9: alone it changes
+nothing), rank 2 three times slower in periods
 3 and 4. The counts change at sync 3 to [10, 9, 3] (the new counts of every replica taken
 together) and back at sync 5 to [10, 9, 10]. The clock is advanced by the training loop only
 (no real time is read, nothing is timed)."""
@@ -27,7 +28,7 @@ from pace_workers import (
 
 from flexdemo import DeToNATION, DiLoCoReplicator, Pace
 from flexdemo.replicate import adapted_counts
-from flexdemo.replicate.pace import make_pace
+from flexdemo.replicate.pace import MEASURE, make_pace
 from flexdemo.simulate import run_replicas
 from flexdemo.transport import InProcessHub
 
@@ -41,16 +42,21 @@ def _equal(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
 
 # ---------------------------------------------------------------------- the decision
 def test_hysteresis_changes_the_counts_past_the_bound_only():
-    """The counts change when some replica's new count differs from its current one by more
-    than ``tolerance * H``; then every count takes its new value."""
+    """The counts change when some replica's new count ``k`` differs from its current one by
+    more than ``tolerance * k`` (its share of the period's time); then every count takes its
+    new value."""
     H = 100
-    assert adapted_counts([100, 100], [1.0, 1.08], H, 0.1) is None  # 93: 7 <= 10
-    assert adapted_counts([100, 100], [1.0, 1.2], H, 0.1) == [100, 83]  # 17 > 10
-    assert adapted_counts([100, 83], [1.0, 1.1], H, 0.1) is None  # 91: 8 <= 10
+    assert adapted_counts([100, 100], [1.0, 1.08], H, 0.1) is None  # 93: 7 <= 9.3
+    assert adapted_counts([100, 100], [1.0, 1.2], H, 0.1) == [100, 83]  # 17 > 8.3
+    assert adapted_counts([100, 83], [1.0, 1.1], H, 0.1) is None  # 91: 8 <= 9.1
     assert adapted_counts([100, 83], [1.0, 1.0], H, 0.1) == [100, 100]  # recovered
     assert adapted_counts([100, 100, 50], [1.0, 1.05, 1.0], H, 0.1) == [100, 95, 100]
     assert adapted_counts([10, 10], [1.0, 1.1], 10, 0.0) == [10, 9]  # tolerance 0: any change
-    assert adapted_counts([10, 10], [1.0, 1.1], 10, 0.1) is None  # 1 step is not > 1
+    assert adapted_counts([10, 10], [1.0, 1.1], 10, 0.15) is None  # 1 step is not > 1.35
+    # relative to the replica's own count: 2 steps off a slow replica's 8 are 25% of the
+    # period's time (a bound of 10% of H, 3 steps, would keep them); 1 off 29 is 3.4%
+    assert adapted_counts([30, 10], [1.0, 3.9], 30, 0.1) == [30, 8]  # 2 > 0.8
+    assert adapted_counts([30, 30], [1.0, 1.05], 30, 0.1) is None  # 29: 1 <= 2.9
 
 
 def test_adaptive_settings():
@@ -59,7 +65,8 @@ def test_adaptive_settings():
     assert repr(pace) == "Pace(counts='adaptive', weights='steps', tolerance=0.1)"
     assert not Pace([4, 4], adaptive=True).lockstep and Pace([4, 4]).lockstep
     assert "adaptive=True" in repr(Pace([4, 2], adaptive=True))
-    assert Pace("fixed").settings() == Pace().settings() == ("counts", None, "weights", "steps")
+    assert Pace("fixed").settings() == Pace().settings() == (
+        "counts", None, "weights", "steps", "measure", MEASURE)
     assert Pace(adaptive=True, tolerance=0.2).settings()[-2:] == ("adaptive", 0.2)
     copied = make_pace(Pace(adaptive=True, tolerance=0.3), fragments=1, tau=0,
                        keep_unsent=False)
@@ -80,14 +87,16 @@ def _adaptive(world: int = 3, rank_order: bool = True, **kw) -> list[dict]:
 def _check_run(out: list[dict]) -> None:
     """Every rank changed its counts at the same syncs to the same counts, the replicas were
     bitwise identical after every sync, and the bytes are the exchanges' plus one float64
-    per replica and sync."""
+    per replica and sync, and one more in the first period (its early decision, after
+    MEASURE of its H = 10 steps)."""
     assert [o["steps"] for o in out] == STEPS
     for o in out:
         assert o["changes"] == CHANGES
         assert [(j, k) for j, k, _ in o["after"]] == [
             (j, ADAPTIVE_COUNTS[j] if j < ADAPTIVE_PERIODS else [10, 9, 10])
             for j in range(1, ADAPTIVE_PERIODS + 1)]
-        assert o["sent"] == ADAPTIVE_PERIODS * (o["payload"] + 2 * 8)
+        assert MEASURE < ADAPTIVE_H
+        assert o["sent"] == ADAPTIVE_PERIODS * (o["payload"] + 2 * 8) + 2 * 8
     for j in range(ADAPTIVE_PERIODS):
         for o in out[1:]:
             assert _equal(o["after"][j][2], out[0]["after"][j][2]), j
@@ -123,7 +132,8 @@ def test_adaptive_resumes_with_the_counts_in_force():
 def test_equal_speeds_keep_h_and_todays_bits():
     """Speeds within the bound (rank 1 5% slower): the counts stay H at every sync, nothing
     changes, and the parameters are the bits of DiLoCo without a pace; the only cost is the
-    seconds per step all-gathered at each sync (8 bytes per peer)."""
+    seconds per step all-gathered at each sync and once in the first period (8 bytes per
+    peer)."""
     periods = 3
     out = _adaptive(2, periods=periods, seconds=lambda r, p: [1.0, 1.05][r])
     hub = InProcessHub(2, timeout=60)
@@ -143,14 +153,15 @@ def test_equal_speeds_keep_h_and_todays_bits():
         assert out[r]["changes"] == [] and out[r]["steps"] == periods * ADAPTIVE_H
         assert [k for _, k, _ in out[r]["after"]] == [[10, 10]] * periods
         assert _equal(out[r]["params"], ref[r][0]), r
-        assert out[r]["sent"] == ref[r][1] + periods * 8
+        assert out[r]["sent"] == ref[r][1] + (periods + 1) * 8  # + the first period's decision
 
 
 def test_a_tolerance_of_zero_follows_every_change():
-    """``tolerance=0``: rank 1's 10% is followed at the first sync."""
+    """``tolerance=0``: rank 1's 10% is followed from the first decision, after MEASURE steps
+    of the first period (recorded as sync 0: before the first sync)."""
     out = _adaptive(periods=1, tolerance=0.0)
     for o in out:
-        assert o["changes"] == [(1, [10, 9, 10])]
+        assert o["changes"] == [(0, [10, 9, 10])]
 
 
 # ---------------------------------------------------------------------- gloo processes

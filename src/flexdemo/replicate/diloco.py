@@ -323,7 +323,7 @@ class DiLoCoReplicator(Replicator):
     @torch.no_grad()
     def after_step(self, step: int) -> None:
         p = self.launch_fragment(step) if self.pace is None else (
-            0 if self.pace.after_step() else None)
+            0 if self.pace.after_step(self.transport, self.stats) else None)
         if p is not None:
             self._launch(p, step)
         for q, sync in list(self.pending.items()):

@@ -11,15 +11,21 @@ runs its own copy of the pace it is given (``opt.replicators[0].pace``: its coun
 steps since the last sync).
 
 **Counts.** ``Pace([30, 30, 30, 10])`` fixes them from the start (a reproducible run).
-``Pace()`` (``"fixed"``) measures them: the first period runs ``H`` steps on every replica, as
-without a pace, each replica timing its own inner steps (seconds from the end of its first step
-of the period to the end of its ``H``-th, over ``H - 1`` steps; a CUDA device is synchronised at
-those two points only). At the first sync the seconds per step are all-gathered (8 bytes per
-replica, once) and every rank computes the same counts from the same gathered numbers
-(:func:`step_counts`): the period lasts ``H`` steps of the fastest replica, and replica ``i``
-takes ``max(1, round(H * s_fastest / s_i))`` (no replica more than ``H``). A replica whose
-measurement is incomplete (a run resumed in the middle of the first period) reports none, and
-then every replica keeps ``H`` and measures the next period. The counts are part of the state
+``Pace()`` (``"fixed"``) measures them early in the first period: every replica runs its
+first ``measure`` inner steps (default :data:`MEASURE`) as without a pace, timing steps 2 to
+``measure`` (the first step, with its warm-up, is not timed; a CUDA device is synchronised at
+those two points only). At the end of step ``measure`` the seconds per step are all-gathered
+(8 bytes per replica, once) and every rank computes the same counts from the same gathered
+numbers (:func:`step_counts`): a period lasts ``H`` steps of the fastest replica, and replica
+``i`` takes ``max(1, round(H * s_fastest / s_i))`` (no replica more than ``H``). The rest of
+the first period is balanced too (:func:`first_period`): replica ``i`` takes ``measure +
+max(1, round((H - measure) * s_fastest / s_i))`` steps in it, the fastest ``H``; from the
+second period on, its count. So only the ``measure`` steps before the decision run at the
+slowest replica's pace. With ``measure >= H`` (or ``H`` at most :data:`MEASURE`) the whole
+first period is timed instead (from the end of its first step to the end of its ``H``-th) and
+the counts are decided at the first sync. A replica whose measurement is incomplete (a run
+resumed in the middle of the measured steps) reports none; then every replica keeps ``H`` and
+times the rest of the period, or the next one. The counts are part of the state
 (``state_dict``): a resumed run does not measure again and continues bitwise as the run that
 saved it. The measurement itself reads a clock: to repeat a run bit for bit, give the counts
 it measured (``opt.replicators[0].pace.counts``).
@@ -55,9 +61,12 @@ first period, and the first after a resume, from the end of its first step), the
 step are all-gathered at each sync (8 bytes per replica, ``8 (n - 1)`` sent, in
 ``bytes_sent``), and every rank computes the same new counts from the same gathered numbers
 (:func:`step_counts`). **Hysteresis** (:func:`adapted_counts`): the counts change only when
-some replica's new count differs from its current one by more than ``tolerance * H``
-(default ``tolerance=0.1``: more than 10% of H); then every count takes its new value, in
-force from the next period. So noise does not flip the counts at every sync, a replica that
+some replica's new count differs from its current one by more than ``tolerance`` times the
+new count (default ``tolerance=0.1``: a replica off its share by more than 10% of the
+period's time); then every count takes its new value, in force from the next period. The
+bound is relative to each replica's own count because a step of a slow replica is a larger
+part of the period: one step off a count of 10 makes every replica wait 10% of the period,
+one step off 30 only 3%. So noise does not flip the counts at every sync, a replica that
 falls behind its share by more than the bound gets a smaller count (and, weighted by steps, a
 smaller weight) at the next sync, and one that recovers gets it back. With equal speeds the
 counts stay ``H``: the bits of DiLoCo without a pace. Each change is recorded in
@@ -80,6 +89,7 @@ step is its sync waits for the others, then all sync together).
 
 from __future__ import annotations
 
+import statistics
 import time
 from collections.abc import Callable, Sequence
 
@@ -96,13 +106,15 @@ from ..transport import (
 )
 from .weights import weight_factors
 
-__all__ = ["MODES", "WEIGHTS", "Pace", "adapted_counts", "make_pace", "measured_counts",
-           "step_counts"]
+__all__ = ["MEASURE", "MODES", "WEIGHTS", "Pace", "adapted_counts", "first_period", "make_pace",
+           "measured_counts", "step_counts"]
 
 #: what a replica's pseudo-gradient is weighted by
 WEIGHTS = ("steps", "tokens")
 #: the measured modes (a string in place of the counts)
 MODES = ("fixed", "adaptive")
+#: a measured pace's default ``measure``: the inner steps after which it decides its counts
+MEASURE = 8
 
 
 def step_counts(seconds_per_step: Sequence[float], inner_steps: int) -> list[int]:
@@ -120,14 +132,26 @@ def step_counts(seconds_per_step: Sequence[float], inner_steps: int) -> list[int
     return [max(1, round(inner_steps * fastest / s)) for s in secs]
 
 
+def first_period(seconds_per_step: Sequence[float], inner_steps: int, measure: int
+                 ) -> list[int]:
+    """Each replica's steps in a first period whose counts were decided after ``measure``
+    steps on every replica: ``measure + max(1, round((H - measure) * s_fastest / s_i))``, so
+    the steps after the decision take the same time everywhere (the fastest replica's ``H -
+    measure``) and every replica takes at least one before its sync."""
+    secs = [float(s) for s in seconds_per_step]
+    fastest = min(secs)
+    rest = inner_steps - measure
+    return [measure + max(1, round(rest * fastest / s)) for s in secs]
+
+
 def adapted_counts(current: Sequence[int], seconds_per_step: Sequence[float],
                    inner_steps: int, tolerance: float) -> list[int] | None:
     """The adaptive mode's decision at a sync: the new counts from the seconds per step
     measured (:func:`step_counts`), or None (keep ``current``) unless some replica's new
-    count differs from its current one by more than ``tolerance * inner_steps``."""
+    count ``k`` differs from its current one by more than ``tolerance * k`` (its share of the
+    period's time)."""
     new = step_counts(seconds_per_step, inner_steps)
-    bound = tolerance * inner_steps
-    if any(abs(a - b) > bound for a, b in zip(new, current)):
+    if any(abs(a - b) > tolerance * a for a, b in zip(new, current)):
         return new
     return None
 
@@ -174,14 +198,17 @@ class Pace:
             from then on); ``"adaptive"``: ``adaptive=True``.
         weights: ``"steps"`` (default) or ``"tokens"`` (reported by :meth:`count_tokens`).
         adaptive: measure again at every sync and change the counts past ``tolerance``.
-        tolerance: the adaptive mode's bound, a fraction of H (default 0.1): the counts
-            change when some replica's new count differs from its current one by more.
+        tolerance: the adaptive mode's bound (default 0.1): the counts change when some
+            replica's new count differs from its current one by more than this fraction of
+            the new count.
+        measure: a measured pace's inner steps before it decides (default :data:`MEASURE`;
+            the first is not timed); at least 2; ``H`` or more: the whole first period.
         clock: seconds as a float, read twice per replica and measured period (default
             ``time.perf_counter``; a test gives its own).
     """
 
     def __init__(self, counts: Sequence[int] | str | None = None, *, weights: str = "steps",
-                 adaptive: bool = False, tolerance: float = 0.1,
+                 adaptive: bool = False, tolerance: float = 0.1, measure: int = MEASURE,
                  clock: Callable[[], float] | None = None) -> None:
         if isinstance(counts, str) and counts in MODES:
             adaptive, counts = adaptive or counts == "adaptive", None
@@ -196,9 +223,13 @@ class Pace:
             raise ValueError(f"pace weights must be one of {WEIGHTS}, got {weights!r}")
         if (isinstance(tolerance, bool) or not isinstance(tolerance, (int, float))
                 or not 0.0 <= tolerance < 1.0):
-            raise ValueError(f"pace tolerance must be a fraction of H in [0, 1), got "
+            raise ValueError(f"pace tolerance must be a fraction in [0, 1), got "
                              f"{tolerance!r}")
+        if isinstance(measure, bool) or not isinstance(measure, int) or measure < 2:
+            raise ValueError(f"pace measure must be an integer >= 2 (inner steps timed before "
+                             f"the counts are decided, the first untimed), got {measure!r}")
         self.adaptive, self.tolerance = bool(adaptive), float(tolerance)
+        self.measure = measure
         self.given = None if counts is None else [int(k) for k in counts]
         self.weights = weights
         self.clock = time.perf_counter if clock is None else clock
@@ -216,13 +247,16 @@ class Pace:
     def settings(self) -> tuple:
         """What every replica must share (the ranks' settings are compared at set-up)."""
         adaptive = ("adaptive", self.tolerance) if self.adaptive else ()
-        return ("counts", self.given, "weights", self.weights, *adaptive)
+        return ("counts", self.given, "weights", self.weights, "measure", self.measure,
+                *adaptive)
 
     def __repr__(self) -> str:
         mode = "'adaptive'" if self.adaptive and self.given is None else "'fixed'"
         counts = mode if self.given is None else repr(self.given)
         extra = f", adaptive=True, tolerance={self.tolerance}" if self.adaptive else ""
         extra = f", tolerance={self.tolerance}" if mode == counts == "'adaptive'" else extra
+        if self.measure != MEASURE and self.given is None:
+            extra += f", measure={self.measure}"
         return f"Pace(counts={counts}, weights={self.weights!r}{extra})"
 
     @property
@@ -246,10 +280,14 @@ class Pace:
         if self.counts is None and (inner_steps == 1 or world == 1):
             self.counts = [inner_steps] * world  # nothing to measure: one step is the least
         self.since = 0
+        #: every replica's steps up to the last sync (the same on every rank)
+        self.steps_done = [0] * world
+        self._first_period: list[int] | None = None  # the first period's, decided early
         self._tokens = torch.zeros((), dtype=torch.float64, device=self.device)
         self._start: float | None = None  # the clock where the measured steps start
         self._first = 1  # the steps of the period taken before that reading
         self._stop: float | None = None  # and at the end of the period's last step
+        self._marks: list[float] = []  # the clock after each step before an early decision
 
     @property
     def measures(self) -> bool:
@@ -259,9 +297,33 @@ class Pace:
                                        and self.inner_steps > 1)
 
     @property
+    def period(self) -> list[int]:
+        """Every replica's inner steps in the current period (the same on every rank)."""
+        if self._first_period is not None:
+            return list(self._first_period)
+        return [self.inner_steps] * self.world if self.counts is None else list(self.counts)
+
+    @property
     def count(self) -> int:
         """This replica's inner steps in the current period."""
-        return self.inner_steps if self.counts is None else self.counts[self.rank]
+        return self.period[self.rank]
+
+    def period_position(self) -> float:
+        """Where this replica's next step stands in its period, in steps of the fastest
+        replica (from 0 to H): ``since * H / count``; in a first period decided early, its
+        steps up to the decision count one each and the rest ``(H - measure) / (count -
+        measure)`` each (a learning-rate schedule that follows the run, not the replica)."""
+        if self._first_period is not None and self.since > self.measure:
+            m = self.measure
+            return m + (self.since - m) * (self.inner_steps - m) / (self.count - m)
+        return self.since * self.inner_steps / self.count
+
+    def _times_each_step(self) -> bool:
+        """Whether the step just taken is one of the first ``measure`` of a period of a
+        measured pace whose counts are still unknown (each timed; the counts decided after
+        the last of them)."""
+        return (self.counts is None and self.since <= self.measure < self.inner_steps
+                and self.world > 1)
 
     # ------------------------------------------------------------------ stepping
     def count_tokens(self, n: int | float | torch.Tensor) -> None:
@@ -271,10 +333,16 @@ class Pace:
         if self.weights == "tokens":
             self._tokens.add_(n)
 
-    def after_step(self) -> bool:
-        """After an inner step (skipped ones too): whether this replica syncs now."""
+    def after_step(self, group=None, stats: CommStats | None = None) -> bool:
+        """After an inner step (skipped ones too): whether this replica syncs now. The step
+        after which a measured pace decides (its ``measure``-th) all-gathers the seconds
+        over ``group`` (the replicator's transport), every replica at the same step."""
         self.since += 1
-        if self.measures:  # the end of the period's last step, or of its first
+        if self._times_each_step():  # the steps before an early decision: each one timed
+            self._marks.append(self._read())
+            if self.since == self.measure:
+                self._decide_early(group, CommStats() if stats is None else stats)
+        elif self.measures:  # the end of the period's last step, or of its first
             if self.since == self.count and self._start is not None:
                 self._stop = self._read()
             elif self.since == 1 and self._start is None:
@@ -283,6 +351,24 @@ class Pace:
             return False
         self.since = 0
         return True
+
+    def _decide_early(self, group, stats: CommStats) -> None:
+        """The counts from the first ``measure`` steps (the median of steps 2 to ``measure``:
+        a warm-up or a hiccup in one of them does not count), and the first period's own
+        steps (:func:`first_period`); without a measurement on some replica (timed from its
+        first step: not after a resume in between), every replica times the rest of the
+        period instead (decided at the sync)."""
+        marks, self._marks = self._marks, []
+        secs = 0.0
+        if len(marks) == self.measure:
+            secs = statistics.median(b - a for a, b in zip(marks, marks[1:]))
+        changes = len(self.changes)
+        gathered = self._measured(group, stats, secs)
+        if gathered is not None and len(self.changes) > changes:  # counts set: balance the rest
+            first = first_period(gathered, self.inner_steps, self.measure)
+            self._first_period = None if first == self.counts else first
+        if self.counts is None or (self.adaptive and self.measures):
+            self._start, self._first = self._read(), self.measure  # the rest is timed
 
     def start_period(self) -> None:
         """After a sync completed (adaptive mode): the next period's steps are timed from
@@ -302,11 +388,15 @@ class Pace:
         weight is equal and nothing is scaled. Fixes the counts first when the period just
         ended measured them (the one host read of a pace)."""
         self.synced += 1
+        period = self.period
+        self.steps_done = [a + b for a, b in zip(self.steps_done, period)]
+        self._first_period = None
         if self.world <= 1:
             return None
-        period = [self.count] * self.world if self.counts is None else list(self.counts)
         if self.measures:
-            self._measured(group, stats, period[self.rank])
+            steps = period[self.rank] - self._first
+            timed = self._start is not None and self._stop is not None and steps > 0
+            self._measured(group, stats, (self._stop - self._start) / steps if timed else 0.0)
         if self.weights == "steps":
             if len(set(period)) == 1:
                 return None
@@ -319,21 +409,18 @@ class Pace:
         steps = torch.tensor(period, dtype=torch.float64, device=self.device)
         return weight_factors(tokens, steps)
 
-    def _measured(self, group, stats: CommStats, count: int) -> None:
-        """All-gather the seconds per step measured in the period that just ended (``count``
-        steps on this replica) and set the counts from them, every rank alike: fixed from
-        the first measurement, or (adaptive) changed past the tolerance. Without a
-        measurement on some rank the counts stay (the first period's: measure again)."""
-        secs = 0.0  # none measured
-        steps = count - self._first
-        if self._start is not None and self._stop is not None and steps > 0:
-            secs = (self._stop - self._start) / steps
+    def _measured(self, group, stats: CommStats, secs: float) -> list[float] | None:
+        """All-gather this replica's seconds per step (``secs``; 0: none measured) and set
+        the counts from them, every rank alike: fixed from the first measurement, or
+        (adaptive) changed past the tolerance; the seconds gathered. Without a measurement
+        on some rank the counts stay (the first period's: measure again) and the result is
+        None."""
         mine = torch.tensor([secs], dtype=torch.float64, device=self.device)
         gathered = _per_replica(all_gather(mine, group, stats).reshape(-1), group, self.world,
                                 dist.ReduceOp.MAX, stats).tolist()  # a host read a sync
         self._start = self._stop = None
         if not all(s > 0 and s != float("inf") for s in gathered):
-            return
+            return None
         if not self.adaptive:
             new: list[int] | None = step_counts(gathered, self.inner_steps)
         else:
@@ -343,10 +430,14 @@ class Pace:
         if new is not None:
             self.counts = new
             self.changes.append((self.synced, list(new)))
+        return gathered
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict:
         return {"counts": None if self.counts is None else list(self.counts),
+                "first_period": (None if self._first_period is None
+                                 else list(self._first_period)),
+                "steps_done": list(self.steps_done),
                 "since": self.since, "tokens": self._tokens.clone(), "synced": self.synced,
                 "changes": [[j, list(k)] for j, k in self.changes]}
 
@@ -363,11 +454,15 @@ class Pace:
             raise ValueError(f"the saved pace counts {list(counts)} differ from the given "
                              f"{self.given}; build the replicator with the saved ones")
         self.counts = None if counts is None else [int(k) for k in counts]
+        first = state.get("first_period")
+        self._first_period = None if first is None else [int(k) for k in first]
+        self.steps_done = [int(k) for k in state.get("steps_done", [0] * self.world)]
         self.since = int(state["since"])
         self._tokens.copy_(state["tokens"])
         self.synced = int(state.get("synced", 0))
         self.changes = [(int(j), [int(k) for k in c]) for j, c in state.get("changes", [])]
         self._start = self._stop = None  # a measurement interrupted is taken again
+        self._marks = []
 
 
 def make_pace(spec: Pace | Sequence[int] | str | None, *, fragments: int, tau: int,
@@ -384,7 +479,7 @@ def make_pace(spec: Pace | Sequence[int] | str | None, *, fragments: int, tau: i
         pace = Pace(spec)
     elif isinstance(spec, Pace):
         pace = Pace(spec.given, weights=spec.weights, adaptive=spec.adaptive,
-                    tolerance=spec.tolerance, clock=spec.clock)
+                    tolerance=spec.tolerance, measure=spec.measure, clock=spec.clock)
     else:
         pace = Pace(list(spec))
     if fragments != 1 or tau or keep_unsent:

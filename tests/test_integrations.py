@@ -10,6 +10,7 @@ rank read other data, every step sent what a plain loop's step sends (DeMo's pay
 gradient). 1 x 2: the parameters stay DTensors split between the 2 ranks, the loss is finite,
 nothing crosses between replicas. bf16: the forward computes in bf16, the optimizer sees fp32
 gradients and weights. The HF Trainer and Lightning resume bitwise from their checkpoints.
+In this process, each refuses a DiLoCo pace that is not lockstep before the first step.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import pytest
 from dist_util import Forked
 from test_docs import snippets
 
+import flexdemo
 from flexdemo.tools.ranks import free_port
 
 WORKER = Path(__file__).with_name("integration_workers.py")
@@ -292,3 +294,145 @@ def test_a_framework_that_sees_one_process_of_two_is_refused(monkeypatch):
         check_data_split(1, "the Trainer", "pass TrainingArguments(use_cpu=True)")
     assert str(info.value) == ("the Trainer sees 1 process(es) of this job's 2, so every rank "
                                "would read the same data; pass TrainingArguments(use_cpu=True)")
+
+
+# ------------------------------------------------------------------ replicas at their own pace
+# The frameworks run the same number of steps on every rank: a DiLoCo pace that gives each
+# replica its own inner steps per period would leave one waiting at a sync its peers never
+# reach. Each integration refuses it in one line before the first step; equal given counts
+# (lockstep) train as without a pace.
+FIX = ("train it with `flexdemo train` (which counts a paced run in syncs) or your own loop "
+       "that steps until the pace's sync (docs/stragglers.md), or drop pace=")
+
+
+def _refusal(info: pytest.ExceptionInfo, where: str) -> None:
+    """One line, from ``where``, naming the pace and the fix."""
+    text = str(info.value)
+    assert "\n" not in text, text
+    assert text.startswith(f"{where} runs the same number of steps on every rank"), text
+    assert "pace=" in text and text.endswith(FIX), text
+
+
+def test_a_pace_not_in_lockstep_is_refused_by_the_check():
+    from types import SimpleNamespace
+
+    from flexdemo.integrations import check_lockstep
+    from flexdemo.replicate.pace import Pace
+
+    def opt(*paces):
+        return SimpleNamespace(replicators=[SimpleNamespace(name="diloco", pace=p)
+                                            for p in paces])
+
+    for fine in (opt(Pace([4, 4])), opt(None), opt(None, Pace([3, 3, 3])), object()):
+        check_lockstep(fine, "FlexTrainer")
+    for pace in (Pace([30, 30, 30, 10]), Pace(), Pace("fixed"), Pace("adaptive"),
+                 Pace([4, 4], adaptive=True)):
+        with pytest.raises(ValueError) as info:
+            check_lockstep(opt(None, pace), "FlexTrainer")
+        _refusal(info, "FlexTrainer")
+        assert f"the optimizer's diloco has pace={pace!r}" in str(info.value)
+
+
+@pytest.fixture
+def own_environ():
+    """``prepare()`` and Lightning in this process set launch variables (``MASTER_PORT``,
+    ``LOCAL_RANK``, ...) and Lightning the threads: put them back for the tests after."""
+    import torch
+
+    env, threads = dict(os.environ), torch.get_num_threads()
+    yield
+    for key in set(os.environ) - set(env):
+        del os.environ[key]
+    os.environ.update(env)
+    torch.set_num_threads(threads)
+
+
+def _paced(pace) -> tuple:
+    """An MLP and its DiLoCo optimizer with ``pace`` from ``flexdemo.prepare()``, in this
+    process (one rank: one replica)."""
+    import warnings
+
+    from integration_workers import mlp
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", flexdemo.NoReplicationWarning)
+        return flexdemo.prepare(mlp(), "diloco", lr=1e-3, shard=1,
+                                replicator_kwargs={"inner_steps": 4, "pace": pace})
+
+
+def test_hf_trainer_refuses_a_pace_not_in_lockstep(tmp_path, single_process, own_environ):
+    _skip_if_missing("hf")
+    import transformers
+
+    from flexdemo.integrations.hf import FlexTrainer
+    from flexdemo.replicate.pace import Pace
+
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), use_cpu=True,
+                                          report_to=[], disable_tqdm=True)
+    model, opt = _paced("fixed")
+    with pytest.raises(ValueError) as info:
+        FlexTrainer(model=model, args=args, optimizers=(opt, None))
+    _refusal(info, "FlexTrainer")
+    model, opt = _paced(Pace([4]))  # equal given counts (one replica here): lockstep
+    assert FlexTrainer(model=model, args=args, optimizers=(opt, None)).flexdemo_optimizer is opt
+
+
+def test_accelerate_prepare_refuses_a_pace_not_in_lockstep(single_process, own_environ):
+    _skip_if_missing("accelerate")
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+
+    from flexdemo.integrations.accelerate import prepare
+    from flexdemo.replicate.pace import Pace
+
+    AcceleratorState._reset_state()
+    try:
+        accelerator = Accelerator(cpu=True)
+        model, opt = _paced(Pace([4], adaptive=True))  # given counts, then measured
+        with pytest.raises(ValueError) as info:
+            prepare(accelerator, model, opt)
+        _refusal(info, "flexdemo.integrations.accelerate.prepare()")
+        model, opt = _paced(Pace([4]))  # lockstep
+        assert prepare(accelerator, model, opt)[0] is model
+    finally:
+        AcceleratorState._reset_state()
+
+
+def test_lightning_refuses_a_pace_not_in_lockstep(tmp_path, single_process, own_environ):
+    _skip_if_missing("lightning")
+    import lightning as L
+    import torch
+    from integration_workers import mlp_data
+
+    from flexdemo.integrations.lightning import FlexStrategy
+    from flexdemo.replicate.pace import Pace
+
+    class Module(L.LightningModule):
+        def __init__(self, pace) -> None:
+            super().__init__()
+            self.pace, self.steps = pace, 0
+
+        def configure_model(self) -> None:
+            self.net, self.flex_opt = _paced(self.pace)
+
+        def configure_optimizers(self):
+            return self.flex_opt
+
+        def training_step(self, batch, i):
+            self.steps += 1
+            return torch.nn.functional.cross_entropy(self.net(batch[0]), batch[1])
+
+    def fit(module: Module) -> None:
+        L.Trainer(strategy=FlexStrategy(), accelerator="cpu", devices=1, max_steps=2,
+                  logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                  enable_model_summary=False, default_root_dir=str(tmp_path)).fit(
+            module, torch.utils.data.DataLoader(mlp_data(), batch_size=4))
+
+    refused = Module("adaptive")
+    with pytest.raises(ValueError) as info:
+        fit(refused)
+    _refusal(info, "FlexStrategy")
+    assert refused.steps == 0  # before the first step
+    accepted = Module(Pace([4]))  # lockstep
+    fit(accepted)
+    assert accepted.steps == 2

@@ -12,7 +12,9 @@ and, when the framework is missing, says in one line which extra to install:
   (``pip install "flexdemo[lightning]"``).
 
 All three keep what the framework does for data (each rank reads its own shard of the
-dataset: a sampler over all ranks, as DDP's) and drop only the DDP wrap.
+dataset: a sampler over all ranks, as DDP's) and drop only the DDP wrap. Each runs the same
+number of steps on every rank, so each refuses a DiLoCo pace that is not lockstep
+(:func:`check_lockstep`) before the first step.
 """
 
 from __future__ import annotations
@@ -59,4 +61,22 @@ def check_data_split(processes: int, where: str, fix: str) -> None:
                          f"rank would read the same data; {fix}")
 
 
-__all__ = ["IntegrationMissingError", "check_data_split", "check_prepared", "require"]
+def check_lockstep(optimizer: object, where: str) -> None:
+    """Refuse an optimizer whose replicators include a DiLoCo pace that is not lockstep
+    (``pace=`` with counts not all equal, or measured: ``"fixed"``, ``"adaptive"``): the
+    framework runs the same number of steps on every rank, so a replica would wait at a sync
+    its peers never reach. A check of settings every rank shares: no collective."""
+    for rep in getattr(optimizer, "replicators", ()):
+        pace = getattr(rep, "pace", None)
+        if pace is not None and not pace.lockstep:
+            raise ValueError(
+                f"{where} runs the same number of steps on every rank, but the optimizer's "
+                f"{getattr(rep, 'name', type(rep).__name__)} has pace={pace!r}, which gives "
+                "each replica its own inner steps per period (only equal given counts keep "
+                "them in step): a replica would wait at a sync its peers never reach; train "
+                "it with `flexdemo train` (which counts a paced run in syncs) or your own loop "
+                "that steps until the pace's sync (docs/stragglers.md), or drop pace=")
+
+
+__all__ = ["IntegrationMissingError", "check_data_split", "check_lockstep", "check_prepared",
+           "require"]

@@ -25,7 +25,7 @@ from typing import Any, cast
 
 import torch.nn as nn
 
-from . import check_data_split, check_prepared, require
+from . import check_data_split, check_lockstep, check_prepared, require
 
 require("accelerate", "hf", "accelerate")
 
@@ -63,7 +63,9 @@ def _without_gradient_sync(model: nn.Module) -> Iterator[None]:
 def prepare(accelerator: Any, model: nn.Module, optimizer: Any, *objects: Any) -> tuple:
     """``accelerator.prepare(model, optimizer, *objects)`` for a model and optimizer from
     ``flexdemo.prepare()``, with the model left unwrapped (:func:`keep_unwrapped`). Returns
-    them in the order given."""
+    them in the order given. A DiLoCo pace that is not lockstep is refused
+    (:func:`flexdemo.integrations.check_lockstep`)."""
+    check_lockstep(optimizer, "flexdemo.integrations.accelerate.prepare()")
     model = keep_unwrapped(accelerator, model)
     return tuple(accelerator.prepare(model, optimizer, *objects))
 

@@ -32,7 +32,7 @@ import torch
 import torch.nn as nn
 
 from ..checkpoint import load_checkpoint, save_checkpoint
-from . import check_data_split, check_prepared, require
+from . import check_data_split, check_lockstep, check_prepared, require
 
 require("transformers", "hf", "hf")
 
@@ -58,6 +58,7 @@ class FlexTrainer(Trainer):
             raise TypeError("FlexTrainer takes the optimizer flexdemo.prepare() returned: "
                             "FlexTrainer(model=model, optimizers=(opt, None), ...); the "
                             "Trainer's own optimizer would not exchange across replicas")
+        check_lockstep(opt, "FlexTrainer")
         super().__init__(model=model, args=args, optimizers=optimizers, **kwargs)
         check_data_split(self.args.world_size, "the Trainer",
                          "on a machine without GPUs pass TrainingArguments(use_cpu=True)")

@@ -34,7 +34,7 @@ import torch
 import torch.nn as nn
 
 from ..checkpoint import load_checkpoint, save_checkpoint
-from . import require
+from . import check_lockstep, require
 
 require("lightning", "lightning", "lightning")
 
@@ -56,6 +56,13 @@ class FlexStrategy(ModelParallelStrategy):
         extra = {} if timeout is None else {"timeout": timeout}
         super().__init__(data_parallel_size="auto", tensor_parallel_size="auto",
                          process_group_backend=process_group_backend, **extra)
+
+    def setup_optimizers(self, trainer: Any) -> None:
+        """Lightning's, then a DiLoCo pace that is not lockstep refused, before the first
+        step (:func:`flexdemo.integrations.check_lockstep`)."""
+        super().setup_optimizers(trainer)
+        for opt in self.optimizers:
+            check_lockstep(opt, "FlexStrategy")
 
     @property
     def distributed_sampler_kwargs(self) -> dict[str, Any]:

@@ -318,7 +318,9 @@ class DeToNATION(torch.optim.Optimizer):
             for rep in self.replicators:
                 rep.after_step(self.steps)
         except NonFiniteGradientError:
-            if self.nonfinite == "raise":
+            if self.nonfinite == "raise":  # a step skipped here is counted before the error
+                self.skipped_steps += skipped
+                self._last_skipped = skipped
                 self.steps += 1
                 raise
             skipped = True

@@ -16,6 +16,7 @@ import pytest
 import torch
 from dist_util import run_world
 
+from flexdemo import Pace
 from flexdemo.app.bench.run import PRESETS, STRATEGIES, BenchError, bench_options, run_config
 from flexdemo.app.bench.stragglers import (
     comparison,
@@ -177,18 +178,44 @@ def test_schedule_step_follows_the_run_not_the_rank():
     assert lr_at(0.0, 12, 1.0, 2) < lr_at(0.5, 12, 1.0, 2) < lr_at(1.0, 12, 1.0, 2)
 
 
-def test_paced_run_length_in_syncs():
-    rep = SimpleNamespace(inner_steps=30, syncs=[0], pace=SimpleNamespace(
-        since=0, count=10, counts=[30, 30, 30, 10], weights="steps"))
+def _paced(counts, rank=0, steps=100, stop_at=0, budget="steps"):
+    """A :class:`PacedRun` over a real :class:`Pace` of the given counts (H = 30), bound
+    as a replicator binds it."""
+    pace = Pace(counts)
+    pace.setup(30, len(counts), rank, torch.device("cpu"))
+    rep = SimpleNamespace(inner_steps=30, syncs=[0], pace=pace)
     opt = SimpleNamespace(replicators=[SimpleNamespace(pace=None), rep])
-    run = PacedRun.of(opt, 100, 0)
+    return PacedRun.of(opt, steps, stop_at, budget), rep
+
+
+def test_paced_run_length_in_syncs():
+    run, rep = _paced([30, 30, 30, 10], rank=3)
     assert run is not None and (run.total, run.last, run.span) == (4, 4, 120)
-    assert PacedRun.of(opt, 120, 31).last == 2  # stop_at: the sync at or after it
+    assert _paced([30, 30, 30, 10], steps=120, stop_at=31)[0].last == 2  # the sync at/after
     assert PacedRun.of(SimpleNamespace(replicators=[]), 100) is None
     rep.syncs[0], rep.pace.since = 2, 5
     assert run.position() == 75.0 and run.at == 60 and not run.done
     rep.syncs[0] = 4
     assert run.done and "rounded up" in run.note(100) and "rounded" not in run.note(120)
+
+
+def test_a_run_by_tokens_lasts_until_the_replicas_steps_reach_the_budget():
+    """``train.pace_budget = "tokens"``: 240 synchronous steps of 4 replicas are 960 replica
+    steps; at counts [30, 30, 30, 10] (100 a period) that is 10 syncs, and the run ends at
+    the first sync at or past the budget; a first period of other counts is counted as it
+    runs."""
+    run, rep = _paced([30, 30, 30, 10], steps=240, budget="tokens")
+    assert run.budget == 960 and (run.total, run.span) == (10, 300)
+    assert "960 steps together" in run.note(240)
+    for sync in range(1, 11):  # what each sync does to the pace: its period's steps done
+        rep.syncs[0] = sync
+        rep.pace.steps_done = [30 * sync] * 3 + [10 * sync]
+        assert run.total == 10 and run.done == (sync == 10)
+    run, rep = _paced([30, 30, 30, 10], steps=240, budget="tokens")
+    rep.pace._first_period = [30, 30, 30, 15]  # decided after 8 steps (Pace.measure)
+    assert run.total == 10  # 105 in the first period, 855 more: 9 periods
+    run, rep = _paced([30, 30], steps=240, budget="tokens", stop_at=60)
+    assert (run.total, run.last) == (8, 2)
 
 
 def test_slowdown_is_for_its_ranks_only():
@@ -208,6 +235,8 @@ def test_slowdown_is_for_its_ranks_only():
     (["train.batches=fair"], "train.batches: unknown value 'fair'"),
     (["train.batches=balanced", "strategy.replicator=diloco",
       "strategy.replicator_kwargs={pace=\"fixed\"}"], "choose one"),
+    (["train.pace_budget=tokens"], "this strategy has none"),
+    (["train.pace_budget=bytes"], "train.pace_budget: unknown value 'bytes'"),
 ])
 def test_bad_speed_settings_are_one_line(overrides, needle):
     with pytest.raises(ConfigError, match=None) as e:
@@ -226,8 +255,10 @@ def test_stragglers_preset_options_and_configs():
         cfg = validate(config_from_dict(run_config(o, name, "x")), 4)
         assert cfg.train.slowdown == 3.0 and cfg.train.slow_ranks == [3]
         assert cfg.train.batches == ("balanced" if name.endswith("-balanced") else "equal")
-    assert run_config(o, "muloco-int4-paced", "x")["strategy"]["replicator_kwargs"] == {
-        "pace": "fixed"}
+    paced = run_config(o, "muloco-int4-paced", "x")
+    assert paced["strategy"]["replicator_kwargs"] == {"pace": "fixed"}
+    assert paced["train"]["pace_budget"] == "tokens"  # the synchronous run's tokens
+    assert "pace_budget" not in run_config(o, "muloco-int4", "x")["train"]
     assert STRATEGIES["flexdemo-balanced"].replicator_kwargs["weights"] == "tokens"
     two = bench_options(preset="stragglers", slow_factor=2, slow_node=0, ranks_per_node=2)
     assert run_config(two, "flexdemo", "x")["train"]["slow_ranks"] == [0, 1]

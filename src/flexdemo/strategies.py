@@ -141,15 +141,21 @@ STRATEGIES: dict[str, Strategy] = {
         "values, the mean over the replicas, every 30 steps",
         "sparseloco-dct", "muon", 1e-2, color="#00441b"),
     # replicas of different speeds (issue 55, docs/stragglers.md): the same exchanges, each
-    # replica at its own pace (DiLoCo: its own inner steps per period, measured in the first
-    # period) or with a batch sized to its speed (an exchange at every step, weighted by tokens)
+    # replica at its own pace (DiLoCo: its own inner steps per period, measured over its first
+    # steps, or at every sync) or with a batch sized to its speed (an exchange at every step,
+    # weighted by tokens)
     "muloco-int4-paced": Strategy(
         "the 'muloco-int4' preset (ours) with a pace: each replica syncs after its own inner "
-        "steps (measured in the first period: pace='fixed'), the mean weighted by steps",
+        "steps (measured over the first 8: pace='fixed'), the mean weighted by steps",
         "muloco-int4", "muon", 1e-2, {"pace": "fixed"}, color="#c7e9c0"),
+    "muloco-int4-adaptive": Strategy(
+        "the 'muloco-int4' preset (ours) with an adaptive pace: each replica's inner steps "
+        "measured again at every sync and changed past a tenth of its share "
+        "(pace='adaptive'), the mean weighted by steps",
+        "muloco-int4", "muon", 1e-2, {"pace": "adaptive"}, color="#e5f5e0"),
     "muloco-paced": Strategy(
         "MuLoCo (the paper's exchange) with a pace: each replica syncs after its own inner "
-        "steps (measured in the first period: pace='fixed'), the mean weighted by steps",
+        "steps (measured over the first 8: pace='fixed'), the mean weighted by steps",
         "muloco", "muon", 1e-2, {"pace": "fixed"}, color="#41ab5d"),
     "flexdemo-balanced": Strategy(
         "FlexDeMo with balanced batches: each replica's batch sized to its measured speed "

@@ -103,14 +103,16 @@ PRESETS: dict[str, dict[str, Any]] = {
     "stragglers": {
         "about": "replicas of different speeds: 4 nodes x 1 rank at 100 Mbit/s, the last node "
                  "3x slower (--slow-factor, --slow-node); MuLoCo (our int4, the paper's) "
-                 "synchronous vs each replica at its own pace, FlexDeMo vs balanced batches; "
+                 "synchronous vs each replica at its own pace (fixed, adaptive), FlexDeMo vs "
+                 "balanced batches; "
                  "goodput, time to the synchronous run's loss, loss at equal tokens",
-        "strategies": ("muloco-int4", "muloco-int4-paced", "muloco", "muloco-paced",
-                       "flexdemo", "flexdemo-balanced"),
+        "strategies": ("muloco-int4", "muloco-int4-paced", "muloco-int4-adaptive", "muloco",
+                       "muloco-paced", "flexdemo", "flexdemo-balanced"),
         "bandwidths": ("100mbit",),
         "nodes": 4, "ranks_per_node": 1, "steps": 240, "slow_factor": 3.0,
         "out": "runs/stragglers",
-        # H=30 (both MuLoCo presets): 8 syncs, an evaluation at each
+        # H=30 (both MuLoCo presets): 8 syncs, an evaluation at each; a paced run lasts
+        # until it has trained on the synchronous run's tokens (train.pace_budget)
         "overrides": ["task.model=tiny", "train.batch=16", "train.warmup=15",
                       "train.eval_every=30", "train.eval_batches=4", "train.log_every=10"]},
 }
@@ -325,6 +327,8 @@ def run_config(o: BenchOptions, strategy: str, run_dir: str) -> dict:
     train.update({"out": run_dir, "overwrite": True, "progress": True})
     if spec.batches != "equal":
         train["batches"] = spec.batches
+    if "pace" in cfg["strategy"].get("replicator_kwargs", {}):
+        train["pace_budget"] = "tokens"  # the synchronous run's data: compared at its end
     if o.slow_factor != 1.0 and o.slow_node is not None:  # the slowed node's ranks
         rpn = o.ranks_per_node
         train.update({"slowdown": o.slow_factor,

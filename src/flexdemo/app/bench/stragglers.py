@@ -2,7 +2,9 @@
 
 One node is slowed (``train.slowdown`` on its ranks: each step lasts ``factor`` times its
 compute), and each strategy runs synchronously and with its remedy: a DiLoCo pace (each
-replica syncs after its own inner steps, ``-paced``) or balanced batches (each replica's
+replica syncs after its own inner steps, measured once: ``-paced``, or at every sync:
+``-adaptive``; such a run lasts until it has trained on the synchronous run's tokens,
+``train.pace_budget = "tokens"``) or balanced batches (each replica's
 batch sized to its speed, the exchange weighted by tokens, ``-balanced``). Per run
 (:func:`run_figures`):
 
@@ -15,8 +17,8 @@ batch sized to its speed, the exchange weighted by tokens, ``-balanced``). Per r
 * against the synchronous run of the same strategy (:func:`comparison`): the **time to its
   final validation loss** (:func:`time_to_loss`, interpolated between evaluations) and the
   **validation loss at equal tokens** (:func:`value_at`, both curves interpolated at the
-  smaller of the two runs' final token counts: a paced run trains on fewer tokens than the
-  synchronous one, its slow replica taking fewer steps).
+  smaller of the two runs' final token counts: a paced run ends at the first sync past the
+  synchronous run's tokens).
 
 Pure functions of the results (``curve`` holds the evaluations' ``val_seconds``,
 ``val_loss`` and ``val_tokens``; the summary's ``per_rank`` each rank's steps, tokens,
@@ -32,7 +34,7 @@ __all__ = ["REMEDIES", "comparison", "goodput", "partner", "replica_speeds",
            "run_figures", "slow_label", "straggler_lines", "straggler_table", "time_to_loss",
            "value_at"]
 
-REMEDIES = ("-paced", "-balanced")
+REMEDIES = ("-paced", "-adaptive", "-balanced")
 """The suffixes of a strategy's variant for replicas of different speeds."""
 
 
@@ -41,7 +43,8 @@ def _finite(v: Any) -> bool:
 
 
 def partner(name: str) -> str | None:
-    """The synchronous strategy a ``-paced`` or ``-balanced`` one is the variant of."""
+    """The synchronous strategy a ``-paced``, ``-adaptive`` or ``-balanced`` one is the
+    variant of."""
     for suffix in REMEDIES:
         if name.endswith(suffix) and name[:-len(suffix)]:
             return name[:-len(suffix)]

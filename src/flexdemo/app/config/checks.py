@@ -303,6 +303,10 @@ def validate(cfg: Config, world_size: int = 1) -> Config:
         raise ConfigError("train.batches='balanced' sizes the batches of exchanges at every "
                           "step; a DiLoCo pace (strategy.replicator_kwargs.pace) gives each "
                           "replica its own steps instead: choose one")
+    if tr.pace_budget != "steps" and "pace" not in s.replicator_kwargs:
+        raise ConfigError(f"train.pace_budget={tr.pace_budget!r} sets the length of a run with "
+                          "a pace, and this strategy has none (strategy.replicator_kwargs.pace):"
+                          " leave train.pace_budget at 'steps'")
     _check_range("train.slowdown", tr.slowdown >= 1.0, "a factor >= 1 (1: off)", tr.slowdown)
     _check_range("train.slow_ranks", all(0 <= r < world_size for r in tr.slow_ranks)
                  and len(set(tr.slow_ranks)) == len(tr.slow_ranks),

@@ -139,6 +139,11 @@ class TrainConfig:
     """``equal``: ``batch`` on every rank; ``balanced``: each replica's batch sized to its
     speed, measured over the first steps (``batch`` x replicas in all), for exchanges at every
     step weighted by tokens (:mod:`flexdemo.app.train.speeds`)."""
+    pace_budget: str = "steps"
+    """A run with a pace (``strategy.replicator_kwargs.pace``): ``steps``: it lasts
+    ``ceil(steps / H)`` syncs (the fastest replica runs ``steps``); ``tokens``: it lasts until
+    the replicas together have taken ``steps`` x replicas steps, the data of a synchronous run
+    of ``steps`` (:mod:`flexdemo.app.train.speeds`)."""
     slowdown: float = 1.0
     """For benchmarks: the ranks of ``slow_ranks`` make each step last this many times its
     measured compute time (sleeping the difference after the step): an emulated slower GPU
@@ -203,6 +208,8 @@ class Config:
 
 
 BATCHES = ("equal", "balanced")
+PACE_BUDGETS = ("steps", "tokens")
+"""``train.pace_budget``: a paced run's length, the fastest replica's steps or the job's tokens."""
 """``train.batches``: every rank at ``train.batch``, or each replica's batch sized to its speed."""
 
 SECTIONS: dict[str, type] = {"task": TaskConfig, "strategy": StrategyConfig,
@@ -215,5 +222,5 @@ def choices() -> dict[str, tuple[str, ...]]:
     return {"task.name": tuple(TASKS), "strategy.optimizer": tuple(BASE_OPTIMIZERS),
             "strategy.replicator": tuple(sorted(REPLICATORS)),
             "strategy.nonfinite": ("raise", "skip"), "train.schedule": SCHEDULES,
-            "train.batches": BATCHES,
+            "train.batches": BATCHES, "train.pace_budget": PACE_BUDGETS,
             "train.device": DEVICES, "train.precision": PRECISIONS}

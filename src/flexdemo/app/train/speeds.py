@@ -7,7 +7,11 @@ of inner steps (:mod:`flexdemo.replicate.pace`), so the ranks take different num
 and the run is measured in syncs (:class:`PacedRun`): it lasts ``ceil(train.steps / H)``
 syncs (a period is ``H`` steps of the fastest replica, so the fastest runs ``train.steps``
 steps rounded up to a whole period) and every rank stops at the same sync, which every rank
-counts alike. ``train.stop_at`` stops at the first sync at or after it. After sync ``j`` the
+counts alike. With ``train.pace_budget = "tokens"`` the run lasts instead until the replicas
+together have taken ``train.steps`` x replicas steps (at equal batches: the tokens of a
+synchronous run of ``train.steps``), at the first sync at or past it; its number of syncs is
+known once the counts are (:attr:`PacedRun.total`, estimated from ``train.steps`` before).
+``train.stop_at`` stops at the first sync at or after it. After sync ``j`` the
 run stands at step ``j H`` (the checkpoint's name ``step_NNNNNN``, the progress line); the
 loop's collectives (evaluation, checkpoints, the agreement on a signal) happen at syncs only,
 where the replicas are identical: an evaluation or a checkpoint at the first sync at or after
@@ -16,7 +20,8 @@ each multiple of ``train.eval_every`` / ``train.checkpoint_every``, and at the l
 **The learning rate follows the run's progress**, not a rank's own count: step ``s`` (from 0)
 of period ``j`` of a replica that takes ``k`` steps per period is step ``j H + s H / k`` of
 the schedule, which spans ``syncs x H`` steps; so at each sync every replica is at the same
-rate, the slower ones in larger strides.
+rate, the slower ones in larger strides (in a first period whose counts were decided after
+its first few steps, those steps count one each: :meth:`PacedRun.position`).
 
 **Balanced batches** (``train.batches = "balanced"``, :class:`BatchBalance`): for exchanges at
 every step (full sync, DeMo) weighted by tokens (``replicator_kwargs.weights = "tokens"``).
@@ -79,29 +84,54 @@ def crossed(every: int, before: int, now: int) -> bool:
 @dataclass
 class PacedRun:
     """A run with a pace, in syncs (see the module): the replicator ``rep`` with the pace,
-    its ``inner_steps`` (H), the syncs the run lasts (``total``) and those this process runs
-    to (``last``: ``train.stop_at`` rounded up to a sync, else ``total``)."""
+    its ``inner_steps`` (H), the syncs a run by ``train.steps`` lasts (``planned``), the sync
+    ``train.stop_at`` stops at (``stop``, None: none) and, for ``train.pace_budget =
+    "tokens"``, the replicas' steps the run lasts (``budget``: ``train.steps`` x replicas)."""
 
     rep: Any
     inner_steps: int
-    total: int
-    last: int
+    planned: int
+    stop: int | None = None
+    budget: int | None = None
 
     @classmethod
-    def of(cls, opt: Any, steps: int, stop_at: int = 0) -> PacedRun | None:
-        """The paced run of ``opt`` for ``train.steps`` and ``train.stop_at``, or None
-        without a pace."""
+    def of(cls, opt: Any, steps: int, stop_at: int = 0, budget: str = "steps"
+           ) -> PacedRun | None:
+        """The paced run of ``opt`` for ``train.steps``, ``train.stop_at`` and
+        ``train.pace_budget``, or None without a pace."""
         rep = paced_replicator(opt)
         if rep is None:
             return None
         h = int(rep.inner_steps)
-        total = math.ceil(steps / h)
-        return cls(rep, h, total, math.ceil(stop_at / h) if stop_at else total)
+        return cls(rep, h, math.ceil(steps / h), math.ceil(stop_at / h) if stop_at else None,
+                   steps * int(rep.pace.world) if budget == "tokens" else None)
 
     @property
     def syncs(self) -> int:
         """Syncs done (the same on every rank between syncs)."""
         return int(self.rep.syncs[0])
+
+    @property
+    def total(self) -> int:
+        """The syncs the run lasts. By tokens: the syncs done, and those whose periods (at
+        the counts known now) bring the replicas' steps to the budget: it changes only when
+        the counts do (the first period's decision, the adaptive mode's changes), the same
+        on every rank."""
+        if self.budget is None:
+            return self.planned
+        pace = self.rep.pace
+        done = sum(pace.steps_done)
+        if done >= self.budget:
+            return self.syncs
+        per = sum(pace.counts) if pace.counts is not None else self.inner_steps * pace.world
+        left = self.budget - done - sum(pace.period)
+        return self.syncs + 1 + max(0, math.ceil(left / per))
+
+    @property
+    def last(self) -> int:
+        """The sync this process runs to: ``train.stop_at``'s, or the run's last."""
+        total = self.total
+        return total if self.stop is None else min(self.stop, total)
 
     @property
     def span(self) -> int:
@@ -118,9 +148,10 @@ class PacedRun:
         return self.syncs * self.inner_steps
 
     def position(self) -> float:
-        """The schedule's step (from 0) of this replica's next step (:func:`schedule_step`)."""
-        pace = self.rep.pace
-        return schedule_step(self.syncs, pace.since, pace.count, self.inner_steps)
+        """The schedule's step (from 0) of this replica's next step: :func:`schedule_step`,
+        where a first period decided after a few steps runs those at one each
+        (:meth:`flexdemo.replicate.pace.Pace.period_position`)."""
+        return self.syncs * self.inner_steps + self.rep.pace.period_position()
 
     def counts(self) -> list[int] | None:
         """Every replica's inner steps per period (None while the first period measures)."""
@@ -130,6 +161,11 @@ class PacedRun:
     def note(self, steps: int) -> str:
         """The line that says how long the run is."""
         pace = self.rep.pace
+        if self.budget is not None:
+            return (f"pace {pace!r}: syncs of H={self.inner_steps} until the replicas have "
+                    f"taken {self.budget} steps together (train.pace_budget='tokens': the "
+                    f"data of {steps} synchronous steps), each replica its own steps per "
+                    "period, the run measured in syncs")
         rounded = "" if steps % self.inner_steps == 0 else (
             f" (train.steps={steps} rounded up to a whole period: a run ends at a sync)")
         return (f"pace {pace!r}: {self.total} syncs of H={self.inner_steps}, the fastest "

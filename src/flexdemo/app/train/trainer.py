@@ -198,7 +198,7 @@ class Trainer:
                                                  self.timeout, self.peers)
         self.say: Echo = self.echo if self.rank == 0 else (lambda text: None)
         # a pace: the run in syncs; a slowdown: an emulated slower rank (benchmarks)
-        self.paced = PacedRun.of(self.opt, tc.steps, tc.stop_at)
+        self.paced = PacedRun.of(self.opt, tc.steps, tc.stop_at, tc.pace_budget)
         self.slowdown = Slowdown.for_rank(tc.slowdown, tc.slow_ranks, self.rank, self.device)
         self.balance: BatchBalance | None = None  # train.batches = "balanced" (set in _run)
         mesh = self.opt.mesh

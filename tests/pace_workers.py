@@ -158,7 +158,7 @@ def gloo_pace_worker(rank: int, world: int) -> dict:
 ADAPTIVE_H = 10
 ADAPTIVE_PERIODS = 6
 #: the counts in force in each period of :func:`adaptive_run` (decided at syncs 3 and 5)
-ADAPTIVE_COUNTS = [[10, 10, 10]] * 3 + [[10, 9, 3]] * 2 + [[10, 9, 10]]
+ADAPTIVE_COUNTS = [[10, 10, 10]] * 3 + [[9, 8, 3]] * 2 + [[10, 9, 10]]
 
 
 def adaptive_seconds(rank: int, period: int) -> float:

@@ -24,6 +24,7 @@ from pace_workers import (
     PERIODS,
     SECONDS,
     FakeClock,
+    VirtualClock,
     dense_reference,
     gloo_pace_worker,
     loss_of,
@@ -50,14 +51,19 @@ def _equal(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
 
 
 # ---------------------------------------------------------------------- counts from speeds
-@pytest.mark.parametrize("H", [1, 4, 10, 30])
-def test_counts_from_speeds(H):
-    """Speeds 1, 1, 1, 1/3 (seconds per step 1, 1, 1, 3): the fastest take H, the slow one
-    round(H / 3), never fewer than 1."""
-    assert step_counts([1.0, 1.0, 1.0, 3.0], H) == [H, H, H, max(1, round(H / 3))]
+@pytest.mark.parametrize("H, slow", [(1, [1, 1]), (4, [3, 1]), (10, [9, 3]), (30, [30, 10])])
+def test_counts_from_speeds(H, slow):
+    """Speeds 1, 1, 1, 1/3 (seconds per step 1, 1, 1, 3): the slow one takes k = round(H /
+    3) steps, the others the period's time k x 3 (H = 4: 3 and 1, every period 3 s, where H
+    and 1 would leave the slow replica waiting a quarter of it); one more than 2H times
+    slower takes 1 and the fastest H; equal speeds take H."""
+    assert step_counts([1.0, 1.0, 1.0, 3.0], H) == [slow[0]] * 3 + [slow[1]]
     assert step_counts([0.5, 0.25], H) == [max(1, round(H / 2)), H]
     assert step_counts([1.0, 1000.0], H) == [H, 1]
     assert step_counts([2.0, 2.0], H) == [H, H]
+    # the rounding lands on the fast replica: 9 slow steps of 3.3 s (29.7 s), 30 fast ones
+    assert step_counts([1.0, 3.3], 30) == [30, 9]
+    assert step_counts([1.0, 3.15], 30) == [32, 10]  # 31.5 s
 
 
 def test_measured_counts_are_the_same_on_every_rank():
@@ -357,9 +363,9 @@ def _fixed(r: int) -> DiLoCoReplicator:
 
 def test_fixed_mode_measures_then_resumes_bitwise():
     """Fixed mode on 3 replicas (the third 3x slower on its clock): the first period takes 4
-    steps everywhere and measures, then counts [4, 4, 1]. Saved at a sync boundary (after 2
-    periods), rebuilt, loaded (nothing measured again) and run 2 more periods: bitwise the
-    uninterrupted 4 periods, the dense reference's bits too."""
+    steps everywhere and measures, then counts [3, 3, 1] (a period of 3 s everywhere). Saved
+    at a sync boundary (after 2 periods), rebuilt, loaded (nothing measured again) and run 2
+    more periods: bitwise the uninterrupted 4 periods, the dense reference's bits too."""
     world = 3
     hub = InProcessHub(world, timeout=60)
 
@@ -376,7 +382,7 @@ def test_fixed_mode_measures_then_resumes_bitwise():
     whole = run_replicas(hub, lambda r: first(r, 4))
     half = run_replicas(hub, lambda r: first(r, 2))
     counts = whole[0][1]
-    assert counts == [4, 4, 1] and all(w[1] == counts for w in whole)
+    assert counts == [3, 3, 1] and all(w[1] == counts for w in whole)
 
     def resumed(r):
         model = model_fn()
@@ -397,24 +403,26 @@ def test_fixed_mode_measures_then_resumes_bitwise():
         assert _equal(whole[r][0], whole[0][0])  # identical after the last sync
 
 
-def test_a_measurement_cut_short_is_taken_again():
-    """A replica whose measurement is incomplete (loaded in the middle of the first period)
-    reports none: every replica keeps H for another period and measures that one."""
+def test_a_measurement_cut_short_is_timed_from_the_resume():
+    """A whole-period measurement (H at most ``measure``) loaded in the middle of the first
+    period: each replica times the steps after its first one since the resume, and the counts
+    are decided at the sync from those."""
     hub = InProcessHub(2, timeout=60)
 
     def work(r):
         model = model_fn()
-        rep = DiLoCoReplicator(4, pace=Pace(clock=FakeClock([1.0, 2.0][r])))
+        clock = VirtualClock()
+        rep = DiLoCoReplicator(4, pace=Pace(clock=clock))
         opt = DeToNATION(model.parameters(), rep, base="adamw", lr=LR, group=hub.transport(r))
-        train(model, opt, r, 2)
-        opt.load_state_dict(copy.deepcopy(opt.state_dict()))  # the measurement restarts
-        train(model, opt, r, 2)
-        after_first = rep.pace.counts
-        train(model, opt, r, 4)
-        return after_first, rep.pace.counts
+        for step in range(4):
+            if step == 1:
+                opt.load_state_dict(copy.deepcopy(opt.state_dict()))  # the timing restarts
+            clock.now += [1.0, 2.0][r] * (10 if step == 0 else 1)  # its first step is slow
+            train(model, opt, r, 1)
+        return rep.pace.counts, rep.pace.changes
 
-    for after_first, after_second in run_replicas(hub, work):
-        assert after_first is None and after_second == [4, 2]
+    for counts, changes in run_replicas(hub, work):
+        assert counts == [4, 2] and changes == [(1, [4, 2])]
 
 
 def test_first_period_steps():
@@ -426,48 +434,58 @@ def test_first_period_steps():
     assert first_period([1.0, 1.0], 30, 8) == [30, 30]
 
 
-def test_fixed_mode_decides_after_measure_steps_and_balances_the_first_period():
-    """H = 12, ``measure=4``, the third replica 3x slower on its clock: the counts [12, 12, 4]
-    are decided after the 4th step of every replica (one all-gather of 8 bytes per replica,
-    once), the first period then takes [12, 12, 7] steps (4 + round(8 / 3)), the next ones
-    the counts; the run is the dense reference of those periods bitwise, resumes bitwise from
-    a checkpoint taken in the middle of the first period after the decision, and a run with
-    ``measure >= H`` decides at the first sync as before."""
+def test_fixed_mode_decides_after_measure_steps_and_refines_at_the_first_sync():
+    """H = 12, ``measure=4``, on a virtual clock: replica 2 three times slower throughout,
+    replica 0 twice as slow in its first 4 steps only (a start-up). The counts [6, 12, 4] are
+    decided after every replica's 4th step (the median of steps 2 to 4), the first period then
+    takes [4 + 4, 12, 4 + 3] steps, and at the first sync the steps after the decision give
+    [12, 12, 4], fixed from then on: two all-gathers of 8 bytes per replica. The run is the
+    dense reference of those periods bitwise, and resumes bitwise from a checkpoint taken in
+    the middle of the first period (the refinement timed from the first step after the
+    resume); with ``measure >= H`` the whole first period is timed and decided at its sync."""
     world, h = 3, 12
-    hub = InProcessHub(world, timeout=60)
+
+    def seconds(r: int, step: int) -> float:
+        return 2.0 if r == 0 and step < 4 else SECONDS[r]
 
     def run(r, steps, state=None, measure=4):
         model = model_fn()
-        rep = DiLoCoReplicator(h, pace=Pace(measure=measure, clock=FakeClock(SECONDS[r])))
+        clock = VirtualClock()
+        rep = DiLoCoReplicator(h, pace=Pace(measure=measure, clock=clock))
         opt = DeToNATION(model.parameters(), rep, base="adamw", lr=LR, group=RankOrder(hub, r))
         if state is not None:
             model.load_state_dict(state[0])
             opt.load_state_dict(state[1])
         seen = []
         for _ in range(steps[r]):
+            clock.now += seconds(r, opt.steps)  # this step's forward and backward
             train(model, opt, r, 1)
             seen.append((rep.pace.counts, rep.pace.period, rep.syncs[0]))
-        return (params(model), seen, opt.bytes_sent, rep.exchange_bytes(),
+        return (params(model), seen, opt.bytes_sent, rep.exchange_bytes(), rep.pace.changes,
                 (copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict())))
 
-    periods = [[12, 12, 7], [12, 12, 4], [12, 12, 4]]
+    hub = InProcessHub(world, timeout=60)
+    periods = [[8, 12, 7], [12, 12, 4], [12, 12, 4]]
     totals = [sum(p[r] for p in periods) for r in range(world)]
     whole = run_replicas(hub, lambda r: run(r, totals))
     for r in range(world):
-        _, seen, sent, payload, _ = whole[r]
-        assert seen[2][0] is None and seen[3][:2] == ([12, 12, 4], [12, 12, 7])
-        assert seen[-1][2] == 3 and sent == 3 * payload + 2 * 8
+        _, seen, sent, payload, changes, _ = whole[r]
+        assert seen[2][0] is None and seen[3][:2] == ([6, 12, 4], [8, 12, 7])
+        assert changes == [(0, [6, 12, 4]), (1, [12, 12, 4])]
+        assert seen[-1][2] == 3 and sent == 3 * payload + 2 * 2 * 8
     ref = dense_reference(periods)
     for r in range(world):
         assert _equal(whole[r][0], ref[r]), r
     # a checkpoint after the decision, in the middle of the first period (step 5 of each)
     half = run_replicas(hub, lambda r: run(r, [5] * world))
-    rest = run_replicas(hub, lambda r: run(r, [t - 5 for t in totals], half[r][4]))
+    rest = run_replicas(hub, lambda r: run(r, [t - 5 for t in totals], half[r][5]))
     for r in range(world):
         assert _equal(rest[r][0], whole[r][0]), r
-    # measure >= H: the whole first period is timed, the counts decided at its sync
+        assert rest[r][4] == whole[r][4]
+    # measure >= H: the whole first period is timed (steps 2 to 12), the counts decided at
+    # its sync; replica 0's start-up is in its mean: 14 s over 11 steps, 12 x 11 / 14 = 9.4
     late = run_replicas(hub, lambda r: run(r, [h] * world, measure=h))
-    assert all(o[1][h - 2][0] is None and o[1][h - 1][0] == [12, 12, 4] for o in late)
+    assert all(o[1][h - 2][0] is None and o[1][h - 1][0] == [9, 12, 4] for o in late)
 
 
 def test_an_early_measurement_cut_short_times_the_rest_of_the_period():

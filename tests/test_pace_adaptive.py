@@ -3,10 +3,10 @@ the counts changed past a tolerance, every rank alike at the same sync.
 
 The replicas run :func:`pace_workers.adaptive_run`: H = 10, tolerance 0.15, rank 1 10% slower
 throughout (a count of 9: one step off its 10, within the bound of 15% of 9: alone it changes
-nothing), rank 2 three times slower in periods
-3 and 4. The counts change at sync 3 to [10, 9, 3] (the new counts of every replica taken
-together) and back at sync 5 to [10, 9, 10]. The clock is advanced by the training loop only
-(no real time is read, nothing is timed)."""
+nothing), rank 2 three times slower in periods 3 and 4. The counts change at sync 3 to
+[9, 8, 3] (the new counts of every replica taken together: the period is the slow replica's
+3 steps of 3 s) and back at sync 5 to [10, 9, 10]. The clock is advanced by the training
+loop only (no real time is read, nothing is timed)."""
 
 from __future__ import annotations
 
@@ -32,8 +32,8 @@ from flexdemo.replicate.pace import MEASURE, make_pace
 from flexdemo.simulate import run_replicas
 from flexdemo.transport import InProcessHub
 
-CHANGES = [(3, [10, 9, 3]), (5, [10, 9, 10])]
-STEPS = [sum(c[r] for c in ADAPTIVE_COUNTS) for r in range(3)]  # 60, 57, 46
+CHANGES = [(3, [9, 8, 3]), (5, [10, 9, 10])]
+STEPS = [sum(c[r] for c in ADAPTIVE_COUNTS) for r in range(3)]  # 58, 55, 46
 
 
 def _equal(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
@@ -55,7 +55,7 @@ def test_hysteresis_changes_the_counts_past_the_bound_only():
     assert adapted_counts([10, 10], [1.0, 1.1], 10, 0.15) is None  # 1 step is not > 1.35
     # relative to the replica's own count: 2 steps off a slow replica's 8 are 25% of the
     # period's time (a bound of 10% of H, 3 steps, would keep them); 1 off 29 is 3.4%
-    assert adapted_counts([30, 10], [1.0, 3.9], 30, 0.1) == [30, 8]  # 2 > 0.8
+    assert adapted_counts([30, 10], [1.0, 3.9], 30, 0.1) == [31, 8]  # 2 > 0.8
     assert adapted_counts([30, 30], [1.0, 1.05], 30, 0.1) is None  # 29: 1 <= 2.9
 
 
@@ -114,7 +114,7 @@ def test_adaptive_counts_change_alike_and_are_the_dense_reference():
 
 
 def test_adaptive_resumes_with_the_counts_in_force():
-    """Saved after sync 4 (counts [10, 9, 3] in force), rebuilt and loaded: the counts, the
+    """Saved after sync 4 (counts [9, 8, 3] in force), rebuilt and loaded: the counts, the
     syncs and the changes come back, and the run continues bitwise as the uninterrupted one
     (the first period after the resume is timed from the end of its first step)."""
     whole = _adaptive()
@@ -124,7 +124,7 @@ def test_adaptive_resumes_with_the_counts_in_force():
     resumed = run_replicas(hub, lambda r: adaptive_run(r, 3, RankOrder(hub, r),
                                                        state=half[r]["state"]))
     for r in range(3):
-        assert resumed[r]["loaded"] == ([10, 9, 3], 4, CHANGES[:1])
+        assert resumed[r]["loaded"] == ([9, 8, 3], 4, CHANGES[:1])
         assert resumed[r]["changes"] == CHANGES
         assert _equal(resumed[r]["params"], whole[r]["params"]), r
 

@@ -92,7 +92,9 @@ def test_paced_run_with_a_slowed_rank_ends_at_the_same_sync_on_every_rank(tmp_pa
     counts, changes = s["pace"]["counts"], s["pace"]["changes"]
     assert s["pace"] == {"inner_steps": 4, "counts": counts, "weights": "steps", "syncs": 3,
                          "syncs_total": 3, "changes": changes}
-    assert changes and changes[-1][1] == counts and max(counts) == 4
+    # about H for the fastest (at most 2H: step_counts), the fewest steps for the slowed rank
+    assert changes and changes[-1][1] == counts and max(counts) <= 2 * 4
+    assert counts[2] == min(counts) >= 1
     if mode == "fixed":
         assert changes == [[1, counts]]  # measured once, at the first sync
     steps = _steps_of(changes, 4, 3, 3)

@@ -12,23 +12,28 @@ steps since the last sync).
 
 **Counts.** ``Pace([30, 30, 30, 10])`` fixes them from the start (a reproducible run).
 ``Pace()`` (``"fixed"``) measures them early in the first period: every replica runs its
-first ``measure`` inner steps (default :data:`MEASURE`) as without a pace, timing steps 2 to
-``measure`` (the first step, with its warm-up, is not timed; a CUDA device is synchronised at
-those two points only). At the end of step ``measure`` the seconds per step are all-gathered
-(8 bytes per replica, once) and every rank computes the same counts from the same gathered
-numbers (:func:`step_counts`): a period lasts ``H`` steps of the fastest replica, and replica
-``i`` takes ``max(1, round(H * s_fastest / s_i))`` (no replica more than ``H``). The rest of
-the first period is balanced too (:func:`first_period`): replica ``i`` takes ``measure +
-max(1, round((H - measure) * s_fastest / s_i))`` steps in it, the fastest ``H``; from the
-second period on, its count. So only the ``measure`` steps before the decision run at the
-slowest replica's pace. With ``measure >= H`` (or ``H`` at most :data:`MEASURE`) the whole
-first period is timed instead (from the end of its first step to the end of its ``H``-th) and
-the counts are decided at the first sync. A replica whose measurement is incomplete (a run
-resumed in the middle of the measured steps) reports none; then every replica keeps ``H`` and
-times the rest of the period, or the next one. The counts are part of the state
+first ``measure`` inner steps (default :data:`MEASURE`) as without a pace, timing each of
+steps 2 to ``measure`` (the first, with its warm-up, is not timed; a CUDA device is
+synchronised at each reading, in these steps only). After step ``measure`` the median seconds
+per step are all-gathered (8 bytes per replica) and every rank computes the same counts from
+the same gathered numbers (:func:`step_counts`): a period lasts about ``H`` steps of the
+fastest replica, the slowest takes ``k = round(H * s_fastest / s_slowest)`` steps and
+replica ``i`` ``max(1, round(k * s_slowest / s_i))``. The rest of the first period is
+balanced too (:func:`first_period`): replica ``i`` takes ``measure + max(1, round((H -
+measure) * s_fastest / s_i))`` steps in it, the fastest ``H``; from the second period on,
+its count. So only the ``measure`` steps before the
+decision run at the slowest replica's pace. The first steps of a run are a noisy measure (a
+warm-up, peers still starting), so the steps after the decision (which every replica starts
+together) are timed too, and at the first sync the counts are measured again from them (a
+second all-gather of 8 bytes per replica) and fixed from then on. With ``measure >= H`` (or
+``H`` at most :data:`MEASURE`) the whole first period is timed instead (from the end of its
+first step to the end of its ``H``-th) and the counts are decided at the first sync. A run
+resumed in the middle of a timed stretch times the steps after its first one since the
+resume; one resumed within the first ``measure`` steps reports none there, and then every
+replica times the rest of the period instead (decided at its sync). The counts are part of the state
 (``state_dict``): a resumed run does not measure again and continues bitwise as the run that
 saved it. The measurement itself reads a clock: to repeat a run bit for bit, give the counts
-it measured (``opt.replicators[0].pace.counts``).
+it measured (``opt.replicators[0].pace.counts``; each decision is in ``pace.changes``).
 
 **Weights.** The mean of the pseudo-gradients is ``sum_i w_i delta_i / sum_i w_i``:
 ``weights="steps"`` (default) weighs each replica by its count (equal batches: equal tokens
@@ -118,18 +123,25 @@ MEASURE = 8
 
 
 def step_counts(seconds_per_step: Sequence[float], inner_steps: int) -> list[int]:
-    """Each replica's inner steps per period from its seconds per inner step: the period lasts
-    ``inner_steps`` (H) steps of the fastest replica, and replica ``i`` takes ``max(1,
-    round(H * s_fastest / s_i))`` (nearest, ties to even; never more than H). Plain float
-    arithmetic on the given numbers: every rank that computes it from the same gathered
-    numbers gets the same counts."""
+    """Each replica's inner steps per period from its seconds per inner step ``s_i``, so that
+    every replica's period takes about the same time, about ``inner_steps`` (H) steps of the
+    fastest replica: the slowest replica takes ``k = round(H * s_fastest / s_slowest)``
+    steps, which sets the period's time ``T = k * s_slowest``, and replica ``i`` takes
+    ``max(1, round(T / s_i))`` (nearest, ties to even). Rounding then lands on the replicas
+    with the most steps, where one step is the smallest part of the period (one of the
+    fastest replica's 30 is 3%, one of a slow replica's 10 would be 10%). Where ``k`` rounds
+    to 0 (a replica more than 2H times slower) the slowest takes 1 and the fastest H. Plain
+    float arithmetic on the given numbers: every rank that computes it from the same
+    gathered numbers gets the same counts."""
     if not isinstance(inner_steps, int) or isinstance(inner_steps, bool) or inner_steps < 1:
         raise ValueError(f"inner_steps must be an integer >= 1, got {inner_steps!r}")
     secs = [float(s) for s in seconds_per_step]
     if not secs or not all(s > 0 and s != float("inf") for s in secs):
         raise ValueError(f"seconds per step must be finite numbers > 0, got {secs}")
-    fastest = min(secs)
-    return [max(1, round(inner_steps * fastest / s)) for s in secs]
+    fastest, slowest = min(secs), max(secs)
+    k = round(inner_steps * fastest / slowest)
+    period = k * slowest if k >= 1 else inner_steps * fastest
+    return [max(1, round(period / s)) for s in secs]
 
 
 def first_period(seconds_per_step: Sequence[float], inner_steps: int, measure: int
@@ -283,6 +295,7 @@ class Pace:
         #: every replica's steps up to the last sync (the same on every rank)
         self.steps_done = [0] * world
         self._first_period: list[int] | None = None  # the first period's, decided early
+        self._refine = False  # fixed mode: the rest of an early-decided period is timed too
         self._tokens = torch.zeros((), dtype=torch.float64, device=self.device)
         self._start: float | None = None  # the clock where the measured steps start
         self._first = 1  # the steps of the period taken before that reading
@@ -291,10 +304,10 @@ class Pace:
 
     @property
     def measures(self) -> bool:
-        """Whether this period is timed: the first of a measured pace, or any adaptive one
-        (over more than one replica, H > 1)."""
-        return self.counts is None or (self.adaptive and self.world > 1
-                                       and self.inner_steps > 1)
+        """Whether this period is timed: the first of a measured pace (the rest of it after an
+        early decision too), or any adaptive one (over more than one replica, H > 1)."""
+        return self.counts is None or self._refine or (self.adaptive and self.world > 1
+                                                       and self.inner_steps > 1)
 
     @property
     def period(self) -> list[int]:
@@ -345,8 +358,8 @@ class Pace:
         elif self.measures:  # the end of the period's last step, or of its first
             if self.since == self.count and self._start is not None:
                 self._stop = self._read()
-            elif self.since == 1 and self._start is None:
-                self._start, self._first = self._read(), 1
+            elif self._start is None:  # a period's first step, or the first after a resume
+                self._start, self._first = self._read(), self.since
         if self.since < self.count:
             return False
         self.since = 0
@@ -367,7 +380,8 @@ class Pace:
         if gathered is not None and len(self.changes) > changes:  # counts set: balance the rest
             first = first_period(gathered, self.inner_steps, self.measure)
             self._first_period = None if first == self.counts else first
-        if self.counts is None or (self.adaptive and self.measures):
+        self._refine = self.counts is not None and not self.adaptive
+        if self.measures:
             self._start, self._first = self._read(), self.measure  # the rest is timed
 
     def start_period(self) -> None:
@@ -397,6 +411,7 @@ class Pace:
             steps = period[self.rank] - self._first
             timed = self._start is not None and self._stop is not None and steps > 0
             self._measured(group, stats, (self._stop - self._start) / steps if timed else 0.0)
+            self._refine = False
         if self.weights == "steps":
             if len(set(period)) == 1:
                 return None
@@ -423,6 +438,7 @@ class Pace:
             return None
         if not self.adaptive:
             new: list[int] | None = step_counts(gathered, self.inner_steps)
+            new = None if new == self.counts else new  # (a refinement that agrees)
         else:
             current = self.counts or [self.inner_steps] * self.world
             new = adapted_counts(current, gathered, self.inner_steps, self.tolerance)
@@ -437,7 +453,7 @@ class Pace:
         return {"counts": None if self.counts is None else list(self.counts),
                 "first_period": (None if self._first_period is None
                                  else list(self._first_period)),
-                "steps_done": list(self.steps_done),
+                "steps_done": list(self.steps_done), "refine": self._refine,
                 "since": self.since, "tokens": self._tokens.clone(), "synced": self.synced,
                 "changes": [[j, list(k)] for j, k in self.changes]}
 
@@ -457,6 +473,7 @@ class Pace:
         first = state.get("first_period")
         self._first_period = None if first is None else [int(k) for k in first]
         self.steps_done = [int(k) for k in state.get("steps_done", [0] * self.world)]
+        self._refine = bool(state.get("refine", False))
         self.since = int(state["since"])
         self._tokens.copy_(state["tokens"])
         self.synced = int(state.get("synced", 0))

@@ -206,13 +206,17 @@ def test_a_run_by_tokens_lasts_until_the_replicas_steps_reach_the_budget():
     steps; at counts [30, 30, 30, 10] (100 a period) that is 10 syncs, and the run ends at
     the first sync at or past the budget; a first period of other counts is counted as it
     runs."""
-    run, rep = _paced([30, 30, 30, 10], steps=240, budget="tokens")
-    assert run.budget == 960 and (run.total, run.span) == (10, 300)
+    run, rep = _paced([30, 30, 30, 10], rank=3, steps=240, budget="tokens")
+    assert run.budget == 960 and (run.total, run.span) == (10, 240)
     assert "960 steps together" in run.note(240)
     for sync in range(1, 11):  # what each sync does to the pace: its period's steps done
         rep.syncs[0] = sync
         rep.pace.steps_done = [30 * sync] * 3 + [10 * sync]
         assert run.total == 10 and run.done == (sync == 10)
+        # the schedule by tokens: the synchronous run's step at the same tokens (25 a sync)
+        assert run.position() == 25 * sync
+    rep.syncs[0], rep.pace.steps_done, rep.pace.since = 2, [60, 60, 60, 20], 5
+    assert run.position() == 50 + 25 * 5 / 10  # half of replica 3's period: half of 25
     run, rep = _paced([30, 30, 30, 10], steps=240, budget="tokens")
     rep.pace._first_period = [30, 30, 30, 15]  # decided after 8 steps (Pace.measure)
     assert run.total == 10  # 105 in the first period, 855 more: 9 periods

@@ -10,7 +10,9 @@ steps rounded up to a whole period) and every rank stops at the same sync, which
 counts alike. With ``train.pace_budget = "tokens"`` the run lasts instead until the replicas
 together have taken ``train.steps`` x replicas steps (at equal batches: the tokens of a
 synchronous run of ``train.steps``), at the first sync at or past it; its number of syncs is
-known once the counts are (:attr:`PacedRun.total`, estimated from ``train.steps`` before).
+known once the counts are (:attr:`PacedRun.total`, estimated from ``train.steps`` before),
+and its learning rate follows the tokens: the schedule of the synchronous run at the same
+tokens (:meth:`PacedRun.position`), which the adaptive mode's changes of counts do not move.
 ``train.stop_at`` stops at the first sync at or after it. After sync ``j`` the
 run stands at step ``j H`` (the checkpoint's name ``step_NNNNNN``, the progress line); the
 loop's collectives (evaluation, checkpoints, the agreement on a signal) happen at syncs only,
@@ -135,7 +137,10 @@ class PacedRun:
 
     @property
     def span(self) -> int:
-        """The schedule's length in steps: ``total x H``."""
+        """The schedule's length in steps: ``total x H``; by tokens, ``train.steps`` (the
+        synchronous run's)."""
+        if self.budget is not None:
+            return self.budget // int(self.rep.pace.world)
         return self.total * self.inner_steps
 
     @property
@@ -150,8 +155,15 @@ class PacedRun:
     def position(self) -> float:
         """The schedule's step (from 0) of this replica's next step: :func:`schedule_step`,
         where a first period decided after a few steps runs those at one each
-        (:meth:`flexdemo.replicate.pace.Pace.period_position`)."""
-        return self.syncs * self.inner_steps + self.rep.pace.period_position()
+        (:meth:`flexdemo.replicate.pace.Pace.period_position`). By tokens: the replicas'
+        steps so far over the replicas (the synchronous run's step at the same tokens), at
+        the last sync and then this replica's share of its period's: a schedule that the
+        counts' changes do not move."""
+        pace = self.rep.pace
+        if self.budget is None:
+            return self.syncs * self.inner_steps + pace.period_position()
+        share = pace.period_position() / self.inner_steps
+        return (sum(pace.steps_done) + share * sum(pace.period)) / int(pace.world)
 
     def counts(self) -> list[int] | None:
         """Every replica's inner steps per period (None while the first period measures)."""

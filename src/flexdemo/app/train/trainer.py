@@ -424,7 +424,8 @@ class Trainer:
             f"{tc.batch} per rank; {self.device.type} {tc.precision}; out {self.out}")
         if paced is not None:
             say(paced.note(tc.steps))
-        total, done = (tc.steps, start) if paced is None else (paced.span, paced.at)
+        total, done = ((tc.steps, start) if paced is None
+                       else (paced.span, round(paced.position())))
         self.progress = Progress(total, done, tc.log_every, tc.progress and self.rank == 0, say)
         losses: list[float] = []
         step_s = comm_s = 0.0

@@ -488,6 +488,30 @@ def test_fixed_mode_decides_after_measure_steps_and_refines_at_the_first_sync():
     assert all(o[1][h - 2][0] is None and o[1][h - 1][0] == [9, 12, 4] for o in late)
 
 
+def test_fixed_mode_keeps_h_for_speeds_within_the_tolerance():
+    """Replicas 5% apart (a count of 29 of 30, within 10% of it): a measured pace keeps H at
+    both decisions, nothing is recorded, and the run is DiLoCo without a pace bit for bit
+    (the two all-gathers of 8 bytes per replica are its only cost)."""
+    h, world = 30, 2
+    hub = InProcessHub(world, timeout=60)
+
+    def work(r, pace):
+        model = model_fn()
+        clock = VirtualClock()
+        rep = DiLoCoReplicator(h, pace=Pace(clock=clock) if pace else None)
+        opt = DeToNATION(model.parameters(), rep, base="adamw", lr=LR, group=RankOrder(hub, r))
+        for _ in range(2 * h):
+            clock.now += [1.0, 1.05][r]
+            train(model, opt, r, 1)
+        return params(model), opt.bytes_sent, None if rep.pace is None else rep.pace.changes
+
+    paced = run_replicas(hub, lambda r: work(r, True))
+    plain = run_replicas(hub, lambda r: work(r, False))
+    for r in range(world):
+        assert paced[r][2] == [] and _equal(paced[r][0], plain[r][0]), r
+        assert paced[r][1] == plain[r][1] + 2 * 8
+
+
 def test_an_early_measurement_cut_short_times_the_rest_of_the_period():
     """Loaded before the decision (the measurement restarts): the replicas time the rest of
     the period and decide at its sync instead."""

@@ -66,8 +66,10 @@ def test_adaptive_settings():
     assert not Pace([4, 4], adaptive=True).lockstep and Pace([4, 4]).lockstep
     assert "adaptive=True" in repr(Pace([4, 2], adaptive=True))
     assert Pace("fixed").settings() == Pace().settings() == (
-        "counts", None, "weights", "steps", "measure", MEASURE)
-    assert Pace(adaptive=True, tolerance=0.2).settings()[-2:] == ("adaptive", 0.2)
+        "counts", None, "weights", "steps", "measure", MEASURE, "tolerance", 0.1)
+    assert Pace(adaptive=True, tolerance=0.2).settings()[-3:] == ("tolerance", 0.2, "adaptive")
+    assert Pace([4, 2]).settings() == ("counts", [4, 2], "weights", "steps")
+    assert repr(Pace()) == "Pace(counts='fixed', weights='steps', tolerance=0.1)"
     copied = make_pace(Pace(adaptive=True, tolerance=0.3), fragments=1, tau=0,
                        keep_unsent=False)
     assert copied is not None and copied.adaptive and copied.tolerance == 0.3

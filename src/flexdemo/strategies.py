@@ -152,7 +152,7 @@ STRATEGIES: dict[str, Strategy] = {
         "the 'muloco-int4' preset (ours) with an adaptive pace: each replica's inner steps "
         "measured again at every sync and changed past a tenth of its share "
         "(pace='adaptive'), the mean weighted by steps",
-        "muloco-int4", "muon", 1e-2, {"pace": "adaptive"}, color="#e5f5e0"),
+        "muloco-int4", "muon", 1e-2, {"pace": "adaptive"}, color="#807dba"),
     "muloco-paced": Strategy(
         "MuLoCo (the paper's exchange) with a pace: each replica syncs after its own inner "
         "steps (measured over the first 8: pace='fixed'), the mean weighted by steps",

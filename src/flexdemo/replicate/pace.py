@@ -25,7 +25,10 @@ its count. So only the ``measure`` steps before the
 decision run at the slowest replica's pace. The first steps of a run are a noisy measure (a
 warm-up, peers still starting), so the steps after the decision (which every replica starts
 together) are timed too, and at the first sync the counts are measured again from them (a
-second all-gather of 8 bytes per replica) and fixed from then on. With ``measure >= H`` (or
+second all-gather of 8 bytes per replica) and fixed from then on. Both decisions keep the
+counts in force (``H`` at first) unless some replica's new count is off by more than the
+tolerance (:func:`adapted_counts`, as the adaptive mode decides): with speeds within 10% of
+each other the counts stay ``H``, the bits of DiLoCo without a pace. With ``measure >= H`` (or
 ``H`` at most :data:`MEASURE`) the whole first period is timed instead (from the end of its
 first step to the end of its ``H``-th) and the counts are decided at the first sync. A run
 resumed in the middle of a timed stretch times the steps after its first one since the
@@ -210,9 +213,9 @@ class Pace:
             from then on); ``"adaptive"``: ``adaptive=True``.
         weights: ``"steps"`` (default) or ``"tokens"`` (reported by :meth:`count_tokens`).
         adaptive: measure again at every sync and change the counts past ``tolerance``.
-        tolerance: the adaptive mode's bound (default 0.1): the counts change when some
-            replica's new count differs from its current one by more than this fraction of
-            the new count.
+        tolerance: a measured pace's bound (default 0.1): the counts change when some
+            replica's new count differs from its current one (H before the first) by more
+            than this fraction of the new count.
         measure: a measured pace's inner steps before it decides (default :data:`MEASURE`;
             the first is not timed); at least 2; ``H`` or more: the whole first period.
         clock: seconds as a float, read twice per replica and measured period (default
@@ -258,15 +261,16 @@ class Pace:
 
     def settings(self) -> tuple:
         """What every replica must share (the ranks' settings are compared at set-up)."""
-        adaptive = ("adaptive", self.tolerance) if self.adaptive else ()
-        return ("counts", self.given, "weights", self.weights, "measure", self.measure,
-                *adaptive)
+        measured = (("measure", self.measure, "tolerance", self.tolerance)
+                    if self.given is None or self.adaptive else ())
+        return ("counts", self.given, "weights", self.weights, *measured,
+                *(("adaptive",) if self.adaptive else ()))
 
     def __repr__(self) -> str:
         mode = "'adaptive'" if self.adaptive and self.given is None else "'fixed'"
         counts = mode if self.given is None else repr(self.given)
         extra = f", adaptive=True, tolerance={self.tolerance}" if self.adaptive else ""
-        extra = f", tolerance={self.tolerance}" if mode == counts == "'adaptive'" else extra
+        extra = f", tolerance={self.tolerance}" if self.given is None else extra
         if self.measure != MEASURE and self.given is None:
             extra += f", measure={self.measure}"
         return f"Pace(counts={counts}, weights={self.weights!r}{extra})"
@@ -408,9 +412,10 @@ class Pace:
         if self.world <= 1:
             return None
         if self.measures:
-            steps = period[self.rank] - self._first
-            timed = self._start is not None and self._stop is not None and steps > 0
-            self._measured(group, stats, (self._stop - self._start) / steps if timed else 0.0)
+            n, secs = period[self.rank] - self._first, 0.0  # 0: none measured
+            if self._start is not None and self._stop is not None and n > 0:
+                secs = (self._stop - self._start) / n
+            self._measured(group, stats, secs)
             self._refine = False
         if self.weights == "steps":
             if len(set(period)) == 1:
@@ -436,13 +441,9 @@ class Pace:
         self._start = self._stop = None
         if not all(s > 0 and s != float("inf") for s in gathered):
             return None
-        if not self.adaptive:
-            new: list[int] | None = step_counts(gathered, self.inner_steps)
-            new = None if new == self.counts else new  # (a refinement that agrees)
-        else:
-            current = self.counts or [self.inner_steps] * self.world
-            new = adapted_counts(current, gathered, self.inner_steps, self.tolerance)
-            self.counts = current
+        current = self.counts or [self.inner_steps] * self.world
+        new = adapted_counts(current, gathered, self.inner_steps, self.tolerance)
+        self.counts = current  # (within the tolerance: kept)
         if new is not None:
             self.counts = new
             self.changes.append((self.synced, list(new)))

@@ -187,8 +187,8 @@ def plot_step_time(results: list[dict], path: str | Path) -> Path:
 
 def plot_val_loss_vs_time(results: list[dict], path: str | Path) -> Path:
     """Validation loss against training seconds (the job's, at each evaluation), one panel
-    per bandwidth: a synchronous run solid, its ``-paced`` / ``-balanced`` remedy dashed in
-    its own colour, and a dotted line at each synchronous run's final loss."""
+    per bandwidth: a synchronous run solid, its ``-paced``, ``-adaptive`` or ``-balanced``
+    remedy dashed in its own colour, and a dotted line at each synchronous run's final loss."""
     plt = _pyplot()
     runs = [r for r in _ok(results) if r["curve"].get("val_loss")]
     bws = _bandwidths(runs) or ["-"]

@@ -11,7 +11,9 @@ over them. Choreography options for the tests:
 ``--hold M:F[,G...]`` (repeatable) waits, bounded, before step M until the files exist;
 ``--fail-commit K`` (repeatable) makes step K's commit vote fail (a real Manager error) on its
 first attempt; ``--optimizer`` is the base optimizer (default SGD, stateless);
-``--verbose`` keeps torchft's own logs in full;
+``--verbose`` keeps torchft's own logs in full; ``--delay S`` sleeps S seconds in each step
+(a slower replica); ``--syncs N`` trains until the DiLoCo pace has taken N syncs (instead of
+``--steps``);
 ``--heal-late`` forms this group's first quorum behind its forward pass (the fallback a group
 that torchft heals late takes: it sends zeros and votes no); ``--ready-file F`` is written once
 the Manager is up (by rank 0; rank r > 0 writes ``F.r<r>``); ``--save D`` / ``--resume D``:
@@ -75,6 +77,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--save", default="", help="save a checkpoint here at the end")
     ap.add_argument("--resume", default="", help="load this checkpoint first")
     ap.add_argument("--verbose", action="store_true", help="torchft's logs in full")
+    ap.add_argument("--delay", type=float, default=0.0, help="seconds slept in each step")
+    ap.add_argument("--syncs", type=int, default=0, help="train until the pace's Nth sync")
     a = ap.parse_args(argv)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -82,6 +86,8 @@ def main(argv: list[str] | None = None) -> int:
     kwargs = {"demo": {"topk": 4, "chunk": 16}, "full": {},
               "demo-delayed": {"topk": 4, "chunk": 16, "overlap": "delayed"},
               "diloco": {"inner_steps": 3}, "random": {"rate": 1 / 8},
+              # replicas of different speeds: quorums at syncs only, counts measured
+              "diloco-paced": {"inner_steps": 6, "pace": "adaptive"},
               # streaming: 2 fragments, each sync applied one step after its launch
               "diloco-streaming": {"inner_steps": 4, "fragments": 2, "tau": 1},
               # the int4 mean by reduce-scatter: an all-to-all over the Manager's group
@@ -106,7 +112,12 @@ def main(argv: list[str] | None = None) -> int:
     rank = int(os.environ.get("RANK", "0"))  # several ranks per group: FSDP2 shards
     progress = open(out / f"progress{rank}", "a", buffering=1)
     holds = {int(h.split(":", 1)[0]): h.split(":", 1)[1].split(",") for h in a.hold}
-    while opt.steps < a.steps:
+    pace = getattr(opt.replicators[0], "pace", None)
+
+    def more() -> bool:
+        return pace.synced < a.syncs if a.syncs else opt.steps < a.steps
+
+    while more():
         hold = holds.pop(opt.steps, [])
         deadline = time.monotonic() + 4 * a.timeout
         while not all(os.path.exists(f) for f in hold):
@@ -127,6 +138,8 @@ def main(argv: list[str] | None = None) -> int:
         if a.order in ("forward-zero", "forward-keep"):
             opt.zero_grad(set_to_none=a.order == "forward-zero")
         loss.backward()
+        if a.delay:
+            time.sleep(a.delay)
         hook = None
         if step in fail_at:
             fail_at.discard(step)  # a real Manager error after the exchange, before the vote
@@ -138,7 +151,8 @@ def main(argv: list[str] | None = None) -> int:
             hook.remove()
         s = opt.last_step_stats()
         progress.write(f"{ran} {s['replicas']} {int(s['committed'])} {time.time():.3f} "
-                       f"{s['quorum_seconds']:.4f} {s['commit_seconds']:.4f}\n")
+                       f"{s['quorum_seconds']:.4f} {s['commit_seconds']:.4f} "
+                       f"{int(s['local'])} {-1 if pace is None else pace.synced}\n")
         if a.order == "zero-last":
             opt.zero_grad()
         elif a.order == "none":
@@ -157,6 +171,9 @@ def main(argv: list[str] | None = None) -> int:
                         for t in st.values() if isinstance(t, torch.Tensor)]
     if hasattr(rep, "global_params"):
         state["global"] = [g.clone() for g in rep.global_params]
+    if pace is not None:
+        state["changes"] = list(pace.changes)
+        state["synced"] = pace.synced
     torch.save(state, out / f"final{rank}.pt")
     if a.save:
         flexdemo.save_checkpoint(a.save, net, opt, step=opt.steps)

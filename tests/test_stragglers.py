@@ -243,6 +243,9 @@ def test_slowdown_is_for_its_ranks_only():
       "strategy.replicator_kwargs={pace=\"fixed\"}"], "choose one"),
     (["train.pace_budget=tokens"], "this strategy has none"),
     (["train.pace_budget=bytes"], "train.pace_budget: unknown value 'bytes'"),
+    (["fault_tolerance.enabled=true", "fault_tolerance.lighthouse=http://127.0.0.1:29510",
+      "strategy.replicator=diloco", "strategy.replicator_kwargs={pace=\"adaptive\"}"],
+     "does not run a DiLoCo pace under fault tolerance yet"),
 ])
 def test_bad_speed_settings_are_one_line(overrides, needle):
     with pytest.raises(ConfigError, match=None) as e:

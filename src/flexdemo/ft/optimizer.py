@@ -4,6 +4,8 @@ The optimizer (:class:`~flexdemo.optim.DeToNATION`) knows nothing of quorums; th
 the session and runs every step as::
 
     zero_grad(): session.begin()         the quorum (a joiner heals before its forward pass)
+                                         unless the step is local (a DiLoCo pace's inner
+                                         step before this replica's sync: no quorum, no vote)
     step():      session.start_step()    joined; a copy of what the step changes
                  inner.step()            the optimizer's own step, called once
                  session.finish_step()   the commit vote: kept, or the copy put back
@@ -100,6 +102,10 @@ class ElasticOptimizer(torch.optim.Optimizer):
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """Quorum, the inner optimizer's step (once), commit vote; returns the closure's loss
         (``None`` when the step was lost with a peer)."""
+        if self.session.local_step():  # an inner step before this replica's DiLoCo sync
+            self.session.local = True
+            return self.inner.step(closure)
+        self.session.local = False
         undo = self.session.start_step()
         try:
             loss = self.inner.step(closure)

@@ -8,7 +8,10 @@ a session's step::
     begin (quorum; a joiner heals here) -> start_step (snapshot) -> the optimizer's own step
     -> finish_step: should_commit: yes: keep the step; no: restore the snapshot
 
-The session's place in that cycle is one :class:`Phase`.
+The session's place in that cycle is one :class:`Phase`. Under a DiLoCo pace a step that
+exchanges nothing (an inner step before this group's sync: :meth:`ElasticSession.local_step`)
+runs outside the cycle: no quorum, no snapshot, no vote; groups meet at their syncs
+(:mod:`flexdemo.replicate.elastic_pace`).
 """
 
 from __future__ import annotations
@@ -129,6 +132,7 @@ class ElasticSession:
                             f"{type(config).__name__}")
         for rep in replicators or ():  # before any connection (DiLoCo's exchanges: attach)
             check_supported(rep)
+            rep.enter_fault_tolerance()  # before set-up (a DiLoCo pace: quorums at syncs)
         self.config = config
         rank = dist.get_rank() if dist.is_initialized() else 0
         world = dist.get_world_size() if dist.is_initialized() else 1
@@ -150,6 +154,8 @@ class ElasticSession:
         # the last step's vote (None before the first): a result, read by stats() and by the
         # next begin() (a group whose vote failed may have to heal), not a phase of the cycle
         self.committed: bool | None = None
+        #: the last step ran outside a quorum (:meth:`local_step`)
+        self.local = False
         self.failed_commits = 0
         self.quorum_seconds = 0.0
         self.commit_seconds = 0.0
@@ -255,7 +261,7 @@ class ElasticSession:
         (:meth:`join_quorum`). ``heal_now`` overrides that choice (``False``: behind the
         forward pass even so, where torchft heals after it and the step is voted down).
         Refused in one line at the first step when no model is watched."""
-        if self._phase not in (Phase.NEW, Phase.IDLE):
+        if self._phase not in (Phase.NEW, Phase.IDLE) or self.local_step():
             return
         assert self.opt is not None, "attach() the optimizer first"
         if not self._modules:
@@ -269,9 +275,9 @@ class ElasticSession:
         if heal_now is not None:
             may_heal = heal_now
         if self._phase is Phase.NEW:  # a resumed optimizer: the lighthouse sees its steps
-            if self.manager.current_step() != self.opt.steps:
-                self.manager.load_state_dict({"step": self.opt.steps,
-                                              "batches_committed": 0})
+            steps = self._voted_steps()
+            if self.manager.current_step() != steps:
+                self.manager.load_state_dict({"step": steps, "batches_committed": 0})
         t0 = time.perf_counter()
         set_async_quorum(self.manager, not may_heal)
         if may_heal:  # formed here and now
@@ -283,6 +289,26 @@ class ElasticSession:
         self._launch_seconds = time.perf_counter() - t0
         if may_heal:
             self.join_quorum()
+
+    def local_step(self) -> bool:
+        """Whether the next step runs outside any quorum (no quorum, undo copy or commit
+        vote): under a DiLoCo pace, an inner step before this replica's sync
+        (:mod:`flexdemo.replicate.elastic_pace`). Never a group's first step, nor one after a
+        failed vote."""
+        opt = self.opt
+        return (opt is not None and self._phase is Phase.IDLE and self.committed is not False
+                and bool(opt.replicators)
+                and all(rep.local_next_step() for rep in opt.replicators))
+
+    def _voted_steps(self) -> int:
+        """The steps this optimizer's run has voted on: every step, or under a DiLoCo pace
+        (votes at syncs only) its first step and each sync."""
+        assert self.opt is not None
+        paces = [getattr(rep, "pace", None) for rep in self.opt.replicators]
+        synced = [p.synced for p in paces if p is not None and p.elastic]
+        if not synced:
+            return self.opt.steps
+        return (1 if self.opt.steps else 0) + synced[0]
 
     def join_quorum(self) -> None:
         """Wait for this step's quorum and bind the replicators to it (``step()`` does; a loop
@@ -538,9 +564,11 @@ class ElasticSession:
         return committed
 
     def stats(self) -> dict:
-        """The last step: replica groups that took part, whether it was committed, and the
-        seconds spent in the quorum, the commit vote and the copy kept to undo the step."""
+        """The last step: replica groups that took part, whether it was committed (``local``:
+        it ran outside a quorum, and these are the last vote's), and the seconds spent in the
+        quorum, the commit vote and the copy kept to undo the step."""
         return {"replicas": self.participants, "committed": self.committed,
+                "local": self.local,
                 "quorum_seconds": self.quorum_seconds, "commit_seconds": self.commit_seconds,
                 "snapshot_seconds": self.snapshot_seconds, "failed_commits": self.failed_commits}
 

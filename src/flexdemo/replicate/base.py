@@ -371,6 +371,15 @@ class Replicator(ABC):
         :mod:`flexdemo.ft` (one line), or None. Its :meth:`inner_replicators` are checked apart."""
         return None
 
+    def enter_fault_tolerance(self) -> None:  # noqa: B027 - optional hook
+        """Under :mod:`flexdemo.ft`, before set-up: take the settings' fault-tolerant form.
+        Nothing by default."""
+
+    def local_next_step(self) -> bool:
+        """Under fault tolerance: whether the next step exchanges nothing and may run outside
+        a quorum (no quorum, undo copy or commit vote). False by default."""
+        return False
+
     def rebind(self) -> None:
         """Re-read the group's size and this rank (a quorum may change both) and rebuild
         what depends on them (:meth:`_group_resized`); state is kept."""

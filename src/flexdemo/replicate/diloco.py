@@ -67,6 +67,7 @@ import torch
 from .agreement import NonFiniteGradientError, global_rank_of, mark_nonfinite, nonfinite_flag
 from .base import Replicator
 from .demo.settings import resolve_group_numel
+from .elastic_pace import ElasticPace
 from .pace import Pace, make_pace
 from .registry import REPLICATORS
 from .rounding import STATE_DTYPES, StochasticRounding, check_state_dtype
@@ -503,8 +504,13 @@ class DiLoCoReplicator(Replicator):
         return tuple(getattr(self, "exchanges", ()))
 
     def fault_tolerance_problem(self) -> str | None:
-        if self.pace is not None:
-            return "fault tolerance does not support pace= (replicas of different speeds)"
+        if self.pace is not None and not (self.pace.adaptive and self.pace.given is None):
+            return (f"under fault tolerance a pace is measured at every sync (replicas come "
+                    f"and go, and counts name replicas by rank): use pace='adaptive', not "
+                    f"pace={self.pace!r}")
+        if self.pace is not None and self.pace.bound and not self.pace.elastic:
+            return ("a pace under fault tolerance is set up with the session: build the "
+                    "optimizer with fault_tolerance= (flexdemo.prepare does), not before it")
         if self.keep_unsent:
             return ("fault tolerance does not support keep_unsent=True (a joiner would heal "
                     "from a peer whose parameters hold that peer's unsent progress)")
@@ -513,6 +519,18 @@ class DiLoCoReplicator(Replicator):
                     f"(tau={self.tau}) with an exchange that keeps per-replica state "
                     f"({self._template.name!r}); use tau=0 or a full exchange")
         return super().fault_tolerance_problem()
+
+    def enter_fault_tolerance(self) -> None:
+        """Before set-up, under fault tolerance: a pace becomes an
+        :class:`~.elastic_pace.ElasticPace` (quorums at syncs only, counts from each quorum's
+        own measurements)."""
+        if self.pace is not None and not self.pace.elastic:
+            self.pace = ElasticPace.from_pace(self.pace)
+
+    def local_next_step(self) -> bool:
+        """Under fault tolerance with a pace: whether the next step is an inner step before
+        this replica's sync (the session runs it outside a quorum)."""
+        return self.pace is not None and self.pace.local_next()
 
     def quorum_changed(self) -> None:
         """Syncs in flight (``tau > 0``) are dropped unapplied on every replica: the global
@@ -537,6 +555,8 @@ class DiLoCoReplicator(Replicator):
         for ex, s in zip(self.exchanges, state["exchanges"]):
             ex.load_shared_state(s)
         self.reset_withheld()
+        if self.pace is not None:  # healed into the peers' sync: this replica's next step
+            self.pace.joined()
 
     # ------------------------------------------------------------------ state
     def state_dict(self, wait: bool = True) -> dict:

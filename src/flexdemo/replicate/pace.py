@@ -87,10 +87,12 @@ nothing to report (a period of one step, timed from the end of its first) makes 
 keep its counts at that sync. It costs, per sync, the all-gather, one host read of its
 result and (on CUDA) two synchronisations of the device.
 
-Not supported with a pace: streaming (``fragments > 1``), overlap (``tau > 0``),
-``keep_unsent`` (its residual lives in the parameters' units, not the scaled ones) and fault
-tolerance. A peer dropped from a gathered mean (``on_bad_peer="drop"``) leaves the others'
-factors as they were, and ``clip="median"`` / ``peer_bound`` judge the scaled parts.
+Not supported with a pace: streaming (``fragments > 1``), overlap (``tau > 0``) and
+``keep_unsent`` (its residual lives in the parameters' units, not the scaled ones). Under
+fault tolerance an adaptive pace runs as :class:`~.elastic_pace.ElasticPace` (quorums at syncs
+only, counts from each quorum's measurements); given counts and ``"fixed"`` are refused there.
+A peer dropped from a gathered mean (``on_bad_peer="drop"``) leaves the others' factors as
+they were, and ``clip="median"`` / ``peer_bound`` judge the scaled parts.
 :class:`~flexdemo.SimulatedReplicas` steps each replica up to its sync (a replica whose next
 step is its sync waits for the others, then all sync together).
 """
@@ -274,6 +276,21 @@ class Pace:
         if self.measure != MEASURE and self.given is None:
             extra += f", measure={self.measure}"
         return f"Pace(counts={counts}, weights={self.weights!r}{extra})"
+
+    #: an :class:`~.elastic_pace.ElasticPace` (under fault tolerance)
+    elastic = False
+
+    @property
+    def bound(self) -> bool:
+        """Whether a replicator has set it up."""
+        return self._bound
+
+    def local_next(self) -> bool:
+        """Whether the next step may run outside a quorum (only under fault tolerance)."""
+        return False
+
+    def joined(self) -> None:
+        """Healed into the peers' state (only under fault tolerance)."""
 
     @property
     def lockstep(self) -> bool:

@@ -307,6 +307,12 @@ def validate(cfg: Config, world_size: int = 1) -> Config:
         raise ConfigError(f"train.pace_budget={tr.pace_budget!r} sets the length of a run with "
                           "a pace, and this strategy has none (strategy.replicator_kwargs.pace):"
                           " leave train.pace_budget at 'steps'")
+    if cfg.fault_tolerance.enabled and "pace" in s.replicator_kwargs:
+        raise ConfigError("flexdemo train does not run a DiLoCo pace under fault tolerance yet "
+                          "(it counts a paced run in the syncs of a fixed group); the library "
+                          "does (flexdemo.prepare(..., fault_tolerance=...) with pace="
+                          "'adaptive', docs/stragglers.md): drop strategy.replicator_kwargs.pace"
+                          " or fault_tolerance.enabled")
     _check_range("train.slowdown", tr.slowdown >= 1.0, "a factor >= 1 (1: off)", tr.slowdown)
     _check_range("train.slow_ranks", all(0 <= r < world_size for r in tr.slow_ranks)
                  and len(set(tr.slow_ranks)) == len(tr.slow_ranks),

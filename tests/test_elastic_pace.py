@@ -198,14 +198,16 @@ def _steps_per_period(tmp, out: str) -> list[int]:
 
 @pytest.mark.multiprocess
 @pytest.mark.slow
-def test_a_slow_group_takes_fewer_steps_and_both_end_identical(tmp_path, procs):  # noqa: F811
-    """A sleeps 10 ms a step, B 40 ms, DiLoCo H=6 with pace='adaptive', 6 syncs. Quorums form
-    only at the first step and the syncs; after the first period B takes fewer steps than A;
-    both end with the same global copy and parameters, bit for bit."""
+@pytest.mark.parametrize("order", ["zero-first", "forward-zero", "zero-last", "none"])
+def test_a_slow_group_takes_fewer_steps_and_both_end_identical(tmp_path, procs,  # noqa: F811
+                                                               order):
+    """A sleeps 10 ms a step, B 40 ms, DiLoCo H=6 with pace='adaptive', 6 syncs, in each loop
+    order. Quorums form only at the first step and the syncs; after the first period B takes
+    fewer steps than A; both end with the same global copy and parameters, bit for bit."""
     lh = Lighthouse(1, tmp_path / "lighthouse.log")
     try:
         common = ["--replicator", "diloco-paced", "--syncs", "6", "--min-replicas", "2",
-                  "--timeout", "30"]
+                  "--timeout", "30", "--order", order]
         a = _worker(procs, tmp_path, lh.url, "A", "A", *common, "--delay", "0.01")
         b = _worker(procs, tmp_path, lh.url, "B", "B", *common, "--delay", "0.04")
         _ok(a, tmp_path, "A")
@@ -226,12 +228,16 @@ def test_a_slow_group_takes_fewer_steps_and_both_end_identical(tmp_path, procs):
 
 @pytest.mark.multiprocess
 @pytest.mark.slow
+@pytest.mark.parametrize("die_at", [5, 10])
 def test_a_killed_group_leaves_and_a_joiner_gets_its_count_from_its_clock(tmp_path,
-                                                                           procs):  # noqa: F811
-    """A (10 ms a step) and B1 (40 ms) run paced; B1 is killed (SIGKILL) in an inner step of
-    its third period; A goes on alone; B2 (40 ms) starts afresh, heals into A's next sync
-    (its first step: a sync of both), runs its next period on its own clock, then is measured
-    and counted: fewer steps than A's. Both end at sync 12 with the same bits."""
+                                                                           procs,  # noqa: F811
+                                                                           die_at):
+    """A (10 ms a step) and B1 (40 ms) run paced; B1 is killed (SIGKILL) in its step
+    ``die_at``: 5, in the quorum of the first sync (A's sync fails there, is undone and taken
+    again alone), or 10, an inner step after a few syncs (A finds it missing at its next
+    sync's quorum); A goes on alone; B2 (40 ms) starts afresh, heals into A's next sync (its
+    first step: a sync of both), runs its next period on its own clock, then is measured and
+    counted: fewer steps than A's. Both end at sync 12 with the same bits."""
     lh = Lighthouse(1, tmp_path / "lighthouse.log")
     try:
         common = ["--replicator", "diloco-paced", "--syncs", "12", "--timeout", "30"]
@@ -240,7 +246,7 @@ def test_a_killed_group_leaves_and_a_joiner_gets_its_count_from_its_clock(tmp_pa
                     "--ready-file", str(ready_a), "--hold", f"0:{ready_b1}")
         b1 = _worker(procs, tmp_path, lh.url, "B", "B1", *common, "--delay", "0.04",
                      "--ready-file", str(ready_b1), "--hold", f"0:{ready_a}",
-                     "--die-at", "10")
+                     "--die-at", str(die_at))
         assert _wait(b1, tmp_path, "B1") == -9
         _until_alone(tmp_path, "A")
         b2 = _worker(procs, tmp_path, lh.url, "B", "B2", *common, "--delay", "0.04")

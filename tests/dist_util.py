@@ -331,3 +331,18 @@ def alike(build):
         net.load_state_dict(state)
         return net
     return model_fn
+
+
+def outer_sync(glob: list, models: list, means: list | None, outer) -> None:
+    """A dense DiLoCo reference's sync: the outer step on the mean pseudo-gradients
+    ``means`` (none: a sync dropped, no outer step), then every replica restarted from the
+    global parameters ``glob``."""
+    with torch.no_grad():
+        if means is not None:
+            for g, avg in zip(glob, means):
+                g.grad = avg
+            outer.step()
+            outer.zero_grad()
+        for m in models:
+            for p, g in zip(m.parameters(), glob):
+                p.copy_(g)

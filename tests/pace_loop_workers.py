@@ -6,6 +6,7 @@ that loop must give, and the gloo worker its processes run (importable by the ch
 from __future__ import annotations
 
 import torch
+from dist_util import outer_sync
 from pace_workers import LR, loss_of, model_fn, params, weighted_mean
 from torch import nn
 
@@ -126,16 +127,12 @@ def reference(counts: list[int], periods: int, weights: list[list[float]], *,
                     opt.step()
                     opt.zero_grad()
                 steps[r] += 1
-        with torch.no_grad():
-            if j not in dropped:
+        means = None
+        if j not in dropped:
+            with torch.no_grad():
                 pseudo = [[g - p for g, p in zip(glob, m.parameters())] for m in models]
-                for g, avg in zip(glob, weighted_mean(pseudo, weights[j], exact=True)):
-                    g.grad = avg
-                outer.step()
-                outer.zero_grad()
-            for m in models:
-                for p, g in zip(m.parameters(), glob):
-                    p.copy_(g)
+                means = weighted_mean(pseudo, weights[j], exact=True)
+        outer_sync(glob, models, means, outer)
     return [params(m) for m in models]
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import copy
 
 import torch
-from dist_util import alike
+from dist_util import alike, outer_sync
 from torch import nn
 
 from flexdemo import DeToNATION, DiLoCoReplicator, Pace
@@ -105,13 +105,7 @@ def dense_reference(counts: list[list[int]], *, outer_lr: float = 0.7,
         weights = period if tokens is None else [k * t for k, t in zip(period, tokens)]
         with torch.no_grad():
             pseudo = [[g - p for g, p in zip(glob, m.parameters())] for m in models]
-            for g, avg in zip(glob, weighted_mean(pseudo, weights, exact=exact)):
-                g.grad = avg
-            outer.step()
-            outer.zero_grad()
-            for m in models:
-                for p, g in zip(m.parameters(), glob):
-                    p.copy_(g)
+            outer_sync(glob, models, weighted_mean(pseudo, weights, exact=exact), outer)
     return [params(m) for m in models]
 
 

@@ -17,7 +17,7 @@ import math
 
 import pytest
 import torch
-from dist_util import RankOrder, alike
+from dist_util import RankOrder, alike, outer_sync
 from torch import nn
 
 from flexdemo import DeToNATION
@@ -158,13 +158,7 @@ def reference(kind: str, world: int, syncs: int) -> list[list[torch.Tensor]]:
             step += 1
         with torch.no_grad():
             pseudo = [[g - p for g, p in zip(glob, m.parameters())] for m in models]
-            for g, avg in zip(glob, exchange_mean(kind, pseudo, err)):
-                g.grad = avg
-            outer.step()
-            outer.zero_grad()
-            for m in models:
-                for p, g in zip(m.parameters(), glob):
-                    p.copy_(g)
+            outer_sync(glob, models, exchange_mean(kind, pseudo, err), outer)
     return [[p.detach().clone() for p in m.parameters()] for m in models]
 
 

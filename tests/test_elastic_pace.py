@@ -263,3 +263,37 @@ def test_a_killed_group_leaves_and_a_joiner_gets_its_count_from_its_clock(tmp_pa
     assert _same(fa["global"], fb["global"]) and _same(fa["params"], fb["params"])
     for name in ("A", "B2"):
         _no_torchft_noise((tmp_path / f"{name}.log").read_text())
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_a_paced_group_resumes_from_its_checkpoint_and_a_new_group_heals_from_it(
+        tmp_path, procs):  # noqa: F811
+    """A (10 ms a step) and B (40 ms) run paced to sync 4, A saves a checkpoint; A resumes
+    from it beside a new slow group C: C heals from A (the later sync), both reach sync 8
+    with the same bits, and A's steps go on from the saved ones."""
+    lh = Lighthouse(1, tmp_path / "lighthouse.log")
+    saved = tmp_path / "ckpt-A"
+    try:
+        common = ["--replicator", "diloco-paced", "--min-replicas", "2", "--timeout", "30"]
+        a = _worker(procs, tmp_path, lh.url, "A", "A", *common, "--syncs", "4", "--delay",
+                    "0.01", "--save", str(saved))
+        b = _worker(procs, tmp_path, lh.url, "B", "B", *common, "--syncs", "4", "--delay",
+                    "0.04")
+        _ok(a, tmp_path, "A")
+        _ok(b, tmp_path, "B")
+        a2 = _worker(procs, tmp_path, lh.url, "A", "A2", *common, "--syncs", "8", "--delay",
+                     "0.01", "--resume", str(saved))
+        c = _worker(procs, tmp_path, lh.url, "C", "C", *common, "--syncs", "8", "--delay",
+                    "0.04")
+        _ok(a2, tmp_path, "A2")
+        _ok(c, tmp_path, "C")
+    finally:
+        lh.stop()
+    first = (tmp_path / "A2" / "progress0").read_text().split()
+    assert int(first[0]) == _final(tmp_path, "A")["step"]  # where the checkpoint stood
+    fa, fc = _final(tmp_path, "A2"), _final(tmp_path, "C")
+    assert fa["synced"] == fc["synced"] == 8
+    assert _same(fa["global"], fc["global"]) and _same(fa["params"], fc["params"])
+    pa, pc = _steps_per_period(tmp_path, "A2"), _steps_per_period(tmp_path, "C")
+    assert pc[-1] < pa[-1], (pa, pc)  # C measured and counted as the slower

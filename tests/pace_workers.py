@@ -177,14 +177,15 @@ class VirtualClock:
 
 def adaptive_run(rank: int, world: int, group=None, *, periods: int = ADAPTIVE_PERIODS,
                  state: tuple | None = None, tolerance: float = 0.15,
-                 seconds=adaptive_seconds) -> dict:
+                 seconds=adaptive_seconds, mode: str = "adaptive") -> dict:
     """One replica of an adaptive run (H = 10, weights by steps, tolerance 0.15) on a
     :class:`VirtualClock` advanced by ``seconds(rank, period)`` before each step, until
     ``periods`` syncs (from ``state``, a saved ``(model, optimizer)`` state, when given).
-    After each sync: the sync's number, the counts in force next and the parameters."""
+    After each sync: the sync's number, the counts in force next and the parameters
+    (``mode="timed"``: a timed pace; ``steps_done``: every replica's steps, as gathered)."""
     model = model_fn()
     clock = VirtualClock()
-    rep = DiLoCoReplicator(ADAPTIVE_H, pace=Pace("adaptive", tolerance=tolerance, clock=clock))
+    rep = DiLoCoReplicator(ADAPTIVE_H, pace=Pace(mode, tolerance=tolerance, clock=clock))
     opt = DeToNATION(model.parameters(), rep, base="adamw", lr=LR, group=group)
     if state is not None:
         model.load_state_dict(state[0])
@@ -200,6 +201,7 @@ def adaptive_run(rank: int, world: int, group=None, *, periods: int = ADAPTIVE_P
         if pace.since == 0:  # it just synced
             after.append((pace.synced, list(pace.counts or []), params(model)))
     return {"loaded": loaded, "after": after, "changes": list(pace.changes),
+            "steps_done": list(pace.steps_done),
             "params": params(model),
             "steps": opt.steps, "sent": opt.bytes_sent, "payload": rep.exchange_bytes(),
             "state": (copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict()))}

@@ -173,6 +173,18 @@ def test_a_replica_healed_at_the_first_step_runs_the_first_period():
     assert ends == [False] * 5 + [True] and joiner._taken == 6 and joiner._timed == 4
 
 
+def test_a_timed_elastic_pace_times_every_period():
+    clock = Clock()
+    pace = ElasticPace.from_pace(flexdemo.Pace("timed", clock=clock))
+    pace.setup(6, 1, 0, torch.device("cpu"))
+    pace.start_period()
+    for _ in range(6):
+        clock.now += 0.01
+        pace.after_step()
+    pace.factors(_Peers([[0.03, 2.0, 0.0]]), flexdemo.transport.CommStats())
+    assert pace.own is None and pace.target == pytest.approx(0.06)  # 6 steps of 10 ms
+
+
 def test_under_fault_tolerance_a_pace_must_be_adaptive():
     for spec in ([3, 3], "fixed"):
         rep = flexdemo.DiLoCoReplicator(3, pace=spec)

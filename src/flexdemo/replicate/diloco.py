@@ -506,7 +506,8 @@ class DiLoCoReplicator(Replicator):
     def fault_tolerance_problem(self) -> str | None:
         if self.pace is not None and not (self.pace.adaptive and self.pace.given is None):
             return (f"under fault tolerance a pace is measured at every sync (replicas come "
-                    f"and go, and counts name replicas by rank): use pace='adaptive', not "
+                    f"and go, and counts name replicas by rank): use pace='adaptive' or "
+                    f"'timed', not "
                     f"pace={self.pace!r}")
         if self.pace is not None and self.pace.bound and not self.pace.elastic:
             return ("a pace under fault tolerance is set up with the session: build the "

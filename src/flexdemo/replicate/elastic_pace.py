@@ -35,6 +35,9 @@ not a finite positive number counts as 0 (unmeasured); tokens are weighed as rep
 
 Costs: ``24 (n - 1)`` bytes sent per replica and sync (in ``bytes_sent``), one host read of
 them; a joiner's timed period reads the clock after each step (on CUDA a synchronisation).
+``pace="timed"``: every replica's period after the first runs on its own clock, as a
+joiner's does, for the fastest measured replica's ``H`` steps.
+
 Not reproducible: it reads a clock, and the quorum changes anyway.
 """
 
@@ -96,10 +99,11 @@ class ElasticPace(Pace):
     @classmethod
     def from_pace(cls, pace: Pace) -> ElasticPace:
         return cls(None, weights=pace.weights, adaptive=True, tolerance=pace.tolerance,
-                   measure=pace.measure, clock=pace.clock)
+                   measure=pace.measure, timed=pace.timed, clock=pace.clock)
 
     def __repr__(self) -> str:
-        return f"ElasticPace(weights={self.weights!r}, tolerance={self.tolerance})"
+        timed = ", timed=True" if self.timed else ""
+        return f"ElasticPace(weights={self.weights!r}, tolerance={self.tolerance}{timed})"
 
     def setup(self, inner_steps: int, world: int, rank: int, device: torch.device) -> None:
         super().setup(inner_steps, world, rank, device)
@@ -215,6 +219,9 @@ class ElasticPace(Pace):
         self.own, self.target = counts[rank], target if counts[rank] is None else None
         if self.own is None and self.target is None:
             self.own = H
+        measured = [s for s in seconds if s > 0]
+        if self.timed and measured:  # every replica's period on its own clock
+            self.own, self.target = None, H * min(measured)
         self.changes.append((self.synced, [k if k is not None else 0 for k in counts]))
         if len(self.changes) > 64:
             del self.changes[:-64]

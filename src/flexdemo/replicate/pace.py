@@ -122,7 +122,7 @@ __all__ = ["MEASURE", "MODES", "WEIGHTS", "Pace", "adapted_counts", "first_perio
 #: what a replica's pseudo-gradient is weighted by
 WEIGHTS = ("steps", "tokens")
 #: the measured modes (a string in place of the counts)
-MODES = ("fixed", "adaptive")
+MODES = ("fixed", "adaptive", "timed")
 #: a measured pace's default ``measure``: the inner steps after which it decides its counts
 MEASURE = 8
 
@@ -226,9 +226,13 @@ class Pace:
 
     def __init__(self, counts: Sequence[int] | str | None = None, *, weights: str = "steps",
                  adaptive: bool = False, tolerance: float = 0.1, measure: int = MEASURE,
-                 clock: Callable[[], float] | None = None) -> None:
+                 timed: bool = False, clock: Callable[[], float] | None = None) -> None:
         if isinstance(counts, str) and counts in MODES:
-            adaptive, counts = adaptive or counts == "adaptive", None
+            timed = timed or counts == "timed"
+            adaptive, counts = adaptive or counts in ("adaptive", "timed"), None
+        if timed and counts is not None:
+            raise ValueError(f"a timed pace measures its periods: give pace='timed' without "
+                             f"counts, got {counts!r}")
         if counts is not None:
             if isinstance(counts, (str, bytes)) or not all(
                     isinstance(k, int) and not isinstance(k, bool) and k >= 1 for k in counts):
@@ -245,7 +249,9 @@ class Pace:
         if isinstance(measure, bool) or not isinstance(measure, int) or measure < 2:
             raise ValueError(f"pace measure must be an integer >= 2 (inner steps timed before "
                              f"the counts are decided, the first untimed), got {measure!r}")
-        self.adaptive, self.tolerance = bool(adaptive), float(tolerance)
+        self.adaptive, self.tolerance = bool(adaptive or timed), float(tolerance)
+        #: every period after the first lasts a time, not a count (see the module)
+        self.timed = bool(timed)
         self.measure = measure
         self.given = None if counts is None else [int(k) for k in counts]
         self.weights = weights
@@ -266,10 +272,11 @@ class Pace:
         measured = (("measure", self.measure, "tolerance", self.tolerance)
                     if self.given is None or self.adaptive else ())
         return ("counts", self.given, "weights", self.weights, *measured,
-                *(("adaptive",) if self.adaptive else ()))
+                *(("adaptive",) if self.adaptive else ()), *(("timed",) if self.timed else ()))
 
     def __repr__(self) -> str:
         mode = "'adaptive'" if self.adaptive and self.given is None else "'fixed'"
+        mode = "'timed'" if self.timed else mode
         counts = mode if self.given is None else repr(self.given)
         extra = f", adaptive=True, tolerance={self.tolerance}" if self.adaptive else ""
         extra = f", tolerance={self.tolerance}" if self.given is None else extra
@@ -322,6 +329,14 @@ class Pace:
         self._first = 1  # the steps of the period taken before that reading
         self._stop: float | None = None  # and at the end of the period's last step
         self._marks: list[float] = []  # the clock after each step before an early decision
+        self._target: float | None = None  # timed: the period's seconds (once measured)
+        self._taken = 0  # timed: the steps of the period that just ended
+        self._own = 0.0  # timed: this replica's seconds per step, as last gathered
+        if (self.timed and not self.elastic and dist.is_available() and dist.is_initialized()
+                and dist.get_world_size() != world):
+            raise ValueError("pace='timed' ends each replica's period on its own clock, and "
+                             "the ranks of a sharded replica would each read their own: use "
+                             "one rank per replica (shard=1), or pace='adaptive'")
 
     @property
     def measures(self) -> bool:
@@ -350,7 +365,7 @@ class Pace:
         if self._first_period is not None and self.since > self.measure:
             m = self.measure
             return m + (self.since - m) * (self.inner_steps - m) / (self.count - m)
-        return self.since * self.inner_steps / self.count
+        return min(self.since * self.inner_steps / self.count, float(self.inner_steps))
 
     def _times_each_step(self) -> bool:
         """Whether the step just taken is one of the first ``measure`` of a period of a
@@ -371,6 +386,8 @@ class Pace:
         """After an inner step (skipped ones too): whether this replica syncs now. The step
         after which a measured pace decides (its ``measure``-th) all-gathers the seconds
         over ``group`` (the replicator's transport), every replica at the same step."""
+        if self.timed and self._target is not None:
+            return self._timed_step()
         self.since += 1
         if self._times_each_step():  # the steps before an early decision: each one timed
             self._marks.append(self._read())
@@ -384,6 +401,21 @@ class Pace:
         if self.since < self.count:
             return False
         self.since = 0
+        return True
+
+    def _timed_step(self) -> bool:
+        """After a step of a timed period: whether it ends the period (this replica syncs
+        now): when another step, at this replica's last measured seconds per step, would end
+        more than half a step past the period's time, or at ``2H`` steps."""
+        assert self._target is not None
+        self.since += 1
+        now = self._read()
+        if self._start is None:  # resumed mid-period: timed from here, the steps before at
+            self._start, self._first = now, self.since  # the measured pace
+        elapsed = now - self._start + self._first * self._own
+        if elapsed + 0.5 * self._own < self._target and self.since < 2 * self.inner_steps:
+            return False
+        self._stop, self._taken, self.since = now, self.since, 0
         return True
 
     def _decide_early(self, group, stats: CommStats) -> None:
@@ -423,6 +455,8 @@ class Pace:
         weight is equal and nothing is scaled. Fixes the counts first when the period just
         ended measured them (the one host read of a pace)."""
         self.synced += 1
+        if self.timed and self._target is not None:
+            return self._timed_factors(group, stats)
         period = self.period
         self.steps_done = [a + b for a, b in zip(self.steps_done, period)]
         self._first_period = None
@@ -432,8 +466,10 @@ class Pace:
             n, secs = period[self.rank] - self._first, 0.0  # 0: none measured
             if self._start is not None and self._stop is not None and n > 0:
                 secs = (self._stop - self._start) / n
-            self._measured(group, stats, secs)
+            gathered = self._measured(group, stats, secs)
             self._refine = False
+            if self.timed and gathered is not None:  # timed periods from the next one on
+                self._set_target(gathered)
         if self.weights == "steps":
             if len(set(period)) == 1:
                 return None
@@ -445,6 +481,44 @@ class Pace:
         self._tokens.zero_()
         steps = torch.tensor(period, dtype=torch.float64, device=self.device)
         return weight_factors(tokens, steps)
+
+    def _timed_factors(self, group, stats: CommStats) -> torch.Tensor | None:
+        """At the sync of a timed period: every replica's seconds per step and steps in it
+        all-gathered (two float64 each), the next counts (a prediction) and period's time
+        from them, and the factors of the steps (or tokens) each replica took."""
+        n = self._taken - self._first
+        secs = (self._stop - self._start) / n if (
+            self._start is not None and self._stop is not None and n > 0) else 0.0
+        mine = torch.tensor([secs, float(self._taken)], dtype=torch.float64,
+                            device=self.device)
+        host = all_gather(mine, group, stats).reshape(-1, 2).tolist()  # one host read a sync
+        self._start = self._stop = None
+        period = [int(k) for _, k in host]
+        self.steps_done = [a + b for a, b in zip(self.steps_done, period)]
+        self._set_target([s for s, _ in host])
+        if self.weights == "steps":
+            if len(set(period)) == 1:
+                return None
+            total = sum(period)
+            return torch.tensor([k * self.world / total for k in period],
+                                dtype=torch.float64, device=self.device).float()
+        tokens = all_gather(self._tokens.reshape(1), group, stats).reshape(-1)
+        self._tokens.zero_()
+        steps = torch.tensor(period, dtype=torch.float64, device=self.device)
+        return weight_factors(tokens, steps)
+
+    def _set_target(self, gathered: list[float]) -> None:
+        """Timed: from every replica's seconds per step, the next period's time (the fastest
+        replica's ``H`` steps) and the counts it predicts (:func:`step_counts`); kept as they
+        are without a measurement on some replica."""
+        if not all(s > 0 and s != float("inf") for s in gathered):
+            return
+        self._target = self.inner_steps * min(gathered)
+        self._own = gathered[self.rank]
+        new = step_counts(gathered, self.inner_steps)
+        if new != self.counts:
+            self.counts = new
+            self.changes.append((self.synced, list(new)))
 
     def _measured(self, group, stats: CommStats, secs: float) -> list[float] | None:
         """All-gather this replica's seconds per step (``secs``; 0: none measured) and set
@@ -473,6 +547,7 @@ class Pace:
                                  else list(self._first_period)),
                 "steps_done": list(self.steps_done), "refine": self._refine,
                 "since": self.since, "tokens": self._tokens.clone(), "synced": self.synced,
+                "target": self._target, "own": self._own,
                 "changes": [[j, list(k)] for j, k in self.changes]}
 
     def load_state_dict(self, state: dict | None) -> None:
@@ -496,6 +571,9 @@ class Pace:
         self._tokens.copy_(state["tokens"])
         self.synced = int(state.get("synced", 0))
         self.changes = [(int(j), [int(k) for k in c]) for j, c in state.get("changes", [])]
+        target = state.get("target")
+        self._target = None if target is None else float(target)
+        self._own = float(state.get("own", 0.0))
         self._start = self._stop = None  # a measurement interrupted is taken again
         self._marks = []
 
@@ -509,12 +587,14 @@ def make_pace(spec: Pace | Sequence[int] | str | None, *, fragments: int, tau: i
         return None
     if isinstance(spec, str):
         if spec not in MODES:
-            raise ValueError(f"pace must be a Pace, a list of counts, 'fixed' or 'adaptive', "
+            raise ValueError(f"pace must be a Pace, a list of counts, 'fixed', 'adaptive' or "
+                             f"'timed', "
                              f"got {spec!r}")
         pace = Pace(spec)
     elif isinstance(spec, Pace):
         pace = Pace(spec.given, weights=spec.weights, adaptive=spec.adaptive,
-                    tolerance=spec.tolerance, measure=spec.measure, clock=spec.clock)
+                    tolerance=spec.tolerance, measure=spec.measure, timed=spec.timed,
+                    clock=spec.clock)
     else:
         pace = Pace(list(spec))
     if fragments != 1 or tau or keep_unsent:

@@ -34,7 +34,7 @@ __all__ = ["REMEDIES", "comparison", "goodput", "partner", "replica_speeds",
            "run_figures", "slow_label", "straggler_lines", "straggler_table", "time_to_loss",
            "value_at"]
 
-REMEDIES = ("-paced", "-adaptive", "-balanced")
+REMEDIES = ("-paced", "-adaptive", "-timed", "-balanced")
 """The suffixes of a strategy's variant for replicas of different speeds."""
 
 
@@ -43,7 +43,7 @@ def _finite(v: Any) -> bool:
 
 
 def partner(name: str) -> str | None:
-    """The synchronous strategy a ``-paced``, ``-adaptive`` or ``-balanced`` one is the
+    """The synchronous strategy a ``-paced``, ``-adaptive``, ``-timed`` or ``-balanced`` one is the
     variant of."""
     for suffix in REMEDIES:
         if name.endswith(suffix) and name[:-len(suffix)]:

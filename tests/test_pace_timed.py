@@ -2,10 +2,12 @@
 on its own clock when the period's time is up, and the mean weighs the steps each took.
 
 On a virtual clock (:func:`pace_workers.adaptive_run` with ``mode="timed"``, H = 10): ranks 0
-and 1 take 1 s a step, rank 2 3 s. The first period is decided after MEASURE steps ([9, 9, 3]:
-its rest balanced, [10, 10, 9]); from the first sync on the period lasts the fastest replica's
-H steps, 10 s: ranks 0 and 1 end after 10 steps (another would end 0.5 s past it), rank 2
-after 3 (9 s; a 4th would end 2 s past it, more than half of its 3 s step)."""
+and 1 take 1 s a step, rank 2 3 s. The speeds are gathered after MEASURE_TIMED (4) steps; from
+then on a period lasts the fastest replica's H steps, 10 s (the first period's rest counted
+from the decision, which every replica leaves together, as 4 s in): ranks 0 and 1 end after
+10 steps (another would end 0.5 s past it), rank 2 after 6 in the first period (4 + 2: 4 s +
+6 s) and 3 in the others (9 s; a 4th would end 2 s past it, more than half of its 3 s
+step)."""
 
 from __future__ import annotations
 
@@ -15,13 +17,13 @@ from dist_util import RankOrder
 from pace_workers import adaptive_run, dense_reference
 
 from flexdemo import Pace, SimulatedReplicas
-from flexdemo.replicate.pace import make_pace
+from flexdemo.replicate.pace import MEASURE, MEASURE_TIMED, make_pace
 from flexdemo.simulate import run_replicas
 from flexdemo.transport import InProcessHub
 
 SECONDS = [1.0, 1.0, 3.0]
 PERIODS = 4
-STEPS = [[10, 10, 9]] + [[10, 10, 3]] * (PERIODS - 1)
+STEPS = [[10, 10, 6]] + [[10, 10, 3]] * (PERIODS - 1)
 
 
 def _timed(periods: int = PERIODS, state: list | None = None, seconds=None) -> list[dict]:
@@ -40,7 +42,8 @@ def test_timed_settings():
     pace = Pace("timed")
     assert pace.timed and pace.adaptive and pace.given is None and not pace.lockstep
     assert repr(pace).startswith("Pace(counts='timed'")
-    assert pace.settings()[-2:] == ("adaptive", "timed")
+    assert pace.settings()[-2:] == ("adaptive", "timed") and pace.measure == MEASURE_TIMED
+    assert Pace("adaptive").measure == MEASURE
     copied = make_pace(pace, fragments=1, tau=0, keep_unsent=False)
     assert copied is not None and copied.timed
     with pytest.raises(ValueError, match="without counts"):
@@ -51,13 +54,12 @@ def test_periods_end_on_each_clock_and_the_mean_weighs_the_steps_taken():
     """Every replica syncs at the same syncs; the steps each took per period are the clock's
     (gathered: ``steps_done``), the replicas are bitwise identical after each sync, and the
     parameters are the bits of the dense reference with those steps. Bytes: the exchanges',
-    one float64 per replica at the early decision and at the first sync, two (seconds and
-    steps) at each timed sync."""
+    one float64 per replica at the early decision, two (seconds and steps) at each sync."""
     out = _timed()
     for o in out:
         assert o["steps_done"] == [sum(p[r] for p in STEPS) for r in range(3)]
         assert [j for j, _, _ in o["after"]] == list(range(1, PERIODS + 1))
-        assert o["sent"] == PERIODS * o["payload"] + 2 * 8 + 2 * 8 + (PERIODS - 1) * 2 * 16
+        assert o["sent"] == PERIODS * o["payload"] + 2 * 8 + PERIODS * 2 * 16
     assert [o["steps"] for o in out] == [sum(p[r] for p in STEPS) for r in range(3)]
     for j in range(PERIODS):
         for o in out[1:]:
@@ -72,7 +74,7 @@ def test_a_replica_that_slows_down_ends_its_period_on_time():
     (10 s; its last measured 3 s per step allowed a 3rd only until 8.5 s), not after the 3
     its predicted count says, so nobody waits for it; from the next period it is counted at 5 s."""
     out = _timed(seconds=lambda r, p: 5.0 if r == 2 and p >= 3 else SECONDS[r])
-    steps = [[10, 10, 9], [10, 10, 3], [10, 10, 2], [10, 10, 2]]
+    steps = [[10, 10, 6], [10, 10, 3], [10, 10, 2], [10, 10, 2]]
     for o in out:
         assert o["steps_done"] == [sum(p[r] for p in steps) for r in range(3)]
     ref = dense_reference(steps)

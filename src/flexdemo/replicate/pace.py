@@ -87,6 +87,18 @@ nothing to report (a period of one step, timed from the end of its first) makes 
 keep its counts at that sync. It costs, per sync, the all-gather, one host read of its
 result and (on CUDA) two synchronisations of the device.
 
+**Timed mode.** ``Pace("timed")`` (``timed=True``; adaptive too) decides the first period as
+the adaptive mode does; from the first sync on a count is only a prediction: the period
+lasts a time, the fastest replica's ``H`` steps at the seconds gathered at the last sync,
+and after each step a replica syncs when another step, at its own seconds per step as last
+gathered, would end more than half a step past that time (or after ``2H`` steps). The
+replicas leave a sync together and reach the next one within about half a step of the
+slowest, whatever their speeds did within the period. Each sync all-gathers every replica's
+seconds per step and steps (two float64 each); the steps weigh the mean (or the tokens) and
+``steps_done`` counts them; ``counts`` holds the prediction for the next period. It reads
+the clock after every step (on CUDA a synchronisation each), needs one rank per replica and
+is not reproducible; the period's time and the replica's seconds per step are in the state.
+
 Not supported with a pace: streaming (``fragments > 1``), overlap (``tau > 0``) and
 ``keep_unsent`` (its residual lives in the parameters' units, not the scaled ones). Under
 fault tolerance an adaptive pace runs as :class:`~.elastic_pace.ElasticPace` (quorums at syncs
@@ -116,8 +128,8 @@ from ..transport import (
 )
 from .weights import weight_factors
 
-__all__ = ["MEASURE", "MODES", "WEIGHTS", "Pace", "adapted_counts", "first_period", "make_pace",
-           "measured_counts", "step_counts"]
+__all__ = ["MEASURE", "MEASURE_TIMED", "MODES", "WEIGHTS", "Pace", "adapted_counts",
+           "first_period", "make_pace", "measured_counts", "step_counts"]
 
 #: what a replica's pseudo-gradient is weighted by
 WEIGHTS = ("steps", "tokens")
@@ -125,6 +137,8 @@ WEIGHTS = ("steps", "tokens")
 MODES = ("fixed", "adaptive", "timed")
 #: a measured pace's default ``measure``: the inner steps after which it decides its counts
 MEASURE = 8
+#: a timed pace's: its periods end on the clock, so a rougher first measurement will do
+MEASURE_TIMED = 4
 
 
 def step_counts(seconds_per_step: Sequence[float], inner_steps: int) -> list[int]:
@@ -212,7 +226,7 @@ class Pace:
     Args:
         counts: every replica's inner steps per period, in group-rank order (each an integer
             >= 1); ``None`` or ``"fixed"`` (default): measured in the first period (fixed
-            from then on); ``"adaptive"``: ``adaptive=True``.
+            from then on); ``"adaptive"``: ``adaptive=True``; ``"timed"``: ``timed=True``.
         weights: ``"steps"`` (default) or ``"tokens"`` (reported by :meth:`count_tokens`).
         adaptive: measure again at every sync and change the counts past ``tolerance``.
         tolerance: a measured pace's bound (default 0.1): the counts change when some
@@ -220,12 +234,14 @@ class Pace:
             than this fraction of the new count.
         measure: a measured pace's inner steps before it decides (default :data:`MEASURE`;
             the first is not timed); at least 2; ``H`` or more: the whole first period.
+        timed: after the first period each replica ends its period on its own clock
+            (``"timed"``; see the module).
         clock: seconds as a float, read twice per replica and measured period (default
             ``time.perf_counter``; a test gives its own).
     """
 
     def __init__(self, counts: Sequence[int] | str | None = None, *, weights: str = "steps",
-                 adaptive: bool = False, tolerance: float = 0.1, measure: int = MEASURE,
+                 adaptive: bool = False, tolerance: float = 0.1, measure: int | None = None,
                  timed: bool = False, clock: Callable[[], float] | None = None) -> None:
         if isinstance(counts, str) and counts in MODES:
             timed = timed or counts == "timed"
@@ -246,6 +262,8 @@ class Pace:
                 or not 0.0 <= tolerance < 1.0):
             raise ValueError(f"pace tolerance must be a fraction in [0, 1), got "
                              f"{tolerance!r}")
+        if measure is None:  # a timed pace corrects its first period on the clock: fewer
+            measure = MEASURE_TIMED if timed else MEASURE  # steps at the slowest's pace
         if isinstance(measure, bool) or not isinstance(measure, int) or measure < 2:
             raise ValueError(f"pace measure must be an integer >= 2 (inner steps timed before "
                              f"the counts are decided, the first untimed), got {measure!r}")
@@ -280,7 +298,7 @@ class Pace:
         counts = mode if self.given is None else repr(self.given)
         extra = f", adaptive=True, tolerance={self.tolerance}" if self.adaptive else ""
         extra = f", tolerance={self.tolerance}" if self.given is None else extra
-        if self.measure != MEASURE and self.given is None:
+        if self.measure != (MEASURE_TIMED if self.timed else MEASURE) and self.given is None:
             extra += f", measure={self.measure}"
         return f"Pace(counts={counts}, weights={self.weights!r}{extra})"
 
@@ -332,6 +350,7 @@ class Pace:
         self._target: float | None = None  # timed: the period's seconds (once measured)
         self._taken = 0  # timed: the steps of the period that just ended
         self._own = 0.0  # timed: this replica's seconds per step, as last gathered
+        self._offset = 0.0  # timed: the period's seconds before ``_start``
         if (self.timed and not self.elastic and dist.is_available() and dist.is_initialized()
                 and dist.get_world_size() != world):
             raise ValueError("pace='timed' ends each replica's period on its own clock, and "
@@ -412,7 +431,8 @@ class Pace:
         now = self._read()
         if self._start is None:  # resumed mid-period: timed from here, the steps before at
             self._start, self._first = now, self.since  # the measured pace
-        elapsed = now - self._start + self._first * self._own
+            self._offset = self.since * self._own
+        elapsed = now - self._start + self._offset
         if elapsed + 0.5 * self._own < self._target and self.since < 2 * self.inner_steps:
             return False
         self._stop, self._taken, self.since = now, self.since, 0
@@ -436,12 +456,15 @@ class Pace:
         self._refine = self.counts is not None and not self.adaptive
         if self.measures:
             self._start, self._first = self._read(), self.measure  # the rest is timed
+        if self.timed and gathered is not None:  # the rest of the period is timed already:
+            self._set_target(gathered)  # every replica leaves the decision together, as
+            self._offset = self.measure * min(gathered)  # if after the fastest's steps
 
     def start_period(self) -> None:
         """After a sync completed (adaptive mode): the next period's steps are timed from
         here; nothing otherwise."""
         if self.adaptive and self.measures:
-            self._start, self._first = self._read(), 0
+            self._start, self._first, self._offset = self._read(), 0, 0.0
 
     def _read(self) -> float:
         """The clock, a CUDA device synchronised first (only when timing)."""
@@ -493,6 +516,7 @@ class Pace:
                             device=self.device)
         host = all_gather(mine, group, stats).reshape(-1, 2).tolist()  # one host read a sync
         self._start = self._stop = None
+        self._first_period = None
         period = [int(k) for _, k in host]
         self.steps_done = [a + b for a, b in zip(self.steps_done, period)]
         self._set_target([s for s, _ in host])

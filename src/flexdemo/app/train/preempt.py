@@ -16,6 +16,7 @@ import signal
 import threading
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -65,6 +66,7 @@ class StopRequest:
                  handle_signals: bool) -> None:
         self.world = world
         self.signum = 0
+        self._pending: tuple[torch.Tensor, Any] | None = None  # launch(): in flight
         self._previous: dict[int, object] = {}
         if handle_signals and threading.current_thread() is threading.main_thread():
             for sig in SIGNALS:
@@ -94,6 +96,30 @@ class StopRequest:
             t = torch.tensor([signum], dtype=torch.int64)
             dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
             signum = int(t.item())
+        return signal.Signals(signum).name if signum else None
+
+    def launch(self) -> None:
+        """Start the agreement on this rank's signal without waiting for it (a paced run:
+        each sync launches one and reads the one launched at the sync before,
+        :meth:`landed`, so no sync is followed by a barrier that waits for the slowest
+        replica's outer step)."""
+        t = torch.tensor([self.signum], dtype=torch.int64)
+        work = None
+        if self.world > 1:
+            work = dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
+        self._pending = (t, work)
+
+    def landed(self) -> str | None:
+        """What the last :meth:`launch` agreed on (None before the first): every rank
+        launched it at the same sync, so it has landed (or lands now); the signal some rank
+        got, SIGTERM before SIGINT, or None."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return None
+        t, work = pending
+        if work is not None:
+            work.wait()
+        signum = int(t.item())
         return signal.Signals(signum).name if signum else None
 
     def restore(self) -> None:

@@ -37,7 +37,8 @@ with one line. The size is in each rank's checkpoint (a resume keeps it).
 
 **Slowdown** (``train.slowdown``, for benchmarks): the ranks of ``train.slow_ranks`` (all,
 when empty) make each step last ``slowdown`` times its measured compute time (the step's
-time minus its communication) by sleeping the difference after the step, an emulated slower
+time minus its communication) by sleeping the difference, the forward and backward passes'
+share before ``opt.step()`` and the optimizer step's after it, an emulated slower
 GPU: the simplest honest emulation (the step's work is unchanged; only its length). The
 sleep counts as the step's compute time in the metrics. On CUDA the device is synchronised
 first, so the compute measured is the GPU's.
@@ -186,8 +187,11 @@ class PacedRun:
 
 
 class Slowdown:
-    """``train.slowdown`` on this rank (see the module): :meth:`after_step` sleeps
-    ``(factor - 1)`` times the step's compute time."""
+    """``train.slowdown`` on this rank (see the module): :meth:`before_step` sleeps
+    ``(factor - 1)`` times the forward and backward passes' time, :meth:`after_step` as much
+    of the optimizer step's compute (its communication left out): each part of the step
+    lasts ``factor`` times as long where it runs, as on a slower device, so a sync's
+    exchange meets the slow rank after its slow backward pass, not before."""
 
     def __init__(self, factor: float, device: torch.device) -> None:
         self.factor, self.device = float(factor), device
@@ -200,10 +204,14 @@ class Slowdown:
             return None
         return cls(factor, device)
 
+    def before_step(self, t0: float) -> float:
+        """Before ``opt.step()``: sleep ``(factor - 1) x`` the time since ``t0`` (the step's
+        start: its batch, forward and backward passes); returns the seconds slept."""
+        return self.after_step(t0, 0.0)
+
     def after_step(self, t0: float, comm: float) -> float:
-        """Sleep ``(factor - 1) x`` the compute time of the step that began at ``t0``
-        (``time.perf_counter()``) and spent ``comm`` seconds communicating; returns the
-        seconds slept."""
+        """Sleep ``(factor - 1) x`` the compute time since ``t0`` (``time.perf_counter()``)
+        of which ``comm`` seconds were communication; returns the seconds slept."""
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         compute = max(time.perf_counter() - t0 - comm, 0.0)

@@ -288,6 +288,10 @@ class Trainer:
             self.opt.count_tokens(tokens)  # a pace weighing by tokens reads them; else no-op
             loss = self.task.loss(self.model, batch)
             loss.backward()
+            t_opt = time.perf_counter()
+            if self.slowdown is not None:  # the slower device's forward and backward passes
+                self.slowdown.before_step(t0)
+                t_opt = time.perf_counter()
             self.opt.step()
         except NonFiniteGradientError as e:
             raise TrainingError(nonfinite_message(step, e)) from None
@@ -310,7 +314,7 @@ class Trainer:
         # under fault tolerance the quorum and the commit vote are communication too
         comm = stats["comm_seconds"] + sum(stats.get(k, 0.0) for k in ELASTIC_WAITS)
         if self.slowdown is not None:  # an emulated slower rank: its sleep is compute time
-            self.slowdown.after_step(t0, comm)
+            self.slowdown.after_step(t_opt, comm)  # (its optimizer step's)
         dt = time.perf_counter() - t0
         cpu = time.process_time() - c0
         s = self.state
@@ -332,13 +336,21 @@ class Trainer:
                 "time": time.time(),
                 **{k: stats[k] for k in ELASTIC_METRICS + ("auto_choice",) if k in stats}}
 
-    def _agree_on_stop(self, record: dict[str, Any]) -> str | None:
+    def _agree_on_stop(self, record: dict[str, Any], later: bool = False) -> str | None:
         """:meth:`StopRequest.agreed` after ``record``'s step; the time it takes (a rank
         waiting there for a slower one: a loop whose replicators do not exchange at every
-        step runs in step with the slowest rank through it) is the step's communication."""
+        step runs in step with the slowest rank through it) is the step's communication.
+        ``later`` (a paced run, at a sync): what the agreement launched at the sync before
+        says, and this sync's launched (a stop one sync later, and no barrier after a sync
+        that would keep the others waiting for the slowest replica's outer step)."""
         assert self.stop is not None  # built by _set_up
         t0 = time.perf_counter()
-        stop = self.stop.agreed()
+        if later:
+            stop = self.stop.landed()
+            if stop is None:
+                self.stop.launch()
+        else:
+            stop = self.stop.agreed()
         waited = time.perf_counter() - t0
         record["step_seconds"] += waited
         record["comm_seconds"] += waited
@@ -494,7 +506,9 @@ class Trainer:
                 # every rank, every step (sync): did any rank get SIGTERM/SIGINT? (then all
                 # stop here)
                 if not final:
-                    stop = self._agree_on_stop(record)
+                    stop = self._agree_on_stop(record, later=paced is not None)
+                elif paced is not None:
+                    self.stop.landed()  # the last one launched (the run ends here anyway)
                 evaluate = crossed(tc.eval_every, before, mark) or final
                 checkpoint = (bool(tc.checkpoint_every) and (
                     crossed(tc.checkpoint_every, before, mark) or final)) or stop is not None

@@ -129,3 +129,18 @@ def test_one_process_sigterm_saves_even_without_periodic_checkpoints(tmp_path,
     train(load_config(CFG, [*common, *stop_at, f"train.out={ref}"]), **quiet)
     assert [r["loss"] for r in metrics(run)] == [r["loss"] for r in metrics(ref)]
     assert metrics(run)[-1]["val_loss"] == metrics(ref)[-1]["val_loss"]
+
+
+@pytest.mark.multiprocess
+def test_a_paced_run_stops_every_rank_at_the_same_sync(tmp_path):
+    """A DiLoCo pace (rank 0 takes 4 steps per period, rank 1 2): the ranks agree on a signal
+    one sync late (launched at a sync, read at the next, no barrier after a sync). SIGTERM to
+    rank 1 only: both exit 3 after the same sync, whose checkpoint is complete."""
+    run = tmp_path / "paced"
+    common = [*COMMON, "strategy.replicator=diloco",
+              "strategy.replicator_kwargs={inner_steps=4, pace=[4, 2]}"]
+    outputs, _ = _signal_ranks(run, common, [1], signal.SIGTERM)
+    step = _stopped(outputs, "SIGTERM")
+    assert step % 4 == 0 and step < 300  # the run's step at a sync: H x syncs
+    ckpts = sorted((run / "checkpoints").iterdir())
+    assert ckpts[-1].name == f"step_{step:06d}" and (ckpts[-1] / MARKER_FILE).exists()

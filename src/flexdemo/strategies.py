@@ -154,9 +154,9 @@ STRATEGIES: dict[str, Strategy] = {
         "(pace='adaptive'), the mean weighted by steps",
         "muloco-int4", "muon", 1e-2, {"pace": "adaptive"}, color="#807dba"),
     "muloco-int4-timed": Strategy(
-        "the 'muloco-int4' preset (ours) with a timed pace: after the first period each "
-        "replica syncs when its own clock says the period's time (the fastest replica's 30 "
-        "steps) is up (pace='timed'), the mean weighted by the steps each took",
+        "the 'muloco-int4' preset (ours) with a timed pace (experimental): after the first "
+        "period each replica syncs when its own clock says the period's time (the fastest "
+        "replica's 30 steps) is up (pace='timed'), the mean weighted by the steps each took",
         "muloco-int4", "muon", 1e-2, {"pace": "timed"}, color="#3f007d"),
     "muloco-paced": Strategy(
         "MuLoCo (the paper's exchange) with a pace: each replica syncs after its own inner "

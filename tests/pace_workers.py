@@ -250,3 +250,16 @@ def sharded_pace_worker(rank: int, world: int) -> dict:
             scales = exchange.peer_scales
             factors.append(None if scales is None else scales.tolist())
     return {"counts": rep.pace.counts, "steps": opt.steps, "factors": factors}
+
+
+def timed_sharded_worker(rank: int, world: int) -> str:
+    """A timed pace over replicate groups of one rank each in a job of ``world`` ranks (each
+    replica sharded over every rank): refused at set-up, in one line."""
+    groups = [torch.distributed.new_group([r]) for r in range(world)]
+    model = model_fn()
+    try:
+        DeToNATION(model.parameters(), DiLoCoReplicator(4, pace=Pace("timed")),
+                   base="adamw", lr=LR, group=groups[rank])
+    except ValueError as e:
+        return str(e)
+    return "accepted"

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from dist_util import RankOrder
-from pace_workers import adaptive_run, dense_reference
+from dist_util import RankOrder, run_world
+from pace_workers import adaptive_run, dense_reference, timed_sharded_worker
 
 from flexdemo import Pace, SimulatedReplicas
 from flexdemo.replicate.pace import MEASURE, MEASURE_TIMED, make_pace
@@ -99,3 +99,11 @@ def test_simulated_replicas_refuse_a_timed_pace():
                             optimizer="adamw")
     with pytest.raises(ValueError, match="own clock"):
         sim.step([torch.randn(2, 4), torch.randn(2, 4)])
+
+
+@pytest.mark.multiprocess
+def test_a_timed_pace_refuses_replicas_of_several_ranks():
+    """2 gloo ranks, each replica's DiLoCo over a group of 1 rank (as for a replica sharded
+    over both): a timed pace would let each rank end the period on its own clock; refused."""
+    for out in run_world(timed_sharded_worker, 2):
+        assert "one rank per replica" in out and "\n" not in out

@@ -274,6 +274,7 @@ class DiLoCoReplicator(Replicator):
         self._bad_inner: int | None = None  # first inner step withheld since the last launch
         if self.pace is not None:
             self.pace.setup(self.inner_steps, self.world, self.rank, self.device)
+            self.pace.check_group(self.group)
             problem = self._template.scaled_input_problem()
             if problem is not None:
                 raise ValueError(f"{self.name}: pace= weighs the replicas, but {problem}")

@@ -351,8 +351,16 @@ class Pace:
         self._taken = 0  # timed: the steps of the period that just ended
         self._own = 0.0  # timed: this replica's seconds per step, as last gathered
         self._offset = 0.0  # timed: the period's seconds before ``_start``
-        if (self.timed and not self.elastic and dist.is_available() and dist.is_initialized()
-                and dist.get_world_size() != world):
+
+    def check_group(self, group) -> None:
+        """Refuse a timed pace whose replicas span several ranks of the job (``group``, the
+        replicate group, a process group smaller than the job): each rank would end the
+        period on its own clock."""
+        in_process = isinstance(group, Transport) and not isinstance(group,
+                                                                   ProcessGroupTransport)
+        if (self.timed and not self.elastic and not in_process
+                and dist.is_available() and dist.is_initialized()
+                and dist.get_world_size() != self.world):
             raise ValueError("pace='timed' ends each replica's period on its own clock, and "
                              "the ranks of a sharded replica would each read their own: use "
                              "one rank per replica (shard=1), or pace='adaptive'")

@@ -196,6 +196,16 @@ def test_under_fault_tolerance_a_pace_must_be_adaptive():
     assert isinstance(rep.pace, ElasticPace)
 
 
+def _pair(started: list, tmp, url: str, fast: tuple[str, str], slow: tuple[str, str],
+          *common: str, fast_args: tuple[str, ...] = ()) -> None:
+    """A fast group (10 ms a step) and a slow one (40 ms), ``(replica id, out)`` each, both
+    run to the end and exit 0."""
+    a = _worker(started, tmp, url, *fast, *common, "--delay", "0.01", *fast_args)
+    b = _worker(started, tmp, url, *slow, *common, "--delay", "0.04")
+    _ok(a, tmp, fast[1])
+    _ok(b, tmp, slow[1])
+
+
 def _steps_per_period(tmp, out: str) -> list[int]:
     """The steps between this group's syncs (from its progress: a sync's line has local 0)."""
     rows = [line.split() for line in (tmp / out / "progress0").read_text().splitlines()]
@@ -218,12 +228,8 @@ def test_a_slow_group_takes_fewer_steps_and_both_end_identical(tmp_path, procs, 
     fewer steps than A; both end with the same global copy and parameters, bit for bit."""
     lh = Lighthouse(1, tmp_path / "lighthouse.log")
     try:
-        common = ["--replicator", "diloco-paced", "--syncs", "6", "--min-replicas", "2",
-                  "--timeout", "30", "--order", order]
-        a = _worker(procs, tmp_path, lh.url, "A", "A", *common, "--delay", "0.01")
-        b = _worker(procs, tmp_path, lh.url, "B", "B", *common, "--delay", "0.04")
-        _ok(a, tmp_path, "A")
-        _ok(b, tmp_path, "B")
+        _pair(procs, tmp_path, lh.url, ("A", "A"), ("B", "B"), "--replicator", "diloco-paced",
+              "--syncs", "6", "--min-replicas", "2", "--timeout", "30", "--order", order)
     finally:
         lh.stop()
     pa, pb = _steps_per_period(tmp_path, "A"), _steps_per_period(tmp_path, "B")
@@ -288,18 +294,10 @@ def test_a_paced_group_resumes_from_its_checkpoint_and_a_new_group_heals_from_it
     saved = tmp_path / "ckpt-A"
     try:
         common = ["--replicator", "diloco-paced", "--min-replicas", "2", "--timeout", "30"]
-        a = _worker(procs, tmp_path, lh.url, "A", "A", *common, "--syncs", "4", "--delay",
-                    "0.01", "--save", str(saved))
-        b = _worker(procs, tmp_path, lh.url, "B", "B", *common, "--syncs", "4", "--delay",
-                    "0.04")
-        _ok(a, tmp_path, "A")
-        _ok(b, tmp_path, "B")
-        a2 = _worker(procs, tmp_path, lh.url, "A", "A2", *common, "--syncs", "8", "--delay",
-                     "0.01", "--resume", str(saved))
-        c = _worker(procs, tmp_path, lh.url, "C", "C", *common, "--syncs", "8", "--delay",
-                    "0.04")
-        _ok(a2, tmp_path, "A2")
-        _ok(c, tmp_path, "C")
+        _pair(procs, tmp_path, lh.url, ("A", "A"), ("B", "B"), *common, "--syncs", "4",
+              fast_args=("--save", str(saved)))
+        _pair(procs, tmp_path, lh.url, ("A", "A2"), ("C", "C"), *common, "--syncs", "8",
+              fast_args=("--resume", str(saved)))
     finally:
         lh.stop()
     first = (tmp_path / "A2" / "progress0").read_text().split()

@@ -501,6 +501,11 @@ class Pace:
             self._refine = False
             if self.timed and gathered is not None:  # timed periods from the next one on
                 self._set_target(gathered)
+        return self._weights(period, group, stats)
+
+    def _weights(self, period: list[int], group, stats: CommStats) -> torch.Tensor | None:
+        """The factors of each replica's steps in ``period`` (None where they are equal), or
+        of its tokens (all-gathered; the steps where none reported any)."""
         if self.weights == "steps":
             if len(set(period)) == 1:
                 return None
@@ -528,16 +533,7 @@ class Pace:
         period = [int(k) for _, k in host]
         self.steps_done = [a + b for a, b in zip(self.steps_done, period)]
         self._set_target([s for s, _ in host])
-        if self.weights == "steps":
-            if len(set(period)) == 1:
-                return None
-            total = sum(period)
-            return torch.tensor([k * self.world / total for k in period],
-                                dtype=torch.float64, device=self.device).float()
-        tokens = all_gather(self._tokens.reshape(1), group, stats).reshape(-1)
-        self._tokens.zero_()
-        steps = torch.tensor(period, dtype=torch.float64, device=self.device)
-        return weight_factors(tokens, steps)
+        return self._weights(period, group, stats)
 
     def _set_target(self, gathered: list[float]) -> None:
         """Timed: from every replica's seconds per step, the next period's time (the fastest

@@ -49,7 +49,7 @@ import torch
 import torch.distributed as dist
 
 from ..transport import CommStats, all_gather, transport_for
-from .pace import Pace, adapted_counts, step_counts
+from .pace import Pace, adapted_counts, step_counts, step_factors
 from .weights import weight_factors
 
 __all__ = ["ElasticPace", "elastic_counts"]
@@ -227,11 +227,9 @@ class ElasticPace(Pace):
             del self.changes[:-64]
         if len(rows) <= 1:
             return None
-        w_steps = torch.tensor(steps, dtype=torch.float64, device=self.device)
         if self.weights == "steps":
-            if len(set(steps)) == 1:
-                return None
-            return (w_steps * len(steps) / w_steps.sum().clamp_min(1.0)).float()
+            return step_factors(steps, self.device)
+        w_steps = torch.tensor(steps, dtype=torch.float64, device=self.device)
         return weight_factors(rows[:, 2].clamp_min(0.0), w_steps)
 
     # ------------------------------------------------------------------ state

@@ -129,7 +129,7 @@ from ..transport import (
 from .weights import weight_factors
 
 __all__ = ["MEASURE", "MEASURE_TIMED", "MODES", "WEIGHTS", "Pace", "adapted_counts",
-           "first_period", "make_pace", "measured_counts", "step_counts"]
+           "first_period", "make_pace", "measured_counts", "step_counts", "step_factors"]
 
 #: what a replica's pseudo-gradient is weighted by
 WEIGHTS = ("steps", "tokens")
@@ -207,6 +207,17 @@ def _per_replica(values: torch.Tensor, group, world: int, op, stats: CommStats
     nbytes = all_reduce_bytes(out.numel(), out.element_size(), total)
     stats.record(nbytes, nbytes, time.perf_counter() - start)
     return out
+
+
+def step_factors(period: Sequence[int], device: torch.device) -> torch.Tensor | None:
+    """Each replica's factor ``k_i n / sum_j k_j`` from its steps ``k_i`` in a period (fp32,
+    computed in float64 from the same numbers on every rank), or None where every count is
+    equal (nothing is scaled)."""
+    if len(set(period)) == 1:
+        return None
+    total = sum(period)
+    return torch.tensor([k * len(period) / total for k in period], dtype=torch.float64,
+                        device=device).float()
 
 
 def measured_counts(seconds_per_step: float, inner_steps: int, group=None,
@@ -507,11 +518,7 @@ class Pace:
         """The factors of each replica's steps in ``period`` (None where they are equal), or
         of its tokens (all-gathered; the steps where none reported any)."""
         if self.weights == "steps":
-            if len(set(period)) == 1:
-                return None
-            total = sum(period)
-            return torch.tensor([k * self.world / total for k in period],
-                                dtype=torch.float64, device=self.device).float()
+            return step_factors(period, self.device)
         tokens = _per_replica(all_gather(self._tokens.reshape(1), group, stats).reshape(-1),
                               group, self.world, dist.ReduceOp.SUM, stats)
         self._tokens.zero_()

@@ -104,8 +104,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         "about": "replicas of different speeds: 4 nodes x 1 rank at 100 Mbit/s, the last node "
                  "3x slower (--slow-factor, --slow-node); MuLoCo (our int4, the paper's) "
                  "synchronous vs each replica at its own pace (fixed, adaptive, timed), "
-                 "FlexDeMo vs "
-                 "balanced batches; "
+                 "FlexDeMo vs balanced batches; "
                  "goodput, time to the synchronous run's loss, loss at equal tokens",
         "strategies": ("muloco-int4", "muloco-int4-paced", "muloco-int4-adaptive",
                        "muloco-int4-timed", "muloco", "muloco-paced", "flexdemo",

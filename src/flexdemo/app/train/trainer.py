@@ -288,10 +288,9 @@ class Trainer:
             self.opt.count_tokens(tokens)  # a pace weighing by tokens reads them; else no-op
             loss = self.task.loss(self.model, batch)
             loss.backward()
-            t_opt = time.perf_counter()
             if self.slowdown is not None:  # the slower device's forward and backward passes
                 self.slowdown.before_step(t0)
-                t_opt = time.perf_counter()
+            t_opt = time.perf_counter()
             self.opt.step()
         except NonFiniteGradientError as e:
             raise TrainingError(nonfinite_message(step, e)) from None

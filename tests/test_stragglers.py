@@ -122,7 +122,9 @@ def test_paced_run_with_a_slowed_rank_ends_at_the_same_sync_on_every_rank(tmp_pa
 def test_given_counts_their_steps_and_a_resume_at_a_sync(tmp_path):
     """pace=[4, 2] (H=4): rank 1 takes 2 steps per period, its learning rate at the last
     step that of the schedule's step 2 x 4 + 1 x 2; a run stopped at a sync (stop_at=5:
-    the sync after step 8) and resumed ends as the uninterrupted run, bit for bit."""
+    the sync after step 8) and resumed ends as the uninterrupted run, bit for bit. Without
+    checkpoints an evaluation is reduced while the next period runs (landed at the next
+    sync): the same lines and validation losses as evaluated at once (before a checkpoint)."""
     common = [*QUICK, *PACED, "mesh.replicate=2", "train.steps=12", "train.eval_every=4",
               "train.checkpoint_every=4", "strategy.replicator_kwargs={inner_steps=4, "
               "pace=[4, 2]}"]
@@ -132,6 +134,12 @@ def test_given_counts_their_steps_and_a_resume_at_a_sync(tmp_path):
     # rank 1's last step: period 2, position 1 of 2: the schedule's step 2 * 4 + 1 * 4 / 2
     assert whole[1]["lr"] == lr_at(10.0, 12, 1e-3, 2, "cosine", 0.1)
     assert whole[0]["lr"] == lr_at(11.0, 12, 1e-3, 2, "cosine", 0.1)
+    flight = tmp_path / "flight"
+    run_world(_trainer_worker, 2, [*common, "train.checkpoint_every=0", f"train.out={flight}"])
+    rows, ref_rows = _metrics(flight), _metrics(ref)
+    assert [r["step"] for r in rows if "val_loss" in r] == [4, 8, 12]
+    assert [(r["step"], r["loss"], r.get("val_loss")) for r in rows] == [
+        (r["step"], r["loss"], r.get("val_loss")) for r in ref_rows]
     first = run_world(_trainer_worker, 2, [*common, "train.stop_at=5", f"train.out={cut}"])
     assert first[0]["summary"]["per_rank"]["steps"] == [8, 4]
     assert sorted(p.name for p in (cut / "checkpoints").iterdir()) == ["step_000004",

@@ -43,7 +43,9 @@ replica (e.g. ``torchrun --nproc-per-node 4`` on one node: replicate 1 x shard 4
 
 A run with a pace (``strategy.replicator_kwargs.pace``: DiLoCo's replicas of different speeds)
 is measured in syncs, every rank stopping at the same one; evaluations, checkpoints and the
-agreement on a signal happen at syncs, and the learning rate follows the run's progress
+agreement on a signal happen at syncs (an evaluation's sums and the agreement are reduced while
+the next period runs and read at the sync after: no rank waits there for the slowest
+replica's outer step), and the learning rate follows the run's progress
 (:mod:`flexdemo.app.train.speeds`, which also holds ``train.slowdown``, a benchmark's slower
 rank). Its metrics lines are rank 0's own steps, with ``sync`` and ``progress`` (the step of
 the run's schedule), and ``summary.json`` has ``pace`` and every rank's own figures
@@ -67,6 +69,7 @@ import os
 import time
 import warnings
 import zlib
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -361,9 +364,12 @@ class Trainer:
         """The losses of ``records`` as floats, read in one host transfer. On CUDA the time
         this waits for the GPU's queued work is charged to the last record's step (so the
         step and train seconds add up to the wall-clock time of the steps)."""
+        unread = [r for r in records if isinstance(r["loss"], torch.Tensor)]
+        if not unread:
+            return records
         t0 = time.perf_counter()
-        values = torch.stack([r["loss"] for r in records]).float().tolist()
-        for r, v in zip(records, values):
+        values = torch.stack([r["loss"] for r in unread]).float().tolist()
+        for r, v in zip(unread, values):
             r["loss"] = v
         if self.device.type != "cpu":
             waited = time.perf_counter() - t0
@@ -374,21 +380,42 @@ class Trainer:
             last["train_seconds"] = self.state.train_seconds
         return records
 
-    def evaluate(self) -> dict[str, float]:
-        """Validation loss (and accuracy) over every rank's share of the validation data."""
+    def _evaluation_sums(self) -> tuple[list[str], list[float]]:
+        """This rank's share of the validation sums (and its training tokens so far)."""
         tc = self.cfg.train
         sums = dict(self.task.evaluate(self.model, self.rank, self.world, tc.eval_batches,
                                        tc.batch))
         sums["job_tokens"] = float(self.state.tokens)  # every rank's tokens so far, in the sum
         keys = sorted(sums)
-        total = dict(zip(keys, sum_over_ranks([sums[k] for k in keys], self.device)))
-        out = {"val_loss": total["loss_sum"] / max(total["count"], 1.0),
-               "job_tokens_total": int(total["job_tokens"])}
-        if "correct" in total:
-            out["val_accuracy"] = total["correct"] / max(total["count"], 1.0)
-        return out
+        return keys, [sums[k] for k in keys]
+
+    def evaluate(self) -> dict[str, float]:
+        """Validation loss (and accuracy) over every rank's share of the validation data."""
+        keys, values = self._evaluation_sums()
+        return _validation(dict(zip(keys, sum_over_ranks(values, self.device))))
+
+    def _launch_evaluation(self, record: dict[str, Any]) -> _Evaluation:
+        """:meth:`evaluate` for ``record``'s sync (a paced run), its sums reduced over the
+        ranks without waiting: a rank goes on with its next period while a slower one is
+        still in its outer step (every rank launches it at the same sync)."""
+        keys, values = self._evaluation_sums()
+        t = torch.tensor(values, dtype=torch.float64, device=self.device)
+        work = (dist.all_reduce(t, async_op=True)
+                if dist.is_initialized() and dist.get_world_size() > 1 else None)
+        return _Evaluation(record, keys, t, work)
+
+    @staticmethod
+    def _land_evaluation(held: _Evaluation) -> dict[str, float]:
+        """The validation figures of an evaluation launched at an earlier sync, written into
+        its record (every rank launched it there: it has landed, or lands now)."""
+        if held.work is not None:
+            held.work.wait()
+        val = _validation(dict(zip(held.keys, held.sums.tolist())))
+        held.record.update(val)
+        return val
 
     def run(self) -> dict[str, Any]:
+
         """Train to ``train.stop_at`` (or ``train.steps``); returns the summary."""
         try:
             return self._run()
@@ -443,6 +470,7 @@ class Trainer:
         val: dict[str, float] = {}
         t_loop = time.perf_counter()
         pending: list[dict[str, Any]] = []
+        held: _Evaluation | None = None  # a paced run's evaluation in flight
         self.peers.loop_started()  # from here on, failed collectives tell of lost peers
         elastic = self.opt.fault_tolerance is not None
         step = start
@@ -511,17 +539,29 @@ class Trainer:
                 evaluate = crossed(tc.eval_every, before, mark) or final
                 checkpoint = (bool(tc.checkpoint_every) and (
                     crossed(tc.checkpoint_every, before, mark) or final)) or stop is not None
-            if evaluate or checkpoint or step % self.read_every == 0:
+            if held is not None and mark is not None:  # launched at the sync before
+                val, held = self._land_evaluation(held), None
+            if held is None and (evaluate or checkpoint or step % self.read_every == 0):
                 self._read_losses(pending)  # first: the steps' GPU time is theirs, not eval's
-                val = self.evaluate() if evaluate else {}
-                pending[-1].update(val)
-                write(pending)  # the lines go out before the checkpoint: a resume keeps them
-                pending = []
+                if evaluate and paced is not None and not (final or checkpoint):
+                    # no barrier after a sync: the sums are reduced while the next period
+                    # runs and land at the next sync (this line and those after it wait)
+                    held = self._launch_evaluation(pending[-1])
+                    write(pending[:-1])
+                    pending = pending[-1:]
+                else:
+                    val = self.evaluate() if evaluate else {}
+                    pending[-1].update(val)
+                    write(pending)  # the lines go out before a checkpoint: a resume keeps them
+                    pending = []
             if checkpoint:
                 assert mark is not None
                 saved = self.checkpointer.save(mark, self.model, self.opt, sampler, self.state)
                 if stop is not None:
                     raise Preempted(mark, saved, stop)
+        if held is not None:  # (a paced run ends with a sync's evaluation: not reached)
+            val = self._land_evaluation(held)
+            write(self._read_losses(pending))
         loop_seconds = time.perf_counter() - t_loop
         self.progress.close()
         summary = self._summary(start, resume_from, losses, step_s, comm_s, val, loop_seconds)
@@ -653,3 +693,23 @@ def train(cfg: Config, *, echo: Echo | None = None, exit_on_lost_peer: bool = Fa
     """
     return Trainer(cfg, echo=echo, exit_on_lost_peer=exit_on_lost_peer,
                    handle_signals=handle_signals).run()
+
+
+@dataclass
+class _Evaluation:
+    """A paced run's evaluation in flight: its record, the sums' keys, the summed tensor and
+    the all-reduce's handle (None in a job of one rank)."""
+
+    record: dict[str, Any]
+    keys: list[str]
+    sums: torch.Tensor
+    work: Any
+
+
+def _validation(total: dict[str, float]) -> dict[str, float]:
+    """The validation figures from the sums over the ranks."""
+    out = {"val_loss": total["loss_sum"] / max(total["count"], 1.0),
+           "job_tokens_total": int(total["job_tokens"])}
+    if "correct" in total:
+        out["val_accuracy"] = total["correct"] / max(total["count"], 1.0)
+    return out

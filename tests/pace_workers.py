@@ -252,14 +252,50 @@ def sharded_pace_worker(rank: int, world: int) -> dict:
     return {"counts": rep.pace.counts, "steps": opt.steps, "factors": factors}
 
 
-def timed_sharded_worker(rank: int, world: int) -> str:
-    """A timed pace over replicate groups of one rank each in a job of ``world`` ranks (each
-    replica sharded over every rank): refused at set-up, in one line."""
+def timed_sharded_worker(rank: int, world: int, mode: str = "timed") -> str:
+    """A timed (or filling) pace over replicate groups of one rank each in a job of ``world``
+    ranks (each replica sharded over every rank): refused at set-up, in one line."""
     groups = [torch.distributed.new_group([r]) for r in range(world)]
     model = model_fn()
     try:
-        DeToNATION(model.parameters(), DiLoCoReplicator(4, pace=Pace("timed")),
+        DeToNATION(model.parameters(), DiLoCoReplicator(4, pace=Pace(mode)),
                    base="adamw", lr=LR, group=groups[rank])
     except ValueError as e:
         return str(e)
     return "accepted"
+
+
+# ---------------------------------------------------------------------- fill mode
+FILL_H = 10
+#: real seconds each rank sleeps per step (rank 2 three times slower), and the same figures
+#: on the virtual clock of the first measurement (a deterministic first decision: counts
+#: [9, 9, 3], the first period's [10, 10, 6])
+FILL_SLEEP = [0.01, 0.01, 0.03]
+
+
+def fill_worker(rank: int, world: int, periods: int = 4) -> dict:
+    """One replica of a filling pace (H = 10) on gloo: each step sleeps its
+    :data:`FILL_SLEEP` (real time: the faster replicas fill the slowest one's period with as
+    many steps as fit) and advances the virtual clock that the first ``measure`` steps read.
+    After each sync: the counts in force next, every replica's steps so far (gathered) and
+    the parameters."""
+    import time
+
+    model = model_fn()
+    clock = VirtualClock()
+    rep = DiLoCoReplicator(FILL_H, pace=Pace("fill", clock=clock))
+    opt = DeToNATION(model.parameters(), rep, base="adamw", lr=LR)
+    pace = rep.pace
+    after, in_force = [], []
+    while pace.synced < periods:
+        period = pace.period  # the counts the period runs at (the first: decided early)
+        clock.now += FILL_SLEEP[rank] * 100
+        time.sleep(FILL_SLEEP[rank])
+        loss_of(model, rank, opt.steps).backward()
+        opt.step()
+        opt.zero_grad()
+        if pace.since == 0:  # it just synced
+            after.append((list(pace.counts or []), list(pace.steps_done), params(model)))
+            in_force.append(period)
+    return {"after": after, "in_force": in_force, "steps": opt.steps, "params": params(model),
+            "sent": opt.bytes_sent, "payload": rep.exchange_bytes(), "binding": pace.binding()}

@@ -88,7 +88,7 @@ def test_counts_and_pace_settings_are_checked():
                                               "exchange_kwargs": {"values": "int8"}}):
         with pytest.raises(ValueError, match="needs fragments=1, tau=0"):
             DiLoCoReplicator(4, pace=[4, 2], **kw)
-    with pytest.raises(ValueError, match="'fixed', 'adaptive' or 'timed'"):
+    with pytest.raises(ValueError, match="'fixed', 'adaptive', 'timed' or 'fill'"):
         DiLoCoReplicator(4, pace="sometimes")
     with pytest.raises(ValueError, match="tolerance"):
         Pace(adaptive=True, tolerance=1.5)

@@ -139,6 +139,11 @@ def _steps_left(opt) -> int | None:
     the first of its replicators that has one), or None without."""
     for rep in getattr(opt, "replicators", []):
         pace = getattr(rep, "pace", None)
+        if pace is not None and getattr(pace, "fill", False):
+            raise ValueError("pace='fill' lets the faster replicas take steps until the "
+                             "slowest arrives, and SimulatedReplicas runs the replicas in "
+                             "one process: use pace='adaptive' (or given counts) in a "
+                             "simulation")
         if pace is not None and getattr(pace, "timed", False):
             raise ValueError("pace='timed' ends each replica's period on its own clock, and "
                              "SimulatedReplicas runs the replicas in one process: use "

@@ -158,6 +158,11 @@ STRATEGIES: dict[str, Strategy] = {
         "period each replica syncs when its own clock says the period's time (the fastest "
         "replica's 30 steps) is up (pace='timed'), the mean weighted by the steps each took",
         "muloco-int4", "muon", 1e-2, {"pace": "timed"}, color="#3f007d"),
+    "muloco-int4-fill": Strategy(
+        "the 'muloco-int4' preset (ours) with a filling pace: the slowest replica takes its "
+        "count and the others take steps until it arrives (pace='fill'), the mean weighted "
+        "by the steps each took",
+        "muloco-int4", "muon", 1e-2, {"pace": "fill"}, color="#e6550d"),
     "muloco-paced": Strategy(
         "MuLoCo (the paper's exchange) with a pace: each replica syncs after its own inner "
         "steps (measured over the first 8: pace='fixed'), the mean weighted by steps",

@@ -505,6 +505,10 @@ class DiLoCoReplicator(Replicator):
         return tuple(getattr(self, "exchanges", ()))
 
     def fault_tolerance_problem(self) -> str | None:
+        if self.pace is not None and self.pace.fill:
+            return ("under fault tolerance a pace cannot fill the slowest replica's period "
+                    "(replicas come and go, and the groups meet only in quorums): use "
+                    "pace='adaptive'")
         if self.pace is not None and not (self.pace.adaptive and self.pace.given is None):
             return (f"under fault tolerance a pace is measured at every sync (replicas come "
                     f"and go, and counts name replicas by rank): use pace='adaptive' or "

@@ -99,10 +99,35 @@ seconds per step and steps (two float64 each); the steps weigh the mean (or the 
 the clock after every step (on CUDA a synchronisation each), needs one rank per replica and
 is not reproducible; the period's time and the replica's seconds per step are in the state.
 
+**Fill mode.** ``Pace("fill")`` (``fill=True``; adaptive too) reads no clock after the first
+decision (taken as the timed mode takes it, after :data:`MEASURE_TIMED` steps). A period ends
+when the slowest replica has taken its count (the *binding* replica: the fewest steps in the
+period, the lowest rank among equals): each replica launches its *arrival*, a one-number
+all-reduce it does not wait for, after its count if it is the binding replica and after its
+first step otherwise; the binding replica then waits for the others' arrivals (already there),
+and every other replica looks whether the all-reduce has completed after each of its steps
+(``is_completed``: no wait, no device synchronisation) and takes another step while it has
+not, at most ``H`` (no replica takes more steps in a period than without a pace). So the
+faster replicas fill the slowest one's period with as many steps as fit, whatever their
+speeds or the slowest one's outer step did, and the slowest waits at most for the step the
+others are in. At each sync the steps each took are all-gathered (one float64 per replica, a
+peer's figure bounded to ``[1, H]``): they weigh the mean (or the tokens do) and give the next
+counts (:func:`fill_counts`): the replicas' speeds are in proportion to their steps in periods
+all of them began and ended together (summed over the last :data:`FILL_WINDOW`; the first
+period's steps before the decision, taken together, left out), and the slowest's count is the
+most whose period ends before the fastest's ``H``-th step; after a period in which a faster
+replica reached ``H`` (it may have waited) the slowest takes one step fewer. Bytes: one
+all-reduce of 4 bytes per period and ``8 (n - 1)`` per sync. It needs one rank per replica
+(the ranks of a sharded replica would see the arrival after different steps) and real processes
+(:class:`~flexdemo.SimulatedReplicas` refuses it); it is not reproducible (the steps depend
+on the speeds); a dead peer's arrival never comes, so the others stop at ``H`` steps and
+wait in the collective (its timeout ends the run as any lost peer's).
+
 Not supported with a pace: streaming (``fragments > 1``), overlap (``tau > 0``) and
 ``keep_unsent`` (its residual lives in the parameters' units, not the scaled ones). Under
 fault tolerance an adaptive pace runs as :class:`~.elastic_pace.ElasticPace` (quorums at syncs
-only, counts from each quorum's measurements); given counts and ``"fixed"`` are refused there.
+only, counts from each quorum's measurements); given counts, ``"fixed"`` and ``"fill"`` are
+refused there.
 A peer dropped from a gathered mean (``on_bad_peer="drop"``) leaves the others' factors as
 they were, and ``clip="median"`` / ``peer_bound`` judge the scaled parts.
 :class:`~flexdemo.SimulatedReplicas` steps each replica up to its sync (a replica whose next
@@ -111,6 +136,7 @@ step is its sync waits for the others, then all sync together).
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -120,25 +146,30 @@ import torch.distributed as dist
 
 from ..transport import (
     CommStats,
+    Pending,
     ProcessGroupTransport,
     Transport,
     all_gather,
     all_reduce_bytes,
+    all_reduce_sum,
     transport_for,
 )
 from .weights import weight_factors
 
-__all__ = ["MEASURE", "MEASURE_TIMED", "MODES", "WEIGHTS", "Pace", "adapted_counts",
-           "first_period", "make_pace", "measured_counts", "step_counts", "step_factors"]
+__all__ = ["FILL_WINDOW", "MEASURE", "MEASURE_TIMED", "MODES", "WEIGHTS", "Pace",
+           "adapted_counts", "fill_counts", "first_period", "make_pace", "measured_counts",
+           "step_counts", "step_factors"]
 
 #: what a replica's pseudo-gradient is weighted by
 WEIGHTS = ("steps", "tokens")
 #: the measured modes (a string in place of the counts)
-MODES = ("fixed", "adaptive", "timed")
+MODES = ("fixed", "adaptive", "timed", "fill")
 #: a measured pace's default ``measure``: the inner steps after which it decides its counts
 MEASURE = 8
 #: a timed pace's: its periods end on the clock, so a rougher first measurement will do
 MEASURE_TIMED = 4
+#: a filling pace's speeds: each replica's steps over its last this many periods
+FILL_WINDOW = 4
 
 
 def step_counts(seconds_per_step: Sequence[float], inner_steps: int) -> list[int]:
@@ -185,6 +216,24 @@ def adapted_counts(current: Sequence[int], seconds_per_step: Sequence[float],
     if any(abs(a - b) > tolerance * a for a, b in zip(new, current)):
         return new
     return None
+
+
+def fill_counts(steps: Sequence[int], inner_steps: int, at_most: int | None = None
+                ) -> list[int]:
+    """A filling pace's next counts from each replica's steps in periods that every replica
+    began and ended together (``steps``, summed over the last ones: their speeds are in
+    proportion): the slowest (the fewest steps, the lowest rank among equals) takes ``k =
+    max(1, floor(H * s_slowest / s_most))``, so its period ends before the fastest replica's
+    ``H``-th step; the others the steps that fit in it, at most ``H`` (the schedule's
+    prediction: they fill the period). ``at_most`` (some faster replica reached ``H``
+    steps, and may have waited for the slowest): ``k`` at most that."""
+    h = inner_steps
+    slowest = min(range(len(steps)), key=lambda i: (steps[i], i))
+    k = max(1, math.floor(h * steps[slowest] / max(steps)))
+    if at_most is not None:
+        k = max(1, min(k, at_most))
+    return [k if i == slowest else min(h, max(1, round(k * s / steps[slowest])))
+            for i, s in enumerate(steps)]
 
 
 def _per_replica(values: torch.Tensor, group, world: int, op, stats: CommStats
@@ -237,7 +286,8 @@ class Pace:
     Args:
         counts: every replica's inner steps per period, in group-rank order (each an integer
             >= 1); ``None`` or ``"fixed"`` (default): measured in the first period (fixed
-            from then on); ``"adaptive"``: ``adaptive=True``; ``"timed"``: ``timed=True``.
+            from then on); ``"adaptive"``: ``adaptive=True``; ``"timed"``: ``timed=True``;
+            ``"fill"``: ``fill=True``.
         weights: ``"steps"`` (default) or ``"tokens"`` (reported by :meth:`count_tokens`).
         adaptive: measure again at every sync and change the counts past ``tolerance``.
         tolerance: a measured pace's bound (default 0.1): the counts change when some
@@ -247,19 +297,26 @@ class Pace:
             the first is not timed); at least 2; ``H`` or more: the whole first period.
         timed: after the first period each replica ends its period on its own clock
             (``"timed"``; see the module).
+        fill: the slowest replica takes its count and the others take steps until it
+            arrives (``"fill"``; see the module).
         clock: seconds as a float, read twice per replica and measured period (default
             ``time.perf_counter``; a test gives its own).
     """
 
     def __init__(self, counts: Sequence[int] | str | None = None, *, weights: str = "steps",
                  adaptive: bool = False, tolerance: float = 0.1, measure: int | None = None,
-                 timed: bool = False, clock: Callable[[], float] | None = None) -> None:
+                 timed: bool = False, fill: bool = False,
+                 clock: Callable[[], float] | None = None) -> None:
         if isinstance(counts, str) and counts in MODES:
-            timed = timed or counts == "timed"
-            adaptive, counts = adaptive or counts in ("adaptive", "timed"), None
-        if timed and counts is not None:
-            raise ValueError(f"a timed pace measures its periods: give pace='timed' without "
-                             f"counts, got {counts!r}")
+            timed, fill = timed or counts == "timed", fill or counts == "fill"
+            adaptive, counts = adaptive or counts in ("adaptive", "timed", "fill"), None
+        if timed and fill:
+            raise ValueError("a pace is timed or fills, not both: give pace='timed' or "
+                             "pace='fill'")
+        for name, on in (("timed", timed), ("fill", fill)):
+            if on and counts is not None:
+                raise ValueError(f"a {name} pace measures its periods: give pace='{name}' "
+                                 f"without counts, got {counts!r}")
         if counts is not None:
             if isinstance(counts, (str, bytes)) or not all(
                     isinstance(k, int) and not isinstance(k, bool) and k >= 1 for k in counts):
@@ -274,13 +331,15 @@ class Pace:
             raise ValueError(f"pace tolerance must be a fraction in [0, 1), got "
                              f"{tolerance!r}")
         if measure is None:  # a timed pace corrects its first period on the clock: fewer
-            measure = MEASURE_TIMED if timed else MEASURE  # steps at the slowest's pace
+            measure = MEASURE_TIMED if timed or fill else MEASURE  # steps at the slowest's
         if isinstance(measure, bool) or not isinstance(measure, int) or measure < 2:
             raise ValueError(f"pace measure must be an integer >= 2 (inner steps timed before "
                              f"the counts are decided, the first untimed), got {measure!r}")
-        self.adaptive, self.tolerance = bool(adaptive or timed), float(tolerance)
+        self.adaptive, self.tolerance = bool(adaptive or timed or fill), float(tolerance)
         #: every period after the first lasts a time, not a count (see the module)
         self.timed = bool(timed)
+        #: a period ends when the slowest replica has taken its count (see the module)
+        self.fill = bool(fill)
         self.measure = measure
         self.given = None if counts is None else [int(k) for k in counts]
         self.weights = weights
@@ -301,15 +360,17 @@ class Pace:
         measured = (("measure", self.measure, "tolerance", self.tolerance)
                     if self.given is None or self.adaptive else ())
         return ("counts", self.given, "weights", self.weights, *measured,
-                *(("adaptive",) if self.adaptive else ()), *(("timed",) if self.timed else ()))
+                *(("adaptive",) if self.adaptive else ()), *(("timed",) if self.timed else ()),
+                *(("fill",) if self.fill else ()))
 
     def __repr__(self) -> str:
         mode = "'adaptive'" if self.adaptive and self.given is None else "'fixed'"
-        mode = "'timed'" if self.timed else mode
+        mode = "'timed'" if self.timed else "'fill'" if self.fill else mode
         counts = mode if self.given is None else repr(self.given)
         extra = f", adaptive=True, tolerance={self.tolerance}" if self.adaptive else ""
         extra = f", tolerance={self.tolerance}" if self.given is None else extra
-        if self.measure != (MEASURE_TIMED if self.timed else MEASURE) and self.given is None:
+        if self.measure != (MEASURE_TIMED if self.timed or self.fill else MEASURE) and (
+                self.given is None):
             extra += f", measure={self.measure}"
         return f"Pace(counts={counts}, weights={self.weights!r}{extra})"
 
@@ -362,24 +423,36 @@ class Pace:
         self._taken = 0  # timed: the steps of the period that just ended
         self._own = 0.0  # timed: this replica's seconds per step, as last gathered
         self._offset = 0.0  # timed: the period's seconds before ``_start``
+        self._arrival: Pending | None = None  # fill: this replica's arrival, in flight
+        self._filled = False  # fill: the period that just ended was filled (not measured)
+        self._lockstep = 0  # fill: its steps before the first decision (taken together)
+        self._recent: list[list[int]] = []  # fill: each replica's steps in the last periods
 
     def check_group(self, group) -> None:
-        """Refuse a timed pace whose replicas span several ranks of the job (``group``, the
-        replicate group, a process group smaller than the job): each rank would end the
-        period on its own clock."""
+        """Refuse a timed or filling pace whose replicas span several ranks of the job
+        (``group``, the replicate group, a process group smaller than the job): each rank
+        would end the period on its own clock, or see the slowest replica arrive after a
+        different step."""
         in_process = isinstance(group, Transport) and not isinstance(group,
                                                                    ProcessGroupTransport)
-        if (self.timed and not self.elastic and not in_process
-                and dist.is_available() and dist.is_initialized()
-                and dist.get_world_size() != self.world):
+        sharded = (not in_process and dist.is_available() and dist.is_initialized()
+                   and dist.get_world_size() != self.world)
+        if self.timed and not self.elastic and sharded:
             raise ValueError("pace='timed' ends each replica's period on its own clock, and "
                              "the ranks of a sharded replica would each read their own: use "
                              "one rank per replica (shard=1), or pace='adaptive'")
+        if self.fill and sharded:
+            raise ValueError("pace='fill' ends each replica's period when the slowest "
+                             "arrives, and the ranks of a sharded replica would each see it "
+                             "after a different step: use one rank per replica (shard=1), "
+                             "or pace='adaptive'")
 
     @property
     def measures(self) -> bool:
         """Whether this period is timed: the first of a measured pace (the rest of it after an
         early decision too), or any adaptive one (over more than one replica, H > 1)."""
+        if self.fill and self.counts is not None:  # counted, not timed, once decided
+            return False
         return self.counts is None or self._refine or (self.adaptive and self.world > 1
                                                        and self.inner_steps > 1)
 
@@ -426,6 +499,8 @@ class Pace:
         over ``group`` (the replicator's transport), every replica at the same step."""
         if self.timed and self._target is not None:
             return self._timed_step()
+        if self.fill and self.world > 1 and self.counts is not None:
+            return self._fill_step(group, CommStats() if stats is None else stats)
         self.since += 1
         if self._times_each_step():  # the steps before an early decision: each one timed
             self._marks.append(self._read())
@@ -457,6 +532,66 @@ class Pace:
         self._stop, self._taken, self.since = now, self.since, 0
         return True
 
+    def binding(self) -> int:
+        """Fill: the replica whose count ends the period (the fewest steps in the period,
+        the lowest rank among equals)."""
+        period = self.period
+        return min(range(self.world), key=lambda i: (period[i], i))
+
+    def _fill_step(self, group, stats: CommStats) -> bool:
+        """After a step of a filling pace: whether it ends the period. This replica's arrival
+        (a one-number all-reduce, launched without waiting) goes out after its count if it
+        is the binding replica (:meth:`binding`), after its first step otherwise (after
+        ``measure`` steps in the first period); the period ends when every replica's has
+        arrived: the binding replica waits for it, the others look after each step (no
+        wait) and take another while it has not, at most ``H`` steps."""
+        self.since += 1
+        binding = self.binding()
+        if self._arrival is None and self.since >= (self.count if binding == self.rank else 1):
+            flag = torch.ones(1, dtype=torch.float32, device=self.device)
+            self._arrival = all_reduce_sum(flag, group, stats, async_op=True)
+        if self._arrival is None:
+            return False
+        if not (binding == self.rank or self.since >= self.inner_steps
+                or self._arrival.done()):
+            return False
+        self._arrival.wait()  # (done already, or the binding replica's wait for the others)
+        self._arrival, self._taken, self.since = None, self.since, 0
+        self._filled = True
+        return True
+
+    def _fill_factors(self, group, stats: CommStats) -> torch.Tensor | None:
+        """At the sync of a filling pace: every replica's steps in the period all-gathered
+        (one float64 each; a peer's figure bounded to ``[1, H]``), the next counts from
+        them (:func:`fill_counts` of the steps over the last :data:`FILL_WINDOW` periods in
+        which no faster replica reached ``H``; where one did, the slowest's count one step
+        fewer), and the factors of the steps (or tokens) each replica took."""
+        self._filled = False
+        mine = torch.tensor([float(self._taken)], dtype=torch.float64, device=self.device)
+        host = all_gather(mine, group, stats).reshape(-1).tolist()  # one host read a sync
+        h = self.inner_steps
+        period = [min(max(int(k), 1), h) if k == k else 1 for k in host]  # (NaN: 1)
+        binding = self.binding()
+        self._first_period = None
+        self.steps_done = [a + b for a, b in zip(self.steps_done, period)]
+        assert self.counts is not None  # (a fill follows the first decision)
+        capped = any(k >= h for i, k in enumerate(period) if i != binding)
+        if not capped:  # each at its own speed (the first decision's steps taken together)
+            own = [max(k - self._lockstep, 1) for k in period]
+            self._recent = (self._recent + [own])[-FILL_WINDOW:]
+        self._lockstep = 0
+        at_most = self.counts[binding] - 1 if capped else None
+        if self._recent:
+            new = fill_counts([sum(p[i] for p in self._recent) for i in range(self.world)],
+                              h, at_most)
+        else:  # every period so far reached H somewhere: the slowest one step fewer
+            new = [h] * self.world
+            new[binding] = max(1, self.counts[binding] - 1)
+        if new != self.counts:
+            self.counts = new
+            self.changes.append((self.synced, list(new)))
+        return self._weights(period, group, stats)
+
     def _decide_early(self, group, stats: CommStats) -> None:
         """The counts from the first ``measure`` steps (the median of steps 2 to ``measure``:
         a warm-up or a hiccup in one of them does not count), and the first period's own
@@ -473,6 +608,7 @@ class Pace:
             first = first_period(gathered, self.inner_steps, self.measure)
             self._first_period = None if first == self.counts else first
         self._refine = self.counts is not None and not self.adaptive
+        self._lockstep = self.since if self.fill else 0
         if self.measures:
             self._start, self._first = self._read(), self.measure  # the rest is timed
         if self.timed and gathered is not None:  # the rest of the period is timed already:
@@ -499,6 +635,8 @@ class Pace:
         self.synced += 1
         if self.timed and self._target is not None:
             return self._timed_factors(group, stats)
+        if self.fill and self._filled:
+            return self._fill_factors(group, stats)
         period = self.period
         self.steps_done = [a + b for a, b in zip(self.steps_done, period)]
         self._first_period = None
@@ -611,6 +749,7 @@ class Pace:
         self._own = float(state.get("own", 0.0))
         self._start = self._stop = None  # a measurement interrupted is taken again
         self._marks = []
+        self._arrival, self._filled = None, False  # (fill: launched after the next step)
 
 
 def make_pace(spec: Pace | Sequence[int] | str | None, *, fragments: int, tau: int,
@@ -622,14 +761,13 @@ def make_pace(spec: Pace | Sequence[int] | str | None, *, fragments: int, tau: i
         return None
     if isinstance(spec, str):
         if spec not in MODES:
-            raise ValueError(f"pace must be a Pace, a list of counts, 'fixed', 'adaptive' or "
-                             f"'timed', "
-                             f"got {spec!r}")
+            raise ValueError(f"pace must be a Pace, a list of counts, 'fixed', 'adaptive', "
+                             f"'timed' or 'fill', got {spec!r}")
         pace = Pace(spec)
     elif isinstance(spec, Pace):
         pace = Pace(spec.given, weights=spec.weights, adaptive=spec.adaptive,
                     tolerance=spec.tolerance, measure=spec.measure, timed=spec.timed,
-                    clock=spec.clock)
+                    fill=spec.fill, clock=spec.clock)
     else:
         pace = Pace(list(spec))
     if fragments != 1 or tau or keep_unsent:

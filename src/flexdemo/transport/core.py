@@ -238,6 +238,10 @@ class Pending:
             assert stats is not None, "an asynchronous collective records into stats"
             stats.record(nbytes, nbytes, launch_seconds)
 
+    def done(self) -> bool:
+        """Whether it has completed (a look, no wait)."""
+        return self._work is None or bool(self._work.is_completed())
+
     def wait(self) -> torch.Tensor:
         if self._work is not None:
             t0 = time.perf_counter()

@@ -3,9 +3,10 @@
 One node is slowed (``train.slowdown`` on its ranks: each step lasts ``factor`` times its
 compute), and each strategy runs synchronously and with its remedy: a DiLoCo pace (each
 replica syncs after its own inner steps, measured once: ``-paced``, or at every sync:
-``-adaptive``; such a run lasts until it has trained on the synchronous run's tokens,
-``train.pace_budget = "tokens"``) or balanced batches (each replica's
-batch sized to its speed, the exchange weighted by tokens, ``-balanced``). Per run
+``-adaptive``; each replica's period ended on its own clock: ``-timed``, or the faster replicas
+filling the slowest one's: ``-fill``; such a run lasts until it has trained on the synchronous
+run's tokens, ``train.pace_budget = "tokens"``) or balanced batches (each replica's batch sized
+to its speed, the exchange weighted by tokens, ``-balanced``). Per run
 (:func:`run_figures`):
 
 * **goodput**: the job's tokens per second (every rank's tokens over the job's training
@@ -34,7 +35,7 @@ __all__ = ["REMEDIES", "comparison", "goodput", "partner", "replica_speeds",
            "run_figures", "slow_label", "straggler_lines", "straggler_table", "time_to_loss",
            "value_at"]
 
-REMEDIES = ("-paced", "-adaptive", "-timed", "-balanced")
+REMEDIES = ("-paced", "-adaptive", "-timed", "-fill", "-balanced")
 """The suffixes of a strategy's variant for replicas of different speeds."""
 
 
@@ -43,8 +44,8 @@ def _finite(v: Any) -> bool:
 
 
 def partner(name: str) -> str | None:
-    """The synchronous strategy a ``-paced``, ``-adaptive``, ``-timed`` or ``-balanced`` one is the
-    variant of."""
+    """The synchronous strategy a ``-paced``, ``-adaptive``, ``-timed``, ``-fill`` or
+    ``-balanced`` one is the variant of."""
     for suffix in REMEDIES:
         if name.endswith(suffix) and name[:-len(suffix)]:
             return name[:-len(suffix)]

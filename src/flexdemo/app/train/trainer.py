@@ -69,7 +69,6 @@ import os
 import time
 import warnings
 import zlib
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -101,6 +100,7 @@ from ..outputs import (
 )
 from ..schedule import lr_at
 from ..tasks import ShardSampler, Task
+from . import readout
 from .checkpointer import (
     Checkpointer,
     TrainState,
@@ -270,7 +270,7 @@ class Trainer:
     def _step(self, step: int, sampler: ShardSampler, t0: float | None = None,
               c0: float | None = None) -> dict[str, Any] | None:
         """One optimizer step; returns its metrics record, whose ``loss`` is still a tensor
-        on the device (read in :meth:`_read_losses`, without a host read per step). None
+        on the device (read in :func:`.readout.read_losses`, without a host read per step). None
         when fault tolerance undid the step (its commit vote failed). ``t0``: when the step
         began, if before this call (the quorum under fault tolerance is part of the step), and
         ``c0`` the process's CPU time then."""
@@ -360,62 +360,19 @@ class Trainer:
         record["train_seconds"] = self.state.train_seconds
         return stop
 
-    def _read_losses(self, records: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        """The losses of ``records`` as floats, read in one host transfer. On CUDA the time
-        this waits for the GPU's queued work is charged to the last record's step (so the
-        step and train seconds add up to the wall-clock time of the steps)."""
-        unread = [r for r in records if isinstance(r["loss"], torch.Tensor)]
-        if not unread:
-            return records
-        t0 = time.perf_counter()
-        values = torch.stack([r["loss"] for r in unread]).float().tolist()
-        for r, v in zip(unread, values):
-            r["loss"] = v
-        if self.device.type != "cpu":
-            waited = time.perf_counter() - t0
-            last = records[-1]
-            last["step_seconds"] += waited
-            last["compute_seconds"] += waited
-            self.state.train_seconds += waited
-            last["train_seconds"] = self.state.train_seconds
-        return records
-
-    def _evaluation_sums(self) -> tuple[list[str], list[float]]:
+    def _evaluation_sums(self) -> dict[str, float]:
         """This rank's share of the validation sums (and its training tokens so far)."""
         tc = self.cfg.train
         sums = dict(self.task.evaluate(self.model, self.rank, self.world, tc.eval_batches,
                                        tc.batch))
         sums["job_tokens"] = float(self.state.tokens)  # every rank's tokens so far, in the sum
-        keys = sorted(sums)
-        return keys, [sums[k] for k in keys]
+        return sums
 
     def evaluate(self) -> dict[str, float]:
         """Validation loss (and accuracy) over every rank's share of the validation data."""
-        keys, values = self._evaluation_sums()
-        return _validation(dict(zip(keys, sum_over_ranks(values, self.device))))
-
-    def _launch_evaluation(self, record: dict[str, Any]) -> _Evaluation:
-        """:meth:`evaluate` for ``record``'s sync (a paced run), its sums reduced over the
-        ranks without waiting: a rank goes on with its next period while a slower one is
-        still in its outer step (every rank launches it at the same sync)."""
-        keys, values = self._evaluation_sums()
-        t = torch.tensor(values, dtype=torch.float64, device=self.device)
-        work = (dist.all_reduce(t, async_op=True)
-                if dist.is_initialized() and dist.get_world_size() > 1 else None)
-        return _Evaluation(record, keys, t, work)
-
-    @staticmethod
-    def _land_evaluation(held: _Evaluation) -> dict[str, float]:
-        """The validation figures of an evaluation launched at an earlier sync, written into
-        its record (every rank launched it there: it has landed, or lands now)."""
-        if held.work is not None:
-            held.work.wait()
-        val = _validation(dict(zip(held.keys, held.sums.tolist())))
-        held.record.update(val)
-        return val
+        return readout.evaluate(self._evaluation_sums(), self.device)
 
     def run(self) -> dict[str, Any]:
-
         """Train to ``train.stop_at`` (or ``train.steps``); returns the summary."""
         try:
             return self._run()
@@ -470,7 +427,7 @@ class Trainer:
         val: dict[str, float] = {}
         t_loop = time.perf_counter()
         pending: list[dict[str, Any]] = []
-        held: _Evaluation | None = None  # a paced run's evaluation in flight
+        held: readout.InFlight | None = None  # a paced run's evaluation in flight
         self.peers.loop_started()  # from here on, failed collectives tell of lost peers
         elastic = self.opt.fault_tolerance is not None
         step = start
@@ -502,7 +459,7 @@ class Trainer:
                                     sampler, t_step, c_step)
             except LighthouseLostError as e:  # the step was not taken: save the one before
                 sampler.load_state_dict(position)
-                write(self._read_losses(pending) if pending else [])
+                write(readout.read_losses(pending, self.device, self.state))
                 raise self._lighthouse_lost(e, start, resume_from, sampler) from None
             if record is None:  # not committed under fault tolerance: undone, run again
                 continue
@@ -514,7 +471,7 @@ class Trainer:
                 say(f"balanced batches from step {step + 1}: {self.balance.sizes} per replica "
                     f"(train.batch={tc.batch} x {self.layout['replicate']} shared by speed)")
             if self.skip_stop is not None:  # too many skipped steps: lines, summary, one line
-                write(self._read_losses(pending))
+                write(readout.read_losses(pending, self.device, self.state))
                 summary = self._summary(start, resume_from, losses, step_s, comm_s, val,
                                         time.perf_counter() - t_loop)
                 self._write_summary({**summary, "stopped": self.skip_stop})
@@ -540,13 +497,14 @@ class Trainer:
                 checkpoint = (bool(tc.checkpoint_every) and (
                     crossed(tc.checkpoint_every, before, mark) or final)) or stop is not None
             if held is not None and mark is not None:  # launched at the sync before
-                val, held = self._land_evaluation(held), None
+                val, held = readout.land(held), None
             if held is None and (evaluate or checkpoint or step % self.read_every == 0):
-                self._read_losses(pending)  # first: the steps' GPU time is theirs, not eval's
+                # first: the steps' GPU time is theirs, not the evaluation's
+                readout.read_losses(pending, self.device, self.state)
                 if evaluate and paced is not None and not (final or checkpoint):
                     # no barrier after a sync: the sums are reduced while the next period
                     # runs and land at the next sync (this line and those after it wait)
-                    held = self._launch_evaluation(pending[-1])
+                    held = readout.launch(pending[-1], self._evaluation_sums(), self.device)
                     write(pending[:-1])
                     pending = pending[-1:]
                 else:
@@ -560,8 +518,8 @@ class Trainer:
                 if stop is not None:
                     raise Preempted(mark, saved, stop)
         if held is not None:  # (a paced run ends with a sync's evaluation: not reached)
-            val = self._land_evaluation(held)
-            write(self._read_losses(pending))
+            val = readout.land(held)
+            write(readout.read_losses(pending, self.device, self.state))
         loop_seconds = time.perf_counter() - t_loop
         self.progress.close()
         summary = self._summary(start, resume_from, losses, step_s, comm_s, val, loop_seconds)
@@ -693,23 +651,3 @@ def train(cfg: Config, *, echo: Echo | None = None, exit_on_lost_peer: bool = Fa
     """
     return Trainer(cfg, echo=echo, exit_on_lost_peer=exit_on_lost_peer,
                    handle_signals=handle_signals).run()
-
-
-@dataclass
-class _Evaluation:
-    """A paced run's evaluation in flight: its record, the sums' keys, the summed tensor and
-    the all-reduce's handle (None in a job of one rank)."""
-
-    record: dict[str, Any]
-    keys: list[str]
-    sums: torch.Tensor
-    work: Any
-
-
-def _validation(total: dict[str, float]) -> dict[str, float]:
-    """The validation figures from the sums over the ranks."""
-    out = {"val_loss": total["loss_sum"] / max(total["count"], 1.0),
-           "job_tokens_total": int(total["job_tokens"])}
-    if "correct" in total:
-        out["val_accuracy"] = total["correct"] / max(total["count"], 1.0)
-    return out

@@ -10,9 +10,13 @@ time allowed. The assertions are on counted steps, never on seconds."""
 
 from __future__ import annotations
 
+import signal
+import time
+from pathlib import Path
+
 import pytest
 import torch
-from dist_util import run_world
+from dist_util import reap, run_world, spawn_ranks
 from pace_workers import FILL_H, dense_reference, fill_worker, timed_sharded_worker
 
 from flexdemo import DiLoCoReplicator, Pace, SimulatedReplicas
@@ -116,3 +120,42 @@ def test_a_filling_pace_refuses_replicas_of_several_ranks():
     refused in one line."""
     for out in run_world(timed_sharded_worker, 2, "fill"):
         assert "one rank per replica" in out and "pace='fill'" in out and "\n" not in out
+
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("killed", [2, 1], ids=["the-slowest", "a-faster-one"])
+def test_a_killed_replica_ends_a_filling_run_naming_it(tmp_path, killed):
+    """`flexdemo train`, three replicas at a filling pace (H=4), rank 2 slowed 3x: a replica
+    killed mid-run (the slowest, whose arrival the others are filling for, or a faster one,
+    whose arrival the slowest waits for) ends the run on every survivor with one line naming
+    it, no traceback (a hang guard of 120 s, not a speed test)."""
+    out = tmp_path / "run"
+    procs = spawn_ranks(3, [
+        "train", str(ROOT / "configs" / "gpt.toml"), "task.model=tiny",
+        "task.corpus_bytes=200000", "train.batch=4", "train.warmup=2", "train.eval_every=4",
+        "train.eval_batches=1", "train.tensorboard=false", "train.threads=0",
+        "train.progress=false", "strategy.replicator=diloco-avg", "strategy.optimizer=adamw",
+        "strategy.lr=1e-3", "strategy.replicator_kwargs={inner_steps=4, pace=\"fill\"}",
+        "train.steps=4000", "train.slowdown=3.0", "train.slow_ranks=[2]",
+        f"train.out={out}"])
+    try:
+        metrics = out / "metrics.jsonl"
+        deadline = time.monotonic() + 120
+        while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 12):
+            assert all(p.poll() is None for p in procs), procs[0].communicate()[0]
+            assert time.monotonic() < deadline, "the run made no progress"
+            time.sleep(0.05)
+        procs[killed].send_signal(signal.SIGKILL)
+        survivors = [r for r in range(3) if r != killed]
+        outputs = {r: procs[r].communicate(timeout=120)[0] for r in survivors}
+    finally:
+        reap(procs)
+    for rank, text in outputs.items():
+        assert procs[rank].returncode == 1, (rank, text[-2000:])
+        errors = [line for line in text.splitlines() if "flexdemo train: error" in line]
+        assert len(errors) == 1, (rank, text[-3000:])
+        assert f"lost rank {killed} " in errors[0], (rank, errors[0])
+        assert "Traceback" not in text, (rank, text[-3000:])

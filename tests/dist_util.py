@@ -47,6 +47,25 @@ def spawn_ranks(world: int, args: list[str], timeout: float = 30,
     return procs
 
 
+def kill_and_hear(procs: list, killed: int, timeout: float = 120) -> dict[int, str]:
+    """SIGKILL rank ``killed`` of ``procs`` and return each survivor's output once it has
+    stopped (a hang guard of ``timeout`` s, not a speed test), after checking that each
+    stopped with exit code 1 and one ``flexdemo train: error`` line naming ``rank R: lost
+    rank KILLED`` (no C++ frames, no traceback)."""
+    import signal
+
+    procs[killed].send_signal(signal.SIGKILL)
+    outputs = {r: p.communicate(timeout=timeout)[0] for r, p in enumerate(procs) if r != killed}
+    for rank, text in outputs.items():
+        assert procs[rank].returncode == 1, (rank, text[-2000:])
+        errors = [line for line in text.splitlines() if "flexdemo train: error" in line]
+        assert len(errors) == 1, (rank, text[-3000:])
+        assert f"rank {rank}: lost rank {killed} " in errors[0], (rank, errors[0])
+        assert "frame #" not in errors[0] and ".cpp" not in errors[0], errors[0]
+        assert "Traceback" not in text, (rank, text[-3000:])
+    return outputs
+
+
 def reap(procs: list) -> None:
     """Kill and wait for every process of ``procs`` still running (a test's clean-up)."""
     for p in procs:

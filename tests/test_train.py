@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from dist_util import reap, run_world, spawn_ranks
+from dist_util import kill_and_hear, reap, run_world, spawn_ranks
 
 from flexdemo.app.config.files import load_config
 from flexdemo.app.errors import TrainingError, UsageError
@@ -446,18 +446,9 @@ def test_killed_rank_of_four_is_the_only_one_named_by_every_survivor(tmp_path, m
                             f"train.out={out}"])
     try:
         _wait_for_metrics(procs, out / "metrics.jsonl", 3)
-        procs[2].send_signal(signal.SIGKILL)
-        # a hang guard, not a speed test: TimeoutExpired if a survivor never stops
-        outputs = {r: procs[r].communicate(timeout=120)[0] for r in (0, 1, 3)}
+        kill_and_hear(procs, 2)
     finally:
         reap(procs)
-    for rank, text in outputs.items():
-        assert procs[rank].returncode == 1, (rank, text[-2000:])
-        errors = [line for line in text.splitlines() if "flexdemo train: error" in line]
-        assert len(errors) == 1, (rank, text[-3000:])
-        assert f"rank {rank}: lost rank 2 " in errors[0], (rank, errors[0])
-        assert "frame #" not in errors[0] and ".cpp" not in errors[0], errors[0]
-        assert "Traceback" not in text, (rank, text[-3000:])
 
 
 def _rerecord(path: Path) -> None:

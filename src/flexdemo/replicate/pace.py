@@ -120,8 +120,8 @@ replica reached ``H`` (it may have waited) the slowest takes one step fewer. Byt
 all-reduce of 4 bytes per period and ``8 (n - 1)`` per sync. It needs one rank per replica
 (the ranks of a sharded replica would see the arrival after different steps) and real processes
 (:class:`~flexdemo.SimulatedReplicas` refuses it); it is not reproducible (the steps depend
-on the speeds); a dead peer's arrival never comes, so the others stop at ``H`` steps and
-wait in the collective (its timeout ends the run as any lost peer's).
+on the speeds); a dead peer's arrival never comes: the all-reduce fails when its connection
+closes (at the latest at the collective's timeout), as any lost peer's collective does.
 
 Not supported with a pace: streaming (``fragments > 1``), overlap (``tau > 0``) and
 ``keep_unsent`` (its residual lives in the parameters' units, not the scaled ones). Under

@@ -19,7 +19,7 @@ from dist_util import kill_and_hear, reap, run_world, spawn_ranks
 from pace_workers import FILL_H, dense_reference, fill_worker, timed_sharded_worker
 
 from flexdemo import DiLoCoReplicator, Pace, SimulatedReplicas
-from flexdemo.replicate.pace import MEASURE_TIMED, fill_counts, make_pace
+from flexdemo.replicate.pace import MEASURE_TIMED, fill_counts, make_pace, peer_steps
 from flexdemo.transport import all_reduce_bytes
 
 PERIODS = 4
@@ -54,6 +54,14 @@ def test_fill_counts():
     assert fill_counts([40, 40, 40], 10) == [10, 10, 10]  # equal speeds: H, rank 0 binds
     assert fill_counts([90, 90, 21], 30, at_most=5) == [21, 21, 5]  # 5 x 90 / 21 = 21.4
     assert fill_counts([300, 2], 30) == [30, 1]  # at least 1
+
+
+def test_a_peer_s_steps_are_bounded():
+    """What a peer reports as its steps in a period (a gathered float) counts within [1,
+    most]: a huge, infinite, negative or NaN figure neither outweighs a period's most steps
+    nor stops the sync (the timed pace's bound is 2H, the filling pace's H)."""
+    hostile = [float("nan"), float("inf"), -float("inf"), 1e18, -5.0, 0.0, 3.7, 10.0]
+    assert peer_steps(hostile, 10) == [1, 10, 1, 10, 1, 1, 3, 10]
 
 
 @pytest.mark.multiprocess

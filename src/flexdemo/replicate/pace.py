@@ -94,10 +94,11 @@ and after each step a replica syncs when another step, at its own seconds per st
 gathered, would end more than half a step past that time (or after ``2H`` steps). The
 replicas leave a sync together and reach the next one within about half a step of the
 slowest, whatever their speeds did within the period. Each sync all-gathers every replica's
-seconds per step and steps (two float64 each); the steps weigh the mean (or the tokens) and
-``steps_done`` counts them; ``counts`` holds the prediction for the next period. It reads
-the clock after every step (on CUDA a synchronisation each), needs one rank per replica and
-is not reproducible; the period's time and the replica's seconds per step are in the state.
+seconds per step and steps (two float64 each; a peer's steps bounded to ``[1, 2H]``); the
+steps weigh the mean (or the tokens) and ``steps_done`` counts them; ``counts`` holds the
+prediction for the next period. It reads the clock after every step (on CUDA a
+synchronisation each), needs one rank per replica and is not reproducible; the period's time
+and the replica's seconds per step are in the state.
 
 **Fill mode.** ``Pace("fill")`` (``fill=True``; adaptive too) reads no clock after the first
 decision (taken as the timed mode takes it, after :data:`MEASURE_TIMED` steps). A period ends
@@ -158,7 +159,7 @@ from .weights import weight_factors
 
 __all__ = ["FILL_WINDOW", "MEASURE", "MEASURE_TIMED", "MODES", "WEIGHTS", "Pace",
            "adapted_counts", "fill_counts", "first_period", "make_pace", "measured_counts",
-           "step_counts", "step_factors"]
+           "peer_steps", "step_counts", "step_factors"]
 
 #: what a replica's pseudo-gradient is weighted by
 WEIGHTS = ("steps", "tokens")
@@ -234,6 +235,13 @@ def fill_counts(steps: Sequence[int], inner_steps: int, at_most: int | None = No
         k = max(1, min(k, at_most))
     return [k if i == slowest else min(h, max(1, round(k * s / steps[slowest])))
             for i, s in enumerate(steps)]
+
+
+def peer_steps(reported: Sequence[float], most: int) -> list[int]:
+    """Each replica's steps in a period as it reported them (gathered floats), bounded to
+    ``[1, most]``: a figure above ``most`` counts as ``most``, one below 1 (or not a number)
+    as 1, so that no peer's report outweighs a period's most steps nor stops the sync."""
+    return [int(min(max(k, 1.0), most)) if k == k else 1 for k in reported]
 
 
 def _per_replica(values: torch.Tensor, group, world: int, op, stats: CommStats
@@ -562,15 +570,16 @@ class Pace:
 
     def _fill_factors(self, group, stats: CommStats) -> torch.Tensor | None:
         """At the sync of a filling pace: every replica's steps in the period all-gathered
-        (one float64 each; a peer's figure bounded to ``[1, H]``), the next counts from
-        them (:func:`fill_counts` of the steps over the last :data:`FILL_WINDOW` periods in
-        which no faster replica reached ``H``; where one did, the slowest's count one step
-        fewer), and the factors of the steps (or tokens) each replica took."""
+        (one float64 each; a peer's figure bounded to ``[1, H]``: :func:`peer_steps`), the
+        next counts from them (:func:`fill_counts` of the steps over the last
+        :data:`FILL_WINDOW` periods in which no faster replica reached ``H``; where one did,
+        the slowest's count one step fewer), and the factors of the steps (or tokens) each
+        replica took."""
         self._filled = False
         mine = torch.tensor([float(self._taken)], dtype=torch.float64, device=self.device)
         host = all_gather(mine, group, stats).reshape(-1).tolist()  # one host read a sync
         h = self.inner_steps
-        period = [min(max(int(k), 1), h) if k == k else 1 for k in host]  # (NaN: 1)
+        period = peer_steps(host, h)
         binding = self.binding()
         self._first_period = None
         self.steps_done = [a + b for a, b in zip(self.steps_done, period)]
@@ -665,8 +674,9 @@ class Pace:
 
     def _timed_factors(self, group, stats: CommStats) -> torch.Tensor | None:
         """At the sync of a timed period: every replica's seconds per step and steps in it
-        all-gathered (two float64 each), the next counts (a prediction) and period's time
-        from them, and the factors of the steps (or tokens) each replica took."""
+        all-gathered (two float64 each; a peer's steps bounded to ``[1, 2H]``:
+        :func:`peer_steps`), the next counts (a prediction) and period's time from them, and
+        the factors of the steps (or tokens) each replica took."""
         n = self._taken - self._first
         secs = (self._stop - self._start) / n if (
             self._start is not None and self._stop is not None and n > 0) else 0.0
@@ -675,7 +685,7 @@ class Pace:
         host = all_gather(mine, group, stats).reshape(-1, 2).tolist()  # one host read a sync
         self._start = self._stop = None
         self._first_period = None
-        period = [int(k) for _, k in host]
+        period = peer_steps([k for _, k in host], 2 * self.inner_steps)
         self.steps_done = [a + b for a, b in zip(self.steps_done, period)]
         self._set_target([s for s, _ in host])
         return self._weights(period, group, stats)

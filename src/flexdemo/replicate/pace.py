@@ -581,8 +581,7 @@ class Pace:
         h = self.inner_steps
         period = peer_steps(host, h)
         binding = self.binding()
-        self._first_period = None
-        self.steps_done = [a + b for a, b in zip(self.steps_done, period)]
+        self._ended(period)
         assert self.counts is not None  # (a fill follows the first decision)
         capped = any(k >= h for i, k in enumerate(period) if i != binding)
         if not capped:  # each at its own speed (the first decision's steps taken together)
@@ -596,9 +595,7 @@ class Pace:
         else:  # every period so far reached H somewhere: the slowest one step fewer
             new = [h] * self.world
             new[binding] = max(1, self.counts[binding] - 1)
-        if new != self.counts:
-            self.counts = new
-            self.changes.append((self.synced, list(new)))
+        self._set_counts(new)
         return self._weights(period, group, stats)
 
     def _decide_early(self, group, stats: CommStats) -> None:
@@ -647,8 +644,7 @@ class Pace:
         if self.fill and self._filled:
             return self._fill_factors(group, stats)
         period = self.period
-        self.steps_done = [a + b for a, b in zip(self.steps_done, period)]
-        self._first_period = None
+        self._ended(period)
         if self.world <= 1:
             return None
         if self.measures:
@@ -684,9 +680,8 @@ class Pace:
                             device=self.device)
         host = all_gather(mine, group, stats).reshape(-1, 2).tolist()  # one host read a sync
         self._start = self._stop = None
-        self._first_period = None
         period = peer_steps([k for _, k in host], 2 * self.inner_steps)
-        self.steps_done = [a + b for a, b in zip(self.steps_done, period)]
+        self._ended(period)
         self._set_target([s for s, _ in host])
         return self._weights(period, group, stats)
 
@@ -698,7 +693,17 @@ class Pace:
             return
         self._target = self.inner_steps * min(gathered)
         self._own = gathered[self.rank]
-        new = step_counts(gathered, self.inner_steps)
+        self._set_counts(step_counts(gathered, self.inner_steps))
+
+    def _ended(self, period: list[int]) -> None:
+        """At a sync: the period that just ended, with every replica's steps in it, is
+        done (counted in :attr:`steps_done`; a first period's own counts are over)."""
+        self.steps_done = [a + b for a, b in zip(self.steps_done, period)]
+        self._first_period = None
+
+    def _set_counts(self, new: list[int]) -> None:
+        """The counts in force from the next period, recorded in :attr:`changes` when they
+        change."""
         if new != self.counts:
             self.counts = new
             self.changes.append((self.synced, list(new)))
@@ -719,8 +724,7 @@ class Pace:
         new = adapted_counts(current, gathered, self.inner_steps, self.tolerance)
         self.counts = current  # (within the tolerance: kept)
         if new is not None:
-            self.counts = new
-            self.changes.append((self.synced, list(new)))
+            self._set_counts(new)
         return gathered
 
     # ------------------------------------------------------------------ state

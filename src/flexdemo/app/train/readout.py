@@ -12,7 +12,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .checkpointer import TrainState, sum_over_ranks
+from .checkpointer import TrainState
 
 __all__ = ["InFlight", "evaluate", "land", "launch", "read_losses", "validation"]
 
@@ -50,12 +50,6 @@ def validation(total: dict[str, float]) -> dict[str, float]:
     return out
 
 
-def evaluate(sums: dict[str, float], device: torch.device) -> dict[str, float]:
-    """:func:`validation` of this rank's ``sums`` summed over every rank (a collective)."""
-    keys = sorted(sums)
-    return validation(dict(zip(keys, sum_over_ranks([sums[k] for k in keys], device))))
-
-
 @dataclass
 class InFlight:
     """An evaluation whose sums are being reduced: its record, the sums' keys, the summed
@@ -75,6 +69,12 @@ def launch(record: dict[str, Any], sums: dict[str, float], device: torch.device)
     work = (dist.all_reduce(t, async_op=True)
             if dist.is_initialized() and dist.get_world_size() > 1 else None)
     return InFlight(record, keys, t, work)
+
+
+def evaluate(sums: dict[str, float], device: torch.device) -> dict[str, float]:
+    """:func:`validation` of this rank's ``sums`` summed over every rank, waited for (a
+    collective: :func:`launch` and :func:`land` at once)."""
+    return land(launch({}, sums, device))
 
 
 def land(held: InFlight) -> dict[str, float]:

@@ -3,8 +3,14 @@ import os
 import sys
 from pathlib import Path
 
-import pytest
-import torch
+# MKL's threads, for the whole process, before torch loads it: torch.set_num_threads below
+# sets the calling thread's OpenMP threads, and a Python thread (the in-process replicas of
+# many tests) would let MKL split a matrix product over the cores again, in another order (on
+# an AMD EPYC host: 1-ulp differences from the single-threaded reference)
+os.environ.setdefault("MKL_NUM_THREADS", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(__file__))

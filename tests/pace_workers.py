@@ -109,6 +109,55 @@ def dense_reference(counts: list[list[int]], *, outer_lr: float = 0.7,
     return [params(m) for m in models]
 
 
+def overlap_reference(counts: list[list[int]], tau: int, *, outer_lr: float = 0.7,
+                      outer_momentum: float = 0.9) -> list[list[torch.Tensor]]:
+    """DiLoCo with each sync overlapped with the next ``tau`` steps (``keep_overlap``),
+    written out: in period ``j`` replica ``r`` takes ``counts[j][r]`` AdamW steps; at its end
+    the pseudo-gradients ``global - local`` are taken and each replica remembers where it
+    stood; after the next period's first ``tau`` steps (at once after the last period) the
+    weighted mean (fp32, in rank order) steps the global parameters, and each replica moves to
+    them plus its steps since it stood there."""
+    world = len(counts[0])
+    models = [model_fn() for _ in range(world)]
+    inner = [torch.optim.AdamW(m.parameters(), lr=LR, weight_decay=0.0) for m in models]
+    glob = [nn.Parameter(p.detach().clone()) for p in models[0].parameters()]
+    outer = torch.optim.SGD(glob, lr=outer_lr, momentum=outer_momentum,
+                            nesterov=outer_momentum > 0)
+    steps = [0] * world
+    pending = None  # (means, anchors) of the sync in flight
+
+    def apply(means, anchors):
+        with torch.no_grad():
+            for g, avg in zip(glob, means):
+                g.grad = avg
+            outer.step()
+            outer.zero_grad()
+            for m, anchor in zip(models, anchors):
+                for p, a, g in zip(m.parameters(), anchor, glob):
+                    p.sub_(a).add_(g)
+
+    def take(r, n):
+        for _ in range(n):
+            loss_of(models[r], r, steps[r]).backward()
+            inner[r].step()
+            inner[r].zero_grad()
+            steps[r] += 1
+
+    for period in counts:
+        if pending is not None:
+            for r in range(world):
+                take(r, tau)
+            apply(*pending)
+        for r in range(world):
+            take(r, period[r] - (tau if pending is not None else 0))
+        with torch.no_grad():
+            pseudo = [[g - p for g, p in zip(glob, m.parameters())] for m in models]
+            anchors = [params(m) for m in models]
+        pending = (weighted_mean(pseudo, period, exact=True), anchors)
+    apply(*pending)
+    return [params(m) for m in models]
+
+
 # ---------------------------------------------------------------------- gloo
 H = 6
 SECONDS = [1.0, 1.0, 3.0]  # rank 2 three times slower: counts [6, 6, 2]
@@ -273,20 +322,22 @@ FILL_H = 10
 FILL_SLEEP = [0.01, 0.01, 0.03]
 
 
-def fill_worker(rank: int, world: int, periods: int = 4) -> dict:
+def fill_worker(rank: int, world: int, periods: int = 4, tau: int = 0) -> dict:
     """One replica of a filling pace (H = 10) on gloo: each step sleeps its
     :data:`FILL_SLEEP` (real time: the faster replicas fill the slowest one's period with as
     many steps as fit) and advances the virtual clock that the first ``measure`` steps read.
     After each sync: the counts in force next, every replica's steps so far (gathered) and
-    the parameters."""
+    the parameters (``tau > 0``, each sync overlapped: the global ones once it is applied;
+    the last applied at once, :meth:`~flexdemo.DiLoCoReplicator.settle`)."""
     import time
 
     model = model_fn()
     clock = VirtualClock()
-    rep = DiLoCoReplicator(FILL_H, pace=Pace("fill", clock=clock))
+    rep = DiLoCoReplicator(FILL_H, pace=Pace("fill", clock=clock), tau=tau,
+                           keep_overlap=tau > 0)
     opt = DeToNATION(model.parameters(), rep, base="adamw", lr=LR)
     pace = rep.pace
-    after, in_force = [], []
+    after, in_force, applied = [], [], []
     while pace.synced < periods:
         period = pace.period  # the counts the period runs at (the first: decided early)
         clock.now += FILL_SLEEP[rank] * 100
@@ -294,8 +345,12 @@ def fill_worker(rank: int, world: int, periods: int = 4) -> dict:
         loss_of(model, rank, opt.steps).backward()
         opt.step()
         opt.zero_grad()
-        if pace.since == 0:  # it just synced
+        if pace.since == 0:  # it just synced (launched the sync)
             after.append((list(pace.counts or []), list(pace.steps_done), params(model)))
             in_force.append(period)
+        if tau and pace.since == tau and pace.synced and not rep.pending:  # applied now
+            applied.append([g.clone() for g in rep.global_params])
+    rep.settle()
     return {"after": after, "in_force": in_force, "steps": opt.steps, "params": params(model),
-            "sent": opt.bytes_sent, "payload": rep.exchange_bytes(), "binding": pace.binding()}
+            "sent": opt.bytes_sent, "payload": rep.exchange_bytes(), "binding": pace.binding(),
+            "applied": applied, "global": [g.clone() for g in rep.global_params]}

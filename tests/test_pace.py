@@ -84,9 +84,8 @@ def test_counts_and_pace_settings_are_checked():
         Pace([4, 0])
     with pytest.raises(ValueError, match="weights"):
         Pace(weights="bytes")
-    for kw in ({"fragments": 2}, {"tau": 1}, {"keep_unsent": True,
-                                              "exchange_kwargs": {"values": "int8"}}):
-        with pytest.raises(ValueError, match="needs fragments=1, tau=0"):
+    for kw in ({"fragments": 2}, {"keep_unsent": True, "exchange_kwargs": {"values": "int8"}}):
+        with pytest.raises(ValueError, match="needs fragments=1 and keep_unsent=False"):
             DiLoCoReplicator(4, pace=[4, 2], **kw)
     with pytest.raises(ValueError, match="'fixed', 'adaptive', 'timed' or 'fill'"):
         DiLoCoReplicator(4, pace="sometimes")

@@ -163,6 +163,12 @@ STRATEGIES: dict[str, Strategy] = {
         "count and the others take steps until it arrives (pace='fill'), the mean weighted "
         "by the steps each took",
         "muloco-int4", "muon", 1e-2, {"pace": "fill"}, color="#e6550d"),
+    "muloco-int4-fill-overlap": Strategy(
+        "the 'muloco-int4-fill' strategy with each sync overlapped with the next period's "
+        "first 2 steps (tau=2, keep_overlap: a replica keeps the steps it takes while its "
+        "sync is in flight)",
+        "muloco-int4", "muon", 1e-2, {"pace": "fill", "tau": 2, "keep_overlap": True},
+        color="#fd8d3c"),
     "muloco-paced": Strategy(
         "MuLoCo (the paper's exchange) with a pace: each replica syncs after its own inner "
         "steps (measured over the first 8: pace='fixed'), the mean weighted by steps",

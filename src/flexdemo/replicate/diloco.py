@@ -21,7 +21,13 @@ fragments of similar byte size and syncs one fragment every ``H / F`` steps, in 
 parameter is synced once per H steps. With ``tau > 0`` a fragment's exchange is launched
 asynchronously after step ``t`` and applied after step ``t + tau``, overlapping the
 communication with ``tau`` inner steps (the pseudo-gradient is the one taken at launch; the
-result is mixed into the parameters as they are at apply time).
+result is mixed into the parameters as they are at apply time). ``keep_overlap=True`` (with
+``tau > 0``, ``alpha=0``) keeps the ``tau`` steps a replica took meanwhile instead of mixing
+them away: at the apply it moves to the new global parameters plus its progress since the
+launch (``local = global + local - local_at_launch``; one more copy of the parameters holds
+where it stood). Then no step's work is lost to the overlap, the replicas differ by their
+steps since the launch, and a run that ends (:meth:`DiLoCoReplicator.settle` applies the
+syncs in flight at once) ends with every replica at the global parameters.
 
 ``keep_unsent=True`` (with an exchange that keeps error feedback and can tell what it sent:
 ``"demo"``, ``"topk"``, or a quantised ``"full"``) lets every replica keep its own progress
@@ -52,8 +58,9 @@ number of inner steps (given, measured in the first period and fixed, or measure
 sync and changed past a tolerance: ``pace="adaptive"``), and the
 pseudo-gradients are averaged weighted by each replica's steps or reported tokens
 (:meth:`DiLoCoReplicator.count_tokens`); with equal weights, the bits of no pace. It needs
-``fragments=1``, ``tau=0`` and no ``keep_unsent``; :meth:`~DiLoCoReplicator.launch_fragment`
-then does not tell the syncs (``pace.count`` and ``pace.since`` do).
+``fragments=1`` and no ``keep_unsent``; ``tau > 0`` with ``keep_overlap=True`` (the steps in
+flight count in the next period); :meth:`~DiLoCoReplicator.launch_fragment` then does not
+tell the syncs (``pace.count`` and ``pace.since`` do).
 """
 
 from __future__ import annotations
@@ -161,7 +168,7 @@ class DiLoCoReplicator(Replicator):
                  exchange_kwargs: dict | None = None, fragments: int = 1, tau: int = 0,
                  alpha: float = 0.0, offload: bool = False, keep_unsent: bool = False,
                  global_dtype: str = "fp32", pace: Pace | list[int] | str | None = None,
-                 group=None) -> None:
+                 keep_overlap: bool = False, group=None) -> None:
         super().__init__(group=group)
         H = inner_steps
         if not isinstance(H, int) or isinstance(H, bool) or H < 1:
@@ -201,12 +208,19 @@ class DiLoCoReplicator(Replicator):
                                  f"{self._template!r}")
             self.keeps_replica_state = True
             self.state_tensor_keys = ("global", "residual")
-        self.pace = make_pace(pace, fragments=fragments, tau=tau, keep_unsent=self.keep_unsent)
+        self.keep_overlap = bool(keep_overlap)
+        if self.keep_overlap and (not tau or alpha):
+            raise ValueError(f"keep_overlap=True keeps the inner steps a replica takes while "
+                             f"its sync is in flight: it needs tau > 0 and alpha=0, got "
+                             f"tau={tau}, alpha={alpha}")
+        self.pace = make_pace(pace, fragments=fragments, tau=tau, keep_unsent=self.keep_unsent,
+                              keep_overlap=self.keep_overlap)
 
     def extra_repr(self) -> str:
         keep = ", keep_unsent=True" if self.keep_unsent else ""
         keep += f", global_dtype={self.global_dtype!r}" if self.global_dtype != "fp32" else ""
         keep += f", pace={self.pace!r}" if self.pace is not None else ""
+        keep += ", keep_overlap=True" if self.keep_overlap else ""
         return (f"H={self.inner_steps}, fragments={self.fragments}, tau={self.tau}, "
                 f"alpha={self.alpha}{keep}, exchange={self._template!r}")
 
@@ -271,6 +285,9 @@ class DiLoCoReplicator(Replicator):
         self.pending: dict[int, _Sync] = {}
         # keep_unsent: the progress not sent yet (the replica restarted at global - residual)
         self.residual = [torch.zeros_like(p) for p in self.pseudo] if self.keep_unsent else []
+        # keep_overlap: each parameter as it was when its fragment's sync was launched
+        self.anchor = ([torch.zeros_like(p) for p in self.pseudo] if self.keep_overlap
+                       else [])
         self._bad_inner: int | None = None  # first inner step withheld since the last launch
         if self.pace is not None:
             self.pace.setup(self.inner_steps, self.world, self.rank, self.device)
@@ -326,17 +343,33 @@ class DiLoCoReplicator(Replicator):
     def after_step(self, step: int) -> None:
         p = self.launch_fragment(step) if self.pace is None else (
             0 if self.pace.after_step(self.transport, self.stats) else None)
+        if p is not None and p in self.pending:  # (a pace's counts keep tau steps apart)
+            self._apply(p, step)
         if p is not None:
             self._launch(p, step)
         for q, sync in list(self.pending.items()):
             if sync.apply_at == step:
-                self._apply(q, step)
+                if self.pace is not None and self.pace.measures:  # the wait is not a step's
+                    t0 = self.pace.read_clock()
+                    self._apply(q, step)
+                    self.pace.leave_out(self.pace.read_clock() - t0)
+                else:
+                    self._apply(q, step)
         if p is not None and self.pace is not None:
             self.pace.start_period()  # (adaptive: the next period is timed from here)
+
+    @torch.no_grad()
+    def settle(self) -> None:
+        """Apply every sync in flight now (``tau > 0``: waiting for its exchange), as if its
+        ``tau`` steps were over: a run's last sync, so that it ends on the synced model."""
+        for q, sync in sorted(self.pending.items()):
+            self._apply(q, sync.apply_at)
 
     def _launch(self, p: int, step: int) -> None:
         part = self.parts[p]
         pseudo = [self.pseudo[i] for i in part]
+        if self.keep_overlap:  # where the steps taken while the sync is in flight start
+            torch._foreach_copy_([self.anchor[i] for i in part], [self._locals[i] for i in part])
         if self.in_place:  # global - local, in the parameters: -local + global, the same bits
             torch._foreach_neg_(pseudo)
             torch._foreach_add_(pseudo, [self.global_params[i] for i in part])
@@ -431,7 +464,8 @@ class DiLoCoReplicator(Replicator):
         assert rounding is not None, "a bf16 global copy"
         glob = [self.global_params[i] for i in part]
         work = [self._locals[i] for i in part]
-        if self.offload or self.alpha != 0.0 or any(w.dtype != torch.float32 for w in work):
+        if (self.offload or self.alpha != 0.0 or self.keep_overlap
+                or any(w.dtype != torch.float32 for w in work)):
             work = [torch.empty(g.shape, dtype=torch.float32, device=g.device) for g in glob]
         torch._foreach_copy_(work, glob)
         stand_ins = [self._outer_params[i] for i in part]
@@ -453,13 +487,17 @@ class DiLoCoReplicator(Replicator):
     def _restart(self, part: list[int], alpha: float,
                  glob: list[torch.Tensor] | None = None) -> None:
         """Mix the fragment's replica parameters with the global ones (alpha 0: copy), or
-        with ``glob`` (the fp32 result of an outer step onto a bf16 global copy)."""
+        with ``glob`` (the fp32 result of an outer step onto a bf16 global copy); under
+        ``keep_overlap`` the global ones plus the replica's steps since the sync's launch."""
         local = [self._locals[i] for i in part]
         glob = [self.global_params[i] for i in part] if glob is None else glob
         if self.offload:  # bring the global values to the replica's device first
             torch._foreach_copy_([self.pseudo[i] for i in part], glob)
             glob = [self.pseudo[i] for i in part]
-        if alpha == 0.0:
+        if self.keep_overlap:  # the steps since the launch, on top of the new global ones
+            torch._foreach_sub_(local, [self.anchor[i] for i in part])
+            torch._foreach_add_(local, glob)
+        elif alpha == 0.0:
             if any(a is not b for a, b in zip(local, glob)):  # (not the outer step's own)
                 torch._foreach_copy_(local, glob)
         else:
@@ -520,6 +558,10 @@ class DiLoCoReplicator(Replicator):
         if self.keep_unsent:
             return ("fault tolerance does not support keep_unsent=True (a joiner would heal "
                     "from a peer whose parameters hold that peer's unsent progress)")
+        if self.keep_overlap:
+            return ("fault tolerance does not support keep_overlap=True yet (a joiner would "
+                    "heal from a peer whose parameters hold that peer's steps since its "
+                    "sync's launch): use tau=0, or keep_overlap=False")
         if self.tau and self._template.keeps_replica_state:
             return (f"fault tolerance does not support DiLoCo syncs that overlap later steps "
                     f"(tau={self.tau}) with an exchange that keeps per-replica state "
@@ -587,6 +629,8 @@ class DiLoCoReplicator(Replicator):
                               "result": [keep(t) for t in self._result(p)]}
             except NonFiniteGradientError:
                 pending[p] = {"apply_at": sync.apply_at, "failed": sync.failed}
+            if self.keep_overlap:  # where its steps since the launch started
+                pending[p]["anchor"] = [keep(self.anchor[i]) for i in self.parts[p]]
         sd.update({
             "global": [keep(g) for g in self.global_params],
             "outer": self.outer.state_dict(),
@@ -633,3 +677,11 @@ class DiLoCoReplicator(Replicator):
             int(p): _Sync(int(v["apply_at"]), failed=v["failed"]) if "failed" in v else
             _Sync(int(v["apply_at"]), result=[t.to(self.device) for t in v["result"]])
             for p, v in state["pending"].items()}
+        for p, v in state["pending"].items():
+            if self.keep_overlap != ("anchor" in v):
+                raise ValueError(f"{self.name}: a sync in flight was saved "
+                                 f"{'with' if 'anchor' in v else 'without'} keep_overlap=True;"
+                                 " build the replicator as it was saved")
+            if self.keep_overlap:
+                torch._foreach_copy_([self.anchor[i] for i in self.parts[int(p)]],
+                                     [t.to(self.device) for t in v["anchor"]])

@@ -124,8 +124,17 @@ all-reduce of 4 bytes per period and ``8 (n - 1)`` per sync. It needs one rank p
 on the speeds); a dead peer's arrival never comes: the all-reduce fails when its connection
 closes (at the latest at the collective's timeout), as any lost peer's collective does.
 
-Not supported with a pace: streaming (``fragments > 1``), overlap (``tau > 0``) and
-``keep_unsent`` (its residual lives in the parameters' units, not the scaled ones). Under
+**Overlap.** With ``tau > 0`` (and ``keep_overlap=True``: DiLoCo's setting that keeps the
+steps a replica takes while its sync is in flight) each replica launches its sync at the end
+of its period and applies it ``tau`` steps later, its exchange overlapping those steps: they
+belong to the next period (its count and weight), so every count is at least ``tau + 1``
+(a count decided lower is raised to it). A filling pace launches a faster replica's arrival
+after its ``tau + 1``-th step instead of its first (after the sync it applied), so every
+replica's collectives come in the same order. An adaptive pace leaves the wait at the apply
+out of its timing, as it leaves the sync's out at ``tau=0``; a timed pace cannot overlap.
+
+Not supported with a pace: streaming (``fragments > 1``) and ``keep_unsent`` (its residual
+lives in the parameters' units, not the scaled ones). Under
 fault tolerance an adaptive pace runs as :class:`~.elastic_pace.ElasticPace` (quorums at syncs
 only, counts from each quorum's measurements); given counts, ``"fixed"`` and ``"fill"`` are
 refused there.
@@ -384,6 +393,9 @@ class Pace:
 
     #: an :class:`~.elastic_pace.ElasticPace` (under fault tolerance)
     elastic = False
+    #: DiLoCo's ``tau``: each sync is applied this many steps after its launch (set by
+    #: :func:`make_pace`; every count exceeds it)
+    overlap = 0
 
     @property
     def bound(self) -> bool:
@@ -409,6 +421,8 @@ class Pace:
         if self._bound:
             raise ValueError("this Pace is already in use by another replicator; give each "
                              "its own")
+        if self.given is not None and self.overlap and min(self.given) <= self.overlap:
+            raise ValueError(f"pace counts must exceed tau={self.overlap}, got {self.given}")
         if self.given is not None and len(self.given) != world:
             raise ValueError(f"pace counts name {len(self.given)} replicas, the group has "
                              f"{world}: give one count per replica, in group-rank order")
@@ -555,7 +569,9 @@ class Pace:
         wait) and take another while it has not, at most ``H`` steps."""
         self.since += 1
         binding = self.binding()
-        if self._arrival is None and self.since >= (self.count if binding == self.rank else 1):
+        first = self.overlap + 1  # (after the sync in flight is applied: the same order)
+        if self._arrival is None and self.since >= (self.count if binding == self.rank
+                                                    else first):
             flag = torch.ones(1, dtype=torch.float32, device=self.device)
             self._arrival = all_reduce_sum(flag, group, stats, async_op=True)
         if self._arrival is None:
@@ -611,7 +627,7 @@ class Pace:
         changes = len(self.changes)
         gathered = self._measured(group, stats, secs)
         if gathered is not None and len(self.changes) > changes:  # counts set: balance the rest
-            first = first_period(gathered, self.inner_steps, self.measure)
+            first = self._floor(first_period(gathered, self.inner_steps, self.measure))
             self._first_period = None if first == self.counts else first
         self._refine = self.counts is not None and not self.adaptive
         self._lockstep = self.since if self.fill else 0
@@ -632,6 +648,16 @@ class Pace:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         return self.clock()
+
+    def read_clock(self) -> float:
+        """The clock as this pace reads it (for :meth:`leave_out`)."""
+        return self._read()
+
+    def leave_out(self, seconds: float) -> None:
+        """Leave ``seconds`` (a sync applied within the period: its wait) out of the time
+        measured for this period's steps."""
+        if self._start is not None:
+            self._start += seconds
 
     def factors(self, group, stats: CommStats) -> torch.Tensor | None:
         """At a sync, on every rank of ``group``: the factor of each rank's pseudo-gradient
@@ -701,9 +727,14 @@ class Pace:
         self.steps_done = [a + b for a, b in zip(self.steps_done, period)]
         self._first_period = None
 
+    def _floor(self, counts: list[int]) -> list[int]:
+        """``counts`` with each at least ``tau + 1`` (a sync in flight is applied first)."""
+        return [max(k, self.overlap + 1) for k in counts]
+
     def _set_counts(self, new: list[int]) -> None:
-        """The counts in force from the next period, recorded in :attr:`changes` when they
-        change."""
+        """The counts in force from the next period (at least ``tau + 1`` each), recorded in
+        :attr:`changes` when they change."""
+        new = self._floor(new)
         if new != self.counts:
             self.counts = new
             self.changes.append((self.synced, list(new)))
@@ -722,6 +753,8 @@ class Pace:
             return None
         current = self.counts or [self.inner_steps] * self.world
         new = adapted_counts(current, gathered, self.inner_steps, self.tolerance)
+        if new is not None and self._floor(new) == current:
+            new = None  # (raised to tau + 1: what is in force)
         self.counts = current  # (within the tolerance: kept)
         if new is not None:
             self._set_counts(new)
@@ -767,10 +800,11 @@ class Pace:
 
 
 def make_pace(spec: Pace | Sequence[int] | str | None, *, fragments: int, tau: int,
-              keep_unsent: bool) -> Pace | None:
+              keep_unsent: bool, keep_overlap: bool = False) -> Pace | None:
     """DiLoCo's ``pace=`` setting: a :class:`Pace` (copied: each replicator runs its own),
     ``"fixed"`` (``Pace()``), ``"adaptive"`` (``Pace(adaptive=True)``), a list of counts
-    (``Pace(counts)``) or None; refused with the settings it does not support."""
+    (``Pace(counts)``) or None; refused with the settings it does not support. With ``tau >
+    0`` (and ``keep_overlap``) every count is at least ``tau + 1``."""
     if spec is None:
         return None
     if isinstance(spec, str):
@@ -784,8 +818,19 @@ def make_pace(spec: Pace | Sequence[int] | str | None, *, fragments: int, tau: i
                     fill=spec.fill, clock=spec.clock)
     else:
         pace = Pace(list(spec))
-    if fragments != 1 or tau or keep_unsent:
-        raise ValueError("pace= (replicas of different speeds) needs fragments=1, tau=0 and "
-                         f"keep_unsent=False, got fragments={fragments}, tau={tau}, "
+    if fragments != 1 or keep_unsent:
+        raise ValueError("pace= (replicas of different speeds) needs fragments=1 and "
+                         f"keep_unsent=False, got fragments={fragments}, "
                          f"keep_unsent={keep_unsent}")
+    if tau and not keep_overlap:
+        raise ValueError(f"pace= with tau={tau} needs keep_overlap=True: the steps a replica "
+                         "takes while its sync is in flight count in its next period (its "
+                         "weight), so they must stay in its parameters")
+    if tau and pace.timed:
+        raise ValueError("pace='timed' ends each period on the clock and cannot overlap its "
+                         "syncs (tau > 0): use pace='fill' or 'adaptive' with tau, or tau=0")
+    if pace.given is not None and tau and min(pace.given) <= tau:
+        raise ValueError(f"pace counts must exceed tau={tau} (a replica applies its sync "
+                         f"tau steps after launching it, before its next), got {pace.given}")
+    pace.overlap = tau
     return pace

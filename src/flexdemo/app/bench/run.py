@@ -104,11 +104,11 @@ PRESETS: dict[str, dict[str, Any]] = {
         "about": "replicas of different speeds: 4 nodes x 1 rank at 100 Mbit/s, the last node "
                  "3x slower (--slow-factor, --slow-node); MuLoCo (our int4, the paper's) "
                  "synchronous vs each replica at its own pace (fixed, adaptive, timed, "
-                 "fill), FlexDeMo vs balanced batches; "
+                 "fill, fill with the sync overlapped), FlexDeMo vs balanced batches; "
                  "goodput, time to the synchronous run's loss, loss at equal tokens",
         "strategies": ("muloco-int4", "muloco-int4-paced", "muloco-int4-adaptive",
-                       "muloco-int4-timed", "muloco-int4-fill", "muloco", "muloco-paced",
-                       "flexdemo", "flexdemo-balanced"),
+                       "muloco-int4-timed", "muloco-int4-fill", "muloco-int4-fill-overlap",
+                       "muloco", "muloco-paced", "flexdemo", "flexdemo-balanced"),
         "bandwidths": ("100mbit",),
         "nodes": 4, "ranks_per_node": 1, "steps": 240, "slow_factor": 3.0,
         "out": "runs/stragglers",

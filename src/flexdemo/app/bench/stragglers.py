@@ -35,7 +35,7 @@ __all__ = ["REMEDIES", "comparison", "goodput", "partner", "replica_speeds",
            "run_figures", "slow_label", "straggler_lines", "straggler_table", "time_to_loss",
            "value_at"]
 
-REMEDIES = ("-paced", "-adaptive", "-timed", "-fill", "-balanced")
+REMEDIES = ("-paced", "-adaptive", "-timed", "-fill", "-fill-overlap", "-balanced")
 """The suffixes of a strategy's variant for replicas of different speeds."""
 
 
@@ -44,8 +44,8 @@ def _finite(v: Any) -> bool:
 
 
 def partner(name: str) -> str | None:
-    """The synchronous strategy a ``-paced``, ``-adaptive``, ``-timed``, ``-fill`` or
-    ``-balanced`` one is the variant of."""
+    """The synchronous strategy a ``-paced``, ``-adaptive``, ``-timed``, ``-fill``,
+    ``-fill-overlap`` or ``-balanced`` one is the variant of."""
     for suffix in REMEDIES:
         if name.endswith(suffix) and name[:-len(suffix)]:
             return name[:-len(suffix)]

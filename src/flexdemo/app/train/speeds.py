@@ -111,8 +111,22 @@ class PacedRun:
 
     @property
     def syncs(self) -> int:
-        """Syncs done (the same on every rank between syncs)."""
+        """Syncs launched (the same on every rank between syncs)."""
         return int(self.rep.syncs[0])
+
+    @property
+    def applied(self) -> int:
+        """Syncs applied: :attr:`syncs`, less the one in flight (DiLoCo's ``tau > 0``: each
+        replica applies it ``tau`` of its own steps after the launch, every rank at the same
+        place among its collectives). The run's marks (evaluations, checkpoints, a stop)
+        come where a sync is applied."""
+        return self.syncs - len(self.rep.pending)
+
+    def settle(self) -> None:
+        """After a step: the run's last sync (or ``train.stop_at``'s), once launched, is
+        applied at once (the run ends on the synced model, not ``tau`` steps later)."""
+        if self.rep.pending and self.syncs >= self.last:
+            self.rep.settle()
 
     @property
     def total(self) -> int:
@@ -146,12 +160,12 @@ class PacedRun:
 
     @property
     def done(self) -> bool:
-        return self.syncs >= self.last
+        return self.applied >= self.last
 
     @property
     def at(self) -> int:
-        """The run's step at the last sync: ``syncs x H``."""
-        return self.syncs * self.inner_steps
+        """The run's step at the last sync applied: ``applied x H``."""
+        return self.applied * self.inner_steps
 
     def position(self) -> float:
         """The schedule's step (from 0) of this replica's next step: :func:`schedule_step`,

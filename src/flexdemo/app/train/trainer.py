@@ -295,6 +295,8 @@ class Trainer:
                 self.slowdown.before_step(t0)
             t_opt = time.perf_counter()
             self.opt.step()
+            if self.paced is not None:
+                self.paced.settle()  # the run's last sync: applied now, not tau steps later
         except NonFiniteGradientError as e:
             raise TrainingError(nonfinite_message(step, e)) from None
         stats = self.opt.last_step_stats()  # before zero_grad, which may form the next quorum
@@ -448,7 +450,7 @@ class Trainer:
         while step < last if paced is None else not paced.done:
             t_step = c_step = None
             position = sampler.state_dict()
-            synced = 0 if paced is None else paced.syncs
+            synced = 0 if paced is None else paced.applied
             try:
                 if elastic:  # the quorum first (a joiner heals here): the step is opt.steps + 1
                     t_step, c_step = time.perf_counter(), time.process_time()
@@ -480,7 +482,7 @@ class Trainer:
             # steps differ: the collectives below pair up at syncs)
             if paced is None:
                 mark, before, final = step, step - 1, step == last
-            elif paced.syncs > synced:
+            elif paced.applied > synced:
                 mark, before, final = paced.at, paced.at - paced.inner_steps, paced.done
             else:
                 mark, before, final = None, 0, False

@@ -109,14 +109,23 @@ def dense_reference(counts: list[list[int]], *, outer_lr: float = 0.7,
     return [params(m) for m in models]
 
 
-def overlap_reference(counts: list[list[int]], tau: int, *, outer_lr: float = 0.7,
-                      outer_momentum: float = 0.9) -> list[list[torch.Tensor]]:
-    """DiLoCo with each sync overlapped with the next ``tau`` steps (``keep_overlap``),
-    written out: in period ``j`` replica ``r`` takes ``counts[j][r]`` AdamW steps; at its end
-    the pseudo-gradients ``global - local`` are taken and each replica remembers where it
-    stood; after the next period's first ``tau`` steps (at once after the last period) the
-    weighted mean (fp32, in rank order) steps the global parameters, and each replica moves to
-    them plus its steps since it stood there."""
+def overlap_delays(counts: list[list[int]], tau: int, inner_steps: int) -> list[list[int]]:
+    """The steps after each sync's launch at which each replica applies it, for given counts:
+    ``tau`` of the fastest replica's steps in its own, ``round(tau k / H)`` (at least 1, at
+    most ``k - 1``) for a count ``k`` in the period after the launch."""
+    return [[min(k - 1, max(1, round(tau * k / inner_steps))) for k in period]
+            for period in counts[1:]]
+
+
+def overlap_reference(counts: list[list[int]], delays: list[list[int]], *,
+                      outer_lr: float = 0.7, outer_momentum: float = 0.9
+                      ) -> list[list[torch.Tensor]]:
+    """DiLoCo with each sync overlapped with the next steps (``keep_overlap``), written out:
+    in period ``j`` replica ``r`` takes ``counts[j][r]`` AdamW steps; at its end the
+    pseudo-gradients ``global - local`` are taken and each replica remembers where it stood;
+    after its first ``delays[j][r]`` steps of the next period (at once after the last period)
+    the weighted mean (fp32, in rank order) steps the global parameters, and each replica
+    moves to them plus its steps since it stood there."""
     world = len(counts[0])
     models = [model_fn() for _ in range(world)]
     inner = [torch.optim.AdamW(m.parameters(), lr=LR, weight_decay=0.0) for m in models]
@@ -143,13 +152,14 @@ def overlap_reference(counts: list[list[int]], tau: int, *, outer_lr: float = 0.
             inner[r].zero_grad()
             steps[r] += 1
 
-    for period in counts:
+    for j, period in enumerate(counts):
+        early = [0] * world if pending is None else delays[j - 1]
+        for r in range(world):
+            take(r, early[r])
         if pending is not None:
-            for r in range(world):
-                take(r, tau)
             apply(*pending)
         for r in range(world):
-            take(r, period[r] - (tau if pending is not None else 0))
+            take(r, period[r] - early[r])
         with torch.no_grad():
             pseudo = [[g - p for g, p in zip(glob, m.parameters())] for m in models]
             anchors = [params(m) for m in models]
@@ -337,20 +347,23 @@ def fill_worker(rank: int, world: int, periods: int = 4, tau: int = 0) -> dict:
                            keep_overlap=tau > 0)
     opt = DeToNATION(model.parameters(), rep, base="adamw", lr=LR)
     pace = rep.pace
-    after, in_force, applied = [], [], []
+    after, in_force, applied, delays = [], [], [], []
     while pace.synced < periods:
         period = pace.period  # the counts the period runs at (the first: decided early)
         clock.now += FILL_SLEEP[rank] * 100
         time.sleep(FILL_SLEEP[rank])
         loss_of(model, rank, opt.steps).backward()
+        in_flight = bool(rep.pending)
         opt.step()
         opt.zero_grad()
         if pace.since == 0:  # it just synced (launched the sync)
             after.append((list(pace.counts or []), list(pace.steps_done), params(model)))
             in_force.append(period)
-        if tau and pace.since == tau and pace.synced and not rep.pending:  # applied now
-            applied.append([g.clone() for g in rep.global_params])
+            delays.append(pace.delay)
+        if in_flight and not rep.pending:  # applied now
+            applied.append((pace.since, [g.clone() for g in rep.global_params]))
     rep.settle()
     return {"after": after, "in_force": in_force, "steps": opt.steps, "params": params(model),
             "sent": opt.bytes_sent, "payload": rep.exchange_bytes(), "binding": pace.binding(),
-            "applied": applied, "global": [g.clone() for g in rep.global_params]}
+            "applied": applied, "delays": delays,
+            "global": [g.clone() for g in rep.global_params]}

@@ -265,7 +265,7 @@ def test_one_strategy_table_for_bench_example_and_wire_benchmark():
     # line: test_examples.py), which its fixed step loop does not run
     steady = [n for n, s in TABLE.items()
               if s.replicator_kwargs.get("pace") is None and s.batches == "equal"]
-    assert len(steady) == len(TABLE) - 6
+    assert len(steady) == len(TABLE) - 7
     args = example.parse_args(["--strategies", ",".join(steady)])
     assert args.strategies == steady
     wire = _load_script(ROOT / "benchmarks" / "bench_wire.py")

@@ -22,6 +22,7 @@ from pace_workers import (
     fill_worker,
     loss_of,
     model_fn,
+    overlap_delays,
     overlap_reference,
     params,
     train,
@@ -69,7 +70,8 @@ def test_overlapped_syncs_are_the_written_out_reference_bitwise(world, counts):
     the replicas equal after the last sync is settled."""
     periods = 3
     out = _run(world, counts, periods)
-    ref = overlap_reference([counts or [H] * world] * periods, TAU)
+    given = [counts or [H] * world] * periods
+    ref = overlap_reference(given, overlap_delays(given, TAU, H))
     for r in range(world):
         assert out[r]["in_flight"], "the last sync was in flight when the loop ended"
         assert _equal(out[r]["params"], ref[r]), r
@@ -78,11 +80,11 @@ def test_overlapped_syncs_are_the_written_out_reference_bitwise(world, counts):
 
 
 def test_a_sync_in_flight_resumes_bitwise():
-    """A checkpoint taken while a sync is in flight (one step after its launch) stores its
+    """A checkpoint taken while a sync is in flight (right after its launch) stores its
     result and where each replica stood at the launch; a fresh run loaded from it ends at the
     bits of the run that saved it."""
     counts, periods, world = [5, 3], 3, 2
-    cut = [c + 1 for c in counts]  # one step into the second period: the first sync in flight
+    cut = list(counts)  # right after the first sync's launch: in flight on both
 
     def whole(hub, r, saved):
         model = model_fn()
@@ -128,7 +130,8 @@ def test_simulated_replicas_overlap_a_paced_sync():
     assert [o.steps for o in sim.optimizers] == [15, 9]
     for o in sim.optimizers:
         o.replicators[0].settle()
-    ref = overlap_reference([counts] * periods, TAU)
+    given = [counts] * periods
+    ref = overlap_reference(given, overlap_delays(given, TAU, H))
     for r in range(2):
         assert _equal(params(sim.models[r]), ref[r]), r
 
@@ -165,28 +168,35 @@ def test_measured_counts_are_at_least_tau_plus_one():
 @pytest.mark.multiprocess
 def test_a_filling_pace_overlaps_its_syncs_on_gloo():
     """Three gloo processes (10/10/30 ms a step), a filling pace with each sync in flight
-    over the next TAU steps: the slowest takes exactly its count in each period, the others
-    between TAU + 1 and H; the global parameters are bitwise the same on every rank at each
-    apply and every replica ends at them (the last sync settled); equal to the written-out
-    reference with the steps taken, within the fill test's bound (gloo sums in its own
-    order: 2 roundings per sync, carried at most 10x by Nesterov 0.9, 4 syncs); bytes exact."""
+    over the next TAU of the fastest replica's steps (each replica applies it after its own
+    share of them, recorded at the launch): the slowest takes exactly its count in each
+    period, the others more than their delay and at most H; the global parameters are
+    bitwise the same on every rank at each apply and every replica ends at them (the last
+    sync settled); equal to the written-out reference with the steps and delays taken,
+    within the fill test's bound (gloo sums in its own order: 2 roundings per sync, carried
+    at most 10x by Nesterov 0.9, 4 syncs); bytes exact."""
     periods = 4
     out = run_world(fill_worker, 3, periods, TAU)
     done = [[0, 0, 0]] + [list(a[1]) for a in out[0]["after"]]
     steps = [[b - a for a, b in zip(x, y)] for x, y in zip(done, done[1:])]
+    delays = [[o["delays"][j] for o in out] for j in range(periods - 1)]
     for o in out:
         assert [list(a[1]) for a in o["after"]] == done[1:]
         assert o["in_force"] == out[0]["in_force"]
-        assert len(o["applied"]) == periods - 1  # the last applied by settle()
+        # applied at its own delay after each launch (the last by settle())
+        assert [since for since, _ in o["applied"]] == o["delays"][:periods - 1]
     for j, (period, force) in enumerate(zip(steps, out[0]["in_force"])):
         binding = min(range(3), key=lambda i: (force[i], i))
         assert binding == 2 and period[2] == force[2], (steps, out[0]["in_force"])
-        assert all(k <= FILL_H for k in period) and (j == 0 or all(k > TAU for k in period))
+        assert all(k <= FILL_H for k in period)
+        assert j == 0 or all(k > d for k, d in zip(period, delays[j - 1]))
+    # TAU of the fastest replica's H steps, in each replica's own: fewer for the slowest
+    assert all(1 <= d[2] <= d[0] <= TAU for d in delays)
     for o in out[1:]:
-        for a, b in zip(o["applied"], out[0]["applied"]):
+        for (_, a), (_, b) in zip(o["applied"], out[0]["applied"]):
             assert _equal(a, b)
         assert _equal(o["params"], out[0]["params"]) and _equal(o["global"], o["params"])
-    ref = overlap_reference(steps, TAU)
+    ref = overlap_reference(steps, delays)
     eps = torch.finfo(torch.float32).eps
     for a, b in zip(out[0]["params"], ref[0]):
         torch.testing.assert_close(a, b, rtol=0, atol=80 * eps * b.abs().max().item())

@@ -193,7 +193,7 @@ def _paced(counts, rank=0, steps=100, stop_at=0, budget="steps"):
     as a replicator binds it."""
     pace = Pace(counts)
     pace.setup(30, len(counts), rank, torch.device("cpu"))
-    rep = SimpleNamespace(inner_steps=30, syncs=[0], pace=pace)
+    rep = SimpleNamespace(inner_steps=30, syncs=[0], pace=pace, pending={})
     opt = SimpleNamespace(replicators=[SimpleNamespace(pace=None), rep])
     return PacedRun.of(opt, steps, stop_at, budget), rep
 

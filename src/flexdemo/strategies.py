@@ -164,11 +164,11 @@ STRATEGIES: dict[str, Strategy] = {
         "by the steps each took",
         "muloco-int4", "muon", 1e-2, {"pace": "fill"}, color="#e6550d"),
     "muloco-int4-fill-overlap": Strategy(
-        "the 'muloco-int4-fill' strategy with each sync overlapped with the next period's "
-        "first 2 steps (tau=2, keep_overlap: a replica keeps the steps it takes while its "
-        "sync is in flight)",
-        "muloco-int4", "muon", 1e-2, {"pace": "fill", "tau": 2, "keep_overlap": True},
-        color="#fd8d3c"),
+        "the 'muloco-int4-fill' strategy with each sync overlapped with the next 4 steps of "
+        "the fastest replica (tau=4, each replica its share of them; keep_overlap: a replica "
+        "keeps the steps it takes while its sync is in flight)",
+        "muloco-int4", "muon", 1e-2, {"pace": "fill", "tau": 4, "keep_overlap": True},
+        color="#a63603"),
     "muloco-paced": Strategy(
         "MuLoCo (the paper's exchange) with a pace: each replica syncs after its own inner "
         "steps (measured over the first 8: pace='fixed'), the mean weighted by steps",

@@ -67,6 +67,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable
+from contextlib import nullcontext
 from typing import NoReturn, cast
 
 import torch
@@ -75,7 +76,7 @@ from .agreement import NonFiniteGradientError, global_rank_of, mark_nonfinite, n
 from .base import Replicator
 from .demo.settings import resolve_group_numel
 from .elastic_pace import ElasticPace
-from .pace import Pace, make_pace
+from .pace import Pace, check_group, make_pace
 from .registry import REPLICATORS
 from .rounding import STATE_DTYPES, StochasticRounding, check_state_dtype
 
@@ -291,7 +292,7 @@ class DiLoCoReplicator(Replicator):
         self._bad_inner: int | None = None  # first inner step withheld since the last launch
         if self.pace is not None:
             self.pace.setup(self.inner_steps, self.world, self.rank, self.device)
-            self.pace.check_group(self.group)
+            check_group(self.pace, self.group)
             problem = self._template.scaled_input_problem()
             if problem is not None:
                 raise ValueError(f"{self.name}: pace= weighs the replicas, but {problem}")
@@ -348,12 +349,8 @@ class DiLoCoReplicator(Replicator):
         if p is not None:
             self._launch(p, step)
         for q, sync in list(self.pending.items()):
-            if sync.apply_at == step:
-                if self.pace is not None and self.pace.measures:  # the wait is not a step's
-                    t0 = self.pace.read_clock()
-                    self._apply(q, step)
-                    self.pace.leave_out(self.pace.read_clock() - t0)
-                else:
+            if sync.apply_at == step:  # (a measured pace leaves its wait out of the steps')
+                with nullcontext() if self.pace is None else self.pace.left_out():
                     self._apply(q, step)
         if p is not None and self.pace is not None:
             self.pace.start_period()  # (adaptive: the next period is timed from here)
@@ -405,7 +402,8 @@ class DiLoCoReplicator(Replicator):
             raise
         self._record(ex)
         self.syncs[p] += 1
-        self.pending[p] = _Sync(step + self.tau, handle=handle)
+        delay = self.tau if self.pace is None else self.pace.delay  # (its own, under a pace)
+        self.pending[p] = _Sync(step + delay, handle=handle)
 
     def _result(self, p: int) -> list[torch.Tensor]:
         sync = self.pending[p]
@@ -457,7 +455,8 @@ class DiLoCoReplicator(Replicator):
     def _outer_step_low(self, p: int, outs: list[torch.Tensor]) -> list[torch.Tensor]:
         """The outer step of fragment ``p`` with a bf16 global copy: on fp32 values of the
         fragment (the replica's own parameters, which the restart overwrites anyway, or
-        transient copies where it mixes them in, under ``alpha``, or lives on the CPU), then
+        transient copies where it mixes them in, under ``alpha`` or ``keep_overlap``, or lives
+        on the CPU), then
         rounded stochastically into the stored copy (random bits of the fragment, its sync
         count and the parameter: the same on every replica). Returns the fp32 result."""
         part, rounding = self.parts[p], self._rounding
@@ -543,30 +542,7 @@ class DiLoCoReplicator(Replicator):
         return tuple(getattr(self, "exchanges", ()))
 
     def fault_tolerance_problem(self) -> str | None:
-        if self.pace is not None and self.pace.fill:
-            return ("under fault tolerance a pace cannot fill the slowest replica's period "
-                    "(replicas come and go, and the groups meet only in quorums): use "
-                    "pace='adaptive'")
-        if self.pace is not None and not (self.pace.adaptive and self.pace.given is None):
-            return (f"under fault tolerance a pace is measured at every sync (replicas come "
-                    f"and go, and counts name replicas by rank): use pace='adaptive' or "
-                    f"'timed', not "
-                    f"pace={self.pace!r}")
-        if self.pace is not None and self.pace.bound and not self.pace.elastic:
-            return ("a pace under fault tolerance is set up with the session: build the "
-                    "optimizer with fault_tolerance= (flexdemo.prepare does), not before it")
-        if self.keep_unsent:
-            return ("fault tolerance does not support keep_unsent=True (a joiner would heal "
-                    "from a peer whose parameters hold that peer's unsent progress)")
-        if self.keep_overlap:
-            return ("fault tolerance does not support keep_overlap=True yet (a joiner would "
-                    "heal from a peer whose parameters hold that peer's steps since its "
-                    "sync's launch): use tau=0, or keep_overlap=False")
-        if self.tau and self._template.keeps_replica_state:
-            return (f"fault tolerance does not support DiLoCo syncs that overlap later steps "
-                    f"(tau={self.tau}) with an exchange that keeps per-replica state "
-                    f"({self._template.name!r}); use tau=0 or a full exchange")
-        return super().fault_tolerance_problem()
+        return _elastic_problem(self) or super().fault_tolerance_problem()
 
     def enter_fault_tolerance(self) -> None:
         """Before set-up, under fault tolerance: a pace becomes an
@@ -677,11 +653,45 @@ class DiLoCoReplicator(Replicator):
             int(p): _Sync(int(v["apply_at"]), failed=v["failed"]) if "failed" in v else
             _Sync(int(v["apply_at"]), result=[t.to(self.device) for t in v["result"]])
             for p, v in state["pending"].items()}
-        for p, v in state["pending"].items():
-            if self.keep_overlap != ("anchor" in v):
-                raise ValueError(f"{self.name}: a sync in flight was saved "
-                                 f"{'with' if 'anchor' in v else 'without'} keep_overlap=True;"
-                                 " build the replicator as it was saved")
-            if self.keep_overlap:
-                torch._foreach_copy_([self.anchor[i] for i in self.parts[int(p)]],
-                                     [t.to(self.device) for t in v["anchor"]])
+        _restore_anchors(self, state["pending"])
+
+
+def _elastic_problem(rep: DiLoCoReplicator) -> str | None:
+    """Why ``rep``'s settings cannot run under fault tolerance (one line), or None."""
+    pace = rep.pace
+    if pace is not None and pace.fill:
+        return ("under fault tolerance a pace cannot fill the slowest replica's period "
+                "(replicas come and go, and the groups meet only in quorums): use "
+                "pace='adaptive'")
+    if pace is not None and not (pace.adaptive and pace.given is None):
+        return (f"under fault tolerance a pace is measured at every sync (replicas come and "
+                f"go, and counts name replicas by rank): use pace='adaptive' or 'timed', not "
+                f"pace={pace!r}")
+    if pace is not None and pace.bound and not pace.elastic:
+        return ("a pace under fault tolerance is set up with the session: build the "
+                "optimizer with fault_tolerance= (flexdemo.prepare does), not before it")
+    if rep.keep_unsent:
+        return ("fault tolerance does not support keep_unsent=True (a joiner would heal "
+                "from a peer whose parameters hold that peer's unsent progress)")
+    if rep.keep_overlap:
+        return ("fault tolerance does not support keep_overlap=True yet (a joiner would "
+                "heal from a peer whose parameters hold that peer's steps since its "
+                "sync's launch): use tau=0, or keep_overlap=False")
+    if rep.tau and rep.exchange.keeps_replica_state:
+        return (f"fault tolerance does not support DiLoCo syncs that overlap later steps "
+                f"(tau={rep.tau}) with an exchange that keeps per-replica state "
+                f"({rep.exchange.name!r}); use tau=0 or a full exchange")
+    return None
+
+
+def _restore_anchors(rep: DiLoCoReplicator, pending: dict) -> None:
+    """Where each replica stood when the saved syncs in flight were launched (``pending``,
+    the state's), into ``rep.anchor`` (``keep_overlap``); refused when saved otherwise."""
+    for p, v in pending.items():
+        if rep.keep_overlap != ("anchor" in v):
+            raise ValueError(f"{rep.name}: a sync in flight was saved "
+                             f"{'with' if 'anchor' in v else 'without'} keep_overlap=True; "
+                             "build the replicator as it was saved")
+        if rep.keep_overlap:
+            torch._foreach_copy_([rep.anchor[i] for i in rep.parts[int(p)]],
+                                 [t.to(rep.device) for t in v["anchor"]])

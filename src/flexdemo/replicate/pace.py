@@ -126,12 +126,16 @@ closes (at the latest at the collective's timeout), as any lost peer's collectiv
 
 **Overlap.** With ``tau > 0`` (and ``keep_overlap=True``: DiLoCo's setting that keeps the
 steps a replica takes while its sync is in flight) each replica launches its sync at the end
-of its period and applies it ``tau`` steps later, its exchange overlapping those steps: they
-belong to the next period (its count and weight), so every count is at least ``tau + 1``
-(a count decided lower is raised to it). A filling pace launches a faster replica's arrival
-after its ``tau + 1``-th step instead of its first (after the sync it applied), so every
-replica's collectives come in the same order. An adaptive pace leaves the wait at the apply
-out of its timing, as it leaves the sync's out at ``tau=0``; a timed pace cannot overlap.
+of its period and applies it :attr:`Pace.delay` of its own steps later: ``tau`` counts the
+fastest replica's steps, and a replica with ``k`` steps in the next period takes ``round(tau
+k / H)`` of them (at least 1, at most ``k - 1``), so every replica applies it at about the
+same time (an exchange's second round, the int4 reduce-scatter's all-gather, starts there).
+Those steps belong to the next period (its count and weight), so every count is at least
+``tau + 1`` (a count decided lower is raised to it). A filling pace launches a faster
+replica's arrival after the step after its delay instead of its first (after the sync it
+applied), so every replica's collectives come in the same order. An adaptive pace leaves
+the wait at the apply out of its timing, as it leaves the sync's out at ``tau=0``; a timed
+pace cannot overlap.
 
 Not supported with a pace: streaming (``fragments > 1``) and ``keep_unsent`` (its residual
 lives in the parameters' units, not the scaled ones). Under
@@ -149,7 +153,8 @@ from __future__ import annotations
 import math
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
@@ -167,8 +172,8 @@ from ..transport import (
 from .weights import weight_factors
 
 __all__ = ["FILL_WINDOW", "MEASURE", "MEASURE_TIMED", "MODES", "WEIGHTS", "Pace",
-           "adapted_counts", "fill_counts", "first_period", "make_pace", "measured_counts",
-           "peer_steps", "step_counts", "step_factors"]
+           "adapted_counts", "check_group", "fill_counts", "first_period", "make_pace",
+           "measured_counts", "peer_steps", "step_counts", "step_factors"]
 
 #: what a replica's pseudo-gradient is weighted by
 WEIGHTS = ("steps", "tokens")
@@ -449,25 +454,9 @@ class Pace:
         self._filled = False  # fill: the period that just ended was filled (not measured)
         self._lockstep = 0  # fill: its steps before the first decision (taken together)
         self._recent: list[list[int]] = []  # fill: each replica's steps in the last periods
-
-    def check_group(self, group) -> None:
-        """Refuse a timed or filling pace whose replicas span several ranks of the job
-        (``group``, the replicate group, a process group smaller than the job): each rank
-        would end the period on its own clock, or see the slowest replica arrive after a
-        different step."""
-        in_process = isinstance(group, Transport) and not isinstance(group,
-                                                                   ProcessGroupTransport)
-        sharded = (not in_process and dist.is_available() and dist.is_initialized()
-                   and dist.get_world_size() != self.world)
-        if self.timed and not self.elastic and sharded:
-            raise ValueError("pace='timed' ends each replica's period on its own clock, and "
-                             "the ranks of a sharded replica would each read their own: use "
-                             "one rank per replica (shard=1), or pace='adaptive'")
-        if self.fill and sharded:
-            raise ValueError("pace='fill' ends each replica's period when the slowest "
-                             "arrives, and the ranks of a sharded replica would each see it "
-                             "after a different step: use one rank per replica (shard=1), "
-                             "or pace='adaptive'")
+        #: tau > 0: the steps after its launch at which this replica applies a sync (set at
+        #: each sync, :meth:`factors`)
+        self.delay = self.overlap
 
     @property
     def measures(self) -> bool:
@@ -569,7 +558,7 @@ class Pace:
         wait) and take another while it has not, at most ``H`` steps."""
         self.since += 1
         binding = self.binding()
-        first = self.overlap + 1  # (after the sync in flight is applied: the same order)
+        first = self.delay + 1  # (after the sync in flight is applied: the same order)
         if self._arrival is None and self.since >= (self.count if binding == self.rank
                                                     else first):
             flag = torch.ones(1, dtype=torch.float32, device=self.device)
@@ -649,21 +638,27 @@ class Pace:
             torch.cuda.synchronize(self.device)
         return self.clock()
 
-    def read_clock(self) -> float:
-        """The clock as this pace reads it (for :meth:`leave_out`)."""
-        return self._read()
-
-    def leave_out(self, seconds: float) -> None:
-        """Leave ``seconds`` (a sync applied within the period: its wait) out of the time
-        measured for this period's steps."""
-        if self._start is not None:
-            self._start += seconds
+    @contextmanager
+    def left_out(self) -> Iterator[None]:
+        """What runs within (a sync applied within the period: its wait) is left out of the
+        time measured for this period's steps (nothing is read when none is measured)."""
+        t0 = self._read() if self.measures and self._start is not None else None
+        yield
+        if t0 is not None and self._start is not None:
+            self._start += self._read() - t0
 
     def factors(self, group, stats: CommStats) -> torch.Tensor | None:
         """At a sync, on every rank of ``group``: the factor of each rank's pseudo-gradient
         (fp32, ``(world,)``, on the device, the same on every rank), or None where every
         weight is equal and nothing is scaled. Fixes the counts first when the period just
-        ended measured them (the one host read of a pace)."""
+        ended measured them (the one host read of a pace); then :attr:`delay`."""
+        out = self._factors(group, stats)
+        if self.overlap:  # tau of the fastest replica's steps, in this replica's own
+            k = self.count
+            self.delay = min(k - 1, max(1, round(self.overlap * k / self.inner_steps)))
+        return out
+
+    def _factors(self, group, stats: CommStats) -> torch.Tensor | None:
         self.synced += 1
         if self.timed and self._target is not None:
             return self._timed_factors(group, stats)
@@ -767,7 +762,7 @@ class Pace:
                                  else list(self._first_period)),
                 "steps_done": list(self.steps_done), "refine": self._refine,
                 "since": self.since, "tokens": self._tokens.clone(), "synced": self.synced,
-                "target": self._target, "own": self._own,
+                "target": self._target, "own": self._own, "delay": self.delay,
                 "changes": [[j, list(k)] for j, k in self.changes]}
 
     def load_state_dict(self, state: dict | None) -> None:
@@ -794,9 +789,29 @@ class Pace:
         target = state.get("target")
         self._target = None if target is None else float(target)
         self._own = float(state.get("own", 0.0))
+        self.delay = int(state.get("delay", self.overlap))
         self._start = self._stop = None  # a measurement interrupted is taken again
         self._marks = []
         self._arrival, self._filled = None, False  # (fill: launched after the next step)
+
+
+def check_group(pace: Pace, group) -> None:
+    """Refuse a timed or filling ``pace`` whose replicas span several ranks of the job
+    (``group``, the replicate group, a process group smaller than the job): each rank would
+    end the period on its own clock, or see the slowest replica arrive after a different
+    step."""
+    in_process = isinstance(group, Transport) and not isinstance(group, ProcessGroupTransport)
+    sharded = (not in_process and dist.is_available() and dist.is_initialized()
+               and dist.get_world_size() != pace.world)
+    if pace.timed and not pace.elastic and sharded:
+        raise ValueError("pace='timed' ends each replica's period on its own clock, and the "
+                         "ranks of a sharded replica would each read their own: use one rank "
+                         "per replica (shard=1), or pace='adaptive'")
+    if pace.fill and sharded:
+        raise ValueError("pace='fill' ends each replica's period when the slowest arrives, "
+                         "and the ranks of a sharded replica would each see it after a "
+                         "different step: use one rank per replica (shard=1), or "
+                         "pace='adaptive'")
 
 
 def make_pace(spec: Pace | Sequence[int] | str | None, *, fragments: int, tau: int,

@@ -19,7 +19,14 @@ from dist_util import kill_and_hear, reap, run_world, spawn_ranks
 from pace_workers import FILL_H, dense_reference, fill_worker, timed_sharded_worker
 
 from flexdemo import DiLoCoReplicator, Pace, SimulatedReplicas
-from flexdemo.replicate.pace import MEASURE_TIMED, fill_counts, make_pace, peer_steps
+from flexdemo.replicate.pace import (
+    MEASURE_TIMED,
+    capped_steps,
+    fill_counts,
+    make_pace,
+    peer_speeds,
+    peer_steps,
+)
 from flexdemo.transport import all_reduce_bytes
 
 PERIODS = 4
@@ -62,6 +69,17 @@ def test_a_peer_s_steps_are_bounded():
     nor stops the sync (the timed pace's bound is 2H, the filling pace's H)."""
     hostile = [float("nan"), float("inf"), -float("inf"), 1e18, -5.0, 0.0, 3.7, 10.0]
     assert peer_steps(hostile, 10) == [1, 10, 1, 10, 1, 1, 3, 10]
+    # the steps a capped replica would have taken: within [its steps, 4H]
+    assert peer_speeds(hostile, [4] * 8, 40) == [4.0, 40.0, 4.0, 40.0, 4.0, 4.0, 4.0, 10.0]
+
+
+def test_a_capped_replica_reports_the_steps_it_would_have_taken():
+    """A faster replica that reached H = 10 steps 2 s into the period (after 4 taken with the
+    others before the clock started at 0.5 s) and waited until 3.5 s: its 6 timed steps took
+    1.5 s, so by 3.5 s it would have taken 4 + 6 x 3 / 1.5 = 16; no time measured: its steps."""
+    assert capped_steps(10, 4, 0.5, 2.0, 3.5) == 16.0
+    assert capped_steps(10, 0, 1.0, 1.0, 2.0) == 10.0  # (no time before the cap)
+    assert capped_steps(10, 0, 0.0, 2.0, 1.0) == 10.0  # (a clock that went back)
 
 
 @pytest.mark.multiprocess
@@ -100,7 +118,7 @@ def test_the_faster_replicas_fill_the_slowest_ones_period():
             torch.testing.assert_close(a, b, rtol=0, atol=80 * eps * b.abs().max().item())
     arrival = all_reduce_bytes(1, 4, 3)  # one fp32 all-reduced over 3 ranks
     for o in out:
-        assert o["sent"] == (PERIODS * o["payload"] + (1 + PERIODS) * 2 * 8
+        assert o["sent"] == (PERIODS * o["payload"] + 2 * 8 + PERIODS * 2 * 16
                              + PERIODS * arrival)
 
 
@@ -133,19 +151,21 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("killed", [2, 1], ids=["the-slowest", "a-faster-one"])
-def test_a_killed_replica_ends_a_filling_run_naming_it(tmp_path, killed):
+@pytest.mark.parametrize("killed,overlap", [(2, ""), (1, ""), (1, ", tau=1, keep_overlap=true")],
+                         ids=["the-slowest", "a-faster-one", "a-faster-one-overlapped"])
+def test_a_killed_replica_ends_a_filling_run_naming_it(tmp_path, killed, overlap):
     """`flexdemo train`, three replicas at a filling pace (H=4), rank 2 slowed 3x: a replica
     killed mid-run (the slowest, whose arrival the others are filling for, or a faster one,
-    whose arrival the slowest waits for) ends the run on every survivor with one line naming
-    it, no traceback (a hang guard of 120 s, not a speed test)."""
+    whose arrival the slowest waits for; with each sync overlapped by a step, too) ends the
+    run on every survivor with one line naming it, no traceback (a hang guard of 120 s, not
+    a speed test)."""
     out = tmp_path / "run"
     procs = spawn_ranks(3, [
         "train", str(ROOT / "configs" / "gpt.toml"), "task.model=tiny",
         "task.corpus_bytes=200000", "train.batch=4", "train.warmup=2", "train.eval_every=4",
         "train.eval_batches=1", "train.tensorboard=false", "train.threads=0",
         "train.progress=false", "strategy.replicator=diloco-avg", "strategy.optimizer=adamw",
-        "strategy.lr=1e-3", "strategy.replicator_kwargs={inner_steps=4, pace=\"fill\"}",
+        "strategy.lr=1e-3", f"strategy.replicator_kwargs={{inner_steps=4, pace=\"fill\"{overlap}}}",
         "train.steps=4000", "train.slowdown=3.0", "train.slow_ranks=[2]",
         f"train.out={out}"])
     try:

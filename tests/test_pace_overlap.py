@@ -202,4 +202,4 @@ def test_a_filling_pace_overlaps_its_syncs_on_gloo():
         torch.testing.assert_close(a, b, rtol=0, atol=80 * eps * b.abs().max().item())
     arrival = all_reduce_bytes(1, 4, 3)
     for o in out:
-        assert o["sent"] == (periods * o["payload"] + (1 + periods) * 2 * 8 + periods * arrival)
+        assert o["sent"] == (periods * o["payload"] + 2 * 8 + periods * 2 * 16 + periods * arrival)

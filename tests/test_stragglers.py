@@ -153,6 +153,33 @@ def test_given_counts_their_steps_and_a_resume_at_a_sync(tmp_path):
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(240)
+def test_an_overlapped_pace_marks_its_syncs_where_applied_and_resumes_bitwise(tmp_path):
+    """pace=[6, 3] (H=6) with each sync overlapped (tau=2, keep_overlap): rank 0 applies a
+    sync 2 steps after its launch, rank 1 (3 steps a period) after 1; the evaluations come
+    where rank 0 applies them (steps 8, 14) and at the run's end, where the last sync is
+    applied at once (step 18), and the replicas end identical. A run stopped at sync 2
+    (stop_at=7: where it is applied) and resumed ends as the uninterrupted run, bit for
+    bit."""
+    common = [*QUICK, *PACED, "mesh.replicate=2", "train.steps=18", "train.eval_every=6",
+              "train.checkpoint_every=6", "strategy.replicator_kwargs={inner_steps=6, "
+              "pace=[6, 3], tau=2, keep_overlap=true}"]
+    ref, cut = tmp_path / "ref", tmp_path / "cut"
+    whole = run_world(_trainer_worker, 2, [*common, f"train.out={ref}"])
+    s = whole[0]["summary"]
+    assert s["per_rank"]["steps"] == [18, 9] and s["pace"]["syncs"] == 3
+    assert [r["step"] for r in _metrics(ref) if "val_loss" in r] == [8, 14, 18]
+    assert all(torch.equal(a, b) for a, b in zip(whole[0]["params"], whole[1]["params"]))
+    first = run_world(_trainer_worker, 2, [*common, "train.stop_at=7", f"train.out={cut}"])
+    assert first[0]["summary"]["per_rank"]["steps"] == [14, 7]
+    again = run_world(_trainer_worker, 2, [*common, "resume=true", f"train.out={cut}"])
+    assert again[0]["summary"]["per_rank"]["steps"] == [18, 9]
+    assert [r["loss"] for r in _metrics(cut)] == [r["loss"] for r in _metrics(ref)]
+    for r in range(2):
+        assert all(torch.equal(a, b) for a, b in zip(again[r]["params"], whole[r]["params"]))
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(240)
 def test_balanced_batches_give_the_slowed_replica_a_smaller_batch(tmp_path):
     """DeMo weighted by tokens with train.batches="balanced", rank 1 slowed 3x: after the
     measured steps the batches share 2 x 8 samples by speed, the slowed rank's smaller;

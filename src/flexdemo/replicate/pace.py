@@ -100,29 +100,34 @@ prediction for the next period. It reads the clock after every step (on CUDA a
 synchronisation each), needs one rank per replica and is not reproducible; the period's time
 and the replica's seconds per step are in the state.
 
-**Fill mode.** ``Pace("fill")`` (``fill=True``; adaptive too) reads no clock after the first
-decision (taken as the timed mode takes it, after :data:`MEASURE_TIMED` steps). A period ends
+**Fill mode.** ``Pace("fill")`` (``fill=True``; adaptive too) reads no clock at its steps after
+the first decision (taken as the timed mode takes it, after :data:`MEASURE_TIMED` steps): once
+at each period's start (no device synchronisation: the sync's host read has just waited for the
+device), and twice in a period where it reached ``H`` before the slowest arrived. A period ends
 when the slowest replica has taken its count (the *binding* replica: the fewest steps in the
 period, the lowest rank among equals): each replica launches its *arrival*, a one-number
 all-reduce it does not wait for, after its count if it is the binding replica and after its
 first step otherwise; the binding replica then waits for the others' arrivals (already there),
 and every other replica looks whether the all-reduce has completed after each of its steps
-(``is_completed``: no wait, no device synchronisation) and takes another step while it has
-not, at most ``H`` (no replica takes more steps in a period than without a pace). So the
-faster replicas fill the slowest one's period with as many steps as fit, whatever their
-speeds or the slowest one's outer step did, and the slowest waits at most for the step the
-others are in. At each sync the steps each took are all-gathered (one float64 per replica, a
-peer's figure bounded to ``[1, H]``): they weigh the mean (or the tokens do) and give the next
-counts (:func:`fill_counts`): the replicas' speeds are in proportion to their steps in periods
-all of them began and ended together (summed over the last :data:`FILL_WINDOW`; the first
+(``is_completed``: no wait, no device synchronisation) and takes another step while it has not,
+at most ``H`` (no replica takes more steps in a period than without a pace). So the faster
+replicas fill the slowest one's period with as many steps as fit, whatever their speeds or the
+slowest one's outer step did, and the slowest waits at most for the step the others are in. At
+each sync the steps each took are all-gathered with the steps each would have taken (two
+float64 per replica; a peer's steps bounded to ``[1, H]``, the other figure to ``[its steps,
+4H]``): the steps weigh the mean (or the tokens do), the others give the next counts
+(:func:`fill_counts`). A replica that reached ``H`` and waited for the slowest reports the
+steps it would have taken by the arrival at its speed in the period (:func:`capped_steps`: its
+``H`` steps' time and its wait, on the clock), the others their steps; the speeds are in
+proportion to these figures summed over the last :data:`FILL_WINDOW` periods (the first
 period's steps before the decision, taken together, left out), and the slowest's count is the
-most whose period ends before the fastest's ``H``-th step; after a period in which a faster
-replica reached ``H`` (it may have waited) the slowest takes one step fewer. Bytes: one
-all-reduce of 4 bytes per period and ``8 (n - 1)`` per sync. It needs one rank per replica
-(the ranks of a sharded replica would see the arrival after different steps) and real processes
-(:class:`~flexdemo.SimulatedReplicas` refuses it); it is not reproducible (the steps depend
-on the speeds); a dead peer's arrival never comes: the all-reduce fails when its connection
-closes (at the latest at the collective's timeout), as any lost peer's collective does.
+most whose period ends before the fastest's ``H``-th step (after a period in which a faster
+replica reached ``H``, one fewer at most). Bytes: one all-reduce of 4 bytes per period and ``16
+(n - 1)`` per sync. It needs one rank per replica (the ranks of a sharded replica would see the
+arrival after different steps) and real processes (:class:`~flexdemo.SimulatedReplicas` refuses
+it); it is not reproducible (the steps depend on the speeds); a dead peer's arrival never
+comes: the all-reduce fails when its connection closes (at the latest at the collective's
+timeout), as any lost peer's collective does.
 
 **Overlap.** With ``tau > 0`` (and ``keep_overlap=True``: DiLoCo's setting that keeps the
 steps a replica takes while its sync is in flight) each replica launches its sync at the end
@@ -172,8 +177,9 @@ from ..transport import (
 from .weights import weight_factors
 
 __all__ = ["FILL_WINDOW", "MEASURE", "MEASURE_TIMED", "MODES", "WEIGHTS", "Pace",
-           "adapted_counts", "check_group", "fill_counts", "first_period", "make_pace",
-           "measured_counts", "peer_steps", "step_counts", "step_factors"]
+           "adapted_counts", "capped_steps", "check_group", "fill_counts", "first_period",
+           "make_pace", "measured_counts", "peer_speeds", "peer_steps", "step_counts",
+           "step_factors"]
 
 #: what a replica's pseudo-gradient is weighted by
 WEIGHTS = ("steps", "tokens")
@@ -233,15 +239,16 @@ def adapted_counts(current: Sequence[int], seconds_per_step: Sequence[float],
     return None
 
 
-def fill_counts(steps: Sequence[int], inner_steps: int, at_most: int | None = None
+def fill_counts(steps: Sequence[float], inner_steps: int, at_most: int | None = None
                 ) -> list[int]:
     """A filling pace's next counts from each replica's steps in periods that every replica
     began and ended together (``steps``, summed over the last ones: their speeds are in
-    proportion): the slowest (the fewest steps, the lowest rank among equals) takes ``k =
-    max(1, floor(H * s_slowest / s_most))``, so its period ends before the fastest replica's
-    ``H``-th step; the others the steps that fit in it, at most ``H`` (the schedule's
-    prediction: they fill the period). ``at_most`` (some faster replica reached ``H``
-    steps, and may have waited for the slowest): ``k`` at most that."""
+    proportion; where a faster replica reached ``H`` and waited, the steps it would have
+    taken, :func:`capped_steps`): the slowest (the fewest steps, the lowest rank among
+    equals) takes ``k = max(1, floor(H * s_slowest / s_most))``, so its period ends before
+    the fastest replica's ``H``-th step; the others the steps that fit in it, at most ``H``
+    (the schedule's prediction: they fill the period). ``at_most`` (some faster replica
+    reached ``H`` steps, and may have waited for the slowest): ``k`` at most that."""
     h = inner_steps
     slowest = min(range(len(steps)), key=lambda i: (steps[i], i))
     k = max(1, math.floor(h * steps[slowest] / max(steps)))
@@ -249,6 +256,24 @@ def fill_counts(steps: Sequence[int], inner_steps: int, at_most: int | None = No
         k = max(1, min(k, at_most))
     return [k if i == slowest else min(h, max(1, round(k * s / steps[slowest])))
             for i, s in enumerate(steps)]
+
+
+def capped_steps(steps: int, before: int, start: float, capped: float, end: float) -> float:
+    """A filling pace's replica that reached ``H`` (``steps``) at clock ``capped`` and then
+    waited for the slowest until ``end``: the steps it would have taken by ``end`` at its
+    speed since ``start`` (where it had taken ``before`` of them), ``before + (steps -
+    before) (end - start) / (capped - start)``; ``steps`` where no time is measured."""
+    if not capped - start > 0 or not end >= capped:
+        return float(steps)
+    return before + (steps - before) * (end - start) / (capped - start)
+
+
+def peer_speeds(reported: Sequence[float], steps: Sequence[int], most: int) -> list[float]:
+    """A filling pace's speeds: the steps each replica would have taken in the period as it
+    reported them (:func:`capped_steps`), bounded to ``[its steps, most]`` (its steps where
+    the figure is not a number): no peer's report moves the counts past that."""
+    return [min(max(e, float(k)), float(most)) if e == e else float(k)
+            for e, k in zip(reported, steps)]
 
 
 def peer_steps(reported: Sequence[float], most: int) -> list[int]:
@@ -453,7 +478,10 @@ class Pace:
         self._arrival: Pending | None = None  # fill: this replica's arrival, in flight
         self._filled = False  # fill: the period that just ended was filled (not measured)
         self._lockstep = 0  # fill: its steps before the first decision (taken together)
-        self._recent: list[list[int]] = []  # fill: each replica's steps in the last periods
+        self._recent: list[list[float]] = []  # fill: each replica's steps, the last periods
+        self._t0: float | None = None  # fill: the clock at the period's start
+        self._t0_steps = 0  # and the steps taken before it
+        self._effective = 0.0  # fill: the steps this replica would have taken (capped_steps)
         #: tau > 0: the steps after its launch at which this replica applies a sync (set at
         #: each sync, :meth:`factors`)
         self.delay = self.overlap
@@ -568,38 +596,38 @@ class Pace:
         if not (binding == self.rank or self.since >= self.inner_steps
                 or self._arrival.done()):
             return False
+        # capped at H before the slowest arrived: the wait is timed (capped_steps)
+        t0 = self._t0 if binding != self.rank and not self._arrival.done() else None
+        t_cap = 0.0 if t0 is None else self._read()
         self._arrival.wait()  # (done already, or the binding replica's wait for the others)
+        self._effective = float(self.since) if t0 is None else capped_steps(
+            self.since, self._t0_steps, t0, t_cap, self._read())
         self._arrival, self._taken, self.since = None, self.since, 0
         self._filled = True
         return True
 
     def _fill_factors(self, group, stats: CommStats) -> torch.Tensor | None:
-        """At the sync of a filling pace: every replica's steps in the period all-gathered
-        (one float64 each; a peer's figure bounded to ``[1, H]``: :func:`peer_steps`), the
-        next counts from them (:func:`fill_counts` of the steps over the last
-        :data:`FILL_WINDOW` periods in which no faster replica reached ``H``; where one did,
-        the slowest's count one step fewer), and the factors of the steps (or tokens) each
+        """At the sync of a filling pace: every replica's steps in the period and the steps
+        it would have taken all-gathered (two float64 each, bounded: :func:`peer_steps`,
+        :func:`peer_speeds`), the next counts (:func:`fill_counts` of the second over the
+        last :data:`FILL_WINDOW` periods; where a faster replica reached ``H``, the slowest's
+        count one step fewer at most), and the factors of the steps (or tokens) each
         replica took."""
         self._filled = False
-        mine = torch.tensor([float(self._taken)], dtype=torch.float64, device=self.device)
-        host = all_gather(mine, group, stats).reshape(-1).tolist()  # one host read a sync
+        mine = torch.tensor([float(self._taken), self._effective], dtype=torch.float64,
+                            device=self.device)
+        host = all_gather(mine, group, stats).reshape(-1, 2).tolist()  # one host read a sync
         h = self.inner_steps
-        period = peer_steps(host, h)
+        period = peer_steps([k for k, _ in host], h)
+        speed = peer_speeds([e for _, e in host], period, 4 * h)
         binding = self.binding()
         self._ended(period)
         assert self.counts is not None  # (a fill follows the first decision)
         capped = any(k >= h for i, k in enumerate(period) if i != binding)
-        if not capped:  # each at its own speed (the first decision's steps taken together)
-            own = [max(k - self._lockstep, 1) for k in period]
-            self._recent = (self._recent + [own])[-FILL_WINDOW:]
-        self._lockstep = 0
-        at_most = self.counts[binding] - 1 if capped else None
-        if self._recent:
-            new = fill_counts([sum(p[i] for p in self._recent) for i in range(self.world)],
-                              h, at_most)
-        else:  # every period so far reached H somewhere: the slowest one step fewer
-            new = [h] * self.world
-            new[binding] = max(1, self.counts[binding] - 1)
+        own = [max(e - self._lockstep, 1.0) for e in speed]  # (less the steps taken together)
+        self._recent, self._lockstep = (self._recent + [own])[-FILL_WINDOW:], 0
+        new = fill_counts([sum(p[i] for p in self._recent) for i in range(self.world)], h,
+                          self.counts[binding] - 1 if capped else None)
         self._set_counts(new)
         return self._weights(period, group, stats)
 
@@ -620,6 +648,8 @@ class Pace:
             self._first_period = None if first == self.counts else first
         self._refine = self.counts is not None and not self.adaptive
         self._lockstep = self.since if self.fill else 0
+        if self.fill:  # (its first fill period: from here)
+            self._t0, self._t0_steps = self.clock(), self.since
         if self.measures:
             self._start, self._first = self._read(), self.measure  # the rest is timed
         if self.timed and gathered is not None:  # the rest of the period is timed already:
@@ -631,6 +661,8 @@ class Pace:
         here; nothing otherwise."""
         if self.adaptive and self.measures:
             self._start, self._first, self._offset = self._read(), 0, 0.0
+        elif self.fill:  # (the device was synchronised by the sync's host read)
+            self._t0, self._t0_steps = self.clock(), 0
 
     def _read(self) -> float:
         """The clock, a CUDA device synchronised first (only when timing)."""

@@ -123,9 +123,11 @@ class PacedRun:
         return self.syncs - len(self.rep.pending)
 
     def settle(self) -> None:
-        """After a step: the run's last sync (or ``train.stop_at``'s), once launched, is
-        applied at once (the run ends on the synced model, not ``tau`` steps later)."""
-        if self.rep.pending and self.syncs >= self.last:
+        """After a step: the run's last sync, once launched, is applied at once (the run ends
+        on the synced model, not ``tau`` steps later). A stop before it (``train.stop_at``)
+        comes where its sync is applied, as the whole run applies it: a resume continues
+        bit for bit."""
+        if self.rep.pending and self.syncs >= self.total:
             self.rep.settle()
 
     @property

@@ -80,6 +80,17 @@ def weighted_mean(pseudo: list[list[torch.Tensor]], weights: list[float], *,
     return out
 
 
+def _reference_setup(world: int, outer_lr: float, outer_momentum: float):
+    """A written-out DiLoCo's replicas (the same initial model), their AdamW inner
+    optimizers, the global parameters and the outer SGD (Nesterov where it has momentum)."""
+    models = [model_fn() for _ in range(world)]
+    inner = [torch.optim.AdamW(m.parameters(), lr=LR, weight_decay=0.0) for m in models]
+    glob = [nn.Parameter(p.detach().clone()) for p in models[0].parameters()]
+    outer = torch.optim.SGD(glob, lr=outer_lr, momentum=outer_momentum,
+                            nesterov=outer_momentum > 0)
+    return models, inner, glob, outer
+
+
 def dense_reference(counts: list[list[int]], *, outer_lr: float = 0.7,
                     outer_momentum: float = 0.9, tokens: list[int] | None = None,
                     exact: bool = True) -> list[list[torch.Tensor]]:
@@ -89,11 +100,7 @@ def dense_reference(counts: list[list[int]], *, outer_lr: float = 0.7,
     ``tokens[r]`` per step), an outer SGD step (Nesterov where it has momentum) moves the
     global parameters and every replica restarts there."""
     world = len(counts[0])
-    models = [model_fn() for _ in range(world)]
-    inner = [torch.optim.AdamW(m.parameters(), lr=LR, weight_decay=0.0) for m in models]
-    glob = [nn.Parameter(p.detach().clone()) for p in models[0].parameters()]
-    outer = torch.optim.SGD(glob, lr=outer_lr, momentum=outer_momentum,
-                            nesterov=outer_momentum > 0)
+    models, inner, glob, outer = _reference_setup(world, outer_lr, outer_momentum)
     steps = [0] * world
     for period in counts:
         for r, (m, opt) in enumerate(zip(models, inner)):
@@ -127,11 +134,7 @@ def overlap_reference(counts: list[list[int]], delays: list[list[int]], *,
     the weighted mean (fp32, in rank order) steps the global parameters, and each replica
     moves to them plus its steps since it stood there."""
     world = len(counts[0])
-    models = [model_fn() for _ in range(world)]
-    inner = [torch.optim.AdamW(m.parameters(), lr=LR, weight_decay=0.0) for m in models]
-    glob = [nn.Parameter(p.detach().clone()) for p in models[0].parameters()]
-    outer = torch.optim.SGD(glob, lr=outer_lr, momentum=outer_momentum,
-                            nesterov=outer_momentum > 0)
+    models, inner, glob, outer = _reference_setup(world, outer_lr, outer_momentum)
     steps = [0] * world
     pending = None  # (means, anchors) of the sync in flight
 

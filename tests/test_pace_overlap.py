@@ -45,15 +45,21 @@ def _replicator(counts: list[int] | None) -> DiLoCoReplicator:
                             pace=None if counts is None else Pace(counts))
 
 
+def _replica(hub: InProcessHub, r: int, counts: list[int] | None):
+    """Replica ``r``'s model, replicator and optimizer over ``hub`` (sums in rank order)."""
+    model = model_fn()
+    rep = _replicator(counts)
+    opt = DeToNATION(model.parameters(), rep, base="adamw", lr=LR, group=RankOrder(hub, r))
+    return model, rep, opt
+
+
 def _run(world: int, counts: list[int] | None, periods: int) -> list[dict]:
     """Every replica after ``periods`` periods (its count of steps each, H without a pace)
     and a settle of the last sync."""
     hub = InProcessHub(world, timeout=60)
 
     def work(r):
-        model = model_fn()
-        rep = _replicator(counts)
-        opt = DeToNATION(model.parameters(), rep, base="adamw", lr=LR, group=RankOrder(hub, r))
+        model, rep, opt = _replica(hub, r, counts)
         train(model, opt, r, periods * (H if counts is None else counts[r]))
         in_flight = bool(rep.pending)
         rep.settle()
@@ -65,9 +71,9 @@ def _run(world: int, counts: list[int] | None, periods: int) -> list[dict]:
 
 @pytest.mark.parametrize("world,counts", [(2, None), (2, [5, 3]), (3, [4, 5, 3])])
 def test_overlapped_syncs_are_the_written_out_reference_bitwise(world, counts):
-    """Three periods with each sync applied TAU steps after its launch (equal periods without
-    a pace; the mean weighted by steps with one): every replica ends at the reference's bits,
-    the replicas equal after the last sync is settled."""
+    """Three periods with each sync applied after each replica's share of TAU steps (TAU
+    without a pace; the mean weighted by steps with one): every replica ends at the
+    reference's bits, the replicas equal after the last sync is settled."""
     periods = 3
     out = _run(world, counts, periods)
     given = [counts or [H] * world] * periods
@@ -87,9 +93,7 @@ def test_a_sync_in_flight_resumes_bitwise():
     cut = list(counts)  # right after the first sync's launch: in flight on both
 
     def whole(hub, r, saved):
-        model = model_fn()
-        rep = _replicator(counts)
-        opt = DeToNATION(model.parameters(), rep, base="adamw", lr=LR, group=RankOrder(hub, r))
+        model, rep, opt = _replica(hub, r, counts)
         train(model, opt, r, cut[r])
         assert rep.pending, "a sync in flight at the checkpoint"
         saved[r] = (params(model), copy.deepcopy(opt.state_dict()))
@@ -98,9 +102,7 @@ def test_a_sync_in_flight_resumes_bitwise():
         return params(model)
 
     def resumed(hub, r, saved):
-        model = model_fn()
-        rep = _replicator(counts)
-        opt = DeToNATION(model.parameters(), rep, base="adamw", lr=LR, group=RankOrder(hub, r))
+        model, rep, opt = _replica(hub, r, counts)
         with torch.no_grad():
             for p, q in zip(model.parameters(), saved[r][0]):
                 p.copy_(q)

@@ -344,8 +344,8 @@ class DiLoCoReplicator(Replicator):
     def after_step(self, step: int) -> None:
         p = self.launch_fragment(step) if self.pace is None else (
             0 if self.pace.after_step(self.transport, self.stats) else None)
-        if p is not None and p in self.pending:  # (a pace's counts keep tau steps apart)
-            self._apply(p, step)
+        if p is not None and p in self.pending:  # (not reached: every count exceeds its
+            self._apply(p, step)  # delay; a guard that no sync is dropped unapplied)
         if p is not None:
             self._launch(p, step)
         for q, sync in list(self.pending.items()):

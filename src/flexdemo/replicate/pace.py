@@ -451,8 +451,6 @@ class Pace:
         if self._bound:
             raise ValueError("this Pace is already in use by another replicator; give each "
                              "its own")
-        if self.given is not None and self.overlap and min(self.given) <= self.overlap:
-            raise ValueError(f"pace counts must exceed tau={self.overlap}, got {self.given}")
         if self.given is not None and len(self.given) != world:
             raise ValueError(f"pace counts name {len(self.given)} replicas, the group has "
                              f"{world}: give one count per replica, in group-rank order")
@@ -479,8 +477,8 @@ class Pace:
         self._filled = False  # fill: the period that just ended was filled (not measured)
         self._lockstep = 0  # fill: its steps before the first decision (taken together)
         self._recent: list[list[float]] = []  # fill: each replica's steps, the last periods
-        self._t0: float | None = None  # fill: the clock at the period's start
-        self._t0_steps = 0  # and the steps taken before it
+        self._t0: float | None = None  # fill: the clock at the period's start (after the
+        # first decision: after its ``_lockstep`` steps)
         self._effective = 0.0  # fill: the steps this replica would have taken (capped_steps)
         #: tau > 0: the steps after its launch at which this replica applies a sync (set at
         #: each sync, :meth:`factors`)
@@ -601,7 +599,7 @@ class Pace:
         t_cap = 0.0 if t0 is None else self._read()
         self._arrival.wait()  # (done already, or the binding replica's wait for the others)
         self._effective = float(self.since) if t0 is None else capped_steps(
-            self.since, self._t0_steps, t0, t_cap, self._read())
+            self.since, self._lockstep, t0, t_cap, self._read())
         self._arrival, self._taken, self.since = None, self.since, 0
         self._filled = True
         return True
@@ -649,7 +647,7 @@ class Pace:
         self._refine = self.counts is not None and not self.adaptive
         self._lockstep = self.since if self.fill else 0
         if self.fill:  # (its first fill period: from here)
-            self._t0, self._t0_steps = self.clock(), self.since
+            self._t0 = self.clock()
         if self.measures:
             self._start, self._first = self._read(), self.measure  # the rest is timed
         if self.timed and gathered is not None:  # the rest of the period is timed already:
@@ -662,7 +660,7 @@ class Pace:
         if self.adaptive and self.measures:
             self._start, self._first, self._offset = self._read(), 0, 0.0
         elif self.fill:  # (the device was synchronised by the sync's host read)
-            self._t0, self._t0_steps = self.clock(), 0
+            self._t0 = self.clock()
 
     def _read(self) -> float:
         """The clock, a CUDA device synchronised first (only when timing)."""
@@ -780,8 +778,6 @@ class Pace:
             return None
         current = self.counts or [self.inner_steps] * self.world
         new = adapted_counts(current, gathered, self.inner_steps, self.tolerance)
-        if new is not None and self._floor(new) == current:
-            new = None  # (raised to tau + 1: what is in force)
         self.counts = current  # (within the tolerance: kept)
         if new is not None:
             self._set_counts(new)

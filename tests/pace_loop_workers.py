@@ -46,7 +46,7 @@ FAULTS = {
 
 def loop_run(rank: int, group, order: str, *, spot: str = "after-backward",
              weights: str = "tokens", nonfinite: str = "raise", fault: str | None = None,
-             periods: int = PERIODS) -> dict:
+             periods: int = PERIODS, tau: int = 0) -> dict:
     """Replica ``rank`` of DiLoCo (AdamW inner steps, H = 4, ``Pace(COUNTS)``) in loop
     ``order`` until ``periods`` syncs, its own batches (:func:`pace_workers.loss_of`), reporting
     :data:`TOKENS` per step at ``spot``; ``fault`` (of :data:`FAULTS`) injected on its replica.
@@ -57,9 +57,12 @@ def loop_run(rank: int, group, order: str, *, spot: str = "after-backward",
     the ranks named by the error it raised (None: it raised none), whether the global
     parameters moved (an outer step was taken) and the parameters after it; and at the end
     the parameters, the steps, the skipped steps and the non-finite errors raised outside a
-    sync (none expected)."""
+    sync (none expected). ``tau > 0``: each sync overlapped (``keep_overlap``) and applied
+    after its delay (a fault it carries raises there, a stray step), the last settled at the
+    end; ``global``: the global parameters then."""
     model = model_fn()
-    rep = DiLoCoReplicator(H, pace=Pace(COUNTS, weights=weights))
+    rep = DiLoCoReplicator(H, pace=Pace(COUNTS, weights=weights), tau=tau,
+                           keep_overlap=tau > 0)
     opt = DeToNATION(model.parameters(), rep, base="adamw", lr=LR, group=group,
                      nonfinite=nonfinite)
     kind, bad_rank, bad_step = FAULTS[fault] if fault is not None else (None, -1, -1)
@@ -100,8 +103,10 @@ def loop_run(rank: int, group, order: str, *, spot: str = "after-backward",
                           "moved": moved, "params": params(model)})
         elif raised is not None:
             stray.append((step, raised))
+    rep.settle()  # (tau > 0: the last sync, in flight)
     return {"syncs": syncs, "params": params(model), "steps": opt.steps,
-            "skipped": opt.skipped_steps, "stray": stray}
+            "skipped": opt.skipped_steps, "stray": stray,
+            "global": [g.clone() for g in rep.global_params]}
 
 
 def reference(counts: list[int], periods: int, weights: list[list[float]], *,

@@ -55,14 +55,14 @@ def _diff(a: list[torch.Tensor], b: list[torch.Tensor]) -> list[float]:
 
 @functools.cache
 def _run(order: str, spot: str = "after-backward", weights: str = "tokens",
-         nonfinite: str = "raise", fault: str | None = None, rank_order: bool = True
-         ) -> tuple[dict, ...]:
+         nonfinite: str = "raise", fault: str | None = None, rank_order: bool = True,
+         tau: int = 0) -> tuple[dict, ...]:
     """Every replica's :func:`loop_run` (cached per xdist worker: the standard loop's run is
     shared by the tests that compare with it)."""
     hub = InProcessHub(3, timeout=60)
     return tuple(run_replicas(hub, lambda r: loop_run(
         r, RankOrder(hub, r) if rank_order else hub.transport(r), order, spot=spot,
-        weights=weights, nonfinite=nonfinite, fault=fault)))
+        weights=weights, nonfinite=nonfinite, fault=fault, tau=tau)))
 
 
 def _sync_steps(rank: int) -> list[int]:
@@ -193,6 +193,29 @@ def test_a_nonfinite_value_mid_period_is_one_outcome_at_one_sync(fault, nonfinit
         assert _equal(out[0]["syncs"][j]["params"], out[0]["syncs"][j - 1]["params"])
     clean = _run(*STANDARD)
     assert not _equal(out[0]["params"], clean[0]["params"])  # the fault changed the run
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("order", list(ORDERS))
+@pytest.mark.parametrize("nonfinite", ["raise", "skip"])
+def test_an_overlapped_sync_meets_a_nan_gradient_alike_in_every_order(nonfinite, order):
+    """Each sync overlapped by a step (tau=1, keep_overlap) and a NaN gradient on replica 0
+    in period 2, under each loop order: the sync that carries it is judged where each
+    replica applies it, a step after its launch (not at the launch: no error there). Under
+    ``"raise"`` every replica raises once, naming replica 0, at that step (its loop goes on);
+    under ``"skip"`` none raises. Every order ends bitwise the standard loop's under the
+    same fault, the global parameters the same on every replica and every replica at them
+    once the last sync is settled; the fault changed the run."""
+    out = _run(order, nonfinite=nonfinite, fault="grad-fast-mid", tau=1)
+    std = _run(*STANDARD, nonfinite=nonfinite, fault="grad-fast-mid", tau=1)
+    for r, res in enumerate(out):
+        assert all(s["raised"] is None for s in res["syncs"]), r
+        # sync 2, launched after the replica's step 2k - 1, applied after step 2k
+        assert res["stray"] == ([(2 * COUNTS[r], [0])] if nonfinite == "raise" else []), r
+        assert _equal(res["params"], std[r]["params"]), r
+        assert _equal(res["global"], out[0]["global"]) and _equal(res["params"],
+                                                                   res["global"]), r
+    assert not _equal(out[0]["params"], _run(*STANDARD, tau=1)[0]["params"])
 
 
 # ---------------------------------------------------------------------- gloo processes
